@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`; each bootstraps .venv.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.fedseg-installed
+# torch is pinned in the same pip command as MONAI and everything that depends on
+# torch; otherwise pip resolves a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test venv bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,deploy,report]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fedseg demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,40 @@
+"""Federated methods, one module each, found by name through :data:`REGISTRY`."""
+
+from __future__ import annotations
+
+from fedseg.algorithms.base import Algorithm, Candidate, NoParams, ServerContext
+from fedseg.algorithms.centralized import Centralized
+from fedseg.algorithms.fedavg import FedAvg, FedAvgEven
+from fedseg.algorithms.local import Local
+from fedseg.config import RunConfig
+from fedseg.errors import ConfigError
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Add an algorithm class to the registry under ``cls.name`` (usable as a decorator)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+for _cls in (Centralized, Local, FedAvg, FedAvgEven):
+    register(_cls)
+
+
+def known_sections() -> set[str]:
+    """Config sections that belong to some method."""
+    return {c.section for c in REGISTRY.values() if c.section}
+
+
+def get_algorithm(cfg: RunConfig) -> Algorithm:
+    """The algorithm named by ``cfg.method``, with its settings parsed from its config section."""
+    cls = REGISTRY.get(cfg.method)
+    if cls is None:
+        raise ConfigError(f"unknown method {cfg.method!r}; known methods: {', '.join(sorted(REGISTRY))}")
+    return cls(cfg)
+
+
+__all__ = ["REGISTRY", "Algorithm", "Candidate", "NoParams", "ServerContext", "get_algorithm", "known_sections", "register"]

@@ -1,0 +1,141 @@
+"""The shape every algorithm takes: a server half and a site half in one class.
+
+Server half (runs where the engine runs)::
+
+    init_state(ctx)                 -> state        # flat arrays, names prefixed by role
+    server_round(ctx, state, rnd)   -> state, metrics  # a short loop over ctx.ask({site: Task})
+    candidates(state)               -> [Candidate]  # what to validate / test
+
+Site half (runs at each site, in simulation or deployment)::
+
+    site_handlers() -> {task kind: handler(site, task) -> Reply}
+    predictors()    -> {predictor kind: make(site, arrays, config) -> predict(x)}
+
+The maths of a method lives in small pure functions over arrays (see
+``fedseg.arrays`` and each algorithm module); this class only wires them up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from fedseg.arrays import Arrays
+from fedseg.config import RunConfig, dataclass_from_dict
+from fedseg.site import Reply, Site, Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedseg.transport.base import Transport
+
+__all__ = ["Algorithm", "Candidate", "NoParams", "ServerContext"]
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """An algorithm without settings of its own."""
+
+
+@dataclass
+class Candidate:
+    """A model (or model combination) to validate during training and test at the end.
+
+    Attributes
+    ----------
+    name
+        Unique name, e.g. ``"global"`` or ``"local/site1"``; used as the row label and
+        as the prefix of its arrays in evaluation tasks.
+    arrays
+        What a site needs to predict with it.
+    predictor
+        Site-side predictor kind (``algorithm.predictors()``); ``"model"`` loads the
+        arrays into the workload model.
+    val_sites
+        Sites whose validation Dice (case-weighted) decides its best round; None = all.
+    home_site
+        For a site's own model (local, personalized): the site it belongs to.
+    config
+        JSON-able settings for the predictor.
+    """
+
+    name: str
+    arrays: Arrays
+    predictor: str = "model"
+    val_sites: tuple[str, ...] | None = None
+    home_site: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServerContext:
+    """What the server half may use: the transport, the sites, the config, the initial weights."""
+
+    transport: Transport
+    sites: tuple[str, ...]
+    cfg: RunConfig
+    init_arrays: Callable[[str], Arrays]
+    """``init_arrays(role)``: seeded initial weights of a role's model (same seed → same weights)."""
+    log: Callable[[str], None] = print
+
+    def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
+        """Send tasks and collect replies (see :class:`fedseg.transport.base.Transport`)."""
+        return self.transport.ask(tasks, optional=optional)
+
+
+class Algorithm:
+    """Base class; subclasses set ``name``, ``section``, ``Params`` and implement the hooks."""
+
+    name: ClassVar[str] = ""
+    section: ClassVar[str] = ""
+    """Config section holding this method's settings (``[fedavg]``, ``[fedsm]``…)."""
+    Params: ClassVar[type] = NoParams
+    needs_pooled_site: ClassVar[bool] = False
+    """Simulation-only methods that train on all sites' data pooled (centralized)."""
+    primary: ClassVar[str | None] = "global"
+    """Candidate reported as the method's row; None = each site's own (home) model."""
+    summary: ClassVar[str] = ""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.params = self.parse_params(cfg)
+
+    @classmethod
+    def parse_params(cls, cfg: RunConfig) -> Any:
+        """This method's ``Params`` from its config section, validated."""
+        params = dataclass_from_dict(cls.Params, cfg.params.get(cls.section, {}), cls.section or cls.name)
+        validate = getattr(params, "validate", None)
+        if validate is not None:
+            validate()
+        return params
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, **dataclasses.asdict(self.params)}
+
+    # ----------------------------------------------------------- server half
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        raise NotImplementedError
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        raise NotImplementedError
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- site half
+    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]:
+        raise NotImplementedError
+
+    def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]:
+        return {"model": lambda site, arrays, config: site.model_predictor(arrays)}
+
+    def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None:
+        """Factory of a role's model when it is not the workload's model (e.g. FedSM's selector)."""
+        return None
+
+    def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]:
+        """Parameters the role's optimizer updates (to rebuild it when a site resumes)."""
+        return list(site.model(role, self.model_factory(site, role)).parameters())

@@ -1,0 +1,92 @@
+"""FedAvg (McMahan et al. 2017), as used by all three papers.
+
+Round r: every site trains the global model w_r for one round of local work
+(``train.local_epochs`` or ``train.local_steps``) with its own optimizer, whose
+moments persist across rounds by default (FedSM reference code); the server sets
+
+    w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("fedavg")   or   p_k = 1/K   ("fedavg-even").
+
+Only the sites that replied are averaged (weights renormalized over them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.config import ConfigError
+from fedseg.site import Reply, Site, Task
+
+
+def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:
+    """FedAvg's p_k: ``"samples"`` → n_k / n, ``"even"`` → 1 / K."""
+    if weighting == "samples":
+        total = sum(num_samples)
+        if total <= 0:
+            raise ValueError(f"sites reported {list(num_samples)} training samples; cannot weight by samples")
+        return [n / total for n in num_samples]
+    if weighting == "even":
+        return [1.0 / len(num_samples)] * len(num_samples)
+    raise ValueError(f"unknown weighting {weighting!r}; use 'samples' or 'even'")
+
+
+@dataclass(frozen=True)
+class FedAvgParams:
+    """Settings of FedAvg.
+
+    weighting
+        'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K).
+    """
+
+    weighting: str = "samples"
+
+    def validate(self) -> None:
+        if self.weighting not in ("samples", "even"):
+            raise ConfigError(f"fedavg.weighting = {self.weighting!r}; use 'samples' or 'even'")
+
+
+def train_global(site: Site, task: Task, role: str = "global") -> Reply:
+    """Site half of FedAvg-style methods: load the sent model, train it one round, send it back."""
+    site.load(role, strip_prefix(role, task.arrays))
+    opt = site.optimizer(role, reset=site.cfg.train.reset_optimizer)
+    metrics = site.fit(role, task.config["round"], stream="train", optimizer=opt, steps=task.config.get("steps"))
+    return Reply(arrays=prefixed(role, site.arrays(role)), metrics=metrics, num_samples=site.num_train)
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"
+    section = "fedavg"
+    Params = FedAvgParams
+    summary = "FedAvg: average the sites' locally trained models, weighted by n_k/n"
+
+    def weighting(self) -> str:
+        return self.params.weighting
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        return prefixed("global", ctx.init_arrays("global"))
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        task = Task("train", state, {"round": rnd})
+        replies = ctx.ask({s: task for s in ctx.sites})
+        names = list(replies)
+        p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
+        new = dict(state)
+        new.update(weighted_mean([replies[s].arrays for s in names], p))
+        return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return [Candidate("global", strip_prefix("global", state))]
+
+    def site_handlers(self):
+        return {"train": train_global}
+
+
+class FedAvgEven(FedAvg):
+    name = "fedavg-even"
+    summary = "FedAvg with uniform weights 1/K"
+
+    def weighting(self) -> str:
+        return "even"

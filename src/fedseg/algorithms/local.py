@@ -1,0 +1,49 @@
+"""Local training: each site trains its own model on its own data only.
+
+Every site's model is validated on its own validation split (best round per site)
+and, at the end, tested on every site's test split (the model × site matrix of
+FedSM's Table 3 "Client k Local" rows).  Rounds only set the evaluation schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.arrays import Arrays, prefixed, strip_prefix
+from fedseg.site import Reply, Site, Task
+
+
+def train_local(site: Site, task: Task) -> Reply:
+    """Train the site's own model one round; on the first round it starts from the sent weights."""
+    if "local" not in site.models:
+        site.load("local", task.arrays)
+    metrics = site.fit("local", task.config["round"], stream="train")
+    return Reply(arrays=site.arrays("local"), metrics=metrics, num_samples=site.num_train)
+
+
+class Local(Algorithm):
+    name = "local"
+    section = "local"
+    primary = None
+    summary = "Local: each site trains alone; every local model is tested on every site"
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        init = ctx.init_arrays("global")
+        state: Arrays = {}
+        for s in ctx.sites:
+            state.update(prefixed(f"local/{s}", init))
+        return state
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        replies = ctx.ask({s: Task("train", strip_prefix(f"local/{s}", state) if rnd == 1 else {}, {"round": rnd}) for s in ctx.sites})
+        new = dict(state)
+        for s, rep in replies.items():
+            new.update(prefixed(f"local/{s}", rep.arrays))
+        return new, {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return [Candidate(f"local/{s}", strip_prefix(f"local/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites]
+
+    def site_handlers(self):
+        return {"train": train_local}

@@ -1,0 +1,361 @@
+"""Run configuration: frozen dataclasses, TOML loading, dotted overrides, validation.
+
+A run is fully described by one TOML file plus ``--set key=value`` overrides; the
+resolved configuration is written beside the results (``config.toml`` and inside
+``results.json``) so that ``fedseg run OUT/config.toml`` reproduces it.
+
+Defaults follow the FedSM paper and its reference code (Section 4: Adam with
+betas (0.9, 0.999), Dice loss, 1 local epoch, 2D U-Net) unless noted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedseg.errors import ConfigError
+
+__all__ = [
+    "EvalConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "dataclass_from_dict",
+    "dump_toml",
+    "load_run_config",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Segmentation network (MONAI ``UNet``).
+
+    Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
+    strides 2, 2 residual units, instance norm.
+    """
+
+    name: str = "unet"
+    channels: tuple[int, ...] = (16, 32, 64, 128, 256)
+    strides: tuple[int, ...] = (2, 2, 2, 2)
+    num_res_units: int = 2
+    norm: str = "instance"
+    dropout: float = 0.0
+    roi_size: tuple[int, ...] | None = None
+    """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
+
+    def validate(self) -> None:
+        if self.name not in ("unet",):
+            raise ConfigError(f"model.name = {self.name!r} is not known; use 'unet' (or pass your own nn.Module from Python)")
+        if len(self.strides) != len(self.channels) - 1:
+            raise ConfigError(
+                f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
+                "give one stride fewer than channels"
+            )
+        if self.norm not in ("instance", "batch", "none"):
+            raise ConfigError(f"model.norm = {self.norm!r}; use 'instance', 'batch' or 'none'")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training at every site.
+
+    Local work is counted in epochs (``local_epochs``, the paper's E = 1) or in
+    optimizer steps (``local_steps``); set exactly one.  The optimizer state of a
+    site's training of a shared model persists across rounds unless
+    ``reset_optimizer`` (the FedSM reference keeps the Adam moments).
+    """
+
+    batch_size: int = 8
+    local_epochs: float | None = 1.0
+    local_steps: int | None = None
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    reset_optimizer: bool = False
+    bn_policy: str = "average"
+    """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
+    loss: str = "dice"
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if (self.local_epochs is None) == (self.local_steps is None):
+            raise ConfigError(
+                "set exactly one of train.local_epochs and train.local_steps "
+                f"(got local_epochs={self.local_epochs}, local_steps={self.local_steps}); "
+                "e.g. --set train.local_steps=20 --set train.local_epochs=none"
+            )
+        if self.local_epochs is not None and not self.local_epochs > 0:
+            raise ConfigError(f"train.local_epochs must be > 0, got {self.local_epochs}")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ConfigError(f"train.local_steps must be >= 1, got {self.local_steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"train.batch_size must be >= 1, got {self.batch_size}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"train.optimizer = {self.optimizer!r}; use 'adam' or 'sgd'")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.bn_policy not in ("average", "local"):
+            raise ConfigError(f"train.bn_policy = {self.bn_policy!r}; use 'average' or 'local'")
+        if self.loss not in ("dice", "dicece", "bce"):
+            raise ConfigError(f"train.loss = {self.loss!r}; use 'dice', 'dicece' or 'bce'")
+        if self.dtype not in ("float32", "float64"):
+            raise ConfigError(f"train.dtype = {self.dtype!r}; use 'float32' or 'float64'")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation schedule and Dice computation."""
+
+    every: int = 1
+    """Validate every this many rounds (and always after the last round)."""
+    threshold: float = 0.5
+    """Sigmoid output above this is foreground."""
+    batch_size: int = 16
+
+    def validate(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"eval.every must be >= 1, got {self.every}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines one run.
+
+    ``params`` holds the method-specific sections (``[fedavg]``, ``[fedsm]``…) as
+    plain tables; each algorithm turns its own section into its frozen
+    ``Params`` dataclass and rejects unknown keys.
+    """
+
+    federation: str
+    method: str = "fedavg"
+    rounds: int = 20
+    seed: int = 0
+    checkpoint_every: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        self.model.validate()
+        self.train.validate()
+        self.eval.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        params = d.pop("params")
+        d.update(params)
+        return d
+
+
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a TOML value to the annotated type ``tp`` or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected {len(args)} values, got {list(value)}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict or tp is dict or origin is typing.Literal:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def dataclass_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build the frozen dataclass ``cls`` from a TOML table, rejecting unknown keys.
+
+    Parameters
+    ----------
+    cls
+        A dataclass type.
+    data
+        Its TOML table.
+    where
+        The table's name, used in error messages (e.g. ``"train"``).
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"[{where}] has unknown key(s) {unknown}; known keys: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override's value as TOML (numbers, booleans, lists, strings); bare words are strings."""
+    if text.lower() == "none":
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy)."""
+    out = json.loads(json.dumps(raw, default=list))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return out
+
+
+def _is_federation_spec(raw: dict[str, Any]) -> bool:
+    return "sites" in raw
+
+
+def load_run_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    known_sections: set[str] | None = None,
+    **fields: Any,
+) -> RunConfig:
+    """Load a run config from TOML (or a federation spec), apply overrides and validate.
+
+    Parameters
+    ----------
+    path
+        A run config (with ``federation = "..."``) or a federation spec (with
+        ``[[sites]]``; then the run uses it with default settings).
+    overrides
+        ``key=value`` strings, dotted for sections (``train.lr=1e-4``, ``fedsm.lam=0.7``).
+    known_sections
+        Method sections that may appear (from the algorithm registry); others are rejected.
+    **fields
+        Top-level values that take precedence (``method``, ``rounds``, ``seed`` from the CLI).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass a run config TOML or a federation spec")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        if _is_federation_spec(raw):
+            raw = {"federation": str(p.resolve())}
+        elif "federation" in raw:
+            fed = Path(raw["federation"])
+            raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
+    for k, v in fields.items():
+        if v is not None:
+            raw[k] = v
+    raw = apply_overrides(raw, overrides or [])
+    if "federation" not in raw:
+        raise ConfigError("the config names no federation; add federation = \"path/to/federation.toml\"")
+    top = {f.name for f in dataclasses.fields(RunConfig)} - {"params", *_SECTIONS}
+    kwargs: dict[str, Any] = {}
+    params: dict[str, dict[str, Any]] = {}
+    hints = typing.get_type_hints(RunConfig)
+    for k, v in raw.items():
+        if k in _SECTIONS:
+            kwargs[k] = dataclass_from_dict(_SECTIONS[k], v, k)
+        elif k in top:
+            kwargs[k] = _coerce(v, hints[k], k)
+        elif isinstance(v, dict) and (known_sections is None or k in known_sections):
+            params[k] = v
+        else:
+            known = sorted(top | set(_SECTIONS) | (known_sections or set()))
+            raise ConfigError(f"unknown config key {k!r}; known keys and sections: {known}")
+    cfg = RunConfig(params=params, **kwargs)
+    cfg.validate()
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a two-level table (scalars, then one section per nested table) as TOML.
+
+    ``None`` values are written as the string ``"none"``, which the loader reads back as None.
+    """
+    lines: list[str] = []
+    tables = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        for k, v in table.items():
+            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,260 @@
+"""The round loop: rounds, evaluation schedule, best-model tracking, checkpoints, history.
+
+The engine knows no algorithm's maths.  Each round it calls the algorithm's
+server half, then (on schedule) asks the sites to validate the algorithm's
+candidates and keeps the best round of each (the papers record the best result
+during training).  After the last round every best candidate is tested on every
+site.  All of it goes through the transport, so simulation and deployment share
+this code.
+
+Checkpoint layout (``OUT/checkpoints/``), safetensors + JSON, no pickle:
+
+* ``server.safetensors`` — the algorithm's server state;
+* ``best.safetensors`` + ``best.json`` — best arrays and scores per candidate;
+* ``sites/<site>.safetensors`` + ``.json`` — each site's models, optimizer moments,
+  algorithm state (written by the transport; deployed sites write their own);
+* ``progress.json`` — the last completed round and the history, written last, so
+  a crash mid-checkpoint leaves the previous checkpoint valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.arrays import Arrays, clone, prefixed, strip_prefix
+from fedseg.config import RunConfig
+from fedseg.errors import ConfigError
+from fedseg.evaluation.summary import summarize
+from fedseg.seeding import derive_seed
+from fedseg.site import Task
+from fedseg.transport.base import Transport
+from fedseg.workload import Workload
+
+__all__ = ["Best", "Engine"]
+
+
+@dataclass
+class Best:
+    """Best validation result of one candidate so far."""
+
+    score: float
+    round: int
+    candidate: Candidate
+
+
+def _save_arrays(arrays: Arrays, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _save_json(data: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+class Engine:
+    """Runs an algorithm over a transport.
+
+    Parameters
+    ----------
+    cfg
+        The run configuration.
+    algorithm
+        The method (server and site halves).
+    transport
+        Carries tasks to the sites.
+    workload
+        Builds the initial model on the server (seeded).
+    out
+        Output folder for checkpoints (None: keep nothing on disk).
+    progress
+        Show a progress bar over rounds.
+    log
+        Where messages go.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        algorithm: Algorithm,
+        transport: Transport,
+        workload: Workload,
+        out: str | Path | None = None,
+        progress: bool = True,
+        log: Callable[[str], None] = print,
+    ):
+        self.cfg = cfg
+        self.algorithm = algorithm
+        self.transport = transport
+        self.workload = workload
+        self.out = Path(out) if out is not None else None
+        self.progress = progress
+        self.log = log
+        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log)
+        self.history: list[dict[str, Any]] = []
+        self.best: dict[str, Best] = {}
+        self.state: Arrays = {}
+        self.round = 0
+
+    # ----------------------------------------------------------------- setup
+    def init_arrays(self, role: str = "global", factory: Callable[[], torch.nn.Module] | None = None) -> Arrays:
+        """Initial weights of a role's model from the seeded RNG (same seed → same weights)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.cfg.seed, "init", role))
+            model = (factory or self.workload.build_model)()
+        dtype = {"float32": torch.float32, "float64": torch.float64}[self.cfg.train.dtype]
+        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
+
+    @property
+    def ckpt_dir(self) -> Path | None:
+        return None if self.out is None else self.out / "checkpoints"
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate(self, candidates: list[Candidate], split: str, sites_of: Callable[[Candidate], tuple[str, ...]]) -> dict[str, dict[str, list[list[float]]]]:
+        """Ask sites to score candidates on a split; returns ``{candidate: {site: per-case (N, C)}}``."""
+        tasks: dict[str, Task] = {}
+        for s in self.ctx.sites:
+            cs = [c for c in candidates if s in sites_of(c)]
+            if not cs:
+                continue
+            arrays: Arrays = {}
+            for c in cs:
+                arrays.update(prefixed(c.name, c.arrays))
+            spec = [{"name": c.name, "predictor": c.predictor, "config": c.config} for c in cs]
+            tasks[s] = Task("evaluate", arrays, {"split": split, "candidates": spec})
+        replies = self.transport.ask(tasks)
+        out: dict[str, dict[str, list[list[float]]]] = {c.name: {} for c in candidates}
+        for s, rep in replies.items():
+            for name, cases in rep.metrics["per_case"].items():
+                out[name][s] = cases
+        return out
+
+    def _validate(self, rnd: int) -> dict[str, Any]:
+        cands = self.algorithm.candidates(self.state, self.ctx)
+        scores = self.evaluate(cands, "validation", lambda c: c.val_sites or self.ctx.sites)
+        record: dict[str, Any] = {"val_dice": {}, "val_score": {}}
+        for c in cands:
+            per_site = scores[c.name]
+            case_means = [sum(case) / len(case) for cases in per_site.values() for case in cases]
+            if not case_means:
+                continue
+            score = sum(case_means) / len(case_means)
+            record["val_dice"][c.name] = {s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None) for s, cases in per_site.items()}
+            record["val_score"][c.name] = score
+            prev = self.best.get(c.name)
+            if prev is None or score > prev.score:
+                self.best[c.name] = Best(score, rnd, Candidate(c.name, clone(c.arrays), c.predictor, c.val_sites, c.home_site, dict(c.config)))
+        return record
+
+    def test(self) -> dict[str, dict[str, list[list[float]]]]:
+        """Score every best candidate on every site's test split."""
+        cands = [b.candidate for b in self.best.values()]
+        return self.evaluate(cands, "testing", lambda c: self.ctx.sites)
+
+    # ------------------------------------------------------------ checkpoint
+    def save_checkpoint(self) -> None:
+        d = self.ckpt_dir
+        if d is None:
+            return
+        d.mkdir(parents=True, exist_ok=True)
+        _save_arrays(self.state, d / "server.safetensors")
+        best_arrays: Arrays = {}
+        best_meta = {}
+        for name, b in self.best.items():
+            best_arrays.update(prefixed(name, b.candidate.arrays))
+            c = b.candidate
+            best_meta[name] = {"score": b.score, "round": b.round, "predictor": c.predictor, "val_sites": c.val_sites, "home_site": c.home_site, "config": c.config}
+        _save_arrays(best_arrays, d / "best.safetensors")
+        _save_json(best_meta, d / "best.json")
+        self.transport.save_sites(d / "sites")
+        _save_json({"round": self.round, "history": self.history}, d / "progress.json")
+
+    def load_checkpoint(self) -> None:
+        d = self.ckpt_dir
+        if d is None or not (d / "progress.json").is_file():
+            raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
+        progress = json.loads((d / "progress.json").read_text())
+        self.round = int(progress["round"])
+        self.history = progress["history"]
+        self.state = load_file(str(d / "server.safetensors"))
+        best_arrays = load_file(str(d / "best.safetensors"))
+        for name, m in json.loads((d / "best.json").read_text()).items():
+            vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
+            cand = Candidate(name, strip_prefix(name, best_arrays), m["predictor"], vs, m["home_site"], m["config"])
+            self.best[name] = Best(m["score"], m["round"], cand)
+        self.transport.restore_sites(d / "sites")
+
+    # ------------------------------------------------------------------ loop
+    def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any] | None:
+        """Run all rounds, then test; returns the results (see ``docs/results-format.md``).
+
+        ``stop_after`` ends the run after that round, checkpointed, as an
+        interruption would (for tests of ``resume``); it then returns None.
+        """
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        if resume:
+            self.load_checkpoint()
+            self.log(f"resuming {self.algorithm.name} after round {self.round} of {cfg.rounds}")
+        else:
+            self.state = self.algorithm.init_state(self.ctx)
+            self.round = 0
+        self.transport.traffic.take()
+        bar = tqdm(total=cfg.rounds, initial=self.round, desc=self.algorithm.name, unit="round", disable=not self.progress, dynamic_ncols=True)
+        try:
+            while self.round < cfg.rounds:
+                rnd = self.round + 1
+                t0 = time.perf_counter()
+                self.state, metrics = self.algorithm.server_round(self.ctx, self.state, rnd)
+                entry: dict[str, Any] = {"round": rnd, **metrics, "bytes": self.transport.traffic.take()}
+                if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
+                    entry.update(self._validate(rnd))
+                    entry["eval_bytes"] = self.transport.traffic.take()
+                entry["time_s"] = time.perf_counter() - t0
+                self.history.append(entry)
+                self.round = rnd
+                if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or rnd == stop_after:
+                    self.save_checkpoint()
+                bar.update(1)
+                bar.set_postfix(self._postfix(entry), refresh=False)
+                if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+                    return None
+        finally:
+            bar.close()
+        per_case = self.test()
+        results = summarize(
+            method=self.algorithm.name,
+            sites=list(self.ctx.sites),
+            cfg=cfg,
+            per_case=per_case,
+            best=self.best,
+            primary=self.algorithm.primary,
+            metric_names=list(self.workload.metric_names),
+            history=self.history,
+        )
+        results["wall_time_s"] = time.perf_counter() - t_start
+        return results
+
+    @staticmethod
+    def _postfix(entry: dict[str, Any]) -> dict[str, str]:
+        out = {}
+        losses = [v for v in (entry.get("train_loss") or {}).values() if v is not None]
+        if losses:
+            out["loss"] = f"{sum(losses) / len(losses):.3f}"
+        scores = entry.get("val_score") or {}
+        if scores:
+            out["val"] = f"{max(scores.values()):.3f}"
+        return out

@@ -1,0 +1,109 @@
+"""Results of one run: per-case scores → per-site Dice, Client Avg Dice, Global Dice.
+
+Definitions (FedSM paper, Table 3):
+
+* a case's Dice is the mean over label channels (the paper averages disc and cup);
+* a site's Dice is the mean over its test cases;
+* **Client Avg Dice** is the mean of the per-site Dice (each site counts once);
+* **Global Dice** is the mean over all sites' test cases pooled (large sites weigh more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedseg.config import RunConfig
+    from fedseg.engine import Best
+
+__all__ = ["row_from_cases", "summarize"]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def row_from_cases(per_site: Mapping[str, Sequence[Sequence[float]]], sites: Sequence[str], metric_names: Sequence[str]) -> dict[str, Any]:
+    """Table 3 quantities from per-case, per-channel scores.
+
+    Parameters
+    ----------
+    per_site
+        ``{site: [[channel scores] per case]}``.
+    sites
+        Site order (and which sites count).
+    metric_names
+        Channel names.
+
+    Returns
+    -------
+    dict
+        ``per_site_dice``, ``per_site_channel_dice`` ({site: {channel: dice}}),
+        ``client_avg_dice``, ``global_dice``, ``num_cases``.
+    """
+    per_site_dice: dict[str, float] = {}
+    per_channel: dict[str, dict[str, float]] = {}
+    pooled: list[float] = []
+    counts = {}
+    for s in sites:
+        cases = per_site.get(s, [])
+        means = [_mean(c) for c in cases]
+        pooled += means
+        counts[s] = len(cases)
+        per_site_dice[s] = _mean(means)
+        per_channel[s] = {m: _mean([c[j] for c in cases]) for j, m in enumerate(metric_names)}
+    return {
+        "per_site_dice": per_site_dice,
+        "per_site_channel_dice": per_channel,
+        "client_avg_dice": _mean(list(per_site_dice.values())),
+        "global_dice": _mean(pooled),
+        "num_cases": counts,
+    }
+
+
+def summarize(
+    method: str,
+    sites: list[str],
+    cfg: RunConfig,
+    per_case: dict[str, dict[str, list[list[float]]]],
+    best: dict[str, Best],
+    primary: str | None,
+    metric_names: list[str],
+    history: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The ``results.json`` document of a run (schema in ``docs/results-format.md``).
+
+    ``rows`` has one entry per candidate (e.g. each local model tested on every
+    site: the model × site matrix).  The top-level numbers are the method's row:
+    the ``primary`` candidate, or — for methods whose models belong to sites
+    (local, personalized) — each site's own model on its own test set.
+    """
+    rows = []
+    for name, cases in per_case.items():
+        b = best[name]
+        row = {"name": name, "home_site": b.candidate.home_site, "best_round": b.round, "best_val_dice": b.score}
+        row.update(row_from_cases(cases, sites, metric_names))
+        rows.append(row)
+    if primary is not None:
+        top_cases = per_case[primary]
+    else:
+        homes = {best[name].candidate.home_site: name for name in per_case}
+        missing = [s for s in sites if s not in homes]
+        if missing:
+            raise ValueError(f"method {method} has no own model for sites {missing}")
+        top_cases = {s: per_case[homes[s]][s] for s in sites}
+    top = row_from_cases(top_cases, sites, metric_names)
+    per_case_dice = {name: {s: [_mean(c) for c in cs] for s, cs in cases.items()} for name, cases in per_case.items()}
+    return {
+        "method": method,
+        "sites": sites,
+        "seed": cfg.seed,
+        "metric_names": metric_names,
+        **top,
+        "rows": rows,
+        "per_case_dice": per_case_dice,
+        "history": history,
+        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg),
+    }

@@ -1,0 +1,108 @@
+"""Several runs at once: method comparisons over seeds, the demo, re-evaluation of a finished run."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedseg.evaluation.tables import table3
+
+__all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run"]
+
+DEMO_METHODS = ("local", "centralized", "fedavg")
+
+
+def compare(
+    config: str | Path,
+    methods: Sequence[str],
+    out: str | Path,
+    seeds: Sequence[int] = (0,),
+    rounds: int | None = None,
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict[str, Any]], str]:
+    """Run every method with every seed into ``out/<method>/seed<k>`` and tabulate them.
+
+    Runs whose ``results.json`` already exists are read instead of re-run, so an
+    interrupted comparison continues where it stopped.  Writes
+    ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
+    ``out/comparison.json``; returns the runs' results and the table.
+    """
+    from fedseg.runner import run
+
+    out = Path(out)
+    runs = []
+    for method in methods:
+        for seed in seeds:
+            folder = out / method / f"seed{seed}"
+            done = folder / "results.json"
+            if done.is_file():
+                log(f"{method} seed {seed}: already done ({done})")
+                runs.append(json.loads(done.read_text()))
+                continue
+            t0 = time.perf_counter()
+            res = run(config, out=folder, overrides=list(overrides), progress=progress, log=log, method=method, seed=seed, rounds=rounds)
+            log(f"{method} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s")
+            runs.append(res)
+    table = table3(runs)
+    (out / "comparison.md").write_text(table)
+    summary = [{k: r[k] for k in ("method", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s") if k in r} for r in runs]
+    (out / "comparison.json").write_text(json.dumps(summary, indent=1))
+    return runs, table
+
+
+def demo(out: str | Path = "runs/demo", rounds: int = 30, scale: float = 0.15, size: int = 64, seed: int = 0, progress: bool = True, log: Callable[[str], None] = print) -> str:
+    """Synthesize a small fundus-like federation (6 sites) and compare local, centralized and FedAvg.
+
+    Returns the Table 3-layout table, also written to ``out/comparison.md``.
+    """
+    from fedseg.data.synth import synthesize
+
+    out = Path(out)
+    log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
+    spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
+    overrides = ["train.batch_size=8", "eval.every=1", "checkpoint_every=10"]
+    _, table = compare(spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log)
+    return table
+
+
+def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, split: str = "testing", progress: bool = True) -> dict[str, Any]:
+    """Score a finished run's best models on a federation's split (its own federation by default).
+
+    Returns ``{"rows": [...], "table": markdown}``; rows follow ``results.json``'s ``rows``.
+    """
+    from safetensors.torch import load_file
+
+    from fedseg.algorithms import get_algorithm, known_sections
+    from fedseg.algorithms.base import Candidate
+    from fedseg.config import load_run_config
+    from fedseg.engine import Engine
+    from fedseg.errors import ConfigError
+    from fedseg.evaluation.summary import row_from_cases
+    from fedseg.runner import build_transport, load_federation_data
+    from fedseg.workload import segmentation_workload
+
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoints"
+    if not (ckpt / "best.json").is_file():
+        raise ConfigError(f"{run_dir} has no checkpoints/best.json; evaluate needs the folder of a finished fedseg run")
+    cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
+    fed, data = load_federation_data(federation or cfg.federation, progress=progress)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    algorithm = get_algorithm(cfg)
+    transport = build_transport(cfg, workload, data, algorithm)
+    engine = Engine(cfg, algorithm, transport, workload, progress=False)
+    best = load_file(str(ckpt / "best.safetensors"))
+    rows = []
+    names = list(fed.labels)
+    for name, m in json.loads((ckpt / "best.json").read_text()).items():
+        arrays = {k[len(name) + 1:]: v for k, v in best.items() if k.startswith(name + "/")}
+        cand = Candidate(name, arrays, m["predictor"], None, m["home_site"], m["config"])
+        per_case = engine.evaluate([cand], split, lambda c: transport.sites)[name]
+        rows.append({"name": name, **row_from_cases(per_case, list(transport.sites), names)})
+    runs = [{"method": r["name"], "seed": cfg.seed, "sites": list(transport.sites), "rows": [], **r} for r in rows]
+    return {"rows": rows, "table": table3(runs)}

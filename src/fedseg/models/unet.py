@@ -1,0 +1,41 @@
+"""U-Net builder over MONAI's ``UNet``."""
+
+from __future__ import annotations
+
+from monai.networks.nets import UNet
+from torch import nn
+
+from fedseg.config import ModelConfig
+
+_NORMS = {"instance": "INSTANCE", "batch": "BATCH", "none": None}
+
+
+def build_unet(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig | None = None) -> nn.Module:
+    """MONAI ``UNet`` as configured by ``cfg`` (FedSM reference defaults).
+
+    Parameters
+    ----------
+    spatial_dims
+        2 for images/slices (input B, C, H, W), 3 for volumes (B, C, D, H, W).
+    in_channels
+        Image channels (3 for RGB fundus, 1 for MR slices).
+    out_channels
+        Label channels; outputs are logits, one sigmoid per channel (channels may
+        overlap, e.g. the cup lies inside the disc).
+    cfg
+        Architecture; defaults to channels (16, 32, 64, 128, 256), strides 2,
+        2 residual units, instance norm.
+    """
+    cfg = cfg or ModelConfig()
+    cfg.validate()
+    norm = _NORMS[cfg.norm]
+    return UNet(
+        spatial_dims=spatial_dims,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        channels=tuple(cfg.channels),
+        strides=tuple(cfg.strides),
+        num_res_units=cfg.num_res_units,
+        norm=norm,
+        dropout=cfg.dropout,
+    )

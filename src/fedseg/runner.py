@@ -1,0 +1,145 @@
+"""Library entry points: run a method in simulation, on a federation spec or on any task.
+
+``run(cfg, out)`` loads the federation named by the config (validating every file
+first), builds the segmentation workload and runs the method; ``simulate(...)``
+does the same for a user-supplied workload and in-memory site datasets.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.algorithms.centralized import POOLED
+from fedseg.config import RunConfig, dump_toml, load_run_config
+from fedseg.engine import Engine
+from fedseg.errors import ConfigError
+from fedseg.evaluation.tables import table3
+from fedseg.site import Site, SiteData
+from fedseg.transport.inprocess import InProcessTransport
+from fedseg.workload import Workload, segmentation_workload
+
+__all__ = ["load_federation_data", "run", "simulate", "write_results"]
+
+
+def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
+    from torch.utils.data import ConcatDataset, TensorDataset
+
+    trains = [d.train for d in site_data.values()]
+    if all(hasattr(t, "images") for t in trains):
+        import torch
+
+        return SiteData(train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains])))
+    return SiteData(train=ConcatDataset(trains))
+
+
+def build_transport(cfg: RunConfig, workload: Workload, site_data: Mapping[str, SiteData], algorithm=None) -> InProcessTransport:
+    """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed)."""
+    algorithm = algorithm or get_algorithm(cfg)
+    sites = [Site(name, i, data, workload, cfg, algorithm) for i, (name, data) in enumerate(site_data.items())]
+    extra = []
+    if algorithm.needs_pooled_site:
+        extra.append(Site(POOLED, len(sites), _pooled(site_data), workload, cfg, algorithm))
+    return InProcessTransport(sites, extra)
+
+
+def simulate(
+    cfg: RunConfig,
+    workload: Workload,
+    site_data: Mapping[str, SiteData],
+    out: str | Path | None = None,
+    progress: bool = True,
+    resume: bool = False,
+    stop_after: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any] | None:
+    """Run ``cfg.method`` with every site in this process.
+
+    Parameters
+    ----------
+    cfg
+        Run configuration (``cfg.federation`` is only recorded).
+    workload
+        Model factory, loss, metric (any task; see :mod:`fedseg.workload`).
+    site_data
+        ``{site name: SiteData}`` in federation order.
+    out
+        Output folder: checkpoints, ``results.json``, ``results.md``, ``config.toml``.
+    resume
+        Continue from the checkpoint in ``out``.
+    stop_after
+        Stop (checkpointed) after this round, as an interruption would.
+    """
+    if not site_data:
+        raise ConfigError("no sites given; a federation needs at least one site")
+    algorithm = get_algorithm(cfg)
+    transport = build_transport(cfg, workload, site_data, algorithm)
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.toml").write_text(dump_toml(cfg.to_dict()))
+    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log)
+    results = engine.run(resume=resume, stop_after=stop_after)
+    if results is not None and out is not None:
+        write_results(results, out)
+    return results
+
+
+def write_results(results: dict[str, Any], out: str | Path) -> None:
+    """Write ``results.json`` and ``results.md`` (Table 3 layout) to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
+    (out / "results.md").write_text("\n".join(md))
+
+
+def load_federation_data(federation: str | Path, progress: bool = False) -> tuple[Any, dict[str, SiteData]]:
+    """Validate a federation spec and load every site's splits into memory."""
+    from fedseg.data.loading import load_split
+    from fedseg.data.spec import load_federation
+    from fedseg.data.validate import raise_if_invalid
+
+    raise_if_invalid(federation)
+    fed = load_federation(federation)
+    data = {
+        s.name: SiteData(
+            train=load_split(fed, s, "training", progress=progress),
+            val=load_split(fed, s, "validation", progress=progress),
+            test=load_split(fed, s, "testing", progress=progress),
+        )
+        for s in fed.sites
+    }
+    return fed, data
+
+
+def run(
+    cfg: RunConfig | str | Path,
+    out: str | Path | None = None,
+    overrides: list[str] | None = None,
+    progress: bool = True,
+    resume: bool = False,
+    stop_after: int | None = None,
+    log: Callable[[str], None] = print,
+    **fields: Any,
+) -> dict[str, Any] | None:
+    """Run a method on a federation spec in simulation (what ``fedseg run`` does).
+
+    ``cfg`` is a :class:`RunConfig` or a path to a run config / federation spec;
+    ``overrides`` and ``fields`` (method, rounds, seed) apply to a path.
+    """
+    if resume:
+        if out is None:
+            raise ConfigError("resume needs the output folder of the interrupted run")
+        saved = Path(out) / "config.toml"
+        if not saved.is_file():
+            raise ConfigError(f"{out} has no config.toml: it is not a fedseg run folder; check the path")
+        cfg = load_run_config(saved, overrides, known_sections(), **fields)
+    elif not isinstance(cfg, RunConfig):
+        cfg = load_run_config(cfg, overrides, known_sections(), **fields)
+    get_algorithm(cfg)  # validate the method and its settings before loading data
+    fed, data = load_federation_data(cfg.federation, progress=progress)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log)

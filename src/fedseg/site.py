@@ -1,0 +1,365 @@
+"""Site runtime: one institution's data, models, optimizers and persistent state.
+
+A :class:`Site` answers tasks (``site.handle(task) -> reply``).  It dispatches the
+task to the site half of the run's algorithm (``algorithm.site_handlers()``), or to
+the built-in ``"evaluate"`` handler.  Everything a site must remember between
+rounds — its models, optimizer moments, algorithm state such as control
+variates — lives here and is saved with :meth:`Site.save` as safetensors + JSON, so
+a restarted site resumes exactly.
+
+Random draws (batch order, crops) come from generators seeded by
+(run seed, site index, round, stream name): see :mod:`fedseg.seeding`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+from fedseg.arrays import Arrays, check_compatible, strip_prefix
+from fedseg.config import RunConfig
+from fedseg.errors import PayloadError
+from fedseg.seeding import generator
+from fedseg.workload import Workload
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedseg.algorithms.base import Algorithm
+
+__all__ = ["Reply", "Site", "SiteData", "Task", "batch_of", "dataset_len"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Task:
+    """What the server asks a site to do.
+
+    ``kind`` selects the handler; ``arrays`` carries tensors (models, gradients);
+    ``config`` carries small JSON-able settings (round number, step counts…).
+    """
+
+    kind: str
+    arrays: Arrays = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """What a site sends back: tensors, JSON-able metrics and its sample count (FedAvg's n_k)."""
+
+    arrays: Arrays = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    num_samples: int = 0
+
+
+@dataclass
+class SiteData:
+    """A site's splits; each item of a dataset is an ``(input, target)`` pair."""
+
+    train: Dataset
+    val: Dataset | None = None
+    test: Dataset | None = None
+
+    def split(self, name: str) -> Dataset | None:
+        return {"train": self.train, "training": self.train, "val": self.val, "validation": self.val, "test": self.test, "testing": self.test}[name]
+
+
+def dataset_len(ds: Dataset | None) -> int:
+    return 0 if ds is None else len(ds)  # type: ignore[arg-type]
+
+
+def batch_of(ds: Dataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cases ``idx`` of ``ds`` as a batch, without a DataLoader for in-memory datasets."""
+    if hasattr(ds, "images") and hasattr(ds, "labels"):
+        return ds.images[idx], ds.labels[idx]
+    tensors = getattr(ds, "tensors", None)
+    if tensors is not None and len(tensors) == 2:
+        return tensors[0][idx], tensors[1][idx]
+    items = [ds[int(i)] for i in idx]
+    return torch.stack([torch.as_tensor(a) for a, _ in items]), torch.stack([torch.as_tensor(b) for _, b in items])
+
+
+def _atomic_save(arrays: Arrays, path: Path, metadata: dict[str, Any] | None = None) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
+    os.replace(tmp, path)
+    if metadata is not None:
+        jtmp = path.with_suffix(".json.tmp")
+        jtmp.write_text(json.dumps(metadata, indent=1))
+        os.replace(jtmp, path.with_suffix(".json"))
+
+
+class Site:
+    """One site's runtime.
+
+    Parameters
+    ----------
+    name
+        Site name (from the federation spec).
+    index
+        0-based position of the site in the federation (seeds its random streams;
+        FedSM's selector label).
+    data
+        Its splits.
+    workload
+        Model factory, loss and metric.
+    cfg
+        The run configuration.
+    algorithm
+        The run's algorithm; its site half answers tasks.
+    """
+
+    def __init__(self, name: str, index: int, data: SiteData, workload: Workload, cfg: RunConfig, algorithm: Algorithm):
+        self.name = name
+        self.index = index
+        self.data = data
+        self.workload = workload
+        self.cfg = cfg
+        self.algorithm = algorithm
+        self.dtype = _DTYPES[cfg.train.dtype]
+        self.models: dict[str, nn.Module] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.store: Arrays = {}
+        self._handlers = algorithm.site_handlers()
+
+    # ------------------------------------------------------------------ tasks
+    def handle(self, task: Task) -> Reply:
+        """Run one task and return the reply."""
+        if task.kind == "evaluate":
+            return self._evaluate(task)
+        handler = self._handlers.get(task.kind)
+        if handler is None:
+            raise PayloadError(
+                f"site {self.name}: task kind {task.kind!r} is not handled by method {self.algorithm.name!r} "
+                f"(known: {sorted(self._handlers) + ['evaluate']}); server and site must run the same method"
+            )
+        return handler(self, task)
+
+    # ----------------------------------------------------------------- models
+    @property
+    def num_train(self) -> int:
+        return dataset_len(self.data.train)
+
+    def model(self, role: str, factory: Callable[[], nn.Module] | None = None) -> nn.Module:
+        """The site's model for ``role`` (created on first use from ``factory`` or the workload)."""
+        m = self.models.get(role)
+        if m is None:
+            m = (factory or self.workload.build_model)().to(self.dtype)
+            self.models[role] = m
+        return m
+
+    def _bn_buffers(self, model: nn.Module) -> set[str]:
+        names = set()
+        for mod_name, mod in model.named_modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                for b, _ in mod.named_buffers(recurse=False):
+                    names.add(f"{mod_name}.{b}" if mod_name else b)
+        return names
+
+    def _shared_names(self, model: nn.Module) -> set[str] | None:
+        """Names exchanged with the server (None = all); 'local' BN policy keeps running stats at the site."""
+        if self.cfg.train.bn_policy == "local":
+            bn = self._bn_buffers(model)
+            if bn:
+                return set(model.state_dict()) - bn
+        return None
+
+    def load(self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None) -> nn.Module:
+        """Copy ``arrays`` into the role's model (validated: names, shapes, dtypes) and return the model."""
+        model = self.model(role, factory)
+        own = model.state_dict()
+        shared = self._shared_names(model)
+        expected = {k: v for k, v in own.items() if shared is None or k in shared}
+        incoming = {k: v for k, v in arrays.items() if k in expected} if shared is not None else arrays
+        check_compatible(expected, incoming, what=f"site {self.name}: model '{role}'")
+        with torch.no_grad():
+            for k, v in incoming.items():
+                own[k].copy_(v)
+        return model
+
+    def arrays(self, role: str) -> Arrays:
+        """Detached copies of the role's model weights that are shared with the server."""
+        model = self.models[role]
+        shared = self._shared_names(model)
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if shared is None or k in shared}
+
+    def optimizer(self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None) -> torch.optim.Optimizer:
+        """The role's optimizer, created on first use (Adam by default) and kept across rounds unless ``reset``."""
+        opt = self.optimizers.get(role)
+        if opt is None or reset:
+            t = self.cfg.train
+            ps = params if params is not None else list(self.model(role).parameters())
+            if t.optimizer == "adam":
+                opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+            else:
+                opt = torch.optim.SGD(ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+            self.optimizers[role] = opt
+        return opt
+
+    # ------------------------------------------------------------------- data
+    def steps_per_round(self, split: str = "train") -> int:
+        """Local optimizer steps in one round: ``local_steps``, or ``local_epochs`` × batches per epoch."""
+        t = self.cfg.train
+        if t.local_steps is not None:
+            return t.local_steps
+        n = dataset_len(self.data.split(split))
+        return max(1, round(t.local_epochs * math.ceil(n / t.batch_size)))
+
+    def batches(self, rnd: int, stream: str = "train", steps: int | None = None, split: str = "train", batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Training batches of one round: successive seeded permutations cut into batches.
+
+        Each pass over the data is a permutation drawn from the generator of
+        (seed, site, round, stream, pass); the last batch of a pass may be smaller.
+        """
+        ds = self.data.split(split)
+        n = dataset_len(ds)
+        if n == 0:
+            raise PayloadError(f"site {self.name}: the {split} split is empty; add cases to its datalist")
+        bs = batch_size or self.cfg.train.batch_size
+        steps = self.steps_per_round(split) if steps is None else steps
+        tf = self.workload.train_transform
+        g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
+        done, epoch = 0, 0
+        while done < steps:
+            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))
+            for start in range(0, n, bs):
+                if done >= steps:
+                    break
+                x, y = batch_of(ds, perm[start:start + bs])
+                x = x.to(self.dtype)
+                if y.is_floating_point():
+                    y = y.to(self.dtype)
+                if tf is not None:
+                    x, y = tf(x, y, g_tf)
+                yield x, y
+                done += 1
+            epoch += 1
+
+    def fit(
+        self,
+        role: str,
+        rnd: int,
+        stream: str = "train",
+        optimizer: torch.optim.Optimizer | None = None,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+        after_backward: Callable[[nn.Module], None] | None = None,
+        steps: int | None = None,
+    ) -> dict[str, float]:
+        """Train the role's model for one round of local work; returns ``{"loss": mean, "steps": n}``.
+
+        ``extra_loss(model)`` is added to the workload loss (FedProx's proximal term);
+        ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's correction).
+        """
+        model = self.model(role)
+        opt = optimizer or self.optimizer(role)
+        model.train()
+        total, count = 0.0, 0
+        for x, y in self.batches(rnd, stream, steps):
+            opt.zero_grad(set_to_none=True)
+            loss = self.workload.loss(model(x), y)
+            if extra_loss is not None:
+                loss = loss + extra_loss(model)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            opt.step()
+            total += float(loss.detach())
+            count += 1
+        return {"loss": total / max(count, 1), "steps": count}
+
+    # ------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
+        """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
+        ds = self.data.split(split)
+        n = dataset_len(ds)
+        out = []
+        bs = self.cfg.eval.batch_size
+        for start in range(0, n, bs):
+            x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
+            x = x.to(self.dtype)
+            out.append(self.workload.metric(predict(x), y).double().cpu())
+        return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
+
+    def model_predictor(self, arrays: Arrays, role: str = "eval") -> Callable[[torch.Tensor], torch.Tensor]:
+        """A predictor that runs the workload model with ``arrays`` (the default ``"model"`` predictor)."""
+        model = self.load(role, arrays)
+        model.eval()
+        return lambda x: self.workload.predict(model, x)
+
+    def _evaluate(self, task: Task) -> Reply:
+        split = task.config["split"]
+        results = {}
+        predictors = self.algorithm.predictors()
+        for cand in task.config["candidates"]:
+            kind = cand.get("predictor", "model")
+            make = predictors.get(kind)
+            if make is None:
+                raise PayloadError(f"site {self.name}: unknown predictor {kind!r} for candidate {cand['name']!r}")
+            predict = make(self, strip_prefix(cand["name"], task.arrays), cand.get("config", {}))
+            results[cand["name"]] = self.score(predict, split).tolist()
+        return Reply(metrics={"per_case": results}, num_samples=dataset_len(self.data.split(split)))
+
+    # ------------------------------------------------------------ persistence
+    def state_arrays(self) -> tuple[Arrays, dict[str, Any]]:
+        """Everything the site must remember, as flat arrays + JSON metadata."""
+        arrays: Arrays = {}
+        meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}}
+        for role, m in self.models.items():
+            for k, v in m.state_dict().items():
+                arrays[f"model/{role}/{k}"] = v.detach().clone()
+        for role, opt in self.optimizers.items():
+            sd = opt.state_dict()
+            meta["optimizers"][role] = {"param_groups": sd["param_groups"], "type": type(opt).__name__}
+            for idx, st in sd["state"].items():
+                for key, v in st.items():
+                    t = v if torch.is_tensor(v) else torch.tensor(v)
+                    arrays[f"optim/{role}/{idx}/{key}"] = t.detach().clone()
+        for k, v in self.store.items():
+            arrays[f"store/{k}"] = v.detach().clone()
+        return arrays, meta
+
+    def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None:
+        """Restore :meth:`state_arrays` output.  Models must be creatable by the workload or already exist."""
+        for role in meta["models"]:
+            sd = strip_prefix(f"model/{role}", arrays)
+            if role not in self.models:
+                factory = self.algorithm.model_factory(self, role)
+                self.model(role, factory)
+            self.models[role].load_state_dict(sd)
+        for role, info in meta["optimizers"].items():
+            opt = self.optimizer(role, reset=True, params=self.algorithm.optimizer_params(self, role))
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for k, v in strip_prefix(f"optim/{role}", arrays).items():
+                idx, key = k.split("/", 1)
+                state.setdefault(int(idx), {})[key] = v
+            opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+        self.store = strip_prefix("store", arrays)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the site's state to ``folder/<site>.safetensors`` (+ ``.json``)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays, meta = self.state_arrays()
+        path = folder / f"{self.name}.safetensors"
+        _atomic_save(arrays, path, meta)
+        return path
+
+    def restore(self, folder: str | Path) -> bool:
+        """Load the state written by :meth:`save`; False when there is none."""
+        path = Path(folder) / f"{self.name}.safetensors"
+        if not path.is_file():
+            return False
+        meta = json.loads(path.with_suffix(".json").read_text())
+        self.load_state_arrays(load_file(str(path)), meta)
+        return True

@@ -1,0 +1,53 @@
+"""Config loading, overrides and validation errors."""
+
+import pytest
+
+from fedseg.algorithms import known_sections
+from fedseg.config import dump_toml, load_run_config
+from fedseg.errors import ConfigError
+
+
+def _write(tmp_path, text, name="run.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_overrides_and_roundtrip(tmp_path):
+    p = _write(tmp_path, 'federation = "fed.toml"\nmethod = "fedavg"\n[train]\nlr = 0.01\n')
+    cfg = load_run_config(p, ["train.batch_size=2", "rounds=5", "fedavg.weighting=even"], known_sections())
+    assert cfg.train.lr == 0.01 and cfg.train.batch_size == 2 and cfg.rounds == 5
+    assert cfg.federation == str((tmp_path / "fed.toml").resolve())
+    assert cfg.params["fedavg"] == {"weighting": "even"}
+    assert cfg.model.channels == (16, 32, 64, 128, 256)
+    # the resolved config written beside results loads back to the same config
+    again = load_run_config(_write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections())
+    assert again == cfg
+
+
+def test_federation_spec_is_accepted_as_config(tmp_path):
+    p = _write(tmp_path, '[[sites]]\nname = "a"\ndatalist = "a.json"\n', "federation.toml")
+    assert load_run_config(p).federation == str(p.resolve())
+
+
+@pytest.mark.parametrize(
+    "text, overrides, match",
+    [
+        ('federation = "f"\n[train]\nlr_rate = 1\n', [], r"\[train\] has unknown key\(s\) \['lr_rate'\]"),
+        ('federation = "f"\n', ["train.batch_size=abc"], "train.batch_size: expected an integer"),
+        ('federation = "f"\n', ["train.local_steps=10"], "exactly one of train.local_epochs and train.local_steps"),
+        ('federation = "f"\n', ["model.strides=[2]"], "one stride fewer than channels"),
+        ('federation = "f"\n', ["nonsense"], "not of the form key=value"),
+        ('federation = "f"\nfoo = 1\n', [], "unknown config key 'foo'"),
+        ('method = "fedavg"\n', [], "names no federation"),
+        ('federation = "f"\n[train\n', [], "not valid TOML"),
+    ],
+)
+def test_bad_configs_get_one_clear_error(tmp_path, text, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(_write(tmp_path, text), overrides, known_sections())
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_run_config("/nonexistent/run.toml")
