@@ -1,0 +1,250 @@
+"""Federation spec: which sites take part and what their data look like.
+
+A federation spec is one TOML file (format in ``docs/data.md``)::
+
+    name = "fundus-synth"
+    [data]
+    mode = "2d"              # 2d | slices | 3d
+    spatial_dims = 2
+    in_channels = 3
+    image_size = [64, 64]    # optional
+    foreground_only = false  # optional
+    [data.labels]            # channel name -> label-file values that belong to it
+    disc = [1, 2]
+    cup = [2]
+    [[sites]]
+    name = "site1"
+    datalist = "site1/datalist.json"   # relative to the spec file
+
+Parsing is strict: unknown keys, wrong types and inconsistent values raise
+:class:`fedseg.errors.ConfigError` naming the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedseg.errors import ConfigError
+
+MODES = ("2d", "slices", "3d")
+_SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_TOP_KEYS = {"name", "data", "sites"}
+_DATA_KEYS = {"mode", "spatial_dims", "in_channels", "image_size", "foreground_only", "labels"}
+_SITE_KEYS = {"name", "datalist"}
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One site of a federation.
+
+    Attributes
+    ----------
+    name : str
+        Site name, safe as a folder name (``[A-Za-z0-9_.-]+``).
+    datalist : Path
+        Absolute path to the site's datalist JSON (see :mod:`fedseg.data.datalist`).
+    """
+
+    name: str
+    datalist: Path
+
+
+@dataclass(frozen=True)
+class FederationSpec:
+    """A federation: its sites and the shape of their data.
+
+    Attributes
+    ----------
+    name : str
+        Federation name.
+    path : Path
+        Absolute path of the spec file.
+    sites : tuple of SiteSpec
+        The sites, in spec order (at least one).
+    spatial_dims : int
+        2 or 3: the spatial dimensions the *model* sees (2 for "2d"/"slices").
+    in_channels : int
+        Image channels (3 for RGB, 1 for grey).
+    labels : dict of str to tuple of int
+        Label channel name -> integer values of the label file that belong to
+        it, in channel order. Channel ``c`` of a loaded label is
+        ``isin(label_file, labels[c])``; value 0 is background.
+    mode : str
+        "2d" (2D image files), "slices" (3D NIfTI cut into 2D slices along the
+        last axis) or "3d" (3D volumes).
+    image_size : tuple of int or None
+        Resize target (H, W) for "2d"/"slices", (D, H, W) for "3d"; None keeps
+        the native size (then all cases must share a size).
+    foreground_only : bool
+        "slices" mode: keep only slices whose label has foreground.
+    """
+
+    name: str
+    path: Path
+    sites: tuple[SiteSpec, ...]
+    spatial_dims: int
+    in_channels: int
+    labels: dict[str, tuple[int, ...]]
+    mode: str
+    image_size: tuple[int, ...] | None
+    foreground_only: bool
+
+    @property
+    def label_channels(self) -> int:
+        """Number of label channels ``L`` (one per entry of ``labels``)."""
+        return len(self.labels)
+
+    @property
+    def site_names(self) -> tuple[str, ...]:
+        """Names of the sites, in spec order."""
+        return tuple(s.name for s in self.sites)
+
+    @property
+    def label_values(self) -> frozenset[int]:
+        """Values allowed in a label file: 0 and every declared value."""
+        return frozenset({0}).union(*self.labels.values())
+
+    def site(self, name: str) -> SiteSpec:
+        """Return the site called ``name``; ConfigError if there is none."""
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise ConfigError(
+            f"{self.path}: no site named {name!r}; the federation has sites "
+            f"{list(self.site_names)} -> use one of those names or add a [[sites]] entry"
+        )
+
+
+def _err(path: Path, what: str, fix: str) -> ConfigError:
+    return ConfigError(f"{path}: {what} -> {fix}")
+
+
+def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise _err(path, f"unknown key {key!r} in {where}",
+                       f"remove it or use one of {sorted(allowed)}")
+
+
+def _int(path: Path, value: Any, key: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _err(path, f"{key} must be an integer >= {low}, got {value!r}",
+                   f"set {key} to an integer >= {low}")
+    return value
+
+
+def _parse_labels(path: Path, raw: Any) -> dict[str, tuple[int, ...]]:
+    if not isinstance(raw, dict) or not raw:
+        raise _err(path, "[data.labels] is missing or empty",
+                   'add a [data.labels] table, e.g. foreground = [1]')
+    labels: dict[str, tuple[int, ...]] = {}
+    for name, values in raw.items():
+        if isinstance(values, int) and not isinstance(values, bool):
+            values = [values]
+        if (not isinstance(values, list) or not values
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)):
+            raise _err(path, f"data.labels.{name} must be a non-empty list of integers >= 1 "
+                       f"(0 is background), got {values!r}",
+                       f"write e.g. {name} = [1]")
+        labels[name] = tuple(values)
+    return labels
+
+
+def _parse_sites(path: Path, raw: Any) -> tuple[SiteSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise _err(path, "no [[sites]] entries", 'add at least one [[sites]] with name and datalist')
+    sites, seen = [], set()
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise _err(path, f"sites[{i}] is not a table", "write each site as a [[sites]] table")
+        _check_keys(path, entry, _SITE_KEYS, f"sites[{i}]")
+        name = entry.get("name")
+        if not isinstance(name, str) or not _SITE_NAME.match(name):
+            raise _err(path, f"sites[{i}].name {name!r} is missing or not safe as a folder name",
+                       "use a non-empty name of letters, digits, '_', '.', '-'")
+        if name in seen:
+            raise _err(path, f"site name {name!r} is used twice", "give every site a unique name")
+        seen.add(name)
+        datalist = entry.get("datalist")
+        if not isinstance(datalist, str) or not datalist:
+            raise _err(path, f"site {name!r} has no datalist",
+                       f'add datalist = "{name}/datalist.json" (relative to the spec file)')
+        dl = Path(datalist)
+        sites.append(SiteSpec(name, dl if dl.is_absolute() else (path.parent / dl).resolve()))
+    return tuple(sites)
+
+
+def load_federation(path: str | Path) -> FederationSpec:
+    """Read and check a federation spec TOML file.
+
+    Parameters
+    ----------
+    path : str or Path
+        The spec file. Relative datalist paths inside it are resolved against
+        its folder.
+
+    Returns
+    -------
+    FederationSpec
+
+    Raises
+    ------
+    ConfigError
+        If the file is missing, is not TOML, has unknown keys, or has values of
+        the wrong type or inconsistent with each other. The message names the
+        file, the key and the fix.
+    """
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise _err(path, "federation spec file not found",
+                   "check the path, or write one (docs/data.md) or generate one with fedseg.data.synthesize")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise _err(path, f"not valid TOML ({e})", "fix the TOML syntax") from None
+    _check_keys(path, raw, _TOP_KEYS, "the top level")
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise _err(path, f"name must be a non-empty string, got {name!r}", 'set name = "my-federation"')
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        raise _err(path, "[data] table is missing", "add a [data] table with mode, spatial_dims, in_channels")
+    _check_keys(path, data, _DATA_KEYS, "[data]")
+
+    mode = data.get("mode", "2d")
+    if mode not in MODES:
+        raise _err(path, f"data.mode must be one of {list(MODES)}, got {mode!r}",
+                   'set mode = "2d", "slices" or "3d"')
+    want_dims = 3 if mode == "3d" else 2
+    spatial_dims = _int(path, data.get("spatial_dims", want_dims), "data.spatial_dims")
+    if spatial_dims != want_dims:
+        raise _err(path, f'data.spatial_dims = {spatial_dims} does not fit mode "{mode}"',
+                   f"set spatial_dims = {want_dims}")
+    in_channels = _int(path, data.get("in_channels"), "data.in_channels")
+
+    image_size = data.get("image_size")
+    if image_size is not None:
+        if (not isinstance(image_size, list) or len(image_size) != spatial_dims
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in image_size)):
+            raise _err(path, f"data.image_size must be a list of {spatial_dims} positive integers "
+                       f"for mode {mode!r}, got {image_size!r}",
+                       f"write e.g. image_size = {[64] * spatial_dims} or remove it")
+        image_size = tuple(image_size)
+    foreground_only = data.get("foreground_only", False)
+    if not isinstance(foreground_only, bool):
+        raise _err(path, f"data.foreground_only must be true or false, got {foreground_only!r}",
+                   "set foreground_only = true or false")
+    if foreground_only and mode != "slices":
+        raise _err(path, f'data.foreground_only only applies to mode "slices", not {mode!r}',
+                   'remove foreground_only or set mode = "slices"')
+
+    return FederationSpec(
+        name=name, path=path, sites=_parse_sites(path, raw.get("sites")),
+        spatial_dims=spatial_dims, in_channels=in_channels,
+        labels=_parse_labels(path, data.get("labels")), mode=mode,
+        image_size=image_size, foreground_only=foreground_only,
+    )
