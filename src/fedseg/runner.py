@@ -102,16 +102,13 @@ def load_federation_data(federation: str | Path, progress: bool = False) -> tupl
     from fedseg.data.spec import load_federation
     from fedseg.data.validate import raise_if_invalid
 
+    from tqdm.auto import tqdm
+
     raise_if_invalid(federation)
     fed = load_federation(federation)
-    data = {
-        s.name: SiteData(
-            train=load_split(fed, s, "training", progress=progress),
-            val=load_split(fed, s, "validation", progress=progress),
-            test=load_split(fed, s, "testing", progress=progress),
-        )
-        for s in fed.sites
-    }
+    data = {}
+    for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False):
+        data[s.name] = SiteData(*(load_split(fed, s, split) for split in ("training", "validation", "testing")))
     return fed, data
 
 
