@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="synthesize a small federation, train local/centralized/FedAvg, print a Dice table")
     d.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    d.add_argument("--rounds", type=int, default=30)
+    d.add_argument("--rounds", type=int, default=40)
     d.add_argument("--scale", type=float, default=0.15, help="fraction of the paper's Table 1 case counts")
     d.add_argument("--size", type=int, default=64, help="image side in pixels")
     d.add_argument("--seed", type=int, default=0)

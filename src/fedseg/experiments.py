@@ -55,7 +55,7 @@ def compare(
     return runs, table
 
 
-def demo(out: str | Path = "runs/demo", rounds: int = 30, scale: float = 0.15, size: int = 64, seed: int = 0, progress: bool = True, log: Callable[[str], None] = print) -> str:
+def demo(out: str | Path = "runs/demo", rounds: int = 40, scale: float = 0.15, size: int = 64, seed: int = 0, progress: bool = True, log: Callable[[str], None] = print) -> str:
     """Synthesize a small fundus-like federation (6 sites) and compare local, centralized and FedAvg.
 
     Returns the Table 3-layout table, also written to ``out/comparison.md``.
@@ -65,7 +65,7 @@ def demo(out: str | Path = "runs/demo", rounds: int = 30, scale: float = 0.15, s
     out = Path(out)
     log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
     spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
-    overrides = ["train.batch_size=8", "eval.every=1", "checkpoint_every=10"]
+    overrides = ["train.batch_size=4", "eval.every=1", "checkpoint_every=10"]
     _, table = compare(spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log)
     return table
 
