@@ -1,0 +1,348 @@
+"""Federated gradient averaging (FGA): Remedios et al. 2020, Section 2.2 and Alg. 1.
+
+Every local step is a lockstep exchange.  Site k computes the gradient of its
+**mean-reduced** loss on its next batch B_k (b_k = |B_k| samples) at the shared
+weights Θ_t and sends it; the server averages
+
+    g_t = Σ_k (b_k / Σ_j b_j) · ∇_Θ (1/b_k) Σ_{i∈B_k} ℓ_i(Θ_t)          ("samples", default)
+        = ∇_Θ (1/|∪B_k|) Σ_{i∈∪B_k} ℓ_i(Θ_t)                              (the pooled batch)
+
+and sends g_t back; every site applies g_t with its own Adam (Alg. 1 lines 15–20),
+so every site holds the same Θ_{t+1}, m_t, v_t — those of centralized training on
+the concatenated batches.  Alg. 1 line 14 writes the uniform mean (1/S) Σ_s g_s
+(``fga.weighting = "even"``), which equals the pooled gradient only when all
+batches have the same size.
+
+The equivalence needs per-sample operations: no batch norm in training mode (its
+batch statistics mix the samples of one site's batch), a loss that is a mean over
+samples (not ``reduction="sum"``, not MONAI ``DiceLoss(batch=True)``) and
+deterministic layers (dropout draws differ).  :func:`equivalence_problems` finds
+the first two and the site warns (:class:`FGAEquivalenceWarning`).
+
+Protocol (one round = one epoch of lockstep steps)::
+
+    step 0      server → sites  Task("fga_step", {global/… on round 1}, step=0)
+                sites  → server  g_k(0), b_k, steps_per_round_k
+    step t ≥ 1  server → sites  Task("fga_step", {avg/…: g_{t-1}}, step=t)   apply g_{t-1}, then compute g_k(t)
+    end         server → sites  Task("fga_step", {avg/…: g_{T-1}}, step=None) apply only; site 1 returns Θ_T
+
+So a round of T steps is T + 1 messages per site; each carries one gradient each
+way.  Steps per round T = max over sites of their steps per round
+(``fga.steps = "max"``, default): every sample of every site is used at least
+once per round; sites with fewer batches continue into their next seeded
+permutation (``Site.batches`` cycles).  ``"min"`` stops with the smallest site.
+
+The server keeps Θ for evaluation and checkpoints by asking the first site for
+its weights with the last message of the round (model bytes once per round); the
+sites send a SHA-256 digest of their parameters and optimizer state, and the
+server warns if they are not all identical (``fga.check_sync``).  Buffers are
+not synchronized: with batch norm each site keeps its own running statistics and
+the server's copy holds the first site's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import sys
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.errors import ConfigError, PayloadError
+from fedseg.site import Reply, Site, Task
+
+__all__ = [
+    "FGA",
+    "FGAEquivalenceWarning",
+    "FGAParams",
+    "apply_gradient",
+    "average_gradients",
+    "equivalence_problems",
+    "federation_steps",
+    "state_digest",
+]
+
+ROLE = "global"
+STREAM = "train"
+
+
+class FGAEquivalenceWarning(UserWarning):
+    """FGA will not equal centralized training for this model or loss."""
+
+
+@dataclass(frozen=True)
+class FGAParams:
+    """Settings of FGA.
+
+    weighting
+        ``"samples"`` (default): gradients weighted by batch sample counts b_k, so
+        unequal batches still give the pooled batch's gradient; ``"even"``: the
+        uniform mean of Alg. 1 line 14 (equal only for equal batch sizes).
+    steps
+        Lockstep steps per round: ``"max"`` (default) over the sites' steps per
+        round (``train.local_epochs`` × ⌈n_k / batch⌉ or ``train.local_steps``),
+        smaller sites cycle their seeded permutations; ``"min"`` stops with the
+        smallest site.
+    check_sync
+        At each round's end every site reports a digest of its weights and optimizer
+        state; warn if they differ (they are bitwise equal on identical hardware).
+    """
+
+    weighting: str = "samples"
+    steps: str = "max"
+    check_sync: bool = True
+
+    def validate(self) -> None:
+        if self.weighting not in ("samples", "even"):
+            raise ConfigError(f"fga.weighting = {self.weighting!r}; use 'samples' (pooled-batch gradient) or 'even' (Alg. 1's 1/S mean)")
+        if self.steps not in ("max", "min"):
+            raise ConfigError(f"fga.steps = {self.steps!r}; use 'max' (smaller sites cycle their data) or 'min' (stop with the smallest site)")
+
+
+# ---------------------------------------------------------------------------- maths
+def average_gradients(grads: Sequence[Mapping[str, torch.Tensor]], batch_sizes: Sequence[int], weighting: str = "samples") -> Arrays:
+    """The server's averaged gradient g = Σ_k p_k g_k.
+
+    Parameters
+    ----------
+    grads
+        K gradients (parameter name → tensor of the parameter's shape), each of a
+        site's mean-reduced batch loss.  A parameter missing from a site's gradient
+        (no gradient there) counts as zeros; one missing everywhere stays missing.
+    batch_sizes
+        b_k, the number of samples in each site's batch.
+    weighting
+        ``"samples"``: p_k = b_k / Σ b_j (then g is the gradient of the mean loss over
+        the pooled batch); ``"even"``: p_k = 1 / K (Remedios et al., Alg. 1 line 14).
+
+    Returns
+    -------
+    Arrays
+        The average, in the gradients' dtype (float32 accumulated in float64).
+    """
+    if len(grads) != len(batch_sizes):
+        raise ValueError(f"{len(grads)} gradients but {len(batch_sizes)} batch sizes; give one batch size per gradient")
+    if not grads:
+        raise ValueError("no gradients to average: FGA needs every site's reply")
+    if any(int(b) < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if weighting == "samples":
+        weights = [float(b) for b in batch_sizes]
+    elif weighting == "even":
+        weights = [1.0] * len(grads)
+    else:
+        raise ValueError(f"unknown weighting {weighting!r}; use 'samples' or 'even'")
+    ref: dict[str, torch.Tensor] = {}
+    for g in grads:
+        for k, v in g.items():
+            ref.setdefault(k, v)
+    filled = [{k: (g[k] if k in g else torch.zeros_like(v)) for k, v in ref.items()} for g in grads]
+    return weighted_mean(filled, weights)
+
+
+def federation_steps(steps_per_site: Sequence[int], rule: str = "max") -> int:
+    """Lockstep steps in one round from each site's own steps per round (``"max"`` or ``"min"``)."""
+    if not steps_per_site:
+        raise ValueError("no sites reported their steps per round")
+    if rule == "max":
+        return max(int(s) for s in steps_per_site)
+    if rule == "min":
+        return min(int(s) for s in steps_per_site)
+    raise ValueError(f"unknown rule {rule!r}; use 'max' or 'min'")
+
+
+def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
+    """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry)."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(grad) - set(params))
+    if unknown:
+        raise PayloadError(f"averaged gradient names parameters the model does not have: {unknown[:5]}; every site must build the same model")
+    for name, p in params.items():
+        g = grad.get(name)
+        if g is None:
+            p.grad = None
+            continue
+        if g.shape != p.shape:
+            raise PayloadError(f"averaged gradient '{name}' has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}")
+        p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+    optimizer.step()
+
+
+def _batch_reducing(mod: Any) -> bool:
+    return getattr(mod, "batch", None) is True or getattr(mod, "reduction", None) == "sum"
+
+
+def equivalence_problems(model: nn.Module, loss: Any) -> list[str]:
+    """Reasons why gradient averaging will not equal centralized training (empty when none found).
+
+    Checks: batch-norm layers in training mode (their batch statistics mix a site's
+    samples, so a split batch normalizes differently from the pooled batch), and a
+    loss — or a loss module inside it — that reduces over the batch (MONAI's
+    ``batch=True`` Dice losses) or sums instead of averaging (``reduction="sum"``).
+    """
+    problems = []
+    bn = [name or type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if bn:
+        problems.append(
+            f"the model has batch-norm layers in training mode ({', '.join(bn[:3])}{'…' if len(bn) > 3 else ''}): batch statistics "
+            "of a site's batch differ from those of the pooled batch, so FGA will not equal centralized training; "
+            "use instance/group norm or no norm (e.g. --set model.norm=instance)"
+        )
+    mods = list(loss.modules()) if isinstance(loss, nn.Module) else [loss]
+    bad = [type(m).__name__ for m in mods if _batch_reducing(m)]
+    if bad:
+        problems.append(
+            f"the loss reduces over the batch ({', '.join(bad[:3])} with batch=True or reduction='sum'): the gradient of a pooled "
+            "batch is then not the sample-weighted mean of the sites' gradients, so FGA will not equal centralized training; "
+            "use a per-sample loss averaged over the batch (e.g. MONAI DiceLoss(batch=False))"
+        )
+    return problems
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+    """SHA-256 of a model's parameters and an optimizer's state tensors (bitwise-identity check).
+
+    Buffers are left out: batch-norm running statistics are computed from each
+    site's own batches and are not synchronized by FGA (nor should they match).
+    """
+    h = hashlib.sha256()
+    for k, v in sorted(model.named_parameters()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    if optimizer is not None:
+        for idx, st in sorted(optimizer.state_dict()["state"].items()):
+            for key, v in sorted(st.items()):
+                h.update(f"{idx}/{key}".encode())
+                t = v if torch.is_tensor(v) else torch.tensor(v)
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------ site half
+@dataclass
+class _Cursor:
+    rnd: int
+    next_step: int
+    it: Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+# Per-site iterator over the round's batches (rebuilt when a site restarts mid-round),
+# and the sites whose model/loss were already checked for equivalence problems.
+_CURSORS: weakref.WeakKeyDictionary[Site, _Cursor] = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakSet[Site] = weakref.WeakSet()
+
+
+def _batch(site: Site, rnd: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step`` (0-based) of round ``rnd``: ``site.batches`` cycles permutations as long as asked."""
+    cur = _CURSORS.get(site)
+    if cur is None or cur.rnd != rnd or cur.next_step != step:
+        it = site.batches(rnd, STREAM, steps=sys.maxsize)
+        cur = _Cursor(rnd, step, itertools.islice(it, step, None))
+        _CURSORS[site] = cur
+    cur.next_step += 1
+    return next(cur.it)
+
+
+def fga_step(site: Site, task: Task) -> Reply:
+    """Site half of FGA: apply the previous averaged gradient, then compute the next gradient.
+
+    ``task.config``: ``round``; ``step`` (batch index to compute, or None to only
+    apply); ``send_weights`` (return Θ); ``digest`` (return the state digest).
+    ``task.arrays``: ``global/…`` initial weights (first round), ``avg/…`` the
+    averaged gradient to apply.
+    """
+    cfg = task.config
+    rnd, step = int(cfg["round"]), cfg.get("step")
+    init = strip_prefix(ROLE, task.arrays)
+    if init:
+        site.load(ROLE, init)
+    model = site.model(ROLE)
+    if step == 0:
+        # the optimizer persists across rounds (Alg. 1 initializes m, v once) unless train.reset_optimizer
+        opt = site.optimizer(ROLE, reset=site.cfg.train.reset_optimizer)
+    else:
+        opt = site.optimizer(ROLE)
+    avg = strip_prefix("avg", task.arrays)
+    if avg:
+        apply_gradient(model, opt, avg)
+    arrays: Arrays = {}
+    metrics: dict[str, Any] = {}
+    num = 0
+    if step is not None:
+        if site not in _CHECKED:
+            _CHECKED.add(site)
+            for problem in equivalence_problems(model, site.workload.loss):
+                warnings.warn(f"FGA at site {site.name}: {problem}", FGAEquivalenceWarning, stacklevel=2)
+        x, y = _batch(site, rnd, int(step))
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = site.workload.loss(model(x), y)
+        loss.backward()
+        arrays = {f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        num = int(x.shape[0])
+        metrics["loss"] = float(loss.detach())
+        if step == 0:
+            metrics["steps_per_round"] = site.steps_per_round()
+    if cfg.get("send_weights"):
+        arrays.update(prefixed(ROLE, site.arrays(ROLE)))
+    if cfg.get("digest"):
+        metrics["digest"] = state_digest(model, opt)
+    return Reply(arrays=arrays, metrics=metrics, num_samples=num)
+
+
+# ---------------------------------------------------------------------- server half
+class FGA(Algorithm):
+    name = "fga"
+    section = "fga"
+    Params = FGAParams
+    summary = "FGA: lockstep gradient averaging each step; every site applies it with its own Adam (= centralized training)"
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        return prefixed(ROLE, ctx.init_arrays(ROLE))
+
+    def _average(self, replies: Mapping[str, Reply], sites: Sequence[str]) -> Arrays:
+        return average_gradients([strip_prefix("grad", replies[s].arrays) for s in sites], [replies[s].num_samples for s in sites], self.params.weighting)
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        sites = ctx.sites
+        init = state if rnd == 1 else {}
+        replies = ctx.ask({s: Task("fga_step", init, {"round": rnd, "step": 0}) for s in sites})
+        total = federation_steps([replies[s].metrics["steps_per_round"] for s in sites], self.params.steps)
+        losses = {s: [replies[s].metrics["loss"]] for s in sites}
+        for step in range(1, total):
+            avg = prefixed("avg", self._average(replies, sites))
+            replies = ctx.ask({s: Task("fga_step", avg, {"round": rnd, "step": step}) for s in sites})
+            for s in sites:
+                losses[s].append(replies[s].metrics["loss"])
+        avg = prefixed("avg", self._average(replies, sites))
+        check = self.params.check_sync
+        last = ctx.ask({s: Task("fga_step", avg, {"round": rnd, "step": None, "send_weights": s == sites[0], "digest": check}) for s in sites})
+        new = dict(state)
+        new.update({k: v for k, v in last[sites[0]].arrays.items() if k.startswith(ROLE + "/")})
+        metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
+        if check:
+            digests = {s: last[s].metrics["digest"] for s in sites}
+            in_sync = len(set(digests.values())) == 1
+            metrics["in_sync"] = in_sync
+            if not in_sync:
+                warnings.warn(
+                    f"FGA round {rnd}: sites hold different weights or optimizer states (digests {digests}); "
+                    "this happens across different hardware or library versions, or if a site changed its model outside FGA",
+                    FGAEquivalenceWarning,
+                    stacklevel=2,
+                )
+        return new, metrics
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return [Candidate(ROLE, strip_prefix(ROLE, state))]
+
+    def site_handlers(self):
+        return {"fga_step": fga_step}

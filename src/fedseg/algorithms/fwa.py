@@ -1,0 +1,63 @@
+"""Federated weight averaging (FWA): FedAvg with epoch-long local training (Remedios et al. 2020, Sections 1 and 3).
+
+Round r: every site trains the global weights Θ_r for ``train.local_epochs``
+(the paper: one epoch) with its own Adam, and the server averages
+
+    Θ_{r+1} = Σ_k p_k Θ_{r+1}^{(k)},   p_k = n_k / n  ("samples", default)  or  1/K  ("even").
+
+Between rounds each site either keeps its Adam moments (the paper's MNIST script,
+``RESET_MOMENTUM = False``) or resets them (its CT script; the paper's motivation
+for FGA: weight averaging "sacrifices" momentum).  ``fwa.reset_optimizer`` chooses;
+unset, it follows ``train.reset_optimizer`` (default: keep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedseg.algorithms.fedavg import FedAvg
+from fedseg.arrays import prefixed, strip_prefix
+from fedseg.errors import ConfigError
+from fedseg.site import Reply, Site, Task
+
+__all__ = ["FWA", "FWAParams", "train_fwa"]
+
+
+@dataclass(frozen=True)
+class FWAParams:
+    """Settings of FWA.
+
+    weighting
+        ``"samples"`` (p_k = n_k / n) or ``"even"`` (p_k = 1/K; the reference code's
+        mean of two sites).
+    reset_optimizer
+        True: a fresh Adam at every round (CT script); False: keep each site's moments
+        (MNIST script); None: ``train.reset_optimizer``.
+    """
+
+    weighting: str = "samples"
+    reset_optimizer: bool | None = None
+
+    def validate(self) -> None:
+        if self.weighting not in ("samples", "even"):
+            raise ConfigError(f"fwa.weighting = {self.weighting!r}; use 'samples' or 'even'")
+
+
+def train_fwa(site: Site, task: Task) -> Reply:
+    """Load Θ_r, train one round of local work with the kept or reset optimizer, send Θ_{r+1}^{(k)} back."""
+    params: FWAParams = site.algorithm.params
+    reset = site.cfg.train.reset_optimizer if params.reset_optimizer is None else params.reset_optimizer
+    site.load("global", strip_prefix("global", task.arrays))
+    opt = site.optimizer("global", reset=reset)
+    metrics = site.fit("global", task.config["round"], stream="train", optimizer=opt)
+    return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
+
+
+class FWA(FedAvg):
+    name = "fwa"
+    section = "fwa"
+    Params = FWAParams
+    summary = "FWA: FedAvg with epoch-long local training; Adam moments kept or reset between rounds (fwa.reset_optimizer)"
+
+    def site_handlers(self):
+        return {"train": train_fwa}
