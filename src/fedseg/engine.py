@@ -84,6 +84,8 @@ class Engine:
         Show a progress bar over rounds.
     log
         Where messages go.
+    on_round
+        Called with each history entry after its round (e.g. TensorBoard logging).
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class Engine:
         out: str | Path | None = None,
         progress: bool = True,
         log: Callable[[str], None] = print,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.cfg = cfg
+        self.on_round = on_round
         self.algorithm = algorithm
         self.transport = transport
         self.workload = workload
@@ -226,6 +230,8 @@ class Engine:
                 entry["time_s"] = time.perf_counter() - t0
                 self.history.append(entry)
                 self.round = rnd
+                if self.on_round is not None:
+                    self.on_round(entry)
                 if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or rnd == stop_after:
                     self.save_checkpoint()
                 bar.update(1)

@@ -55,6 +55,7 @@ def simulate(
     resume: bool = False,
     stop_after: int | None = None,
     log: Callable[[str], None] = print,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
     """Run ``cfg.method`` with every site in this process.
 
@@ -72,6 +73,8 @@ def simulate(
         Continue from the checkpoint in ``out``.
     stop_after
         Stop (checkpointed) after this round, as an interruption would.
+    on_round
+        Called with each round's history entry (see :class:`fedseg.engine.Engine`).
     """
     if not site_data:
         raise ConfigError("no sites given; a federation needs at least one site")
@@ -80,7 +83,7 @@ def simulate(
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "config.toml").write_text(dump_toml(cfg.to_dict()))
-    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log)
+    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log, on_round=on_round)
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
         write_results(results, out)
@@ -120,6 +123,7 @@ def run(
     resume: bool = False,
     stop_after: int | None = None,
     log: Callable[[str], None] = print,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
     **fields: Any,
 ) -> dict[str, Any] | None:
     """Run a method on a federation spec in simulation (what ``fedseg run`` does).
@@ -139,4 +143,4 @@ def run(
     get_algorithm(cfg)  # validate the method and its settings before loading data
     fed, data = load_federation_data(cfg.federation, progress=progress)
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
-    return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log)
+    return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log, on_round=on_round)
