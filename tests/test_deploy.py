@@ -1,0 +1,180 @@
+"""Deployed runs over an in-process byte channel: equality with simulation, faults, resume.
+
+The server half (:func:`fedseg.deploy.server.serve`), the site runtimes and the
+wire format are the ones NVFlare carries; only the channel is a function call
+(:class:`fedseg.deploy.transport.LoopbackChannel`), so these tests are fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_MODEL, tiny_config, tiny_sites
+from fedseg.config import dump_toml
+from fedseg.deploy.server import serve
+from fedseg.deploy.site import SiteConfig, SiteRuntime
+from fedseg.deploy.transport import DeployError, LoopbackChannel
+from fedseg.deploy.wire import decode_reply, encode_reply
+from fedseg.runner import simulate
+from fedseg.site import Reply
+from fedseg.workload import segmentation_workload
+
+HEADER = {"mode": "2d", "spatial_dims": 2, "in_channels": 1, "labels": {"fg": [1]}, "image_size": None, "foreground_only": False}
+
+
+def _cfg(rounds=2, **deploy):
+    cfg = tiny_config("fedavg", rounds=rounds)
+    return dataclasses.replace(cfg, params={**cfg.params, "deploy": {"round_deadline_s": 30.0, **deploy}})
+
+
+def _workload(cfg):
+    return segmentation_workload(2, 1, ["fg"], cfg.model, cfg.train, cfg.eval.threshold)
+
+
+def _prepare(out: Path, cfg, names, run_id="run-1", stop_after=None):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
+    desc = {"run_id": run_id, "sites": list(names), "data": HEADER, "resume": False, "transport": "loopback"}
+    if stop_after is not None:
+        desc["stop_after"] = stop_after
+    (out / "deploy.json").write_text(json.dumps(desc))
+
+
+def _runtimes(tmp: Path, data):
+    def loader(name, datalist, header, cfg):
+        return data[name], _workload(cfg)
+
+    return {n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader) for n in data}
+
+
+def _weights(out: Path):
+    return load_file(str(out / "checkpoints" / "server.safetensors"))
+
+
+def _equal(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_deployed_fedavg_equals_simulation_bitwise(tmp_path):
+    """Same seed, same sites: the deployed path (bytes both ways) gives the simulation's weights and Dice bitwise.
+
+    Tensors cross as raw safetensors bytes and sites keep models/optimizers in memory
+    exactly as simulated sites do, so no number can change.
+    """
+    # Prepare
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(tmp_path / "dep", cfg, list(data))
+    # Execute
+    dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(tmp_path, data)), log=lambda m: None)
+    sim = simulate(cfg, _workload(cfg), tiny_sites(2), out=tmp_path / "sim", progress=False)
+    # Assert
+    assert _equal(_weights(tmp_path / "dep"), _weights(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"]
+    assert dep["deploy"]["dropouts"] == [] and dep["deploy"]["wire_bytes"]["sent"] > 0
+    assert (tmp_path / "dep" / "results.md").is_file()
+
+
+def test_dead_site_is_left_out_and_run_finishes(tmp_path):
+    """A site that is unreachable is dropped from every exchange; FedAvg averages the other (p = 1 for it).
+
+    The result equals a simulation with the surviving site alone (same site index
+    kept, since seeds follow the federation order — so compare weights to the
+    deployment where only site1 is in the federation would be wrong; instead the
+    final weights equal those of the same deployment where site2 sends a NaN reply,
+    both being 'site1 only' aggregates).
+    """
+    # Prepare
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(tmp_path / "a", cfg, list(data))
+    _prepare(tmp_path / "b", cfg, list(data))
+
+    def poison(op, blob):
+        r = decode_reply(blob)
+        return encode_reply(Reply({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
+
+    # Execute
+    dead = serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path / "a", data), {"site2": "die"}), log=lambda m: None)
+    nan = serve(tmp_path / "b", LoopbackChannel(_runtimes(tmp_path / "b", tiny_sites(2)), {"site2": poison}), log=lambda m: None)
+    # Assert
+    assert {d["site"] for d in dead["deploy"]["dropouts"]} == {"site2"}
+    reasons = [d["reason"] for d in nan["deploy"]["dropouts"] if d["task"] == "train"]
+    assert len(reasons) == 2 and all("non-finite values" in r for r in reasons)
+    w_dead, w_nan = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.isfinite(v).all() for v in w_nan.values() if v.is_floating_point())
+    assert _equal(w_dead, w_nan)
+
+
+def test_too_few_sites_stops_the_run_with_a_reason(tmp_path):
+    """With deploy.min_sites = 2 and one site dead, setup refuses to start, naming the setting."""
+    cfg, data = _cfg(min_sites=2), tiny_sites(2)
+    _prepare(tmp_path / "a", cfg, list(data))
+    with pytest.raises(DeployError, match="deploy.min_sites = 2"):
+        serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path, data), {"site2": "die"}), log=lambda m: None)
+
+
+def test_hung_site_is_cut_off_at_the_deadline(tmp_path):
+    """A site that never answers a task is left out after deploy.round_deadline_s (0.5 s here), not waited for."""
+    # Prepare
+    cfg, data = _cfg(rounds=1, round_deadline_s=0.5), tiny_sites(2)
+    _prepare(tmp_path / "a", cfg, list(data))
+    # Execute
+    t0 = time.perf_counter()
+    res = serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path, data), {"site2": "hang"}), log=lambda m: None)
+    took = time.perf_counter() - t0
+    # Assert: train, validate and test exchanges each wait 0.55 s at most
+    assert {d["site"] for d in res["deploy"]["dropouts"]} == {"site2"}
+    assert any("deadline of 0.5 s" in d["reason"] for d in res["deploy"]["dropouts"])
+    assert took < 10
+
+
+def test_site_rejoins_after_missing_a_round(tmp_path):
+    """A site down in round 1 answers again in round 2 and is aggregated there."""
+    # Prepare
+    cfg, data = _cfg(rounds=2), tiny_sites(2)
+    _prepare(tmp_path / "a", cfg, list(data))
+    chan = LoopbackChannel(_runtimes(tmp_path, data))
+    state = {"tasks": 0}
+
+    def call(site, op, payload, timeout):
+        if op == "task" and site == "site2":
+            state["tasks"] += 1
+            if state["tasks"] == 1:  # its first training task (round 1)
+                raise ConnectionError("site2 restarting")
+        return chan(site, op, payload, timeout)
+
+    # Execute
+    res = serve(tmp_path / "a", call, log=lambda m: None)
+    # Assert
+    drops = res["deploy"]["dropouts"]
+    assert [(d["round"], d["site"], d["task"]) for d in drops] == [(0, "site2", "train")]
+    assert set(res["history"][1]["train_loss"]) == {"site1", "site2"}
+    assert set(res["history"][0]["train_loss"]) == {"site1"}
+
+
+def test_server_crash_and_resume_equals_uninterrupted(tmp_path):
+    """Server stops after round 1 (checkpointed), sites restart too; resuming gives the uninterrupted weights bitwise.
+
+    Sites write their models and optimizer moments at each server checkpoint and
+    reload the one of the server's round on resume.
+    """
+    # Prepare
+    cfg, data = _cfg(rounds=3), tiny_sites(2)
+    _prepare(tmp_path / "full", cfg, list(data))
+    full = serve(tmp_path / "full", LoopbackChannel(_runtimes(tmp_path / "f", data)), log=lambda m: None)
+    _prepare(tmp_path / "part", cfg, list(data), stop_after=1)
+    assert serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
+    # Execute: new server, new site runtimes (same workdirs), resume
+    desc = json.loads((tmp_path / "part" / "deploy.json").read_text())
+    desc.update(resume=True, stop_after=None)
+    (tmp_path / "part" / "deploy.json").write_text(json.dumps(desc))
+    resumed = serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None)
+    # Assert
+    assert _equal(_weights(tmp_path / "full"), _weights(tmp_path / "part"))
+    assert resumed["per_site_dice"] == full["per_site_dice"] and resumed["deploy"]["resumed"]
