@@ -1,0 +1,129 @@
+"""Ditto (Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021), Algorithm 1.
+
+Each site k solves, besides FedAvg's global problem,
+
+    min_{v_k}  F_k(v_k) + λ/2 ||v_k − w*||²                 (paper Eq. 2)
+
+Round r: the site receives w_r and
+
+1. trains the global model exactly as FedAvg does (same code, stream ``"train"``,
+   optimizer ``"global"``), so the global trajectory is FedAvg's **bitwise**;
+2. runs ``ditto.steps`` steps on its personal model v_k (``site.models["personal"]``,
+   initialized to the first global model it receives, w_0) with gradient
+   ∇F_k(v_k) + λ (v_k − w_r), on its own random stream ``"personal"`` and its own
+   persistent optimizer ``"personal"`` (Alg. 1 lines 6–8, anchor = the received w_r).
+
+λ = 0 is pure local training of v_k.  Convention: the proximal gradient is
+added before the optimizer step, so with the papers' Adam it is preconditioned
+(the paper uses SGD; ``train.optimizer = "sgd"`` reproduces it).  Default λ = 0.1
+(the paper tunes λ per dataset from a small grid; ours is untuned), personal work
+per round = one round of local work (the paper's s local epochs = the global's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.fedavg import train_global
+from fedseg.algorithms.fedprox import proximal_loss
+from fedseg.algorithms.personal import (
+    aggregate_global,
+    check_nonneg_int,
+    check_positive,
+    check_weighting,
+    is_eval_round,
+    local_work,
+    personal_candidates,
+    store_personal,
+)
+from fedseg.arrays import Arrays, prefixed, strip_prefix
+from fedseg.errors import ConfigError
+from fedseg.site import Reply, Site, Task
+
+__all__ = ["Ditto", "DittoParams", "personal_step"]
+
+
+@dataclass(frozen=True)
+class DittoParams:
+    """Settings of Ditto (``[ditto]``).
+
+    lam
+        λ >= 0, pull of the personal model towards the global one (Eq. 2); 0 = local training.
+    steps
+        Personal optimizer steps per round (>= 0); None = one round of local work.
+    lr
+        Learning rate of the personal optimizer; None = ``train.lr``.
+    weighting
+        FedAvg weights of the global model: 'samples' or 'even'.
+    """
+
+    lam: float = 0.1
+    steps: int | None = None
+    lr: float | None = None
+    weighting: str = "samples"
+
+    def validate(self) -> None:
+        if not (self.lam >= 0.0 and self.lam < float("inf")):
+            raise ConfigError(f"ditto.lam = {self.lam}; it must be a finite number >= 0 (0 = pure local training)")
+        check_nonneg_int("ditto", "steps", self.steps)
+        check_positive("ditto", "lr", self.lr, allow_none=True)
+        check_weighting("ditto", self.weighting)
+
+
+def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: DittoParams) -> dict[str, Any]:
+    """One round of Ditto's personal update at ``site`` towards ``global_arrays`` (w_r).
+
+    Trains ``site.models["personal"]`` (created from ``global_arrays`` on first use)
+    on F_k(v) + λ/2 ||v − w_r||² for ``params.steps`` steps; returns ``{"loss", "steps"}``.
+    Usable by any method that has a global model and wants Ditto personal models.
+    """
+    if "personal" not in site.models:
+        site.load("personal", global_arrays)
+    model = site.models["personal"]
+    anchor = {k: global_arrays[k] for k, _ in model.named_parameters()}
+    opt = site.optimizer("personal", lr=params.lr)
+    return site.fit("personal", rnd, stream="personal", optimizer=opt, extra_loss=proximal_loss(anchor, params.lam), steps=local_work(site, params.steps))
+
+
+def train_ditto(site: Site, task: Task) -> Reply:
+    """Site half: FedAvg's local work on w_r, then the personal update; v_k is sent on evaluation rounds."""
+    w_r = strip_prefix("global", task.arrays)
+    reply = train_global(site, task)
+    params = DittoParams(**task.config["params"])
+    pm = personal_step(site, w_r, task.config["round"], params)
+    reply.metrics["personal_loss"] = pm["loss"]
+    if task.config.get("report_personal"):
+        reply.arrays.update(prefixed("personal", site.arrays("personal")))
+    return reply
+
+
+class Ditto(Algorithm):
+    name = "ditto"
+    section = "ditto"
+    Params = DittoParams
+    primary = None
+    summary = "Ditto: FedAvg global model + per-site personal models pulled towards it by lambda/2 ||v - w||^2"
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        return prefixed("global", ctx.init_arrays("global"))
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        p = self.params
+        conf = {"round": rnd, "report_personal": is_eval_round(ctx.cfg, rnd), "params": {"lam": p.lam, "steps": p.steps, "lr": p.lr}}
+        replies = ctx.ask({s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites})
+        new = dict(state)
+        new.update(aggregate_global(replies, p.weighting))
+        store_personal(new, replies)
+        return new, {
+            "train_loss": {s: r.metrics.get("loss") for s, r in replies.items()},
+            "personal_loss": {s: r.metrics.get("personal_loss") for s, r in replies.items()},
+        }
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return personal_candidates(state, ctx)
+
+    def site_handlers(self):
+        return {"train": train_ditto}

@@ -1,0 +1,122 @@
+"""FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020).
+
+Round r: each site k starts from the global model w_r and minimizes (paper Eq. 2)
+
+    h_k(w; w_r) = F_k(w) + μ/2 ||w − w_r||²
+
+for one round of local work, so each local gradient is g + μ (w − w_r); the server
+averages as FedAvg does (w_{r+1} = Σ_k p_k w^{(k)}, p_k = n_k / n).
+
+Convention: the proximal gradient is added to the loss gradient *before* the site's
+optimizer step, so with the papers' Adam the proximal pull is preconditioned by
+Adam like the rest of the gradient (FLamby's and Flower's FedProx do the same);
+with ``train.optimizer = "sgd"`` and momentum 0 it is the paper's inexact solver
+exactly.  The sum runs over the trainable parameters (not buffers).  μ = 0 is
+FedAvg bitwise.  Default μ = 0.01, one of the paper's grid {0.001, 0.01, 0.1, 1}
+(Section 5.2) and the value the FedSM comparison's example uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedseg.algorithms.base import ServerContext
+from fedseg.algorithms.fedavg import FedAvg, aggregation_weights
+from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.errors import ConfigError
+from fedseg.site import Reply, Site, Task
+
+__all__ = ["FedProx", "FedProxParams", "proximal_loss", "proximal_term"]
+
+
+def proximal_term(params: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
+    """μ/2 Σ_k ||params_k − anchor_k||² (FedProx Eq. 2), differentiable in ``params``.
+
+    Parameters
+    ----------
+    params
+        Current weights (typically ``dict(model.named_parameters())``).
+    anchor
+        Detached reference weights w_r with the same names and shapes.
+    mu
+        Proximal coefficient μ ≥ 0.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar whose gradient with respect to ``params_k`` is μ (params_k − anchor_k).
+    """
+    total = None
+    for k, p in params.items():
+        d = (p - anchor[k]).pow(2).sum()
+        total = d if total is None else total + d
+    if total is None:
+        return torch.zeros(())
+    return 0.5 * mu * total
+
+
+def proximal_loss(anchor: Mapping[str, torch.Tensor], mu: float) -> Callable[[nn.Module], torch.Tensor]:
+    """``extra_loss`` for :meth:`Site.fit`: μ/2 ||w − anchor||² over the model's parameters."""
+    anchor = {k: v.detach().clone() for k, v in anchor.items()}
+
+    def extra(model: nn.Module) -> torch.Tensor:
+        return proximal_term(dict(model.named_parameters()), anchor, mu)
+
+    return extra
+
+
+@dataclass(frozen=True)
+class FedProxParams:
+    """Settings of FedProx (``[fedprox]``).
+
+    mu
+        Proximal coefficient μ ≥ 0 (paper Eq. 2); 0 gives FedAvg.
+    weighting
+        Aggregation weights: 'samples' (n_k / n) or 'even' (1 / K), as in FedAvg.
+    """
+
+    mu: float = 0.01
+    weighting: str = "samples"
+
+    def validate(self) -> None:
+        if not (self.mu >= 0.0 and self.mu < float("inf")):
+            raise ConfigError(f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)")
+        if self.weighting not in ("samples", "even"):
+            raise ConfigError(f"fedprox.weighting = {self.weighting!r}; use 'samples' or 'even'")
+
+
+def train_prox(site: Site, task: Task) -> Reply:
+    """Site half: load w_r, train one round on F_k(w) + μ/2 ||w − w_r||², send w back."""
+    mu = float(task.config["mu"])
+    model = site.load("global", strip_prefix("global", task.arrays))
+    anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+    metrics = site.fit("global", task.config["round"], stream="train", optimizer=opt, extra_loss=proximal_loss(anchor, mu), steps=task.config.get("steps"))
+    return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
+
+
+class FedProx(FedAvg):
+    name = "fedprox"
+    section = "fedprox"
+    Params = FedProxParams
+    summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_r||^2 in every site's local loss"
+
+    def round_config(self, rnd: int) -> dict[str, Any]:
+        return {"round": rnd, "mu": self.params.mu}
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        task = Task("train", state, self.round_config(rnd))
+        replies = ctx.ask({s: task for s in ctx.sites})
+        names = list(replies)
+        p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
+        new = dict(state)
+        new.update(weighted_mean([replies[s].arrays for s in names], p))
+        return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
+
+    def site_handlers(self):
+        return {"train": train_prox}

@@ -1,0 +1,218 @@
+"""Per-FedAvg (Fallah, Mokhtari, Ozdaglar, "Personalized Federated Learning with
+Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach", NeurIPS 2020).
+
+Objective (paper Eq. 3): F(w) = Σ_i p_i f_i(w − α ∇f_i(w)), the loss *after* one
+step of local adaptation.  Each local step at site i draws three independent batches
+D, D', D'' (random streams ``"train"``, ``"meta"``, ``"hessian"``) and computes
+(Algorithm 1, lines 7–9):
+
+    w̃ = w − α ∇f_i(w; D)
+    FO (Per-FedAvg (FO)):  g = ∇f_i(w̃; D')
+    HF (Per-FedAvg (HF)):  g = ∇f_i(w̃; D') − α ∇²f_i(w; D'') ∇f_i(w̃; D')
+    w ← w − β g
+
+The Hessian-vector product is exact double backprop (``perfedavg.hvp =
+"autograd"``, ``torch.autograd.grad(..., create_graph=True)``) or the paper's
+central finite difference [∇f(w + δ v) − ∇f(w − δ v)] / (2δ)
+(``"finite_difference"``, Section 4 of the paper).  The server averages like FedAvg.
+
+Convention: g is handed to the site's optimizer as the gradient (``train.optimizer``,
+Adam by default, β = ``train.lr``); with ``train.optimizer = "sgd"`` and momentum 0
+it is the paper's outer step.  The inner step α is plain gradient descent as in the paper.
+
+Personalization (evaluation): on the rounds the engine evaluates, each site adapts
+the new global model with ``perfedavg.personal_steps`` plain gradient steps of size
+α on its own training batches (stream ``"adapt"``) — the one-step adaptation the
+objective is built for — giving candidate ``personal/<site>``.
+
+Defaults: FO, α = 0.01, δ = 0.001, one adaptation step (our choices, in the range
+the paper's experiments use; FedSM's Table 6 gives no values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.personal import (
+    aggregate_global,
+    check_nonneg_int,
+    check_positive,
+    check_weighting,
+    finetune,
+    is_eval_round,
+    personal_candidates,
+    store_personal,
+)
+from fedseg.arrays import Arrays, prefixed, strip_prefix
+from fedseg.errors import ConfigError
+from fedseg.site import Reply, Site, Task
+
+__all__ = ["PerFedAvg", "PerFedAvgParams", "hvp_autograd", "hvp_finite_difference", "meta_gradient", "personal_step"]
+
+Params_ = dict[str, torch.Tensor]
+
+
+def hvp_autograd(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]) -> Arrays:
+    """Exact Hessian-vector product ∇²f(w) v by double backprop.
+
+    Parameters
+    ----------
+    loss_fn
+        ``loss_fn(params) -> scalar`` f(w), differentiable twice.
+    params
+        The point w (name → tensor); need not require grad.
+    v
+        The vector (same names and shapes), treated as a constant.
+    """
+    p = {k: t.detach().requires_grad_(True) for k, t in params.items()}
+    grads = torch.autograd.grad(loss_fn(p), list(p.values()), create_graph=True)
+    inner = sum((g * v[k].detach()).sum() for k, g in zip(p, grads))
+    hv = torch.autograd.grad(inner, list(p.values()), allow_unused=True)
+    return {k: (h.detach() if h is not None else torch.zeros_like(p[k])) for k, h in zip(p, hv)}
+
+
+def grad_of(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor]) -> Arrays:
+    """∇f(w) as arrays (zeros for parameters the loss does not use)."""
+    p = {k: t.detach().requires_grad_(True) for k, t in params.items()}
+    gs = torch.autograd.grad(loss_fn(p), list(p.values()), allow_unused=True)
+    return {k: (g.detach() if g is not None else torch.zeros_like(p[k])) for k, g in zip(p, gs)}
+
+
+def hvp_finite_difference(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor], delta: float) -> Arrays:
+    """[∇f(w + δ v) − ∇f(w − δ v)] / (2δ), the paper's Hessian-free estimate (error O(δ²) ||v||³)."""
+    plus = grad_of(loss_fn, {k: t.detach() + delta * v[k] for k, t in params.items()})
+    minus = grad_of(loss_fn, {k: t.detach() - delta * v[k] for k, t in params.items()})
+    return {k: (plus[k] - minus[k]) / (2.0 * delta) for k in params}
+
+
+def meta_gradient(g_outer: Mapping[str, torch.Tensor], alpha: float, hv: Mapping[str, torch.Tensor] | None = None) -> Arrays:
+    """(I − α ∇²f) ∇f(w̃) given the HVP ``hv`` = ∇²f ∇f(w̃); ``hv = None`` is the FO variant (g_outer)."""
+    if hv is None:
+        return {k: g.clone() for k, g in g_outer.items()}
+    return {k: g - alpha * hv[k] for k, g in g_outer.items()}
+
+
+@dataclass(frozen=True)
+class PerFedAvgParams:
+    """Settings of Per-FedAvg (``[perfedavg]``).
+
+    variant
+        'fo' (first order) or 'hf' (Hessian-free: with a Hessian-vector product).
+    alpha
+        α > 0, step size of the inner (adaptation) step.
+    hvp
+        HF only: 'autograd' (exact, double backprop) or 'finite_difference'.
+    delta
+        δ > 0 of the finite-difference HVP.
+    personal_steps
+        Adaptation steps (of size α) that make the personalized model at evaluation.
+    weighting
+        FedAvg weights of the global model: 'samples' or 'even'.
+    """
+
+    variant: str = "fo"
+    alpha: float = 0.01
+    hvp: str = "autograd"
+    delta: float = 1e-3
+    personal_steps: int = 1
+    weighting: str = "samples"
+
+    def validate(self) -> None:
+        if self.variant not in ("fo", "hf"):
+            raise ConfigError(f"perfedavg.variant = {self.variant!r}; use 'fo' (first order) or 'hf' (Hessian-free)")
+        check_positive("perfedavg", "alpha", self.alpha)
+        if self.hvp not in ("autograd", "finite_difference"):
+            raise ConfigError(f"perfedavg.hvp = {self.hvp!r}; use 'autograd' or 'finite_difference'")
+        check_positive("perfedavg", "delta", self.delta)
+        check_nonneg_int("perfedavg", "personal_steps", self.personal_steps, allow_none=False)
+        check_weighting("perfedavg", self.weighting)
+
+
+def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> dict[str, Any]:
+    """One round of Per-FedAvg local steps on ``models["global"]`` from ``global_arrays``."""
+    model = site.load("global", global_arrays)
+    opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+    model.train()
+    loss_f = site.workload.loss
+    streams = [site.batches(rnd, "train"), site.batches(rnd, "meta")]
+    if params.variant == "hf":
+        streams.append(site.batches(rnd, "hessian"))
+    total, count = 0.0, 0
+    for batches in zip(*streams):
+        w = {k: p.detach() for k, p in model.named_parameters()}
+
+        def loss_on(batch):
+            x, y = batch
+            return lambda p: loss_f(functional_call(model, p, (x,)), y)
+
+        g1 = grad_of(loss_on(batches[0]), w)
+        w_tilde = {k: w[k] - params.alpha * g1[k] for k in w}
+        outer = loss_on(batches[1])
+        p2 = {k: t.requires_grad_(True) for k, t in w_tilde.items()}
+        loss2 = outer(p2)
+        g2 = dict(zip(p2, (g.detach() for g in torch.autograd.grad(loss2, list(p2.values())))))
+        hv = None
+        if params.variant == "hf":
+            hess = loss_on(batches[2])
+            hv = hvp_autograd(hess, w, g2) if params.hvp == "autograd" else hvp_finite_difference(hess, w, g2, params.delta)
+        g = meta_gradient(g2, params.alpha, hv)
+        opt.zero_grad(set_to_none=True)
+        for k, p in model.named_parameters():
+            p.grad = g[k]
+        opt.step()
+        total += float(loss2.detach())
+        count += 1
+    return {"loss": total / max(count, 1), "steps": count}
+
+
+def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> tuple[Arrays, dict[str, Any]]:
+    """Per-FedAvg's personalization: ``personal_steps`` gradient steps of size α from the global model."""
+    return finetune(site, global_arrays, rnd, steps=params.personal_steps, lr=params.alpha, optimizer="sgd", stream="adapt")
+
+
+def train_perfedavg(site: Site, task: Task) -> Reply:
+    params = PerFedAvgParams(**task.config["params"])
+    metrics = local_round(site, strip_prefix("global", task.arrays), task.config["round"], params)
+    return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
+
+
+def personalize_perfedavg(site: Site, task: Task) -> Reply:
+    params = PerFedAvgParams(**task.config["params"])
+    arrays, metrics = personal_step(site, strip_prefix("global", task.arrays), task.config["round"], params)
+    return Reply(arrays=prefixed("personal", arrays), metrics=metrics, num_samples=site.num_train)
+
+
+class PerFedAvg(Algorithm):
+    name = "perfedavg"
+    section = "perfedavg"
+    Params = PerFedAvgParams
+    primary = None
+    summary = "Per-FedAvg: MAML-style global model (FO or HF), personalized by alpha-steps of local adaptation"
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        return prefixed("global", ctx.init_arrays("global"))
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        conf = {"round": rnd, "params": dataclasses.asdict(self.params)}
+        glob = prefixed("global", strip_prefix("global", state))
+        replies = ctx.ask({s: Task("train", glob, conf) for s in ctx.sites})
+        new = dict(state)
+        new.update(aggregate_global(replies, self.params.weighting))
+        metrics: dict[str, Any] = {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
+        if is_eval_round(ctx.cfg, rnd):
+            personal = ctx.ask({s: Task("personalize", prefixed("global", strip_prefix("global", new)), conf) for s in ctx.sites})
+            store_personal(new, personal)
+        return new, metrics
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return personal_candidates(state, ctx)
+
+    def site_handlers(self):
+        return {"train": train_perfedavg, "personalize": personalize_perfedavg}
