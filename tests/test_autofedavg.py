@@ -331,7 +331,6 @@ def test_reinit_resets_beta_before_each_phase(sites, workload):
     assert kept["history"][1]["beta"] != reset["history"][1]["beta"]
 
 
-@pytest.mark.slow
 def test_autofedavg_is_deterministic_and_resumes_bitwise(tmp_path, sites, workload):
     # Prepare: 4 rounds, t0 = 2, Dirichlet (seeded rsample) layer-wise
     cfg = _cfg(4, interval=2, steps=2, granularity="layer", lr=0.1)

@@ -1,0 +1,474 @@
+"""Auto-FedAvg: aggregation weights learned from the sites' data (Xia et al., 2021).
+
+FedAvg sets w ← Σ_k α_k w_k with α_k = n_k / n.  Auto-FedAvg (paper Section 3,
+Algorithm 1) learns α instead.  Every ``interval`` (t0) rounds, after local
+training and before aggregating, the server runs **LearnAggWeight**:
+
+1. it sends each site the other sites' locally trained models w_j (j ≠ k) once;
+2. for S steps, each site receives β^{s−1}, samples a batch x, forms
+   w(α) = Σ_j α_j w_j with α = γ(β^{s−1}), computes l(w(α); x), updates β with
+   its own Adam and replies β^{s,k}; the server sets β^s = mean_k β^{s,k}
+   (Alg. 1: uniform mean; ``beta_weighting = "samples"`` weights by n_k);
+3. the server aggregates with α = γ(β^S).  Between learning phases it aggregates
+   with the last α (Alg. 1, ``α^t ← α^{t−1}``).
+
+The objective (paper Eq. 2) is  min_α Σ_k L_k(Σ_j α_j w_j)  s.t. Σ α = 1, α > 0,
+with the w_j fixed during the phase.  γ is one of
+
+* **softmax** (Eq. 4): α = softmax(β); β are logits, initialised at 0 (α = 1/K,
+  FedAvg-even) or at log n_k (α = n_k/n, FedAvg) — ``softmax_init``;
+* **dirichlet** (Eq. 5–6): α ~ Dir(β) in training, sampled with implicit
+  reparameterized gradients (``torch.distributions.Dirichlet.rsample``, Figurnov
+  et al. 2018), and the mode α_k = (β_k − 1)/(Σβ − K) at aggregation.  β is
+  initialised at 6.0 (the paper's COVID setting) and kept ≥ ``min_concentration``
+  (> 1, so the mode exists and is > 0) by clamping after every Adam step
+  (projected gradient); the average of clamped values stays clamped.
+
+Granularity:
+
+* **network**-wise: one α_k per site; β has one entry ``"*"`` of shape (K,).
+* **layer**-wise: one α per site per *parameter tensor* (our definition of the
+  paper's "layer" p = 1..P: every tensor of ``model.named_parameters()``, so a
+  conv's weight and bias are two layers).  β has one (K,) entry per parameter
+  name.  A floating buffer (batch-norm running statistics) follows the first
+  parameter of its own module (``bn.running_mean`` uses the α of ``bn.weight``);
+  a buffer of a module without parameters uses the mean over layers of α.
+  Integer buffers are never averaged (taken from the first site, as in
+  :func:`fedseg.arrays.weighted_mean`).
+
+Variant ``reinit = true`` resets β to its initial value before each learning
+phase (the paper's "Auto-FedAvg-N-Dirichlet*").
+
+Communication (Section 3.3): FedAvg moves 2 models per site per round (2K·M
+bytes); each learning phase adds K(K−1)·M bytes for the peer models, so the
+extra ratio is (K−1)/(2 t0) — :func:`extra_cost_ratio` — plus 2·S·K·|β| bytes
+of β messages (8 bytes × K × P per message), reported separately in the
+history (``extra_bytes``).
+
+Not given by the paper (our defaults, documented in docs/algorithms/autofedavg.md):
+the number of weight-learning steps S (``steps = 10``), the β optimizer (Adam,
+``lr = 0.01``, torch's default betas), the batch (``train.batch_size``).
+
+Site-side scratch (the peer models in ``site.store['autofedavg/peers/...']`` and
+the β optimizer in ``site.optimizers['autofedavg/beta']``) lives only within a
+learning phase, which never spans a checkpoint, and is removed on its last step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.fedavg import aggregation_weights, train_global
+from fedseg.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
+from fedseg.errors import ConfigError, PayloadError
+from fedseg.seeding import derive_seed
+from fedseg.site import Reply, Site, Task
+
+__all__ = [
+    "NETWORK",
+    "AutoFedAvg",
+    "AutoFedAvgParams",
+    "aggregate",
+    "alpha_eval",
+    "alpha_per_tensor",
+    "alpha_train",
+    "dirichlet_mode",
+    "extra_cost_ratio",
+    "init_beta",
+    "mix",
+    "sample_dirichlet",
+    "site_selected_candidates",
+    "softmax_alpha",
+    "tensor_layers",
+]
+
+NETWORK = "*"
+"""The single β entry of network-wise aggregation."""
+
+DESCRIBE = "autofedavg-describe"
+PEERS = "autofedavg-peers"
+STEP = "autofedavg-step"
+_SCRATCH = "autofedavg/peers"
+_OPT = "autofedavg/beta"
+
+
+# --------------------------------------------------------------------- params
+@dataclass(frozen=True)
+class AutoFedAvgParams:
+    """Settings of Auto-FedAvg (``[autofedavg]``).
+
+    param
+        ``"dirichlet"`` (α ~ Dir(β), mode at aggregation; the paper's best, Table 2)
+        or ``"softmax"`` (α = softmax(β), Eq. 4).
+    granularity
+        ``"network"`` (one α_k per site) or ``"layer"`` (one α per site per parameter tensor).
+    interval
+        t0: learn α every this many rounds (paper Table 2: 10; Table 3: 5; Fig. 4: 1, 5, 10).
+    steps
+        S, weight-learning steps per phase (not given in the paper; our default 10).
+    lr
+        Adam learning rate of β at the sites (not given in the paper; our default 0.01).
+    concentration
+        Initial Dirichlet β per site (paper Section 4.2: 6.0).
+    min_concentration
+        Lower bound of the Dirichlet β (clamped after each step; must be > 1 so the mode exists).
+    softmax_init
+        Initial softmax logits: ``"zeros"`` (α = 1/K) or ``"log_samples"`` (β_k = log n_k, α = n_k/n).
+    reinit
+        Reset β to its initial value before each learning phase (paper's Auto-FedAvg-N-Dirichlet*).
+    beta_weighting
+        How the server averages the sites' β: ``"even"`` (Alg. 1: 1/K) or ``"samples"`` (n_k/n).
+    site_selection
+        Also track the global model at the round of best validation on each single site
+        (candidates ``global@<site>``): the "best local models" of Table 2 (local avg / local gen).
+    """
+
+    param: str = "dirichlet"
+    granularity: str = "network"
+    interval: int = 10
+    steps: int = 10
+    lr: float = 0.01
+    concentration: float = 6.0
+    min_concentration: float = 1.001
+    softmax_init: str = "zeros"
+    reinit: bool = False
+    beta_weighting: str = "even"
+    site_selection: bool = True
+
+    def validate(self) -> None:
+        if self.param not in ("softmax", "dirichlet"):
+            raise ConfigError(f"autofedavg.param = {self.param!r}; use 'softmax' or 'dirichlet'")
+        if self.granularity not in ("network", "layer"):
+            raise ConfigError(f"autofedavg.granularity = {self.granularity!r}; use 'network' or 'layer'")
+        if self.interval < 1:
+            raise ConfigError(f"autofedavg.interval must be >= 1 (learn every t0 rounds), got {self.interval}")
+        if self.steps < 1:
+            raise ConfigError(f"autofedavg.steps must be >= 1 (weight-learning steps S), got {self.steps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"autofedavg.lr must be a positive number, got {self.lr}")
+        if not self.min_concentration > 1.0:
+            raise ConfigError(
+                f"autofedavg.min_concentration must be > 1 so that the Dirichlet mode exists, got {self.min_concentration}"
+            )
+        if not self.concentration >= self.min_concentration:
+            raise ConfigError(
+                f"autofedavg.concentration = {self.concentration} is below autofedavg.min_concentration = "
+                f"{self.min_concentration}; use a value > 1 (the paper uses 6.0)"
+            )
+        if self.softmax_init not in ("zeros", "log_samples"):
+            raise ConfigError(f"autofedavg.softmax_init = {self.softmax_init!r}; use 'zeros' or 'log_samples'")
+        if self.beta_weighting not in ("even", "samples"):
+            raise ConfigError(f"autofedavg.beta_weighting = {self.beta_weighting!r}; use 'even' or 'samples'")
+
+
+# ------------------------------------------------------------- pure functions
+def extra_cost_ratio(num_sites: int, interval: int) -> float:
+    """Extra model traffic of Auto-FedAvg over FedAvg, (K − 1) / (2 t0) (paper Section 3.3).
+
+    FedAvg moves 2K models per round; a learning phase every t0 rounds moves K(K−1) more.
+    """
+    if num_sites < 1 or interval < 1:
+        raise ValueError(f"need num_sites >= 1 and interval >= 1, got {num_sites}, {interval}")
+    return (num_sites - 1) / (2 * interval)
+
+
+def softmax_alpha(beta: torch.Tensor) -> torch.Tensor:
+    """α = softmax(β) over sites (paper Eq. 4).  ``beta``: (K,) or (K, P); softmax over dim 0."""
+    return torch.softmax(beta, dim=0)
+
+
+def dirichlet_mode(beta: torch.Tensor) -> torch.Tensor:
+    """Mode of Dir(β): α_k = (β_k − 1) / (Σ_i β_i − K) (paper Eq. 6).
+
+    ``beta``: (K,) or (K, P) with every β_k > 1 (sites along dim 0).
+    """
+    if bool((beta <= 1.0).any()):
+        raise ValueError(f"the Dirichlet mode needs every concentration > 1, got min {float(beta.min())}")
+    return (beta - 1.0) / (beta.sum(dim=0, keepdim=True) - beta.shape[0])
+
+
+def sample_dirichlet(beta: torch.Tensor, seed: int) -> torch.Tensor:
+    """α ~ Dir(β) with implicit reparameterized gradients, from a stream seeded by ``seed``.
+
+    ``beta``: (K,) or (K, P) (one distribution per column); returns the same shape.
+    ``rsample`` draws from the global RNG, so the draw runs inside ``fork_rng`` with
+    ``torch.manual_seed(seed)`` and leaves the global stream untouched.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.distributions.Dirichlet(beta.transpose(0, -1)).rsample().transpose(0, -1)
+
+
+def _stack(beta: Mapping[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
+    names = sorted(beta)
+    return names, torch.stack([beta[n] for n in names], dim=1)  # (K, P)
+
+
+def alpha_eval(beta: Mapping[str, torch.Tensor], param: str) -> dict[str, torch.Tensor]:
+    """α per layer used at aggregation: softmax(β) or the Dirichlet mode (Eq. 4 / Eq. 6)."""
+    names, b = _stack(beta)
+    a = softmax_alpha(b) if param == "softmax" else dirichlet_mode(b)
+    return {n: a[:, i] for i, n in enumerate(names)}
+
+
+def alpha_train(beta: Mapping[str, torch.Tensor], param: str, seed: int) -> dict[str, torch.Tensor]:
+    """α per layer used in a weight-learning step (differentiable in β): softmax(β) or α ~ Dir(β)."""
+    names, b = _stack(beta)
+    a = softmax_alpha(b) if param == "softmax" else sample_dirichlet(b, seed)
+    return {n: a[:, i] for i, n in enumerate(names)}
+
+
+def init_beta(params: AutoFedAvgParams, num_samples: Sequence[int], layers: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Initial β (float64, (K,) per layer): Dirichlet ``concentration``, or softmax logits 0 / log n_k."""
+    k = len(num_samples)
+    if params.param == "dirichlet":
+        row = torch.full((k,), float(params.concentration), dtype=torch.float64)
+    elif params.softmax_init == "zeros":
+        row = torch.zeros(k, dtype=torch.float64)
+    else:
+        if any(n <= 0 for n in num_samples):
+            raise ValueError(f"autofedavg.softmax_init = 'log_samples' needs n_k > 0, got {list(num_samples)}")
+        row = torch.log(torch.tensor([float(n) for n in num_samples], dtype=torch.float64))
+    return {layer: row.clone() for layer in layers}
+
+
+def tensor_layers(names: Sequence[str], layers: Sequence[str]) -> dict[str, str | None]:
+    """Which layer's α each tensor uses.
+
+    Parameters
+    ----------
+    names
+        Tensor names of the exchanged arrays (floating ones are mixed).
+    layers
+        β's keys: ``["*"]`` (network-wise) or the model's parameter names (layer-wise).
+
+    Returns
+    -------
+    dict
+        ``name -> layer``: the network entry, the tensor itself when it is a
+        parameter, else the first parameter of the same module (a buffer such as
+        ``bn.running_mean`` follows ``bn.weight``), else None (mean of all layers).
+    """
+    layer_set = set(layers)
+    if NETWORK in layer_set:
+        return {n: NETWORK for n in names}
+    by_module: dict[str, str] = {}
+    for layer in layers:
+        by_module.setdefault(layer.rpartition(".")[0], layer)
+    return {n: (n if n in layer_set else by_module.get(n.rpartition(".")[0])) for n in names}
+
+
+def alpha_per_tensor(alpha: Mapping[str, torch.Tensor], groups: Mapping[str, str | None]) -> dict[str, torch.Tensor]:
+    """α (K,) for every tensor name, from α per layer and :func:`tensor_layers`."""
+    mean = None
+    out = {}
+    for name, layer in groups.items():
+        if layer is None:
+            if mean is None:
+                mean = torch.stack(list(alpha.values())).mean(dim=0)
+            out[name] = mean
+        else:
+            out[name] = alpha[layer]
+    return out
+
+
+def mix(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.Tensor]) -> Arrays:
+    """w = Σ_k α_k w_k per tensor, differentiable in α (the w_k are treated as constants).
+
+    Parameters
+    ----------
+    models
+        K arrays with equal names, shapes and dtypes.
+    alpha
+        ``name -> (K,)`` weights for every floating tensor (float64; cast to the tensor's dtype).
+
+    Returns
+    -------
+    Arrays
+        Floating tensors mixed; integer tensors from ``models[0]``.
+    """
+    first = models[0]
+    for other in models[1:]:
+        check_compatible(first, other)
+    out: Arrays = {}
+    for name, ref in first.items():
+        if not is_float(ref):
+            out[name] = ref
+            continue
+        a = alpha[name].to(ref.dtype)
+        out[name] = sum(a[k] * m[name].detach() for k, m in enumerate(models))
+    return out
+
+
+def aggregate(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.Tensor]) -> Arrays:
+    """The new global model Σ_k α_k w_k (no gradient), per tensor through :func:`fedseg.arrays.weighted_mean`.
+
+    With α_k = 1/K for every tensor the result is bitwise FedAvg-even's (same function, same weights).
+    """
+    out: Arrays = {}
+    for name, ref in models[0].items():
+        w = alpha[name].tolist() if is_float(ref) else None
+        out.update(weighted_mean([{name: m[name]} for m in models], w))
+    return out
+
+
+def site_selected_candidates(global_arrays: Arrays, sites: Sequence[str]) -> list[Candidate]:
+    """The global model selected on each single site's validation set (Table 2's "best local models")."""
+    return [Candidate(f"global@{s}", global_arrays, val_sites=(s,), home_site=s) for s in sites]
+
+
+def _mean_alpha(alpha: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(alpha.values())).mean(dim=0)
+
+
+# ----------------------------------------------------------------- site half
+def describe(site: Site, task: Task) -> Reply:
+    """Report the names of the model's shared parameter tensors (the "layers") and n_k."""
+    model = site.model("global")
+    shared = set(site.arrays("global"))
+    params = [n for n, _ in model.named_parameters() if n in shared]
+    return Reply(metrics={"parameters": params}, num_samples=site.num_train)
+
+
+def receive_peers(site: Site, task: Task) -> Reply:
+    """Keep the other sites' models (and a copy of its own trained model) for the learning phase."""
+    sites = task.config["sites"]
+    own = site.arrays("global")
+    store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}
+    for s in sites:
+        arrays = own if s == site.name else strip_prefix(s, task.arrays)
+        check_compatible(own, arrays, what=f"site {site.name}: peer model of {s}")
+        store.update(prefixed(f"{_SCRATCH}/{s}", arrays))
+    site.store = store
+    return Reply(num_samples=site.num_train)
+
+
+def beta_step(site: Site, task: Task) -> Reply:
+    """One LearnAggWeight step at a site: α from β, loss of Σ α_k w_k on a seeded batch, Adam step on β."""
+    p: AutoFedAvgParams = site.algorithm.params
+    cfg = task.config
+    rnd, step, sites = cfg["round"], cfg["step"], cfg["sites"]
+    beta_in = strip_prefix("beta", task.arrays)
+    layers = sorted(beta_in)
+    missing = [s for s in sites if not any(k.startswith(f"{_SCRATCH}/{s}/") for k in site.store)]
+    if missing:
+        raise PayloadError(f"site {site.name}: no models of {missing} for the weight-learning step; the server must send '{PEERS}' first")
+    opt = site.optimizers.get(_OPT) if step > 0 else None
+    if opt is None:
+        leaves = [beta_in[n].detach().clone().requires_grad_(True) for n in layers]
+        opt = torch.optim.Adam(leaves, lr=p.lr)
+        site.optimizers[_OPT] = opt
+    leaves = opt.param_groups[0]["params"]
+    with torch.no_grad():
+        for leaf, n in zip(leaves, layers):
+            leaf.copy_(beta_in[n])
+    models = [strip_prefix(f"{_SCRATCH}/{s}", site.store) for s in sites]
+    model = site.model("global")
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}  # clones: BN must not touch the site's own buffers
+    groups = tensor_layers([n for n, v in models[0].items() if is_float(v)], layers)
+    x, y = next(site.batches(rnd, f"autofedavg/{step}", steps=1))
+    seed = derive_seed(site.cfg.seed, site.index, rnd, "autofedavg-dirichlet", step)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(site.cfg.seed, site.index, rnd, "autofedavg-forward", step))
+        alpha = alpha_train(dict(zip(layers, leaves)), p.param, seed)
+        full.update(mix(models, alpha_per_tensor(alpha, groups)))
+        loss = site.workload.loss(functional_call(model, full, (x,)), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if p.param == "dirichlet":
+        with torch.no_grad():
+            for leaf in leaves:
+                leaf.clamp_(min=p.min_concentration)
+    reply = Reply(arrays=prefixed("beta", {n: leaf.detach().clone() for n, leaf in zip(layers, leaves)}),
+                  metrics={"loss": float(loss.detach())}, num_samples=site.num_train)
+    if cfg.get("last", False):
+        site.optimizers.pop(_OPT, None)
+        site.store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}
+    return reply
+
+
+# --------------------------------------------------------------- server half
+class AutoFedAvg(Algorithm):
+    name = "autofedavg"
+    section = "autofedavg"
+    Params = AutoFedAvgParams
+    summary = "Auto-FedAvg: FedAvg with aggregation weights learned at the sites every t0 rounds"
+
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        state = prefixed("global", ctx.init_arrays("global"))
+        replies = ctx.ask({s: Task(DESCRIBE) for s in ctx.sites})
+        n = [replies[s].num_samples for s in ctx.sites]
+        layers = [NETWORK] if self.params.granularity == "network" else replies[ctx.sites[0]].metrics["parameters"]
+        beta = init_beta(self.params, n, layers)
+        state.update(prefixed("autofedavg/beta", beta))
+        state.update(prefixed("autofedavg/beta0", {k: v.clone() for k, v in beta.items()}))  # no shared storage (safetensors)
+        return state
+
+    def learn(self, ctx: ServerContext, rnd: int, models: dict[str, Arrays], beta: dict[str, torch.Tensor], num_samples: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """LearnAggWeight (Alg. 1): peers once, then S rounds of β steps averaged at the server."""
+        p = self.params
+        names = list(models)
+        peer_tasks = {
+            s: Task(PEERS, {f"{o}/{k}": v for o in names if o != s for k, v in models[o].items()}, {"round": rnd, "sites": names})
+            for s in names
+        }
+        model_bytes = sum(nbytes(t.arrays) for t in peer_tasks.values())
+        ctx.ask(peer_tasks)
+        weights = aggregation_weights(num_samples, p.beta_weighting)
+        losses, beta_bytes = [], 0
+        for step in range(p.steps):
+            payload = prefixed("beta", beta)
+            cfg = {"round": rnd, "step": step, "sites": names, "last": step == p.steps - 1}
+            replies = ctx.ask({s: Task(STEP, payload, cfg) for s in names})
+            beta_bytes += sum(nbytes(payload) + nbytes(replies[s].arrays) for s in names)
+            beta = weighted_mean([strip_prefix("beta", replies[s].arrays) for s in names], weights)
+            if p.param == "dirichlet":
+                beta = {k: v.clamp(min=p.min_concentration) for k, v in beta.items()}
+            losses.append(sum(replies[s].metrics["loss"] for s in names) / len(names))
+        return beta, {"agg_loss": losses, "extra_bytes": {"models": model_bytes, "beta": beta_bytes}}
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        p = self.params
+        replies = ctx.ask({s: Task("train", prefixed("global", strip_prefix("global", state)), {"round": rnd}) for s in ctx.sites})
+        names = list(ctx.sites)
+        missing = [s for s in names if s not in replies]
+        if missing:
+            raise PayloadError(f"autofedavg: sites {missing} did not reply; learned weights need every site")
+        models = {s: strip_prefix("global", replies[s].arrays) for s in names}
+        n = [replies[s].num_samples for s in names]
+        beta = strip_prefix("autofedavg/beta", state)
+        metrics: dict[str, Any] = {"train_loss": {s: replies[s].metrics.get("loss") for s in names}, "alpha_learned": False}
+        if rnd % p.interval == 0:
+            if p.reinit:
+                beta = strip_prefix("autofedavg/beta0", state)
+            beta, info = self.learn(ctx, rnd, models, beta, n)
+            metrics.update(info, alpha_learned=True)
+        alpha = alpha_eval(beta, p.param)
+        first = models[names[0]]
+        groups = tensor_layers([k for k, v in first.items() if is_float(v)], list(beta))
+        new = dict(state)
+        new.update(prefixed("global", aggregate([models[s] for s in names], alpha_per_tensor(alpha, groups))))
+        new.update(prefixed("autofedavg/beta", beta))
+        a, b = _mean_alpha(alpha), _mean_alpha(beta)
+        metrics["alpha"] = {s: float(a[i]) for i, s in enumerate(names)}
+        metrics["beta"] = {s: float(b[i]) for i, s in enumerate(names)}
+        return new, metrics
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        g = strip_prefix("global", state)
+        out = [Candidate("global", g)]
+        if self.params.site_selection:
+            out += site_selected_candidates(g, ctx.sites)
+        return out
+
+    def site_handlers(self):
+        return {"train": train_global, DESCRIBE: describe, PEERS: receive_peers, STEP: beta_step}
