@@ -49,10 +49,32 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.resume is None and a.config is None:
         raise FedsegError("give a run config or federation spec, or --resume OUT to continue a run")
     out = a.resume or a.out
-    res = run(a.config, out=out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed)
+    logger = None
+    if getattr(a, "tensorboard", False):
+        from fedseg.report.tensorboard import TensorBoardLogger
+
+        logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
+        print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
+    try:
+        res = run(a.config, out=out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed, on_round=logger)
+    finally:
+        if logger is not None:
+            logger.close()
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
+    if logger is not None:
+        print(f"tensorboard: tensorboard --logdir {logger.logdir.resolve()}")
     return 0 if res is not None else 1
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from fedseg.report import ReportOptions, build_report
+
+    opts = ReportOptions(models=not a.no_models, loss_site=a.loss_site, directions=a.directions, steps=a.steps, radius=a.radius,
+                         normalize=a.normalize, loss_cases=a.loss_cases, cases=a.cases, tsne_cases=a.tsne_cases, seed=a.seed)
+    path = build_report(a.runs, a.html, opts, title=a.title)
+    print(f"report: {path.resolve()} ({path.stat().st_size / 1e6:.1f} MB, self-contained: open it in any browser)")
+    return 0
 
 
 def cmd_evaluate(a: argparse.Namespace) -> int:
@@ -69,6 +91,52 @@ def cmd_compare(a: argparse.Namespace) -> int:
     _, table = compare(a.config, _csv(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=a.set)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
+    return 0
+
+
+def cmd_fedsm(a: argparse.Namespace) -> int:
+    from fedseg.fedsm_experiments import sweep, unseen
+
+    gammas = [float(g) for g in _csv(a.gamma)] if a.gamma else None
+    fields = {k: v for k, v in (("rounds", a.rounds), ("seed", a.seed)) if v is not None}
+    if a.fedsm_verb == "unseen":
+        _, table = unseen(a.config, a.out, overrides=a.set, sites=_csv(a.sites) if a.sites else None, gammas=gammas, progress=True, **fields)
+        name = "unseen.md"
+    else:
+        _, table = sweep(a.config, a.out, [float(x) for x in _csv(a.lam)], overrides=a.set, gammas=gammas, progress=True, **fields)
+        name = "sweep.md"
+    print("\n" + table)
+    print(f"table: {Path(a.out).resolve() / name}")
+    return 0
+
+
+def cmd_deploy(a: argparse.Namespace) -> int:
+    from fedseg.deploy import run as dep
+
+    if a.deploy_verb == "provision":
+        kits = dep.provision(_csv(a.sites), a.server, a.out)
+        for name, path in kits.items():
+            print(f"{name}: {path}")
+        print("give each site its own kit folder (it holds that site's private key); keep 'admin' with the run submitter")
+        return 0
+    if a.deploy_verb == "site":
+        cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name)
+        print(f"wrote {cfg}; starting the site (it connects out to the server; Ctrl-C stops it)")
+        return dep.foreground(dep.start_site(a.kit, log=Path(a.workdir) / "fedseg-site.log"))
+    if a.deploy_verb == "server":
+        print("starting the server (sites connect to it; Ctrl-C stops it)")
+        return dep.foreground(dep.start_server(a.kit))
+    if a.deploy_verb == "run":
+        out = a.resume or a.out
+        res = dep.deploy_run(a.config, a.kits, out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed)
+    else:
+        out = a.out
+        res = dep.rehearse(a.config, a.sites, out, overrides=a.set, method=a.method, rounds=a.rounds, seed=a.seed)
+    if res is None:
+        print(f"the run did not finish; see {Path(out).resolve()} and resume with: fedseg deploy run --kits KITS --resume {out}")
+        return 1
+    print(Path(out, "results.md").read_text())
+    print(f"results: {Path(out).resolve() / 'results.json'}")
     return 0
 
 
@@ -106,7 +174,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="runs/run", help="output folder (default: runs/run)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-4 (repeatable)")
     r.add_argument("--resume", metavar="OUT", help="continue the interrupted run in OUT")
+    r.add_argument("--tensorboard", action="store_true", help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard")
+    r.add_argument("--tensorboard-dir", metavar="DIR", help="with --tensorboard: write the scalars to DIR instead")
     r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("report", help="one self-contained HTML report (tables, training curves, loss surface, t-SNE, predictions) of finished runs")
+    rp.add_argument("runs", nargs="+", metavar="OUT", help="run output folders (or folders holding runs, e.g. a compare output)")
+    rp.add_argument("--html", default="report.html", help="HTML file to write (default: report.html)")
+    rp.add_argument("--title", help="report title (default: the methods)")
+    rp.add_argument("--no-models", action="store_true", help="tables and history figures only: skip loss surface, t-SNE and predictions")
+    rp.add_argument("--loss-site", help="site whose training data the loss surface uses (default: the one with the fewest training cases)")
+    rp.add_argument("--directions", type=int, default=10, help="random directions of the loss surface (FedSM Fig. 4: 10)")
+    rp.add_argument("--steps", type=int, default=21, help="points along each direction (odd; default 21)")
+    rp.add_argument("--radius", type=float, help="loss-surface range ±R (default: mean parameter norm for unit directions, 1 for filter)")
+    rp.add_argument("--normalize", choices=["unit", "filter"], default="unit", help="unit directions in parameter space (the paper) or filter-normalized (Li et al.)")
+    rp.add_argument("--loss-cases", type=int, default=32, help="at most this many training cases for the loss surface (default 32)")
+    rp.add_argument("--cases", type=int, default=2, help="sample predictions per site (default 2)")
+    rp.add_argument("--tsne-cases", type=int, default=40, help="test images per site in the t-SNE map (default 40)")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the loss-surface directions and t-SNE")
+    rp.set_defaults(func=cmd_report)
 
     e = sub.add_parser("evaluate", help="test a finished run's best models (optionally on another federation)")
     e.add_argument("run", help="output folder of a finished run")
@@ -122,6 +208,51 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=cmd_compare)
+    f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
+    fsub = f.add_subparsers(dest="fedsm_verb", required=True, metavar="STUDY")
+    for study, text in (("unseen", "leave each site out, train FedSM on the rest, test the composite on it (Table 5)"),
+                        ("sweep", "one FedSM run per lambda; Client Avg / Global Dice and test Dice per gamma (Table 7)")):
+        x = fsub.add_parser(study, help=text)
+        x.add_argument("config", help="run config TOML or federation spec")
+        x.add_argument("--out", required=True)
+        x.add_argument("--rounds", type=int)
+        x.add_argument("--seed", type=int)
+        x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
+        x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        if study == "unseen":
+            x.add_argument("--sites", help="comma-separated sites to hold out (default: each site)")
+        else:
+            x.add_argument("--lam", required=True, help="comma-separated lambdas, e.g. 0.1,0.3,0.5,0.7,0.9")
+        x.set_defaults(func=cmd_fedsm)
+    dp = sub.add_parser("deploy", help="run across real sites on NVIDIA FLARE (mutual TLS), or rehearse it on this machine")
+    dsub = dp.add_subparsers(dest="deploy_verb", required=True, metavar="STEP")
+    x = dsub.add_parser("provision", help="root CA + server, site and admin startup kits (mutual TLS)")
+    x.add_argument("--sites", required=True, help="comma-separated site names, as in the federation spec")
+    x.add_argument("--server", required=True, help="HOST:PORT the sites connect to (admin port = PORT+1)")
+    x.add_argument("--out", required=True, help="folder for the kits")
+    x = dsub.add_parser("site", help="configure this site's data (kept local) and start it")
+    x.add_argument("--kit", required=True)
+    x.add_argument("--datalist", required=True, help="this site's datalist JSON (never sent to the server)")
+    x.add_argument("--workdir", required=True, help="where the site keeps its checkpoints")
+    x.add_argument("--name", help="site name in the federation (default: the kit's)")
+    x = dsub.add_parser("server", help="start the server from its kit")
+    x.add_argument("--kit", required=True)
+    for verb, text in (("run", "submit a run to the deployment and wait for results.json"),
+                       ("rehearse", "one machine: server + site processes, real mutual TLS, 127.0.0.1")):
+        x = dsub.add_parser(verb, help=text)
+        x.add_argument("config", nargs="?" if verb == "run" else None, help="run config TOML (may hold a [deploy] section)")
+        x.add_argument("--out", default="runs/deploy")
+        x.add_argument("--method", choices=sorted(REGISTRY))
+        x.add_argument("--rounds", type=int)
+        x.add_argument("--seed", type=int)
+        x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        if verb == "run":
+            x.add_argument("--kits", required=True, help="folder written by `fedseg deploy provision` (uses kits/admin)")
+            x.add_argument("--resume", metavar="OUT", help="continue the deployed run in OUT after a server crash, as a new job")
+        else:
+            x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
+    for x in dsub.choices.values():
+        x.set_defaults(func=cmd_deploy)
     return p
 
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from fedseg.algorithms.autofedavg import AutoFedAvg
 from fedseg.algorithms.base import Algorithm, Candidate, NoParams, ServerContext
 from fedseg.algorithms.centralized import Centralized
 from fedseg.algorithms.fedavg import FedAvg, FedAvgEven
+from fedseg.algorithms.fedsm import FedSM, FedSMEnsemble, FedSMExtra
 from fedseg.algorithms.local import Local
+from fedseg.algorithms.fedprox import FedProx
+from fedseg.algorithms.scaffold import Scaffold
+from fedseg.algorithms.ft import FT
+from fedseg.algorithms.apfl import APFL
+from fedseg.algorithms.perfedavg import PerFedAvg
+from fedseg.algorithms.pfedme import PFedMe
+from fedseg.algorithms.ditto import Ditto
+from fedseg.algorithms.fga import FGA
+from fedseg.algorithms.fwa import FWA
+from fedseg.algorithms.cwt import CWT
 from fedseg.config import RunConfig
 from fedseg.errors import ConfigError
 
@@ -20,7 +32,7 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
-for _cls in (Centralized, Local, FedAvg, FedAvgEven):
+for _cls in (Centralized, Local, FedAvg, FedAvgEven, FGA, FWA, CWT, AutoFedAvg, FedSM, FedSMExtra, FedSMEnsemble, FedProx, Scaffold, FT, APFL, PerFedAvg, PFedMe, Ditto):
     register(_cls)
 
 

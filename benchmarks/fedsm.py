@@ -1,0 +1,218 @@
+"""FedSM benchmark: FedSM Tables 3/4 layout on the synthetic fundus (low similarity)
+and prostate (high similarity) presets — centralized, local (each site), FedAvg,
+FedSM, FedSM-extra — with the selector's routing accuracy on each site's test set,
+validation curves (to check each method has plateaued) and bytes per round.
+
+    .venv/bin/python benchmarks/fedsm.py --out runs/bench-fedsm --md docs/results/fedsm-run.md
+
+Local work is counted in steps (``train.local_steps``) so that tiny sites get as
+many optimizer steps per round as large ones.  Defaults are sized for a shared
+2-core CPU; the paper's setting is 150 rounds × 1 epoch at 256², 3 seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from fedseg.data.synth import synthesize
+from fedseg.evaluation.tables import table3
+from fedseg.fedsm_experiments import load_spec, routing_markdown, run_fedsm
+from fedseg.runner import simulate
+
+BASELINES = ("centralized", "local", "fedavg")
+FEDSM = ("fedsm", "fedsm-extra")
+
+
+def curve(res: dict, every: int) -> str:
+    """Validation score of the method's candidate(s) per round, every ``every`` rounds."""
+    pts = []
+    for e in res["history"]:
+        vs = e.get("val_score") or {}
+        if not vs or e["round"] % every:
+            continue
+        if res["method"] in ("local",):
+            v = sum(vs.values()) / len(vs)
+        elif "fedsm" in vs:
+            v = vs["fedsm"]
+        elif "global" in vs:
+            v = vs["global"]
+        else:
+            v = max(vs.values())
+        pts.append(f"{e['round']}:{v:.3f}")
+    return " ".join(pts)
+
+
+def bytes_per_round(res: dict) -> float:
+    """Mean per-site bytes (sent + received) of a training round."""
+    per = [sum(b["sent"] + b["received"] for b in e["bytes"].values()) / max(len(e["bytes"]), 1) for e in res["history"] if e.get("bytes")]
+    return sum(per) / len(per) if per else float("nan")
+
+
+def selector_study(spec: Path, rounds: int, configs: list[tuple[int, str, float]], batch: int, report_every: int) -> str:
+    """Alg. 1's selector part alone (lines 6, 11, 15 + shared Adam moments), with fedseg's own
+    functions: routing accuracy (mean over sites, validation) per round for (local steps,
+    selector weighting, width) configurations.  In FedSM the selector's training does not
+    depend on the U-Nets, so this measures exactly how much selector training is needed."""
+    import torch.nn.functional as F
+
+    from fedseg.algorithms.fedavg import aggregation_weights
+    from fedseg.algorithms.fedsm import optimizer_moments, set_optimizer_moments
+    from fedseg.algorithms.softpull import routing_accuracy
+    from fedseg.arrays import weighted_mean
+    from fedseg.models import Selector
+    from fedseg.runner import load_federation_data
+    from fedseg.seeding import generator
+    from fedseg.site import batch_of
+
+    fed, data = load_federation_data(spec)
+    names = list(data)
+    k = len(names)
+    lines = ["| local steps | selector weighting | width | " + " | ".join(f"r{r}" for r in range(report_every, rounds + 1, report_every)) + " |",
+             "|" + "---|" * (3 + rounds // report_every)]
+    for steps, weighting, width in configs:
+        torch.manual_seed(0)
+        make = lambda: Selector(fed.spatial_dims, fed.in_channels, k, width=width)  # noqa: E731
+        state = make().state_dict()
+        models = {s: make() for s in names}
+        opts = {s: torch.optim.Adam(models[s].parameters(), lr=1e-3) for s in names}
+        moments = None
+        p = aggregation_weights([len(data[s].train) for s in names], weighting)
+        accs = []
+        for r in range(1, rounds + 1):
+            states, moms = [], []
+            for i, s in enumerate(names):
+                m, opt = models[s], opts[s]
+                m.load_state_dict(state)
+                if moments is not None:
+                    set_optimizer_moments(opt, m, moments)
+                g = generator(0, i, r, "selector-study")
+                for _ in range(steps):
+                    x, _ = batch_of(data[s].train, torch.randint(0, len(data[s].train), (batch,), generator=g))
+                    opt.zero_grad()
+                    F.cross_entropy(m(x), torch.full((x.shape[0],), i)).backward()
+                    opt.step()
+                states.append({n: v.detach().clone() for n, v in m.state_dict().items()})
+                moms.append(optimizer_moments(opt, m))
+            state, moments = weighted_mean(states, p), weighted_mean(moms, p)
+            if r % report_every == 0:
+                ev = make()
+                ev.load_state_dict(state)
+                with torch.no_grad():
+                    a = [routing_accuracy(torch.softmax(ev(batch_of(data[s].val, torch.arange(len(data[s].val)))[0]), 1), i) for i, s in enumerate(names)]
+                accs.append(sum(a) / k)
+        lines.append(f"| {steps} | {weighting} | {width} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench-fedsm")
+    ap.add_argument("--md", default=None, help="write the Markdown fragment here")
+    ap.add_argument("--presets", default="fundus,prostate")
+    ap.add_argument("--scale", type=float, default=0.1, help="fraction of the paper's per-site case counts (fundus)")
+    ap.add_argument("--prostate-scale", type=float, default=0.03, help="same for prostate (its paper counts are 3.5x larger)")
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=160)
+    ap.add_argument("--steps", type=int, default=5, help="local steps per round (train.local_steps)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--channels", default="8,16,32,64")
+    ap.add_argument("--selector-width", type=float, default=0.0625)
+    ap.add_argument("--selector-steps", type=int, default=1, help="fedsm.selector_steps (selector steps per round)")
+    ap.add_argument("--selector-rounds", type=int, default=None, help="fedsm-extra extra rounds (default rounds/3)")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--selector-study", action="store_true", help="only the selector-training study (routing accuracy vs rounds)")
+    ap.add_argument("--study-rounds", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    chans = [int(c) for c in args.channels.split(",")]
+    common = [
+        f"train.local_steps={args.steps}", "train.local_epochs=none", f"train.batch_size={args.batch}",
+        f"model.channels={chans}", f"model.strides={[2] * (len(chans) - 1)}", "model.num_res_units=1",
+        f"eval.every={args.eval_every}", f"checkpoint_every={args.rounds}",
+        f"fedsm.selector_width={args.selector_width}", f"fedsm.selector_steps={args.selector_steps}",
+    ]
+    if args.gamma is not None:
+        common.append(f"fedsm.gamma={args.gamma}")
+    if args.selector_rounds is not None:
+        common.append(f"fedsm.selector_rounds={args.selector_rounds}")
+    out = Path(args.out)
+    if args.selector_study:
+        t0 = time.perf_counter()
+        spec = synthesize("fundus", out / "data" / "fundus", seed=0, scale=args.scale, size=args.size)
+        configs = [(5, "samples", 0.0625), (5, "even", 0.0625), (1, "samples", 0.0625), (1, "even", 0.0625), (1, "even", 0.125)]
+        table = selector_study(spec, args.study_rounds, configs, args.batch, args.study_rounds // 10)
+        text = (f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n\n"
+                f"Selector-only federated training on fundus (scale {args.scale}, {args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments); "
+                f"mean routing accuracy over the 6 sites' validation splits after round r; wall {time.perf_counter() - t0:.0f} s.\n\n" + table)
+        print(text)
+        if args.md:
+            Path(args.md).write_text(text)
+        return
+    seeds = [int(s) for s in args.seeds.split(",")]
+    t_all = time.perf_counter()
+    md = [f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n",
+          f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n"]
+    for preset in args.presets.split(","):
+        scale = args.scale if preset == "fundus" else args.prostate_scale
+        spec = synthesize(preset, out / "data" / preset, seed=0, scale=scale, size=args.size)
+        runs, extras = [], []
+        t_preset = time.perf_counter()
+        for seed in seeds:
+            cfg, workload, data = load_spec(spec, common, seed=seed, rounds=args.rounds, method="fedavg")
+            for method in BASELINES:
+                t0 = time.perf_counter()
+                c = cfg.__class__(**{**cfg.__dict__, "method": method})
+                res = simulate(c, workload, data, out=out / preset / method / f"seed{seed}", progress=False, log=lambda m: None)
+                print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
+                runs.append(res)
+            for method in FEDSM:
+                t0 = time.perf_counter()
+                c = cfg.__class__(**{**cfg.__dict__, "method": method})
+                res = run_fedsm(c, workload, data, out=out / preset / method / f"seed{seed}", log=lambda m: None)
+                print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
+                runs.append(res)
+                extras.append(res)
+        sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
+        md.append(f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {scale}, "
+                  f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, seeds {seeds}, wall {time.perf_counter() - t_preset:.0f} s\n")
+        md.append(f"Sites (train, val, test): {sizes}\n")
+        md.append(table3(runs))
+        for res in extras:
+            md.append(routing_markdown(res))
+            rep = res["fedsm"]
+            if rep["dice_by_gamma"]:
+                md.append("Test Dice (pooled) of the composite per γ: " + ", ".join(f"γ={float(g):g}: {d:.4f}" for g, d in rep["dice_by_gamma"].items()) + "\n")
+        md.append("\nValidation curves (round:score of the reported candidate; best-so-far is what is reported):\n")
+        every = max(args.eval_every, args.rounds // 10 // args.eval_every * args.eval_every)
+        for res in runs:
+            md.append(f"- {res['method']} (seed {res['seed']}): {curve(res, every)}")
+        md.append("\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n")
+        for res in extras:
+            pts = []
+            for e in res["history"]:
+                ra = e.get("routing_acc")
+                if ra and e["round"] % every == 0:
+                    pts.append(f"{e['round'] - 1}:{sum(ra.values()) / len(ra):.2f}")
+            md.append(f"- {res['method']}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
+        md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(f"{r['method']} {bytes_per_round(r) / 1e3:.0f} kB" for r in runs if r['seed'] == seeds[0]) + "\n")
+    md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
+    text = "\n".join(md)
+    print(text)
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(text)
+    (out / "summary.json").write_text(json.dumps({"args": vars(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

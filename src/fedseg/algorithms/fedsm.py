@@ -1,0 +1,535 @@
+"""FedSM (Xu et al., "Closing the Generalization Gap of Cross-silo Federated Medical
+Image Segmentation", CVPR 2022): a global model, SoftPull personalized models and a
+model selector — plus FedSM-extra and the ensemble variant.
+
+Training (Alg. 1), every round, every site, on the same batches:
+
+* the global model w_g (FedAvg, weights n_k / n),
+* its own personalized model w_{p,k} (its Adam moments kept at the site across rounds),
+* the selector w_s with cross-entropy against label k = the site's position (Eq. 2);
+  the server averages w_s — and the selector's Adam moments — with weights n_k / n,
+
+then the server applies SoftPull (Eq. 11) to the personalized models
+(:func:`fedseg.algorithms.softpull.soft_pull`).
+
+Inference (Alg. 2): per image, the selector's softmax; ``max > γ`` → that site's
+personalized model, else the global model (predictor ``"fedsm"``).
+
+* **fedsm-extra** (Section 3.1.2): the first ``rounds − S`` rounds train global and
+  personalized models only; the last S rounds (``fedsm.selector_rounds``) train a
+  K + 1-class selector with labels from Eq. 1 (the model whose output has the lowest
+  loss); inference takes the selector's argmax, no γ.
+* **fedsm-ensemble** (Section 3.1.1): same schedule, the selector is trained through
+  the loss of the softmax-weighted output mix h = Σ ŷ_{s,k} h_k, and inference
+  outputs that mix.
+
+Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/…`` and
+``selector_optim/<param>/<exp_avg|exp_avg_sq|step>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.fedavg import aggregation_weights
+from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull
+from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.errors import ConfigError, PayloadError
+from fedseg.models import Selector
+from fedseg.site import Reply, Site, Task, batch_of, dataset_len
+
+__all__ = [
+    "FedSM",
+    "FedSMEnsemble",
+    "FedSMExtra",
+    "FedSMParams",
+    "input_layout",
+    "optimizer_moments",
+    "pick_gamma",
+    "route_task",
+    "selector_role",
+    "set_optimizer_moments",
+]
+
+DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+@dataclass(frozen=True)
+class FedSMParams:
+    """Settings of FedSM and its variants (config section ``[fedsm]``).
+
+    lam
+        SoftPull's λ (Eq. 11), validated in [1/K, 1]; 0.7 is the paper's best on the
+        low-similarity retinal task (Table 7) and the reference code's default.
+    gamma
+        Alg. 2's confidence threshold γ: a number in [0, 1] (0.9: reference code), or
+        ``"auto"``: at each validation the sites report their validation Dice summed per
+        γ of ``gamma_grid`` and the γ with the best sample-weighted Dice is used.
+    gamma_grid
+        Candidate γ values for ``gamma = "auto"`` and the routing reports.
+    selector_width, selector_hidden
+        Size of the selector (:class:`fedseg.models.Selector`: VGG-11 layout × width).
+        The reference's VGG-11 has 129 M parameters (80× the U-Net); 0.125 keeps a
+        round's per-site traffic ≤ 3× FedAvg's with the default U-Net, selector Adam
+        moments included (2.28×, see ``tests/test_fedsm_engine.py``).
+    selector_lr
+        Selector learning rate η_s (Alg. 1); None = ``train.lr``.
+    share_selector_moments
+        Average the selector's Adam moments (exp_avg, exp_avg_sq, step) with the
+        weights of its parameters, as the reference code does.
+    selector_rounds
+        fedsm-extra / fedsm-ensemble only: how many of the run's ``rounds`` are the
+        extra selector rounds that follow global + personalized training (the paper:
+        50 after 100); None = ⌈rounds / 3⌉.  Ignored by fedsm, whose selector trains in
+        every round.
+    selector_steps
+        Selector optimizer steps per round, on the first batches of the round's local
+        work; None = all of them (Alg. 1 trains the three models on the same batches).
+        Measured on the synthetic fundus preset (``docs/results/fedsm.md``): with 5
+        local steps per round the averaged selector collapses to one class, with 1 it
+        learns the site classification.
+    weighting
+        Weights of the global-model average: 'samples' (n_k/n, Alg. 1 line 15) or 'even'.
+    selector_weighting
+        Weights of the selector (and its moments) average.  Default 'even' (1/K), a
+        departure from Alg. 1's n_k/n: every site holds exactly one selector class
+        (Eq. 2), and with n_k/n the averaged selector collapsed to the largest site's
+        class on the synthetic fundus preset (routing accuracy 1/6 after 200 rounds
+        vs 0.95 with 'even', ``docs/results/fedsm.md``).  'samples' gives the paper's rule.
+    """
+
+    lam: float = 0.7
+    gamma: float | str = 0.9
+    gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
+    selector_width: float = 0.125
+    selector_hidden: int = 128
+    selector_lr: float | None = None
+    share_selector_moments: bool = True
+    selector_rounds: int | None = None
+    selector_steps: int | None = None
+    weighting: str = "samples"
+    selector_weighting: str = "even"
+
+    def validate(self) -> None:
+        if not (0.0 < self.lam <= 1.0):
+            raise ConfigError(f"fedsm.lam = {self.lam} must be in [1/K, 1] (FedSM Eq. 11); e.g. --set fedsm.lam=0.7")
+        if isinstance(self.gamma, str):
+            if self.gamma != "auto":
+                raise ConfigError(f"fedsm.gamma = {self.gamma!r}; give a number in [0, 1] or 'auto'")
+        elif not (0.0 <= self.gamma <= 1.0):
+            raise ConfigError(f"fedsm.gamma = {self.gamma} must be in [0, 1] (or 'auto'); the reference uses 0.9")
+        if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
+            raise ConfigError(f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]")
+        if not self.selector_width > 0:
+            raise ConfigError(f"fedsm.selector_width must be > 0, got {self.selector_width}")
+        if self.selector_hidden < 1:
+            raise ConfigError(f"fedsm.selector_hidden must be >= 1, got {self.selector_hidden}")
+        if self.selector_lr is not None and not self.selector_lr > 0:
+            raise ConfigError(f"fedsm.selector_lr must be > 0 (or none for train.lr), got {self.selector_lr}")
+        if self.selector_rounds is not None and self.selector_rounds < 1:
+            raise ConfigError(f"fedsm.selector_rounds must be >= 1 (or none for rounds/3), got {self.selector_rounds}")
+        if self.selector_steps is not None and self.selector_steps < 1:
+            raise ConfigError(f"fedsm.selector_steps must be >= 1 (or none for every local step), got {self.selector_steps}")
+        for key in ("weighting", "selector_weighting"):
+            if getattr(self, key) not in ("samples", "even"):
+                raise ConfigError(f"fedsm.{key} = {getattr(self, key)!r}; use 'samples' or 'even'")
+
+
+# --------------------------------------------------------------- selector roles
+def selector_role(num_classes: int, prefix: str = "") -> str:
+    """Role name of a selector with ``num_classes`` outputs (the count is part of the
+    name so that a restarted site can rebuild the right shape before loading weights)."""
+    return f"{prefix}selector@{num_classes}"
+
+
+def _classes_of(role: str) -> int | None:
+    head, sep, tail = role.rpartition("@")
+    if sep and head.endswith("selector") and tail.isdigit():
+        return int(tail)
+    return None
+
+
+# ---------------------------------------------------------- optimizer moments
+def optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module) -> Arrays:
+    """An optimizer's per-parameter state as arrays ``<param name>/<key>`` (Adam: exp_avg, exp_avg_sq, step)."""
+    out: Arrays = {}
+    for name, p in model.named_parameters():
+        for key, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                out[f"{name}/{key}"] = v.detach().clone()
+    return out
+
+
+def set_optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module, moments: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite the optimizer's per-parameter state with ``moments`` (from :func:`optimizer_moments`)."""
+    for name, p in model.named_parameters():
+        entry = strip_prefix(name, {k: v for k, v in moments.items() if k.rpartition("/")[0] == name})
+        if entry:
+            opt.state[p] = {k: v.detach().clone() for k, v in entry.items()}
+
+
+def input_layout(model_arrays: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(spatial_dims, in_channels) of a model from its first convolution weight (B, C_in, *kernel).
+
+    The server builds the selector's initial weights without a site's workload; the
+    segmentation model's first convolution (in state-dict order) tells the input layout.
+    """
+    for v in model_arrays.values():
+        if v.is_floating_point() and v.dim() in (4, 5):
+            return v.dim() - 2, int(v.shape[1])
+    raise ConfigError("fedsm: cannot find a 2D/3D convolution in the model to size the selector's input")
+
+
+# -------------------------------------------------------------- site half
+def _selector_factory(site: Site, num_classes: int, params: FedSMParams) -> Callable[[], nn.Module]:
+    return lambda: Selector(site.workload.spatial_dims, site.workload.in_channels, num_classes, width=params.selector_width, hidden=params.selector_hidden)
+
+
+@torch.no_grad()
+def _selector_probs(site: Site, selector: nn.Module, split: str) -> torch.Tensor:
+    ds = site.data.split(split)
+    n = dataset_len(ds)
+    selector.eval()
+    out = []
+    bs = site.cfg.eval.batch_size
+    for start in range(0, n, bs):
+        x, _ = batch_of(ds, torch.arange(start, min(n, start + bs)))
+        out.append(torch.softmax(selector(x.to(site.dtype)).double(), dim=1))
+    return torch.cat(out) if out else torch.zeros(0, 1, dtype=torch.float64)
+
+
+def _load_composite(site: Site, arrays: Arrays, config: dict[str, Any], params: FedSMParams, prefix: str) -> tuple[nn.Module, list[nn.Module]]:
+    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site."""
+    c = int(config["num_classes"])
+    role = selector_role(c, prefix)
+    sel = site.load(role, strip_prefix("selector", arrays), _selector_factory(site, c, params))
+    models = [site.load(f"{prefix}global", strip_prefix("global", arrays))]
+    for j, s in enumerate(config["sites"]):
+        models.append(site.load(f"{prefix}p{j}", strip_prefix(f"personal/{s}", arrays)))
+    sel.eval()
+    for m in models:
+        m.eval()
+    return sel, models
+
+
+def _composite_predict(site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    wl = site.workload
+
+    @torch.no_grad()
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(sel(x), dim=1)
+        if mode == "mix":
+            return ensemble_mix(probs, [wl.predict(m, x) for m in models])
+        idx = route(probs, gamma) if mode == "gate" else probs.argmax(dim=1)
+        out: torch.Tensor | None = None
+        for j in idx.unique().tolist():
+            mask = idx == j
+            o = wl.predict(models[j], x[mask])
+            if out is None:
+                out = o.new_zeros((x.shape[0], *o.shape[1:]))
+            out[mask] = o
+        assert out is not None
+        return out
+
+    return predict
+
+
+class FedSM(Algorithm):
+    """FedSM: global + SoftPull personalized models + model selector (Alg. 1, Alg. 2)."""
+
+    name = "fedsm"
+    section = "fedsm"
+    Params = FedSMParams
+    primary = "fedsm"
+    summary = "FedSM: global model + SoftPull personalized models + model selector (γ-gated routing)"
+    labels = "site"      # Eq. 2
+    mode = "gate"        # Alg. 2
+    two_phase = False
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.selector_rounds = 0
+        if self.two_phase:
+            if cfg.rounds < 2:
+                raise ConfigError(f"{self.name} needs rounds >= 2 (model rounds, then selector rounds); got rounds = {cfg.rounds}")
+            s = self.params.selector_rounds if self.params.selector_rounds is not None else math.ceil(cfg.rounds / 3)
+            if not 1 <= s < cfg.rounds:
+                raise ConfigError(
+                    f"fedsm.selector_rounds = {s} must be between 1 and rounds - 1 = {cfg.rounds - 1}: "
+                    "the first rounds train the global and personalized models, the last ones the selector"
+                )
+            self.selector_rounds = s
+
+    # ------------------------------------------------------------ helpers
+    def num_classes(self, k: int) -> int:
+        """Selector outputs: K sites (Eq. 2), or K + 1 with the global model as class 0 (Eq. 1 / ensemble)."""
+        return k if self.labels == "site" else k + 1
+
+    def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None:
+        c = _classes_of(role)
+        return None if c is None else _selector_factory(site, c, self.params)
+
+    def _gamma(self) -> float:
+        return 0.9 if isinstance(self.params.gamma, str) else float(self.params.gamma)
+
+    # --------------------------------------------------------- server half
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        try:
+            check_lambda(self.params.lam, len(ctx.sites))
+        except ValueError as e:
+            raise ConfigError(f"{self.name}: {e}") from None
+        init = ctx.init_arrays("global")
+        state = prefixed("global", init)
+        for s in ctx.sites:
+            state.update(prefixed(f"personal/{s}", init))
+        if not self.two_phase:
+            state.update(self._init_selector(ctx))
+        return state
+
+    def _init_selector(self, ctx: ServerContext) -> Arrays:
+        c = self.num_classes(len(ctx.sites))
+        dims, channels = input_layout(ctx.init_arrays("global"))
+        factory = lambda: Selector(dims, channels, c, width=self.params.selector_width, hidden=self.params.selector_hidden)  # noqa: E731
+        return prefixed("selector", ctx.init_arrays(selector_role(c), factory=factory))
+
+    def phase(self, rnd: int) -> str:
+        if not self.two_phase:
+            return "joint"
+        return "models" if rnd <= self.cfg.rounds - self.selector_rounds else "selector"
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        sites = list(ctx.sites)
+        phase = self.phase(rnd)
+        new = dict(state)
+        if phase == "selector" and not any(k.startswith("selector/") for k in state):
+            new.update(self._init_selector(ctx))
+        base = {"round": rnd, "phase": phase, "sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode}
+        shared: Arrays = {}
+        if phase in ("joint", "models"):
+            shared.update({k: v for k, v in new.items() if k.startswith("global/")})
+        if phase in ("joint", "selector"):
+            shared.update({k: v for k, v in new.items() if k.startswith(("selector/", "selector_optim/"))})
+        if phase == "selector":
+            shared.update({k: v for k, v in new.items() if k.startswith(("global/", "personal/"))})
+        tasks = {}
+        for s in sites:
+            arrays = dict(shared)
+            if phase in ("joint", "models"):
+                arrays.update({k: v for k, v in new.items() if k.startswith(f"personal/{s}/")})
+            tasks[s] = Task("train", arrays, dict(base))
+        replies = ctx.ask(tasks)
+        names = [s for s in sites if s in replies]
+        if not names:
+            raise PayloadError(f"{self.name}: no site replied in round {rnd}")
+        counts = [replies[s].num_samples for s in names]
+        p = aggregation_weights(counts, self.params.weighting)
+        p_sel = aggregation_weights(counts, self.params.selector_weighting)
+        if phase in ("joint", "models"):
+            new.update(prefixed("global", weighted_mean([strip_prefix("global", replies[s].arrays) for s in names], p)))
+            personal = {s: strip_prefix(f"personal/{s}", new) for s in sites}
+            for s in names:
+                personal[s] = strip_prefix(f"personal/{s}", replies[s].arrays)
+            for s, a in soft_pull(personal, self.params.lam, replied=names).items():
+                new.update(prefixed(f"personal/{s}", a))
+        if phase in ("joint", "selector"):
+            new.update(prefixed("selector", weighted_mean([strip_prefix("selector", replies[s].arrays) for s in names], p_sel)))
+            moments = [strip_prefix("selector_optim", replies[s].arrays) for s in names]
+            if self.params.share_selector_moments and all(moments):
+                # the moments are averaged with the weights of the selector's parameters
+                new.update(prefixed("selector_optim", weighted_mean(moments, p_sel)))
+        metrics: dict[str, Any] = {"phase": phase}
+        for key, mkey in (("train_loss", "loss"), ("personal_loss", "personal_loss"), ("selector_loss", "selector_loss"), ("routing_acc", "routing_acc")):
+            vals = {s: replies[s].metrics.get(mkey) for s in names}
+            if any(v is not None for v in vals.values()):
+                metrics[key] = vals
+        return new, metrics
+
+    def composite(self, state: Arrays, ctx: ServerContext, gamma: float | None = None) -> Candidate:
+        """The "fedsm" candidate: global + selector + personalized models, routed by the ``"fedsm"`` predictor."""
+        sites = list(ctx.sites)
+        arrays = {k: v for k, v in state.items() if k.startswith(("global/", "selector/", "personal/"))}
+        config = {"sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode, "gamma": self._gamma() if gamma is None else gamma}
+        return Candidate("fedsm", arrays, predictor="fedsm", config=config)
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        have_selector = any(k.startswith("selector/") for k in state)
+        out = []
+        if have_selector:
+            cand = self.composite(state, ctx)
+            if self.params.gamma == "auto" and self.mode == "gate":
+                replies = route_task(ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid)
+                cand.config["gamma"] = pick_gamma(replies, self.params.gamma_grid)[0]
+            out.append(cand)
+        if not (self.two_phase and have_selector):
+            out.append(Candidate("global", strip_prefix("global", state)))
+            out += [Candidate(f"personal/{s}", strip_prefix(f"personal/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites]
+        return out
+
+    # ----------------------------------------------------------- site half
+    def site_handlers(self):
+        return {"train": self._train, "route": self._route}
+
+    def predictors(self):
+        def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+            sel, models = _load_composite(site, arrays, config, self.params, "fedsm-eval/")
+            return _composite_predict(site, sel, models, config.get("mode", "gate"), float(config.get("gamma", 0.9)))
+
+        return {**super().predictors(), "fedsm": make}
+
+    def _train(self, site: Site, task: Task) -> Reply:
+        cfg = task.config
+        rnd, phase, sites = cfg["round"], cfg["phase"], list(cfg["sites"])
+        if site.name not in sites:
+            raise PayloadError(f"site {site.name}: asked to train FedSM but not among the sites {sites}")
+        own = sites.index(site.name)
+        c = int(cfg["num_classes"])
+        metrics: dict[str, Any] = {}
+        out: Arrays = {}
+        train_models = phase in ("joint", "models")
+        train_selector = phase in ("joint", "selector")
+        if train_models:
+            g = site.load("global", strip_prefix("global", task.arrays))
+            opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+            pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
+            opt_p = site.optimizer("personal")
+            g.train()
+            pm.train()
+        if train_selector:
+            role = selector_role(c)
+            sel = site.load(role, strip_prefix("selector", task.arrays), _selector_factory(site, c, self.params))
+            opt_s = site.optimizer(role, params=list(sel.parameters()), lr=self.params.selector_lr)
+            moments = strip_prefix("selector_optim", task.arrays)
+            if moments:
+                set_optimizer_moments(opt_s, sel, moments)
+            if dataset_len(site.data.val) > 0:
+                # routing accuracy of the selector as received (last round's average), on validation
+                metrics["routing_acc"] = routing_accuracy(_selector_probs(site, sel, "validation"), own, 0 if self.labels == "site" else 1)
+            sel.train()
+        frozen: list[nn.Module] = []
+        if phase == "selector":
+            frozen = [site.load("frozen/global", strip_prefix("global", task.arrays))]
+            frozen += [site.load(f"frozen/p{j}", strip_prefix(f"personal/{s}", task.arrays)) for j, s in enumerate(sites)]
+            for m in frozen:
+                m.eval()
+        loss_fn = site.workload.loss
+        sums = {"loss": 0.0, "personal_loss": 0.0, "selector_loss": 0.0}
+        steps = sel_steps = 0
+        max_sel = self.params.selector_steps
+        for x, y in site.batches(rnd, "train", cfg.get("steps")):
+            if train_models:
+                for model, opt, key in ((g, opt_g, "loss"), (pm, opt_p, "personal_loss")):
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    sums[key] += float(loss.detach())
+            if train_selector and (max_sel is None or sel_steps < max_sel):
+                sel_steps += 1
+                opt_s.zero_grad(set_to_none=True)
+                logits = sel(x)
+                if phase == "joint":
+                    loss = F.cross_entropy(logits, torch.full((x.shape[0],), own, dtype=torch.long))
+                else:
+                    with torch.no_grad():
+                        outputs = [m(x) for m in frozen]
+                    if self.labels == "oracle":
+                        loss = F.cross_entropy(logits, oracle_labels(outputs, y, loss_fn))
+                    else:
+                        loss = loss_fn(ensemble_mix(torch.softmax(logits, dim=1), outputs), y)
+                loss.backward()
+                opt_s.step()
+                sums["selector_loss"] += float(loss.detach())
+            steps += 1
+        if train_models:
+            out.update(prefixed("global", site.arrays("global")))
+            out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
+            metrics["loss"] = sums["loss"] / max(steps, 1)
+            metrics["personal_loss"] = sums["personal_loss"] / max(steps, 1)
+        if train_selector:
+            out.update(prefixed("selector", site.arrays(role)))
+            if self.params.share_selector_moments:
+                out.update(prefixed("selector_optim", optimizer_moments(opt_s, sel)))
+            metrics["selector_loss"] = sums["selector_loss"] / max(sel_steps, 1)
+        metrics["steps"] = steps
+        return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
+
+    def _route(self, site: Site, task: Task) -> Reply:
+        """Aggregate routing statistics of a composite on one split (only sums and counts leave the site).
+
+        Config: ``split``, ``sites``, ``num_classes``, ``mode``, ``gammas``.  Metrics:
+        ``n`` cases, ``routing_acc`` (None for a site outside the federation),
+        ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), and
+        ``selections``: one entry per γ (gate) or one entry (argmax / mix) with
+        ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models).
+        """
+        cfg = task.config
+        split, sites, mode = cfg["split"], list(cfg["sites"]), cfg.get("mode", "gate")
+        sel, models = _load_composite(site, task.arrays, cfg, self.params, "fedsm-eval/")
+        probs = _selector_probs(site, sel, split)
+        n = probs.shape[0]
+        per_model = torch.stack([site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1) if n else torch.zeros(0, len(models), dtype=torch.float64)
+        first = 0 if probs.shape[1] == len(sites) else 1
+        acc = routing_accuracy(probs, sites.index(site.name), first) if site.name in sites else None
+        selections = []
+        if mode == "gate":
+            for gamma in cfg.get("gammas", [0.9]):
+                idx = route(probs, float(gamma))
+                dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+                selections.append({"gamma": float(gamma), "dice_sum": float(dice.sum()), "counts": torch.bincount(idx, minlength=len(models)).tolist()})
+        else:
+            idx = probs.argmax(dim=1)
+            if mode == "mix":
+                dice = site.score(_composite_predict(site, sel, models, "mix", 0.0), split).mean(dim=1)
+            else:
+                dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            selections.append({"gamma": None, "dice_sum": float(dice.sum()), "counts": torch.bincount(idx, minlength=len(models)).tolist()})
+        return Reply(metrics={"n": n, "routing_acc": acc, "dice_sum_per_model": per_model.sum(dim=0).tolist(), "selections": selections}, num_samples=n)
+
+
+def route_task(transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``."""
+    config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
+    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})
+    return {s: r.metrics for s, r in replies.items()}
+
+
+def pick_gamma(replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float]) -> tuple[float, float]:
+    """γ with the best sample-weighted Dice Σ_sites dice_sum / Σ_sites n (first of ties); returns (γ, Dice)."""
+    total_n = sum(r["n"] for r in replies.values())
+    if total_n == 0:
+        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
+    best: tuple[float, float] | None = None
+    for i, g in enumerate(gammas):
+        dice = sum(r["selections"][i]["dice_sum"] for r in replies.values()) / total_n
+        if best is None or dice > best[1]:
+            best = (float(g), dice)
+    assert best is not None
+    return best
+
+
+class FedSMExtra(FedSM):
+    """FedSM-extra (Section 3.1.2): selector trained in extra rounds with Eq. 1 labels."""
+
+    name = "fedsm-extra"
+    summary = "FedSM-extra: global + SoftPull models, then extra rounds training a K+1-class selector on Eq. 1 labels"
+    labels = "oracle"
+    mode = "argmax"
+    two_phase = True
+
+
+class FedSMEnsemble(FedSM):
+    """FedSM ensemble (Section 3.1.1): selector trained through the softmax-weighted output mix."""
+
+    name = "fedsm-ensemble"
+    summary = "FedSM ensemble: selector trained through the loss of the softmax-weighted mix of all models' outputs"
+    labels = "mix"
+    mode = "mix"
+    two_phase = True

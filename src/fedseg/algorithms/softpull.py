@@ -1,0 +1,178 @@
+"""FedSM's pure maths (Xu et al., CVPR 2022): SoftPull, selector labels, routing.
+
+Everything here works on plain tensors / ``dict[str, Tensor]`` and is tested on
+hand-computed values without the engine (``tests/test_fedsm_maths.py``).
+
+Model-index convention (the paper's h_0, h_1, …, h_K): index 0 is the global
+model, index k ≥ 1 is the personalized model of the k-th site (in federation order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from fedseg.arrays import Arrays, clone, weighted_mean
+
+__all__ = [
+    "check_lambda",
+    "ensemble_mix",
+    "oracle_labels",
+    "route",
+    "routing_accuracy",
+    "soft_pull",
+    "soft_pull_matrix",
+]
+
+
+def check_lambda(lam: float, k: int, where: str = "fedsm.lam") -> None:
+    """Raise ``ValueError`` unless K ≥ 2 and λ ∈ [1/K, 1] (SoftPull's range, Eq. 11).
+
+    Parameters
+    ----------
+    lam
+        SoftPull coefficient λ.
+    k
+        Number of sites K in the federation.
+    where
+        Setting name used in the message.
+    """
+    if k < 2:
+        raise ValueError(
+            f"SoftPull needs at least 2 sites (got K = {k}): with one site there are no other "
+            "personalized models to pull towards; use method 'local' or 'fedavg' for a single site"
+        )
+    if not (1.0 / k - 1e-12 <= lam <= 1.0):
+        raise ValueError(
+            f"{where} = {lam} is outside [1/K, 1] = [{1.0 / k:.4f}, 1] for K = {k} sites (FedSM Eq. 11); "
+            f"set {where} between {1.0 / k:.4f} (uniform mean, FedAvg-like) and 1 (no pulling)"
+        )
+
+
+def soft_pull_matrix(k: int, lam: float) -> torch.Tensor:
+    """The K × K SoftPull mixing matrix A (float64): ``A[i, i] = λ``, ``A[i, j] = (1 − λ)/(K − 1)``.
+
+    Row i holds the weights of every site's personalized model in site i's new model
+    (Eq. 11); every row sums to 1.  ``k = 1`` gives ``[[1.0]]`` (nothing to pull from).
+    """
+    if k < 1:
+        raise ValueError(f"soft_pull_matrix needs k >= 1, got {k}")
+    if k == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    off = (1.0 - lam) / (k - 1)
+    a = torch.full((k, k), off, dtype=torch.float64)
+    a.fill_diagonal_(lam)
+    return a
+
+
+def soft_pull(personal: Mapping[str, Mapping[str, torch.Tensor]], lam: float, replied: Sequence[str] | None = None) -> dict[str, Arrays]:
+    """SoftPull (FedSM Eq. 11, Alg. 1 line 16) over the sites that replied.
+
+    ``w_{p,k} ← λ w_{p,k} + (1 − λ)/(K' − 1) Σ_{k' ≠ k} w_{p,k'}`` for every replying
+    site k, where K' is the number of replying sites.
+
+    Parameters
+    ----------
+    personal
+        ``{site: arrays}``: each site's personalized model as trained this round (for
+        replying sites) or as last stored (for the others).  Same names/shapes for all.
+    lam
+        λ; for the validated range see :func:`check_lambda`.
+    replied
+        Sites that replied this round (default: all).  A site that did not reply keeps
+        its model unchanged and is not mixed into the others.  With a single reply
+        its model is returned unchanged (the reference code multiplies it by λ alone,
+        shrinking the weights — a bug avoided here).
+
+    Returns
+    -------
+    dict
+        ``{site: new arrays}`` for every site of ``personal`` (new tensors).  Floating
+        tensors are mixed in float64 and cast back; integer tensors (e.g. batch-norm
+        counters) are the site's own.
+    """
+    names = list(personal) if replied is None else [s for s in personal if s in set(replied)]
+    unknown = sorted(set(replied or ()) - set(personal))
+    if unknown:
+        raise ValueError(f"soft_pull: replied sites {unknown} have no personalized model; known: {sorted(personal)}")
+    out: dict[str, Arrays] = {s: clone(a) for s, a in personal.items() if s not in names}
+    k = len(names)
+    if k == 1:
+        out[names[0]] = clone(personal[names[0]])
+        return out
+    a = soft_pull_matrix(k, lam)
+    items = [personal[s] for s in names]
+    for i, s in enumerate(names):
+        # own model first so that integer tensors come from the site itself
+        order = [i] + [j for j in range(k) if j != i]
+        out[s] = weighted_mean([items[j] for j in order], [float(a[i, j]) for j in order])
+    return {s: out[s] for s in personal}
+
+
+def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
+    """FedSM inference (Alg. 2): model index per image from the selector's softmax.
+
+    Parameters
+    ----------
+    probs
+        (B, K) selector softmax over the K personalized models (Eq. 2 labels).
+    gamma
+        Confidence threshold γ: ``max(ŷ_s) > γ`` → personalized model argmax + 1,
+        otherwise the global model (index 0).
+
+    Returns
+    -------
+    torch.Tensor
+        (B,) int64 model indices in 0..K.
+    """
+    conf, idx = probs.max(dim=1)
+    return torch.where(conf > gamma, idx + 1, torch.zeros_like(idx))
+
+
+def routing_accuracy(probs: torch.Tensor, own: int, first_personal: int = 0) -> float:
+    """Fraction of a site's images whose selector argmax over the personalized models is the site itself.
+
+    ``probs`` is (B, C); the personalized-model classes are columns
+    ``first_personal … first_personal + K − 1`` (0 for FedSM's Eq. 2 selector, 1 for
+    the K + 1-class selectors of FedSM-extra/ensemble whose class 0 is the global
+    model); ``own`` is the site's 0-based position among the K sites.
+    """
+    if probs.shape[0] == 0:
+        return float("nan")
+    pick = probs[:, first_personal:].argmax(dim=1)
+    return float((pick == own).double().mean())
+
+
+def oracle_labels(outputs: Sequence[torch.Tensor], target: torch.Tensor, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """FedSM-extra's selector labels (Eq. 1): per image, the model whose output has the lowest loss.
+
+    Parameters
+    ----------
+    outputs
+        K + 1 tensors (B, C, *spatial): outputs h_0 (global), h_1 … h_K (personalized).
+    target
+        (B, C, *spatial) ground truth y.
+    loss
+        Mean-reduced loss ``loss(output, target)``, applied to each image alone.
+
+    Returns
+    -------
+    torch.Tensor
+        (B,) int64 index of argmin_k L(h_k, y) (ties → the lowest index, i.e. the global model).
+    """
+    b = target.shape[0]
+    losses = torch.stack([torch.stack([loss(h[i:i + 1], target[i:i + 1]).detach().double() for i in range(b)]) for h in outputs], dim=1)
+    return losses.argmin(dim=1)
+
+
+def ensemble_mix(weights: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ensemble output h = Σ_k ŷ_{s,k} h_k (Section 3.1.1).
+
+    ``weights`` is (B, K + 1) (the selector's softmax), ``outputs`` K + 1 tensors
+    (B, C, *spatial); the mix is taken over the model outputs (logits here) as the
+    paper writes it.
+    """
+    stacked = torch.stack(list(outputs), dim=1)  # (B, K+1, C, ...)
+    w = weights.reshape(*weights.shape, *([1] * (stacked.dim() - 2)))
+    return (w * stacked).sum(dim=1)

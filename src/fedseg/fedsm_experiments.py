@@ -1,0 +1,264 @@
+"""FedSM experiments: runs with a routing report, the unseen-site study (Table 5) and the λ/γ sweep (Table 7).
+
+* :func:`run_fedsm` runs fedsm / fedsm-extra / fedsm-ensemble in simulation and adds
+  ``results["fedsm"]``: the selector's routing accuracy and selection frequencies on
+  every site's **test** split, and the test Dice of the composite for every γ of the
+  grid — computed at the sites by the ``"route"`` task, only sums and counts return.
+* :func:`unseen` leaves each site out in turn, trains on the others and tests the
+  composite on the held-out site (FedSM Table 5: GM/PM selection frequency at γ = 0,
+  Dice, best γ and its Dice).
+* :func:`sweep` runs one FedSM per λ (Table 7: Client Avg and Global Dice per λ) and
+  reports the test Dice per γ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.algorithms.fedsm import FedSM, route_task
+from fedseg.config import RunConfig, dump_toml, load_run_config
+from fedseg.engine import Engine
+from fedseg.errors import ConfigError
+from fedseg.site import Site, SiteData
+from fedseg.transport.inprocess import InProcessTransport
+from fedseg.workload import Workload
+
+__all__ = ["load_spec", "routing_report", "run_fedsm", "sweep", "table5", "table7", "unseen", "with_fedsm"]
+
+
+def with_fedsm(cfg: RunConfig, **settings: Any) -> RunConfig:
+    """``cfg`` with ``[fedsm]`` settings replaced."""
+    return dataclasses.replace(cfg, params={**cfg.params, "fedsm": {**cfg.params.get("fedsm", {}), **settings}})
+
+
+def load_spec(config: str | Path | RunConfig, overrides: Sequence[str] = (), progress: bool = False, **fields: Any) -> tuple[RunConfig, Workload, dict[str, SiteData]]:
+    """Config, segmentation workload and in-memory site data of a run config / federation spec (as ``fedseg run``)."""
+    from fedseg.runner import load_federation_data
+    from fedseg.workload import segmentation_workload
+
+    cfg = config if isinstance(config, RunConfig) else load_run_config(config, list(overrides), known_sections(), **fields)
+    fed, data = load_federation_data(cfg.federation, progress=progress)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    return cfg, workload, data
+
+
+def routing_report(engine: Engine, transport: InProcessTransport, sites: Sequence[str], gammas: Sequence[float] | None = None, split: str = "testing") -> dict[str, Any]:
+    """Routing statistics of the best ``"fedsm"`` candidate on ``sites`` (federation sites and/or held-out ones).
+
+    Returns ``{"gamma", "mode", "models", "per_site": {site: {n, routing_acc, selection
+    (frequency per model at the run's γ), dice (at the run's γ), dice_by_gamma,
+    selection_by_gamma, dice_per_model}}, "dice_by_gamma": sample-weighted over the
+    federation's sites}``.
+    """
+    algo = engine.algorithm
+    if not isinstance(algo, FedSM) or "fedsm" not in engine.best:
+        raise ConfigError("routing_report needs a finished fedsm / fedsm-extra / fedsm-ensemble run")
+    cand = engine.best["fedsm"].candidate
+    mode = cand.config["mode"]
+    grid = sorted({*(gammas if gammas is not None else algo.params.gamma_grid), float(cand.config["gamma"])})
+    replies = route_task(transport, cand, list(sites), split, grid if mode == "gate" else [None])
+    models = ["global", *[f"personal/{s}" for s in cand.config["sites"]]]
+    per_site: dict[str, Any] = {}
+    for s, m in replies.items():
+        n = m["n"]
+        sels = m["selections"]
+        at = next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0]) if mode == "gate" else sels[0]
+        per_site[s] = {
+            "n": n,
+            "routing_acc": m["routing_acc"],
+            "selection": {name: (c / n if n else None) for name, c in zip(models, at["counts"])},
+            "dice": at["dice_sum"] / n if n else None,
+            "dice_by_gamma": {str(x["gamma"]): (x["dice_sum"] / n if n else None) for x in sels} if mode == "gate" else {},
+            "selection_by_gamma": {str(x["gamma"]): {name: (c / n if n else None) for name, c in zip(models, x["counts"])} for x in sels} if mode == "gate" else {},
+            "dice_per_model": {name: (d / n if n else None) for name, d in zip(models, m["dice_sum_per_model"])},
+        }
+    fed = [s for s in replies if s in cand.config["sites"]]
+    total = sum(replies[s]["n"] for s in fed)
+    by_gamma = {}
+    if mode == "gate" and total:
+        for i, g in enumerate(grid):
+            by_gamma[str(g)] = sum(replies[s]["selections"][i]["dice_sum"] for s in fed) / total
+    return {"gamma": cand.config["gamma"], "mode": mode, "models": models, "best_round": engine.best["fedsm"].round, "per_site": per_site, "dice_by_gamma": by_gamma}
+
+
+def run_fedsm(
+    cfg: RunConfig,
+    workload: Workload,
+    site_data: Mapping[str, SiteData],
+    out: str | Path | None = None,
+    heldout: str | None = None,
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run a FedSM variant in simulation and add ``results["fedsm"]`` (:func:`routing_report` on test).
+
+    Parameters
+    ----------
+    heldout
+        A site left out of training (Table 5): it is addressable for testing only and
+        gets ``results["fedsm"]["per_site"][heldout]``.
+    """
+    from fedseg.runner import write_results
+
+    algorithm = get_algorithm(cfg)
+    if not isinstance(algorithm, FedSM):
+        raise ConfigError(f"run_fedsm runs fedsm, fedsm-extra or fedsm-ensemble, not {cfg.method!r}")
+    if heldout is not None and heldout not in site_data:
+        raise ConfigError(f"held-out site {heldout!r} is not in the federation; sites: {list(site_data)}")
+    train = [(s, d) for s, d in site_data.items() if s != heldout]
+    sites = [Site(name, i, d, workload, cfg, algorithm) for i, (name, d) in enumerate(train)]
+    extra = [Site(heldout, len(sites), site_data[heldout], workload, cfg, algorithm)] if heldout is not None else []
+    transport = InProcessTransport(sites, extra)
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.toml").write_text(dump_toml(cfg.to_dict()))
+    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log)
+    results = engine.run()
+    assert results is not None
+    report_sites = [s for s, _ in train] + ([heldout] if heldout is not None else [])
+    results["fedsm"] = routing_report(engine, transport, report_sites, gammas)
+    if heldout is not None:
+        results["fedsm"]["heldout"] = heldout
+    if out is not None:
+        write_results(results, out)
+        with open(Path(out) / "results.md", "a") as f:
+            f.write("\n" + routing_markdown(results) + "\n")
+    return results
+
+
+def routing_markdown(results: Mapping[str, Any]) -> str:
+    """Per-site routing accuracy and selection frequencies of a :func:`run_fedsm` result."""
+    rep = results["fedsm"]
+    models = rep["models"]
+    short = ["GM"] + [f"PM {m.split('/', 1)[1]}" for m in models[1:]]
+    head = ["Site", "routing acc", *short, f"Dice (γ={rep['gamma']})" if rep["mode"] == "gate" else "Dice"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s, r in rep["per_site"].items():
+        acc = "–" if r["routing_acc"] is None else f"{r['routing_acc']:.2f}"
+        cells = [s, acc, *[f"{r['selection'][m]:.2f}" for m in models], f"{r['dice']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return f"Selector routing on test ({results['method']}, best round {rep['best_round']}):\n\n" + "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------- Table 5
+def unseen(
+    config: str | Path | RunConfig,
+    out: str | Path,
+    overrides: Sequence[str] = (),
+    sites: Sequence[str] | None = None,
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    **fields: Any,
+) -> tuple[list[dict[str, Any]], str]:
+    """FedSM Table 5: for each held-out site k, train on the others, test the composite on k.
+
+    Returns the rows and the Markdown table (also ``out/unseen.md`` and ``out/unseen.json``).
+    Each row: ``site``, ``selection_at_0`` ({model: frequency} at γ = 0), ``dice_at_0``,
+    ``best_gamma``, ``best_dice``, ``dice_by_gamma``.
+    """
+    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    if cfg.method != "fedsm":
+        cfg = dataclasses.replace(cfg, method="fedsm")
+    grid = sorted({0.0, *(gammas if gammas is not None else get_algorithm(cfg).params.gamma_grid)})
+    out = Path(out)
+    rows = []
+    for k in sites or list(data):
+        t0 = time.perf_counter()
+        res = run_fedsm(cfg, workload, data, out=out / f"unseen-{k}", heldout=k, gammas=grid, progress=progress, log=log)
+        r = res["fedsm"]["per_site"][k]
+        dbg = {float(g): d for g, d in r["dice_by_gamma"].items()}
+        best_g = max(sorted(dbg), key=lambda g: dbg[g])
+        rows.append({
+            "site": k,
+            "selection_at_0": r["selection_by_gamma"][str(0.0)],
+            "dice_at_0": dbg[0.0],
+            "best_gamma": best_g,
+            "best_dice": dbg[best_g],
+            "dice_by_gamma": dbg,
+            "wall_time_s": time.perf_counter() - t0,
+        })
+        log(f"unseen {k}: Dice at γ=0 {dbg[0.0]:.4f}, best γ {best_g} → {dbg[best_g]:.4f}")
+    table = table5(rows, list(data))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unseen.md").write_text(table)
+    (out / "unseen.json").write_text(json.dumps(rows, indent=1))
+    return rows, table
+
+
+def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:
+    """Markdown in FedSM Table 5's layout: selection frequency of GM and each PM at γ = 0, Dice, best γ and its Dice."""
+    head = ["Unseen site", "γ", "GM", *[f"PM {s}" for s in sites], "Dice", "Best γ, Dice"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        sel = r["selection_at_0"]
+        cells = [str(r["site"]), "0", f"{sel['global']:.2f}"]
+        cells += ["N/A" if s == r["site"] else f"{sel.get(f'personal/{s}', 0.0):.2f}" for s in sites]
+        cells += [f"{r['dice_at_0']:.4f}", f"{r['best_gamma']:g}, {r['best_dice']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0; best γ over the grid on the unseen site's test set (as the paper reports it).\n"
+
+
+# ------------------------------------------------------------------- Table 7
+def sweep(
+    config: str | Path | RunConfig,
+    out: str | Path,
+    lams: Sequence[float],
+    overrides: Sequence[str] = (),
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    **fields: Any,
+) -> tuple[list[dict[str, Any]], str]:
+    """FedSM Table 7: one FedSM run per λ (Client Avg and Global Dice), plus test Dice per γ.
+
+    λ below 1/K is outside SoftPull's range (Eq. 11) and is reported as rejected
+    rather than run (the paper's Table 7 includes λ = 0.1 < 1/6).
+    """
+    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    if cfg.method != "fedsm":
+        cfg = dataclasses.replace(cfg, method="fedsm")
+    k = len(data)
+    out = Path(out)
+    rows = []
+    for lam in lams:
+        if lam < 1.0 / k - 1e-12 or lam > 1.0:
+            rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [1/K, 1] = [{1 / k:.3f}, 1]"})
+            log(f"λ = {lam}: skipped, outside [1/K, 1] for K = {k}")
+            continue
+        res = run_fedsm(with_fedsm(cfg, lam=float(lam)), workload, data, out=out / f"lam{lam:g}", gammas=gammas, progress=progress, log=log)
+        rows.append({"lam": lam, "client_avg_dice": res["client_avg_dice"], "global_dice": res["global_dice"], "gamma": res["fedsm"]["gamma"],
+                     "dice_by_gamma": res["fedsm"]["dice_by_gamma"], "wall_time_s": res.get("wall_time_s")})
+        log(f"λ = {lam}: client avg Dice {res['client_avg_dice']:.4f}, global {res['global_dice']:.4f}")
+    table = table7(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text(table)
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    return rows, table
+
+
+def table7(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown in FedSM Table 7's layout (columns λ; rows Client Avg, Global), then test Dice per γ per λ."""
+    head = ["λ", *[f"{r['lam']:g}" for r in rows]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, key in (("Client Avg", "client_avg_dice"), ("Global", "global_dice")):
+        lines.append("| " + " | ".join([label, *["rejected" if "rejected" in r else f"{r[key]:.4f}" for r in rows]]) + " |")
+    text = "\n".join(lines) + "\n"
+    ran = [r for r in rows if "rejected" not in r and r.get("dice_by_gamma")]
+    if ran:
+        gs = sorted({g for r in ran for g in r["dice_by_gamma"]}, key=float)
+        lines = ["| γ \\ λ | " + " | ".join(f"{r['lam']:g}" for r in ran) + " |", "|" + "---|" * (len(ran) + 1)]
+        for g in gs:
+            lines.append(f"| {float(g):g} | " + " | ".join(f"{r['dice_by_gamma'].get(g, float('nan')):.4f}" for r in ran) + " |")
+        text += "\nTest Dice (pooled over all sites' test cases) of the FedSM composite per threshold γ:\n\n" + "\n".join(lines) + "\n"
+    notes = [r["rejected"] for r in rows if "rejected" in r]
+    if notes:
+        text += "\nRejected: " + "; ".join(notes) + " (SoftPull's range, FedSM Eq. 11).\n"
+    return text

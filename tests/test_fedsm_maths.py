@@ -1,0 +1,254 @@
+"""FedSM maths on hand-computed tensors: SoftPull (Eq. 11), routing (Alg. 2), Eq. 1 labels,
+the ensemble mix, selector-moment averaging and the server round — no engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
+from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull, soft_pull_matrix
+from fedseg.errors import ConfigError
+from fedseg.site import Reply
+
+
+def _w(v: float, n: int = 0) -> dict[str, torch.Tensor]:
+    """A one-tensor 'model' w = [v, 2v] plus an integer counter n."""
+    return {"w": torch.tensor([v, 2 * v]), "count": torch.tensor(n)}
+
+
+# ------------------------------------------------------------------ SoftPull
+def test_softpull_with_lambda_one_over_k_gives_every_site_the_uniform_mean():
+    """λ = 1/K: every row of A is 1/K, so each site gets (0 + 3 + 6)/3 = 3 → w = [3, 6]."""
+    # Prepare
+    personal = {"a": _w(0.0), "b": _w(3.0), "c": _w(6.0)}
+    # Execute
+    out = soft_pull(personal, 1 / 3)
+    # Assert
+    for s in personal:
+        torch.testing.assert_close(out[s]["w"], torch.tensor([3.0, 6.0]))
+
+
+def test_softpull_with_lambda_one_leaves_each_model_bitwise_as_trained():
+    # Prepare
+    personal = {"a": {"w": torch.tensor([0.1, -7.3])}, "b": {"w": torch.tensor([1e-8, 3.3])}}
+    # Execute
+    out = soft_pull(personal, 1.0)
+    # Assert: bitwise, not just close
+    for s in personal:
+        assert torch.equal(out[s]["w"], personal[s]["w"])
+
+
+def test_softpull_matches_hand_computed_values():
+    """K = 3, λ = 0.5, off-diagonal (1 − λ)/(K − 1) = 0.25:
+    a' = 0.5·0 + 0.25·(3 + 6) = 2.25, b' = 0.5·3 + 0.25·(0 + 6) = 3, c' = 0.5·6 + 0.25·3 = 3.75."""
+    personal = {"a": _w(0.0, 1), "b": _w(3.0, 2), "c": _w(6.0, 3)}
+    out = soft_pull(personal, 0.5)
+    for s, v in (("a", 2.25), ("b", 3.0), ("c", 3.75)):
+        torch.testing.assert_close(out[s]["w"], torch.tensor([v, 2 * v]))
+    # integer tensors are each site's own, never averaged
+    assert [int(out[s]["count"]) for s in "abc"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("k,lam", [(2, 0.5), (3, 0.7), (6, 1 / 6), (6, 0.9), (5, 1.0)])
+def test_softpull_matrix_is_row_stochastic_with_lambda_on_the_diagonal(k, lam):
+    # Execute
+    a = soft_pull_matrix(k, lam)
+    # Assert
+    torch.testing.assert_close(a.sum(dim=1), torch.ones(k, dtype=torch.float64))
+    assert bool((a >= 0).all())
+    torch.testing.assert_close(a.diagonal(), torch.full((k,), lam, dtype=torch.float64))
+    off = a[~torch.eye(k, dtype=torch.bool)]
+    torch.testing.assert_close(off, torch.full_like(off, (1 - lam) / (k - 1)))
+
+
+def test_softpull_equals_the_matrix_applied_to_the_stacked_models():
+    g = torch.Generator().manual_seed(0)
+    personal = {s: {"w": torch.randn(4, generator=g, dtype=torch.float64)} for s in "abcd"}
+    out = soft_pull(personal, 0.7)
+    stacked = torch.stack([personal[s]["w"] for s in "abcd"])
+    expect = soft_pull_matrix(4, 0.7) @ stacked
+    for i, s in enumerate("abcd"):
+        torch.testing.assert_close(out[s]["w"], expect[i])
+
+
+def test_softpull_a_dropped_site_keeps_its_model_and_is_not_mixed_in():
+    """c did not reply: a, b mix among themselves (K' = 2, λ = 0.5: both → 1.5); c stays 6."""
+    personal = {"a": _w(0.0), "b": _w(3.0), "c": _w(6.0)}
+    out = soft_pull(personal, 0.5, replied=["a", "b"])
+    torch.testing.assert_close(out["a"]["w"], torch.tensor([1.5, 3.0]))
+    torch.testing.assert_close(out["b"]["w"], torch.tensor([1.5, 3.0]))
+    assert torch.equal(out["c"]["w"], personal["c"]["w"])
+
+
+def test_softpull_with_one_reply_does_not_shrink_the_weights():
+    """The reference code gives λ·w = 1.4 for w = 2 when one site replies; it must stay 2."""
+    personal = {"a": _w(2.0), "b": _w(5.0)}
+    out = soft_pull(personal, 0.7, replied=["a"])
+    assert torch.equal(out["a"]["w"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(out["b"]["w"], personal["b"]["w"])
+
+
+def test_softpull_rejects_replies_from_unknown_sites():
+    with pytest.raises(ValueError, match="no personalized model"):
+        soft_pull({"a": _w(1.0)}, 0.7, replied=["a", "zz"])
+
+
+def test_check_lambda_rejects_one_site_and_lambda_outside_one_over_k_to_one():
+    with pytest.raises(ValueError, match="at least 2 sites"):
+        check_lambda(0.7, 1)
+    with pytest.raises(ValueError, match=r"fedsm.lam = 0.1 is outside \[1/K, 1\] = \[0.1667, 1\]"):
+        check_lambda(0.1, 6)
+    check_lambda(1 / 6, 6)  # the lower end is allowed (FedAvg-like uniform mean)
+    check_lambda(1.0, 6)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"lam": 0.0}, "fedsm.lam = 0.0"),
+        ({"lam": 1.5}, "fedsm.lam = 1.5"),
+        ({"gamma": "often"}, "fedsm.gamma = 'often'"),
+        ({"gamma": 1.2}, "fedsm.gamma = 1.2"),
+        ({"gamma_grid": (0.5, 2.0)}, "fedsm.gamma_grid"),
+        ({"selector_rounds": 0}, "fedsm.selector_rounds must be >= 1"),
+        ({"weighting": "size"}, "fedsm.weighting"),
+        ({"selector_weighting": "size"}, "fedsm.selector_weighting"),
+        ({"selector_steps": 0}, "fedsm.selector_steps must be >= 1"),
+    ],
+)
+def test_params_reject_bad_settings_naming_the_key(settings, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FedSMParams(**settings).validate()
+
+
+def test_extra_rejects_selector_rounds_that_leave_no_model_rounds():
+    cfg = tiny_config("fedsm-extra", rounds=3)
+    cfg = cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_rounds": 3}}})
+    from fedseg.algorithms import get_algorithm
+
+    with pytest.raises(ConfigError, match="selector_rounds = 3 must be between 1 and rounds - 1 = 2"):
+        get_algorithm(cfg)
+
+
+# ------------------------------------------------------------------- routing
+def test_route_uses_the_personalized_model_only_above_gamma():
+    """Alg. 2: max 0.95 > 0.9 → PM of class 0 (index 1); max 0.6 ≤ 0.9 → GM (index 0).
+    γ = 0 always routes to a PM; γ = 1 never does; max exactly γ → GM (strict >)."""
+    probs = torch.tensor([[0.95, 0.05], [0.6, 0.4], [0.2, 0.8]])
+    assert route(probs, 0.9).tolist() == [1, 0, 0]
+    assert route(probs, 0.0).tolist() == [1, 1, 2]
+    assert route(probs, 1.0).tolist() == [0, 0, 0]
+    assert route(probs, 0.8).tolist() == [1, 0, 0]
+
+
+def test_routing_accuracy_counts_images_whose_argmax_is_the_own_site():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.5, 0.1, 0.4]])
+    assert routing_accuracy(probs, own=0) == pytest.approx(2 / 3)
+    # K + 1-class selector: class 0 is the global model and is ignored
+    assert routing_accuracy(probs, own=0, first_personal=1) == pytest.approx(2 / 3)  # argmax over cols 1,2: [0, 0, 1]
+
+
+def test_oracle_labels_pick_the_model_with_the_lowest_loss_per_image():
+    """Eq. 1 with MSE: image 0 is best fit by h_1 (|1−1|), image 1 by h_0 (|0−0|); a tie goes to the global model."""
+    y = torch.tensor([[1.0], [0.0], [0.5]]).view(3, 1, 1, 1)
+    h0 = torch.zeros(3, 1, 1, 1)
+    h1 = torch.ones(3, 1, 1, 1)
+    labels = oracle_labels([h0, h1], y, torch.nn.functional.mse_loss)
+    assert labels.tolist() == [1, 0, 0]
+
+
+def test_ensemble_mix_is_the_softmax_weighted_sum_of_outputs():
+    """h = 0.25·0 + 0.75·4 = 3 everywhere."""
+    w = torch.tensor([[0.25, 0.75]])
+    out = ensemble_mix(w, [torch.zeros(1, 2, 3, 3), torch.full((1, 2, 3, 3), 4.0)])
+    torch.testing.assert_close(out, torch.full((1, 2, 3, 3), 3.0))
+
+
+def test_pick_gamma_maximizes_the_sample_weighted_dice():
+    """γ=0: (0.9·10 + 0.2·30)/40 = 0.375; γ=0.9: (0.5·10 + 0.6·30)/40 = 0.575 → 0.9."""
+    replies = {
+        "a": {"n": 10, "selections": [{"dice_sum": 9.0}, {"dice_sum": 5.0}]},
+        "b": {"n": 30, "selections": [{"dice_sum": 6.0}, {"dice_sum": 18.0}]},
+    }
+    g, d = pick_gamma(replies, [0.0, 0.9])
+    assert g == 0.9 and d == pytest.approx(0.575)
+
+
+def test_optimizer_moments_round_trip():
+    # Prepare: one Adam step on a tiny linear model
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    mom = optimizer_moments(opt, m)
+    assert set(mom) == {f"{p}/{k}" for p in ("weight", "bias") for k in ("step", "exp_avg", "exp_avg_sq")}
+    # Execute: set them on a fresh optimizer
+    opt2 = torch.optim.Adam(m.parameters())
+    set_optimizer_moments(opt2, m, {k: v * 2 for k, v in mom.items()})
+    # Assert
+    torch.testing.assert_close(opt2.state[m.weight]["exp_avg"], 2 * mom["weight/exp_avg"])
+
+
+# ------------------------------------------------------- server round, no engine
+class _FakeTransport:
+    """Answers 'train' tasks with canned arrays; sites in ``drop`` do not reply."""
+
+    def __init__(self, replies, drop=()):
+        self.replies, self.drop, self.sent = replies, set(drop), {}
+
+    def ask(self, tasks, optional=False):
+        self.sent = tasks
+        return {s: self.replies[s] for s in tasks if s not in self.drop}
+
+
+def _ctx(transport, sites):
+    from fedseg.algorithms.base import ServerContext
+
+    return ServerContext(transport=transport, sites=tuple(sites), cfg=tiny_config("fedsm"), init_arrays=None)
+
+
+def _reply(s, g, p, sel, m, n):
+    arrays = {"global/w": torch.tensor([g]), f"personal/{s}/w": torch.tensor([p]), "selector/w": torch.tensor([sel]),
+              "selector_optim/w/exp_avg": torch.tensor([m]), "selector_optim/w/exp_avg_sq": torch.tensor([m * m]), "selector_optim/w/step": torch.tensor(4.0 * n)}
+    return Reply(arrays=arrays, metrics={"loss": 0.5}, num_samples=n)
+
+
+@pytest.mark.parametrize("selector_weighting,q", [("samples", (0.25, 0.75)), ("even", (0.5, 0.5))])
+def test_server_round_averages_selector_moments_with_the_selector_weights_and_softpulls(selector_weighting, q):
+    """n = (1, 3): global with n_k/n = (0.25, 0.75) → 0.25·0 + 0.75·4 = 3.
+    Selector and its moments with the same weights q (n_k/n, or 1/K by default):
+    selector q·(8, 4), exp_avg q·(1, 2), exp_avg_sq q·(1, 4), step q·(4, 12).
+    SoftPull with K = 2, λ = 0.7: p_a = 0.7·10 + 0.3·20 = 13, p_b = 0.7·20 + 0.3·10 = 17."""
+    # Prepare
+    cfg = tiny_config("fedsm")
+    algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_weighting": selector_weighting}}}))
+    state = {"global/w": torch.tensor([0.0]), "personal/a/w": torch.tensor([0.0]), "personal/b/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0])}
+    tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)})
+    # Execute
+    new, metrics = algo.server_round(_ctx(tr, "ab"), state, 1)
+    # Assert
+    qa, qb = q
+    expect = {"global/w": 3.0, "selector/w": qa * 8 + qb * 4, "selector_optim/w/exp_avg": qa * 1 + qb * 2,
+              "selector_optim/w/exp_avg_sq": qa * 1 + qb * 4, "selector_optim/w/step": qa * 4 + qb * 12,
+              "personal/a/w": 13.0, "personal/b/w": 17.0}
+    for k, v in expect.items():
+        assert new[k].item() == pytest.approx(v), k
+    # each site was sent only its own personalized model; labels are positions in the federation
+    assert "personal/b/w" not in tr.sent["a"].arrays and "personal/a/w" in tr.sent["a"].arrays
+    assert tr.sent["b"].config["sites"] == ["a", "b"] and tr.sent["b"].config["num_classes"] == 2
+    assert metrics["train_loss"] == {"a": 0.5, "b": 0.5}
+
+
+def test_server_round_with_a_dropped_site_keeps_its_personalized_model():
+    """c drops: global/selector averaged over a, b only; p_c unchanged (= 7); a, b SoftPull with K' = 2."""
+    algo = FedSM(tiny_config("fedsm"))
+    state = {"global/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0]),
+             **{f"personal/{s}/w": torch.tensor([7.0]) for s in "abc"}}
+    tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)}, drop={"c"})
+    new, _ = algo.server_round(_ctx(tr, "abc"), state, 1)
+    assert new["personal/c/w"].item() == 7.0
+    assert new["global/w"].item() == pytest.approx(3.0)
+    assert new["personal/a/w"].item() == pytest.approx(13.0)
