@@ -7,7 +7,7 @@ its own test set; the table adds its global model as "<method> (global)", and a
 second table shows how the personalized models fare on the *other* sites (mean of
 the off-diagonal of the model × site matrix vs the diagonal).
 
-    .venv/bin/python benchmarks/baselines.py --md docs/results/baselines-run.md
+    .venv/bin/python benchmarks/baselines.py --md runs/bench-baselines/baselines.md
 
 Local work is counted in steps (``train.local_steps``).  Defaults are sized for a
 shared 2-core CPU; the paper's setting is 150 rounds × 1 epoch at 256², 3 seeds.

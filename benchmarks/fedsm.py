@@ -3,7 +3,7 @@ and prostate (high similarity) presets — centralized, local (each site), FedAv
 FedSM, FedSM-extra — with the selector's routing accuracy on each site's test set,
 validation curves (to check each method has plateaued) and bytes per round.
 
-    .venv/bin/python benchmarks/fedsm.py --out runs/bench-fedsm --md docs/results/fedsm-run.md
+    .venv/bin/python benchmarks/fedsm.py --out runs/bench-fedsm --md runs/bench-fedsm/fedsm.md
 
 Local work is counted in steps (``train.local_steps``) so that tiny sites get as
 many optimizer steps per round as large ones.  Defaults are sized for a shared

@@ -45,7 +45,7 @@ extra ratio is (K−1)/(2 t0) — :func:`extra_cost_ratio` — plus 2·S·K·|β
 of β messages (8 bytes × K × P per message), reported separately in the
 history (``extra_bytes``).
 
-Not given by the paper (our defaults, documented in docs/algorithms/autofedavg.md):
+Not given by the paper (our defaults, documented in docs/algorithms.md):
 the number of weight-learning steps S (``steps = 10``), the β optimizer (Adam,
 ``lr = 0.01``, torch's default betas), the batch (``train.batch_size``).
 

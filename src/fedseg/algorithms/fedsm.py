@@ -93,7 +93,7 @@ class FedSMParams:
     selector_steps
         Selector optimizer steps per round, on the first batches of the round's local
         work; None = all of them (Alg. 1 trains the three models on the same batches).
-        Measured on the synthetic fundus preset (``docs/results/fedsm.md``): with 5
+        Measured on the synthetic fundus preset (``docs/results.md``): with 5
         local steps per round the averaged selector collapses to one class, with 1 it
         learns the site classification.
     weighting
@@ -103,7 +103,7 @@ class FedSMParams:
         departure from Alg. 1's n_k/n: every site holds exactly one selector class
         (Eq. 2), and with n_k/n the averaged selector collapsed to the largest site's
         class on the synthetic fundus preset (routing accuracy 1/6 after 200 rounds
-        vs 0.95 with 'even', ``docs/results/fedsm.md``).  'samples' gives the paper's rule.
+        vs 0.95 with 'even', ``docs/results.md``).  'samples' gives the paper's rule.
     """
 
     lam: float = 0.7
