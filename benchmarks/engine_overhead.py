@@ -38,7 +38,7 @@ def bare_loop(data, workload, rounds: int, batch_size: int, seed: int) -> float:
     state = {k: v.clone() for k, v in global_model.state_dict().items()}
     models = {s: workload.build_model() for s in data}
     opts = {s: torch.optim.Adam(models[s].parameters(), lr=1e-3, betas=(0.9, 0.999)) for s in data}
-    n = {s: len(d.train) for s in data}
+    n = {s: len(site_data.train) for s, site_data in data.items()}
     total = sum(n.values())
     for r in range(rounds):
         new = None

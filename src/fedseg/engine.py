@@ -112,6 +112,7 @@ class Engine:
         self.best: dict[str, Best] = {}
         self.state: Arrays = {}
         self.round = 0
+        self._saved_best: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- setup
     def init_arrays(self, role: str = "global", factory: Callable[[], torch.nn.Module] | None = None) -> Arrays:
@@ -175,14 +176,17 @@ class Engine:
             return
         d.mkdir(parents=True, exist_ok=True)
         _save_arrays(self.state, d / "server.safetensors")
-        best_arrays: Arrays = {}
         best_meta = {}
         for name, b in self.best.items():
-            best_arrays.update(prefixed(name, b.candidate.arrays))
             c = b.candidate
             best_meta[name] = {"score": b.score, "round": b.round, "predictor": c.predictor, "val_sites": c.val_sites, "home_site": c.home_site, "config": c.config}
-        _save_arrays(best_arrays, d / "best.safetensors")
-        _save_json(best_meta, d / "best.json")
+        if best_meta != self._saved_best or not (d / "best.safetensors").is_file():
+            best_arrays: Arrays = {}
+            for name, b in self.best.items():
+                best_arrays.update(prefixed(name, b.candidate.arrays))
+            _save_arrays(best_arrays, d / "best.safetensors")
+            _save_json(best_meta, d / "best.json")
+            self._saved_best = best_meta
         self.transport.save_sites(d / "sites")
         _save_json({"round": self.round, "history": self.history}, d / "progress.json")
 

@@ -13,6 +13,7 @@ Random draws (batch order, crops) come from generators seeded by
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -130,6 +131,7 @@ class Site:
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.store: Arrays = {}
+        self._workload_models: dict[str, nn.Module] = {}
         self._handlers = algorithm.site_handlers()
 
     # ------------------------------------------------------------------ tasks
@@ -154,7 +156,12 @@ class Site:
         """The site's model for ``role`` (created on first use from ``factory`` or the workload)."""
         m = self.models.get(role)
         if m is None:
-            m = (factory or self.workload.build_model)().to(self.dtype)
+            template = self._workload_models.get("any") if factory is None else None
+            # another instance of the workload model: copy it (its weights are replaced
+            # on load) instead of building and randomly initializing a new one
+            m = copy.deepcopy(template) if template is not None else (factory or self.workload.build_model)().to(self.dtype)
+            if factory is None:
+                self._workload_models.setdefault("any", m)
             self.models[role] = m
         return m
 
