@@ -81,13 +81,13 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--checkpoint-every", type=int, default=1)
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="0 = no output folder, no checkpoints (pure engine overhead)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fedseg-overhead-"))
     spec = synthesize("fundus", tmp / "data", seed=0, scale=args.scale, size=args.size)
     fed, data = load_federation_data(spec)
     cfg = RunConfig(
-        federation=str(spec), method="fedavg", rounds=args.rounds, checkpoint_every=args.checkpoint_every,
+        federation=str(spec), method="fedavg", rounds=args.rounds, checkpoint_every=max(1, args.checkpoint_every),
         train=TrainConfig(batch_size=args.batch_size), eval=EvalConfig(every=args.rounds),
     )
     workload = segmentation_workload(2, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
@@ -95,15 +95,16 @@ def main() -> None:
     engine_t, bare_t = [], []
     for rep in range(args.repeats):
         t0 = time.perf_counter()
-        simulate(cfg, workload, data, out=tmp / f"run{rep}", progress=False)
+        simulate(cfg, workload, data, out=tmp / f"run{rep}" if args.checkpoint_every > 0 else None, progress=False)
         engine_t.append(time.perf_counter() - t0)
         bare_t.append(bare_loop(data, workload, args.rounds, args.batch_size, seed=rep))
         print(f"repeat {rep}: fedseg {engine_t[-1]:.2f} s, bare loop {bare_t[-1]:.2f} s")
     e, b = statistics.median(engine_t), statistics.median(bare_t)
     print(f"\n6 sites, {args.rounds} rounds, {steps} local steps per round, {args.size}x{args.size}, batch {args.batch_size}")
     print(f"median fedseg {e:.2f} s, median bare loop {b:.2f} s, ratio {e / b:.3f}")
+    ckpt = f"checkpoint every {args.checkpoint_every}" if args.checkpoint_every > 0 else "no checkpoints"
     print(
-        f"\n| {args.rounds} rounds × {steps} steps, checkpoint every {args.checkpoint_every} | {e:.2f} s | {b:.2f} s | {e / b:.3f} | "
+        f"\n| scale {args.scale}, {args.rounds} rounds × {steps} steps, {ckpt} | {e:.2f} s | {b:.2f} s | {e / b:.3f} | "
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads |"
     )
 

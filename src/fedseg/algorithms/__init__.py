@@ -36,9 +36,15 @@ for _cls in (Centralized, Local, FedAvg, FedAvgEven, FGA, FWA, CWT, AutoFedAvg, 
     register(_cls)
 
 
+# Sections that are not a method's but may appear in any run config: ``[deploy]``
+# (deadlines, minimum sites) is read by ``fedseg deploy`` and ignored by a simulation,
+# so ``fedseg run OUT/config.toml`` also works on the folder of a deployed run.
+EXTRA_SECTIONS = frozenset({"deploy"})
+
+
 def known_sections() -> set[str]:
-    """Config sections that belong to some method."""
-    return {c.section for c in REGISTRY.values() if c.section}
+    """Config sections that may appear in a run config: every method's, plus ``EXTRA_SECTIONS``."""
+    return {c.section for c in REGISTRY.values() if c.section} | EXTRA_SECTIONS
 
 
 def get_algorithm(cfg: RunConfig) -> Algorithm:

@@ -21,22 +21,18 @@ from typing import Any
 from fedseg.config import RunConfig, dump_toml, load_run_config
 from fedseg.errors import ConfigError
 
-from fedseg.deploy.params import SECTION, deploy_params
+from fedseg.deploy.params import deploy_params
 from fedseg.deploy.site import data_header
 from fedseg.deploy.transport import Call, RemoteTransport
 
 __all__ = ["load_deploy_config", "prepare_run", "serve"]
 
 
-def known_deploy_sections() -> set[str]:
-    from fedseg.algorithms import known_sections
-
-    return known_sections() | {SECTION}
-
-
 def load_deploy_config(path: str | Path, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
     """A run config that may carry a ``[deploy]`` section."""
-    cfg = load_run_config(path, overrides, known_deploy_sections(), **fields)
+    from fedseg.algorithms import known_sections
+
+    cfg = load_run_config(path, overrides, known_sections(), **fields)
     deploy_params(cfg)
     return cfg
 
