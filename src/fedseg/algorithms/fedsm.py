@@ -23,12 +23,33 @@ personalized model, else the global model (predictor ``"fedsm"``).
   the loss of the softmax-weighted output mix h = Σ ŷ_{s,k} h_k, and inference
   outputs that mix.
 
+Personalization ablation (Section 4.3, Table 6): ``fedsm.personalization`` replaces
+SoftPull by another method's personalization (``ft``, ``apfl``, ``perfedavg``,
+``pfedme``, ``ditto``; settings from that method's own section, e.g. ``ditto.lam``).
+The site then makes its personalized model with that method's site step from the
+global model w_r it received, the server stores it as ``personal/<site>`` with *no*
+SoftPull, and the selector routes to it exactly as to a SoftPull model:
+
+* ``ft``: global = FedAvg step; personal = w_r fine-tuned ``ft.steps`` steps
+  (:func:`fedseg.algorithms.ft.personal_step`, fresh optimizer each round).
+* ``perfedavg``: global = Per-FedAvg's meta step (:func:`fedseg.algorithms.perfedavg.local_round`);
+  personal = w_r adapted by ``perfedavg.personal_steps`` gradient steps of size α.
+* ``pfedme``: global = pFedMe's Moreau-envelope local round, server
+  ``(1 − β) w + β Σ p_k w_k``; personal = θ̂ of the round's last batch.
+* ``ditto``: global = FedAvg step; personal = the site's persistent v_k trained on
+  F_k(v) + λ/2 ||v − w_r||² (:func:`fedseg.algorithms.ditto.personal_step`).
+* ``apfl``: global = APFL's w step (= FedAvg's); the site sends v_k and α_k and the
+  server stores the mixture α_k v_k + (1 − α_k) w_{r+1} with the new global model
+  (``apfl.mix = "parameters"`` only: an output mixture is not one model).
+
 Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/…`` and
 ``selector_optim/<param>/<exp_avg|exp_avg_sq|step>``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +81,19 @@ __all__ = [
 ]
 
 DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+#: ``fedsm.personalization`` choices (FedSM Table 6 rows): SoftPull or a method whose
+#: site step makes the personalized models (module ``fedseg.algorithms.<name>``).
+PERSONALIZATIONS = ("softpull", "ft", "apfl", "perfedavg", "pfedme", "ditto")
+_PERSONAL_CLASSES = {"ft": "FT", "apfl": "APFL", "perfedavg": "PerFedAvg", "pfedme": "PFedMe", "ditto": "Ditto"}
+
+
+def personalization_class(name: str) -> type[Algorithm]:
+    """The Algorithm class of a non-SoftPull ``fedsm.personalization`` (its ``Params`` and config section)."""
+    if name not in _PERSONAL_CLASSES:
+        raise ConfigError(f"fedsm.personalization = {name!r}; choose one of {', '.join(PERSONALIZATIONS)}")
+    module = importlib.import_module(f"fedseg.algorithms.{name}")
+    return getattr(module, _PERSONAL_CLASSES[name])
 
 
 @dataclass(frozen=True)
@@ -104,6 +138,10 @@ class FedSMParams:
         (Eq. 2), and with n_k/n the averaged selector collapsed to the largest site's
         class on the synthetic fundus preset (routing accuracy 1/6 after 200 rounds
         vs 0.95 with 'even', ``docs/results.md``).  'samples' gives the paper's rule.
+    personalization
+        How the personalized models are made (Section 4.3, Table 6): 'softpull' (the
+        paper's FedSM, Eq. 11) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto'
+        (that method's site step, its settings from its own section; no SoftPull).
     """
 
     lam: float = 0.7
@@ -117,8 +155,14 @@ class FedSMParams:
     selector_steps: int | None = None
     weighting: str = "samples"
     selector_weighting: str = "even"
+    personalization: str = "softpull"
 
     def validate(self) -> None:
+        if self.personalization not in PERSONALIZATIONS:
+            raise ConfigError(
+                f"fedsm.personalization = {self.personalization!r} is not a personalization method; "
+                f"choose one of {', '.join(PERSONALIZATIONS)} (e.g. --set fedsm.personalization=ditto)"
+            )
         if not (0.0 < self.lam <= 1.0):
             raise ConfigError(f"fedsm.lam = {self.lam} must be in [1/K, 1] (FedSM Eq. 11); e.g. --set fedsm.lam=0.7")
         if isinstance(self.gamma, str):
@@ -267,6 +311,21 @@ class FedSM(Algorithm):
                     "the first rounds train the global and personalized models, the last ones the selector"
                 )
             self.selector_rounds = s
+        self.personalization = self.params.personalization
+        self.personal_params: Any = None
+        if self.personalization != "softpull":
+            self.personal_params = personalization_class(self.personalization).parse_params(cfg)
+            if self.personalization == "apfl" and self.personal_params.mix != "parameters":
+                raise ConfigError(
+                    f"apfl.mix = {self.personal_params.mix!r} cannot be used inside FedSM: the selector routes to one "
+                    "personalized model per site; use apfl.mix = 'parameters' (alpha*v + (1-alpha)*w)"
+                )
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        if self.personal_params is not None:
+            out[self.personalization] = dataclasses.asdict(self.personal_params)
+        return out
 
     # ------------------------------------------------------------ helpers
     def num_classes(self, k: int) -> int:
@@ -283,7 +342,8 @@ class FedSM(Algorithm):
     # --------------------------------------------------------- server half
     def init_state(self, ctx: ServerContext) -> Arrays:
         try:
-            check_lambda(self.params.lam, len(ctx.sites))
+            if self.personalization == "softpull":
+                check_lambda(self.params.lam, len(ctx.sites))
         except ValueError as e:
             raise ConfigError(f"{self.name}: {e}") from None
         init = ctx.init_arrays("global")
@@ -322,7 +382,8 @@ class FedSM(Algorithm):
         tasks = {}
         for s in sites:
             arrays = dict(shared)
-            if phase in ("joint", "models"):
+            if phase in ("joint", "models") and self.personalization == "softpull":
+                # other personalizations keep their state at the site (or start from w_r)
                 arrays.update({k: v for k, v in new.items() if k.startswith(f"personal/{s}/")})
             tasks[s] = Task("train", arrays, dict(base))
         replies = ctx.ask(tasks)
@@ -332,7 +393,9 @@ class FedSM(Algorithm):
         counts = [replies[s].num_samples for s in names]
         p = aggregation_weights(counts, self.params.weighting)
         p_sel = aggregation_weights(counts, self.params.selector_weighting)
-        if phase in ("joint", "models"):
+        if phase in ("joint", "models") and self.personalization != "softpull":
+            new.update(self._aggregate_personalization(state, replies, names, p))
+        elif phase in ("joint", "models"):
             new.update(prefixed("global", weighted_mean([strip_prefix("global", replies[s].arrays) for s in names], p)))
             personal = {s: strip_prefix(f"personal/{s}", new) for s in sites}
             for s in names:
@@ -346,11 +409,35 @@ class FedSM(Algorithm):
                 # the moments are averaged with the weights of the selector's parameters
                 new.update(prefixed("selector_optim", weighted_mean(moments, p_sel)))
         metrics: dict[str, Any] = {"phase": phase}
-        for key, mkey in (("train_loss", "loss"), ("personal_loss", "personal_loss"), ("selector_loss", "selector_loss"), ("routing_acc", "routing_acc")):
+        for key, mkey in (("train_loss", "loss"), ("personal_loss", "personal_loss"), ("selector_loss", "selector_loss"), ("routing_acc", "routing_acc"), ("alpha", "alpha")):
             vals = {s: replies[s].metrics.get(mkey) for s in names}
             if any(v is not None for v in vals.values()):
                 metrics[key] = vals
         return new, metrics
+
+    def _aggregate_personalization(self, state: Arrays, replies: Mapping[str, Reply], names: list[str], p: Sequence[float]) -> Arrays:
+        """Server half of a non-SoftPull personalization: the new global model and the replies' personalized models.
+
+        Global: weighted mean of the sites' models with FedSM's ``weighting`` (pFedMe:
+        ``(1 − β) w_r + β Σ p_k w_k``).  Personal: each replying site's model as sent,
+        no SoftPull (APFL: α_k v_k + (1 − α_k) w_{r+1}); the others keep theirs.
+        """
+        locals_ = [strip_prefix("global", replies[s].arrays) for s in names]
+        if self.personalization == "pfedme":
+            from fedseg.algorithms.pfedme import server_update
+
+            glob = server_update(strip_prefix("global", state), locals_, p, self.personal_params.beta)
+        else:
+            glob = weighted_mean(locals_, p)
+        out = prefixed("global", glob)
+        for s in names:
+            own = strip_prefix(f"personal/{s}", replies[s].arrays)
+            if self.personalization == "apfl":
+                from fedseg.algorithms.apfl import mix_parameters
+
+                own = mix_parameters(own, glob, float(replies[s].arrays["apfl_alpha"]))
+            out.update(prefixed(f"personal/{s}", own))
+        return out
 
     def composite(self, state: Arrays, ctx: ServerContext, gamma: float | None = None) -> Candidate:
         """The "fedsm" candidate: global + selector + personalized models, routed by the ``"fedsm"`` predictor."""
@@ -395,6 +482,13 @@ class FedSM(Algorithm):
         out: Arrays = {}
         train_models = phase in ("joint", "models")
         train_selector = phase in ("joint", "selector")
+        by_method = train_models and self.personalization != "softpull"
+        if by_method:
+            # the method's own site step makes the global and personalized models; the
+            # loop below then trains the selector alone (on the same seeded batches)
+            out, method_metrics = self._personalize(site, task)
+            metrics.update(method_metrics)
+            train_models = False
         if train_models:
             g = site.load("global", strip_prefix("global", task.arrays))
             opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
@@ -423,7 +517,7 @@ class FedSM(Algorithm):
         sums = {"loss": 0.0, "personal_loss": 0.0, "selector_loss": 0.0}
         steps = sel_steps = 0
         max_sel = self.params.selector_steps
-        for x, y in site.batches(rnd, "train", cfg.get("steps")):
+        for x, y in site.batches(rnd, "train", cfg.get("steps")) if (train_models or train_selector) else ():
             if train_models:
                 for model, opt, key in ((g, opt_g, "loss"), (pm, opt_p, "personal_loss")):
                     opt.zero_grad(set_to_none=True)
@@ -458,8 +552,42 @@ class FedSM(Algorithm):
             if self.params.share_selector_moments:
                 out.update(prefixed("selector_optim", optimizer_moments(opt_s, sel)))
             metrics["selector_loss"] = sums["selector_loss"] / max(sel_steps, 1)
-        metrics["steps"] = steps
+        metrics["steps"] = metrics["steps"] if by_method else steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
+
+    def _personalize(self, site: Site, task: Task) -> tuple[Arrays, dict[str, Any]]:
+        """Site half of a non-SoftPull personalization: one round of the method from the received w_r.
+
+        Returns the reply arrays (``global/…``: the site's new global model;
+        ``personal/<site>/…``: its personalized model; APFL: v_k and ``apfl_alpha``) and
+        metrics ``loss`` (global model), ``personal_loss``, ``steps`` (APFL: ``alpha``).
+        """
+        name, pp, rnd = self.personalization, self.personal_params, task.config["round"]
+        w_r = strip_prefix("global", task.arrays)
+        module = importlib.import_module(f"fedseg.algorithms.{name}")
+        metrics: dict[str, Any]
+        if name in ("pfedme", "apfl"):
+            # these methods change the site's copy of the global model themselves
+            m = module.local_round(site, w_r, rnd, pp)
+            metrics = {"loss": m["loss"], "personal_loss": m.get("personal_loss", m["loss"]), "steps": m["steps"]}
+        else:
+            if name == "perfedavg":
+                m = module.local_round(site, w_r, rnd, pp)
+            else:  # ft, ditto: the global model takes FedAvg's step, as in FedSM
+                site.load("global", w_r)
+                opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+                m = site.fit("global", rnd, stream="train", optimizer=opt, steps=task.config.get("steps"))
+            metrics = {"loss": m["loss"], "steps": m["steps"]}
+            if name == "ditto":
+                metrics["personal_loss"] = module.personal_step(site, w_r, rnd, pp)["loss"]
+            else:
+                metrics["personal_loss"] = module.personal_step(site, w_r, rnd, pp)[1]["loss"]
+        out = prefixed("global", site.arrays("global"))
+        out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
+        if name == "apfl":
+            out["apfl_alpha"] = site.store["apfl/alpha"].clone()
+            metrics["alpha"] = float(site.store["apfl/alpha"])
+        return out, metrics
 
     def _route(self, site: Site, task: Task) -> Reply:
         """Aggregate routing statistics of a composite on one split (only sums and counts leave the site).

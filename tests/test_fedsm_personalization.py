@@ -1,0 +1,155 @@
+"""FedSM's personalization ablation (FedSM paper Section 4.3, Table 6):
+``fedsm.personalization = softpull | ft | apfl | perfedavg | pfedme | ditto``.
+
+End to end on the tiny in-memory sites of ``conftest.py`` (2 rounds each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_config, tiny_sites
+from fedseg.algorithms import get_algorithm
+from fedseg.algorithms.fedsm import PERSONALIZATIONS
+from fedseg.errors import ConfigError
+from fedseg.runner import simulate
+
+METHODS = [p for p in PERSONALIZATIONS if p != "softpull"]
+
+
+def _cfg(rounds: int = 2, **sections):
+    return dataclasses.replace(tiny_config("fedsm", rounds=rounds), params=sections)
+
+
+def _server(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "checkpoints/server.safetensors"))
+
+
+def _model(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + "/")}
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("personalization", METHODS)
+def test_every_personalization_runs_end_to_end_with_the_selector(tmp_path, sites, workload, personalization):
+    """Each Table 6 row trains inside FedSM: the composite is reported, the selector is
+    trained every round, and the stored personalized models are the method's own
+    (site-specific: site 1's differs from site 2's, and from the global model)."""
+    # Execute
+    res = simulate(_cfg(fedsm={"personalization": personalization}), workload, sites, out=tmp_path, progress=False)
+    # Assert: the composite and every model are candidates; the method is recorded
+    assert {r["name"] for r in res["rows"]} == {"fedsm", "global", *(f"personal/{s}" for s in sites)}
+    assert 0.0 <= res["client_avg_dice"] <= 1.0
+    for e in res["history"]:
+        assert e["phase"] == "joint"
+        assert set(e["selector_loss"]) == set(sites) and set(e["routing_acc"]) == set(sites)
+        assert set(e["personal_loss"]) == set(sites)
+    state = _server(tmp_path)
+    p1, p2, g = _model(state, "personal/site1"), _model(state, "personal/site2"), _model(state, "global")
+    assert p1.keys() == g.keys()
+    assert any(not torch.equal(p1[k], p2[k]) for k in p1 if p1[k].is_floating_point())
+    assert any(not torch.equal(p1[k], g[k]) for k in p1 if p1[k].is_floating_point())
+
+
+def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload):
+    """``personalization = softpull`` is the default and the code path FedSM had before
+    the option existed: same server state bit for bit.  The digest was recorded with
+    the pre-option code (torch 2.13.0+cpu, 1 thread); other torch builds skip that check."""
+    # Execute
+    simulate(_cfg(), workload, sites, out=tmp_path / "default", progress=False)
+    simulate(_cfg(fedsm={"personalization": "softpull"}), workload, tiny_sites(), out=tmp_path / "softpull", progress=False)
+    # Assert
+    a, b = _server(tmp_path / "default"), _server(tmp_path / "softpull")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if torch.__version__ == "2.13.0+cpu":
+        assert _digest(a) == "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b"
+
+
+def test_bad_personalization_and_incompatible_settings_are_rejected():
+    """A name outside Table 6 lists the choices; the method's own settings are validated
+    from its own section; APFL's output mixture is no single model for the selector."""
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"fedsm.personalization = 'fedprox'.*softpull, ft, apfl, perfedavg, pfedme, ditto"):
+        get_algorithm(_cfg(fedsm={"personalization": "fedprox"}))
+    with pytest.raises(ConfigError, match=r"ditto.lam = -1"):
+        get_algorithm(_cfg(fedsm={"personalization": "ditto"}, ditto={"lam": -1.0}))
+    with pytest.raises(ConfigError, match=r"apfl.mix = 'outputs' cannot be used inside FedSM"):
+        get_algorithm(_cfg(fedsm={"personalization": "apfl"}, apfl={"mix": "outputs"}))
+
+
+def test_method_settings_come_from_their_own_section():
+    """``--set ditto.lam=0.5`` reaches FedSM's Ditto personalization and is recorded in describe()."""
+    # Execute
+    alg = get_algorithm(_cfg(fedsm={"personalization": "ditto"}, ditto={"lam": 0.5, "steps": 2}))
+    # Assert
+    assert alg.personal_params.lam == 0.5 and alg.personal_params.steps == 2
+    assert alg.describe()["personalization"] == "ditto" and alg.describe()["ditto"]["lam"] == 0.5
+
+
+def test_ft_with_zero_steps_personalized_models_are_the_received_global_model(tmp_path, sites, workload):
+    """FT with ``ft.steps = 0`` fine-tunes nothing: θ_k = w_r, the global model the site
+    received in round r.  So after round 2 every personal/<site> equals the global model
+    after round 1 (read from a run stopped after round 1), bit for bit."""
+    # Prepare
+    cfg = _cfg(fedsm={"personalization": "ft"}, ft={"steps": 0})
+    simulate(cfg, workload, sites, out=tmp_path / "r1", progress=False, stop_after=1)
+    # Execute
+    simulate(cfg, workload, tiny_sites(), out=tmp_path / "r2", progress=False)
+    # Assert
+    g1 = _model(_server(tmp_path / "r1"), "global")
+    s2 = _server(tmp_path / "r2")
+    for s in sites:
+        p = _model(s2, f"personal/{s}")
+        assert p.keys() == g1.keys() and all(torch.equal(p[k], g1[k]) for k in p)
+    assert any(not torch.equal(_model(s2, "global")[k], g1[k]) for k in g1)
+
+
+def test_apfl_with_fixed_alpha_zero_personalized_models_are_the_new_global_model(tmp_path, sites, workload):
+    """APFL's personalized model is α v + (1 − α) w_{r+1}; with α fixed at 0 it is the new
+    global model exactly (``torch.lerp`` with weight 0)."""
+    # Execute
+    simulate(_cfg(fedsm={"personalization": "apfl"}, apfl={"alpha": 0.0, "learn_alpha": False}), workload, sites, out=tmp_path, progress=False)
+    # Assert
+    state = _server(tmp_path)
+    g = _model(state, "global")
+    for s in sites:
+        p = _model(state, f"personal/{s}")
+        assert all(torch.equal(p[k], g[k]) for k in p)
+
+
+def test_ditto_resume_equals_uninterrupted(tmp_path, sites, workload):
+    """Ditto's persistent personal model and optimizer live at the site: a run stopped
+    after round 1 and resumed ends bitwise where the uninterrupted run does."""
+    # Prepare
+    cfg = _cfg(fedsm={"personalization": "ditto"})
+    full = simulate(cfg, workload, sites, out=tmp_path / "full", progress=False)
+    assert simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, stop_after=1) is None
+    # Execute
+    resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
+    # Assert
+    a, b = _server(tmp_path / "full"), _server(tmp_path / "part")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert full["client_avg_dice"] == resumed["client_avg_dice"]
+
+
+def test_fedsm_extra_trains_the_selector_on_the_methods_models(tmp_path, sites, workload):
+    """fedsm-extra with FT: the model rounds make FT's personalized models, the selector
+    round then freezes them (phases models, selector) and the K + 1-class selector is trained."""
+    # Execute
+    cfg = dataclasses.replace(tiny_config("fedsm-extra", rounds=2), params={"fedsm": {"personalization": "ft", "selector_rounds": 1}})
+    res = simulate(cfg, workload, sites, out=tmp_path, progress=False)
+    # Assert
+    assert [e["phase"] for e in res["history"]] == ["models", "selector"]
+    assert "selector_loss" not in res["history"][0] and set(res["history"][1]["selector_loss"]) == set(sites)
+    assert set(res["history"][0]["personal_loss"]) == set(sites)
