@@ -64,3 +64,23 @@ def test_run_resume_evaluate_compare(spec, tmp_path, capsys):
 def test_bad_override_is_one_clear_error(spec, tmp_path, capsys):
     assert main(["run", str(spec), "--out", str(tmp_path / "r"), "--set", "train.lr=abc"]) == 2
     assert "train.lr: expected a number" in capsys.readouterr().err
+
+
+def test_method_entries_with_settings():
+    from fedseg.errors import ConfigError
+    from fedseg.experiments import parse_method_entry, split_method_entries
+
+    assert split_method_entries("local, fedsm:personalization=ft,lam=0.5,fedavg") == ["local", "fedsm:personalization=ft,lam=0.5", "fedavg"]
+    assert parse_method_entry("fedsm-extra:personalization=ditto") == ("fedsm-extra", ["fedsm.personalization=ditto"], "fedsm-extra (personalization=ditto)")
+    assert parse_method_entry("fedavg") == ("fedavg", [], "fedavg")
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        parse_method_entry("nope:x=1")
+    with pytest.raises(ConfigError, match="must be key=value"):
+        parse_method_entry("fedsm:personalization")
+
+
+def test_compare_gives_each_variant_its_own_row(spec, tmp_path):
+    methods = ["fedavg:weighting=samples", "fedavg:weighting=even"]
+    assert main(["compare", str(spec), "--methods", ",".join(methods), "--rounds", "1", "--out", str(tmp_path / "cmp"), *SMALL]) == 0
+    table = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| fedavg (weighting=samples) |" in table and "| fedavg (weighting=even) |" in table

@@ -86,9 +86,9 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from fedseg.experiments import compare
+    from fedseg.experiments import compare, split_method_entries
 
-    _, table = compare(a.config, _csv(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=a.set)
+    _, table = compare(a.config, split_method_entries(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=a.set)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
     return 0
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="run several methods over seeds and print one table (mean ± sd)")
     c.add_argument("config", help="run config TOML or federation spec")
-    c.add_argument("--methods", required=True, help="comma-separated, e.g. local,centralized,fedavg")
+    c.add_argument("--methods", required=True, help="comma-separated, e.g. local,centralized,fedavg; a variant with settings of its own section: fedsm:personalization=ft")
     c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     c.add_argument("--rounds", type=int)
     c.add_argument("--out", required=True)

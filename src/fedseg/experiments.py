@@ -10,9 +10,48 @@ from typing import Any
 
 from fedseg.evaluation.tables import table3
 
-__all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run"]
+__all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
 
 DEMO_METHODS = ("local", "centralized", "fedavg")
+
+
+def split_method_entries(text: str) -> list[str]:
+    """Split ``"local,fedsm:personalization=ft,lam=0.5,fedavg"`` into method entries.
+
+    Comma-separated; a ``key=value`` token without ``:`` continues the previous entry.
+    """
+    entries: list[str] = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        if "=" in token and ":" not in token and entries:
+            entries[-1] += "," + token
+        else:
+            entries.append(token)
+    return entries
+
+
+def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
+    """``"fedsm:personalization=ft,lam=0.5"`` → (method, overrides in the method's section, label).
+
+    A plain name (``"fedavg"``) has no overrides and is its own label.  The section is
+    the method's config section (``fedsm-extra`` uses ``[fedsm]``).
+    """
+    from fedseg.algorithms import REGISTRY
+    from fedseg.errors import ConfigError
+
+    method, _, settings = entry.partition(":")
+    method = method.strip()
+    cls = REGISTRY.get(method)
+    if cls is None:
+        raise ConfigError(f"unknown method {method!r} in {entry!r}; known methods: {', '.join(sorted(REGISTRY))}")
+    pairs = [p.strip() for p in settings.split(",") if p.strip()]
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ConfigError(f"{entry!r}: settings must be key=value (e.g. fedsm:personalization=ft), got {bad}")
+    overrides = [f"{cls.section}.{p}" for p in pairs]
+    label = f"{method} ({', '.join(pairs)})" if pairs else method
+    return method, overrides, label
 
 
 def compare(
@@ -25,32 +64,38 @@ def compare(
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], str]:
-    """Run every method with every seed into ``out/<method>/seed<k>`` and tabulate them.
+    """Run every method with every seed into ``out/<entry>/seed<k>`` and tabulate them.
 
-    Runs whose ``results.json`` already exists are read instead of re-run, so an
-    interrupted comparison continues where it stopped.  Writes
-    ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
+    An entry is a method name, optionally with settings of its own section
+    (``fedsm:personalization=ft``), so variants of one method get their own rows
+    (e.g. the FedSM paper's Table 6).  Runs whose ``results.json`` already exists are
+    read instead of re-run, so an interrupted comparison continues where it stopped.
+    Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
     ``out/comparison.json``; returns the runs' results and the table.
     """
     from fedseg.runner import run
 
     out = Path(out)
+    entries = [parse_method_entry(m) for m in methods]
     runs = []
-    for method in methods:
+    for (method, own, label), entry in zip(entries, methods):
         for seed in seeds:
-            folder = out / method / f"seed{seed}"
+            folder = out / entry.replace(":", "-").replace(",", "-").replace(" ", "") / f"seed{seed}"
             done = folder / "results.json"
             if done.is_file():
-                log(f"{method} seed {seed}: already done ({done})")
-                runs.append(json.loads(done.read_text()))
-                continue
-            t0 = time.perf_counter()
-            res = run(config, out=folder, overrides=list(overrides), progress=progress, log=log, method=method, seed=seed, rounds=rounds)
-            log(f"{method} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s")
+                log(f"{label} seed {seed}: already done ({done})")
+                res = json.loads(done.read_text())
+            else:
+                t0 = time.perf_counter()
+                res = run(config, out=folder, overrides=[*overrides, *own], progress=progress, log=log, method=method, seed=seed, rounds=rounds)
+                log(f"{label} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s")
+            if own:
+                res["label"] = label
             runs.append(res)
     table = table3(runs)
     (out / "comparison.md").write_text(table)
-    summary = [{k: r[k] for k in ("method", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s") if k in r} for r in runs]
+    keys = ("method", "label", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s")
+    summary = [{k: r[k] for k in keys if k in r} for r in runs]
     (out / "comparison.json").write_text(json.dumps(summary, indent=1))
     return runs, table
 
