@@ -176,9 +176,6 @@ class APFL(Algorithm):
     primary = None
     summary = "APFL: per-site mixture alpha*v + (1-alpha)*w of a local and the global model, alpha learned in [0, 1]"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
         conf = {

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from fedseg.arrays import Arrays
+from fedseg.arrays import Arrays, prefixed
 from fedseg.config import RunConfig, dataclass_from_dict
 from fedseg.site import Reply, Site, Task
 
@@ -117,7 +117,8 @@ class Algorithm:
 
     # ----------------------------------------------------------- server half
     def init_state(self, ctx: ServerContext) -> Arrays:
-        raise NotImplementedError
+        """Initial server state; by default one seeded model under ``global/``."""
+        return prefixed("global", ctx.init_arrays("global"))
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         raise NotImplementedError

@@ -26,9 +26,6 @@ class Centralized(Algorithm):
     needs_pooled_site = True
     summary = "Centralized: one model trained on all sites' data pooled (upper bound, simulation only)"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         steps = None if ctx.cfg.train.local_steps is None else ctx.cfg.train.local_steps * len(ctx.sites)
         reply = ctx.ask({POOLED: Task("train", state, {"round": rnd, "steps": steps})})[POOLED]

@@ -107,9 +107,6 @@ class Ditto(Algorithm):
     primary = None
     summary = "Ditto: FedAvg global model + per-site personal models pulled towards it by lambda/2 ||v - w||^2"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
         conf = {"round": rnd, "report_personal": is_eval_round(ctx.cfg, rnd), "params": {"lam": p.lam, "steps": p.steps, "lr": p.lr}}

@@ -65,9 +65,6 @@ class FedAvg(Algorithm):
     def weighting(self) -> str:
         return self.params.weighting
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         task = Task("train", state, {"round": rnd})
         replies = ctx.ask({s: task for s in ctx.sites})

@@ -82,9 +82,6 @@ class FT(Algorithm):
     primary = None
     summary = "FT: FedAvg, then each site fine-tunes the global model on its own data"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})
         new = dict(state)

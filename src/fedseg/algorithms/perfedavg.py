@@ -196,9 +196,6 @@ class PerFedAvg(Algorithm):
     primary = None
     summary = "Per-FedAvg: MAML-style global model (FO or HF), personalized by alpha-steps of local adaptation"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         conf = {"round": rnd, "params": dataclasses.asdict(self.params)}
         glob = prefixed("global", strip_prefix("global", state))

@@ -140,9 +140,6 @@ class PFedMe(Algorithm):
     primary = None
     summary = "pFedMe: personal models from a Moreau-envelope inner problem, global model mixed with beta"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
         conf = {

@@ -165,9 +165,6 @@ class Scaffold(Algorithm):
     Params = ScaffoldParams
     summary = "SCAFFOLD: local gradients corrected by control variates c - c_i (option II), server step size eta_g"
 
-    def init_state(self, ctx: ServerContext) -> Arrays:
-        return prefixed("global", ctx.init_arrays("global"))
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         replies = ctx.ask({s: Task("train", state, {"round": rnd, "correction": self.params.correction}) for s in ctx.sites})
         names = list(replies)
