@@ -154,7 +154,8 @@ class RemoteTransport:
                 self._drop(s, task.kind, f"rejected: {e}")
                 continue
             # remember the layout only (zero-stride views take no memory)
-            self._schema.setdefault(key, {k: torch.empty((), dtype=v.dtype).expand(v.shape) for k, v in reply.arrays.items()})
+            known = self._schema.setdefault(key, {})
+            known.update({k: torch.empty((), dtype=v.dtype).expand(v.shape) for k, v in reply.arrays.items() if k not in known})
             self.traffic.record(s, task, reply)
             replies[s] = reply
         need = min(self.params.min_sites, len(tasks))

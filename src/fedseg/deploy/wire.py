@@ -161,8 +161,10 @@ def check_reply(task: Task, reply: Reply, schema: Mapping[str, torch.Tensor] | N
     1. every floating tensor is finite;
     2. a tensor whose name is also in the task (a model sent out and returned)
        has the task's shape and dtype;
-    3. when ``schema`` is given (the layout of the first accepted reply to the
-       same task kind from the same site), names, shapes and dtypes equal it;
+    3. when ``schema`` is given (the layout of the names this site has returned
+       before for the same task kind), every name seen before keeps its shape and
+       dtype (a reply may carry other names: FGA's last step of a round returns the
+       weights instead of a gradient);
     4. numbers in ``metrics`` are finite.
     """
     check_arrays(reply.arrays, what)
@@ -170,9 +172,9 @@ def check_reply(task: Task, reply: Reply, schema: Mapping[str, torch.Tensor] | N
         ref = task.arrays.get(k)
         if ref is not None and (tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype):
             raise PayloadError(f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but the task sent {tuple(ref.shape)} {ref.dtype}")
-    if schema is not None:
-        from fedseg.arrays import check_compatible
-
-        check_compatible(schema, reply.arrays, what=what)
+    for k, v in reply.arrays.items():
+        ref = None if schema is None else schema.get(k)
+        if ref is not None and (tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype):
+            raise PayloadError(f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but earlier replies had {tuple(ref.shape)} {ref.dtype}")
     if not _finite_json(reply.metrics):
         raise PayloadError(f"{what}: metrics hold a non-finite number")
