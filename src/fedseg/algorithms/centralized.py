@@ -14,7 +14,7 @@ from typing import Any
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import train_global
-from fedseg.arrays import Arrays, prefixed, strip_prefix
+from fedseg.arrays import Arrays, strip_prefix
 from fedseg.site import Task
 
 POOLED = "pooled"

@@ -33,10 +33,11 @@ from fedseg.algorithms.personal import (
     is_eval_round,
     local_work,
     personal_candidates,
+    personalize_handler,
     store_personal,
 )
 from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.site import Reply, Site, Task
+from fedseg.site import Site, Task
 
 __all__ = ["FT", "FTParams", "personal_step"]
 
@@ -68,11 +69,8 @@ def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: FTParams)
     return finetune(site, global_arrays, rnd, steps=local_work(site, params.steps), lr=params.lr, optimizer="train", stream="finetune")
 
 
-def personalize_ft(site: Site, task: Task) -> Reply:
-    """Site half of the ``personalize`` task: fine-tune the sent global model, send θ_k back."""
-    params = FTParams(**task.config["params"])
-    arrays, metrics = personal_step(site, strip_prefix("global", task.arrays), task.config["round"], params)
-    return Reply(arrays=prefixed("personal", arrays), metrics=metrics, num_samples=site.num_train)
+# Site half of the ``personalize`` task: fine-tune the sent global model, send θ_k back.
+personalize_ft = personalize_handler(FTParams, personal_step)
 
 
 class FT(Algorithm):

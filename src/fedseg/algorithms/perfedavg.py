@@ -48,6 +48,7 @@ from fedseg.algorithms.personal import (
     finetune,
     is_eval_round,
     personal_candidates,
+    personalize_handler,
     store_personal,
 )
 from fedseg.arrays import Arrays, prefixed, strip_prefix
@@ -183,10 +184,7 @@ def train_perfedavg(site: Site, task: Task) -> Reply:
     return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
 
 
-def personalize_perfedavg(site: Site, task: Task) -> Reply:
-    params = PerFedAvgParams(**task.config["params"])
-    arrays, metrics = personal_step(site, strip_prefix("global", task.arrays), task.config["round"], params)
-    return Reply(arrays=prefixed("personal", arrays), metrics=metrics, num_samples=site.num_train)
+personalize_perfedavg = personalize_handler(PerFedAvgParams, personal_step)
 
 
 class PerFedAvg(Algorithm):

@@ -131,6 +131,21 @@ def finetune(
     return site.arrays(role), metrics
 
 
+def personalize_handler(params_cls: type, step: Any) -> Any:
+    """Site half of a ``personalize`` task for a method whose personalization is ``step``.
+
+    ``step(site, global_arrays, round, params) -> (arrays, metrics)`` is applied to the
+    sent ``global/`` model; the reply carries the result under ``personal/``.
+    """
+
+    def handle(site: Site, task: Any) -> Reply:
+        params = params_cls(**task.config["params"])
+        arrays, metrics = step(site, strip_prefix("global", task.arrays), task.config["round"], params)
+        return Reply(arrays=prefixed("personal", arrays), metrics=metrics, num_samples=site.num_train)
+
+    return handle
+
+
 def local_work(site: Site, steps: int | None) -> int:
     """Steps of one round of local work (``steps`` if given, else the run's ``train.local_*``)."""
     return site.steps_per_round() if steps is None else steps
