@@ -20,6 +20,26 @@ OVERRIDES = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_un
              "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
 
 
+def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):
+    """A tiny fundus federation, a deploy run folder for ``method`` and an unstarted local FLARE cluster."""
+    spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32)
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(f'federation = "{spec}"\nmethod = "{method}"\nseed = 0\n')
+    out = tmp_path / "out"
+    prepare_run(load_deploy_config(run_toml, overrides), out, sites=list(names))
+    from fedseg.data.spec import load_federation
+
+    fed = load_federation(spec)
+    cluster = LocalCluster(tmp_path / "nv", {n: fed.site(n).datalist for n in names}, tmp_path / "sites")
+    return spec, run_toml, out, fed, cluster
+
+
+def _simulate_same(tmp_path, spec, run_toml, overrides, names=("site1", "site2")):
+    """The in-process simulation of the same run on the same sites."""
+    sim_spec = subset_spec(spec, list(names), tmp_path / "sim" / "federation.toml")
+    return run(load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False)
+
+
 @pytest.mark.slow
 def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     """2 rounds of FedAvg deployed (server + 2 site processes, mutual TLS) give the simulation's weights bitwise;
@@ -29,17 +49,8 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     with one torch thread like the simulation, and the seeds follow the federation order.
     """
     # Prepare
-    spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32)
-    run_toml = tmp_path / "run.toml"
-    run_toml.write_text(f'federation = "{spec}"\nmethod = "fedavg"\nseed = 0\n')
-    cfg = load_deploy_config(run_toml, OVERRIDES)
     names = ["site1", "site2"]
-    out = tmp_path / "out"
-    prepare_run(cfg, out, sites=names)
-    from fedseg.data.spec import load_federation
-
-    fed = load_federation(spec)
-    cluster = LocalCluster(tmp_path / "nv", {n: fed.site(n).datalist for n in names}, tmp_path / "sites")
+    spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
     intruder = None
     try:
         try:
@@ -66,8 +77,7 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
         if intruder is not None:
             stop(intruder, grace=0.5)
         cluster.__exit__(None, None, None)
-    sim_spec = subset_spec(spec, names, tmp_path / "sim" / "federation.toml")
-    sim = run(load_deploy_config(run_toml, OVERRIDES, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False)
+    sim = _simulate_same(tmp_path, spec, run_toml, OVERRIDES)
     # Assert
     dep = json.loads((out / "results.json").read_text())
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
@@ -110,17 +120,8 @@ def test_fga_deployed_equals_simulation(tmp_path):
     simulation's weights bitwise: one gradient exchange per step over the same channel as FedAvg's rounds."""
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + ["rounds=10", "train.dtype=float64"]
-    spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32)
-    run_toml = tmp_path / "run.toml"
-    run_toml.write_text(f'federation = "{spec}"\nmethod = "fga"\nseed = 0\n')
-    cfg = load_deploy_config(run_toml, overrides)
     names = ["site1", "site2"]
-    out = tmp_path / "out"
-    prepare_run(cfg, out, sites=names)
-    from fedseg.data.spec import load_federation
-
-    fed = load_federation(spec)
-    cluster = LocalCluster(tmp_path / "nv", {n: fed.site(n).datalist for n in names}, tmp_path / "sites")
+    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fga", overrides)
     try:
         cluster.provision()
     except Exception as e:  # pragma: no cover - environment without a working nvflare
@@ -128,8 +129,7 @@ def test_fga_deployed_equals_simulation(tmp_path):
     # Execute
     with cluster:
         submit_run(cluster.kits["admin"], out, names, timeout=120)
-    sim_spec = subset_spec(spec, names, tmp_path / "sim" / "federation.toml")
-    run(load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False)
+    _simulate_same(tmp_path, spec, run_toml, overrides)
     # Assert
     dep = json.loads((out / "results.json").read_text())
     assert sum(e["steps"] for e in dep["history"]) == 20 and all(e["in_sync"] for e in dep["history"])
