@@ -26,7 +26,19 @@ from fedseg.fedsm_experiments import load_spec, routing_markdown, run_fedsm
 from fedseg.runner import simulate
 
 BASELINES = ("centralized", "local", "fedavg")
-FEDSM = ("fedsm", "fedsm-extra")
+FEDSM = ("fedsm", "fedsm-extra", "fedsm-ensemble")
+
+
+def late_gain(res: dict) -> float:
+    """How much the reported validation score still rose in the last quarter of the run:
+    best score over all evaluations minus the best before 3/4 of the rounds.  A method has
+    plateaued when this is small (the tables flag > 0.01)."""
+    pts = [(int(p.split(":")[0]), float(p.split(":")[1])) for p in curve(res, 1).split()]
+    if not pts:
+        return float("nan")
+    cut = 0.75 * max(r for r, _ in pts)
+    early = [v for r, v in pts if r <= cut]
+    return max(v for _, v in pts) - (max(early) if early else 0.0)
 
 
 def curve(res: dict, every: int) -> str:
@@ -129,6 +141,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
     ap.add_argument("--seeds", default="0")
+    ap.add_argument("--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--selector-study", action="store_true", help="only the selector-training study (routing accuracy vs rounds)")
     ap.add_argument("--study-rounds", type=int, default=200)
@@ -159,6 +172,10 @@ def main() -> None:
             Path(args.md).write_text(text)
         return
     seeds = [int(s) for s in args.seeds.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(BASELINES + FEDSM)
+    if unknown:
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + FEDSM)}")
     t_all = time.perf_counter()
     md = [f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n",
           f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n"]
@@ -169,19 +186,24 @@ def main() -> None:
         t_preset = time.perf_counter()
         for seed in seeds:
             cfg, workload, data = load_spec(spec, common, seed=seed, rounds=args.rounds, method="fedavg")
-            for method in BASELINES:
+            for method in methods:
+                run_dir = out / preset / method / f"seed{seed}"
+                done = run_dir / "results.json"
                 t0 = time.perf_counter()
-                c = cfg.__class__(**{**cfg.__dict__, "method": method})
-                res = simulate(c, workload, data, out=out / preset / method / f"seed{seed}", progress=False, log=lambda m: None)
+                if done.is_file():  # finished earlier (e.g. by a parallel process for other seeds): reuse
+                    res = json.loads(done.read_text())
+                    if res.get("config", {}).get("rounds") != args.rounds:
+                        raise SystemExit(f"{done} was made with other settings; remove it or use another --out")
+                else:
+                    c = cfg.__class__(**{**cfg.__dict__, "method": method})
+                    if method in FEDSM:
+                        res = run_fedsm(c, workload, data, out=run_dir, log=lambda m: None)
+                    else:
+                        res = simulate(c, workload, data, out=run_dir, progress=False, log=lambda m: None)
                 print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
                 runs.append(res)
-            for method in FEDSM:
-                t0 = time.perf_counter()
-                c = cfg.__class__(**{**cfg.__dict__, "method": method})
-                res = run_fedsm(c, workload, data, out=out / preset / method / f"seed{seed}", log=lambda m: None)
-                print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
-                runs.append(res)
-                extras.append(res)
+                if method in FEDSM:
+                    extras.append(res)
         sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
         md.append(f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {scale}, "
                   f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, seeds {seeds}, wall {time.perf_counter() - t_preset:.0f} s\n")
@@ -195,7 +217,9 @@ def main() -> None:
         md.append("\nValidation curves (round:score of the reported candidate; best-so-far is what is reported):\n")
         every = max(args.eval_every, args.rounds // 10 // args.eval_every * args.eval_every)
         for res in runs:
-            md.append(f"- {res['method']} (seed {res['seed']}): {curve(res, every)}")
+            gain = late_gain(res)
+            flag = "plateaued" if gain <= 0.01 else "**still rising**"
+            md.append(f"- {res['method']} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})")
         md.append("\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n")
         for res in extras:
             pts = []
