@@ -6,6 +6,12 @@ of the job (provisioning, process start, data loading included), and whether the
 deployed final weights equal the simulation's bitwise.
 
     python benchmarks/deploy.py --methods fedavg,fedsm --rounds 4 --sites 2 --scale 0.05 --size 32 --out runs/bench-deploy
+
+``--fga-mb 1,6,25`` instead measures FGA's per-step cost against payload size: for
+each size a U-Net whose float32 parameters take about that many MB (channels
+c, 2c, 4c, 8c with c chosen to match), FGA deployed and simulated, and the
+per-step overhead = deployed − simulated median step time (one gradient each way
+per site per step).
 """
 
 from __future__ import annotations
@@ -26,6 +32,59 @@ from fedseg.deploy.server import load_deploy_config
 from fedseg.runner import run
 
 
+def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:
+    """Channels (c, 2c, 4c, 8c) whose MONAI U-Net (1 residual unit) has float32 parameters closest to ``mb`` MB."""
+    from fedseg.config import ModelConfig
+    from fedseg.models.unet import build_unet
+
+    best = None
+    for c in range(2, 129):
+        ch = [c, 2 * c, 4 * c, 8 * c]
+        m = build_unet(2, 1, out_channels, ModelConfig(channels=tuple(ch), strides=(2, 2, 2), num_res_units=1))
+        nbytes = sum(p.numel() * 4 for p in m.parameters())
+        if best is None or abs(nbytes - mb * 1e6) < abs(best[1] - mb * 1e6):
+            best = (ch, nbytes)
+        if nbytes > mb * 1e6:
+            break
+    return best
+
+
+def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
+    """FGA per-step time deployed vs simulated for models of about each size in ``a.fga_mb``."""
+    rows = []
+    for mb in [float(x) for x in a.fga_mb.split(",")]:
+        ch, nbytes = unet_for_mb(mb)
+        ov = [f"model.channels={ch}", "model.strides=[2,2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
+              "eval.every=1000", f"checkpoint_every={a.rounds}"]
+        tag = f"fga-{mb:g}mb"
+        t0 = time.perf_counter()
+        dep = rehearse(run_toml, a.sites, out / f"dep-{tag}", overrides=ov, method="fga")
+        dep_wall = time.perf_counter() - t0
+        sim = run(load_deploy_config(run_toml, ov, method="fga", federation=str(sim_spec)), out=out / f"sim-{tag}", progress=False)
+
+        def step_s(r):  # median over rounds 2..R of round time / steps (round 1 carries warm-up)
+            hs = r["history"][1:] or r["history"]
+            return statistics.median(h["time_s"] / h["steps"] for h in hs)
+
+        steps = sum(h["steps"] for h in dep["history"])
+        per_step_bytes = sum(sum(v["sent"] + v["received"] for v in h["bytes"].values()) for h in dep["history"]) / steps / a.sites
+        wa = load_file(str(out / f"dep-{tag}" / "checkpoints" / "server.safetensors"))
+        wb = load_file(str(out / f"sim-{tag}" / "checkpoints" / "server.safetensors"))
+        rows.append({"mb": mb, "channels": ch, "param_mb": nbytes / 1e6, "steps": steps, "dep_step_s": step_s(dep), "sim_step_s": step_s(sim),
+                     "bytes_per_step_site": per_step_bytes, "job_wall_s": dep_wall,
+                     "bitwise_equal": set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)})
+        print(json.dumps(rows[-1]), flush=True)
+    md = [f"FGA per-step overhead vs payload. Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, batch 4; "
+          f"machine: {platform.machine()}, 1-thread torch per process, `{platform.node()}`.\n",
+          "| target MB | U-Net channels | parameters MB (float32) | steps | deployed s/step | simulated s/step | overhead s/step | tensor bytes/step/site (both ways) | bitwise equal |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['mb']:g} | {r['channels']} | {r['param_mb']:.2f} | {r['steps']} | {r['dep_step_s']:.3f} | {r['sim_step_s']:.3f} | "
+                  f"{r['dep_step_s'] - r['sim_step_s']:.3f} | {r['bytes_per_step_site'] / 1e6:.1f} MB | {r['bitwise_equal']} |")
+    (out / "deploy-fga.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="fedavg,fedsm")
@@ -35,6 +94,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--channels", default="[4,8,16]")
     ap.add_argument("--out", default="runs/bench-deploy")
+    ap.add_argument("--fga-mb", default=None, help="measure FGA per-step overhead for models of these sizes (MB), e.g. 1,6,25")
     a = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
@@ -45,6 +105,8 @@ def main() -> None:
     ov = [f"model.channels={a.channels}", f"model.strides={strides}", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}"]
     names = [f"site{i + 1}" for i in range(a.sites)]
     sim_spec = subset_spec(spec, names, out / "sim-fed" / "federation.toml")
+    if a.fga_mb:
+        return fga_payloads(a, spec, run_toml, sim_spec, out)
     rows = []
     for m in a.methods.split(","):
         t0 = time.perf_counter()

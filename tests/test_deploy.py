@@ -135,6 +135,26 @@ def test_hung_site_is_cut_off_at_the_deadline(tmp_path):
     assert took < 10
 
 
+def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
+    """A site that stops answering (every call hangs) is waited for once, up to round_deadline_s; after that
+    each exchange only pings it (probe_timeout_s) before leaving it out, instead of waiting a deadline per
+    exchange (3 rounds × train, validate, checkpoint would be ~8 deadlines)."""
+    # Prepare
+    cfg, data = _cfg(rounds=3, round_deadline_s=1.0, probe_timeout_s=0.1), tiny_sites(2)
+    _prepare(tmp_path / "a", cfg, list(data))
+    # Execute
+    t0 = time.perf_counter()
+    res = serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path, data), {"site2": "freeze"}), log=lambda m: None)
+    took = time.perf_counter() - t0
+    # Assert
+    drops = res["deploy"]["dropouts"]
+    assert {d["site"] for d in drops} == {"site2"} and len(drops) >= 6
+    assert "no answer within 1 s" in drops[0]["reason"]
+    assert all("no answer to a ping within 0.1 s" in d["reason"] for d in drops[1:]), [d["reason"] for d in drops]
+    assert took < 1.1 + 0.15 * len(drops) + 5, f"{took:.1f} s for {len(drops)} dropouts"
+    assert all(set(e["train_loss"]) == {"site1"} for e in res["history"])
+
+
 def test_site_rejoins_after_missing_a_round(tmp_path):
     """A site down in round 1 answers again in round 2 and is aggregated there."""
     # Prepare

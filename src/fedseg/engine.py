@@ -206,11 +206,14 @@ class Engine:
         self.transport.restore_sites(d / "sites")
 
     # ------------------------------------------------------------------ loop
-    def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any] | None:
+    def run(self, resume: bool = False, stop_after: int | None = None, stop_requested: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """Run all rounds, then test; returns the results (see ``docs/results-format.md``).
 
         ``stop_after`` ends the run after that round, checkpointed, as an
         interruption would (for tests of ``resume``); it then returns None.
+        ``stop_requested`` is asked after every round; when it answers True the run
+        ends the same way after that round (a deployment's supervisor uses it to
+        restart a job so that a reconnected site can rejoin).
         """
         cfg = self.cfg
         t_start = time.perf_counter()
@@ -236,11 +239,12 @@ class Engine:
                 self.round = rnd
                 if self.on_round is not None:
                     self.on_round(entry)
-                if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or rnd == stop_after:
+                stop = rnd < cfg.rounds and ((stop_after is not None and rnd >= stop_after) or (stop_requested is not None and stop_requested()))
+                if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or stop:
                     self.save_checkpoint()
                 bar.update(1)
                 bar.set_postfix(self._postfix(entry), refresh=False)
-                if stop_after is not None and rnd >= stop_after and rnd < cfg.rounds:
+                if stop:
                     return None
         finally:
             bar.close()

@@ -28,12 +28,35 @@ class DeployParams:
         Seconds a site has to load its data and build its runtime when the run starts.
     max_payload_mb
         Largest reply accepted, in MiB.
+    probe_timeout_s
+        A site that failed its last exchange is first pinged with this timeout; if
+        it does not answer it is left out of the exchange at once instead of
+        costing the whole deadline again (a dead site would otherwise cost one
+        deadline per exchange, i.e. several per round).
+    max_restarts
+        How many times the supervisor (``fedseg deploy run`` / ``rehearse``)
+        re-submits the run from its last round checkpoint when the FLARE job ends
+        without results (aborted or failed), before giving up with the resume
+        command.  0 turns automatic recovery off.
+    rejoin
+        When a site restarts (it re-registers with the FLARE server, so its old
+        job process is gone), end the job after the current round and re-submit
+        it from that round's checkpoint with the site back in.  Restarts for a
+        rejoin do not count against ``max_restarts``.
+    rejoin_wait_s
+        Before a re-submission, how long to wait for sites missing from the
+        server's list to connect (the job then starts with those present, at
+        least ``min_sites``).
     """
 
     min_sites: int = 1
     round_deadline_s: float = 600.0
     setup_timeout_s: float = 300.0
     max_payload_mb: float = 4096.0
+    probe_timeout_s: float = 10.0
+    max_restarts: int = 3
+    rejoin: bool = True
+    rejoin_wait_s: float = 30.0
 
     def validate(self) -> None:
         if self.min_sites < 1:
@@ -44,6 +67,12 @@ class DeployParams:
             raise ConfigError(f"deploy.setup_timeout_s must be > 0 seconds, got {self.setup_timeout_s}")
         if not self.max_payload_mb > 0:
             raise ConfigError(f"deploy.max_payload_mb must be > 0, got {self.max_payload_mb}")
+        if not self.probe_timeout_s > 0:
+            raise ConfigError(f"deploy.probe_timeout_s must be > 0 seconds, got {self.probe_timeout_s}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"deploy.max_restarts must be >= 0 (0 = no automatic recovery), got {self.max_restarts}")
+        if self.rejoin_wait_s < 0:
+            raise ConfigError(f"deploy.rejoin_wait_s must be >= 0 seconds, got {self.rejoin_wait_s}")
 
     @property
     def max_payload_bytes(self) -> int:

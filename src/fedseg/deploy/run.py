@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fedseg.errors import ConfigError
@@ -77,46 +78,79 @@ def start_site(kit: str | Path, env: dict[str, str] | None = None, log: Path | N
     return _spawn(site_command(kit, name), kit, log or kit / "fedseg-site.log", {**os.environ, **(env or {})})
 
 
-def stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
-    """Terminate a process group (SIGTERM, then SIGKILL after ``grace`` s)."""
-    if proc.poll() is not None:
+def _tree(pid: int) -> list[Any]:
+    """The process and all its descendants (FLARE starts each job process in a process group of its own)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_tree(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to a started server/site and every process under it (job processes included)."""
+    import psutil
+
+    for p in _tree(proc.pid):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """Terminate a started server/site: its process group and every descendant (SIGTERM, then SIGKILL after ``grace`` s)."""
+    import psutil
+
+    procs = _tree(proc.pid)
+    groups = {proc.pid}
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
         except (ProcessLookupError, PermissionError):
             pass
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+    if proc.poll() is None:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=grace)
+    for p in procs:
         try:
-            os.killpg(proc.pid, sig)
+            p.kill()
+        except psutil.Error:
+            pass
+    for g in groups:  # stragglers of the groups
+        try:
+            os.killpg(g, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+            pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
         pass
 
 
-def submit_run(admin_kit: str | Path, run_dir: str | Path, sites: list[str], timeout: float = 0.0, job_root: str | Path | None = None) -> dict[str, Any]:
-    """Submit the run prepared in ``run_dir`` and wait for it; returns the job meta."""
+def submit_run(admin_kit: str | Path, run_dir: str | Path, sites: list[str], timeout: float = 0.0, job_root: str | Path | None = None,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Submit the run prepared in ``run_dir`` and supervise it until it has results (automatic re-submission
+    after an aborted job, rejoin of restarted sites: :mod:`fedseg.deploy.supervise`); returns the last job's record."""
+    from fedseg.deploy.params import deploy_params
+    from fedseg.deploy.supervise import Supervisor
     from fedseg.transport.nvflare import Admin, make_job
 
     run_dir = Path(run_dir).resolve()
-    job = make_job(job_root or run_dir / "job", run_dir, sites)
+    root = Path(job_root or run_dir / "job")
+    params = deploy_params(load_deploy_config(run_dir / "config.toml"))
     admin = Admin(admin_kit)
     try:
-        admin.wait_for_sites(sites, timeout=120.0)
-        job_id = admin.submit(job)
-        (run_dir / "jobs.txt").open("a").write(job_id + "\n")
-        try:
-            return admin.wait(job_id, timeout=timeout)
-        except BaseException:
-            admin.abort(job_id)
-            raise
+        def job(job_sites: list[str], attempt: int) -> Path:
+            return make_job(root / f"attempt-{attempt}", run_dir, job_sites)
+
+        return Supervisor(admin, run_dir, sites, job, params, log=log).run(timeout)
     finally:
         admin.close()
 
@@ -153,9 +187,18 @@ class LocalCluster:
         self.procs[name] = start_site(self.kits[name], self.env, self.root / "logs" / f"{name}.log")
 
     def kill(self, name: str) -> None:
+        """Stop a participant and its job processes (SIGTERM, SIGKILL after 0.5 s)."""
         p = self.procs.pop(name, None)
         if p is not None:
             stop(p, grace=0.5)
+
+    def pause(self, name: str) -> None:
+        """Freeze a participant and its job processes (SIGSTOP): a hung site."""
+        signal_tree(self.procs[name], signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        """Let a paused participant go on (SIGCONT)."""
+        signal_tree(self.procs[name], signal.SIGCONT)
 
     def __enter__(self) -> LocalCluster:
         if not self.kits:

@@ -94,14 +94,22 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     algorithm = get_algorithm(cfg)
     h = desc["data"]
     workload = segmentation_workload(int(h["spatial_dims"]), int(h["in_channels"]), list(h["labels"]), cfg.model, cfg.train, cfg.eval.threshold)
-    transport = RemoteTransport(desc["sites"], call, params, log=log)
+    resume = bool(desc.get("resume"))
+    record = out / "dropouts.jsonl"
+    if not resume:
+        record.unlink(missing_ok=True)
+    transport = RemoteTransport(desc["sites"], call, params, log=log, record=record)
     setup = transport.setup({"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()})
     log(f"[deploy] sites set up: {json.dumps(setup)}")
     t_setup = time.perf_counter() - t0
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=log)
     transport.round_source = lambda: engine.round
-    resume = bool(desc.get("resume"))
-    results = engine.run(resume=resume, stop_after=desc.get("stop_after"))
+    from fedseg.deploy.supervise import CONTROL_RESTART
+
+    restart = out / CONTROL_RESTART
+    results = engine.run(resume=resume, stop_after=desc.get("stop_after"), stop_requested=restart.is_file)
+    if results is None and restart.is_file():
+        log(f"[deploy] stopped after round {engine.round} on the supervisor's request ({restart.read_text()})")
     if results is None:
         return None
     results["deploy"] = {
@@ -109,7 +117,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         "run_id": desc["run_id"],
         "resumed": resume,
         "setup_s": t_setup,
-        "dropouts": transport.dropouts,
+        "dropouts": [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else [],
         "wire_bytes": transport.wire_bytes,
     }
     write_results(results, out)

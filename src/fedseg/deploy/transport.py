@@ -9,6 +9,9 @@ rule:
 
 * a site that errors, times out or sends an invalid reply is **left out** of the
   exchange, with the reason logged and recorded in :attr:`dropouts`;
+* a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
+  left out at once if it does not answer, so a dead site costs one deadline, not
+  one per exchange; it is back as soon as it answers a ping;
 * if fewer than ``min(deploy.min_sites, sites asked)`` valid replies remain, the
   exchange fails with :class:`DeployError` (the engine's last checkpoint stays
   valid; resume with ``fedseg deploy run --resume OUT``);
@@ -88,9 +91,13 @@ class RemoteTransport:
         Deadline, minimum number of sites, payload limit.
     log
         Where dropouts and rejections are reported.
+    record
+        A JSON-lines file every dropout is appended to (the run's record across jobs).
     """
 
-    def __init__(self, sites: list[str] | tuple[str, ...], call: Call, params: DeployParams, log: Callable[[str], None] = print):
+    def __init__(self, sites: list[str] | tuple[str, ...], call: Call, params: DeployParams, log: Callable[[str], None] = print,
+                 record: Path | None = None):
+        self.record = record
         self.sites = tuple(sites)
         self.call = call
         self.params = params
@@ -100,17 +107,25 @@ class RemoteTransport:
         self.dropouts: list[dict[str, Any]] = []
         self.round_source: Callable[[], int] = lambda: 0
         self._schema: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self._down: set[str] = set()  # sites whose last exchange failed: pinged before the next one
 
     # ---------------------------------------------------------------- control
     def _control(self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Send a JSON control operation to every site; ``{site: reply dict}`` of those that answered."""
         payload = json.dumps(body).encode()
-        results = _parallel({s: (lambda s=s: self.call(s, op, payload, timeout)) for s in (sites or self.sites)}, timeout)
+
+        def send(s: str) -> bytes:
+            self._probe(s, timeout)
+            return self.call(s, op, payload, timeout)
+
+        results = _parallel({s: (lambda s=s: send(s)) for s in (sites or self.sites)}, timeout)
         out = {}
         for s, (ok, res) in results.items():
             if ok:
                 out[s] = json.loads(res)
+                self._down.discard(s)
             else:
+                self._down.add(s)
                 self._drop(s, op, f"{type(res).__name__}: {res}")
         return out
 
@@ -122,9 +137,28 @@ class RemoteTransport:
             raise DeployError(f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = {self.params.min_sites}; check the sites' logs")
         return out
 
+    def _send(self, site: str, blob: bytes, deadline: float) -> bytes:
+        """One task to one site; a site that failed its last exchange must first answer a short ping."""
+        self._probe(site, deadline)
+        return self.call(site, "task", blob, deadline)
+
+    def _probe(self, site: str, timeout: float) -> None:
+        """Ping a site whose last call failed; raise ConnectionError if it still does not answer."""
+        if site not in self._down:
+            return
+        probe = min(self.params.probe_timeout_s, timeout)
+        try:
+            self.call(site, "ping", b"{}", probe)
+        except Exception as e:  # noqa: BLE001 - reported as the reason of the dropout
+            raise ConnectionError(f"still unreachable (no answer to a ping within {probe:g} s: {type(e).__name__}: {e})") from e
+
     def _drop(self, site: str, kind: str, reason: str) -> None:
         rnd = self.round_source()
-        self.dropouts.append({"round": rnd, "site": site, "task": kind, "reason": reason})
+        entry = {"round": rnd, "site": site, "task": kind, "reason": reason}
+        self.dropouts.append(entry)
+        if self.record is not None:  # kept across the jobs of a supervised run
+            with self.record.open("a") as fh:
+                fh.write(json.dumps(entry) + "\n")
         self.log(f"[deploy] round {rnd}: site {site} left out of '{kind}': {reason}")
 
     # -------------------------------------------------------------- transport
@@ -134,7 +168,7 @@ class RemoteTransport:
             raise PayloadError(f"no site named {unknown}; sites are {list(self.sites)}")
         blobs = {s: encode_task(t) for s, t in tasks.items()}
         deadline = self.params.round_deadline_s
-        results = _parallel({s: (lambda s=s: self.call(s, "task", blobs[s], deadline)) for s in tasks}, deadline)
+        results = _parallel({s: (lambda s=s: self._send(s, blobs[s], deadline)) for s in tasks}, deadline)
         replies: dict[str, Reply] = {}
         for s in tasks:  # keep the order of the request (= federation order for broadcasts)
             ok, res = results[s]
@@ -142,8 +176,10 @@ class RemoteTransport:
             self.wire_bytes["sent"] += len(blobs[s])
             if not ok:
                 self.traffic.record(s, task, None)
+                self._down.add(s)
                 self._drop(s, task.kind, f"{type(res).__name__}: {res}")
                 continue
+            self._down.discard(s)
             try:
                 self.wire_bytes["received"] += len(res)
                 reply = decode_reply(res, self.params.max_payload_bytes)
@@ -185,8 +221,9 @@ class RemoteTransport:
 class LoopbackChannel:
     """``call`` into in-process :class:`~fedseg.deploy.site.SiteRuntime` objects, through bytes (tests, benchmarks).
 
-    ``faults`` maps a site to ``"die"`` (raise ConnectionError), ``"hang"`` (sleep past
-    the deadline) or a callable ``(op, reply_bytes) -> bytes`` that rewrites a task's reply.
+    ``faults`` maps a site to ``"die"`` (raise ConnectionError), ``"hang"`` (tasks sleep past
+    the deadline), ``"freeze"`` (every operation but setup times out after its timeout, as the
+    carrier reports a stopped process) or a callable ``(op, reply_bytes) -> bytes`` that rewrites a task's reply.
     """
 
     def __init__(self, runtimes: dict[str, Any], faults: dict[str, Any] | None = None):
@@ -199,6 +236,9 @@ class LoopbackChannel:
             raise ConnectionError(f"site {site} is unreachable")
         if fault == "hang" and op == "task":
             time.sleep(timeout + 30.0)
+        if fault == "freeze" and op != "setup":  # the carrier's own call timeout fires
+            time.sleep(timeout)
+            raise TimeoutError(f"site {site}: no answer within {timeout:g} s")
         out = self.runtimes[site].call(op, payload)
         if callable(fault) and op == "task":
             out = fault(op, out)

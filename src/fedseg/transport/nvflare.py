@@ -193,6 +193,20 @@ class Admin:
         info = self.sess.get_system_info()
         return sorted(c.name for c in info.client_info)
 
+    def site_sessions(self) -> dict[str, str]:
+        """``{site: session token}`` of the connected sites; a site that restarted logs in with a new token."""
+        res = self.sess.api.do_command("check_status server")  # type: ignore[attr-defined]
+        out: dict[str, str] = {}
+        for item in res.get("data", []):
+            rows = item.get("rows") if isinstance(item, dict) and item.get("type") == "table" else None
+            if rows and "TOKEN" in rows[0] and "CLIENT" in rows[0]:
+                i, j = rows[0].index("CLIENT"), rows[0].index("TOKEN")
+                out.update({r[i]: r[j] for r in rows[1:]})
+        return out
+
+    def status(self, job_id: str) -> str:
+        return str(self.sess.get_job_meta(job_id).get("status", ""))
+
     def wait_for_sites(self, sites: list[str], timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
