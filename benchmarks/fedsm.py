@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -27,6 +28,9 @@ from fedseg.runner import simulate
 
 BASELINES = ("centralized", "local", "fedavg")
 FEDSM = ("fedsm", "fedsm-extra", "fedsm-ensemble")
+ON_TOP = ("fedsm-extra+", "fedsm-ensemble+")
+"""``fedsm-extra+`` / ``fedsm-ensemble+``: the selector rounds come *on top of* ``--rounds`` (models train
+as many rounds as FedSM's; the paper's "extra" rounds), instead of being the last third of them."""
 
 
 def late_gain(res: dict) -> float:
@@ -141,7 +145,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM))
+    ap.add_argument("--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM + ON_TOP))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--selector-study", action="store_true", help="only the selector-training study (routing accuracy vs rounds)")
     ap.add_argument("--study-rounds", type=int, default=200)
@@ -173,9 +177,9 @@ def main() -> None:
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - set(BASELINES + FEDSM)
+    unknown = set(methods) - set(BASELINES + FEDSM + ON_TOP)
     if unknown:
-        raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + FEDSM)}")
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + FEDSM + ON_TOP)}")
     t_all = time.perf_counter()
     md = [f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n",
           f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n"]
@@ -190,19 +194,28 @@ def main() -> None:
                 run_dir = out / preset / method / f"seed{seed}"
                 done = run_dir / "results.json"
                 t0 = time.perf_counter()
+                rounds, label = args.rounds, None
+                if method in ON_TOP:
+                    sel = args.selector_rounds or math.ceil(args.rounds / 3)
+                    rounds, label = args.rounds + sel, f"{method[:-1]} ({args.rounds} model + {sel} selector rounds)"
                 if done.is_file():  # finished earlier (e.g. by a parallel process for other seeds): reuse
                     res = json.loads(done.read_text())
-                    if res.get("config", {}).get("rounds") != args.rounds:
+                    if res.get("config", {}).get("rounds") != rounds:
                         raise SystemExit(f"{done} was made with other settings; remove it or use another --out")
                 else:
-                    c = cfg.__class__(**{**cfg.__dict__, "method": method})
-                    if method in FEDSM:
+                    c = cfg.__class__(**{**cfg.__dict__, "method": method.rstrip("+"), "rounds": rounds})
+                    if method in FEDSM + ON_TOP:
+                        if method in ON_TOP:
+                            c = c.__class__(**{**c.__dict__, "params": {**c.params, "fedsm": {**c.params.get("fedsm", {}), "selector_rounds": sel}}})
                         res = run_fedsm(c, workload, data, out=run_dir, log=lambda m: None)
                     else:
                         res = simulate(c, workload, data, out=run_dir, progress=False, log=lambda m: None)
+                    if label:
+                        res["label"] = label
+                        done.write_text(json.dumps(res))
                 print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
                 runs.append(res)
-                if method in FEDSM:
+                if method in FEDSM + ON_TOP:
                     extras.append(res)
         sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
         md.append(f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {scale}, "
@@ -219,7 +232,7 @@ def main() -> None:
         for res in runs:
             gain = late_gain(res)
             flag = "plateaued" if gain <= 0.01 else "**still rising**"
-            md.append(f"- {res['method']} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})")
+            md.append(f"- {res.get('label', res['method'])} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})")
         md.append("\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n")
         for res in extras:
             pts = []
@@ -227,7 +240,7 @@ def main() -> None:
                 ra = e.get("routing_acc")
                 if ra and e["round"] % every == 0:
                     pts.append(f"{e['round'] - 1}:{sum(ra.values()) / len(ra):.2f}")
-            md.append(f"- {res['method']}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
+            md.append(f"- {res.get('label', res['method'])}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
         md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(f"{r['method']} {bytes_per_round(r) / 1e3:.0f} kB" for r in runs if r['seed'] == seeds[0]) + "\n")
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
     text = "\n".join(md)
