@@ -8,9 +8,10 @@
   ``call(op, payload) -> bytes``, that hands the bytes to the site's long-lived
   :class:`fedseg.deploy.site.SiteRuntime`.  The runtime reads the site's data
   paths from ``<site kit>/local/fedseg_site.json`` — they never travel.
-* :func:`make_job` builds the job folder (no custom code is shipped: fedseg must
-  be installed at every participant, and each site's ``class_allow_list`` admits
-  ``fedseg.transport.nvflare.`` and ``nvflare.collab.``).
+* :func:`make_job` builds the job folder.  fedseg must be installed at every
+  participant, and each site's ``class_allow_list`` admits
+  ``fedseg.transport.nvflare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
+  copies the components' package (fedseg's source, ~0.3 MB) into ``app_*/custom``.
 * :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (FLARE API
   session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
 """
