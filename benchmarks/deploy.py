@@ -12,6 +12,13 @@ each size a U-Net whose float32 parameters take about that many MB (channels
 c, 2c, 4c, 8c with c chosen to match), FGA deployed and simulated, and the
 per-step overhead = deployed − simulated median step time (one gradient each way
 per site per step).
+
+``--faults`` runs a fault drill on real FLARE processes (FedAvg, 2 sites): site1
+frozen (SIGSTOP) past the round deadline, site2 killed and restarted 3 s later
+(the supervisor restarts the job so it rejoins), then the server killed and the
+run resumed with ``deploy_run(resume=True)``; it reports the round times around
+each fault, the supervisor's ``recover_s`` and the time from the server restart
+to the end of the run.
 """
 
 from __future__ import annotations
@@ -85,6 +92,82 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
     print("\n".join(md))
 
 
+def _round_reached(out: Path, rnd: int, timeout: float = 300.0) -> float:
+    from fedseg.deploy.supervise import completed_round
+
+    t0 = time.monotonic()
+    while completed_round(out) < rnd:
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"round {rnd} not reached")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
+    """Hang, kill + rejoin, server crash + resume on one FLARE rehearsal cluster; timings to Markdown."""
+    import threading
+
+    from fedseg.data.spec import load_federation
+    from fedseg.deploy.run import LocalCluster, deploy_run, submit_run
+    from fedseg.deploy.server import prepare_run
+    from fedseg.deploy.supervise import completed_round
+
+    deadline = 6.0
+    ov = [f"model.channels={a.channels}", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
+          "train.local_steps=20", "train.local_epochs=none", f"deploy.round_deadline_s={deadline}", "deploy.probe_timeout_s=2",
+          "deploy.rejoin_wait_s=20", "eval.every=5"]
+    names = ["site1", "site2"]
+    fed = load_federation(spec)
+    run_dir = out / "drill"
+    prepare_run(load_deploy_config(run_toml, ov, method="fedavg"), run_dir, sites=names)
+    events: dict[str, float] = {}
+    with LocalCluster(out / "drill-nv", {n: fed.site(n).datalist for n in names}, out / "drill-sites") as cl:
+        first = threading.Thread(target=lambda: _quiet(submit_run, cl.kits["admin"], run_dir, names, 600, None, lambda m: None), daemon=True)
+        first.start()
+        _round_reached(run_dir, 2)
+        cl.pause("site1")
+        events["hang"] = time.monotonic()
+        time.sleep(deadline + 2)
+        cl.resume("site1")
+        _round_reached(run_dir, completed_round(run_dir) + 1)
+        cl.kill("site2")
+        events["kill"] = time.monotonic()
+        time.sleep(3)
+        cl.start_site("site2")
+        events["restart_site"] = time.monotonic()
+        hist_len = completed_round(run_dir)
+        events["rejoined_round_done"] = _round_reached(run_dir, hist_len + 3)
+        cl.kill("server")
+        events["server_killed"] = time.monotonic()
+        killed_round = completed_round(run_dir)
+        first.join(120)
+        cl.start_server()
+        events["server_restarted"] = time.monotonic()
+        res = deploy_run(None, cl.root / "kits", run_dir, resume=True, timeout=600)
+        events["end"] = time.monotonic()
+    drops = res["deploy"]["dropouts"]
+    rec = json.loads((run_dir / "recoveries.json").read_text()) if (run_dir / "recoveries.json").is_file() else []
+    times = [round(h["time_s"], 2) for h in res["history"]]
+    md = [f"Fault drill (FedAvg, 2 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, "
+          f"probe 2 s; machine {platform.machine()}, 1 torch thread per process).\n",
+          f"- round times (s): {times}",
+          "- dropouts: " + "; ".join(f"round {d['round']} {d['site']} {d['task']}: {d['reason'][:80]}" for d in drops),
+          "- supervisor recoveries: " + "; ".join(f"{r['reason']} from round {r['from_round']} → first new round after {r.get('recover_s')} s" for r in rec),
+          f"- site2 killed → restarted 3 s later → 3 more rounds completed with it: {events['rejoined_round_done'] - events['kill']:.1f} s after the kill",
+          f"- server killed after round {killed_round}; server restart → end of the resumed run ({a.rounds - killed_round} rounds + test): "
+          f"{events['end'] - events['server_restarted']:.1f} s",
+          f"- jobs: {len(res['deploy'].get('jobs', []))} in the last supervised submission; final history {len(res['history'])} rounds"]
+    (out / "deploy-faults.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def _quiet(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the drill kills the server under it
+        print(f"(first submission ended: {type(e).__name__})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="fedavg,fedsm")
@@ -95,6 +178,7 @@ def main() -> None:
     ap.add_argument("--channels", default="[4,8,16]")
     ap.add_argument("--out", default="runs/bench-deploy")
     ap.add_argument("--fga-mb", default=None, help="measure FGA per-step overhead for models of these sizes (MB), e.g. 1,6,25")
+    ap.add_argument("--faults", action="store_true", help="fault drill: hang, kill + rejoin, server crash + resume (timings)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
@@ -107,6 +191,8 @@ def main() -> None:
     sim_spec = subset_spec(spec, names, out / "sim-fed" / "federation.toml")
     if a.fga_mb:
         return fga_payloads(a, spec, run_toml, sim_spec, out)
+    if a.faults:
+        return fault_drill(a, spec, run_toml, out)
     rows = []
     for m in a.methods.split(","):
         t0 = time.perf_counter()

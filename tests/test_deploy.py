@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_MODEL, tiny_config, tiny_sites
+from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import REGISTRY
 from fedseg.config import dump_toml
 from fedseg.deploy.server import serve
