@@ -64,6 +64,25 @@ def curve(res: dict, every: int) -> str:
     return " ".join(pts)
 
 
+def oracle_line(res: dict) -> str:
+    """Where the composite's Dice is lost: client-average test Dice of the composite, of the global model
+    alone, of perfect routing (each site's images to its own personalized model) and of the better of the
+    two per site (an upper bound for any γ with a perfect selector)."""
+    rows = {r["name"]: r for r in res.get("rows", [])}
+    sites = res["sites"]
+    if "global" not in rows or not all(f"personal/{s}" in rows for s in sites):
+        return ""
+    own = [rows[f"personal/{s}"]["per_site_dice"][s] for s in sites]
+    glob = [rows["global"]["per_site_dice"][s] for s in sites]
+    comp = [res["per_site_dice"][s] for s in sites]
+
+    def avg(xs):
+        return sum(xs) / len(xs)
+
+    return (f"| {res.get('label', res['method'])} | {res['seed']} | {avg(comp):.4f} | {avg(glob):.4f} | {avg(own):.4f} | "
+            f"{avg([max(a, b) for a, b in zip(own, glob)]):.4f} | {sum(o > g for o, g in zip(own, glob))}/{len(sites)} |")
+
+
 def bytes_per_round(res: dict) -> float:
     """Mean per-site bytes (sent + received) of a training round."""
     per = [sum(b["sent"] + b["received"] for b in e["bytes"].values()) / max(len(e["bytes"]), 1) for e in res["history"] if e.get("bytes")]
@@ -227,6 +246,12 @@ def main() -> None:
             rep = res["fedsm"]
             if rep["dice_by_gamma"]:
                 md.append("Test Dice (pooled) of the composite per γ: " + ", ".join(f"γ={float(g):g}: {d:.4f}" for g, d in rep["dice_by_gamma"].items()) + "\n")
+        diag = [oracle_line(r) for r in extras]
+        if any(diag):
+            md.append("\nWhere FedSM's Dice comes from (client-average test Dice; 'own PM' = every site's images sent to its own "
+                      "personalized model, i.e. a perfect selector with γ = 0; 'best of' = per site the better of own PM and global):\n")
+            md.append("| method | seed | composite | global model | own PM (perfect routing) | best of own PM / global | sites where own PM > global |\n|---|---|---|---|---|---|---|")
+            md.extend(d for d in diag if d)
         md.append("\nValidation curves (round:score of the reported candidate; best-so-far is what is reported):\n")
         every = max(args.eval_every, args.rounds // 10 // args.eval_every * args.eval_every)
         for res in runs:
