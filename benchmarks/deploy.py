@@ -39,6 +39,11 @@ from fedseg.deploy.server import load_deploy_config
 from fedseg.runner import run
 
 
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown table lines."""
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:
     """Channels (c, 2c, 4c, 8c) whose MONAI U-Net (1 residual unit) has float32 parameters closest to ``mb`` MB."""
     from fedseg.config import ModelConfig
@@ -82,12 +87,11 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
                      "bitwise_equal": set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)})
         print(json.dumps(rows[-1]), flush=True)
     md = [f"FGA per-step overhead vs payload. Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, batch 4; "
-          f"machine: {platform.machine()}, 1-thread torch per process, `{platform.node()}`.\n",
-          "| target MB | U-Net channels | parameters MB (float32) | steps | deployed s/step | simulated s/step | overhead s/step | tensor bytes/step/site (both ways) | bitwise equal |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        md.append(f"| {r['mb']:g} | {r['channels']} | {r['param_mb']:.2f} | {r['steps']} | {r['dep_step_s']:.3f} | {r['sim_step_s']:.3f} | "
-                  f"{r['dep_step_s'] - r['sim_step_s']:.3f} | {r['bytes_per_step_site'] / 1e6:.1f} MB | {r['bitwise_equal']} |")
+          f"machine: {platform.machine()}, 1-thread torch per process, `{platform.node()}`.\n"]
+    md += md_table(["target MB", "U-Net channels", "parameters MB (float32)", "steps", "deployed s/step", "simulated s/step", "overhead s/step",
+                    "tensor bytes/step/site (both ways)", "bitwise equal"],
+                   [[f"{r['mb']:g}", str(r["channels"]), f"{r['param_mb']:.2f}", str(r["steps"]), f"{r['dep_step_s']:.3f}", f"{r['sim_step_s']:.3f}",
+                     f"{r['dep_step_s'] - r['sim_step_s']:.3f}", f"{r['bytes_per_step_site'] / 1e6:.1f} MB", str(r["bitwise_equal"])] for r in rows])
     (out / "deploy-fga.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -219,12 +223,12 @@ def main() -> None:
         })
         print(json.dumps(rows[-1]))
     md = [f"Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, channels {a.channels}; "
-          f"machine: {platform.machine()} {torch.get_num_threads()}-thread torch, `{platform.node()}`.\n",
-          "| method | deployed s/round (median r≥2) | simulated s/round | deployed round 1 s | tensor bytes/round | job wall s (incl. provisioning, process start) | engine wall s deployed | sim wall s | bitwise equal | Client Avg Dice dep / sim |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        md.append(f"| {r['method']} | {r['dep_round_s']:.3f} | {r['sim_round_s']:.3f} | {r['dep_round1_s']:.2f} | {r['bytes_round']:,} | {r['dep_job_wall_s']:.1f} | "
-                  f"{r['dep_engine_s']:.2f} | {r['sim_wall_s']:.2f} | {r['bitwise_equal']} | {r['dice_dep']:.4f} / {r['dice_sim']:.4f} |")
+          f"machine: {platform.machine()} {torch.get_num_threads()}-thread torch, `{platform.node()}`.\n"]
+    md += md_table(["method", "deployed s/round (median r≥2)", "simulated s/round", "deployed round 1 s", "tensor bytes/round",
+                    "job wall s (incl. provisioning, process start)", "engine wall s deployed", "sim wall s", "bitwise equal", "Client Avg Dice dep / sim"],
+                   [[r["method"], f"{r['dep_round_s']:.3f}", f"{r['sim_round_s']:.3f}", f"{r['dep_round1_s']:.2f}", f"{r['bytes_round']:,}",
+                     f"{r['dep_job_wall_s']:.1f}", f"{r['dep_engine_s']:.2f}", f"{r['sim_wall_s']:.2f}", str(r["bitwise_equal"]),
+                     f"{r['dice_dep']:.4f} / {r['dice_sim']:.4f}"] for r in rows])
     (out / "deploy.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -34,6 +34,14 @@ def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "
     return spec, run_toml, out, fed, cluster
 
 
+def _provision(cluster) -> None:
+    """Provision the cluster's kits, or skip where nvflare cannot provision (no working install)."""
+    try:
+        cluster.provision()
+    except Exception as e:  # pragma: no cover - environment without a working nvflare
+        pytest.skip(f"nvflare cannot provision here: {e}")
+
+
 def _simulate_same(tmp_path, spec, run_toml, overrides, names=("site1", "site2")):
     """The in-process simulation of the same run on the same sites."""
     sim_spec = subset_spec(spec, list(names), tmp_path / "sim" / "federation.toml")
@@ -53,10 +61,7 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
     intruder = None
     try:
-        try:
-            cluster.provision()
-        except Exception as e:  # pragma: no cover - environment without a working nvflare
-            pytest.skip(f"nvflare cannot provision here: {e}")
+        _provision(cluster)
         from fedseg.transport.nvflare import Admin, provision_kits
 
         port = int(json.loads((cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
@@ -122,10 +127,7 @@ def test_fga_deployed_equals_simulation(tmp_path):
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + ["rounds=10", "train.dtype=float64"]
     names = ["site1", "site2"]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fga", overrides)
-    try:
-        cluster.provision()
-    except Exception as e:  # pragma: no cover - environment without a working nvflare
-        pytest.skip(f"nvflare cannot provision here: {e}")
+    _provision(cluster)
     # Execute
     with cluster:
         submit_run(cluster.kits["admin"], out, names, timeout=120)
@@ -161,10 +163,7 @@ def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
         "rounds=16", "train.local_steps=20", "train.local_epochs=none", "deploy.round_deadline_s=6", "deploy.probe_timeout_s=2",
         "deploy.rejoin_wait_s=20", "eval.every=5"]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
-    try:
-        cluster.provision()
-    except Exception as e:  # pragma: no cover - environment without a working nvflare
-        pytest.skip(f"nvflare cannot provision here: {e}")
+    _provision(cluster)
     box: dict = {}
     logs: list[str] = []
     with cluster:
@@ -211,10 +210,7 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + ["rounds=8", "train.local_steps=20", "train.local_epochs=none"]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
-    try:
-        cluster.provision()
-    except Exception as e:  # pragma: no cover - environment without a working nvflare
-        pytest.skip(f"nvflare cannot provision here: {e}")
+    _provision(cluster)
     box: dict = {}
 
     def first():
