@@ -128,10 +128,10 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return dep.foreground(dep.start_server(a.kit))
     if a.deploy_verb == "run":
         out = a.resume or a.out
-        res = dep.deploy_run(a.config, a.kits, out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed)
+        res = dep.deploy_run(a.config, a.kits, out, overrides=a.set, resume=a.resume is not None, progress=True, method=a.method, rounds=a.rounds, seed=a.seed)
     else:
         out = a.out
-        res = dep.rehearse(a.config, a.sites, out, overrides=a.set, method=a.method, rounds=a.rounds, seed=a.seed)
+        res = dep.rehearse(a.config, a.sites, out, overrides=a.set, progress=True, method=a.method, rounds=a.rounds, seed=a.seed)
     if res is None:
         print(f"the run did not finish; see {Path(out).resolve()} and resume with: fedseg deploy run --kits KITS --resume {out}")
         return 1

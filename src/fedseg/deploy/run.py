@@ -135,7 +135,7 @@ def stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
 
 
 def submit_run(admin_kit: str | Path, run_dir: str | Path, sites: list[str], timeout: float = 0.0, job_root: str | Path | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
     """Submit the run prepared in ``run_dir`` and supervise it until it has results (automatic re-submission
     after an aborted job, rejoin of restarted sites: :mod:`fedseg.deploy.supervise`); returns the last job's record."""
     from fedseg.deploy.params import deploy_params
@@ -150,7 +150,7 @@ def submit_run(admin_kit: str | Path, run_dir: str | Path, sites: list[str], tim
         def job(job_sites: list[str], attempt: int) -> Path:
             return make_job(root / f"attempt-{attempt}", run_dir, job_sites)
 
-        return Supervisor(admin, run_dir, sites, job, params, log=log).run(timeout)
+        return Supervisor(admin, run_dir, sites, job, params, log=log, progress=progress).run(timeout)
     finally:
         admin.close()
 
@@ -214,7 +214,7 @@ class LocalCluster:
 
 
 def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[str] | None = None, timeout: float = 0.0,
-             stop_after: int | None = None, **fields: Any) -> dict[str, Any] | None:
+             stop_after: int | None = None, progress: bool = False, **fields: Any) -> dict[str, Any] | None:
     """Run ``config`` deployed on this machine: the first ``sites`` sites of its federation, each in its own
     process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation."""
     from fedseg.data.spec import load_federation
@@ -231,7 +231,7 @@ def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[st
         desc["stop_after"] = stop_after
     (out / "deploy.json").write_text(json.dumps(desc, indent=1))
     with LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster:
-        submit_run(cluster.kits["admin"], out, names, timeout=timeout)
+        submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"
     return json.loads(res.read_text()) if res.is_file() else None
 
@@ -261,7 +261,7 @@ def subset_spec(spec: str | Path, names: list[str], out: str | Path) -> Path:
 
 
 def deploy_run(config: str | Path | None, kits: str | Path, out: str | Path, overrides: list[str] | None = None,
-               resume: bool = False, timeout: float = 0.0, **fields: Any) -> dict[str, Any] | None:
+               resume: bool = False, timeout: float = 0.0, progress: bool = False, **fields: Any) -> dict[str, Any] | None:
     """Submit a run to a provisioned deployment (``kits/admin`` logs in) and wait; ``OUT`` must be a path the
     server process can write (run this on the server machine or on a shared folder)."""
     kits = Path(kits)
@@ -277,7 +277,7 @@ def deploy_run(config: str | Path | None, kits: str | Path, out: str | Path, ove
     else:
         cfg = load_deploy_config(config, overrides, **fields)
     desc = prepare_run(cfg, out, sites=None if resume else sites, resume=resume)
-    submit_run(kits / "admin", out, desc["sites"], timeout=timeout)
+    submit_run(kits / "admin", out, desc["sites"], timeout=timeout, progress=progress)
     res = out / "results.json"
     return json.loads(res.read_text()) if res.is_file() else None
 

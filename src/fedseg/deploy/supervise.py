@@ -80,7 +80,7 @@ class Supervisor:
     """
 
     def __init__(self, admin: JobAdmin, run_dir: str | Path, sites: list[str], make_job: Callable[[list[str], int], Path],
-                 params: DeployParams, log: Callable[[str], None] = print, poll_s: float = 1.0):
+                 params: DeployParams, log: Callable[[str], None] = print, poll_s: float = 1.0, progress: bool = False):
         self.admin = admin
         self.run_dir = Path(run_dir)
         self.sites = list(sites)
@@ -88,6 +88,7 @@ class Supervisor:
         self.params = params
         self.log = log
         self.poll_s = poll_s
+        self.progress = progress
         self.recoveries: list[dict[str, Any]] = []
         self.jobs: list[dict[str, Any]] = []
 
@@ -136,6 +137,24 @@ class Supervisor:
                               f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`")
         restarts = 0
         pending: dict[str, Any] | None = None
+        from tqdm.auto import tqdm
+
+        total = self._rounds()
+        bar = tqdm(total=total, initial=completed_round(self.run_dir), desc="deployed rounds", unit="round", disable=not self.progress, dynamic_ncols=True)
+        try:
+            return self._loop(job_sites, need, restarts, pending, end, timeout, bar)
+        finally:
+            bar.close()
+
+    def _rounds(self) -> int | None:
+        import tomllib
+
+        try:
+            return int(tomllib.loads((self.run_dir / "config.toml").read_text())["rounds"])
+        except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
+            return None
+
+    def _loop(self, job_sites: list[str], need: int, restarts: int, pending: dict[str, Any] | None, end: float | None, timeout: float, bar: Any) -> dict[str, Any]:
         while True:
             self._clear_restart()
             folder = self.make_job(job_sites, len(self.jobs))
@@ -153,6 +172,8 @@ class Supervisor:
                 if status.startswith("FINISHED"):
                     break
                 rnd = completed_round(self.run_dir)
+                bar.n = rnd
+                bar.set_postfix(job=job_id[:8], sites=len(job_sites), refresh=True)
                 if pending is not None and rnd > pending["from_round"]:
                     pending["recover_s"] = round(time.monotonic() - pending.pop("_t0"), 3)
                     self.recoveries.append(pending)
