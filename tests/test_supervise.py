@@ -134,8 +134,8 @@ def test_restarted_site_rejoins_through_a_new_job_at_a_round_boundary(tmp_path):
 
 
 def test_restarts_are_bounded_and_the_error_names_the_resume_command(tmp_path):
-    """A job that fails every time is re-submitted deploy.max_restarts times, then the supervisor stops with
-    the command that resumes the run."""
+    """A job that fails every time without completing a round is re-submitted once; a second job without
+    progress means a restart does not help, and the supervisor stops with the command that resumes the run."""
     # Prepare
     cfg = _cfg(rounds=3)
     _prepare(tmp_path / "run", cfg, ["site1", "site2"])
@@ -150,6 +150,26 @@ def test_restarts_are_bounded_and_the_error_names_the_resume_command(tmp_path):
     admin.submit = failing_submit
     sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=lambda m: None, poll_s=0.01)
     # Execute / Assert
-    with pytest.raises(DeployError, match=r"max_restarts = 2 .*fedseg deploy run --resume"):
+    with pytest.raises(DeployError, match=r"two jobs in a row completed no round.*fedseg deploy run --resume"):
         sup.run(timeout=60)
-    assert len(admin.jobs) == 3
+    assert len(admin.jobs) == 2
+
+
+def test_restarts_are_bounded_by_max_restarts_when_jobs_progress(tmp_path):
+    """Jobs that each complete a round and then fail are re-submitted deploy.max_restarts (2) times, no more."""
+    # Prepare
+    cfg = _cfg(rounds=10, min_sites=2)
+    _prepare(tmp_path / "run", cfg, ["site1", "site2"])
+    admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)))
+    real_submit = admin.submit
+
+    def submit(folder):  # every job fails at its 2nd round's first task (train + evaluate per round = 4 tasks)
+        admin.abort_at = (admin.tasks + 5, len(admin.jobs))
+        return real_submit(folder)
+
+    admin.submit = submit
+    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=lambda m: None, poll_s=0.02)
+    # Execute / Assert
+    with pytest.raises(DeployError, match=r"max_restarts = 2 automatic restarts are used up"):
+        sup.run(timeout=60)
+    assert len(admin.jobs) == 3 and [j["to_round"] - j["from_round"] for j in sup.jobs] == [1, 1, 1]

@@ -208,11 +208,13 @@ class Supervisor:
                 reason = f"rejoin of {rejoining}"
             else:
                 restarts += 1
-                if restarts > self.params.max_restarts:
+                stalled = len(self.jobs) >= 2 and all(j.get("to_round") == j["from_round"] for j in self.jobs[-2:])
+                if restarts > self.params.max_restarts or stalled:
+                    why = ("two jobs in a row completed no round (a cause that a restart does not remove, e.g. a site "
+                           "failing at setup)" if stalled else f"deploy.max_restarts = {self.params.max_restarts} automatic restarts are used up")
                     raise DeployError(
-                        f"job {job_id} ended {status} after round {rnd} without results, and deploy.max_restarts = "
-                        f"{self.params.max_restarts} automatic restarts are used up; read the server log, fix the cause, then "
-                        f"`fedseg deploy run --resume {self.run_dir}`")
+                        f"job {job_id} ended {status} after round {rnd} without results, and {why}; read the server's job log "
+                        f"(<server kit>/{job_id}/log.txt), fix the cause, then `fedseg deploy run --resume {self.run_dir}`")
                 reason = f"job ended {status}"
                 self.log(f"[supervisor] job {job_id} ended {status} after round {rnd} without results: restart {restarts} of {self.params.max_restarts}")
             job_sites = self._present(self.params.rejoin_wait_s)
