@@ -107,6 +107,22 @@ def _round_reached(out: Path, rnd: int, timeout: float = 300.0) -> float:
     return time.monotonic()
 
 
+def _rejoined(run_dir: Path, timeout: float = 300.0) -> float:
+    """Wait until the supervisor records the rejoin restart as recovered (first round of the new job done)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        p = run_dir / "supervisor.json"
+        if p.is_file():
+            try:
+                rec = json.loads(p.read_text())["recoveries"]
+            except (json.JSONDecodeError, KeyError):
+                rec = []
+            if any(r["reason"].startswith("rejoin") and r.get("recover_s") is not None for r in rec):
+                return time.monotonic()
+        time.sleep(0.1)
+    raise TimeoutError("no rejoin recorded")
+
+
 def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     """Hang, kill + rejoin, server crash + resume on one FLARE rehearsal cluster; timings to Markdown."""
     import threading
@@ -139,8 +155,8 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
         time.sleep(3)
         cl.start_site("site2")
         events["restart_site"] = time.monotonic()
-        hist_len = completed_round(run_dir)
-        events["rejoined_round_done"] = _round_reached(run_dir, hist_len + 3)
+        events["rejoined_round_done"] = _rejoined(run_dir)
+        _round_reached(run_dir, completed_round(run_dir) + 2)
         cl.kill("server")
         events["server_killed"] = time.monotonic()
         killed_round = completed_round(run_dir)
@@ -150,17 +166,18 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
         res = deploy_run(None, cl.root / "kits", run_dir, resume=True, timeout=600)
         events["end"] = time.monotonic()
     drops = res["deploy"]["dropouts"]
-    rec = json.loads((run_dir / "recoveries.json").read_text()) if (run_dir / "recoveries.json").is_file() else []
+    rec = res["deploy"].get("recoveries", [])
     times = [round(h["time_s"], 2) for h in res["history"]]
     md = [f"Fault drill (FedAvg, 2 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, "
           f"probe 2 s; machine {platform.machine()}, 1 torch thread per process).\n",
           f"- round times (s): {times}",
           "- dropouts: " + "; ".join(f"round {d['round']} {d['site']} {d['task']}: {d['reason'][:80]}" for d in drops),
           "- supervisor recoveries: " + "; ".join(f"{r['reason']} from round {r['from_round']} → first new round after {r.get('recover_s')} s" for r in rec),
-          f"- site2 killed → restarted 3 s later → 3 more rounds completed with it: {events['rejoined_round_done'] - events['kill']:.1f} s after the kill",
+          f"- site2 killed → restarted 3 s later → first round of the new job (with site2) done {events['rejoined_round_done'] - events['kill']:.1f} s after the kill",
           f"- server killed after round {killed_round}; server restart → end of the resumed run ({a.rounds - killed_round} rounds + test): "
           f"{events['end'] - events['server_restarted']:.1f} s",
-          f"- jobs: {len(res['deploy'].get('jobs', []))} in the last supervised submission; final history {len(res['history'])} rounds"]
+          "- jobs: " + "; ".join(f"{j['job'][:8]} sites {j['sites']} rounds {j['from_round']}→{j.get('to_round', '(server killed)')} {j.get('status', '')}"
+                                 for j in res["deploy"].get("jobs", [])) + f"; final history {len(res['history'])} rounds"]
     (out / "deploy-faults.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -15,11 +15,14 @@ submits it on its own:
   ``OUT/control/restart``, read by :func:`fedseg.deploy.server.serve`), then
   re-submit from that round's checkpoint with the site back in (``deploy.rejoin``).
 
+A resume by hand (``fedseg deploy run --resume OUT``, e.g. after the server
+crashed) goes through the same supervisor and is recorded as a recovery too.
+
 Between jobs nothing is lost: the server writes its whole state after every round
 and every site its own; a resumed job reloads both (bitwise, tested).  A site that
 is not in a job is left out of its exchanges (the dropout rule) and restores its
-newest checkpoint when it is back.  Each recovery is recorded in
-``OUT/recoveries.json`` and ``results.json["deploy"]["recoveries"]`` with the
+newest checkpoint when it is back.  Each job and each recovery is recorded in
+``OUT/supervisor.json`` and ``results.json["deploy"]["jobs" / "recoveries"]``, a recovery with the
 time from the end of the old job to the first round completed by the new one.
 """
 
@@ -37,6 +40,7 @@ from fedseg.deploy.transport import DeployError
 __all__ = ["CONTROL_RESTART", "JobAdmin", "Supervisor", "completed_round"]
 
 CONTROL_RESTART = Path("control") / "restart"
+RECORD = "supervisor.json"
 
 
 class JobAdmin(Protocol):
@@ -89,8 +93,10 @@ class Supervisor:
         self.log = log
         self.poll_s = poll_s
         self.progress = progress
-        self.recoveries: list[dict[str, Any]] = []
-        self.jobs: list[dict[str, Any]] = []
+        record = self.run_dir / RECORD
+        past = json.loads(record.read_text()) if record.is_file() else {}
+        self.recoveries: list[dict[str, Any]] = list(past.get("recoveries", []))  # the run's, across submissions
+        self.jobs: list[dict[str, Any]] = list(past.get("jobs", []))
 
     # ----------------------------------------------------------------- pieces
     def _desc(self) -> dict[str, Any]:
@@ -118,7 +124,7 @@ class Supervisor:
         (self.run_dir / CONTROL_RESTART).unlink(missing_ok=True)
 
     def _save_recoveries(self) -> None:
-        (self.run_dir / "recoveries.json").write_text(json.dumps(self.recoveries, indent=1))
+        (self.run_dir / RECORD).write_text(json.dumps({"recoveries": self.recoveries, "jobs": self.jobs}, indent=1))
         res = self.run_dir / "results.json"
         if res.is_file():
             data = json.loads(res.read_text())
@@ -137,6 +143,9 @@ class Supervisor:
                               f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`")
         restarts = 0
         pending: dict[str, Any] | None = None
+        if self._desc().get("resume") and self.jobs:  # a resume by hand (e.g. after a server crash) is a recovery too
+            pending = {"after_job": self.jobs[-1]["job"], "reason": "resumed with `fedseg deploy run --resume`",
+                       "from_round": completed_round(self.run_dir), "sites": job_sites, "_t0": time.monotonic()}
         from tqdm.auto import tqdm
 
         total = self._rounds()
