@@ -97,6 +97,7 @@ class Supervisor:
         past = json.loads(record.read_text()) if record.is_file() else {}
         self.recoveries: list[dict[str, Any]] = list(past.get("recoveries", []))  # the run's, across submissions
         self.jobs: list[dict[str, Any]] = list(past.get("jobs", []))
+        self._first_job = len(self.jobs)
 
     # ----------------------------------------------------------------- pieces
     def _desc(self) -> dict[str, Any]:
@@ -123,10 +124,11 @@ class Supervisor:
     def _clear_restart(self) -> None:
         (self.run_dir / CONTROL_RESTART).unlink(missing_ok=True)
 
-    def _save_recoveries(self) -> None:
+    def _save_record(self, results: bool = False) -> None:
+        """Write ``OUT/supervisor.json``; with ``results`` also the run's finished ``results.json``."""
         (self.run_dir / RECORD).write_text(json.dumps({"recoveries": self.recoveries, "jobs": self.jobs}, indent=1))
         res = self.run_dir / "results.json"
-        if res.is_file():
+        if results and res.is_file():
             data = json.loads(res.read_text())
             data.setdefault("deploy", {})["recoveries"] = self.recoveries
             data["deploy"]["jobs"] = self.jobs
@@ -142,6 +144,7 @@ class Supervisor:
             raise DeployError(f"only {job_sites} of the sites {self.sites} are connected after {self.params.setup_timeout_s:g} s "
                               f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`")
         restarts = 0
+        self._first_job = len(self.jobs)
         pending: dict[str, Any] | None = None
         if self._desc().get("resume") and self.jobs:  # a resume by hand (e.g. after a server crash) is a recovery too
             pending = {"after_job": self.jobs[-1]["job"], "reason": "resumed with `fedseg deploy run --resume`",
@@ -172,6 +175,7 @@ class Supervisor:
             job_id = self.admin.submit(folder)
             record = {"job": job_id, "sites": job_sites, "from_round": completed_round(self.run_dir)}
             self.jobs.append(record)
+            self._save_record()
             with (self.run_dir / "jobs.txt").open("a") as fh:
                 fh.write(job_id + "\n")
             self.log(f"[supervisor] job {job_id} submitted with sites {job_sites} from round {record['from_round']}")
@@ -186,7 +190,7 @@ class Supervisor:
                 if pending is not None and rnd > pending["from_round"]:
                     pending["recover_s"] = round(time.monotonic() - pending.pop("_t0"), 3)
                     self.recoveries.append(pending)
-                    self._save_recoveries()
+                    self._save_record()
                     self.log(f"[supervisor] recovered: round {rnd} done {pending['recover_s']:.1f} s after job {pending['after_job']} ended")
                     pending = None
                 if self.params.rejoin and not rejoining:
@@ -202,12 +206,13 @@ class Supervisor:
                 time.sleep(self.poll_s)
             rnd = completed_round(self.run_dir)
             record.update(status=status, to_round=rnd)
+            self._save_record()
             if self._results_since(t_wall):
                 self._clear_restart()
                 if pending is not None:  # the run ended within the first round after a recovery
                     pending["recover_s"] = None
                     self.recoveries.append({k: v for k, v in pending.items() if k != "_t0"})
-                self._save_recoveries()
+                self._save_record(results=True)
                 return record
             stop_after = self._desc().get("stop_after")
             if stop_after is not None and rnd >= int(stop_after) and not rejoining:
@@ -217,7 +222,8 @@ class Supervisor:
                 reason = f"rejoin of {rejoining}"
             else:
                 restarts += 1
-                stalled = len(self.jobs) >= 2 and all(j.get("to_round") == j["from_round"] for j in self.jobs[-2:])
+                mine = self.jobs[self._first_job:]  # this submission's jobs
+                stalled = len(mine) >= 2 and all(j.get("to_round") == j["from_round"] for j in mine[-2:])
                 if restarts > self.params.max_restarts or stalled:
                     why = ("two jobs in a row completed no round (a cause that a restart does not remove, e.g. a site "
                            "failing at setup)" if stalled else f"deploy.max_restarts = {self.params.max_restarts} automatic restarts are used up")
