@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _report import emit
 
 from fedseg.algorithms import known_sections
 from fedseg.config import load_run_config
@@ -139,13 +139,7 @@ def main() -> None:
                 md.append(f"| {m} | {s} | {d:.4f} | {o:.4f} |")
         md.append("\nWall time per run (s): " + ", ".join(f"{m} {sum(v) / len(v):.0f}" for m, v in times.items()) + "\n")
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
-    text = "\n".join(md)
-    print(text)
-    if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "runs": summary}, indent=1))
+    emit(md, args.md, out, {"args": vars(args), "runs": summary})
 
 
 if __name__ == "__main__":

@@ -33,15 +33,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from _report import md_table
+
 from fedseg.data.synth import synthesize
 from fedseg.deploy.run import rehearse, subset_spec
 from fedseg.deploy.server import load_deploy_config
 from fedseg.runner import run
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Markdown table lines."""
-    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from _report import emit
 
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
@@ -190,9 +191,7 @@ def main() -> None:
         text = (f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n\n"
                 f"Selector-only federated training on fundus (scale {args.scale}, {args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments); "
                 f"mean routing accuracy over the 6 sites' validation splits after round r; wall {time.perf_counter() - t0:.0f} s.\n\n" + table)
-        print(text)
-        if args.md:
-            Path(args.md).write_text(text)
+        emit([text], args.md, out, {"args": vars(args)})
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     methods = [m for m in args.methods.split(",") if m]
@@ -268,12 +267,7 @@ def main() -> None:
             md.append(f"- {res.get('label', res['method'])}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
         md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(f"{r['method']} {bytes_per_round(r) / 1e3:.0f} kB" for r in runs if r['seed'] == seeds[0]) + "\n")
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
-    text = "\n".join(md)
-    print(text)
-    if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text)
-    (out / "summary.json").write_text(json.dumps({"args": vars(args)}, indent=1))
+    emit(md, args.md, out, {"args": vars(args)})
 
 
 if __name__ == "__main__":

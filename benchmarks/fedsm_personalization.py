@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _report import emit
 
 from fedseg.algorithms import known_sections
 from fedseg.config import load_run_config
@@ -136,13 +137,7 @@ def main() -> None:
         *(f"| {m} | {s} | {d:.4f} | {g:.4f} | {ga} | {ra:.3f} | {t:.0f} |" for m, s, d, g, ga, ra, t in extra),
         f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n",
     ]
-    text = "\n".join(md)
-    print(text)
-    if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "runs": summary}, indent=1))
+    emit(md, args.md, out, {"args": vars(args), "runs": summary})
 
 
 if __name__ == "__main__":
