@@ -23,6 +23,7 @@ from fedseg.errors import ConfigError
 
 from fedseg.deploy.params import deploy_params
 from fedseg.deploy.site import data_header
+from fedseg.deploy.supervise import CONTROL_RESTART
 from fedseg.deploy.transport import Call, RemoteTransport
 
 __all__ = ["load_deploy_config", "prepare_run", "serve"]
@@ -104,8 +105,6 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     t_setup = time.perf_counter() - t0
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=log)
     transport.round_source = lambda: engine.round
-    from fedseg.deploy.supervise import CONTROL_RESTART
-
     restart = out / CONTROL_RESTART
     results = engine.run(resume=resume, stop_after=desc.get("stop_after"), stop_requested=restart.is_file)
     if results is None and restart.is_file():

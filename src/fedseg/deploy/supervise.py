@@ -143,18 +143,13 @@ class Supervisor:
         if len(job_sites) < need:
             raise DeployError(f"only {job_sites} of the sites {self.sites} are connected after {self.params.setup_timeout_s:g} s "
                               f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`")
-        restarts = 0
         self._first_job = len(self.jobs)
-        pending: dict[str, Any] | None = None
-        if self._desc().get("resume") and self.jobs:  # a resume by hand (e.g. after a server crash) is a recovery too
-            pending = {"after_job": self.jobs[-1]["job"], "reason": "resumed with `fedseg deploy run --resume`",
-                       "from_round": completed_round(self.run_dir), "sites": job_sites, "_t0": time.monotonic()}
         from tqdm.auto import tqdm
 
-        total = self._rounds()
-        bar = tqdm(total=total, initial=completed_round(self.run_dir), desc="deployed rounds", unit="round", disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(total=self._rounds(), initial=completed_round(self.run_dir), desc="deployed rounds", unit="round",
+                   disable=not self.progress, dynamic_ncols=True)
         try:
-            return self._loop(job_sites, need, restarts, pending, end, timeout, bar)
+            return self._loop(job_sites, need, end, timeout, bar)
         finally:
             bar.close()
 
@@ -166,7 +161,12 @@ class Supervisor:
         except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
             return None
 
-    def _loop(self, job_sites: list[str], need: int, restarts: int, pending: dict[str, Any] | None, end: float | None, timeout: float, bar: Any) -> dict[str, Any]:
+    def _loop(self, job_sites: list[str], need: int, end: float | None, timeout: float, bar: Any) -> dict[str, Any]:
+        restarts = 0
+        pending: dict[str, Any] | None = None  # a recovery whose first completed round is awaited
+        if self._desc().get("resume") and self.jobs:  # a resume by hand (e.g. after a server crash) is a recovery too
+            pending = {"after_job": self.jobs[-1]["job"], "reason": "resumed with `fedseg deploy run --resume`",
+                       "from_round": completed_round(self.run_dir), "sites": job_sites, "_t0": time.monotonic()}
         while True:
             self._clear_restart()
             folder = self.make_job(job_sites, len(self.jobs))
