@@ -111,3 +111,31 @@ def test_site_rejects_model_of_another_shape(sites, workload):
         site.handle(Task("train", bad, {"round": 1}))
     with pytest.raises(PayloadError, match="not handled by method"):
         site.handle(Task("nonsense"))
+
+
+def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp_path):
+    """A save interrupted before its commit record leaves the previous checkpoint in force (staged files are
+    dropped); one interrupted after the record is finished on the next load (staged files moved into place)."""
+    from fedseg.engine import commit_checkpoint
+
+    # Prepare: round 1 committed; round 2 staged without a record
+    d = tmp_path / "checkpoints"
+    (d / "sites.next").mkdir(parents=True)
+    (d / "server.safetensors").write_text("r1")
+    (d / "progress.json").write_text(json.dumps({"round": 1}))
+    (d / "server.safetensors.next").write_text("r2")
+    (d / "sites.next" / "site1.json").write_text("r2")
+    # Execute / Assert: rolled back
+    commit_checkpoint(d)
+    assert (d / "server.safetensors").read_text() == "r1" and not (d / "server.safetensors.next").exists() and not (d / "sites.next").exists()
+    # Prepare: round 2 staged with its record, and half moved already (a crash during the commit)
+    (d / "sites.next").mkdir()
+    (d / "sites.next" / "site1.json").write_text("r2")
+    (d / "server.safetensors").write_text("r2")
+    (d / "best.json.next").write_text("r2")
+    (d / "progress.json.next").write_text(json.dumps({"round": 2, "staged": ["server.safetensors", "best.json"]}))
+    # Execute / Assert: rolled forward
+    commit_checkpoint(d)
+    assert json.loads((d / "progress.json").read_text())["round"] == 2
+    assert (d / "best.json").read_text() == "r2" and (d / "sites" / "site1.json").read_text() == "r2"
+    assert not list(d.glob("*.next")) and not (d / "sites.next").exists()

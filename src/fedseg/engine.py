@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,28 @@ def _save_json(data: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def commit_checkpoint(d: Path) -> None:
+    """Move a staged checkpoint into place if its commit record ``progress.json.next`` exists (idempotent:
+    safe to repeat after a crash half-way); otherwise drop staged leftovers of an unfinished save."""
+    record = d / "progress.json.next"
+    if record.is_file():
+        for name in json.loads(record.read_text()).get("staged", []):
+            if (d / (name + ".next")).is_file():
+                os.replace(d / (name + ".next"), d / name)
+        if (d / "sites.next").is_dir():
+            (d / "sites").mkdir(exist_ok=True)
+            for f in (d / "sites.next").iterdir():
+                os.replace(f, d / "sites" / f.name)
+            (d / "sites.next").rmdir()
+        os.replace(record, d / "progress.json")
+        return
+    for f in d.glob("*.next"):
+        if f.is_dir():
+            shutil.rmtree(f)
+        else:
+            f.unlink()
 
 
 class Engine:
@@ -171,11 +194,17 @@ class Engine:
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
+        """Write the round's checkpoint as one unit: every file goes to ``<name>.next`` (sites to
+        ``sites.next/``), then ``progress.json.next`` is written as the commit record and the files
+        are moved into place (:func:`commit_checkpoint`).  A crash at any point leaves either the
+        previous round's checkpoint or a commit record to finish — never a server state of one round
+        with the progress (or site state) of another."""
         d = self.ckpt_dir
         if d is None:
             return
         d.mkdir(parents=True, exist_ok=True)
-        _save_arrays(self.state, d / "server.safetensors")
+        staged = ["server.safetensors"]
+        _save_arrays(self.state, d / "server.safetensors.next")
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
@@ -184,14 +213,18 @@ class Engine:
             best_arrays: Arrays = {}
             for name, b in self.best.items():
                 best_arrays.update(prefixed(name, b.candidate.arrays))
-            _save_arrays(best_arrays, d / "best.safetensors")
-            _save_json(best_meta, d / "best.json")
+            _save_arrays(best_arrays, d / "best.safetensors.next")
+            _save_json(best_meta, d / "best.json.next")
+            staged += ["best.safetensors", "best.json"]
             self._saved_best = best_meta
-        self.transport.save_sites(d / "sites")
-        _save_json({"round": self.round, "history": self.history}, d / "progress.json")
+        self.transport.save_sites(d / "sites.next")
+        _save_json({"round": self.round, "history": self.history, "staged": staged}, d / "progress.json.next")
+        commit_checkpoint(d)
 
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir
+        if d is not None:
+            commit_checkpoint(d)  # finish a checkpoint interrupted after its commit record
         if d is None or not (d / "progress.json").is_file():
             raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
         progress = json.loads((d / "progress.json").read_text())
