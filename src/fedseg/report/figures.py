@@ -1,11 +1,14 @@
 """The report's figures, drawn with matplotlib's object API on the Agg canvas and returned as PNG bytes.
 
-* :func:`training_curves` — best-so-far validation Dice per site and method (FedSM Fig. 2),
-  centralized training as a horizontal dashed line (its best validation Dice);
+* :func:`training_curves` — validation Dice as measured per site and method (FedSM Fig. 2 layout),
+  the best round marked, centralized training as a horizontal dashed line (its best validation Dice);
+* :func:`history_figure` — training loss and cumulative traffic against rounds;
+* :func:`fedsm_history_figure` — FedSM's selector: routing accuracy and loss against rounds;
+* :func:`dice_distributions` — per-case test Dice per site and method (box + dots);
 * :func:`alpha_figure` — Auto-FedAvg's aggregation weights α per round (Auto-FedAvg Fig. 3a);
 * :func:`loss_surface_figure` — 1D loss surfaces, one panel per method (FedSM Fig. 4);
 * :func:`tsne_figure` — t-SNE map of the selector's features coloured by site (FedSM Fig. 3);
-* :func:`predictions_figure` — image, ground truth and each method's prediction per case.
+* :func:`predictions_figure` — the masks drawn over the image: ground truth, then each method's prediction.
 
 No global backend switch: figures are :class:`matplotlib.figure.Figure` objects
 rendered by ``FigureCanvasAgg``.
@@ -24,6 +27,9 @@ __all__ = [
     "alpha_figure",
     "best_so_far",
     "color_of",
+    "dice_distributions",
+    "fedsm_history_figure",
+    "history_figure",
     "loss_surface_figure",
     "predictions_figure",
     "site_curve",
@@ -33,6 +39,8 @@ __all__ = [
 ]
 
 DPI = 80
+#: Font size (pt) of titles, labels and legends; ticks are one smaller.
+FONT = 10
 
 
 def to_png(fig: Any, dpi: int = DPI) -> bytes:
@@ -93,41 +101,30 @@ def _grid(n: int, ncols: int = 3, w: float = 3.3, h: float = 2.6):
     return fig, flat[:n]
 
 
-def training_curves(
-    curves: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
-    sites: Sequence[str],
-    upper: Mapping[str, Mapping[str, float]] | None = None,
-    colors: Mapping[str, Any] | None = None,
-) -> bytes:
-    """Best-so-far validation Dice against rounds, one panel per site (FedSM Fig. 2).
+def _style(ax, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None) -> None:
+    if title:
+        ax.set_title(title, fontsize=FONT)
+    if xlabel:
+        ax.set_xlabel(xlabel, fontsize=FONT)
+    if ylabel:
+        ax.set_ylabel(ylabel, fontsize=FONT)
+    ax.tick_params(labelsize=FONT - 1)
+    ax.grid(alpha=0.3)
 
-    Parameters
-    ----------
-    curves
-        ``{method label: {site: (rounds, val dice)}}``; plotted as running maxima.
-    upper
-        ``{label: {site: best val dice}}`` drawn as horizontal dashed lines
-        (centralized training, the upper bound).
-    colors
-        ``{label: colour}`` (default: :func:`color_of` in the given order).  Lines are
-        drawn thinner one after the other so that identical curves stay visible.
-    """
-    upper = upper or {}
-    colors = colors or color_of([*curves, *upper])
-    fig, axes = _grid(len(sites))
-    for ax, s in zip(axes, sites):
-        for i, (label, per_site) in enumerate(curves.items()):
-            rounds, values = per_site.get(s, ([], []))
-            if rounds:
-                ax.plot(rounds, best_so_far(values), color=colors[label], lw=max(0.9, 2.6 - 0.35 * i), label=label)
-        for label, per_site in upper.items():
-            if s in per_site:
-                ax.axhline(per_site[s], color=colors[label], ls="--", lw=1.2, label=label)
-        ax.set_title(s, fontsize=9)
-        ax.set_xlabel("round", fontsize=8)
-        ax.set_ylabel("best val Dice", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+
+def _shared_ylim(axes, values: Sequence[float], lo0: float | None = None, hi0: float | None = None) -> None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return
+    lo, hi = min(vals), max(vals)
+    lo = lo if lo0 is None else min(lo, lo0)
+    hi = hi if hi0 is None else max(hi, hi0)
+    pad = 0.05 * (hi - lo if hi > lo else 1.0)
+    for ax in axes:
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def _legend_below(fig, axes) -> None:
     handles, labels = [], []
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -135,7 +132,134 @@ def training_curves(
                 handles.append(h)
                 labels.append(lab)
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8)
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4), fontsize=FONT)
+
+
+def training_curves(
+    curves: Mapping[str, Mapping[str, tuple[list[int], list[float]]]],
+    sites: Sequence[str],
+    upper: Mapping[str, Mapping[str, float]] | None = None,
+    colors: Mapping[str, Any] | None = None,
+    best: Mapping[str, Mapping[str, int]] | None = None,
+) -> bytes:
+    """Validation Dice as measured against rounds, one panel per site, one y-range for all panels.
+
+    Parameters
+    ----------
+    curves
+        ``{label: {site: (rounds, val dice)}}``; several runs of one variant may share
+        a colour by giving labels ``"<variant> seed k"`` and ``colors`` per label.
+    upper
+        ``{label: {site: best val dice}}`` drawn as horizontal dashed lines (centralized training).
+    colors
+        ``{label: colour}`` (default: :func:`color_of` in the given order).  Lines are
+        drawn thinner one after the other so that identical curves stay visible.
+    best
+        ``{label: {site: round}}``: the round whose model the results row reports;
+        marked with a circle on the curve.
+    """
+    upper = upper or {}
+    best = best or {}
+    colors = colors or color_of([*curves, *upper])
+    fig, axes = _grid(len(sites), ncols=3, w=4.0, h=2.9)
+    seen: list[float] = []
+    for ax, s in zip(axes, sites):
+        for i, (label, per_site) in enumerate(curves.items()):
+            rounds, values = per_site.get(s, ([], []))
+            if not rounds:
+                continue
+            seen += values
+            ax.plot(rounds, values, color=colors[label], lw=max(1.0, 2.4 - 0.3 * i), label=label)
+            b = (best.get(label) or {}).get(s)
+            if b in rounds:
+                ax.plot([b], [values[rounds.index(b)]], "o", color=colors[label], ms=7, mfc="white", mew=1.8)
+        for label, per_site in upper.items():
+            if s in per_site:
+                seen.append(per_site[s])
+                ax.axhline(per_site[s], color=colors[label], ls="--", lw=1.3, label=label)
+        _style(ax, s, "round", "validation Dice")
+    _shared_ylim(axes, seen)
+    _legend_below(fig, axes)
+    return to_png(fig)
+
+
+def history_figure(
+    loss: Mapping[str, tuple[list[int], list[float]]],
+    traffic: Mapping[str, tuple[list[int], list[float]]],
+    colors: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Two panels against rounds: training loss (mean over sites) and cumulative traffic (MB, sent + received)."""
+    from matplotlib.figure import Figure
+
+    colors = colors or color_of(list(dict.fromkeys([*loss, *traffic])))
+    fig = Figure(figsize=(11.0, 3.4), layout="constrained")
+    ax_l, ax_t = fig.subplots(1, 2)
+    for i, (label, (r, v)) in enumerate(loss.items()):
+        ax_l.plot(r, v, color=colors[label], lw=max(1.0, 2.4 - 0.3 * i), label=label)
+    for i, (label, (r, v)) in enumerate(traffic.items()):
+        ax_t.plot(r, v, color=colors[label], lw=max(1.0, 2.4 - 0.3 * i), label=label)
+    _style(ax_l, "training loss (mean over sites)", "round", "loss")
+    _style(ax_t, "cumulative training traffic", "round", "MB (sent + received, all sites)")
+    _legend_below(fig, [ax_l, ax_t])
+    return to_png(fig)
+
+
+def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
+    """Per FedSM run (one row): the selector's routing accuracy per site and its training loss per site, against rounds."""
+    from matplotlib.figure import Figure
+
+    n = len(histories)
+    fig = Figure(figsize=(11.0, 3.0 * n + 0.6), layout="constrained")
+    axes = fig.subplots(n, 2, squeeze=False)
+    sites: list[str] = []
+    for entries in histories.values():
+        for e in entries:
+            for s in (e.get("routing_acc") or e.get("selector_loss") or {}):
+                if s not in sites:
+                    sites.append(s)
+    colors = color_of(sites)
+    for (label, entries), (ax_a, ax_l) in zip(histories.items(), axes):
+        for key, ax in (("routing_acc", ax_a), ("selector_loss", ax_l)):
+            for s in sites:
+                pts = [(int(e["round"]), float(e[key][s])) for e in entries if (e.get(key) or {}).get(s) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color=colors[s], lw=1.5, label=s, marker="." if len(pts) < 40 else None)
+        ax_a.set_ylim(-0.05, 1.05)
+        _style(ax_a, f"{label}: routing accuracy (validation)", "round", "share routed to own site")
+        _style(ax_l, f"{label}: selector training loss", "round", "cross-entropy")
+    _legend_below(fig, list(axes.flat))
+    return to_png(fig)
+
+
+def dice_distributions(data: Mapping[str, Mapping[str, Sequence[float]]], labels: Sequence[str], colors: Mapping[str, Any] | None = None) -> bytes:
+    """Per-case test Dice, one panel per site: a box (quartiles, whiskers 1.5 IQR) and every case as a dot, per method.
+
+    ``data``: ``{site: {label: [per-case Dice]}}``; dots are spread evenly across the
+    box (no random jitter), one y-range for all panels.
+    """
+    colors = colors or color_of(labels)
+    sites = list(data)
+    fig, axes = _grid(len(sites), ncols=3, w=4.0, h=3.1)
+    seen: list[float] = []
+    for ax, s in zip(axes, sites):
+        for i, label in enumerate(labels):
+            vals = [float(v) for v in data[s].get(label, []) if v is not None and math.isfinite(v)]
+            if not vals:
+                continue
+            seen += vals
+            ax.boxplot([vals], positions=[i], widths=0.6, showfliers=False, medianprops={"color": "black"},
+                       boxprops={"color": colors[label]}, whiskerprops={"color": colors[label]}, capprops={"color": colors[label]})
+            xs = np.linspace(i - 0.22, i + 0.22, len(vals)) if len(vals) > 1 else np.array([float(i)])
+            ax.scatter(xs, vals, s=12, color=colors[label], alpha=0.8, zorder=3)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([str(j + 1) for j in range(len(labels))])
+        n = max((len(v) for v in data[s].values()), default=0)
+        _style(ax, f"{s} ({n} test cases)", "method (numbered as in the legend)", "test Dice per case")
+    _shared_ylim(axes, seen, 0.0, 1.0)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=colors[lab], marker="o", ls="", label=f"{j + 1}: {lab}") for j, lab in enumerate(labels)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(labels), 4), fontsize=FONT)
     return to_png(fig)
 
 
@@ -153,18 +277,14 @@ def alpha_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
             ax.plot(rounds, values, marker=".", label=s)
         for r in learned:
             ax.axvline(r, color="0.88", lw=0.8, zorder=0)
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("round", fontsize=8)
-        ax.set_ylabel("α (aggregation weight)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _style(ax, label, "round", "α (aggregation weight)")
+        ax.legend(fontsize=FONT - 1)
     return to_png(fig)
 
 
 def loss_surface_figure(surfaces: Mapping[str, Any], xlabel: str, ylabel: str, colors: Mapping[str, Any] | None = None) -> bytes:
     """One panel per method: the loss along each random direction against α (FedSM Fig. 4), shared y axis."""
-    fig, axes = _grid(len(surfaces), ncols=4, w=3.0, h=2.6)
+    fig, axes = _grid(len(surfaces), ncols=3, w=4.0, h=3.0)
     lo = min(float(np.min(s.losses)) for s in surfaces.values())
     hi = max(float(np.max(s.losses)) for s in surfaces.values())
     pad = 0.05 * (hi - lo if hi > lo else 1.0)
@@ -174,11 +294,7 @@ def loss_surface_figure(surfaces: Mapping[str, Any], xlabel: str, ylabel: str, c
             ax.plot(surf.alphas, row, color=colors[label], lw=0.9, alpha=0.8)
         ax.plot([0.0], [surf.center], "k.", ms=5)
         ax.set_ylim(lo - pad, hi + pad)
-        ax.set_title(f"{label}\nsharpness {surf.sharpness:.3f}", fontsize=8)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+        _style(ax, f"{label}\nsharpness {surf.sharpness:.3f}", xlabel, ylabel)
     return to_png(fig)
 
 
@@ -188,7 +304,7 @@ def tsne_figure(points: np.ndarray, sites: Sequence[str], title: str = "") -> by
 
     order = list(dict.fromkeys(sites))
     colors = color_of(order)
-    fig = Figure(figsize=(4.6, 4.0), layout="constrained")
+    fig = Figure(figsize=(5.2, 4.4), layout="constrained")
     ax = fig.subplots()
     arr = np.asarray(sites)
     for s in order:
@@ -197,8 +313,8 @@ def tsne_figure(points: np.ndarray, sites: Sequence[str], title: str = "") -> by
     ax.set_xticks([])
     ax.set_yticks([])
     if title:
-        ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="best")
+        ax.set_title(title, fontsize=FONT)
+    ax.legend(fontsize=FONT - 1, loc="best")
     return to_png(fig)
 
 
@@ -214,46 +330,73 @@ def _image(x: np.ndarray) -> tuple[np.ndarray, str | None]:
     return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img), cmap
 
 
+#: Mask colours per label channel (disc, cup, …): filled overlay for predictions, contour for the ground truth.
+MASK_COLORS = ("#ffd21f", "#ff3b30", "#30d158", "#0a84ff", "#bf5af2")
+
+
+def _overlay(ax, img: np.ndarray, cmap: str | None, masks: np.ndarray | None, truth: np.ndarray | None) -> None:
+    """The image with each channel of ``masks`` filled (semi-transparent) and ``truth`` drawn as contours."""
+    from matplotlib.colors import to_rgba
+
+    ax.imshow(img, cmap=cmap, interpolation="nearest")
+    if masks is not None:
+        for c in range(masks.shape[0]):
+            rgba = np.zeros((*masks.shape[1:], 4))
+            rgba[masks[c] > 0] = to_rgba(MASK_COLORS[c % len(MASK_COLORS)], 0.45)
+            ax.imshow(rgba, interpolation="nearest")
+    if truth is not None:
+        for c in range(truth.shape[0]):
+            if truth[c].any() and not truth[c].all():
+                ax.contour(truth[c].astype(float), levels=[0.5], colors=[MASK_COLORS[c % len(MASK_COLORS)]], linewidths=1.2)
+
+
 def predictions_figure(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], channels: Sequence[str]) -> bytes:
-    """Grid: one row per test case — image, ground truth, then each method's prediction.
+    """Grid: one row per test case; the first column is the image with the ground truth filled, then each method's
+    prediction filled over the image with the ground truth as a contour.
 
     Parameters
     ----------
     rows
-        ``{"site", "case", "image" (C, H, W), "label" (L, H, W) binary, "preds": {method: ((L, H, W) binary, dice) }}``.
+        ``{"site", "case", "image" (C, H, W), "label" (L, H, W) binary,
+        "preds": {method: ((L, H, W) binary, dice[, routed model name])}}``.
     methods
         Column order of the predictions.
     channels
-        Label channel names; masks are shown as the sum over channels (e.g. disc = 1,
-        cup inside it = 2).
+        Label channel names; channel j has colour ``MASK_COLORS[j]`` (legend below).
     """
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    ncols = 2 + len(methods)
+    ncols = 1 + len(methods)
     nrows = len(rows)
-    fig = Figure(figsize=(1.45 * ncols, 1.5 * nrows + 0.3), layout="constrained")
+    fig = Figure(figsize=(1.9 * ncols + 0.4, 2.05 * nrows + 0.7), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    vmax = max(1, len(channels))
     for i, row in enumerate(rows):
         img, cmap = _image(np.asarray(row["image"], dtype=np.float64))
-        cells = [("image", img, cmap, None), ("ground truth", np.asarray(row["label"]).sum(axis=0), "viridis", vmax)]
-        for m in methods:
-            pred = row["preds"].get(m)
-            cells.append((m, None if pred is None else np.asarray(pred[0]).sum(axis=0), "viridis", vmax))
-        for j, (title, arr, cm, vm) in enumerate(cells):
+        truth = np.asarray(row["label"])
+        for j in range(ncols):
             ax = axes[i][j]
             ax.set_xticks([])
             ax.set_yticks([])
-            if arr is None:
-                ax.text(0.5, 0.5, "n/a", ha="center", va="center", fontsize=7, transform=ax.transAxes)
-            elif vm is None:
-                ax.imshow(arr, cmap=cm)
-            else:
-                ax.imshow(arr, cmap=cm, vmin=0, vmax=vm, interpolation="nearest")
-            if j >= 2 and row["preds"].get(methods[j - 2]) is not None:
-                ax.set_xlabel(f"Dice {row['preds'][methods[j - 2]][1]:.2f}", fontsize=6, labelpad=1)
-            if i == 0:
-                ax.set_title(title, fontsize=7)
             if j == 0:
-                ax.set_ylabel(f"{row['site']} #{row['case']}", fontsize=7)
+                _overlay(ax, img, cmap, truth, None)
+                ax.set_ylabel(f"{row['site']} case {row['case']}", fontsize=FONT - 1)
+                if i == 0:
+                    ax.set_title("ground truth", fontsize=FONT - 1)
+                continue
+            m = methods[j - 1]
+            pred = row["preds"].get(m)
+            if i == 0:
+                ax.set_title(m, fontsize=FONT - 1)
+            if pred is None:
+                ax.imshow(img, cmap=cmap, alpha=0.35)
+                ax.text(0.5, 0.5, "n/a", ha="center", va="center", fontsize=FONT, transform=ax.transAxes)
+                continue
+            _overlay(ax, img, cmap, np.asarray(pred[0]), truth)
+            text = f"Dice {pred[1]:.2f}"
+            if len(pred) > 2 and pred[2]:
+                text += f" · {pred[2]}"
+            ax.set_xlabel(text, fontsize=FONT - 1, labelpad=2)
+    handles = [Patch(color=MASK_COLORS[c % len(MASK_COLORS)], alpha=0.6, label=f"{name} (filled: mask; line: ground truth)") for c, name in enumerate(channels)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=FONT - 1)
     return to_png(fig)

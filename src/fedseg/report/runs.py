@@ -23,16 +23,18 @@ from torch import nn
 from fedseg.arrays import Arrays, strip_prefix
 from fedseg.errors import ConfigError
 
-__all__ = ["DataCache", "Run", "RunModels", "find_run_dirs", "load_runs", "method_settings", "primary_of", "run_label", "sites_of"]
+__all__ = ["DataCache", "Run", "RunModels", "find_run_dirs", "given_settings", "load_runs", "method_settings", "primary_of", "run_label",
+           "sites_of", "variant_labels", "variants_of"]
 
 
 @dataclass
 class Run:
-    """One finished run: its folder, its ``results.json`` and a display label."""
+    """One finished run: its folder, its ``results.json``, its variant label (method + settings) and a unique label (variant + seed)."""
 
     path: Path
     results: dict[str, Any]
     label: str = ""
+    variant: str = ""
 
     @property
     def method(self) -> str:
@@ -77,7 +79,7 @@ _NAMES = {"fedsm": "FedSM", "fedsm-extra": "FedSM-extra", "fedsm-ensemble": "Fed
 
 
 def run_label(results: dict[str, Any]) -> str:
-    """Display label: the papers' method names where known (Auto-FedAvg-N-Dirichlet…), else the method."""
+    """Display label of the method: the papers' names where known (Auto-FedAvg-N-Dirichlet…), else the method."""
     try:
         from fedseg.evaluation.stats import default_label
 
@@ -91,8 +93,52 @@ def run_label(results: dict[str, Any]) -> str:
     return label
 
 
+def given_settings(results: dict[str, Any]) -> dict[str, Any]:
+    """The settings a run was given in its method's own config section (``[fedsm]`` for every FedSM variant), from ``results["config"]``."""
+    from fedseg.algorithms import REGISTRY
+
+    cls = REGISTRY.get(str(results.get("method")))
+    section = getattr(cls, "section", None) or str(results.get("method"))
+    given = (results.get("config") or {}).get(section)
+    return dict(given) if isinstance(given, dict) else {}
+
+
+def _setting(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_setting(x) for x in v) + "]"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def variant_labels(results: Sequence[dict[str, Any]]) -> list[str]:
+    """One label per run naming its method **and** variant, as ``fedseg compare`` does: ``FedSM (gamma=auto)``.
+
+    The variant is the settings of the method's own section that differ between runs of
+    the same method (a setting absent from a run is not printed for it), so two runs
+    with different settings never share a label, and a method run in one variant keeps
+    its plain name.  A label stored in the results (``results["label"]``) wins.  Seeds
+    are not part of the label: runs with the same label are seeds of one variant.
+    """
+    base = [run_label(r) for r in results]
+    given = [given_settings(r) for r in results]
+    out = []
+    for i, r in enumerate(results):
+        if r.get("label"):
+            out.append(_NAMES.get(str(r["label"]), str(r["label"])))
+            continue
+        same = [j for j in range(len(results)) if base[j] == base[i] and not results[j].get("label")]
+        keys = sorted({k for j in same for k in given[j]})
+        differ = [k for k in keys if len({repr(given[j].get(k, "\0absent")) for j in same}) > 1]
+        pairs = [f"{k}={_setting(given[i][k])}" for k in differ if k in given[i]]
+        out.append(f"{base[i]} ({', '.join(pairs)})" if pairs else base[i])
+    return out
+
+
 def load_runs(paths: Iterable[str | Path]) -> list[Run]:
-    """Read every run under ``paths`` (see :func:`find_run_dirs`); labels are unique (``… seed k`` when needed)."""
+    """Read every run under ``paths`` (see :func:`find_run_dirs`).
+
+    ``Run.variant`` names the method and its variant settings (:func:`variant_labels`);
+    ``Run.label`` is unique: the variant, plus `` seed k`` where the variant has several runs.
+    """
     runs = []
     for d in find_run_dirs(paths):
         try:
@@ -102,17 +148,30 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
         missing = [k for k in ("method", "sites", "per_site_dice", "client_avg_dice", "global_dice", "history") if k not in results]
         if missing:
             raise ConfigError(f"{d / 'results.json'} lacks {missing}; it is not a fedseg results file (docs/results-format.md)")
-        runs.append(Run(d, results, run_label(results)))
+        runs.append(Run(d, results))
+    for r, v in zip(runs, variant_labels([r.results for r in runs])):
+        r.variant = r.label = v
     counts: dict[str, int] = {}
     for r in runs:
-        counts[r.label] = counts.get(r.label, 0) + 1
+        counts[r.variant] = counts.get(r.variant, 0) + 1
     seen: dict[str, int] = {}
     for r in runs:
-        if counts[r.label] > 1:
-            base = r.label
-            seen[base] = seen.get(base, 0) + 1
-            r.label = f"{base} seed {r.seed}" if r.seed is not None else f"{base} #{seen[base]}"
+        if counts[r.variant] > 1:
+            seen[r.variant] = seen.get(r.variant, 0) + 1
+            r.label = f"{r.variant} seed {r.seed}" if r.seed is not None else f"{r.variant} #{seen[r.variant]}"
+    labels = [r.label for r in runs]
+    for r in runs:  # the same variant and seed twice (e.g. a run given by two paths): number them
+        if labels.count(r.label) > 1:
+            r.label = f"{r.label} ({r.path.name})"
     return runs
+
+
+def variants_of(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """``{variant label: its runs (seeds)}`` in first-seen order."""
+    out: dict[str, list[Run]] = {}
+    for r in runs:
+        out.setdefault(r.variant, []).append(r)
+    return out
 
 
 def method_settings(run: Run) -> dict[str, Any]:

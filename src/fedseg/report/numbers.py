@@ -1,0 +1,227 @@
+"""The numbers a report shows, computed from ``results.json`` documents only (no models, no HTML).
+
+* :func:`method_cases` — per-case test Dice of a run's results row (its primary
+  candidate, or each site's own model);
+* :func:`headline` — Client Avg / Global Dice per variant with their uncertainty (mean ±
+  sd over seeds, or a bootstrap 95 % interval over cases for one seed) and the
+  differences to FedAvg and to centralized training;
+* :func:`fedsm_summary` and :func:`fedsm_findings` — what FedSM's composite did per
+  site: its Dice beside the global and personalized models', where the selector sent
+  the images, and sentences that say where the composite gained or lost and why.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["best_round", "fedsm_findings", "fedsm_summary", "headline", "is_fedsm", "method_cases", "model_short", "reference_variant"]
+
+
+def _primary(method: str) -> str | None:
+    from fedseg.report.runs import primary_of
+
+    return primary_of(method)
+
+
+def method_cases(results: Mapping[str, Any]) -> dict[str, list[float]]:
+    """``{site: per-case test Dice}`` of the run's results row (the numbers behind ``per_site_dice``).
+
+    The primary candidate's cases (FedAvg's ``global``, FedSM's ``fedsm``), or for
+    methods whose models belong to sites each site's own model on its own test set.
+    Sites without stored per-case Dice are left out.
+    """
+    pcd = results.get("per_case_dice") or {}
+    primary = _primary(str(results["method"]))
+    if primary is not None:
+        return {s: list(v) for s, v in (pcd.get(primary) or {}).items() if s in results["sites"]}
+    home = {r.get("home_site"): r["name"] for r in results.get("rows", []) if r.get("home_site")}
+    return {s: list(pcd[home[s]][s]) for s in results["sites"] if s in home and s in (pcd.get(home[s]) or {})}
+
+
+def best_round(results: Mapping[str, Any]) -> str:
+    """The round whose model makes the results row: one number, or ``lo–hi`` when each site's own model has its own."""
+    primary = _primary(str(results["method"]))
+    rows = results.get("rows") or []
+    if primary is not None:
+        got = [r.get("best_round") for r in rows if r["name"] == primary]
+    else:
+        got = [r.get("best_round") for r in rows if r.get("home_site") in results["sites"]]
+    got = [int(g) for g in got if g is not None]
+    if not got:
+        return "–"
+    lo, hi = min(got), max(got)
+    return str(lo) if lo == hi else f"{lo}–{hi} (per site)"
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float | None]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return float("nan"), None
+    return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def reference_variant(variants: Mapping[str, Sequence[Mapping[str, Any]]], method: str) -> str | None:
+    """The variant the headline compares against: the plain run of ``method`` (label without settings) first."""
+    of_method = [v for v, rs in variants.items() if rs and rs[0]["method"] == method]
+    plain = [v for v in of_method if "(" not in v]
+    return (plain or of_method or [None])[0]
+
+
+def _delta(runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]], key: str, boot: int, seed: int) -> dict[str, Any]:
+    """Difference ``key`` (client_avg_dice / global_dice) of a variant to a reference variant, with its uncertainty."""
+    from fedseg.evaluation.stats import bootstrap_ci
+
+    by_seed = {r.get("seed"): r for r in refs}
+    paired = [(r, by_seed[r.get("seed")]) for r in runs if r.get("seed") in by_seed]
+    if len(paired) >= 2:
+        d = [a[key] - b[key] for a, b in paired]
+        m, sd = _mean_sd(d)
+        return {"value": m, "sd": sd, "n": len(d)}
+    if len(runs) == 1 and len(refs) == 1:
+        a, b = method_cases(runs[0]), method_cases(refs[0])
+        if a and set(a) == set(b) and all(len(a[s]) == len(b[s]) for s in a) and set(a) == set(runs[0]["sites"]):
+            ci = bootstrap_ci(a, b, n_boot=boot, seed=seed)["client_avg" if key == "client_avg_dice" else "global"]
+            return {"value": runs[0][key] - refs[0][key], "ci": ci}
+    return {"value": _mean_sd([r[key] for r in runs])[0] - _mean_sd([r[key] for r in refs])[0]}
+
+
+def headline(variants: Mapping[str, Sequence[Mapping[str, Any]]], boot: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per variant: Client Avg / Global Dice with uncertainty, Δ to FedAvg and centralized, cases, best round.
+
+    Parameters
+    ----------
+    variants
+        ``{variant label: [results of each seed]}`` (seeds of one variant only).
+    boot, seed
+        Bootstrap resamples and seed (:func:`fedseg.evaluation.stats.bootstrap_ci`).
+
+    Each row: ``label``, ``method``, ``seeds``, ``client_avg`` / ``global`` as
+    ``{"value", "sd"}`` (several seeds) or ``{"value", "ci"}`` (one seed, bootstrap
+    95 % interval over the test cases), ``delta`` ``{"FedAvg"|"centralized":
+    {"client_avg", "global"}}`` (each ``{"value"[, "sd"|"ci"]}``), ``best_round``.
+    Δ's uncertainty: sd over seeds paired by seed, or a paired bootstrap over the
+    same test cases when each side has one run.
+    """
+    from fedseg.evaluation.stats import bootstrap_ci
+
+    refs = {"FedAvg": reference_variant(variants, "fedavg"), "centralized": reference_variant(variants, "centralized")}
+    rows = []
+    for label, runs in variants.items():
+        row: dict[str, Any] = {"label": label, "method": runs[0]["method"], "seeds": sorted({r.get("seed") for r in runs}, key=str)}
+        for key, name in (("client_avg_dice", "client_avg"), ("global_dice", "global")):
+            m, sd = _mean_sd([r[key] for r in runs])
+            row[name] = {"value": m, "sd": sd}
+        if len(runs) == 1:
+            cases = method_cases(runs[0])
+            if cases and set(cases) == set(runs[0]["sites"]) and any(cases.values()):
+                ci = bootstrap_ci(cases, n_boot=boot, seed=seed)
+                row["client_avg"]["ci"], row["global"]["ci"] = ci["client_avg"], ci["global"]
+        row["delta"] = {}
+        for ref_name, ref in refs.items():
+            if ref is None or ref == label:
+                continue
+            row["delta"][ref_name] = {name: _delta(runs, variants[ref], key, boot, seed)
+                                      for key, name in (("client_avg_dice", "client_avg"), ("global_dice", "global"))}
+        rounds = sorted({best_round(r) for r in runs})
+        row["best_round"] = ", ".join(rounds)
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ FedSM
+def is_fedsm(method: str) -> bool:
+    """Whether ``method`` is a FedSM-family algorithm (fedsm, fedsm-extra, fedsm-ensemble, or a registered subclass)."""
+    from fedseg.algorithms import REGISTRY
+    from fedseg.algorithms.fedsm import FedSM
+
+    cls = REGISTRY.get(method)
+    return cls is not None and issubclass(cls, FedSM)
+
+
+def model_short(name: str) -> str:
+    """``global`` → ``GM``, ``personal/site3`` → ``PM site3`` (the paper's names)."""
+    return "GM" if name == "global" else ("PM " + name.split("/", 1)[1] if name.startswith("personal/") else name)
+
+
+def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Per site: the composite's Dice beside the global and every personalized model's, and the routing.
+
+    ``routing`` is a routing report on the test split (``results["fedsm"]`` of
+    ``fedseg fedsm`` runs, or one the report computed from the checkpoints): its
+    ``per_site[site]["selection"]`` gives the share of the site's test images each
+    model received.  Returns ``{"sites", "models" (["global", "personal/…"]),
+    "dice": {site: {"fedsm"|model: Dice}}, "selection": {site: {model: share}} | None,
+    "routing_acc": {site: acc} | None}``; Dice values missing from the results are None.
+    """
+    rows = {r["name"]: r for r in results.get("rows", [])}
+    routing = routing if routing is not None else results.get("fedsm") if isinstance(results.get("fedsm"), dict) else None
+    sites = list(results["sites"])
+    if routing is not None and routing.get("models"):
+        models = list(routing["models"])
+    else:
+        models = ["global", *[f"personal/{s}" for s in sites]]
+    dice: dict[str, dict[str, float | None]] = {}
+    for s in sites:
+        d: dict[str, float | None] = {"fedsm": results["per_site_dice"].get(s)}
+        per_model = ((routing or {}).get("per_site", {}).get(s) or {}).get("dice_per_model") or {}
+        for m in models:
+            v = per_model.get(m)
+            if v is None and m in rows:
+                v = rows[m]["per_site_dice"].get(s)
+            d[m] = v
+        dice[s] = d
+    selection = routing_acc = None
+    if routing is not None and routing.get("per_site"):
+        per = routing["per_site"]
+        selection = {s: dict(per[s].get("selection") or {}) for s in per}
+        routing_acc = {s: per[s].get("routing_acc") for s in per}
+    return {"sites": sites, "models": models, "dice": dice, "selection": selection, "routing_acc": routing_acc}
+
+
+def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
+    """Sentences, one per site, generated from :func:`fedsm_summary`: the composite's gain or loss against the
+    global model and where that site's images went.
+
+    Example: ``"site5: composite 0.612 vs global model 0.655 (−0.043); 40 % of its images went to PM site3
+    (0.511 on site5), 60 % to GM."``  A site whose images all went to the global model
+    gets "equals the global model"; gains and losses smaller than ``tol`` count as equal.
+    """
+    out = []
+    sel_all = summary.get("selection") or {}
+    for s in summary["sites"]:
+        d = summary["dice"][s]
+        comp, gm = d.get("fedsm"), d.get("global")
+        if comp is None or gm is None:
+            continue
+        diff = comp - gm
+        sel = sel_all.get(s)
+        verdict = "equals the global model" if abs(diff) < tol else ("gained" if diff > 0 else "lost")
+        text = f"{s}: composite {comp:.3f} vs global model {gm:.3f} ({diff:+.3f}, {verdict})"
+        if sel:
+            shares = sorted(((v, m) for m, v in sel.items() if v), reverse=True)
+            parts = []
+            for v, m in shares[:3]:
+                own = " (its own)" if m == f"personal/{s}" else ""
+                md = d.get(m)
+                on = f", Dice {md:.3f} on {s}" if md is not None and m != "global" else ""
+                parts.append(f"{100 * v:.0f} % to {model_short(m)}{own}{on}")
+            if shares and shares[0][1] == "global" and shares[0][0] >= 0.999:
+                text += "; every test image went to the global model, so the composite is the global model here"
+            else:
+                text += "; its images went " + ", ".join(parts)
+                wrong = sum(v for v, m in shares if m not in ("global", f"personal/{s}"))
+                if diff <= -tol and wrong > 0:
+                    text += f" — {100 * wrong:.0f} % went to another site's personalized model"
+                own = d.get(f"personal/{s}")
+                if diff >= tol and own is not None and abs(comp - own) < tol:
+                    text += f" — the gain is its own personalized model's ({own:.3f})"
+        else:
+            own = d.get(f"personal/{s}")
+            if own is not None:
+                text += f"; its own personalized model scores {own:.3f}"
+            text += " (routing on test not recorded)"
+        out.append(text + ".")
+    return out
