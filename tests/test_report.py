@@ -45,6 +45,8 @@ class _Checker(HTMLParser):
         for key in ("src", "href"):
             v = a.get(key)
             if v and not (v.startswith("data:") or v.startswith("#")):
+                if key == "href" and tag == "a" and v.endswith("config.toml") and "://" not in v and not v.startswith("/"):
+                    continue  # the bookkeeping links each run's config.toml, relative to the report
                 self.external.append(v)
         if tag not in VOID:
             self.stack.append(tag)
@@ -110,8 +112,10 @@ def test_report_of_every_method_has_every_section_and_is_valid_html(full_report)
     # Execute
     c = check_html(full_report)
     # Assert
-    assert c.sections == ["runs", "config", "table3", "table2", "routing", "table5", "curves", "alpha", "loss-surface", "tsne", "predictions"]
-    assert c.figures == ["fig-curves", "fig-alpha", "fig-loss-surface", "fig-tsne-0", "fig-predictions"]
+    assert c.sections == ["headline", "table3", "distributions", "table2", "fedsm", "table5", "curves", "alpha", "loss-surface", "tsne",
+                          "predictions", "runs", "config"]
+    assert c.figures == ["fig-distributions", "fig-fedsm-history", "fig-curves", "fig-history", "fig-alpha", "fig-loss-surface",
+                         "fig-tsne-0", "fig-predictions"]
     assert full_report.stat().st_size < 2_000_000
 
 
@@ -137,8 +141,8 @@ def test_sections_appear_only_for_what_the_runs_contain(runs, tmp_path):
     """A FedAvg run alone: no Table 2 (needs Auto-FedAvg), no α, no FedSM sections; model sections skipped on request."""
     out = build_report([runs / "fedavg"], tmp_path / "r.html", ReportOptions(models=False), progress=False)
     c = check_html(out)
-    assert c.sections == ["runs", "config", "table3", "curves"]
-    assert c.figures == ["fig-curves"]
+    assert c.sections == ["headline", "table3", "distributions", "curves", "runs", "config"]
+    assert c.figures == ["fig-distributions", "fig-curves", "fig-history"]
 
 
 def test_cli_report_and_its_errors(runs, tmp_path, capsys):
@@ -218,3 +222,124 @@ def test_tensorboard_flag_without_tensorboard_says_how_to_install(runs, tmp_path
     assert main(["run", str(spec), "--out", str(out), "--rounds", "1", "--tensorboard"]) == 2
     assert "pip install 'fedseg[report]'" in capsys.readouterr().err
     assert not (out / "results.json").exists()
+
+
+# ------------------------------------------------------------------ hand-made run folders (no training)
+def _fake_run(folder: Path, method: str, seed: int, per_case: dict[str, list[float]], settings: dict | None = None,
+              routing_acc: float | None = None) -> Path:
+    """A run folder with a results.json in the documented format (docs/results-format.md), numbers given by hand."""
+    sites = list(per_case)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    psd = {s: mean(v) for s, v in per_case.items()}
+    pooled = [x for v in per_case.values() for x in v]
+    primary = "fedsm" if method.startswith("fedsm") else "global"
+
+    def row(name, dice, home=None):
+        return {"name": name, "home_site": home, "best_round": 2, "best_val_dice": 0.5, "per_site_dice": dice,
+                "client_avg_dice": mean(list(dice.values())), "global_dice": mean(pooled)}
+
+    rows = [row(primary, psd)]
+    pcd = {primary: per_case}
+    if primary == "fedsm":
+        rows.append(row("global", {s: v - 0.1 for s, v in psd.items()}))
+        rows += [row(f"personal/{s}", {t: v - 0.05 for t, v in psd.items()}, s) for s in sites]
+    history = []
+    for r in (1, 2, 3):
+        e = {"round": r, "train_loss": {s: 1.0 / r for s in sites}, "bytes": {s: {"sent": 1000, "received": 1000} for s in sites},
+             "val_dice": {primary: {s: 0.2 * r for s in sites}}, "val_score": {primary: 0.2 * r}}
+        if routing_acc is not None:
+            e["routing_acc"] = {s: routing_acc for s in sites}
+            e["selector_loss"] = {s: 2.0 / r for s in sites}
+        history.append(e)
+    results = {"method": method, "sites": sites, "seed": seed, "metric_names": ["disc"], "per_site_dice": psd,
+               "client_avg_dice": mean(list(psd.values())), "global_dice": mean(pooled), "num_cases": {s: len(v) for s, v in per_case.items()},
+               "rows": rows, "per_case_dice": pcd, "history": history, "config": {"method": method, "seed": seed, **({"fedsm": settings} if settings else {})},
+               "wall_time_s": 1.0}
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def _section(text: str, sec: str) -> str:
+    return text.split(f'<section id="{sec}">')[1].split("</section>")[0]
+
+
+def test_two_variants_of_one_method_get_two_rows_and_seeds_of_one_variant_one(tmp_path):
+    """FedSM with γ = 0.9 and with γ = auto (both seed 0) stay two methods everywhere; FedAvg's seeds 0 and 1 merge into mean ± sd."""
+    # Prepare: a compare-like folder
+    cases = {"a": [0.6, 0.7, 0.8], "b": [0.2, 0.3]}
+    _fake_run(tmp_path / "runs" / "fedsm" / "seed0", "fedsm", 0, cases, routing_acc=0.5)
+    _fake_run(tmp_path / "runs" / "fedsm-gamma=auto" / "seed0", "fedsm", 0, {"a": [0.9, 0.9, 0.9], "b": [0.5, 0.5]}, {"gamma": "auto"}, 1.0)
+    _fake_run(tmp_path / "runs" / "fedavg" / "seed0", "fedavg", 0, cases)
+    _fake_run(tmp_path / "runs" / "fedavg" / "seed1", "fedavg", 1, {"a": [0.5, 0.6, 0.7], "b": [0.1, 0.2]})
+    # Execute
+    out = build_report([tmp_path / "runs"], tmp_path / "r.html", ReportOptions(models=False), progress=False)
+    # Assert
+    c = check_html(out)
+    assert c.sections[0] == "headline" and c.sections[-2:] == ["runs", "config"]
+    text = out.read_text(encoding="utf-8")
+    head = _section(text, "headline")
+    assert head.count("<td>FedSM</td>") == 1 and head.count("<td>FedSM (gamma=auto)</td>") == 1
+    assert head.count("<td>FedAvg</td>") == 1 and "<td>0, 1</td>" in head
+    fedavg_row = head.split("<td>FedAvg</td>")[1].split("</tr>")[0]
+    assert "± 0.0707" in fedavg_row  # sd of Client Avg over the two seeds: 0.475 and 0.375
+    auto_row = head.split("<td>FedSM (gamma=auto)</td>")[1].split("</tr>")[0]
+    assert auto_row.split("<td>")[2].startswith("0.7000")  # its own Client Avg (0.9 + 0.5) / 2, not merged with γ = 0.9
+    t3 = _section(text, "table3")
+    assert "<td>FedSM</td>" in t3 and "<td>FedSM (gamma=auto)</td>" in t3
+    runs_table = _section(text, "runs")
+    for label in ("<td>FedSM</td>", "<td>FedSM (gamma=auto)</td>", "<td>FedAvg seed 0</td>", "<td>FedAvg seed 1</td>"):
+        assert runs_table.count(label) == 1
+    fedsm = _section(text, "fedsm")
+    assert "<h3>FedSM</h3>" in fedsm and "<h3>FedSM (gamma=auto)</h3>" in fedsm
+    assert "γ setting: auto" in fedsm
+    assert "routing on test is not in results.json" in fedsm  # --no-models: it is not computed
+
+
+def test_headline_intervals_and_differences():
+    """One seed each → bootstrap intervals; a run against an identical copy → Δ = 0 with a [0, 0] interval;
+    runs on different sites → no Δ."""
+    from fedseg.report.numbers import headline
+
+    base = {"method": "fedavg", "sites": ["a", "b"], "seed": 0, "client_avg_dice": 0.5, "global_dice": 0.52,
+            "per_case_dice": {"global": {"a": [0.4, 0.5, 0.6], "b": [0.5, 0.5]}}, "rows": [{"name": "global", "best_round": 7}]}
+    same = {**base, "method": "fedprox"}
+    other_sites = {**base, "method": "centralized", "sites": ["a"], "per_case_dice": {"global": {"a": [0.4, 0.5, 0.6]}}}
+    rows = {r["label"]: r for r in headline({"FedAvg": [base], "FedProx": [same], "C": [other_sites]}, boot=500)}
+    lo, hi = rows["FedAvg"]["client_avg"]["ci"]
+    assert lo < 0.5 < hi and rows["FedAvg"]["best_round"] == "7"
+    d = rows["FedProx"]["delta"]["FedAvg"]["client_avg"]
+    assert d["value"] == 0.0 and d["ci"] == (0.0, 0.0)
+    assert rows["C"]["delta"]["FedAvg"]["client_avg"]["value"] is None
+    assert rows["FedAvg"]["delta"]["centralized"]["global"]["value"] is None
+
+
+def test_variant_labels_name_the_settings_that_differ():
+    from fedseg.report.runs import variant_labels
+
+    runs = [{"method": "fedsm", "config": {}}, {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}},
+            {"method": "fedsm", "config": {"fedsm": {"gamma": 0.5, "lam": 0.3}}}, {"method": "fedavg", "config": {}},
+            {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}, "label": "fedsm (gamma=auto)"}]
+    assert variant_labels(runs) == ["FedSM", "FedSM (gamma=auto)", "FedSM (gamma=0.5, lam=0.3)", "FedAvg", "fedsm (gamma=auto)"]
+    # one variant only: the plain name, whatever its settings
+    assert variant_labels([{"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}}]) == ["FedSM"]
+
+
+def test_fedsm_findings_say_where_the_images_went():
+    """Sentences generated from the numbers: a site that lost because 40 % of its images went to another
+    site's personalized model; a site whose images all went to its own model; all-to-GM summarised first."""
+    from fedseg.report.numbers import fedsm_findings
+
+    summary = {"sites": ["s1", "s2"], "models": ["global", "personal/s1", "personal/s2"],
+               "dice": {"s1": {"fedsm": 0.60, "global": 0.65, "personal/s1": 0.70, "personal/s2": 0.51},
+                        "s2": {"fedsm": 0.80, "global": 0.70, "personal/s1": 0.40, "personal/s2": 0.80}},
+               "selection": {"s1": {"global": 0.6, "personal/s1": 0.0, "personal/s2": 0.4},
+                             "s2": {"global": 0.0, "personal/s1": 0.0, "personal/s2": 1.0}}, "routing_acc": None}
+    s1, s2 = fedsm_findings(summary)
+    assert s1.startswith("s1: composite 0.600 vs global model 0.650 (-0.050, lost)")
+    assert "40 % to PM s2 (Dice 0.510 on s1)" in s1 and "40 % went to another site's personalized model" in s1
+    assert "100 % to PM s2 (its own)" in s2 and "(+0.100, gained)" in s2 and "mostly to its own personalized model" in s2
+    summary["selection"] = {s: {"global": 1.0, "personal/s1": 0.0, "personal/s2": 0.0} for s in ("s1", "s2")}
+    summary["dice"]["s1"]["fedsm"] = 0.65
+    first, *_ = fedsm_findings(summary)
+    assert first.startswith("Every test image of every site went to the global model")

@@ -43,13 +43,27 @@ DPI = 80
 FONT = 10
 
 
-def to_png(fig: Any, dpi: int = DPI) -> bytes:
-    """Render a matplotlib ``Figure`` to PNG bytes (Agg canvas)."""
+def to_png(fig: Any, dpi: int = DPI, colors: int | None = 256) -> bytes:
+    """Render a matplotlib ``Figure`` to PNG bytes (Agg canvas).
+
+    ``colors``: quantize to an adaptive palette of this many colours (Pillow, a
+    matplotlib dependency), which makes plots 2–4× smaller at no visible cost; None
+    keeps full RGBA.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    if colors is None:
+        fig.savefig(buf, format="png", dpi=dpi)
+        return buf.getvalue()
+    from PIL import Image
+
+    fig.set_dpi(dpi)
+    canvas.draw()
+    rgba = np.asarray(canvas.buffer_rgba())
+    img = Image.fromarray(rgba[..., :3].copy()).quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    img.save(buf, format="png", optimize=True)
     return buf.getvalue()
 
 
@@ -205,12 +219,12 @@ def history_figure(
 
 
 def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
-    """Per FedSM run (one row): the selector's routing accuracy per site and its training loss per site, against rounds."""
+    """Per FedSM run (one row): the selector's routing accuracy as a site × round map, and its training loss per site against rounds."""
     from matplotlib.figure import Figure
 
     n = len(histories)
-    fig = Figure(figsize=(11.0, 3.0 * n + 0.6), layout="constrained")
-    axes = fig.subplots(n, 2, squeeze=False)
+    fig = Figure(figsize=(11.0, 2.5 * n + 0.7), layout="constrained")
+    axes = fig.subplots(n, 2, squeeze=False, width_ratios=[1.15, 1])
     sites: list[str] = []
     for entries in histories.values():
         for e in entries:
@@ -218,16 +232,32 @@ def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -
                 if s not in sites:
                     sites.append(s)
     colors = color_of(sites)
+    image = None
     for (label, entries), (ax_a, ax_l) in zip(histories.items(), axes):
-        for key, ax in (("routing_acc", ax_a), ("selector_loss", ax_l)):
-            for s in sites:
-                pts = [(int(e["round"]), float(e[key][s])) for e in entries if (e.get(key) or {}).get(s) is not None]
-                if pts:
-                    ax.plot(*zip(*pts), color=colors[s], lw=1.5, label=s, marker="." if len(pts) < 40 else None)
-        ax_a.set_ylim(-0.05, 1.05)
-        _style(ax_a, f"{label}: routing accuracy (validation)", "round", "share routed to own site")
+        rounds = [int(e["round"]) for e in entries]
+        acc = np.full((len(sites), len(rounds)), np.nan)
+        for j, e in enumerate(entries):
+            for i, s in enumerate(sites):
+                v = (e.get("routing_acc") or {}).get(s)
+                if v is not None:
+                    acc[i, j] = float(v)
+        if rounds:
+            image = ax_a.imshow(acc, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest",
+                                extent=(rounds[0] - 0.5, rounds[-1] + 0.5, len(sites) - 0.5, -0.5))
+        ax_a.set_yticks(range(len(sites)))
+        ax_a.set_yticklabels(sites)
+        _style(ax_a, f"{label}: routing accuracy (validation)", "round")
+        ax_a.grid(False)
+        for s in sites:
+            pts = [(int(e["round"]), float(e["selector_loss"][s])) for e in entries if (e.get("selector_loss") or {}).get(s) is not None]
+            if pts:
+                ax_l.plot(*zip(*pts), color=colors[s], lw=1.4, label=s)
         _style(ax_l, f"{label}: selector training loss", "round", "cross-entropy")
-    _legend_below(fig, list(axes.flat))
+    if image is not None:
+        bar = fig.colorbar(image, ax=list(axes[:, 0]), shrink=0.8, pad=0.01)
+        bar.set_label("share routed to own site", fontsize=FONT - 1)
+        bar.ax.tick_params(labelsize=FONT - 1)
+    _legend_below(fig, list(axes[:, 1]))
     return to_png(fig)
 
 
@@ -331,7 +361,9 @@ def _image(x: np.ndarray) -> tuple[np.ndarray, str | None]:
 
 
 #: Mask colours per label channel (disc, cup, …): filled overlay for predictions, contour for the ground truth.
-MASK_COLORS = ("#ffd21f", "#ff3b30", "#30d158", "#0a84ff", "#bf5af2")
+MASK_COLORS = ("#00e5ff", "#ff2bd6", "#39ff14", "#ffffff", "#0050ff")
+#: Colour of the ground-truth contour drawn over predictions.
+TRUTH_COLOR = "#ffffff"
 
 
 def _overlay(ax, img: np.ndarray, cmap: str | None, masks: np.ndarray | None, truth: np.ndarray | None) -> None:
@@ -347,7 +379,7 @@ def _overlay(ax, img: np.ndarray, cmap: str | None, masks: np.ndarray | None, tr
     if truth is not None:
         for c in range(truth.shape[0]):
             if truth[c].any() and not truth[c].all():
-                ax.contour(truth[c].astype(float), levels=[0.5], colors=[MASK_COLORS[c % len(MASK_COLORS)]], linewidths=1.2)
+                ax.contour(truth[c].astype(float), levels=[0.5], colors=[TRUTH_COLOR], linewidths=1.3)
 
 
 def predictions_figure(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], channels: Sequence[str]) -> bytes:
@@ -397,6 +429,9 @@ def predictions_figure(rows: Sequence[Mapping[str, Any]], methods: Sequence[str]
             if len(pred) > 2 and pred[2]:
                 text += f" · {pred[2]}"
             ax.set_xlabel(text, fontsize=FONT - 1, labelpad=2)
-    handles = [Patch(color=MASK_COLORS[c % len(MASK_COLORS)], alpha=0.6, label=f"{name} (filled: mask; line: ground truth)") for c, name in enumerate(channels)]
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=FONT - 1)
+    from matplotlib.lines import Line2D
+
+    handles = [Patch(color=MASK_COLORS[c % len(MASK_COLORS)], alpha=0.6, label=name) for c, name in enumerate(channels)]
+    handles.append(Line2D([], [], color="0.3", lw=1.3, label="ground truth outline (white)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=FONT - 1)
     return to_png(fig)

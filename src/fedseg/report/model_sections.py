@@ -112,7 +112,7 @@ def tsne_section(models: Sequence[RunModels], opts: Any) -> str | None:
         caption = (f"t-SNE of the FedSM model selector's pooled features (FedSM Fig. 3), {m.run.variant}: "
                    f"up to {opts.tsne_cases} test images per site{held}, coloured by site (perplexity min(30, (N − 1)/3), seed {opts.seed}).")
         parts.append(figure(f"fig-tsne-{len(parts)}", png, caption))
-    return "\n".join(parts)
+    return '<div class="figrow">' + "\n".join(parts) + "</div>"
 
 
 def _slice(arr: np.ndarray, spatial_dims: int, index: int | None) -> np.ndarray:

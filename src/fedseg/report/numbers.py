@@ -74,6 +74,8 @@ def _delta(runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]],
     """Difference ``key`` (client_avg_dice / global_dice) of a variant to a reference variant, with its uncertainty."""
     from fedseg.evaluation.stats import bootstrap_ci
 
+    if any(list(r["sites"]) != list(refs[0]["sites"]) for r in [*runs, *refs]):
+        return {"value": None}  # Client Avg / Global Dice over different sites are not comparable
     by_seed = {r.get("seed"): r for r in refs}
     paired = [(r, by_seed[r.get("seed")]) for r in runs if r.get("seed") in by_seed]
     if len(paired) >= 2:
@@ -182,15 +184,28 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
 
 
 def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
-    """Sentences, one per site, generated from :func:`fedsm_summary`: the composite's gain or loss against the
-    global model and where that site's images went.
+    """Sentences generated from :func:`fedsm_summary`: per site, the composite's gain or loss against the global
+    model and where that site's test images went.
 
-    Example: ``"site5: composite 0.612 vs global model 0.655 (−0.043); 40 % of its images went to PM site3
-    (0.511 on site5), 60 % to GM."``  A site whose images all went to the global model
-    gets "equals the global model"; gains and losses smaller than ``tol`` count as equal.
+    Example: ``"site5: composite 0.612 vs global model 0.655 (-0.043, lost); its images went 40 % to PM site3
+    (Dice 0.511 on site5), 60 % to GM — 40 % went to another site's personalized model."``  When every
+    image of every site went to one model, a first sentence says so (the composite is then
+    that model).  Differences smaller than ``tol`` count as equal.
     """
     out = []
     sel_all = summary.get("selection") or {}
+    fed_sel = {s: sel_all[s] for s in summary["sites"] if sel_all.get(s)}
+    if fed_sel:
+        tops = {max(sel, key=lambda m: sel[m] or 0.0) for sel in fed_sel.values()}
+        if len(tops) == 1:
+            m = tops.pop()
+            if all((sel.get(m) or 0.0) >= 0.999 for sel in fed_sel.values()):
+                if m == "global":
+                    out.append("Every test image of every site went to the global model (the selector's top probability "
+                               "never passed γ), so the composite is its global model on every site.")
+                else:
+                    out.append(f"Every test image of every site went to {model_short(m)}, so the composite is that one "
+                               "model on every site.")
     for s in summary["sites"]:
         d = summary["dice"][s]
         comp, gm = d.get("fedsm"), d.get("global")
@@ -198,7 +213,7 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
             continue
         diff = comp - gm
         sel = sel_all.get(s)
-        verdict = "equals the global model" if abs(diff) < tol else ("gained" if diff > 0 else "lost")
+        verdict = "equal" if abs(diff) < tol else ("gained" if diff > 0 else "lost")
         text = f"{s}: composite {comp:.3f} vs global model {gm:.3f} ({diff:+.3f}, {verdict})"
         if sel:
             shares = sorted(((v, m) for m, v in sel.items() if v), reverse=True)
@@ -206,18 +221,19 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
             for v, m in shares[:3]:
                 own = " (its own)" if m == f"personal/{s}" else ""
                 md = d.get(m)
-                on = f", Dice {md:.3f} on {s}" if md is not None and m != "global" else ""
+                on = f" (Dice {md:.3f} on {s})" if md is not None and m != "global" else ""
                 parts.append(f"{100 * v:.0f} % to {model_short(m)}{own}{on}")
-            if shares and shares[0][1] == "global" and shares[0][0] >= 0.999:
-                text += "; every test image went to the global model, so the composite is the global model here"
-            else:
-                text += "; its images went " + ", ".join(parts)
-                wrong = sum(v for v, m in shares if m not in ("global", f"personal/{s}"))
-                if diff <= -tol and wrong > 0:
-                    text += f" — {100 * wrong:.0f} % went to another site's personalized model"
-                own = d.get(f"personal/{s}")
-                if diff >= tol and own is not None and abs(comp - own) < tol:
-                    text += f" — the gain is its own personalized model's ({own:.3f})"
+            if len(shares) > 3:
+                parts.append(f"{100 * sum(v for v, _ in shares[3:]):.0f} % to {len(shares) - 3} other model(s)")
+            text += "; its images went " + ", ".join(parts)
+            own_share = sel.get(f"personal/{s}") or 0.0
+            other = sum(v for v, m in shares if m not in ("global", f"personal/{s}"))
+            if diff <= -tol and other > 0:
+                text += f" — {100 * other:.0f} % went to another site's personalized model"
+            elif diff >= tol and own_share >= 0.5:
+                text += " — mostly to its own personalized model"
+            elif diff >= tol and other >= 0.5:
+                text += " — another site's personalized model scored higher on it than the global model"
         else:
             own = d.get(f"personal/{s}")
             if own is not None:

@@ -55,52 +55,55 @@ def colors_of(runs: Sequence[Run]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ headline
 def _value(cell: Mapping[str, Any], signed: bool = False) -> str:
+    """HTML cell: the value, and its ± sd or [95 % interval] on a second, smaller line."""
     v = cell.get("value")
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     f = (lambda x: f"{x:+.4f}") if signed else (lambda x: f"{x:.4f}")
     if cell.get("sd") is not None:
-        return f"{f(v)} ± {cell['sd']:.4f}"
-    if cell.get("ci") is not None:
+        extra = f"± {cell['sd']:.4f}"
+    elif cell.get("ci") is not None:
         lo, hi = cell["ci"]
-        return f"{f(v)} [{f(lo)}, {f(hi)}]"
-    return f(v)
+        extra = f"[{f(lo)}, {f(hi)}]"
+    else:
+        return html.escape(f(v))
+    return f'{html.escape(f(v))}<br><span class="small">{html.escape(extra)}</span>'
 
 
 def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     """The first screen: Client Avg / Global Dice per variant with uncertainty, Δ to FedAvg and centralized,
     the best round, and the test cases per site."""
     variants = {v: [r.results for r in rs] for v, rs in variants_of(runs).items()}
-    rows = headline(variants, seed=seed)
+    rows = sorted(headline(variants, seed=seed), key=lambda r: -r["client_avg"]["value"] if not math.isnan(r["client_avg"]["value"]) else math.inf)
     refs = [name for name in ("FedAvg", "centralized") if any(name in r["delta"] for r in rows)]
-    head = ["Method", "Seeds", "Client Avg Dice", "Global Dice"]
+    head = ["Method", "Seed(s)", "Client Avg Dice", "Global Dice"]
     for ref in refs:
         head += [f"Δ Client Avg vs {ref}", f"Δ Global vs {ref}"]
     head.append("Best round")
     body = []
     for r in rows:
-        cells = [r["label"], ", ".join(str(s) for s in r["seeds"]), _value(r["client_avg"]), _value(r["global"])]
+        cells = [html.escape(r["label"]), html.escape(", ".join(str(s) for s in r["seeds"])), _value(r["client_avg"]), _value(r["global"])]
         for ref in refs:
             d = r["delta"].get(ref)
             cells += ["(reference)", "(reference)"] if d is None else [_value(d["client_avg"], True), _value(d["global"], True)]
-        cells.append(r["best_round"])
+        cells.append(html.escape(r["best_round"]))
         body.append(cells)
     multi = any(len(r["seeds"]) > 1 for r in rows)
     single = any(len(r["seeds"]) == 1 for r in rows)
     how = []
     if multi:
-        how.append("with several seeds: mean ± sd over seeds (Δ: over the seeds both methods ran)")
+        how.append("With several seeds: mean ± sd over seeds (Δ: over the seeds both methods ran)")
     if single:
-        how.append(f"with one seed: the run's value [95 % bootstrap interval over its test cases, resampled within each site, "
+        how.append(f"With one seed: the run's value [95 % bootstrap interval over its test cases, resampled within each site, "
                    f"2000 resamples, seed {seed}] (Δ: paired bootstrap over the same cases)")
     best = max((r for r in rows if not math.isnan(r["client_avg"]["value"])), key=lambda r: r["client_avg"]["value"], default=None)
     parts = []
     if best is not None:
-        parts.append(para(f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f})."))
-    parts.append(table(head, body, cls="headline"))
+        parts.append(para(f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f}). Rows are sorted by Client Avg Dice."))
+    parts.append(table(head, body, cls="headline", raw=True))
     parts.append(para("Client Avg Dice = mean over sites of each site's mean test Dice; Global Dice = mean over all "
                       "test cases pooled. Each method is shown by its reported model at its best validation round. "
-                      + "; ".join(how) + ".", "small"))
+                      + ". ".join(how) + ". Δ is left out (–) between runs on different sites.", "small"))
     sites = sites_of(runs)
     counts: dict[str, int | None] = {}
     for s in sites:
@@ -350,7 +353,7 @@ def fedsm_section(runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] 
         setting, used = gamma_of(r, routing)
         mode = (routing or {}).get("mode")
         parts.append(f"<h3>{html.escape(r.label)}</h3>")
-        gtxt = f"γ setting: {setting}; γ used at test: {fmt(used)}" if mode in (None, "gate") else f"selection mode: {mode} (γ not used)"
+        gtxt = f"γ setting: {setting}; γ used at test: {used if not isinstance(used, float) else f'{used:g}'}" if mode in (None, "gate") else f"selection mode: {mode} (γ not used)"
         parts.append(para(f"{gtxt}; reported model from round {best_round(r.results)}."))
         models = summ["models"]
         head = ["Site", "test cases", "composite", *[model_short(m) for m in models]]
@@ -365,16 +368,30 @@ def fedsm_section(runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] 
             for s, sel in summ["selection"].items():
                 acc = (summ["routing_acc"] or {}).get(s)
                 sel_rows.append([s, fmt(acc, 2), *[("–" if sel.get(m) is None else f"{100 * sel[m]:.0f} %") for m in models]])
-            what = "argmax of the selector" if mode in ("argmax", "mix") else f"at γ = {fmt(used)}"
+            what = "argmax of the selector" if mode in ("argmax", "mix") else f"at γ = {used:g}" if isinstance(used, float) else f"at γ = {used}"
             parts.append(para(f"Routing on test ({what}): share of each site's test images sent to each model; routing acc = "
                               "share the selector assigns to the site itself."))
             parts.append(table(["Site", "routing acc", *[model_short(m) for m in models]], sel_rows))
         elif r.label in notes:
             parts.append(note(notes[r.label]))
+        same = _equal_to_fedavg(r, runs)
+        if same:
+            parts.append(para(f"Its composite's test Dice equals {same}'s (same seed) on every site: FedSM's global model is "
+                              "trained as FedAvg, and the composite is that global model wherever the selector sends the images to it."))
         findings = fedsm_findings(summ)
         if findings:
             parts.append('<ul class="finding">' + "".join(f"<li>{html.escape(f)}</li>" for f in findings) + "</ul>")
     return "\n".join(parts)
+
+
+def _equal_to_fedavg(run: Run, runs: Sequence[Run]) -> str | None:
+    """The FedAvg run label whose per-site Dice the FedSM run's equals exactly (same seed and sites), if any."""
+    for r in runs:
+        if r.method == "fedavg" and r.seed == run.seed and r.results["sites"] == run.results["sites"]:
+            a, b = run.results["per_site_dice"], r.results["per_site_dice"]
+            if all(a.get(s) is not None and abs(a[s] - b.get(s, math.inf)) < 1e-12 for s in run.results["sites"]):
+                return r.variant
+    return None
 
 
 # ------------------------------------------------------------------ bookkeeping
