@@ -17,7 +17,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:12
 h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}h3{margin-bottom:.3em}
 table{border-collapse:collapse;margin:.8em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-table.headline{font-size:1em}table.headline td{white-space:nowrap}table.headline td:first-child{font-weight:600;white-space:normal}
+table.headline{font-size:.92em}table.headline th,table.headline td{padding:.25em .45em}table.headline td{white-space:nowrap}table.headline td:first-child{font-weight:600;white-space:normal}table.headline td:last-child{white-space:normal}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{font-size:.9em;color:#444;margin-top:.3em}
 .note{color:#7a4a00;background:#fff6e5;border-left:3px solid #f0ad4e;padding:.4em .8em}
 .finding{background:#eef5ff;border-left:3px solid #4a90d9;padding:.4em .8em}

@@ -74,7 +74,15 @@ def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     """The first screen: Client Avg / Global Dice per variant with uncertainty, Δ to FedAvg and centralized,
     the best round, and the test cases per site."""
     variants = {v: [r.results for r in rs] for v, rs in variants_of(runs).items()}
-    rows = sorted(headline(variants, seed=seed), key=lambda r: -r["client_avg"]["value"] if not math.isnan(r["client_avg"]["value"]) else math.inf)
+    site_sets = [tuple(r.results["sites"]) for r in runs]
+    common = max(set(site_sets), key=site_sets.count)
+    off = {r.variant for r in runs if tuple(r.results["sites"]) != common}  # other sites: not comparable, listed last
+
+    def order(r: dict[str, Any]) -> tuple[bool, float]:
+        v = r["client_avg"]["value"]
+        return (r["label"] in off, -v if not math.isnan(v) else math.inf)
+
+    rows = sorted(headline(variants, seed=seed), key=order)
     refs = [name for name in ("FedAvg", "centralized") if any(name in r["delta"] for r in rows)]
     head = ["Method", "Seed(s)", "Client Avg Dice", "Global Dice"]
     for ref in refs:
@@ -82,7 +90,8 @@ def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     head.append("Best round")
     body = []
     for r in rows:
-        cells = [html.escape(r["label"]), html.escape(", ".join(str(s) for s in r["seeds"])), _value(r["client_avg"]), _value(r["global"])]
+        name = r["label"] + (f" ({len(variants[r['label']][0]['sites'])} sites)" if r["label"] in off else "")
+        cells = [html.escape(name), html.escape(", ".join(str(s) for s in r["seeds"])), _value(r["client_avg"]), _value(r["global"])]
         for ref in refs:
             d = r["delta"].get(ref)
             cells += ["(reference)", "(reference)"] if d is None else [_value(d["client_avg"], True), _value(d["global"], True)]
@@ -96,10 +105,11 @@ def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     if single:
         how.append(f"With one seed: the run's value [95 % bootstrap interval over its test cases, resampled within each site, "
                    f"2000 resamples, seed {seed}] (Δ: paired bootstrap over the same cases)")
-    best = max((r for r in rows if not math.isnan(r["client_avg"]["value"])), key=lambda r: r["client_avg"]["value"], default=None)
+    best = max((r for r in rows if r["label"] not in off and not math.isnan(r["client_avg"]["value"])), key=lambda r: r["client_avg"]["value"], default=None)
     parts = []
     if best is not None:
-        parts.append(para(f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f}). Rows are sorted by Client Avg Dice."))
+        parts.append(para(f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f}). Rows are sorted by Client Avg Dice"
+                          + ("; runs on other sites (their number in brackets) come last." if off else ".")))
     parts.append(table(head, body, cls="headline", raw=True))
     parts.append(para("Client Avg Dice = mean over sites of each site's mean test Dice; Global Dice = mean over all "
                       "test cases pooled. Each method is shown by its reported model at its best validation round. "
