@@ -339,6 +339,8 @@ def test_fedsm_findings_say_where_the_images_went():
     assert s1.startswith("s1: composite 0.600 vs global model 0.650 (-0.050, lost)")
     assert "40 % to PM s2 (Dice 0.510 on s1)" in s1 and "40 % went to another site's personalized model" in s1
     assert "100 % to PM s2 (its own)" in s2 and "(+0.100, gained)" in s2 and "mostly to its own personalized model" in s2
+    mixed = fedsm_findings({**summary, "mode": "mix"})  # the ensemble mixes all models: only the selector's top choice
+    assert "the selector's top choice for its images was 60 % to GM" in mixed[0] and "another site's" not in mixed[0]
     summary["selection"] = {s: {"global": 1.0, "personal/s1": 0.0, "personal/s2": 0.0} for s in ("s1", "s2")}
     summary["dice"]["s1"]["fedsm"] = 0.65
     first, *_ = fedsm_findings(summary)

@@ -156,7 +156,10 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
     ``per_site[site]["selection"]`` gives the share of the site's test images each
     model received.  Returns ``{"sites", "models" (["global", "personal/…"]),
     "dice": {site: {"fedsm"|model: Dice}}, "selection": {site: {model: share}} | None,
-    "routing_acc": {site: acc} | None}``; Dice values missing from the results are None.
+    "routing_acc": {site: acc} | None, "inside"}``; Dice values missing from the results are None.
+    ``inside`` is True when the models' Dice are those of the models inside the composite
+    (from the routing report); False when some come from the results rows, where each
+    candidate is at its own best round.
     """
     rows = {r["name"]: r for r in results.get("rows", [])}
     routing = routing if routing is not None else results.get("fedsm") if isinstance(results.get("fedsm"), dict) else None
@@ -166,6 +169,7 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
     else:
         models = ["global", *[f"personal/{s}" for s in sites]]
     dice: dict[str, dict[str, float | None]] = {}
+    inside = True
     for s in sites:
         d: dict[str, float | None] = {"fedsm": results["per_site_dice"].get(s)}
         per_model = ((routing or {}).get("per_site", {}).get(s) or {}).get("dice_per_model") or {}
@@ -173,6 +177,7 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
             v = per_model.get(m)
             if v is None and m in rows:
                 v = rows[m]["per_site_dice"].get(s)
+                inside = False
             d[m] = v
         dice[s] = d
     selection = routing_acc = None
@@ -180,7 +185,8 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
         per = routing["per_site"]
         selection = {s: dict(per[s].get("selection") or {}) for s in per}
         routing_acc = {s: per[s].get("routing_acc") for s in per}
-    return {"sites": sites, "models": models, "dice": dice, "selection": selection, "routing_acc": routing_acc}
+    return {"sites": sites, "models": models, "dice": dice, "selection": selection, "routing_acc": routing_acc, "inside": inside,
+            "mode": (routing or {}).get("mode", "gate")}
 
 
 def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
@@ -194,8 +200,10 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
     """
     out = []
     sel_all = summary.get("selection") or {}
+    mix = summary.get("mode") == "mix"  # the ensemble: every model contributes; the selection is the selector's top choice
+    went = "the selector's top choice for its images was" if mix else "its images went"
     fed_sel = {s: sel_all[s] for s in summary["sites"] if sel_all.get(s)}
-    if fed_sel:
+    if fed_sel and not mix:
         tops = {max(sel, key=lambda m: sel[m] or 0.0) for sel in fed_sel.values()}
         if len(tops) == 1:
             m = tops.pop()
@@ -213,7 +221,7 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
             continue
         diff = comp - gm
         sel = sel_all.get(s)
-        verdict = "equal" if abs(diff) < tol else ("gained" if diff > 0 else "lost")
+        verdict = f"within ±{tol:g}" if abs(diff) < tol else ("gained" if diff > 0 else "lost")
         text = f"{s}: composite {comp:.3f} vs global model {gm:.3f} ({diff:+.3f}, {verdict})"
         if sel:
             shares = sorted(((v, m) for m, v in sel.items() if v), reverse=True)
@@ -225,10 +233,12 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
                 parts.append(f"{100 * v:.0f} % to {model_short(m)}{own}{on}")
             if len(shares) > 3:
                 parts.append(f"{100 * sum(v for v, _ in shares[3:]):.0f} % to {len(shares) - 3} other model(s)")
-            text += "; its images went " + ", ".join(parts)
+            text += f"; {went} " + ", ".join(parts)
             own_share = sel.get(f"personal/{s}") or 0.0
             other = sum(v for v, m in shares if m not in ("global", f"personal/{s}"))
-            if diff <= -tol and other > 0:
+            if mix:
+                pass  # the output mixes all models: no single model explains the difference
+            elif diff <= -tol and other > 0:
                 text += f" — {100 * other:.0f} % went to another site's personalized model"
             elif diff >= tol and own_share >= 0.5:
                 text += " — mostly to its own personalized model"

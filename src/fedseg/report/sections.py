@@ -371,7 +371,12 @@ def fedsm_section(runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] 
         for s in summ["sites"]:
             d = summ["dice"][s]
             rows.append([s, fmt(r.results.get("num_cases", {}).get(s)), fmt(d.get("fedsm")), *[fmt(d.get(m)) for m in models]])
-        parts.append(para("Test Dice per site of the composite (the reported model) and of each model inside it."))
+        if summ["inside"]:
+            parts.append(para("Test Dice per site of the composite (the reported model) and of each model inside it."))
+        else:
+            parts.append(para("Test Dice per site of the composite (the reported model), and of the global and personalized "
+                              "models from the results rows: each at its own best validation round, which need not be the "
+                              "composite's round (the models inside the composite are scored when the routing is computed)."))
         parts.append(table(head, rows))
         if summ["selection"]:
             sel_rows = []
