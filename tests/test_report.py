@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedseg.cli import main
 from fedseg.report import ReportOptions, build_report
@@ -345,3 +346,38 @@ def test_fedsm_findings_say_where_the_images_went():
     summary["dice"]["s1"]["fedsm"] = 0.65
     first, *_ = fedsm_findings(summary)
     assert first.startswith("Every test image of every site went to the global model")
+
+
+def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_training(runs):
+    """`fedseg fedsm` records the routing on test in results["fedsm"]; the report recomputes it from
+    checkpoints/best.* for runs that lack it. On a run that has both, the two agree: shares and Dice of every
+    model on every site, at the run's γ and at γ = 0 (where the selector's argmax decides, so the images spread
+    over the personalized models), and the per-image names in the predictions give the same shares."""
+    from fedseg.report.model_sections import routed_models, routing_on_test
+    from fedseg.report.numbers import model_short
+    from fedseg.report.runs import DataCache, RunModels, load_runs
+    from fedseg.site import batch_of, dataset_len
+
+    # Prepare
+    (run,) = load_runs([runs / "unseen-site6"])
+    m = RunModels.open(run, DataCache())
+    recorded = run.results["fedsm"]
+    spread = 0
+    for gamma in (None, 0.0):
+        # Execute
+        computed = routing_on_test(m, gamma)
+        # Assert
+        assert computed["models"] == recorded["models"]
+        for s, rec in recorded["per_site"].items():
+            want = rec["selection"] if gamma is None else rec["selection_by_gamma"]["0.0"]
+            got = computed["per_site"][s]
+            assert got["n"] == rec["n"] and got["routing_acc"] == rec["routing_acc"]
+            assert got["selection"] == pytest.approx(want)
+            assert got["dice_per_model"] == pytest.approx(rec["dice_per_model"])
+            test = m.data[s].test
+            x, _ = batch_of(test, torch.arange(dataset_len(test)))
+            names = routed_models(m, x.to(m.site(s).dtype), gamma)
+            shares = {name: names.count("→ " + model_short(name)) / len(names) for name in recorded["models"]}
+            assert shares == pytest.approx(want)
+            spread += sum(1 for v in want.values() if v)
+    assert spread > len(recorded["per_site"]) + 1  # at γ = 0 some site's images go to more than one model, or not to GM

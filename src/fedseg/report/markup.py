@@ -22,6 +22,7 @@ figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{f
 .note{color:#7a4a00;background:#fff6e5;border-left:3px solid #f0ad4e;padding:.4em .8em}
 .finding{background:#eef5ff;border-left:3px solid #4a90d9;padding:.4em .8em}
 .small{font-size:.85em;color:#555}
+table.config td{text-align:left;vertical-align:top}table.config td:nth-child(10){min-width:22em}
 .figrow{display:flex;flex-wrap:wrap;gap:1em}.figrow figure{flex:1 1 30%;min-width:300px;margin:.5em 0}
 pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font-size:.82em}nav{margin:.6em 0 1em}nav a{margin-right:1em}
 """

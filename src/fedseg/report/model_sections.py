@@ -171,7 +171,7 @@ def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) 
 
 
 @torch.no_grad()
-def routing_on_test(m: RunModels) -> dict[str, Any] | None:
+def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] | None:
     """Routing report of a FedSM run's best composite on every site's test split, computed from its checkpoint.
 
     Runs the algorithm's own ``"route"`` site handler (the code the deployed sites
@@ -180,6 +180,7 @@ def routing_on_test(m: RunModels) -> dict[str, Any] | None:
     :func:`fedseg.fedsm_experiments.routing_report`: ``{"gamma", "mode", "models",
     "per_site": {site: {"n", "routing_acc", "selection" {model: share}, "dice",
     "dice_per_model" {model: Dice}}}}``.  None if the run has no composite.
+    ``gamma`` overrides the saved γ (γ-gated composites only).
     """
     from fedseg.site import Task
 
@@ -188,7 +189,7 @@ def routing_on_test(m: RunModels) -> dict[str, Any] | None:
         return None
     config = dict(meta.get("config") or {})
     mode = config.get("mode", "gate")
-    gamma = config.get("gamma")
+    gamma = config.get("gamma") if gamma is None else gamma
     models = ["global", *[f"personal/{s}" for s in config.get("sites", [])]]
     handler = m.algorithm.site_handlers()["route"]
     arrays = m.arrays("fedsm")
@@ -209,7 +210,7 @@ def routing_on_test(m: RunModels) -> dict[str, Any] | None:
 
 
 @torch.no_grad()
-def routed_models(m: RunModels, x: torch.Tensor) -> list[str] | None:
+def routed_models(m: RunModels, x: torch.Tensor, gamma: float | None = None) -> list[str] | None:
     """Name of the model FedSM's selector sends each image of ``x`` to (``GM``, ``PM site3``), or None if not FedSM.
 
     The same rule as the composite's predictor: γ-gated routing (Alg. 2), the argmax
@@ -225,6 +226,7 @@ def routed_models(m: RunModels, x: torch.Tensor) -> list[str] | None:
     names = ["global", *[f"personal/{s}" for s in config.get("sites", [])]]
     probs = torch.softmax(sel(x.to(next(sel.parameters()).dtype)).double(), dim=1)
     mode = config.get("mode", "gate")
-    idx = route(probs, float(config.get("gamma", 0.9))) if mode == "gate" else probs.argmax(dim=1)
+    g = float(config.get("gamma", 0.9)) if gamma is None else float(gamma)
+    idx = route(probs, g) if mode == "gate" else probs.argmax(dim=1)
     prefix = "mix, top: " if mode == "mix" else "→ "
     return [prefix + model_short(names[int(i)]) if int(i) < len(names) else f"model {int(i)}" for i in idx]

@@ -411,13 +411,16 @@ def _equal_to_fedavg(run: Run, runs: Sequence[Run]) -> str | None:
 
 # ------------------------------------------------------------------ bookkeeping
 def bookkeeping_runs(runs: Sequence[Run], base: Path) -> str:
+    """One row per run (each seed); folders relative to the runs' common folder, which is named above the table."""
+    root = Path(os.path.commonpath([str(r.path.resolve()) for r in runs]))
     rows = []
     for r in runs:
         res = r.results
         rows.append([r.label, r.method, fmt(res.get("seed")), len(res.get("history", [])), ", ".join(res["sites"]),
                      fmt(res.get("client_avg_dice")), fmt(res.get("global_dice")),
-                     "–" if res.get("wall_time_s") is None else f"{res['wall_time_s']:.0f} s", _rel(r.path, base)])
-    return table(["Run", "Method", "Seed", "Rounds", "Sites", "Client Avg Dice", "Global Dice", "Wall time", "Folder"], rows)
+                     "–" if res.get("wall_time_s") is None else f"{res['wall_time_s']:.0f} s", _rel(r.path, root)])
+    return (para(f"Run folders below {root} (relative to the report: {_rel(root, base)}).")
+            + table(["Run", "Method", "Seed", "Rounds", "Sites", "Client Avg Dice", "Global Dice", "Wall time", "Folder"], rows))
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -441,8 +444,8 @@ def bookkeeping_config(runs: Sequence[Run], base: Path) -> str:
         cells = [r.label, Path(str(c.get("federation", "–"))).name, c.get("rounds", "–"),
                  f"U-Net {m.get('channels')} strides {m.get('strides')}", f"{t.get('optimizer')} lr {t.get('lr')}",
                  t.get("batch_size", "–"), work, t.get("loss", "–"), e.get("every", "–"), extra or "–"]
-        rows.append([html.escape(str(x)) for x in cells] + [link])
+        rows.append([html.escape(str(x)) for x in cells[:-1]] + [f'<span class="small">{html.escape(str(cells[-1]))}</span>', link])
         text = cfg_file.read_text() if cfg_file.is_file() else "(no config.toml)"
         details.append(f"<details><summary>{html.escape(r.label)}: config.toml</summary><pre>{html.escape(text)}</pre></details>")
     head = ["Run", "Federation", "Rounds", "Model", "Optimizer", "Batch", "Local work", "Loss", "Validate every", "Method settings", "File"]
-    return table(head, rows, raw=True) + "\n" + "\n".join(details)
+    return table(head, rows, cls="config", raw=True) + "\n" + "\n".join(details)
