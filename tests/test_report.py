@@ -381,3 +381,22 @@ def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_traini
             assert shares == pytest.approx(want)
             spread += sum(1 for v in want.values() if v)
     assert spread > len(recorded["per_site"]) + 1  # at γ = 0 some site's images go to more than one model, or not to GM
+
+
+def test_fedsm_section_computes_the_routing_of_a_run_that_did_not_record_it(runs, tmp_path):
+    """A FedSM run made by `fedseg run`/`compare` has no results["fedsm"]: with models, the report computes the
+    routing matrix from the checkpoint; with --no-models it says how to get it."""
+    import shutil
+
+    run = tmp_path / "fedsm"
+    shutil.copytree(runs / "unseen-site6", run)
+    res = json.loads((run / "results.json").read_text())
+    recorded = res.pop("fedsm")
+    (run / "results.json").write_text(json.dumps(res))
+    out = build_report([run], tmp_path / "r.html", ReportOptions(directions=1, steps=3, loss_cases=2, cases=0, tsne_cases=3), progress=False)
+    fedsm = _section(out.read_text(encoding="utf-8"), "fedsm")
+    assert f"Routing on test (at γ = {recorded['gamma']:g})" in fedsm and "of each model inside it" in fedsm
+    row = fedsm.split("<td>site1</td>")[2].split("</tr>")[0]  # the routing table's row of site1
+    assert row.count("%") == len(recorded["models"])
+    out = build_report([run], tmp_path / "r2.html", ReportOptions(models=False), progress=False)
+    assert "routing on test is not in results.json" in _section(out.read_text(encoding="utf-8"), "fedsm")

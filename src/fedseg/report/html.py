@@ -149,6 +149,7 @@ def build_report(
     steps = ["tables", "curves"] + (["models", "loss surface", "t-SNE", "predictions"] if opts.models else []) + ["FedSM"]
     bar = tqdm(steps, desc="report", unit="step", disable=not progress, leave=False)
     colors = sections.colors_of(runs)
+    cache = DataCache(progress=progress)
     got: dict[str, str | None] = {}
     models: list[RunModels] = []
     model_notes: list[str] = []
@@ -168,11 +169,11 @@ def build_report(
             got["curves"] = sections.curves_section(runs)
             got["alpha"] = sections.alpha_section(runs)
         elif step == "models":
-            models, model_notes = model_sections.open_models(runs, DataCache(progress=progress))
+            models, model_notes = model_sections.open_models(runs, cache)
             for n in model_notes:
                 log(n)
         elif step == "FedSM":
-            routings, notes = _routings(runs, models, opts.models)
+            routings, notes = _routings(runs, models, cache if opts.models else None)
             got["fedsm"] = sections.fedsm_section(runs, routings, notes)
         elif not models:
             if step == "loss surface":
@@ -198,8 +199,9 @@ def build_report(
     return out
 
 
-def _routings(runs: Sequence[Run], models: Sequence[RunModels], with_models: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """FedSM routing on test per run: from ``results["fedsm"]`` when recorded, else computed from the checkpoints."""
+def _routings(runs: Sequence[Run], models: Sequence[RunModels], cache: DataCache | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """FedSM routing on test per run: from ``results["fedsm"]`` when recorded, else computed from the run's
+    checkpoint (every seed; ``cache`` None = models off)."""
     from fedseg.report.numbers import is_fedsm
 
     opened = {m.run.label: m for m in models}
@@ -210,13 +212,13 @@ def _routings(runs: Sequence[Run], models: Sequence[RunModels], with_models: boo
             continue
         if isinstance(r.results.get("fedsm"), dict):
             routings[r.label] = r.results["fedsm"]
-        elif r.label in opened:
-            try:
-                routings[r.label] = model_sections.routing_on_test(opened[r.label])
-            except (ConfigError, KeyError, ValueError, RuntimeError) as e:
-                notes[r.label] = f"routing on test could not be computed from the checkpoints: {e}"
-        elif not with_models:
+            continue
+        if cache is None:
             notes[r.label] = "routing on test is not in results.json; the report computes it from the checkpoints (leave out --no-models)"
-        else:
-            notes[r.label] = "routing on test: only the first seed of each variant is loaded; see that run"
+            continue
+        try:
+            m = opened.get(r.label) or RunModels.open(r, cache)
+            routings[r.label] = model_sections.routing_on_test(m)
+        except (ConfigError, OSError, KeyError, ValueError, RuntimeError) as e:
+            notes[r.label] = f"routing on test could not be computed from the checkpoints: {e}"
     return routings, notes
