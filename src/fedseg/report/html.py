@@ -84,7 +84,7 @@ class ReportOptions:
     tsne_cases
         Test images per site in the t-SNE map.
     seed
-        Seed of the loss-surface directions and of t-SNE.
+        Seed of the loss-surface directions, of t-SNE and of the headline's bootstrap intervals.
     """
 
     def __init__(self, models: bool = True, loss_site: str | None = None, directions: int = 10, steps: int = 21,
