@@ -21,6 +21,8 @@ Arrays = dict[str, torch.Tensor]
 __all__ = [
     "Arrays",
     "add",
+    "check_layout",
+    "layout_of",
     "nonfinite",
     "check_compatible",
     "clone",
@@ -182,3 +184,19 @@ def nonfinite(a: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of floating tensors that hold a NaN or an infinity (empty when all finite)."""
     return [k for k, v in a.items() if is_float(v) and not bool(torch.isfinite(v).all())]
 
+
+
+def layout_of(a: Mapping[str, torch.Tensor]) -> dict[str, list]:
+    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, to check what is loaded later against it."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sorted(a.items())}
+
+
+def check_layout(a: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence]) -> None:
+    """Raise :class:`PayloadError` unless ``a`` has exactly the names, shapes and dtypes of ``layout`` (:func:`layout_of`)."""
+    missing, extra = sorted(set(layout) - set(a)), sorted(set(a) - set(layout))
+    if missing or extra:
+        raise PayloadError(f"names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+    for k, (shape, dtype) in layout.items():
+        v = a[k]
+        if list(v.shape) != list(shape) or str(v.dtype).removeprefix("torch.") != dtype:
+            raise PayloadError(f"'{k}' has shape {list(v.shape)} {str(v.dtype).removeprefix('torch.')}, expected {list(shape)} {dtype}")
