@@ -1,0 +1,171 @@
+"""A hostile site over the byte channel: whatever it sends, the run finishes without it.
+
+One provisioned site rewrites its replies (:class:`fedseg.deploy.transport.LoopbackChannel`
+with a fault function), one row per attack of issue 14.  For every row:
+
+* the run finishes (``serve`` returns results);
+* the site is recorded in ``results.json["deploy"]["dropouts"]`` with the reason;
+* an attack on training replies has no influence at all: the global model equals
+  the run where the attacker is unreachable (FedAvg over the honest site alone),
+  so it is finite and not the attacker's;
+* an attack on evaluation replies changes no weight (they equal the honest run's)
+  and no fake case is pooled into the reported Dice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_sites
+from fedseg.deploy.server import serve
+from fedseg.deploy.transport import LoopbackChannel
+from fedseg.deploy.wire import decode_reply, encode_reply
+from fedseg.site import Reply
+from test_deploy import _equal, _prepare, _runtimes, _weights
+
+
+def _cfg(**deploy):
+    cfg = tiny_config("fedavg", rounds=2)
+    return dataclasses.replace(cfg, params={**cfg.params, "deploy": {"round_deadline_s": 30.0, **deploy}})
+
+
+def _serve(out: Path, faults: dict) -> dict:
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(out, cfg, list(data))
+    res = serve(out, LoopbackChannel(_runtimes(out, data), faults), log=lambda m: None)
+    assert res is not None, "the run did not finish"
+    assert json.loads((out / "results.json").read_text())["deploy"]["dropouts"] == res["deploy"]["dropouts"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Runs to compare with: honest, and each site unreachable (computed once per module, on demand)."""
+    cache: dict[str, tuple[dict, dict]] = {}
+
+    def get(kind: str) -> tuple[dict, dict]:
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(kind)
+            res = _serve(out, {} if kind == "honest" else {kind: "die"})
+            cache[kind] = (res, _weights(out))
+        return cache[kind]
+
+    return get
+
+
+# ------------------------------------------------------------------ rewriters
+def _training(fn):
+    """Rewrite only training replies (they carry tensors), pass evaluation replies through."""
+    def fault(op, blob):
+        r = decode_reply(blob)
+        return fn(r, blob) if r.arrays else blob
+    return fault
+
+
+def _evaluation(fn):
+    """Rewrite only evaluation replies (``per_case`` metrics)."""
+    def fault(op, blob):
+        r = decode_reply(blob)
+        if "per_case" not in r.metrics:
+            return blob
+        return encode_reply(Reply(r.arrays, {"per_case": fn(r.metrics["per_case"])}, r.num_samples))
+    return fault
+
+
+def _raw(header) -> bytes:
+    """A blob of a safetensors header (any JSON text) and no tensor."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+def _huge_samples(r, blob):
+    return encode_reply(Reply(r.arrays, r.metrics, 10**30))
+
+
+def _huge_weights(r, blob):
+    return encode_reply(Reply({k: torch.full_like(v, 3e38) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
+
+
+def _extra_tensor(r, blob):
+    return encode_reply(Reply({**r.arrays, "global/backdoor": torch.ones(3)}, r.metrics, r.num_samples))
+
+
+def _missing_tensor(r, blob):
+    return encode_reply(Reply(dict(list(r.arrays.items())[1:]), r.metrics, r.num_samples))
+
+
+def _metadata_list(r, blob):
+    return _raw({"__metadata__": ["fedseg", "1"]})
+
+
+def _nested_header(r, blob):
+    return _raw(b"[" * 200_000 + b"]" * 200_000)
+
+
+def _nested_metadata(r, blob):
+    return _raw({"__metadata__": {"fedseg": "[" * 5000 + "]" * 5000}})
+
+
+TRAINING_ATTACKS = [
+    ("site2", _huge_samples, "claims 1000000000000000000000000000000 training samples, but the site declared 8 at setup"),
+    ("site2", _huge_weights, "update norm"),
+    ("site2", _extra_tensor, "tensor names differ from the expected set (missing [], unexpected ['global/backdoor'])"),
+    ("site1", _extra_tensor, "tensor names differ from the expected set (missing [], unexpected ['global/backdoor'])"),
+    ("site2", _missing_tensor, "tensor names differ from the expected set (missing ["),
+    ("site2", _metadata_list, "metadata is a list"),
+    ("site2", _nested_header, "payload header nests 200000 levels deep"),
+    ("site2", _nested_metadata, "payload metadata nests 5000 levels deep"),
+]
+
+
+@pytest.mark.parametrize("attacker, rewrite, reason", TRAINING_ATTACKS, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_training_attack_has_no_influence(tmp_path, reference, attacker, rewrite, reason):
+    """Every poisoned training reply is rejected, so the global model is the honest site's FedAvg alone
+    (bitwise the run where the attacker is unreachable), finite and not the attacker's."""
+    # Execute
+    res = _serve(tmp_path / "run", {attacker: _training(rewrite)})
+    # Assert
+    _, w_without = reference(attacker)
+    w = _weights(tmp_path / "run")
+    assert _equal(w, w_without)
+    assert all(torch.isfinite(v).all() and v.abs().max() < 1e6 for v in w.values() if v.is_floating_point())
+    drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
+    assert [(d["round"], d["site"]) for d in drops] == [(0, attacker), (1, attacker)]
+    assert all(d["reason"].startswith("rejected: ") and reason in d["reason"] for d in drops), drops
+    assert all(set(e["train_loss"]) == {"site1", "site2"} - {attacker} for e in res["history"])
+    assert res["deploy"]["declared_samples"] == {"site1": {"training": 6, "validation": 3, "testing": 3},
+                                                 "site2": {"training": 8, "validation": 3, "testing": 3}}
+
+
+EVAL_ATTACKS = [
+    (lambda pc: {"not-a-candidate": v for v in pc.values()}, r"scores \['not-a-candidate'\], but was asked for the candidates \['global'\]"),
+    (lambda pc: {k: [] for k in pc}, r"rejected: .* 0 (validation|testing) cases scored for 'global', but the site declared 3 at setup"),
+    (lambda pc: {k: [[] for _ in v] for k, v in pc.items()}, r"a case of 'global' is \[\], not a list of 1 metric scores"),
+    (lambda pc: {k: [[1.0]] * 5000 for k in pc}, r"rejected: .* 5000 (validation|testing) cases scored for 'global', but the site declared 3 at setup"),
+    (lambda pc: {k: [[1.5] for _ in v] for k, v in pc.items()}, r"a score of 'global' is outside \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("rewrite, reason", EVAL_ATTACKS, ids=["unknown-candidate", "no-cases", "empty-case", "5000-fake-cases", "dice-above-1"])
+def test_evaluation_attack_inflates_nothing(tmp_path, reference, rewrite, reason):
+    """Forged evaluation scores are rejected: training is the honest run's bitwise, the attacker's cases are
+    not pooled into the reported Dice, and validation scores (which pick the best round) are the honest site's."""
+    # Execute
+    res = _serve(tmp_path / "run", {"site2": _evaluation(rewrite)})
+    # Assert
+    honest, w_honest = reference("honest")
+    assert _equal(_weights(tmp_path / "run"), w_honest)
+    assert res["num_cases"] == {"site1": 3, "site2": 0}
+    assert res["global_dice"] == pytest.approx(res["per_site_dice"]["site1"]) and res["global_dice"] < 0.99
+    for entry in res["history"]:
+        assert list(entry["val_dice"]["global"]) == ["site1"]
+    drops = res["deploy"]["dropouts"]
+    assert {d["site"] for d in drops} == {"site2"} and {d["task"] for d in drops} == {"evaluate"}
+    assert len(drops) == 3 and all(re.search(reason, d["reason"]) for d in drops), drops
