@@ -19,8 +19,11 @@ from fedseg.errors import PayloadError
 Arrays = dict[str, torch.Tensor]
 
 __all__ = [
+    "AGGREGATIONS",
     "Arrays",
     "add",
+    "aggregate",
+    "check_aggregation",
     "check_layout",
     "layout_of",
     "nonfinite",
@@ -113,6 +116,64 @@ def weighted_mean(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
             if pk != 0.0:
                 acc.add_(item[name].to(acc_dtype), alpha=pk)
         out[name] = acc.to(ref.dtype)
+    return out
+
+
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+"""Rules of :func:`aggregate`: ``mean`` is the papers' FedAvg; the other two bound one site's influence."""
+
+
+def check_aggregation(rule: str, trim: float, section: str) -> None:
+    """Raise :class:`~fedseg.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
+    from fedseg.errors import ConfigError
+
+    if rule not in AGGREGATIONS:
+        raise ConfigError(f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)")
+    if not 0.0 <= trim < 0.5:
+        raise ConfigError(f"{section}.trim = {trim}; it must be in [0, 0.5): the fraction of sites dropped at each end by 'trimmed_mean'")
+
+
+def aggregate(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None, rule: str = "mean", trim: float = 0.1) -> Arrays:
+    """Aggregate K arrays by ``rule``; a drop-in for :func:`weighted_mean` (``rule="mean"`` *is* it, bitwise).
+
+    ``"trimmed_mean"``
+        Coordinate-wise: the K values of each element are sorted, the ⌊trim·K⌋
+        smallest and ⌊trim·K⌋ largest dropped, and the rest averaged with their
+        weights p_k renormalised over the kept ones (Yin et al. 2018 with weights;
+        equal weights give the plain trimmed mean).  With ⌊trim·K⌋ = 0 (fewer than
+        1/trim sites) nothing is dropped.
+    ``"median"``
+        Coordinate-wise median of the K values, unweighted (the mean of the two
+        middle values when K is even).
+
+    One site can then move an element at most to the range of the honest
+    values (median, or trimmed mean while at most ⌊trim·K⌋ sites are hostile),
+    however large the numbers it sends.  Integer tensors come from ``items[0]``.
+    Computed in float64 and cast back to each tensor's dtype.
+    """
+    if rule == "mean":
+        return weighted_mean(items, weights)
+    check_aggregation(rule, trim, "aggregate")
+    if not items:
+        raise ValueError(f"{rule} of no arrays: aggregation needs at least one reply")
+    p = torch.tensor(normalize_weights(weights if weights is not None else [1.0] * len(items)), dtype=torch.float64)
+    first = items[0]
+    for other in items[1:]:
+        check_compatible(first, other)
+    k = len(items)
+    cut = int(trim * k) if rule == "trimmed_mean" else 0
+    out: Arrays = {}
+    for name, ref in first.items():
+        if not is_float(ref):
+            out[name] = ref.clone()
+            continue
+        vals, order = torch.stack([item[name].to(torch.float64) for item in items]).sort(dim=0)
+        if rule == "median":
+            mid = vals[(k - 1) // 2] if k % 2 else 0.5 * (vals[k // 2 - 1] + vals[k // 2])
+            out[name] = mid.to(ref.dtype)
+            continue
+        w = p[order][cut:k - cut]
+        out[name] = ((vals[cut:k - cut] * w).sum(dim=0) / w.sum(dim=0)).to(ref.dtype)
     return out
 
 
