@@ -25,7 +25,8 @@ import torch
 
 from conftest import tiny_config, tiny_sites
 from fedseg.deploy.server import serve
-from fedseg.deploy.transport import LoopbackChannel
+from fedseg.deploy.transport import DeployError, LoopbackChannel
+from fedseg.errors import ConfigError
 from fedseg.deploy.wire import decode_reply, encode_reply
 from fedseg.site import Reply
 from test_deploy import _equal, _prepare, _runtimes, _weights
@@ -169,3 +170,51 @@ def test_evaluation_attack_inflates_nothing(tmp_path, reference, rewrite, reason
     drops = res["deploy"]["dropouts"]
     assert {d["site"] for d in drops} == {"site2"} and {d["task"] for d in drops} == {"evaluate"}
     assert len(drops) == 3 and all(re.search(reason, d["reason"]) for d in drops), drops
+
+
+# ---------------------------------------------------------- committed state
+def test_poisoned_aggregate_is_never_checkpointed(tmp_path):
+    """With the update-norm rule off, huge weights reach the aggregate: the server refuses to commit it
+    (deploy.max_abs_value), the run stops with the reason, and no checkpoint of that round exists."""
+    cfg, data = _cfg(max_update_ratio=0), tiny_sites(2)
+    _prepare(tmp_path, cfg, list(data))
+    with pytest.raises(DeployError, match="beyond deploy.max_abs_value = 1e\\+12; it is not checkpointed"):
+        serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": _training(_huge_weights)}), log=lambda m: None)
+    assert not (tmp_path / "checkpoints" / "progress.json").exists()
+    assert not (tmp_path / "checkpoints" / "server.safetensors").exists()
+
+
+def _stopped_run(out: Path) -> None:
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(out, cfg, list(data), stop_after=1)
+    assert serve(out, LoopbackChannel(_runtimes(out, data)), log=lambda m: None) is None
+    desc = json.loads((out / "deploy.json").read_text())
+    desc.update(resume=True, stop_after=None)
+    (out / "deploy.json").write_text(json.dumps(desc))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda w: {**w, next(iter(w)): torch.zeros(2, 2)}, r"has shape \[2, 2\] float32, expected"),
+    (lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}, "non-finite values in"),
+    (lambda w: {k: v.double() if v.is_floating_point() else v for k, v in w.items()}, "float64, expected"),
+    (lambda w: dict(list(w.items())[1:]), r"names differ \(missing \["),
+], ids=["wrong-shape", "nan", "wrong-dtype", "missing-name"])
+def test_resume_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, damage, message):
+    """--resume checks the names, shapes and dtypes recorded at save time and finiteness, and names the file."""
+    from safetensors.torch import save_file
+
+    # Prepare
+    _stopped_run(tmp_path)
+    path = tmp_path / "checkpoints" / "server.safetensors"
+    save_file({k: v.contiguous() for k, v in damage(_weights(tmp_path)).items()}, str(path))
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=f"checkpoint file {re.escape(str(path))} is not the one this run saved: .*{message}"):
+        serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=lambda m: None)
+
+
+def test_resume_names_an_unreadable_checkpoint(tmp_path):
+    _stopped_run(tmp_path)
+    path = tmp_path / "checkpoints" / "best.safetensors"
+    path.write_bytes(b"\x00" * 3)
+    with pytest.raises(ConfigError, match=f"checkpoint file {re.escape(str(path))} cannot be read"):
+        serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=lambda m: None)
