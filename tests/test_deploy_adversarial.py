@@ -218,3 +218,28 @@ def test_resume_names_an_unreadable_checkpoint(tmp_path):
     path.write_bytes(b"\x00" * 3)
     with pytest.raises(ConfigError, match=f"checkpoint file {re.escape(str(path))} cannot be read"):
         serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=lambda m: None)
+
+
+# --------------------------------------------------------------------- keys
+def test_provisioned_private_keys_and_ca_state_are_owner_only(tmp_path):
+    """Every private key and the CA state (``.provision/*/state``) is 0600 in 0700 folders; no shipped kit
+    holds the CA state or any key but its own."""
+    from fedseg.deploy.run import provision
+
+    # Execute
+    kits = provision(["siteA", "siteB"], "localhost:18002", tmp_path / "kits")
+    # Assert
+    root = tmp_path / "kits"
+    secret = [p for p in root.rglob("*") if p.is_file() and (b"PRIVATE KEY" in p.read_bytes() or "state" in p.parts)]
+    assert any(p.name == "cert.json" for p in secret) and sum(p.suffix == ".key" for p in secret) >= 8  # 4 kits + 4 copies
+    for p in secret:
+        assert p.stat().st_mode & 0o077 == 0, f"{p} is {oct(p.stat().st_mode)}"
+        assert any(d.stat().st_mode & 0o077 == 0 for d in p.parents if root in d.parents), f"every folder above {p} is open"
+    for d in [root / ".provision", *(root / ".provision").rglob("*")]:
+        if d.is_dir():
+            assert d.stat().st_mode & 0o077 == 0, f"{d} is {oct(d.stat().st_mode)}"
+    for name, kit in kits.items():
+        assert kit.stat().st_mode & 0o077 == 0 and (kit / "startup").stat().st_mode & 0o077 == 0
+        keys = [p for p in kit.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
+        assert [p.name for p in keys] == [("server" if name == "server" else "client") + ".key"], keys
+        assert not list(kit.rglob("cert.json")) and ".provision" not in {p.name for p in kit.rglob("*")}
