@@ -26,7 +26,7 @@ import torch
 from conftest import tiny_config, tiny_sites
 from fedseg.deploy.server import serve
 from fedseg.deploy.transport import DeployError, LoopbackChannel
-from fedseg.errors import ConfigError
+from fedseg.errors import ConfigError, PayloadError
 from fedseg.deploy.wire import decode_reply, encode_reply
 from fedseg.site import Reply
 from test_deploy import _equal, _prepare, _runtimes, _weights
@@ -243,3 +243,57 @@ def test_provisioned_private_keys_and_ca_state_are_owner_only(tmp_path):
         keys = [p for p in kit.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()]
         assert [p.name for p in keys] == [("server" if name == "server" else "client") + ".key"], keys
         assert not list(kit.rglob("cert.json")) and ".provision" not in {p.name for p in kit.rglob("*")}
+
+
+# ------------------------------------------------------------------ callers
+def test_site_refuses_a_call_from_another_participant(tmp_path):
+    """FLARE's call context names the authenticated caller: another site asking this one to train, restore or
+    checkpoint is refused before the runtime sees the bytes; the server is served."""
+    from types import SimpleNamespace
+
+    from nvflare.collab.api.context import get_call_context, set_call_context
+
+    from fedseg.transport.nvflare import FedsegSite
+
+    # Prepare
+    site = FedsegSite()
+    site._runtime = _runtimes(tmp_path, tiny_sites(1))["site1"]
+    previous = get_call_context()
+
+    def call_as(caller: str, op: str, payload: bytes = b"{}"):
+        set_call_context(SimpleNamespace(caller=caller, server=SimpleNamespace(name="server")))
+        try:
+            return FedsegSite.call(site, op=op, payload=payload)
+        finally:
+            set_call_context(previous)
+
+    # Execute / Assert
+    for op in ("task", "restore", "checkpoint", "ping"):
+        with pytest.raises(PermissionError, match=f"site site1: refused '{op}' from 'site2'; only the server"):
+            call_as("site2", op)
+    assert json.loads(call_as("server", "ping")) == {"site": "site1", "ready": False}
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"round": -1}, "round -1 refused"), ({"round": 999999}, "round 999999 refused"), ({"round": "3"}, "round '3' refused"),
+    ({"round": True}, "round True refused"), ({}, "round None refused"),
+])
+def test_site_refuses_checkpoints_of_impossible_rounds(tmp_path, payload, message):
+    """After setup, checkpoint/restore take a round in 0..rounds only; the site's checkpoint listing stays intact."""
+    from fedseg.config import dump_toml
+
+    rt = _runtimes(tmp_path, tiny_sites(1))["site1"]
+    rt.call("setup", json.dumps({"run_id": "run-1", "sites": ["site1"], "data": {}, "config_toml": dump_toml(_cfg().to_dict())}).encode())
+    for op in ("checkpoint", "restore"):
+        with pytest.raises(PayloadError, match=message):
+            rt.call(op, json.dumps(payload).encode())
+    assert json.loads(rt.call("checkpoint", b'{"round": 2}')) == {"site": "site1", "round": 2}
+    assert json.loads(rt.call("restore", b'{"round": 2}'))["restored"] == 2
+
+
+@pytest.mark.parametrize("run_id", [".", "..", "../x", "a/b", "", "-x", "x" * 200, 7, None])
+def test_site_refuses_run_ids_that_are_not_plain_names(tmp_path, run_id):
+    rt = _runtimes(tmp_path, tiny_sites(1))["site1"]
+    with pytest.raises(PayloadError, match="is not a plain name"):
+        rt.call("setup", json.dumps({"run_id": run_id, "sites": ["site1"], "data": {}, "config_toml": ""}).encode())
+    assert not (tmp_path / "sites").exists() or not any((tmp_path / "sites").rglob("config.toml"))

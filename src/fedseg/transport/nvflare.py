@@ -85,6 +85,12 @@ class FedsegSite:
 
     @collab.publish
     def call(self, op: str, payload: bytes) -> bytes:
+        ctx = collab.context  # FLARE's call context: the caller is the authenticated origin of the request
+        server = getattr(ctx.server, "name", None) or "server"
+        if ctx.caller != server:
+            name = self._runtime.name if self._runtime is not None else getattr(getattr(ctx, "app", None), "name", "this site")
+            log.warning("site %s refused '%s' from %s: only the server calls a site", name, op, ctx.caller)
+            raise PermissionError(f"site {name}: refused '{op}' from {ctx.caller!r}; only the server ({server!r}) may call a site")
         return self._rt().call(op, payload)
 
 
