@@ -297,3 +297,73 @@ def test_site_refuses_run_ids_that_are_not_plain_names(tmp_path, run_id):
     with pytest.raises(PayloadError, match="is not a plain name"):
         rt.call("setup", json.dumps({"run_id": run_id, "sites": ["site1"], "data": {}, "config_toml": ""}).encode())
     assert not (tmp_path / "sites").exists() or not any((tmp_path / "sites").rglob("config.toml"))
+
+
+# ------------------------------------------------------------ control files
+def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
+    """A crash mid-append leaves half a line in dropouts.jsonl: the resumed run skips it, warns, and ends with results."""
+    # Prepare: a run stopped after round 1 with site2 unreachable, then a torn line
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(tmp_path, cfg, list(data), stop_after=1)
+    assert serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": "die"}), log=lambda m: None) is None
+    with (tmp_path / "dropouts.jsonl").open("a") as fh:
+        fh.write('{"round": 1, "site": "si')
+    desc = json.loads((tmp_path / "deploy.json").read_text())
+    desc.update(resume=True, stop_after=None)
+    (tmp_path / "deploy.json").write_text(json.dumps(desc))
+    logged: list[str] = []
+    # Execute
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=logged.append)
+    # Assert
+    assert res is not None and [d["site"] for d in res["deploy"]["dropouts"]] == ["site2"] * len(res["deploy"]["dropouts"])
+    assert len(res["deploy"]["dropouts"]) >= 3
+    assert any("dropouts.jsonl line" in m and "torn or malformed" in m for m in logged)
+
+
+def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
+    """deploy.json, supervisor.json and results.json go through a temp file + fsync + rename: a crash
+    before the rename leaves the previous file whole."""
+    from fedseg.deploy import supervise
+    from fedseg.engine import _save_json
+    from fedseg.runner import write_results
+
+    for name in ("deploy.json", "supervisor.json", "results.json"):
+        _save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
+
+    def crash(fd):
+        raise OSError("disk full (simulated crash before the rename)")
+
+    monkeypatch.setattr("os.fsync", crash)
+    with pytest.raises(OSError):
+        _save_json({"run_id": "run-1", "v": 2}, tmp_path / "deploy.json")
+    with pytest.raises(OSError):
+        supervise.Supervisor(None, tmp_path, ["site1"], None, _params())._save_record()
+    with pytest.raises(OSError):
+        write_results({"method": "fedavg", "seed": 0}, tmp_path)
+    for name in ("deploy.json", "supervisor.json", "results.json"):
+        assert json.loads((tmp_path / name).read_text()) == {"run_id": "run-1", "v": 1}, name
+
+
+def _params():
+    from fedseg.deploy.params import DeployParams
+
+    return DeployParams()
+
+
+def test_damaged_deploy_json_is_named_and_damaged_supervisor_record_set_aside(tmp_path):
+    """A torn deploy.json (an older version crashed mid-write) gets one error naming the file and the fix; a torn
+    supervisor.json (a log) is moved aside with a warning and the supervisor starts a new record."""
+    from fedseg.deploy.server import read_deploy_json
+    from fedseg.deploy.supervise import Supervisor
+
+    (tmp_path / "deploy.json").write_text('{"run_id": "fedavg-12')
+    with pytest.raises(ConfigError, match=f"{re.escape(str(tmp_path / 'deploy.json'))} is damaged .* restore it from a backup"):
+        read_deploy_json(tmp_path)
+    (tmp_path / "deploy.json").write_text('{"run_id": "..", "sites": []}')
+    with pytest.raises(ConfigError, match="lacks a plain run_id"):
+        read_deploy_json(tmp_path)
+    (tmp_path / "supervisor.json").write_text('{"jobs": [{"job": "a')
+    logged: list[str] = []
+    sup = Supervisor(None, tmp_path, ["site1"], None, _params(), log=logged.append)
+    assert sup.jobs == [] and (tmp_path / "supervisor.json.damaged").is_file()
+    assert any("supervisor.json was damaged" in m for m in logged)

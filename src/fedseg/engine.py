@@ -61,8 +61,12 @@ def _save_arrays(arrays: Arrays, path: Path) -> None:
 
 
 def _save_json(data: Any, path: Path) -> None:
+    """Write JSON atomically: a temp file, fsync, rename (a crash leaves the old file or the new one, never half)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from fedseg.engine import _save_json
 from fedseg.errors import ConfigError
 
 from fedseg.deploy.server import load_deploy_config, prepare_run
@@ -229,7 +230,7 @@ def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[st
     desc["transport"] = "nvflare-rehearsal"
     if stop_after is not None:
         desc["stop_after"] = stop_after
-    (out / "deploy.json").write_text(json.dumps(desc, indent=1))
+    _save_json(desc, out / "deploy.json")
     with LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster:
         submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"

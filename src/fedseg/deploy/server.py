@@ -20,10 +20,11 @@ from typing import Any
 
 from fedseg.arrays import Arrays, is_float, nonfinite
 from fedseg.config import RunConfig, dump_toml, load_run_config
+from fedseg.engine import _save_json
 from fedseg.errors import ConfigError
 
 from fedseg.deploy.params import deploy_params
-from fedseg.deploy.site import data_header
+from fedseg.deploy.site import data_header, is_plain_name
 from fedseg.deploy.supervise import CONTROL_RESTART
 from fedseg.deploy.transport import Call, DeployError, RemoteTransport
 
@@ -40,6 +41,21 @@ def check_aggregate(state: Arrays, max_abs: float) -> None:
         if is_float(v) and v.numel() and float(v.abs().max()) > max_abs:
             raise DeployError(f"the aggregate's '{k}' reaches {float(v.abs().max()):.3g}, beyond deploy.max_abs_value = {max_abs:g}; "
                               "it is not checkpointed (the previous round's checkpoint stays valid for --resume)")
+
+
+def read_deploy_json(out: Path) -> dict[str, Any]:
+    """``OUT/deploy.json`` (the run id, sites, data layout), checked: one error naming the file if it is unreadable."""
+    path = Path(out) / "deploy.json"
+    if not path.is_file():
+        raise ConfigError(f"{out} has no deploy.json: it is not a deployed run folder; check the path")
+    try:
+        desc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path} is damaged ({e}); it holds the run id the sites' checkpoints are filed under: restore it "
+                          "from a backup (or rewrite it from a site's WORKDIR/<run_id>), or start a new run") from None
+    if not isinstance(desc, dict) or not is_plain_name(desc.get("run_id")) or not isinstance(desc.get("sites"), list):
+        raise ConfigError(f"{path} lacks a plain run_id or the site list; restore it from a backup or start a new run")
+    return desc
 
 
 def read_dropouts(path: Path, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -83,13 +99,11 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
     out = Path(out)
     desc_path = out / "deploy.json"
     if resume:
-        if not desc_path.is_file():
-            raise ConfigError(f"{out} has no deploy.json: it is not a deployed run folder; check the path")
-        desc = json.loads(desc_path.read_text())
+        desc = read_deploy_json(out)
         if not (out / "checkpoints" / "progress.json").is_file():
             raise ConfigError(f"{out} has no checkpoint yet (no round completed); start the run again without --resume")
         desc["resume"] = True
-        desc_path.write_text(json.dumps(desc, indent=1))
+        _save_json(desc, desc_path)
         return desc
     get_algorithm(cfg)
     if get_algorithm(cfg).needs_pooled_site:
@@ -104,7 +118,7 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
     desc = {"run_id": f"{cfg.method}-{uuid.uuid4().hex[:12]}", "sites": names, "data": data_header(fed), "resume": False}
-    desc_path.write_text(json.dumps(desc, indent=1))
+    _save_json(desc, desc_path)
     return desc
 
 
@@ -121,7 +135,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
 
     t0 = time.perf_counter()
     out = Path(out)
-    desc = json.loads((out / "deploy.json").read_text())
+    desc = read_deploy_json(out)
     cfg = load_deploy_config(out / "config.toml")
     params = deploy_params(cfg)
     algorithm = get_algorithm(cfg)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import threading
 import time
@@ -205,8 +206,10 @@ class RemoteTransport:
         entry = {"round": rnd, "site": site, "task": kind, "reason": reason}
         self.dropouts.append(entry)
         if self.record is not None:  # kept across the jobs of a supervised run
-            with self.record.open("a") as fh:
+            with self.record.open("a") as fh:  # one line per append, synced; a torn last line is skipped on reading
                 fh.write(json.dumps(entry) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
         self.log(f"[deploy] round {rnd}: site {site} left out of '{kind}': {reason}")
 
     # -------------------------------------------------------------- transport
