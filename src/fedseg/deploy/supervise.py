@@ -200,9 +200,20 @@ class Supervisor:
                 fh.write(job_id + "\n")
             self.log(f"[supervisor] job {job_id} submitted with sites {job_sites} from round {record['from_round']}")
             rejoining: list[str] = []
+            results_at: float | None = None
             while True:
                 status = self.admin.status(job_id)
                 if status.startswith("FINISHED"):
+                    break
+                if results_at is None and self._results_since(t_wall):
+                    results_at = time.monotonic()
+                if results_at is not None and time.monotonic() - results_at >= self.params.shutdown_grace_s:
+                    # the run is complete; FLARE may still wait for a site that died (it keeps the job open for
+                    # minutes): nothing is left to wait for, so end the job instead of blocking the command
+                    self.log(f"[supervisor] results are complete but job {job_id} is still {status} after "
+                             f"{self.params.shutdown_grace_s:g} s (deploy.shutdown_grace_s; a dead site can hold it open): aborting it")
+                    self.admin.abort(job_id)
+                    status = f"{status}, aborted after its results"
                     break
                 rnd = completed_round(self.run_dir)
                 bar.n = rnd
