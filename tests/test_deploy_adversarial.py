@@ -367,3 +367,54 @@ def test_damaged_deploy_json_is_named_and_damaged_supervisor_record_set_aside(tm
     sup = Supervisor(None, tmp_path, ["site1"], None, _params(), log=logged.append)
     assert sup.jobs == [] and (tmp_path / "supervisor.json.damaged").is_file()
     assert any("supervisor.json was damaged" in m for m in logged)
+
+
+# ---------------------------------------------------------------- processes
+ORPHAN_SCRIPT = """
+import sys, time
+from pathlib import Path
+from fedseg.deploy import run as R
+
+class Cluster(R.LocalCluster):  # rehearse's cluster, with sleepers in place of FLARE's processes
+    def provision(self):
+        self.kits = {"server": self.root}
+    def _sleeper(self, name):
+        return R._spawn([sys.executable, "-c", "import time; time.sleep(120)"], self.root, self.root / f"{name}.log", {})
+    def start_server(self):
+        self.procs["server"] = self._sleeper("server")
+    def start_site(self, name):
+        self.procs[name] = self._sleeper(name)
+
+root = Path(sys.argv[1])
+with R.terminate_as_interrupt(), Cluster(root, {"site1": "", "site2": ""}, root / "w") as c:
+    print(" ".join(str(p.pid) for p in c.procs.values()), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_on_rehearse_stops_the_processes_it_started(tmp_path):
+    """rehearse's server and site processes run in sessions of their own (so a terminal's Ctrl-C reaches only
+    the command); a SIGTERM to the command must still stop them, not leave them re-parented to init."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    # Prepare
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in proc.stdout.readline().split()]
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    # Execute
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    # Assert
+    assert rc != 0
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    assert not [p for p in pids if alive(p)]
