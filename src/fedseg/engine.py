@@ -226,10 +226,7 @@ class Engine:
         d = self.ckpt_dir
         if d is None:
             return
-        bad = nonfinite(self.state)
-        if bad:  # a poisoned state is never committed: the previous checkpoint stays the one to resume from
-            raise PayloadError(f"round {self.round}: the server state holds non-finite values in {bad[:5]}; not checkpointed")
-        if self.check_state is not None:
+        if self.check_state is not None:  # deployment: a poisoned state is never committed (it raises)
             self.check_state(self.state)
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]

@@ -146,7 +146,7 @@ class RemoteTransport:
         self._down: set[str] = set()  # sites whose last exchange failed: pinged before the next one
         self.num_metrics = num_metrics
         self.declared: dict[str, dict[str, int]] = {}  # each site's case counts, from its setup reply
-        self._exact: dict[tuple[str, str], bool] = {}
+        self._exact: dict[tuple[str, str], bool] = {}  # (site, task key): its replies claim exactly the declared count
         self._names: dict[str, frozenset[str]] = {}  # expected reply tensor names per task key
 
     # ---------------------------------------------------------------- control
@@ -288,7 +288,7 @@ class RemoteTransport:
         n_train = counts["training"]
         if n > n_train:
             raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup")
-        exact = self._exact.setdefault((site, task.kind), n == n_train)
+        exact = self._exact.setdefault((site, _task_key(task)), n == n_train)
         if exact and n != n_train:
             raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup (and claimed them before)")
 
