@@ -418,3 +418,21 @@ def test_sigterm_on_rehearse_stops_the_processes_it_started(tmp_path):
             return False
 
     assert not [p for p in pids if alive(p)]
+
+
+METRIC_ATTACKS = [
+    (lambda m: {k: v for k, v in m.items() if k != "loss"}, r"metrics keys differ from the expected set \(missing \['loss'\], unexpected \[\]\)"),
+    (lambda m: {**m, "loss": "0.1; rm -rf /"}, "metrics loss is a string, expected a number"),
+    (lambda m: {**m, "extra": [1, 2]}, r"unexpected \['extra'\]"),
+]
+
+
+@pytest.mark.parametrize("rewrite, reason", METRIC_ATTACKS, ids=["missing-loss", "loss-as-string", "extra-key"])
+def test_training_metrics_with_another_layout_are_rejected(tmp_path, reference, rewrite, reason):
+    """Algorithms read training metrics (a loss, step counts): a reply whose metric keys or value kinds differ
+    from every other reply to the same task is rejected (a missing key would be a KeyError, a string a
+    TypeError in the server's code)."""
+    res = _serve(tmp_path / "run", {"site2": _training(lambda r, blob: encode_reply(Reply(r.arrays, rewrite(r.metrics), r.num_samples)))})
+    assert _equal(_weights(tmp_path / "run"), reference("site2")[1])
+    drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
+    assert len(drops) == 2 and all(re.search(reason, d["reason"]) for d in drops), drops

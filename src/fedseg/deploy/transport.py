@@ -72,6 +72,30 @@ def _task_key(task: Task) -> str:
     return json.dumps([task.kind, conf, sorted(task.arrays)], sort_keys=True, default=str)
 
 
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _metric_kinds(metrics: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), _kind(v)) for k, v in metrics.items()))
+
+
+def _metrics_mismatch(expected: dict[str, str], got: tuple[tuple[str, str], ...]) -> str:
+    """'' when ``got`` has the expected keys with compatible kinds (null is compatible with any), else the difference."""
+    have = dict(got)
+    missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    if missing or extra:
+        return f"keys differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})"
+    wrong = [f"{k} is a {have[k]}, expected a {v}" for k, v in expected.items() if "null" not in (v, have[k]) and v != have[k]]
+    return "; ".join(wrong[:3])
+
+
 def update_norm(sent: Arrays, returned: Arrays) -> float | None:
     """‖returned − sent‖ (float64) over the floating tensors present in both; None when they share none."""
     common = [k for k, v in returned.items() if k in sent and is_float(v) and v.shape == sent[k].shape]
@@ -147,7 +171,7 @@ class RemoteTransport:
         self.num_metrics = num_metrics
         self.declared: dict[str, dict[str, int]] = {}  # each site's case counts, from its setup reply
         self._exact: dict[tuple[str, str], bool] = {}  # (site, task key): its replies claim exactly the declared count
-        self._names: dict[str, frozenset[str]] = {}  # expected reply tensor names per task key
+        self._names: dict[str, tuple[frozenset[str], tuple]] = {}  # expected reply layout (names, metric kinds) per task key
 
     # ---------------------------------------------------------------- control
     def _control(self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -314,26 +338,34 @@ class RemoteTransport:
                     raise PayloadError(f"{what}: a score of {name!r} is outside [0, 1]: {str(case)[:80]}")
 
     def _check_names(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
-        """Reply tensor names must equal the expected set: the names every reply to the same task
-        (kind, non-numeric config, tensor names sent) carried before.  The first time a task is seen,
-        the set most of its replies carry (on a tie, the one equal to the names sent, then the first
-        site's in federation order) becomes the expected set."""
+        """Reply tensor names must equal the expected set, and the metrics must carry the expected keys with
+        values of the expected JSON kinds (number, string, list, object, bool; null stands for any): what every
+        reply to the same task (kind, non-numeric settings, tensor names sent) carried before.  The first time
+        a task is seen, the layout most of its replies carry (on a tie, the one whose tensor names equal the
+        names sent, then the first site's in federation order) becomes the expected one."""
         groups: dict[str, list[str]] = {}
         for s in decoded:
             groups.setdefault(_task_key(tasks[s]), []).append(s)
         for key, members in groups.items():
             expected = self._names.get(key)
             if expected is None:
-                sets = [frozenset(decoded[s].arrays) for s in members]
+                layouts = [(frozenset(decoded[s].arrays), _metric_kinds(decoded[s].metrics)) for s in members]
                 sent = frozenset(tasks[members[0]].arrays)
-                expected = max(dict.fromkeys(sets), key=lambda x: (sets.count(x), x == sent))
+                distinct = list(dict.fromkeys(layouts))
+                expected = max(distinct, key=lambda x: (layouts.count(x), x[0] == sent))
                 self._names[key] = expected
+            names, kinds = expected
             for s in members:
                 got = frozenset(decoded[s].arrays)
-                if got != expected:
-                    missing, extra = sorted(expected - got), sorted(got - expected)
-                    self._reject(s, tasks[s], f"reply of site {s} to '{tasks[s].kind}': tensor names differ from the expected set "
-                                              f"(missing {missing[:5]}, unexpected {extra[:5]})")
+                what = f"reply of site {s} to '{tasks[s].kind}'"
+                if got != names:
+                    missing, extra = sorted(names - got), sorted(got - names)
+                    self._reject(s, tasks[s], f"{what}: tensor names differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})")
+                    del decoded[s]
+                    continue
+                bad = _metrics_mismatch(dict(kinds), _metric_kinds(decoded[s].metrics))
+                if bad:
+                    self._reject(s, tasks[s], f"{what}: metrics {bad}")
                     del decoded[s]
 
     def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
