@@ -8,7 +8,13 @@ most ``deploy.round_deadline_s``, validates every reply and applies the fault
 rule:
 
 * a site that errors, times out or sends an invalid reply is **left out** of the
-  exchange, with the reason logged and recorded in :attr:`dropouts`;
+  exchange, with the reason logged and recorded in :attr:`dropouts`.  Invalid is
+  anything that fails to decode (whatever the exception) or breaks a rule: the
+  checks of :func:`~fedseg.deploy.wire.check_reply`; tensor names and metric
+  layout other than every reply to the same task; a sample count other than the
+  one the site declared at setup; evaluation scores outside the schema (asked
+  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ more
+  than ``deploy.max_update_ratio`` times the median of the other replies';
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
