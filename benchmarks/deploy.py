@@ -19,6 +19,10 @@ frozen (SIGSTOP) past the round deadline, site2 killed and restarted 3 s later
 run resumed with ``deploy_run(resume=True)``; it reports the round times around
 each fault, the supervisor's ``recover_s`` and the time from the server restart
 to the end of the run.
+
+``--dead-site`` (FedAvg, 3 sites): site3 killed for good after round 2; reports the time
+from the complete ``results.json`` to the return of the supervised submission (what
+``fedseg deploy run`` / ``rehearse`` wait on), and the cluster's shutdown after it.
 """
 
 from __future__ import annotations
@@ -176,6 +180,52 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     print("\n".join(md))
 
 
+def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
+    """3 sites; the last one killed for good after round 2 (no restart).  Measures how long the command
+    (``submit_run``, what ``deploy run`` / ``rehearse`` run) takes to return once results.json is complete,
+    and how long stopping the local cluster takes after that."""
+    import threading
+
+    from fedseg.data.spec import load_federation
+    from fedseg.deploy.params import deploy_params
+    from fedseg.deploy.run import LocalCluster, submit_run
+    from fedseg.deploy.server import prepare_run
+
+    deadline = 6.0
+    ov = [f"model.channels={a.channels}", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
+          "train.local_steps=20", "train.local_epochs=none", f"deploy.round_deadline_s={deadline}", "deploy.probe_timeout_s=2", "eval.every=5"]
+    names = ["site1", "site2", "site3"]
+    fed = load_federation(spec)
+    run_dir = out / "dead"
+    prepare_run(load_deploy_config(run_toml, ov, method="fedavg"), run_dir, sites=names)
+    grace = deploy_params(load_deploy_config(run_toml, ov)).shutdown_grace_s
+    ev: dict[str, float] = {}
+    with LocalCluster(out / "dead-nv", {n: fed.site(n).datalist for n in names}, out / "dead-sites") as cl:
+        def supervised():
+            submit_run(cl.kits["admin"], run_dir, names, 900, None, lambda m: print(m, flush=True))
+            ev["returned"] = time.time()
+
+        worker = threading.Thread(target=supervised, daemon=True)
+        worker.start()
+        _round_reached(run_dir, 2, 600)
+        cl.kill("site3")
+        ev["killed"] = time.time()
+        worker.join(900)
+        t_exit0 = time.monotonic()
+    ev["cluster_stopped_s"] = time.monotonic() - t_exit0
+    res = json.loads((run_dir / "results.json").read_text())
+    ev["results"] = (run_dir / "results.md").stat().st_mtime
+    md = [f"Dead-site drill (FedAvg, 3 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, probe 2 s, "
+          f"deploy.shutdown_grace_s {grace:g} s; machine {platform.machine()}, 1 torch thread per process): site3 killed after round 2, never restarted.\n",
+          f"- rounds in results: {len(res['history'])}; sites in the last round: {sorted(res['history'][-1]['train_loss'])}",
+          f"- kill → results.json complete: {ev['results'] - ev['killed']:.1f} s",
+          f"- results.json complete → command returned: {ev['returned'] - ev['results']:.1f} s",
+          f"- then stopping the server and site processes (rehearse's cluster exit): {ev['cluster_stopped_s']:.1f} s",
+          "- jobs: " + "; ".join(f"{j['job'][:8]} rounds {j['from_round']}→{j.get('to_round')} {j.get('status', '')}" for j in res["deploy"].get("jobs", []))]
+    (out / "deploy-dead-site.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def _quiet(fn, *args):
     try:
         fn(*args)
@@ -194,6 +244,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-deploy")
     ap.add_argument("--fga-mb", default=None, help="measure FGA per-step overhead for models of these sizes (MB), e.g. 1,6,25")
     ap.add_argument("--faults", action="store_true", help="fault drill: hang, kill + rejoin, server crash + resume (timings)")
+    ap.add_argument("--dead-site", action="store_true", help="3 sites, one killed for good: time from complete results to the command's return")
     a = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
@@ -208,6 +259,8 @@ def main() -> None:
         return fga_payloads(a, spec, run_toml, sim_spec, out)
     if a.faults:
         return fault_drill(a, spec, run_toml, out)
+    if a.dead_site:
+        return dead_site_drill(a, spec, run_toml, out)
     rows = []
     for m in a.methods.split(","):
         t0 = time.perf_counter()

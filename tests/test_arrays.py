@@ -5,7 +5,8 @@ import torch
 
 from fedseg import arrays as A
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.errors import PayloadError
+from fedseg.arrays import aggregate, check_aggregation, weighted_mean
+from fedseg.errors import ConfigError, PayloadError
 
 
 def test_weighted_mean_hand_computed():
@@ -61,3 +62,45 @@ def test_fedavg_weights():
     assert aggregation_weights([1, 3], "even") == [0.5, 0.5]
     with pytest.raises(ValueError):
         aggregation_weights([0, 0], "samples")
+
+
+# ------------------------------------------------------- robust aggregation
+def _vals(*xs):
+    return [{"w": torch.tensor([x, -x], dtype=torch.float32), "n": torch.tensor(7 + i)} for i, x in enumerate(xs)]
+
+
+def test_aggregate_mean_is_weighted_mean_bitwise():
+    """rule='mean' is FedAvg's weighted mean itself (the paper-faithful default, bitwise unchanged)."""
+    items = [{"w": torch.randn(5, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    assert torch.equal(aggregate(items, [1, 2, 3])["w"], weighted_mean(items, [1, 2, 3])["w"])
+
+
+def test_trimmed_mean_by_hand():
+    """Values 1, 2, 3, 100 with trim 0.25: ⌊0.25·4⌋ = 1 dropped at each end → mean(2, 3) = 2.5.
+    With weights 1, 2, 3, 4 the kept 2 (p=2) and 3 (p=3) give (2·2 + 3·3)/5 = 2.6; the second
+    coordinate (−1, −2, −3, −100) sorts the other way and keeps −3 (p=3), −2 (p=2): −2.6.
+    Integer tensors come from the first item."""
+    items = _vals(1.0, 2.0, 3.0, 100.0)
+    assert torch.allclose(aggregate(items, None, "trimmed_mean", 0.25)["w"], torch.tensor([2.5, -2.5]))
+    out = aggregate(items, [1, 2, 3, 4], "trimmed_mean", 0.25)
+    assert torch.allclose(out["w"], torch.tensor([2.6, -2.6])) and out["w"].dtype == torch.float32
+    assert int(out["n"]) == 7
+
+
+def test_trimmed_mean_with_too_few_sites_trims_nothing():
+    """⌊0.1·3⌋ = 0: the trimmed mean of 3 sites at trim 0.1 is the weighted mean (1·1 + 2·2 + 3·3)/6 = 14/6."""
+    assert torch.allclose(aggregate(_vals(1.0, 2.0, 3.0), [1, 2, 3], "trimmed_mean", 0.1)["w"], torch.tensor([14 / 6, -14 / 6]))
+
+
+def test_median_by_hand_and_bounded_by_honest_values():
+    """Median of 5, 1, 3 is 3; of 1, 2, 3, 1e30 it is (2 + 3)/2 = 2.5, whatever the weights: one hostile
+    site cannot move it outside the honest values."""
+    assert torch.allclose(aggregate(_vals(5.0, 1.0, 3.0), None, "median")["w"], torch.tensor([3.0, -3.0]))
+    assert torch.allclose(aggregate(_vals(1.0, 2.0, 3.0, 1e30), [1, 1, 1, 1e9], "median")["w"], torch.tensor([2.5, -2.5]))
+
+
+def test_aggregation_settings_are_validated_with_the_key():
+    with pytest.raises(ConfigError, match=r"fedavg.aggregation = 'avg'; use one of \['mean', 'trimmed_mean', 'median'\]"):
+        check_aggregation("avg", 0.1, "fedavg")
+    with pytest.raises(ConfigError, match=r"fedprox.trim = 0.5; it must be in \[0, 0.5\)"):
+        check_aggregation("trimmed_mean", 0.5, "fedprox")

@@ -392,3 +392,25 @@ def test_unknown_key_in_a_method_section_is_rejected():
     with pytest.raises(ConfigError, match=r"\[ditto\] has unknown key\(s\) \['lambda'\]"):
         get_algorithm(cfg_with("ditto", params={"lambda": 0.1}))
 
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+def test_robust_aggregation_in_simulation_is_the_rule_over_the_sites_models(tmp_path, sites, workload, method, rule):
+    """After round 1 the global model is the coordinate-wise rule over the three sites' trained models
+    (each site's checkpoint keeps the model it sent); trim 0.34 drops ⌊0.34·3⌋ = 1 site at each end,
+    so the trimmed mean is then the median too."""
+    # Execute
+    simulate(cfg_with(method, rounds=1, params={"aggregation": rule, "trim": 0.34}), workload, sites, out=tmp_path, progress=False)
+    # Assert
+    glob = strip_prefix("global", server_state(tmp_path))
+    models = [strip_prefix("model/global", site_state(tmp_path, s)) for s in sites]
+    assert models[0].keys() == glob.keys()
+    for k, v in glob.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, torch.stack([m[k] for m in models]).median(dim=0).values, rtol=0, atol=1e-6), k
+
+
+def test_bad_aggregation_setting_names_the_key():
+    with pytest.raises(ConfigError, match=r"fedavg.aggregation = 'avg'"):
+        get_algorithm(cfg_with("fedavg", params={"aggregation": "avg"}))

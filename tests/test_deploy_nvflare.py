@@ -237,3 +237,58 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     print(f"server killed after round {killed_at}; restart + resume to the end took {resume_s:.1f} s")
+
+
+EVIL_SITECUSTOMIZE = '''
+# Loaded at interpreter start by every Python process of the hostile site (PYTHONPATH): its site runtime
+# returns its trained weights replaced by 3e38 (finite but huge), as a site running modified code would.
+import fedseg.deploy.site as _site
+from fedseg.deploy.wire import decode_reply, encode_reply
+from fedseg.site import Reply
+
+_call = _site.SiteRuntime.call
+
+
+def _evil(self, op, payload):
+    out = _call(self, op, payload)
+    if op == "task":
+        r = decode_reply(out)
+        if r.arrays:
+            out = encode_reply(Reply({k: v.clone().fill_(3e38) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
+    return out
+
+
+_site.SiteRuntime.call = _evil
+'''
+
+
+@pytest.mark.slow
+def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path):
+    """site2's processes run modified code that sends 3e38 weights (on main: averaged in, every site trained to
+    NaN next round, the run died).  Over FLARE with mutual TLS the server rejects each such reply (update norm),
+    the run finishes, and the global model is bitwise the simulation of site1 alone: site2 had no influence."""
+    # Prepare
+    names = ["site1", "site2"]
+    spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "sitecustomize.py").write_text(EVIL_SITECUSTOMIZE)
+    _provision(cluster)
+    try:
+        cluster.start_server()
+        cluster.start_site("site1")
+        cluster.procs["site2"] = start_site(cluster.kits["site2"], {**cluster.env, "PYTHONPATH": str(evil)}, tmp_path / "site2.log")
+        # Execute
+        submit_run(cluster.kits["admin"], out, names, timeout=150)
+    finally:
+        cluster.__exit__(None, None, None)
+    _simulate_same(tmp_path, spec, run_toml, OVERRIDES, names=("site1",))
+    # Assert
+    dep = json.loads((out / "results.json").read_text())
+    a = load_file(str(out / "checkpoints" / "server.safetensors"))
+    b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    drops = [d for d in dep["deploy"]["dropouts"] if d["task"] == "train"]
+    assert [(d["round"], d["site"]) for d in drops] == [(0, "site2"), (1, "site2")]
+    assert all("update norm" in d["reason"] and "deploy.max_update_ratio = 10" in d["reason"] for d in drops), drops
+    assert len(dep["history"]) == 2 and all(set(h["train_loss"]) == {"site1"} for h in dep["history"])

@@ -173,3 +173,29 @@ def test_restarts_are_bounded_by_max_restarts_when_jobs_progress(tmp_path):
     with pytest.raises(DeployError, match=r"max_restarts = 2 automatic restarts are used up"):
         sup.run(timeout=60)
     assert len(admin.jobs) == 3 and [j["to_round"] - j["from_round"] for j in sup.jobs] == [1, 1, 1]
+
+
+def test_command_returns_after_the_results_even_if_the_job_never_ends(tmp_path):
+    """A site that died can keep FLARE's job open long after the server wrote results.json (measured: more than
+    5 minutes).  The supervisor waits deploy.shutdown_grace_s for the job to end, then aborts it and returns."""
+    import time
+
+    # Prepare
+    cfg = _cfg(rounds=2)
+    _prepare(tmp_path / "run", cfg, ["site1", "site2"])
+    admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)))
+    aborted: list[str] = []
+    admin.status = lambda job_id: "RUNNING"  # the job never finishes by itself
+    admin.abort = aborted.append
+    logs: list[str] = []
+    params = DeployParams(round_deadline_s=30.0, setup_timeout_s=5.0, rejoin_wait_s=0.0, shutdown_grace_s=0.5)
+    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), params, log=logs.append, poll_s=0.05)
+    # Execute
+    last = sup.run(timeout=60)
+    done = time.time()
+    # Assert
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert aborted == ["job0"] and last["status"] == "RUNNING, aborted after its results"
+    assert done - (tmp_path / "run" / "results.md").stat().st_mtime < 0.5 + 2.0
+    assert res["deploy"]["jobs"][0]["status"] == "RUNNING, aborted after its results"
+    assert any("aborting it" in m for m in logs)

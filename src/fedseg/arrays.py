@@ -19,8 +19,13 @@ from fedseg.errors import PayloadError
 Arrays = dict[str, torch.Tensor]
 
 __all__ = [
+    "AGGREGATIONS",
     "Arrays",
     "add",
+    "aggregate",
+    "check_aggregation",
+    "check_layout",
+    "layout_of",
     "nonfinite",
     "check_compatible",
     "clone",
@@ -114,6 +119,64 @@ def weighted_mean(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     return out
 
 
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+"""Rules of :func:`aggregate`: ``mean`` is the papers' FedAvg; the other two bound one site's influence."""
+
+
+def check_aggregation(rule: str, trim: float, section: str) -> None:
+    """Raise :class:`~fedseg.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
+    from fedseg.errors import ConfigError
+
+    if rule not in AGGREGATIONS:
+        raise ConfigError(f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)")
+    if not 0.0 <= trim < 0.5:
+        raise ConfigError(f"{section}.trim = {trim}; it must be in [0, 0.5): the fraction of sites dropped at each end by 'trimmed_mean'")
+
+
+def aggregate(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None, rule: str = "mean", trim: float = 0.1) -> Arrays:
+    """Aggregate K arrays by ``rule``; a drop-in for :func:`weighted_mean` (``rule="mean"`` *is* it, bitwise).
+
+    ``"trimmed_mean"``
+        Coordinate-wise: the K values of each element are sorted, the ⌊trim·K⌋
+        smallest and ⌊trim·K⌋ largest dropped, and the rest averaged with their
+        weights p_k renormalised over the kept ones (Yin et al. 2018 with weights;
+        equal weights give the plain trimmed mean).  With ⌊trim·K⌋ = 0 (fewer than
+        1/trim sites) nothing is dropped.
+    ``"median"``
+        Coordinate-wise median of the K values, unweighted (the mean of the two
+        middle values when K is even).
+
+    One site can then move an element at most to the range of the honest
+    values (median, or trimmed mean while at most ⌊trim·K⌋ sites are hostile),
+    however large the numbers it sends.  Integer tensors come from ``items[0]``.
+    Computed in float64 and cast back to each tensor's dtype.
+    """
+    if rule == "mean":
+        return weighted_mean(items, weights)
+    check_aggregation(rule, trim, "aggregate")
+    if not items:
+        raise ValueError(f"{rule} of no arrays: aggregation needs at least one reply")
+    p = torch.tensor(normalize_weights(weights if weights is not None else [1.0] * len(items)), dtype=torch.float64)
+    first = items[0]
+    for other in items[1:]:
+        check_compatible(first, other)
+    k = len(items)
+    cut = int(trim * k) if rule == "trimmed_mean" else 0
+    out: Arrays = {}
+    for name, ref in first.items():
+        if not is_float(ref):
+            out[name] = ref.clone()
+            continue
+        vals, order = torch.stack([item[name].to(torch.float64) for item in items]).sort(dim=0)
+        if rule == "median":
+            mid = vals[(k - 1) // 2] if k % 2 else 0.5 * (vals[k // 2 - 1] + vals[k // 2])
+            out[name] = mid.to(ref.dtype)
+            continue
+        w = p[order][cut:k - cut]
+        out[name] = ((vals[cut:k - cut] * w).sum(dim=0) / w.sum(dim=0)).to(ref.dtype)
+    return out
+
+
 def lerp(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], t: float) -> Arrays:
     """(1 − t)·a + t·b for floating tensors; integer tensors from ``a``."""
     check_compatible(a, b)
@@ -182,3 +245,19 @@ def nonfinite(a: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of floating tensors that hold a NaN or an infinity (empty when all finite)."""
     return [k for k, v in a.items() if is_float(v) and not bool(torch.isfinite(v).all())]
 
+
+
+def layout_of(a: Mapping[str, torch.Tensor]) -> dict[str, list]:
+    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, to check what is loaded later against it."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sorted(a.items())}
+
+
+def check_layout(a: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence]) -> None:
+    """Raise :class:`PayloadError` unless ``a`` has exactly the names, shapes and dtypes of ``layout`` (:func:`layout_of`)."""
+    missing, extra = sorted(set(layout) - set(a)), sorted(set(a) - set(layout))
+    if missing or extra:
+        raise PayloadError(f"names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+    for k, (shape, dtype) in layout.items():
+        v = a[k]
+        if list(v.shape) != list(shape) or str(v.dtype).removeprefix("torch.") != dtype:
+            raise PayloadError(f"'{k}' has shape {list(v.shape)} {str(v.dtype).removeprefix('torch.')}, expected {list(shape)} {dtype}")

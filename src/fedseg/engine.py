@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, clone, prefixed, strip_prefix
+from fedseg.arrays import Arrays, check_layout, clone, layout_of, nonfinite, prefixed, strip_prefix
 from fedseg.config import RunConfig
-from fedseg.errors import ConfigError
+from fedseg.errors import ConfigError, PayloadError
 from fedseg.evaluation.summary import summarize
 from fedseg.seeding import derive_seed
 from fedseg.site import Task
@@ -61,9 +61,32 @@ def _save_arrays(arrays: Arrays, path: Path) -> None:
 
 
 def _save_json(data: Any, path: Path) -> None:
+    """Write JSON atomically: a temp file, fsync, rename (a crash leaves the old file or the new one, never half)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
+    """Load a checkpoint file for ``--resume``: readable, the names/shapes/dtypes recorded when it was saved
+    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming the file."""
+    fix = f"restore {path.name} from a backup, or start the run again without --resume"
+    try:
+        arrays = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - missing, truncated or not safetensors
+        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+    try:
+        if layout is not None:
+            check_layout(arrays, layout)
+        bad = nonfinite(arrays)
+        if bad:
+            raise PayloadError(f"non-finite values in {bad[:5]}")
+    except PayloadError as e:
+        raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
+    return arrays
 
 
 def commit_checkpoint(d: Path) -> None:
@@ -136,6 +159,7 @@ class Engine:
         self.state: Arrays = {}
         self.round = 0
         self._saved_best: dict[str, Any] | None = None
+        self.check_state: Callable[[Arrays], None] | None = None  # raises to refuse committing a state (deployment)
 
     # ----------------------------------------------------------------- setup
     def init_arrays(self, role: str = "global", factory: Callable[[], torch.nn.Module] | None = None) -> Arrays:
@@ -202,6 +226,8 @@ class Engine:
         d = self.ckpt_dir
         if d is None:
             return
+        if self.check_state is not None:  # deployment: a poisoned state is never committed (it raises)
+            self.check_state(self.state)
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]
         _save_arrays(self.state, d / "server.safetensors.next")
@@ -218,7 +244,9 @@ class Engine:
             staged += ["best.safetensors", "best.json"]
             self._saved_best = best_meta
         self.transport.save_sites(d / "sites.next")
-        _save_json({"round": self.round, "history": self.history, "staged": staged}, d / "progress.json.next")
+        layout = {"server.safetensors": layout_of(self.state)}
+        layout["best.safetensors"] = layout_of({k: v for name, b in self.best.items() for k, v in prefixed(name, b.candidate.arrays).items()})
+        _save_json({"round": self.round, "history": self.history, "staged": staged, "layout": layout}, d / "progress.json.next")
         commit_checkpoint(d)
 
     def load_checkpoint(self) -> None:
@@ -230,8 +258,9 @@ class Engine:
         progress = json.loads((d / "progress.json").read_text())
         self.round = int(progress["round"])
         self.history = progress["history"]
-        self.state = load_file(str(d / "server.safetensors"))
-        best_arrays = load_file(str(d / "best.safetensors"))
+        layout = progress.get("layout") or {}
+        self.state = load_checked(d / "server.safetensors", layout.get("server.safetensors"))
+        best_arrays = load_checked(d / "best.safetensors", layout.get("best.safetensors"))
         for name, m in json.loads((d / "best.json").read_text()).items():
             vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
             cand = Candidate(name, strip_prefix(name, best_arrays), m["predictor"], vs, m["home_site"], m["config"])

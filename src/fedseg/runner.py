@@ -15,7 +15,7 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.centralized import POOLED
 from fedseg.config import RunConfig, dump_toml, load_run_config
-from fedseg.engine import Engine
+from fedseg.engine import Engine, _save_json
 from fedseg.errors import ConfigError
 from fedseg.evaluation.tables import table3
 from fedseg.site import Site, SiteData
@@ -94,7 +94,7 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
     """Write ``results.json`` and ``results.md`` (Table 3 layout) to ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    _save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
     md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
     (out / "results.md").write_text("\n".join(md))
 

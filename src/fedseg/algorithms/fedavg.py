@@ -6,6 +6,10 @@ moments persist across rounds by default (FedSM reference code); the server sets
 
     w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("fedavg")   or   p_k = 1/K   ("fedavg-even").
 
+``fedavg.aggregation = "trimmed_mean" | "median"`` replaces the weighted mean by a
+coordinate-wise robust rule (:func:`fedseg.arrays.aggregate`); the default
+``"mean"`` is the papers' rule, bitwise.
+
 Only the sites that replied are averaged (weights renormalized over them).
 """
 
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.config import ConfigError
 from fedseg.site import Reply, Site, Task
 
@@ -39,13 +43,21 @@ class FedAvgParams:
 
     weighting
         'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K).
+    aggregation
+        'mean' (Σ_k p_k w_k, the papers' FedAvg), 'trimmed_mean' or 'median'
+        (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.arrays.aggregate`).
+    trim
+        Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5).
     """
 
     weighting: str = "samples"
+    aggregation: str = "mean"
+    trim: float = 0.1
 
     def validate(self) -> None:
         if self.weighting not in ("samples", "even"):
             raise ConfigError(f"fedavg.weighting = {self.weighting!r}; use 'samples' or 'even'")
+        check_aggregation(self.aggregation, self.trim, "fedavg")
 
 
 def train_global(site: Site, task: Task, role: str = "global") -> Reply:
@@ -71,7 +83,8 @@ class FedAvg(Algorithm):
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
         new = dict(state)
-        new.update(weighted_mean([replies[s].arrays for s in names], p))
+        rule = getattr(self.params, "aggregation", "mean"), getattr(self.params, "trim", 0.0)  # subclasses with their own settings: mean
+        new.update(aggregate([replies[s].arrays for s in names], p, *rule))
         return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from fedseg.algorithms.base import ServerContext
 from fedseg.algorithms.fedavg import FedAvg, aggregation_weights
-from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.errors import ConfigError
 from fedseg.site import Reply, Site, Task
 
@@ -78,16 +78,21 @@ class FedProxParams:
         Proximal coefficient μ ≥ 0 (paper Eq. 2); 0 gives FedAvg.
     weighting
         Aggregation weights: 'samples' (n_k / n) or 'even' (1 / K), as in FedAvg.
+    aggregation, trim
+        'mean' (the paper's), 'trimmed_mean' or 'median', and the trimmed fraction, as in FedAvg.
     """
 
     mu: float = 0.01
     weighting: str = "samples"
+    aggregation: str = "mean"
+    trim: float = 0.1
 
     def validate(self) -> None:
         if not (self.mu >= 0.0 and self.mu < float("inf")):
             raise ConfigError(f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)")
         if self.weighting not in ("samples", "even"):
             raise ConfigError(f"fedprox.weighting = {self.weighting!r}; use 'samples' or 'even'")
+        check_aggregation(self.aggregation, self.trim, "fedprox")
 
 
 def train_prox(site: Site, task: Task) -> Reply:
@@ -115,7 +120,7 @@ class FedProx(FedAvg):
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
         new = dict(state)
-        new.update(weighted_mean([replies[s].arrays for s in names], p))
+        new.update(aggregate([replies[s].arrays for s in names], p, self.params.aggregation, self.params.trim))
         return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
 
     def site_handlers(self):

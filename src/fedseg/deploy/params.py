@@ -47,6 +47,19 @@ class DeployParams:
         Before a re-submission, how long to wait for sites missing from the
         server's list to connect (the job then starts with those present, at
         least ``min_sites``).
+    max_update_ratio
+        A reply whose update ‖w_k − w‖ (the tensors it returns of those the task
+        sent) is more than this many times the median update of the exchange's
+        other replies is rejected before aggregation (a site cannot move the global
+        model far on its own).  0 turns the rule off.
+    max_abs_value
+        The server refuses to checkpoint an aggregate holding a value larger in
+        magnitude than this (or a NaN/infinity); the previous checkpoint stays
+        the one ``--resume`` starts from.
+    shutdown_grace_s
+        Once the run has its results, how long the supervisor lets FLARE end the
+        job by itself before aborting it (a killed site can keep FLARE's job open
+        for minutes).
     """
 
     min_sites: int = 1
@@ -57,6 +70,9 @@ class DeployParams:
     max_restarts: int = 3
     rejoin: bool = True
     rejoin_wait_s: float = 30.0
+    max_update_ratio: float = 10.0
+    max_abs_value: float = 1e12
+    shutdown_grace_s: float = 10.0
 
     def validate(self) -> None:
         if self.min_sites < 1:
@@ -73,6 +89,12 @@ class DeployParams:
             raise ConfigError(f"deploy.max_restarts must be >= 0 (0 = no automatic recovery), got {self.max_restarts}")
         if self.rejoin_wait_s < 0:
             raise ConfigError(f"deploy.rejoin_wait_s must be >= 0 seconds, got {self.rejoin_wait_s}")
+        if not (self.max_update_ratio == 0 or 1.0 < self.max_update_ratio < float("inf")):
+            raise ConfigError(f"deploy.max_update_ratio must be > 1 (reject updates that many times the median) or 0 (off), got {self.max_update_ratio}")
+        if not 0 < self.max_abs_value < float("inf"):
+            raise ConfigError(f"deploy.max_abs_value must be a finite number > 0, got {self.max_abs_value}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"deploy.shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s}")
 
     @property
     def max_payload_bytes(self) -> int:

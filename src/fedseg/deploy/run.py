@@ -13,16 +13,19 @@ import os
 import signal
 import socket
 import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
+from fedseg.engine import _save_json
 from fedseg.errors import ConfigError
 
 from fedseg.deploy.server import load_deploy_config, prepare_run
 from fedseg.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
 
-__all__ = ["LocalCluster", "configure_site", "free_port", "provision", "rehearse", "submit_run"]
+__all__ = ["LocalCluster", "configure_site", "free_port", "provision", "rehearse", "submit_run", "terminate_as_interrupt"]
 
 
 def free_port() -> int:
@@ -53,6 +56,29 @@ def configure_site(kit: str | Path, datalist: str | Path, workdir: str | Path, n
         raise ConfigError(f"datalist {datalist} does not exist; give this site's datalist JSON")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     return write_site_config(kit / "local" / SITE_CONFIG_NAME, SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve())))
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread as Ctrl-C does, so the ``finally``
+    and ``__exit__`` blocks that stop the started server/site processes run (they are in sessions of their own
+    and would otherwise be left running, re-parented to init).  Further signals during that cleanup are ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _spawn(cmd: list[str], cwd: Path, logfile: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -229,8 +255,8 @@ def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[st
     desc["transport"] = "nvflare-rehearsal"
     if stop_after is not None:
         desc["stop_after"] = stop_after
-    (out / "deploy.json").write_text(json.dumps(desc, indent=1))
-    with LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster:
+    _save_json(desc, out / "deploy.json")
+    with terminate_as_interrupt(), LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster:
         submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"
     return json.loads(res.read_text()) if res.is_file() else None
@@ -283,9 +309,10 @@ def deploy_run(config: str | Path | None, kits: str | Path, out: str | Path, ove
 
 
 def foreground(proc: subprocess.Popen) -> int:
-    """Wait for a started server/site; Ctrl-C stops its whole process group."""
+    """Wait for a started server/site; Ctrl-C (or SIGTERM, SIGHUP) stops its whole process tree."""
     try:
-        return proc.wait()
+        with terminate_as_interrupt():
+            return proc.wait()
     except KeyboardInterrupt:
         stop(proc)
         return 130

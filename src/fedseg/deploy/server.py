@@ -18,15 +18,63 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedseg.arrays import Arrays, is_float, nonfinite
 from fedseg.config import RunConfig, dump_toml, load_run_config
+from fedseg.engine import _save_json
 from fedseg.errors import ConfigError
 
 from fedseg.deploy.params import deploy_params
-from fedseg.deploy.site import data_header
+from fedseg.deploy.site import data_header, is_plain_name
 from fedseg.deploy.supervise import CONTROL_RESTART
-from fedseg.deploy.transport import Call, RemoteTransport
+from fedseg.deploy.transport import Call, DeployError, RemoteTransport
 
-__all__ = ["load_deploy_config", "prepare_run", "serve"]
+__all__ = ["check_aggregate", "load_deploy_config", "prepare_run", "read_dropouts", "serve"]
+
+
+def check_aggregate(state: Arrays, max_abs: float) -> None:
+    """Refuse to commit a server state holding a NaN/infinity or a value beyond ``deploy.max_abs_value``."""
+    bad = nonfinite(state)
+    if bad:
+        raise DeployError(f"the aggregate holds non-finite values in {bad[:5]}; it is not checkpointed "
+                          "(the previous round's checkpoint stays valid for --resume)")
+    for k, v in state.items():
+        if is_float(v) and v.numel() and float(v.abs().max()) > max_abs:
+            raise DeployError(f"the aggregate's '{k}' reaches {float(v.abs().max()):.3g}, beyond deploy.max_abs_value = {max_abs:g}; "
+                              "it is not checkpointed (the previous round's checkpoint stays valid for --resume)")
+
+
+def read_deploy_json(out: Path) -> dict[str, Any]:
+    """``OUT/deploy.json`` (the run id, sites, data layout), checked: one error naming the file if it is unreadable."""
+    path = Path(out) / "deploy.json"
+    if not path.is_file():
+        raise ConfigError(f"{out} has no deploy.json: it is not a deployed run folder; check the path")
+    try:
+        desc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path} is damaged ({e}); it holds the run id the sites' checkpoints are filed under: restore it "
+                          "from a backup (or rewrite it from a site's WORKDIR/<run_id>), or start a new run") from None
+    if not isinstance(desc, dict) or not is_plain_name(desc.get("run_id")) or not isinstance(desc.get("sites"), list):
+        raise ConfigError(f"{path} lacks a plain run_id or the site list; restore it from a backup or start a new run")
+    return desc
+
+
+def read_dropouts(path: Path, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The dropouts recorded in ``dropouts.jsonl``; a torn or malformed line (a crash mid-append) is skipped with a warning."""
+    out: list[dict[str, Any]] = []
+    if not path.is_file():
+        return out
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict):
+            log(f"[deploy] warning: {path} line {i} is torn or malformed ({line[:80]!r}); skipped")
+            continue
+        out.append(entry)
+    return out
 
 
 def load_deploy_config(path: str | Path, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
@@ -51,13 +99,11 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
     out = Path(out)
     desc_path = out / "deploy.json"
     if resume:
-        if not desc_path.is_file():
-            raise ConfigError(f"{out} has no deploy.json: it is not a deployed run folder; check the path")
-        desc = json.loads(desc_path.read_text())
+        desc = read_deploy_json(out)
         if not (out / "checkpoints" / "progress.json").is_file():
             raise ConfigError(f"{out} has no checkpoint yet (no round completed); start the run again without --resume")
         desc["resume"] = True
-        desc_path.write_text(json.dumps(desc, indent=1))
+        _save_json(desc, desc_path)
         return desc
     get_algorithm(cfg)
     if get_algorithm(cfg).needs_pooled_site:
@@ -72,7 +118,7 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
     desc = {"run_id": f"{cfg.method}-{uuid.uuid4().hex[:12]}", "sites": names, "data": data_header(fed), "resume": False}
-    desc_path.write_text(json.dumps(desc, indent=1))
+    _save_json(desc, desc_path)
     return desc
 
 
@@ -89,7 +135,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
 
     t0 = time.perf_counter()
     out = Path(out)
-    desc = json.loads((out / "deploy.json").read_text())
+    desc = read_deploy_json(out)
     cfg = load_deploy_config(out / "config.toml")
     params = deploy_params(cfg)
     algorithm = get_algorithm(cfg)
@@ -99,11 +145,12 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     record = out / "dropouts.jsonl"
     if not resume:
         record.unlink(missing_ok=True)
-    transport = RemoteTransport(desc["sites"], call, params, log=log, record=record)
+    transport = RemoteTransport(desc["sites"], call, params, log=log, record=record, num_metrics=len(workload.metric_names))
     setup = transport.setup({"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()})
     log(f"[deploy] sites set up: {json.dumps(setup)}")
     t_setup = time.perf_counter() - t0
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=log)
+    engine.check_state = lambda state: check_aggregate(state, params.max_abs_value)
     transport.round_source = lambda: engine.round
     restart = out / CONTROL_RESTART
     results = engine.run(resume=resume, stop_after=desc.get("stop_after"), stop_requested=restart.is_file)
@@ -116,7 +163,8 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         "run_id": desc["run_id"],
         "resumed": resume,
         "setup_s": t_setup,
-        "dropouts": [json.loads(line) for line in record.read_text().splitlines()] if record.is_file() else [],
+        "declared_samples": transport.declared,
+        "dropouts": read_dropouts(record, log),
         "wire_bytes": transport.wire_bytes,
     }
     write_results(results, out)

@@ -33,9 +33,9 @@ from fedseg.errors import ConfigError, PayloadError
 from fedseg.site import Site, SiteData
 from fedseg.workload import Workload
 
-from fedseg.deploy.wire import check_arrays, decode_task, encode_reply
+from fedseg.deploy.wire import check_arrays, decode_task, encode_reply, parse_json_object
 
-__all__ = ["SITE_CONFIG_NAME", "SiteConfig", "SiteRuntime", "data_header", "read_site_config", "write_site_config"]
+__all__ = ["SITE_CONFIG_NAME", "SiteConfig", "SiteRuntime", "data_header", "is_plain_name", "read_site_config", "write_site_config"]
 
 SITE_CONFIG_NAME = "fedseg_site.json"
 """File name of a site's config inside its kit's ``local/`` folder."""
@@ -136,14 +136,22 @@ class SiteRuntime:
             if op == "task":
                 return self._task(payload)
             if op == "setup":
-                return _json(self._setup(json.loads(payload)))
+                return _json(self._setup(parse_json_object(payload, f"site {self.name}: setup")))
             if op == "checkpoint":
-                return _json(self._checkpoint(int(json.loads(payload)["round"])))
+                return _json(self._checkpoint(self._round(payload, op)))
             if op == "restore":
-                return _json(self._restore(int(json.loads(payload)["round"])))
+                return _json(self._restore(self._round(payload, op)))
             if op == "ping":
                 return _json({"site": self.name, "ready": self.site is not None})
             raise PayloadError(f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version")
+
+    def _round(self, payload: bytes, op: str) -> int:
+        """The round of a checkpoint/restore request: an integer in 0..rounds of the run set up."""
+        rnd = parse_json_object(payload, f"site {self.name}: {op}").get("round")
+        top = self.site.cfg.rounds if self.site is not None else None
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0 or (top is not None and rnd > top):
+            raise PayloadError(f"site {self.name}: {op} of round {rnd!r} refused; a round is an integer in 0..{top if top is not None else 'rounds'}")
+        return rnd
 
     def _setup(self, desc: dict[str, Any]) -> dict[str, Any]:
         from fedseg.algorithms import get_algorithm, known_sections
@@ -152,9 +160,10 @@ class SiteRuntime:
         sites = list(desc["sites"])
         if self.name not in sites:
             raise ConfigError(f"site {self.name}: not among the run's sites {sites}; check the name in {SITE_CONFIG_NAME}")
-        run_id = str(desc["run_id"])
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
-            raise PayloadError(f"site {self.name}: run id {run_id!r} is not a safe folder name")
+        run_id = desc.get("run_id")
+        if not is_plain_name(run_id):
+            raise PayloadError(f"site {self.name}: run id {run_id!r} is not a plain name (letters, digits, '_', '.', '-'; "
+                               "starting with a letter or digit; at most 128 characters)")
         if self.site is not None and self.run_id == run_id:
             return self._summary()
         self.run_id = run_id
@@ -172,7 +181,11 @@ class SiteRuntime:
 
     def _summary(self) -> dict[str, Any]:
         assert self.site is not None
-        return {"site": self.name, "index": self.site.index, "num_train": self.site.num_train}
+        from fedseg.site import dataset_len
+
+        d = self.site.data
+        return {"site": self.name, "index": self.site.index, "num_train": self.site.num_train,
+                "num_validation": dataset_len(d.val), "num_testing": dataset_len(d.test)}
 
     def _task(self, payload: bytes) -> bytes:
         if self.site is None:
@@ -195,8 +208,9 @@ class SiteRuntime:
     def _checkpoints(self) -> list[tuple[int, Path]]:
         out = []
         for d in self.run_dir().glob("round-*"):
-            if (d / "DONE").is_file():
-                out.append((int(d.name.split("-")[1]), d))
+            m = re.fullmatch(r"round-(\d+)", d.name)
+            if m and (d / "DONE").is_file():  # anything else in the folder is not ours: ignored
+                out.append((int(m.group(1)), d))
         return sorted(out)
 
     def _restore(self, rnd: int) -> dict[str, Any]:
@@ -210,6 +224,12 @@ class SiteRuntime:
         if r != rnd:
             log.warning("site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r)
         return {"site": self.name, "restored": r}
+
+
+def is_plain_name(name: Any) -> bool:
+    """A run id or folder name that stays inside its parent: letters, digits, ``_.-``, starting with a letter
+    or digit (so never ``.``, ``..`` or a path), at most 128 characters."""
+    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name) is not None
 
 
 def _json(x: Any) -> bytes:

@@ -29,12 +29,14 @@ time from the end of the old job to the first round completed by the new one.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from fedseg.deploy.params import DeployParams
+from fedseg.engine import _save_json
 from fedseg.deploy.transport import DeployError
 
 __all__ = ["CONTROL_RESTART", "JobAdmin", "Supervisor", "completed_round"]
@@ -93,15 +95,33 @@ class Supervisor:
         self.log = log
         self.poll_s = poll_s
         self.progress = progress
-        record = self.run_dir / RECORD
-        past = json.loads(record.read_text()) if record.is_file() else {}
+        past = self._read_record()
         self.recoveries: list[dict[str, Any]] = list(past.get("recoveries", []))  # the run's, across submissions
         self.jobs: list[dict[str, Any]] = list(past.get("jobs", []))
         self._first_job = len(self.jobs)
 
     # ----------------------------------------------------------------- pieces
+    def _read_record(self) -> dict[str, Any]:
+        """The run's earlier jobs and recoveries; a damaged record (a crash of an older version mid-write) is set
+        aside with a warning, since it is a log and the run itself does not depend on it."""
+        record = self.run_dir / RECORD
+        if not record.is_file():
+            return {}
+        try:
+            past = json.loads(record.read_text())
+            if isinstance(past, dict) and isinstance(past.get("jobs", []), list) and isinstance(past.get("recoveries", []), list):
+                return past
+        except ValueError:
+            pass
+        aside = record.with_name(RECORD + ".damaged")
+        os.replace(record, aside)
+        self.log(f"[supervisor] warning: {record} was damaged; moved to {aside.name}, starting a new job record")
+        return {}
+
     def _desc(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / "deploy.json").read_text())
+        from fedseg.deploy.server import read_deploy_json
+
+        return read_deploy_json(self.run_dir)
 
     def _present(self, wait_s: float) -> list[str]:
         """Run sites connected now, after waiting up to ``wait_s`` for all of them (federation order)."""
@@ -119,20 +139,20 @@ class Supervisor:
     def _request_restart(self, reason: str) -> None:
         p = self.run_dir / CONTROL_RESTART
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps({"reason": reason, "time": time.time()}))
+        _save_json({"reason": reason, "time": time.time()}, p)
 
     def _clear_restart(self) -> None:
         (self.run_dir / CONTROL_RESTART).unlink(missing_ok=True)
 
     def _save_record(self, results: bool = False) -> None:
         """Write ``OUT/supervisor.json``; with ``results`` also the run's finished ``results.json``."""
-        (self.run_dir / RECORD).write_text(json.dumps({"recoveries": self.recoveries, "jobs": self.jobs}, indent=1))
+        _save_json({"recoveries": self.recoveries, "jobs": self.jobs}, self.run_dir / RECORD)
         res = self.run_dir / "results.json"
         if results and res.is_file():
             data = json.loads(res.read_text())
             data.setdefault("deploy", {})["recoveries"] = self.recoveries
             data["deploy"]["jobs"] = self.jobs
-            res.write_text(json.dumps(data, indent=1))
+            _save_json(data, res)
 
     # ------------------------------------------------------------------- loop
     def run(self, timeout: float = 0.0) -> dict[str, Any]:
@@ -180,9 +200,20 @@ class Supervisor:
                 fh.write(job_id + "\n")
             self.log(f"[supervisor] job {job_id} submitted with sites {job_sites} from round {record['from_round']}")
             rejoining: list[str] = []
+            results_at: float | None = None
             while True:
                 status = self.admin.status(job_id)
                 if status.startswith("FINISHED"):
+                    break
+                if results_at is None and self._results_since(t_wall):
+                    results_at = time.monotonic()
+                if results_at is not None and time.monotonic() - results_at >= self.params.shutdown_grace_s:
+                    # the run is complete; FLARE may still wait for a site that died (it keeps the job open for
+                    # minutes): nothing is left to wait for, so end the job instead of blocking the command
+                    self.log(f"[supervisor] results are complete but job {job_id} is still {status} after "
+                             f"{self.params.shutdown_grace_s:g} s (deploy.shutdown_grace_s; a dead site can hold it open): aborting it")
+                    self.admin.abort(job_id)
+                    status = f"{status}, aborted after its results"
                     break
                 rnd = completed_round(self.run_dir)
                 bar.n = rnd
@@ -241,5 +272,5 @@ class Supervisor:
             if rnd > 0:
                 desc = self._desc()
                 desc["resume"] = True
-                (self.run_dir / "deploy.json").write_text(json.dumps(desc, indent=1))
+                _save_json(desc, self.run_dir / "deploy.json")
             pending = {"after_job": job_id, "reason": reason, "from_round": rnd, "sites": job_sites, "_t0": t_end}

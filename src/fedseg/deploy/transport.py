@@ -8,7 +8,13 @@ most ``deploy.round_deadline_s``, validates every reply and applies the fault
 rule:
 
 * a site that errors, times out or sends an invalid reply is **left out** of the
-  exchange, with the reason logged and recorded in :attr:`dropouts`;
+  exchange, with the reason logged and recorded in :attr:`dropouts`.  Invalid is
+  anything that fails to decode (whatever the exception) or breaks a rule: the
+  checks of :func:`~fedseg.deploy.wire.check_reply`; tensor names and metric
+  layout other than every reply to the same task; a sample count other than the
+  one the site declared at setup; evaluation scores outside the schema (asked
+  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ more
+  than ``deploy.max_update_ratio`` times the median of the other replies';
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
@@ -22,6 +28,9 @@ rule:
 from __future__ import annotations
 
 import json
+import math
+import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +39,13 @@ from typing import Any
 
 import torch
 
+from fedseg.arrays import Arrays, is_float
 from fedseg.errors import FedsegError, PayloadError
 from fedseg.site import Reply, Task
 from fedseg.transport.base import Traffic
 
 from fedseg.deploy.params import DeployParams
-from fedseg.deploy.wire import check_reply, decode_reply, encode_task
+from fedseg.deploy.wire import parse_json_object, check_reply, decode_reply, encode_task
 
 __all__ = ["Call", "DeployError", "LoopbackChannel", "RemoteTransport"]
 
@@ -44,6 +54,60 @@ Call = Callable[[str, str, bytes, float], bytes]
 
 class DeployError(FedsegError):
     """A deployed exchange could not complete (too few sites answered)."""
+
+
+_SPLITS = {"training": "training", "train": "training", "validation": "validation", "val": "validation", "testing": "testing", "test": "testing"}
+
+
+def _declared_counts(summary: dict[str, Any]) -> dict[str, int]:
+    """``{"training": n, "validation": m, "testing": t}`` from a site's setup summary (the last two when given)."""
+    out = {}
+    for split, field in (("training", "num_train"), ("validation", "num_validation"), ("testing", "num_testing")):
+        n = summary.get(field)
+        if n is None and split != "training":
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise PayloadError(f"{field} must be an integer >= 0, got {n!r}")
+        out[split] = n
+    return out
+
+
+def _task_key(task: Task) -> str:
+    """What fixes a reply's tensor names: the task kind, its non-numeric settings and the names it sent."""
+    conf = {k: v for k, v in task.config.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+    return json.dumps([task.kind, conf, sorted(task.arrays)], sort_keys=True, default=str)
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _metric_kinds(metrics: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), _kind(v)) for k, v in metrics.items()))
+
+
+def _metrics_mismatch(expected: dict[str, str], got: tuple[tuple[str, str], ...]) -> str:
+    """'' when ``got`` has the expected keys with compatible kinds (null is compatible with any), else the difference."""
+    have = dict(got)
+    missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    if missing or extra:
+        return f"keys differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})"
+    wrong = [f"{k} is a {have[k]}, expected a {v}" for k, v in expected.items() if "null" not in (v, have[k]) and v != have[k]]
+    return "; ".join(wrong[:3])
+
+
+def update_norm(sent: Arrays, returned: Arrays) -> float | None:
+    """‖returned − sent‖ (float64) over the floating tensors present in both; None when they share none."""
+    common = [k for k, v in returned.items() if k in sent and is_float(v) and v.shape == sent[k].shape]
+    if not common:
+        return None
+    return math.sqrt(sum(float((returned[k].double() - sent[k].double()).pow(2).sum()) for k in common))
 
 
 def _parallel(fns: dict[str, Callable[[], Any]], timeout: float) -> dict[str, tuple[bool, Any]]:
@@ -93,10 +157,12 @@ class RemoteTransport:
         Where dropouts and rejections are reported.
     record
         A JSON-lines file every dropout is appended to (the run's record across jobs).
+    num_metrics
+        Scores per case in an evaluation reply (the workload's metric count); None: not checked.
     """
 
     def __init__(self, sites: list[str] | tuple[str, ...], call: Call, params: DeployParams, log: Callable[[str], None] = print,
-                 record: Path | None = None):
+                 record: Path | None = None, num_metrics: int | None = None):
         self.record = record
         self.sites = tuple(sites)
         self.call = call
@@ -108,6 +174,10 @@ class RemoteTransport:
         self.round_source: Callable[[], int] = lambda: 0
         self._schema: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self._down: set[str] = set()  # sites whose last exchange failed: pinged before the next one
+        self.num_metrics = num_metrics
+        self.declared: dict[str, dict[str, int]] = {}  # each site's case counts, from its setup reply
+        self._exact: dict[tuple[str, str], bool] = {}  # (site, task key): its replies claim exactly the declared count
+        self._names: dict[str, tuple[frozenset[str], tuple]] = {}  # expected reply layout (names, metric kinds) per task key
 
     # ---------------------------------------------------------------- control
     def _control(self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -122,8 +192,11 @@ class RemoteTransport:
         out = {}
         for s, (ok, res) in results.items():
             if ok:
-                out[s] = json.loads(res)
                 self._down.discard(s)
+                try:
+                    out[s] = parse_json_object(res, f"reply of site {s} to '{op}'")
+                except Exception as e:  # noqa: BLE001 - a malformed control reply is a rejection
+                    self._drop(s, op, f"rejected: {type(e).__name__}: {e}")
             else:
                 self._down.add(s)
                 self._drop(s, op, f"{type(res).__name__}: {res}")
@@ -132,6 +205,12 @@ class RemoteTransport:
     def setup(self, desc: dict[str, Any]) -> dict[str, Any]:
         """Send the run description to every site (they load their data); returns their summaries."""
         out = self._control("setup", desc, self.params.setup_timeout_s)
+        for site, summary in list(out.items()):
+            try:
+                self.declared[site] = _declared_counts(summary)
+            except Exception as e:  # noqa: BLE001 - a malformed summary leaves the site out of the run
+                del out[site]
+                self._drop(site, "setup", f"rejected: setup summary {str(summary)[:200]}: {type(e).__name__}: {e}")
         need = min(self.params.min_sites, len(self.sites))
         if len(out) < need:
             raise DeployError(f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = {self.params.min_sites}; check the sites' logs")
@@ -157,8 +236,10 @@ class RemoteTransport:
         entry = {"round": rnd, "site": site, "task": kind, "reason": reason}
         self.dropouts.append(entry)
         if self.record is not None:  # kept across the jobs of a supervised run
-            with self.record.open("a") as fh:
+            with self.record.open("a") as fh:  # one line per append, synced; a torn last line is skipped on reading
                 fh.write(json.dumps(entry) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
         self.log(f"[deploy] round {rnd}: site {site} left out of '{kind}': {reason}")
 
     # -------------------------------------------------------------- transport
@@ -169,7 +250,7 @@ class RemoteTransport:
         blobs = {s: encode_task(t) for s, t in tasks.items()}
         deadline = self.params.round_deadline_s
         results = _parallel({s: (lambda s=s: self._send(s, blobs[s], deadline)) for s in tasks}, deadline)
-        replies: dict[str, Reply] = {}
+        decoded: dict[str, Reply] = {}
         for s in tasks:  # keep the order of the request (= federation order for broadcasts)
             ok, res = results[s]
             task = tasks[s]
@@ -180,19 +261,27 @@ class RemoteTransport:
                 self._drop(s, task.kind, f"{type(res).__name__}: {res}")
                 continue
             self._down.discard(s)
-            try:
+            try:  # whatever a site sends, a failure here is a rejected reply, never the end of the run
                 self.wire_bytes["received"] += len(res)
                 reply = decode_reply(res, self.params.max_payload_bytes)
-                key = (s, task.kind)
-                check_reply(task, reply, self._schema.get(key), what=f"reply of site {s} to '{task.kind}'")
-            except PayloadError as e:
-                self.traffic.record(s, task, None)
-                self._drop(s, task.kind, f"rejected: {e}")
+                what = f"reply of site {s} to '{task.kind}'"
+                check_reply(task, reply, self._schema.get((s, task.kind)), what=what)
+                self._check_samples(s, task, reply, what)
+                if task.kind == "evaluate":
+                    self._check_scores(s, task, reply, what)
+            except Exception as e:  # noqa: BLE001 - hostile bytes may raise anything; all of it is a rejection
+                self._reject(s, task, e)
                 continue
+            decoded[s] = reply
+        self._check_names(tasks, decoded)
+        self._check_updates(tasks, decoded)
+        replies: dict[str, Reply] = {}
+        for s, reply in decoded.items():
+            key = (s, tasks[s].kind)
             # remember the layout only (zero-stride views take no memory)
             known = self._schema.setdefault(key, {})
             known.update({k: torch.empty((), dtype=v.dtype).expand(v.shape) for k, v in reply.arrays.items() if k not in known})
-            self.traffic.record(s, task, reply)
+            self.traffic.record(s, tasks[s], reply)
             replies[s] = reply
         need = min(self.params.min_sites, len(tasks))
         if len(replies) < need:
@@ -201,6 +290,105 @@ class RemoteTransport:
                 f"(deploy.min_sites = {self.params.min_sites}); the run stops here and can be resumed from its last checkpoint"
             )
         return replies
+
+    # ------------------------------------------------------------- validation
+    def _reject(self, site: str, task: Task, error: BaseException | str) -> None:
+        reason = error if isinstance(error, str) else (str(error) if isinstance(error, PayloadError) else f"{type(error).__name__}: {error}")
+        self.traffic.record(site, task, None)
+        self._drop(site, task.kind, f"rejected: {reason[:500]}")
+
+    def _check_samples(self, site: str, task: Task, reply: Reply, what: str) -> None:
+        """A site's sample counts are the ones it declared at setup, never a reply's claim.
+
+        A task that names a split (evaluation) must be answered with that split's
+        declared case count.  Any other reply may not claim more than the declared
+        training cases, and must claim exactly them if its first reply of that kind
+        did (FedAvg's n_k); kinds that report a step's batch (FGA) stay below it.
+        """
+        counts = self.declared.get(site)
+        if counts is None:
+            return
+        n = reply.num_samples
+        split = task.config.get("split")
+        if isinstance(split, str) and _SPLITS.get(split) in counts:
+            want = counts[_SPLITS[split]]
+            if n != want:
+                raise PayloadError(f"{what}: claims {n} {split} cases, but the site declared {want} at setup")
+            return
+        n_train = counts["training"]
+        if n > n_train:
+            raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup")
+        exact = self._exact.setdefault((site, _task_key(task)), n == n_train)
+        if exact and n != n_train:
+            raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup (and claimed them before)")
+
+    def _check_scores(self, site: str, task: Task, reply: Reply, what: str) -> None:
+        """Evaluation metrics: exactly the candidates asked for, the site's declared number of cases of the
+        split, each case a list of ``num_metrics`` scores in [0, 1]."""
+        per_case = reply.metrics.get("per_case")
+        asked = [c.get("name") for c in task.config.get("candidates", [])]
+        if not isinstance(per_case, dict) or sorted(per_case) != sorted(asked):
+            got = sorted(per_case)[:5] if isinstance(per_case, dict) else type(per_case).__name__
+            raise PayloadError(f"{what}: scores {got}, but was asked for the candidates {asked}")
+        split = task.config.get("split")
+        want = (self.declared.get(site) or {}).get(_SPLITS.get(split, ""))
+        for name, cases in per_case.items():
+            if not isinstance(cases, list):
+                raise PayloadError(f"{what}: scores of {name!r} are a {type(cases).__name__}, not a list of cases")
+            if want is not None and len(cases) != want:
+                raise PayloadError(f"{what}: {len(cases)} {split} cases scored for {name!r}, but the site declared {want} at setup")
+            for case in cases:
+                if not isinstance(case, list) or not case or (self.num_metrics is not None and len(case) != self.num_metrics):
+                    raise PayloadError(f"{what}: a case of {name!r} is {str(case)[:80]}, not a list of {self.num_metrics or 'the'} metric scores")
+                if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0 for x in case):
+                    raise PayloadError(f"{what}: a score of {name!r} is outside [0, 1]: {str(case)[:80]}")
+
+    def _check_names(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
+        """Reply tensor names must equal the expected set, and the metrics must carry the expected keys with
+        values of the expected JSON kinds (number, string, list, object, bool; null stands for any): what every
+        reply to the same task (kind, non-numeric settings, tensor names sent) carried before.  The first time
+        a task is seen, the layout most of its replies carry (on a tie, the one whose tensor names equal the
+        names sent, then the first site's in federation order) becomes the expected one."""
+        groups: dict[str, list[str]] = {}
+        for s in decoded:
+            groups.setdefault(_task_key(tasks[s]), []).append(s)
+        for key, members in groups.items():
+            expected = self._names.get(key)
+            if expected is None:
+                layouts = [(frozenset(decoded[s].arrays), _metric_kinds(decoded[s].metrics)) for s in members]
+                sent = frozenset(tasks[members[0]].arrays)
+                distinct = list(dict.fromkeys(layouts))
+                expected = max(distinct, key=lambda x: (layouts.count(x), x[0] == sent))
+                self._names[key] = expected
+            names, kinds = expected
+            for s in members:
+                got = frozenset(decoded[s].arrays)
+                what = f"reply of site {s} to '{tasks[s].kind}'"
+                if got != names:
+                    missing, extra = sorted(names - got), sorted(got - names)
+                    self._reject(s, tasks[s], f"{what}: tensor names differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})")
+                    del decoded[s]
+                    continue
+                bad = _metrics_mismatch(dict(kinds), _metric_kinds(decoded[s].metrics))
+                if bad:
+                    self._reject(s, tasks[s], f"{what}: metrics {bad}")
+                    del decoded[s]
+
+    def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
+        """Reject a reply whose update ‖w_k − w‖ (over the tensors it returns of those its task sent) is more
+        than ``deploy.max_update_ratio`` times the median update of the exchange's other replies."""
+        ratio = self.params.max_update_ratio
+        if not ratio:
+            return
+        norms = {s: n for s in decoded if (n := update_norm(tasks[s].arrays, decoded[s].arrays)) is not None}
+        if len(norms) < 2:
+            return
+        for s, n in norms.items():
+            med = statistics.median(v for k, v in norms.items() if k != s)
+            if med > 0 and n > ratio * med:
+                self._reject(s, tasks[s], f"reply of site {s} to '{tasks[s].kind}': update norm {n:.4g} is {n / med:.3g}x the median "
+                                          f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})")
+                del decoded[s]
 
     def save_sites(self, folder: Path) -> None:
         """Ask every site to checkpoint its own state (models, optimizer moments) for the current round."""

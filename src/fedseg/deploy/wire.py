@@ -34,6 +34,7 @@ __all__ = [
     "decode_task",
     "encode_reply",
     "encode_task",
+    "parse_json_object",
     "read_header",
 ]
 
@@ -77,22 +78,60 @@ def read_header(data: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> tuple[dict[s
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > len(data) - 8:
         raise PayloadError(f"payload header claims {n} bytes but only {len(data) - 8} follow; the blob is truncated")
-    try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except ValueError as e:
-        raise PayloadError(f"payload header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise PayloadError("payload header is not a JSON object")
-    meta_raw = (header.pop("__metadata__", None) or {}).get(_KEY)
+    header = parse_json_object(bytes(data[8:8 + n]), "payload header")
+    meta_table = header.pop("__metadata__", None) or {}
+    if not isinstance(meta_table, dict):
+        raise PayloadError(f"payload's safetensors metadata is a {type(meta_table).__name__}, not a JSON object of strings")
+    meta_raw = meta_table.get(_KEY)
     if meta_raw is None:
         raise PayloadError("payload has no fedseg metadata; it was not written by fedseg's encode_task/encode_reply")
-    try:
-        meta = json.loads(meta_raw)
-    except ValueError as e:
-        raise PayloadError(f"payload metadata is not JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("v") != _VERSION:
-        raise PayloadError(f"payload wire version {meta.get('v') if isinstance(meta, dict) else meta!r} is not {_VERSION}; run the same fedseg version on server and sites")
+    if not isinstance(meta_raw, str):
+        raise PayloadError(f"payload's fedseg metadata is a {type(meta_raw).__name__}, not a JSON string")
+    meta = parse_json_object(meta_raw, "payload metadata")
+    if meta.get("v") != _VERSION:
+        raise PayloadError(f"payload wire version {meta.get('v')!r} is not {_VERSION}; run the same fedseg version on server and sites")
     return header, meta
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of lists/objects accepted in a payload's JSON parts (fedseg's own are < 10 deep)."""
+
+
+def _json_depth(text: str | bytes) -> int:
+    """Maximum bracket nesting of a JSON text (brackets inside strings skipped), without recursion."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_json_object(text: str | bytes, what: str) -> dict[str, Any]:
+    """Parse a JSON object from an untrusted peer: too deep a nesting, invalid JSON or another type is a
+    :class:`PayloadError` (never a RecursionError or a parser's own exception)."""
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise PayloadError(f"{what} nests {depth} levels deep (limit {MAX_JSON_DEPTH}); the peer is not speaking fedseg's wire format")
+    try:
+        out = json.loads(text)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise PayloadError(f"{what} is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(out, dict):
+        raise PayloadError(f"{what} is not a JSON object (a JSON {type(out).__name__})")
+    return out
 
 
 def _unpack(data: bytes, max_bytes: int) -> tuple[Arrays, dict[str, Any]]:

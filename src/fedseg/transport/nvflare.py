@@ -29,7 +29,7 @@ from nvflare.collab import collab
 
 from fedseg.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
 
-__all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits"]
+__all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
 
 log = logging.getLogger("fedseg.deploy")
 ADMIN_USER = "admin@fedseg.org"
@@ -85,6 +85,12 @@ class FedsegSite:
 
     @collab.publish
     def call(self, op: str, payload: bytes) -> bytes:
+        ctx = collab.context  # FLARE's call context: the caller is the authenticated origin of the request
+        server = getattr(ctx.server, "name", None) or "server"
+        if ctx.caller != server:
+            name = self._runtime.name if self._runtime is not None else getattr(getattr(ctx, "app", None), "name", "this site")
+            log.warning("site %s refused '%s' from %s: only the server calls a site", name, op, ctx.caller)
+            raise PermissionError(f"site {name}: refused '{op}' from {ctx.caller!r}; only the server ({server!r}) may call a site")
         return self._rt().call(op, payload)
 
 
@@ -128,8 +134,9 @@ def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, a
             {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
         ],
     }
-    ws = out / ".provision"
-    ws.mkdir(parents=True, exist_ok=True)
+    ws = out / ".provision"  # the root CA's state: stays on the provisioning machine, owner-only
+    ws.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ws.chmod(0o700)  # before anything is written into it: no window in which others can reach the CA key
     (ws / "project.yml").write_text(json.dumps(project_dict, indent=1))  # JSON is YAML
     env = {**os.environ, "HOME": str(ws)}
     proc = subprocess.run([sys.executable, "-m", "nvflare.cli", "provision", "-p", str(ws / "project.yml"), "-w", str(ws), "--force"],
@@ -154,7 +161,28 @@ def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, a
             (dest / "local" / "resources.json").write_text(json.dumps(res, indent=1))
         kits[role] = dest
     (out / "kits.json").write_text(json.dumps({"server": f"{host}:{fl_port}", "admin_port": admin_port, "sites": sites, "admin_user": ADMIN_USER}, indent=1))
+    restrict(ws, everything=True)
+    for kit in kits.values():
+        restrict(kit)
     return kits
+
+
+def restrict(folder: Path, everything: bool = False) -> None:
+    """Owner-only access (folders 0700, files 0600; executables keep their owner's x bit).
+
+    ``everything``: every file and folder under ``folder`` (the CA state of ``.provision``).
+    Otherwise a kit: the kit folder, its ``startup/`` folder and its private keys (``*.key``),
+    while certificates, configs and scripts stay as FLARE wrote them inside the now closed folder.
+    """
+    folder = Path(folder)
+    paths = [folder, *folder.rglob("*")] if everything else [folder, folder / "startup", *folder.glob("startup/*.key")]
+    for p in paths:
+        if p.is_symlink() or not p.exists():
+            continue
+        if p.is_dir():
+            p.chmod(0o700)
+        else:
+            p.chmod(0o700 if p.stat().st_mode & 0o100 else 0o600)
 
 
 def server_command(kit: str | Path) -> list[str]:
