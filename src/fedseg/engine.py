@@ -15,6 +15,10 @@ Checkpoint layout (``OUT/checkpoints/``), safetensors + JSON, no pickle:
   algorithm state (written by the transport; deployed sites write their own);
 * ``progress.json`` — the last completed round and the history, written last, so
   a crash mid-checkpoint leaves the previous checkpoint valid.
+
+Every tensor is a host (CPU) tensor on disk, so a run checkpointed on a GPU resumes on
+the CPU and back.  :class:`CheckpointWriter` takes a synchronous snapshot to host memory
+and writes the files in a background thread while the next round trains.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from tqdm.auto import tqdm
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.arrays import Arrays, clone, prefixed, strip_prefix
 from fedseg.config import RunConfig
+from fedseg.device import configure_determinism, describe, resolve_device, to_device, to_host
 from fedseg.errors import ConfigError
 from fedseg.evaluation.summary import summarize
 from fedseg.seeding import derive_seed
@@ -42,7 +48,7 @@ from fedseg.site import Task
 from fedseg.transport.base import Transport
 from fedseg.workload import Workload
 
-__all__ = ["Best", "Engine"]
+__all__ = ["Best", "CheckpointWriter", "Engine"]
 
 
 @dataclass
@@ -57,12 +63,6 @@ class Best:
 def _save_arrays(arrays: Arrays, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
-def _save_json(data: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
 
 
@@ -86,6 +86,52 @@ def commit_checkpoint(d: Path) -> None:
             shutil.rmtree(f)
         else:
             f.unlink()
+
+
+class CheckpointWriter:
+    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
+
+    :meth:`submit` takes ``{relative path: host arrays | JSON text}`` whose last entry is the
+    commit record ``progress.json.next``; the files are written one after another and the
+    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
+    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
+    committed and re-raises a failed write.  The engine waits before it stages the next
+    checkpoint and before the run returns, so at most one checkpoint is in flight and the
+    commit protocol (staged ``.next`` files, then the record) is unchanged.
+    """
+
+    def __init__(self, background: bool = True):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
+        self._pending: Future | None = None
+        self.write_s = 0.0
+        """Seconds spent writing (in the worker thread when in the background)."""
+
+    def submit(self, folder: Path, files: dict[str, Arrays | str]) -> None:
+        self.wait()
+        if self._pool is None:
+            self._write(folder, files)
+        else:
+            self._pending = self._pool.submit(self._write, folder, files)
+
+    def _write(self, folder: Path, files: dict[str, Arrays | str]) -> None:
+        t0 = time.perf_counter()
+        for rel, content in files.items():
+            path = folder / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, str):
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(content)
+                os.replace(tmp, path)
+            else:
+                _save_arrays(content, path)
+        commit_checkpoint(folder)
+        self.write_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is committed (re-raises its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 class Engine:
@@ -136,6 +182,11 @@ class Engine:
         self.state: Arrays = {}
         self.round = 0
         self._saved_best: dict[str, Any] | None = None
+        self.device = resolve_device(cfg.device)
+        configure_determinism(self.device)
+        self.writer = CheckpointWriter(background=cfg.checkpoint_background)
+        self.checkpoint_s = 0.0
+        """Seconds the round loop spent on checkpoints (snapshot + staging; the write itself when not in the background)."""
 
     # ----------------------------------------------------------------- setup
     def init_arrays(self, role: str = "global", factory: Callable[[], torch.nn.Module] | None = None) -> Arrays:
@@ -144,7 +195,7 @@ class Engine:
             torch.manual_seed(derive_seed(self.cfg.seed, "init", role))
             model = (factory or self.workload.build_model)()
         dtype = {"float32": torch.float32, "float64": torch.float64}[self.cfg.train.dtype]
-        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
+        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().to(self.device, copy=True) for k, v in model.state_dict().items()}
 
     @property
     def ckpt_dir(self) -> Path | None:
@@ -198,13 +249,19 @@ class Engine:
         ``sites.next/``), then ``progress.json.next`` is written as the commit record and the files
         are moved into place (:func:`commit_checkpoint`).  A crash at any point leaves either the
         previous round's checkpoint or a commit record to finish — never a server state of one round
-        with the progress (or site state) of another."""
+        with the progress (or site state) of another.
+
+        Everything is first copied to host memory here (server state, best models, every site's
+        state, the JSON records), then :attr:`writer` writes it — in a background thread unless
+        ``checkpoint_background = false`` — so training may change the live tensors at once."""
         d = self.ckpt_dir
         if d is None:
             return
+        t0 = time.perf_counter()
+        self.writer.wait()  # the previous checkpoint is committed before this one is staged
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]
-        _save_arrays(self.state, d / "server.safetensors.next")
+        files: dict[str, Arrays | str] = {"server.safetensors.next": to_host(self.state)}
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
@@ -212,14 +269,21 @@ class Engine:
         if best_meta != self._saved_best or not (d / "best.safetensors").is_file():
             best_arrays: Arrays = {}
             for name, b in self.best.items():
-                best_arrays.update(prefixed(name, b.candidate.arrays))
-            _save_arrays(best_arrays, d / "best.safetensors.next")
-            _save_json(best_meta, d / "best.json.next")
+                best_arrays.update(prefixed(name, to_host(b.candidate.arrays)))
+            files["best.safetensors.next"] = best_arrays
+            files["best.json.next"] = json.dumps(best_meta, indent=1)
             staged += ["best.safetensors", "best.json"]
             self._saved_best = best_meta
-        self.transport.save_sites(d / "sites.next")
-        _save_json({"round": self.round, "history": self.history, "staged": staged}, d / "progress.json.next")
-        commit_checkpoint(d)
+        snapshot = getattr(self.transport, "snapshot_sites", None)
+        if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
+            self.transport.save_sites(d / "sites.next")
+        else:
+            for name, (arrays, meta) in snapshot().items():
+                files[f"sites.next/{name}.safetensors"] = arrays
+                files[f"sites.next/{name}.json"] = json.dumps(meta, indent=1)
+        files["progress.json.next"] = json.dumps({"round": self.round, "history": self.history, "staged": staged}, indent=1)
+        self.writer.submit(d, files)
+        self.checkpoint_s += time.perf_counter() - t0
 
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir
@@ -230,8 +294,8 @@ class Engine:
         progress = json.loads((d / "progress.json").read_text())
         self.round = int(progress["round"])
         self.history = progress["history"]
-        self.state = load_file(str(d / "server.safetensors"))
-        best_arrays = load_file(str(d / "best.safetensors"))
+        self.state = to_device(load_file(str(d / "server.safetensors")), self.device)
+        best_arrays = to_device(load_file(str(d / "best.safetensors")), self.device)
         for name, m in json.loads((d / "best.json").read_text()).items():
             vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
             cand = Candidate(name, strip_prefix(name, best_arrays), m["predictor"], vs, m["home_site"], m["config"])
@@ -250,6 +314,7 @@ class Engine:
         """
         cfg = self.cfg
         t_start = time.perf_counter()
+        self.log(f"{self.algorithm.name}: device {describe(self.device)}, precision {cfg.train.precision}")
         if resume:
             self.load_checkpoint()
             self.log(f"resuming {self.algorithm.name} after round {self.round} of {cfg.rounds}")
@@ -281,6 +346,7 @@ class Engine:
                     return None
         finally:
             bar.close()
+            self.writer.wait()  # every checkpoint is committed before the run returns
         per_case = self.test()
         results = summarize(
             method=self.algorithm.name,
@@ -293,6 +359,8 @@ class Engine:
             history=self.history,
         )
         results["wall_time_s"] = time.perf_counter() - t_start
+        results["device"] = describe(self.device)
+        results["precision"] = cfg.train.precision
         return results
 
     @staticmethod
