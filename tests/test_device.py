@@ -22,6 +22,7 @@ from fedseg.device import autocast, resolve_device, to_host
 from fedseg.engine import CheckpointWriter, commit_checkpoint
 from fedseg.errors import ConfigError
 from fedseg.runner import build_transport, simulate
+from test_engine import _strip_times
 
 
 def _no_cuda(monkeypatch):
@@ -34,14 +35,6 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _strip_times(obj):
-    if isinstance(obj, dict):
-        return {k: _strip_times(v) for k, v in obj.items() if k not in ("time_s", "wall_time_s")}
-    if isinstance(obj, list):
-        return [_strip_times(v) for v in obj]
-    return obj
 
 
 # ------------------------------------------------------------------ settings
