@@ -308,3 +308,20 @@ def test_checkpoint_on_gpu_resumes_on_cpu(tmp_path, workload):
     a, b = _weights(tmp_path / "run"), _weights(tmp_path / "gpu")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
+    from fedseg.data.synth import synthesize
+    from test_cli import SMALL
+
+    spec = synthesize("fundus", tmp_path / "fed", seed=0, scale=0.05, size=32)
+    out = tmp_path / "run"
+    assert main(["run", str(spec), "--device", "cpu", "--set", "train.precision=bf16", "--rounds", "1", "--out", str(out), *SMALL]) == 0
+    assert "device cpu, precision bf16" in capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert (res["device"], res["precision"], res["config"]["device"]) == ("cpu", "bf16", "cpu")
+    assert (out / "config.toml").read_text().startswith("# ran on device cpu, precision bf16")
+    cmp = tmp_path / "cmp"
+    assert main(["compare", str(spec), "--methods", "fedavg", "--device", "cpu", "--rounds", "1", "--out", str(cmp), *SMALL]) == 0
+    assert [json.loads(p.read_text())["device"] for p in cmp.rglob("results.json")] == ["cpu"]
