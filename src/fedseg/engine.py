@@ -176,14 +176,14 @@ class Engine:
         self.out = Path(out) if out is not None else None
         self.progress = progress
         self.log = log
-        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log)
+        self.device = resolve_device(cfg.device)
+        configure_determinism(self.device)
+        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log, device=self.device)
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}
         self.state: Arrays = {}
         self.round = 0
         self._saved_best: dict[str, Any] | None = None
-        self.device = resolve_device(cfg.device)
-        configure_determinism(self.device)
         self.writer = CheckpointWriter(background=cfg.checkpoint_background)
         self.checkpoint_s = 0.0
         """Seconds the round loop spent on checkpoints (snapshot + staging; the write itself when not in the background)."""
