@@ -325,3 +325,25 @@ def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
     cmp = tmp_path / "cmp"
     assert main(["compare", str(spec), "--methods", "fedavg", "--device", "cpu", "--rounds", "1", "--out", str(cmp), *SMALL]) == 0
     assert [json.loads(p.read_text())["device"] for p in cmp.rglob("results.json")] == ["cpu"]
+
+
+def test_each_deployed_site_trains_on_its_own_device(tmp_path):
+    """The run config's device is the server's; a deployed site uses the device of its own
+    site config (``fedseg deploy site --device``) and still gives the simulation's weights."""
+    from fedseg.deploy.server import serve
+    from fedseg.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.deploy.transport import LoopbackChannel
+    from test_deploy import _cfg, _prepare, _workload
+
+    cfg, data = _cfg(), tiny_sites(2)
+    assert cfg.device == "auto"
+    _prepare(tmp_path / "dep", cfg, list(data))
+
+    def loader(name, datalist, header, site_cfg):
+        return data[name], _workload(site_cfg)
+
+    runtimes = {n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp_path / "sites" / n), device="cpu"), loader=loader) for n in data}
+    serve(tmp_path / "dep", LoopbackChannel(runtimes), log=lambda m: None)
+    assert all(r.site.cfg.device == "cpu" and r.site.device == torch.device("cpu") for r in runtimes.values())
+    simulate(cfg, _workload(cfg), tiny_sites(2), out=tmp_path / "sim", progress=False, log=lambda m: None)
+    assert _same(_weights(tmp_path / "dep"), _weights(tmp_path / "sim"))
