@@ -14,6 +14,7 @@ The synthetic fundus preset (6 sites, Table-1 case counts × ``--scale``) at eac
 Goal on an H100/H200: a FedSM round of the full-scale preset at 256² in ≤ 2 s.
 
     .venv/bin/python benchmarks/gpu.py --device cuda                      # the issue's setting
+    .venv/bin/python benchmarks/gpu.py --device cuda --nondeterministic   # what determinism costs
     .venv/bin/python benchmarks/gpu.py --device cpu --scale 0.05 --sizes 32 --channels 8,16,32 --rounds 3   # CPU smoke size
 """
 
@@ -41,6 +42,7 @@ from fedseg.workload import segmentation_workload
 def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path) -> dict:
     model = ModelConfig() if not args.channels else ModelConfig(channels=tuple(args.channels), strides=(2,) * (len(args.channels) - 1))
     cfg = RunConfig(federation=str(spec), method=method, rounds=args.rounds, seed=0, device=args.device, checkpoint_every=1,
+                    deterministic=not args.nondeterministic,
                     model=model, train=TrainConfig(batch_size=args.batch_size, precision=precision), eval=EvalConfig(every=args.rounds))
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
     algorithm = get_algorithm(cfg)
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 3: warm-up, measured rounds, last with validation)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--channels", help="U-Net channels, e.g. 8,16,32 (default: the FedSM reference's 16…256)")
+    ap.add_argument("--nondeterministic", action="store_true", help="deterministic = false: cuDNN autotuner, TF32 convolutions (measures what determinism costs)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
     args = ap.parse_args()
@@ -94,7 +97,8 @@ def main() -> None:
                              "–" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
                              f"{r['ckpt_blocking_s']:.3f}", f"{r['ckpt_write_s']:.3f}", f"{r['ckpt_mb']:.0f}"])
     machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    md = [f"scale {args.scale}, U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.rounds} rounds; {machine}", ""]
+    kernels = "non-deterministic kernels" if args.nondeterministic else "deterministic kernels"
+    md = [f"scale {args.scale}, U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.rounds} rounds, {kernels}; {machine}", ""]
     md += md_table(["size", "train cases", "method", "precision", "s/round", "peak GPU GiB", "ckpt blocking s/round",
                     "ckpt write s/round (background)", "ckpt MB"], rows)
     emit(md, args.md, out, {"args": vars(args), "machine": machine, "runs": records})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -161,6 +162,44 @@ def test_fp16_scaler_state_is_checkpointed_and_resume_is_bitwise(tmp_path, workl
     assert meta["scalers"]["global"]["scale"] > 0
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True, log=lambda m: None)
     assert _same(_weights(tmp_path / "full"), _weights(tmp_path / "part"))
+
+
+def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
+    """GradScaler logic (on the CPU): a step whose scaled gradients overflow is skipped and
+    the scale halves (65536 → 32768); the next finite step trains."""
+    cfg = tiny_config("fedavg", rounds=1, local_steps=1, local_epochs=None, precision="fp16")
+    site = build_transport(cfg, workload, tiny_sites()).site("site1")
+    model = site.model("global")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    huge = lambda m: 1e36 * sum(p.sum() for p in m.parameters())  # noqa: E731 - gradient 1e36 × scale overflows
+    site.fit("global", 1, extra_loss=huge)
+    assert _same(before, dict(model.state_dict())) and site.scalers["global"].get_scale() == 32768.0
+    site.fit("global", 2)
+    assert not _same(before, dict(model.state_dict()))
+
+
+def test_cuda_determinism_settings(monkeypatch):
+    """The CUDA branch only sets flags, so it is checked here without a GPU (then restored)."""
+    from fedseg.device import configure_determinism
+
+    cudnn = torch.backends.cudnn
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        configure_determinism(torch.device("cpu"))
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and torch.are_deterministic_algorithms_enabled() == saved[0]
+        configure_determinism(torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled() and cudnn.deterministic and not cudnn.benchmark and not cudnn.allow_tf32
+        configure_determinism(torch.device("cuda"), deterministic=False)
+        assert not torch.are_deterministic_algorithms_enabled() and cudnn.benchmark and not cudnn.deterministic
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        configure_determinism(torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # a user's own setting is kept
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = saved[2:]
 
 
 def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):

@@ -159,6 +159,9 @@ class RunConfig:
     """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.device`."""
+    deterministic: bool = True
+    """On CUDA: deterministic kernels (same seed → bitwise the same weights); false lets cuDNN pick
+    the fastest kernels.  No effect on the CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -72,23 +72,26 @@ def describe(device: torch.device) -> str:
     return str(device)
 
 
-def configure_determinism(device: torch.device) -> None:
+def configure_determinism(device: torch.device, deterministic: bool = True) -> None:
     """Make the same seed on the same CUDA device give bitwise the same weights.
 
     Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless the user set it) and
     ``torch.use_deterministic_algorithms(True, warn_only=True)``, and turns off cuDNN's
-    autotuner and TF32 matmuls (whose choice of kernel may differ between runs).  It
-    costs speed — deterministic convolution backward kernels and no TF32 (see
-    docs/architecture.md) — and is skipped on the CPU, whose kernels are deterministic.
+    autotuner and TF32 (whose choice of kernel may differ between runs).  It costs speed
+    — deterministic convolution backward kernels and no TF32 (see docs/architecture.md)
+    — and is skipped on the CPU, whose kernels are deterministic.  ``deterministic=False``
+    (``deterministic = false`` in the run config) restores PyTorch's defaults and turns
+    the cuDNN autotuner on: faster, not bitwise reproducible.
     """
     if device.type != "cuda":
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.allow_tf32 = not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default; TF32 matmuls change results visibly
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

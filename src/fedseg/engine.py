@@ -177,7 +177,7 @@ class Engine:
         self.progress = progress
         self.log = log
         self.device = resolve_device(cfg.device)
-        configure_determinism(self.device)
+        configure_determinism(self.device, cfg.deterministic)
         self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log, device=self.device)
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}

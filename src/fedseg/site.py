@@ -143,7 +143,7 @@ class Site:
         self.algorithm = algorithm
         self.dtype = _DTYPES[cfg.train.dtype]
         self.device = resolve_device(cfg.device)
-        configure_determinism(self.device)
+        configure_determinism(self.device, cfg.deterministic)
         self.precision = cfg.train.precision
         self.scalers: dict[str, torch.amp.GradScaler] = {}
         self._placed: dict[str, Dataset | None] = {}
