@@ -229,6 +229,37 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     assert out["steps"] == 5 and calls["n"] == 1
 
 
+def test_data_placement_on_the_cpu_copies_nothing_and_changes_no_number(tmp_path, workload):
+    from torch.utils.data import Dataset
+
+    class Generic(Dataset):  # not in-memory tensors: batches are gathered item by item
+        def __init__(self, base):
+            self.base = base
+
+        def __len__(self):
+            return len(self.base)
+
+        def __getitem__(self, i):
+            return self.base[i]
+
+    sites = tiny_sites()
+    placed = {mode: build_transport(tiny_config("fedavg", data=mode), workload, sites).site("site1") for mode in ("auto", "device", "stream")}
+    train = sites["site1"].train
+    for mode in ("auto", "device"):
+        ds = placed[mode].split_data("training")
+        assert ds is not train and ds.images.data_ptr() == train.tensors[0].data_ptr()  # wrapped, not copied
+        assert placed[mode].split_data("train") is ds  # placed once
+    assert placed["stream"].split_data("train") is train
+    generic = Generic(train)
+    site = build_transport(tiny_config("fedavg"), workload, {"g": dataclasses.replace(sites["site1"], train=generic)}).site("g")
+    assert site.split_data("train") is generic
+    weights = {}
+    for mode in ("device", "stream"):
+        simulate(tiny_config("fedavg", rounds=2, data=mode), workload, tiny_sites(), out=tmp_path / mode, progress=False, log=lambda m: None)
+        weights[mode] = _weights(tmp_path / mode)
+    assert _same(weights["device"], weights["stream"])
+
+
 def test_site_state_is_host_tensors(workload):
     cfg = tiny_config("fedavg", rounds=1)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")

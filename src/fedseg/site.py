@@ -236,9 +236,10 @@ class Site:
     def split_data(self, split: str) -> Dataset | None:
         """A split as the training loop reads it: on a CUDA run, in-memory tensors are moved to the
         device once (``train.data = "device"``, or ``"auto"`` when they fit in half the free GPU
-        memory) or kept on the host and copied per batch from pinned memory (``"stream"``)."""
+        memory) or kept on the host and copied per batch from pinned memory (``"stream"``).  On the
+        CPU "device" wraps the same tensors (nothing is copied)."""
         ds = self.data.split(split)
-        if ds is None or self.device.type == "cpu":
+        if ds is None:
             return ds
         key = {"train": "train", "training": "train", "val": "val", "validation": "val", "test": "test", "testing": "test"}[split]
         if key not in self._placed:
@@ -285,7 +286,9 @@ class Site:
         g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
         done, epoch = 0, 0
         while done < steps:
-            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))
+            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))  # drawn on the CPU on every device
+            if isinstance(ds, _Placed):
+                perm = perm.to(self.device)  # one copy per pass, not one per batch
             for start in range(0, n, bs):
                 if done >= steps:
                     break
