@@ -321,6 +321,17 @@ def test_writer_commits_in_order_and_a_failed_write_leaves_the_previous_checkpoi
     assert not list(d.glob("*.next"))
 
 
+def test_writer_host_buffers_are_reused_copies():
+    w = CheckpointWriter(background=False)
+    live = {"a": torch.ones(3), "n": torch.tensor(2)}
+    first = w.host_copy("server", live)
+    live["a"].add_(1)
+    assert torch.equal(first["a"], torch.ones(3)) and first["a"].data_ptr() != live["a"].data_ptr()  # a snapshot
+    second = w.host_copy("server", live)
+    assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], torch.full((3,), 2.0))  # reused
+    assert w.host_copy("other", live)["a"].data_ptr() != first["a"].data_ptr()  # one buffer per group and name
+
+
 def test_to_host_copies(tmp_path):
     t = {"a": torch.ones(2)}
     h = to_host(t)

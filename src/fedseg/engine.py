@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.arrays import Arrays, clone, prefixed, strip_prefix
 from fedseg.config import RunConfig
-from fedseg.device import configure_determinism, describe, resolve_device, to_device, to_host
+from fedseg.device import configure_determinism, describe, resolve_device, to_device
 from fedseg.errors import ConfigError
 from fedseg.evaluation.summary import summarize
 from fedseg.seeding import derive_seed
@@ -103,8 +103,32 @@ class CheckpointWriter:
     def __init__(self, background: bool = True):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
         self._pending: Future | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
         self.write_s = 0.0
         """Seconds spent writing (in the worker thread when in the background)."""
+
+    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
+        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
+        when the source is on a GPU, so the copies run without blocking until one final
+        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
+        page-faulting a checkpoint's worth of memory each time; they are free again once
+        :meth:`wait` has returned, which every caller does before copying."""
+        out: Arrays = {}
+        for k, v in arrays.items():
+            name = f"{group}/{k}"
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+                self._buffers[name] = buf
+            buf.copy_(v.detach(), non_blocking=v.is_cuda)
+            out[k] = buf
+        return out
+
+    @staticmethod
+    def copies_done() -> None:
+        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
 
     def submit(self, folder: Path, files: dict[str, Arrays | str]) -> None:
         self.wait()
@@ -261,7 +285,7 @@ class Engine:
         self.writer.wait()  # the previous checkpoint is committed before this one is staged
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]
-        files: dict[str, Arrays | str] = {"server.safetensors.next": to_host(self.state)}
+        files: dict[str, Arrays | str] = {"server.safetensors.next": self.writer.host_copy("server", self.state)}
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
@@ -269,7 +293,8 @@ class Engine:
         if best_meta != self._saved_best or not (d / "best.safetensors").is_file():
             best_arrays: Arrays = {}
             for name, b in self.best.items():
-                best_arrays.update(prefixed(name, to_host(b.candidate.arrays)))
+                best_arrays.update(prefixed(name, b.candidate.arrays))
+            best_arrays = self.writer.host_copy("best", best_arrays)
             files["best.safetensors.next"] = best_arrays
             files["best.json.next"] = json.dumps(best_meta, indent=1)
             staged += ["best.safetensors", "best.json"]
@@ -279,9 +304,10 @@ class Engine:
             self.transport.save_sites(d / "sites.next")
         else:
             for name, (arrays, meta) in snapshot().items():
-                files[f"sites.next/{name}.safetensors"] = arrays
+                files[f"sites.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
                 files[f"sites.next/{name}.json"] = json.dumps(meta, indent=1)
         files["progress.json.next"] = json.dumps({"round": self.round, "history": self.history, "staged": staged}, indent=1)
+        self.writer.copies_done()
         self.writer.submit(d, files)
         self.checkpoint_s += time.perf_counter() - t0
 

@@ -398,25 +398,27 @@ class Site:
         return Reply(metrics={"per_case": results}, num_samples=dataset_len(self.data.split(split)))
 
     # ------------------------------------------------------------ persistence
-    def state_arrays(self) -> tuple[Arrays, dict[str, Any]]:
+    def state_arrays(self, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
         """Everything the site must remember, as flat host arrays + JSON metadata (device-independent:
-        a state saved on a GPU loads on the CPU and back)."""
+        a state saved on a GPU loads on the CPU and back).  ``copy=False`` returns the live tensors
+        (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
+        take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach())
         arrays: Arrays = {}
         meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}}
         if self.scalers:
             meta["scalers"] = {role: sc.state_dict() for role, sc in self.scalers.items()}
         for role, m in self.models.items():
             for k, v in m.state_dict().items():
-                arrays[f"model/{role}/{k}"] = v.detach().to("cpu", copy=True)
+                arrays[f"model/{role}/{k}"] = take(v)
         for role, opt in self.optimizers.items():
             sd = opt.state_dict()
             meta["optimizers"][role] = {"param_groups": sd["param_groups"], "type": type(opt).__name__}
             for idx, st in sd["state"].items():
                 for key, v in st.items():
                     t = v if torch.is_tensor(v) else torch.tensor(v)
-                    arrays[f"optim/{role}/{idx}/{key}"] = t.detach().to("cpu", copy=True)
+                    arrays[f"optim/{role}/{idx}/{key}"] = take(t)
         for k, v in self.store.items():
-            arrays[f"store/{k}"] = v.detach().to("cpu", copy=True)
+            arrays[f"store/{k}"] = take(v)
         return arrays, meta
 
     def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None:
