@@ -40,11 +40,12 @@ from fedseg.runner import build_transport, load_federation_data
 from fedseg.workload import segmentation_workload
 
 
-def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path) -> dict:
+def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path, rounds: int | None = None) -> dict:
     model = ModelConfig() if not args.channels else ModelConfig(channels=tuple(args.channels), strides=(2,) * (len(args.channels) - 1))
-    cfg = RunConfig(federation=str(spec), method=method, rounds=args.rounds, seed=0, device=args.device, checkpoint_every=1,
+    rounds = rounds or args.rounds
+    cfg = RunConfig(federation=str(spec), method=method, rounds=rounds, seed=0, device=args.device, checkpoint_every=1,
                     deterministic=not args.nondeterministic, checkpoint_background=not args.sync_checkpoints,
-                    model=model, train=TrainConfig(batch_size=args.batch_size, precision=precision), eval=EvalConfig(every=args.rounds))
+                    model=model, train=TrainConfig(batch_size=args.batch_size, precision=precision), eval=EvalConfig(every=rounds))
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
     algorithm = get_algorithm(cfg)
     device = resolve_device(cfg.device)
@@ -58,9 +59,9 @@ def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path)
     times = [e["time_s"] for e in engine.history]
     steady = times[1:-1] or times[-1:]
     return {
-        "method": method, "precision": precision, "s_per_round": statistics.mean(steady), "rounds": args.rounds, "wall_s": wall,
+        "method": method, "precision": precision, "s_per_round": statistics.mean(steady), "rounds": rounds, "wall_s": wall,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "ckpt_blocking_s": engine.checkpoint_s / args.rounds, "ckpt_write_s": engine.writer.write_s / args.rounds,
+        "ckpt_blocking_s": engine.checkpoint_s / rounds, "ckpt_write_s": engine.writer.write_s / rounds,
         "ckpt_mb": sum(p.stat().st_size for p in (out / "checkpoints").rglob("*") if p.is_file()) / 1e6,
     }
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--channels", help="U-Net channels, e.g. 8,16,32 (default: the FedSM reference's 16…256)")
     ap.add_argument("--nondeterministic", action="store_true", help="deterministic = false: cuDNN autotuner, TF32 convolutions (measures what determinism costs)")
     ap.add_argument("--sync-checkpoints", action="store_true", help="checkpoint_background = false: the round loop writes each checkpoint itself")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the discarded 2-round warm-up run of each method per size")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
     args = ap.parse_args()
@@ -88,6 +90,9 @@ def main() -> None:
         spec = synthesize("fundus", out / f"data{size}", seed=0, scale=args.scale, size=size)
         fed, data = load_federation_data(spec)
         n_train = sum(len(d.train) for d in data.values())
+        if not args.no_warmup:  # one discarded run per size: lazy imports, kernel selection, allocator pools
+            for method in args.methods.split(","):
+                one_run(spec, data, fed, method, args.precisions.split(",")[0], args, out / f"warmup-{method}-{size}", rounds=2)
         for method in args.methods.split(","):
             for precision in args.precisions.split(","):
                 r = one_run(spec, data, fed, method, precision, args, out / f"{method}-{precision}-{size}")
