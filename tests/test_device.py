@@ -20,7 +20,7 @@ from conftest import tiny_config, tiny_sites
 from fedseg.cli import main
 from fedseg.config import RunConfig, TrainConfig, load_run_config
 from fedseg.device import autocast, resolve_device, to_host
-from fedseg.engine import CheckpointWriter, commit_checkpoint
+from fedseg.engine import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.errors import ConfigError
 from fedseg.runner import build_transport, simulate
 from test_engine import _strip_times
@@ -304,14 +304,14 @@ def test_writer_commits_in_order_and_a_failed_write_leaves_the_previous_checkpoi
     w = CheckpointWriter(background=True)
     for rnd in (1, 2):
         files = {"server.safetensors.next": {"w": torch.full((3,), float(rnd))},
-                 "progress.json.next": json.dumps({"round": rnd, "staged": ["server.safetensors"]})}
+                 "progress.json.next": JsonDoc({"round": rnd, "staged": ["server.safetensors"]})}
         w.submit(d, files)
     w.wait()
     assert json.loads((d / "progress.json").read_text())["round"] == 2
     assert torch.equal(load_file(str(d / "server.safetensors"))["w"], torch.full((3,), 2.0))
     # a write that fails half-way (after the server file, before the commit record) ...
     bad = {"server.safetensors.next": {"w": torch.full((3,), 3.0)}, "best.safetensors.next": {"b": "not a tensor"},
-           "progress.json.next": json.dumps({"round": 3, "staged": ["server.safetensors"]})}
+           "progress.json.next": JsonDoc({"round": 3, "staged": ["server.safetensors"]})}
     w.submit(d, bad)
     with pytest.raises(Exception):
         w.wait()  # ... is reported to the round loop

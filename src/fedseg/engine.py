@@ -23,6 +23,7 @@ and writes the files in a background thread while the next round trains.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -66,6 +67,19 @@ def _save_arrays(arrays: Arrays, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _save_json(data: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class JsonDoc:
+    """A JSON file of a staged checkpoint (a snapshot: nothing the round loop changes later)."""
+
+    data: Any
+
+
 def commit_checkpoint(d: Path) -> None:
     """Move a staged checkpoint into place if its commit record ``progress.json.next`` exists (idempotent:
     safe to repeat after a crash half-way); otherwise drop staged leftovers of an unfinished save."""
@@ -91,7 +105,7 @@ def commit_checkpoint(d: Path) -> None:
 class CheckpointWriter:
     """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
 
-    :meth:`submit` takes ``{relative path: host arrays | JSON text}`` whose last entry is the
+    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
     commit record ``progress.json.next``; the files are written one after another and the
     checkpoint is committed.  With ``background`` this happens in one worker thread, so a
     round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
@@ -130,22 +144,20 @@ class CheckpointWriter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def submit(self, folder: Path, files: dict[str, Arrays | str]) -> None:
+    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
         self.wait()
         if self._pool is None:
             self._write(folder, files)
         else:
             self._pending = self._pool.submit(self._write, folder, files)
 
-    def _write(self, folder: Path, files: dict[str, Arrays | str]) -> None:
+    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
         t0 = time.perf_counter()
         for rel, content in files.items():
             path = folder / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, str):
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(content)
-                os.replace(tmp, path)
+            if isinstance(content, JsonDoc):
+                _save_json(content.data, path)
             else:
                 _save_arrays(content, path)
         commit_checkpoint(folder)
@@ -285,7 +297,7 @@ class Engine:
         self.writer.wait()  # the previous checkpoint is committed before this one is staged
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]
-        files: dict[str, Arrays | str] = {"server.safetensors.next": self.writer.host_copy("server", self.state)}
+        files: dict[str, Arrays | JsonDoc] = {"server.safetensors.next": self.writer.host_copy("server", self.state)}
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
@@ -296,7 +308,7 @@ class Engine:
                 best_arrays.update(prefixed(name, b.candidate.arrays))
             best_arrays = self.writer.host_copy("best", best_arrays)
             files["best.safetensors.next"] = best_arrays
-            files["best.json.next"] = json.dumps(best_meta, indent=1)
+            files["best.json.next"] = JsonDoc(copy.deepcopy(best_meta))
             staged += ["best.safetensors", "best.json"]
             self._saved_best = best_meta
         snapshot = getattr(self.transport, "snapshot_sites", None)
@@ -305,8 +317,8 @@ class Engine:
         else:
             for name, (arrays, meta) in snapshot().items():
                 files[f"sites.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
-                files[f"sites.next/{name}.json"] = json.dumps(meta, indent=1)
-        files["progress.json.next"] = json.dumps({"round": self.round, "history": self.history, "staged": staged}, indent=1)
+                files[f"sites.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
+        files["progress.json.next"] = JsonDoc(copy.deepcopy({"round": self.round, "history": self.history, "staged": staged}))
         self.writer.copies_done()
         self.writer.submit(d, files)
         self.checkpoint_s += time.perf_counter() - t0
