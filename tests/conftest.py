@@ -41,3 +41,13 @@ def sites() -> dict[str, SiteData]:
 @pytest.fixture
 def workload():
     return segmentation_workload(2, 1, ["fg"], TINY_MODEL)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a GPU); CI runs the CPU paths of the same code")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

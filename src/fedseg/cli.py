@@ -56,7 +56,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
         print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
     try:
-        res = run(a.config, out=out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed, on_round=logger)
+        res = run(a.config, out=out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed, device=a.device, on_round=logger)
     finally:
         if logger is not None:
             logger.close()
@@ -88,7 +88,8 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 def cmd_compare(a: argparse.Namespace) -> int:
     from fedseg.experiments import compare, split_method_entries
 
-    _, table = compare(a.config, split_method_entries(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=a.set)
+    overrides = a.set + ([f"device={a.device}"] if a.device else [])
+    _, table = compare(a.config, split_method_entries(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=overrides)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
     return 0
@@ -120,7 +121,7 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         print("give each site its own kit folder (it holds that site's private key); keep 'admin' with the run submitter")
         return 0
     if a.deploy_verb == "site":
-        cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name)
+        cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name, device=a.device)
         print(f"wrote {cfg}; starting the site (it connects out to the server; Ctrl-C stops it)")
         return dep.foreground(dep.start_site(a.kit, log=Path(a.workdir) / "fedseg-site.log"))
     if a.deploy_verb == "server":
@@ -138,6 +139,13 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
     return 0
+
+
+def _device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", metavar="DEVICE",
+                   help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
+                        "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
+                        "printed at the start and recorded in results.json and config.toml")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="runs/run", help="output folder (default: runs/run)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-4 (repeatable)")
     r.add_argument("--resume", metavar="OUT", help="continue the interrupted run in OUT")
+    _device_argument(r)
     r.add_argument("--tensorboard", action="store_true", help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard")
     r.add_argument("--tensorboard-dir", metavar="DIR", help="with --tensorboard: write the scalars to DIR instead")
     r.set_defaults(func=cmd_run)
@@ -207,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=int)
     c.add_argument("--out", required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _device_argument(c)
     c.set_defaults(func=cmd_compare)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
     fsub = f.add_subparsers(dest="fedsm_verb", required=True, metavar="STUDY")
@@ -235,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--datalist", required=True, help="this site's datalist JSON (never sent to the server)")
     x.add_argument("--workdir", required=True, help="where the site keeps its checkpoints")
     x.add_argument("--name", help="site name in the federation (default: the kit's)")
+    x.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where this site trains: auto (CUDA when available, else cpu), cpu, cuda or cuda:N; each site picks its own")
     x = dsub.add_parser("server", help="start the server from its kit")
     x.add_argument("--kit", required=True)
     for verb, text in (("run", "submit a run to the deployment and wait for results.json"),

@@ -85,6 +85,12 @@ class TrainConfig:
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
     loss: str = "dice"
     dtype: str = "float32"
+    precision: str = "fp32"
+    """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
+    scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider)."""
+    data: str = "auto"
+    """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
+    each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""
 
     def validate(self) -> None:
         if (self.local_epochs is None) == (self.local_steps is None):
@@ -109,6 +115,13 @@ class TrainConfig:
             raise ConfigError(f"train.loss = {self.loss!r}; use 'dice', 'dicece' or 'bce'")
         if self.dtype not in ("float32", "float64"):
             raise ConfigError(f"train.dtype = {self.dtype!r}; use 'float32' or 'float64'")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"train.precision = {self.precision!r}; use 'fp32', 'bf16' or 'fp16'")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ConfigError(f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
+                              "mixed precision runs float32 weights")
+        if self.data not in ("auto", "device", "stream"):
+            raise ConfigError(f"train.data = {self.data!r}; use 'auto', 'device' or 'stream'")
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,13 @@ class RunConfig:
     rounds: int = 20
     seed: int = 0
     checkpoint_every: int = 1
+    checkpoint_background: bool = True
+    """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.device`."""
+    deterministic: bool = True
+    """On CUDA: deterministic kernels (same seed → bitwise the same weights); false lets cuDNN pick
+    the fastest kernels.  No effect on the CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -152,6 +172,9 @@ class RunConfig:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        d = str(self.device).lower()
+        if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(f"device = {self.device!r} is not known; use 'auto', 'cpu', 'cuda' or 'cuda:N' (e.g. --device cuda:1)")
         self.model.validate()
         self.train.validate()
         self.eval.validate()

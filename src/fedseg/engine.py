@@ -15,15 +15,21 @@ Checkpoint layout (``OUT/checkpoints/``), safetensors + JSON, no pickle:
   algorithm state (written by the transport; deployed sites write their own);
 * ``progress.json`` — the last completed round and the history, written last, so
   a crash mid-checkpoint leaves the previous checkpoint valid.
+
+Every tensor is a host (CPU) tensor on disk, so a run checkpointed on a GPU resumes on
+the CPU and back.  :class:`CheckpointWriter` takes a synchronous snapshot to host memory
+and writes the files in a background thread while the next round trains.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from tqdm.auto import tqdm
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.arrays import Arrays, check_layout, clone, layout_of, nonfinite, prefixed, strip_prefix
 from fedseg.config import RunConfig
+from fedseg.device import configure_determinism, describe, resolve_device, to_device
 from fedseg.errors import ConfigError, PayloadError
 from fedseg.evaluation.summary import summarize
 from fedseg.seeding import derive_seed
@@ -42,7 +49,7 @@ from fedseg.site import Task
 from fedseg.transport.base import Transport
 from fedseg.workload import Workload
 
-__all__ = ["Best", "Engine"]
+__all__ = ["Best", "CheckpointWriter", "Engine"]
 
 
 @dataclass
@@ -89,6 +96,13 @@ def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
     return arrays
 
 
+@dataclass(frozen=True)
+class JsonDoc:
+    """A JSON file of a staged checkpoint (a snapshot: nothing the round loop changes later)."""
+
+    data: Any
+
+
 def commit_checkpoint(d: Path) -> None:
     """Move a staged checkpoint into place if its commit record ``progress.json.next`` exists (idempotent:
     safe to repeat after a crash half-way); otherwise drop staged leftovers of an unfinished save."""
@@ -109,6 +123,74 @@ def commit_checkpoint(d: Path) -> None:
             shutil.rmtree(f)
         else:
             f.unlink()
+
+
+class CheckpointWriter:
+    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
+
+    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
+    commit record ``progress.json.next``; the files are written one after another and the
+    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
+    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
+    committed and re-raises a failed write.  The engine waits before it stages the next
+    checkpoint and before the run returns, so at most one checkpoint is in flight and the
+    commit protocol (staged ``.next`` files, then the record) is unchanged.
+    """
+
+    def __init__(self, background: bool = True):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
+        self._pending: Future | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.write_s = 0.0
+        """Seconds spent writing (in the worker thread when in the background)."""
+
+    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
+        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
+        when the source is on a GPU, so the copies run without blocking until one final
+        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
+        page-faulting a checkpoint's worth of memory each time; they are free again once
+        :meth:`wait` has returned, which every caller does before copying."""
+        out: Arrays = {}
+        for k, v in arrays.items():
+            name = f"{group}/{k}"
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+                self._buffers[name] = buf
+            buf.copy_(v.detach(), non_blocking=v.is_cuda)
+            out[k] = buf
+        return out
+
+    @staticmethod
+    def copies_done() -> None:
+        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+        self.wait()
+        if self._pool is None:
+            self._write(folder, files)
+        else:
+            self._pending = self._pool.submit(self._write, folder, files)
+
+    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+        t0 = time.perf_counter()
+        for rel, content in files.items():
+            path = folder / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, JsonDoc):
+                _save_json(content.data, path)
+            else:
+                _save_arrays(content, path)
+        commit_checkpoint(folder)
+        self.write_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is committed (re-raises its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
 
 class Engine:
@@ -153,13 +235,18 @@ class Engine:
         self.out = Path(out) if out is not None else None
         self.progress = progress
         self.log = log
-        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log)
+        self.device = resolve_device(cfg.device)
+        configure_determinism(self.device, cfg.deterministic)
+        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log, device=self.device)
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}
         self.state: Arrays = {}
         self.round = 0
         self._saved_best: dict[str, Any] | None = None
         self.check_state: Callable[[Arrays], None] | None = None  # raises to refuse committing a state (deployment)
+        self.writer = CheckpointWriter(background=cfg.checkpoint_background)
+        self.checkpoint_s = 0.0
+        """Seconds the round loop spent on checkpoints (snapshot + staging; the write itself when not in the background)."""
 
     # ----------------------------------------------------------------- setup
     def init_arrays(self, role: str = "global", factory: Callable[[], torch.nn.Module] | None = None) -> Arrays:
@@ -168,7 +255,7 @@ class Engine:
             torch.manual_seed(derive_seed(self.cfg.seed, "init", role))
             model = (factory or self.workload.build_model)()
         dtype = {"float32": torch.float32, "float64": torch.float64}[self.cfg.train.dtype]
-        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
+        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().to(self.device, copy=True) for k, v in model.state_dict().items()}
 
     @property
     def ckpt_dir(self) -> Path | None:
@@ -222,32 +309,47 @@ class Engine:
         ``sites.next/``), then ``progress.json.next`` is written as the commit record and the files
         are moved into place (:func:`commit_checkpoint`).  A crash at any point leaves either the
         previous round's checkpoint or a commit record to finish — never a server state of one round
-        with the progress (or site state) of another."""
+        with the progress (or site state) of another.
+
+        Everything is first copied to host memory here (server state, best models, every site's
+        state, the JSON records), then :attr:`writer` writes it — in a background thread unless
+        ``checkpoint_background = false`` — so training may change the live tensors at once."""
         d = self.ckpt_dir
         if d is None:
             return
         if self.check_state is not None:  # deployment: a poisoned state is never committed (it raises)
             self.check_state(self.state)
+        t0 = time.perf_counter()
+        self.writer.wait()  # the previous checkpoint is committed before this one is staged
         d.mkdir(parents=True, exist_ok=True)
         staged = ["server.safetensors"]
-        _save_arrays(self.state, d / "server.safetensors.next")
+        files: dict[str, Arrays | JsonDoc] = {"server.safetensors.next": self.writer.host_copy("server", self.state)}
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
             best_meta[name] = {"score": b.score, "round": b.round, "predictor": c.predictor, "val_sites": c.val_sites, "home_site": c.home_site, "config": c.config}
+        best_arrays: Arrays = {}
+        for name, b in self.best.items():
+            best_arrays.update(prefixed(name, b.candidate.arrays))
+        layout = {"server.safetensors": layout_of(self.state), "best.safetensors": layout_of(best_arrays)}
         if best_meta != self._saved_best or not (d / "best.safetensors").is_file():
-            best_arrays: Arrays = {}
-            for name, b in self.best.items():
-                best_arrays.update(prefixed(name, b.candidate.arrays))
-            _save_arrays(best_arrays, d / "best.safetensors.next")
-            _save_json(best_meta, d / "best.json.next")
+            best_arrays = self.writer.host_copy("best", best_arrays)
+            files["best.safetensors.next"] = best_arrays
+            files["best.json.next"] = JsonDoc(copy.deepcopy(best_meta))
             staged += ["best.safetensors", "best.json"]
             self._saved_best = best_meta
-        self.transport.save_sites(d / "sites.next")
-        layout = {"server.safetensors": layout_of(self.state)}
-        layout["best.safetensors"] = layout_of({k: v for name, b in self.best.items() for k, v in prefixed(name, b.candidate.arrays).items()})
-        _save_json({"round": self.round, "history": self.history, "staged": staged, "layout": layout}, d / "progress.json.next")
-        commit_checkpoint(d)
+        snapshot = getattr(self.transport, "snapshot_sites", None)
+        if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
+            self.transport.save_sites(d / "sites.next")
+        else:
+            for name, (arrays, meta) in snapshot().items():
+                files[f"sites.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
+                files[f"sites.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
+        progress = {"round": self.round, "history": self.history, "staged": staged, "layout": layout}
+        files["progress.json.next"] = JsonDoc(copy.deepcopy(progress))
+        self.writer.copies_done()
+        self.writer.submit(d, files)
+        self.checkpoint_s += time.perf_counter() - t0
 
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir
@@ -259,8 +361,8 @@ class Engine:
         self.round = int(progress["round"])
         self.history = progress["history"]
         layout = progress.get("layout") or {}
-        self.state = load_checked(d / "server.safetensors", layout.get("server.safetensors"))
-        best_arrays = load_checked(d / "best.safetensors", layout.get("best.safetensors"))
+        self.state = to_device(load_checked(d / "server.safetensors", layout.get("server.safetensors")), self.device)
+        best_arrays = to_device(load_checked(d / "best.safetensors", layout.get("best.safetensors")), self.device)
         for name, m in json.loads((d / "best.json").read_text()).items():
             vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
             cand = Candidate(name, strip_prefix(name, best_arrays), m["predictor"], vs, m["home_site"], m["config"])
@@ -279,6 +381,7 @@ class Engine:
         """
         cfg = self.cfg
         t_start = time.perf_counter()
+        self.log(f"{self.algorithm.name}: device {describe(self.device)}, precision {cfg.train.precision}")
         if resume:
             self.load_checkpoint()
             self.log(f"resuming {self.algorithm.name} after round {self.round} of {cfg.rounds}")
@@ -310,6 +413,7 @@ class Engine:
                     return None
         finally:
             bar.close()
+            self.writer.wait()  # every checkpoint is committed before the run returns
         per_case = self.test()
         results = summarize(
             method=self.algorithm.name,
@@ -322,6 +426,8 @@ class Engine:
             history=self.history,
         )
         results["wall_time_s"] = time.perf_counter() - t_start
+        results["device"] = describe(self.device)
+        results["precision"] = cfg.train.precision
         return results
 
     @staticmethod

@@ -15,6 +15,7 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.centralized import POOLED
 from fedseg.config import RunConfig, dump_toml, load_run_config
+from fedseg.device import describe, resolve_device
 from fedseg.engine import Engine, _save_json
 from fedseg.errors import ConfigError
 from fedseg.evaluation.tables import table3
@@ -82,7 +83,8 @@ def simulate(
     transport = build_transport(cfg, workload, site_data, algorithm)
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "config.toml").write_text(dump_toml(cfg.to_dict()))
+        used = f"# ran on device {describe(resolve_device(cfg.device))}, precision {cfg.train.precision}\n"
+        (Path(out) / "config.toml").write_text(used + dump_toml(cfg.to_dict()))
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log, on_round=on_round)
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
@@ -141,6 +143,7 @@ def run(
     elif not isinstance(cfg, RunConfig):
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
     get_algorithm(cfg)  # validate the method and its settings before loading data
+    resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     fed, data = load_federation_data(cfg.federation, progress=progress)
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
     return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log, on_round=on_round)

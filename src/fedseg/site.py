@@ -29,7 +29,8 @@ from torch.utils.data import Dataset
 
 from fedseg.arrays import Arrays, check_compatible, strip_prefix
 from fedseg.config import RunConfig
-from fedseg.errors import PayloadError
+from fedseg.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
+from fedseg.errors import ConfigError, PayloadError
 from fedseg.seeding import generator
 from fedseg.workload import Workload
 
@@ -90,6 +91,19 @@ def batch_of(ds: Dataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.stack([torch.as_tensor(a) for a, _ in items]), torch.stack([torch.as_tensor(b) for _, b in items])
 
 
+class _Placed(Dataset):
+    """A site split's tensors, moved once to the run's device."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
 def _atomic_save(arrays: Arrays, path: Path, metadata: dict[str, Any] | None = None) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
@@ -128,6 +142,11 @@ class Site:
         self.cfg = cfg
         self.algorithm = algorithm
         self.dtype = _DTYPES[cfg.train.dtype]
+        self.device = resolve_device(cfg.device)
+        configure_determinism(self.device, cfg.deterministic)
+        self.precision = cfg.train.precision
+        self.scalers: dict[str, torch.amp.GradScaler] = {}
+        self._placed: dict[str, Dataset | None] = {}
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.store: Arrays = {}
@@ -159,7 +178,7 @@ class Site:
             template = self._workload_models.get("any") if factory is None else None
             # another instance of the workload model: copy it (its weights are replaced
             # on load) instead of building and randomly initializing a new one
-            m = copy.deepcopy(template) if template is not None else (factory or self.workload.build_model)().to(self.dtype)
+            m = copy.deepcopy(template) if template is not None else (factory or self.workload.build_model)().to(device=self.device, dtype=self.dtype)
             if factory is None:
                 self._workload_models.setdefault("any", m)
             self.models[role] = m
@@ -214,6 +233,35 @@ class Site:
         return opt
 
     # ------------------------------------------------------------------- data
+    def split_data(self, split: str) -> Dataset | None:
+        """A split as the training loop reads it: on a CUDA run, in-memory tensors are moved to the
+        device once (``train.data = "device"``, or ``"auto"`` when they fit in half the free GPU
+        memory) or kept on the host and copied per batch from pinned memory (``"stream"``).  On the
+        CPU "device" wraps the same tensors (nothing is copied)."""
+        ds = self.data.split(split)
+        if ds is None:
+            return ds
+        key = {"train": "train", "training": "train", "val": "val", "validation": "val", "test": "test", "testing": "test"}[split]
+        if key not in self._placed:
+            pair = (ds.images, ds.labels) if hasattr(ds, "images") and hasattr(ds, "labels") else getattr(ds, "tensors", None)
+            if pair is None or len(pair) != 2:
+                self._placed[key] = ds  # a generic dataset: each batch is copied to the device as it is used
+            else:
+                mode = self.cfg.train.data
+                if mode == "auto":
+                    mode = "device" if fits_on_device(sum(t.numel() * t.element_size() for t in pair), self.device) else "stream"
+                # "stream": the host tensors; each batch is pinned and copied without blocking
+                self._placed[key] = _Placed(pair[0].to(self.device), pair[1].to(self.device)) if mode == "device" else ds
+        return self._placed[key]
+
+    def _to_device(self, t: torch.Tensor, cast: bool) -> torch.Tensor:
+        """A batch tensor on the run's device (through pinned memory, non-blocking, when it comes from the host)."""
+        if t.device != self.device and self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        elif t.device != self.device:
+            t = t.to(self.device)
+        return t.to(self.dtype) if cast else t
+
     def steps_per_round(self, split: str = "train") -> int:
         """Local optimizer steps in one round: ``local_steps``, or ``local_epochs`` × batches per epoch."""
         t = self.cfg.train
@@ -228,7 +276,7 @@ class Site:
         Each pass over the data is a permutation drawn from the generator of
         (seed, site, round, stream, pass); the last batch of a pass may be smaller.
         """
-        ds = self.data.split(split)
+        ds = self.split_data(split)
         n = dataset_len(ds)
         if n == 0:
             raise PayloadError(f"site {self.name}: the {split} split is empty; add cases to its datalist")
@@ -238,14 +286,15 @@ class Site:
         g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
         done, epoch = 0, 0
         while done < steps:
-            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))
+            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))  # drawn on the CPU on every device
+            if isinstance(ds, _Placed):
+                perm = perm.to(self.device)  # one copy per pass, not one per batch
             for start in range(0, n, bs):
                 if done >= steps:
                     break
                 x, y = batch_of(ds, perm[start:start + bs])
-                x = x.to(self.dtype)
-                if y.is_floating_point():
-                    y = y.to(self.dtype)
+                x = self._to_device(x, cast=True)
+                y = self._to_device(y, cast=y.is_floating_point())
                 if tf is not None:
                     x, y = tf(x, y, g_tf)
                 yield x, y
@@ -266,36 +315,67 @@ class Site:
 
         ``extra_loss(model)`` is added to the workload loss (FedProx's proximal term);
         ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's correction).
+
+        The forward pass runs under ``train.precision``'s autocast (the proximal term outside
+        it, in the weights' dtype); fp16 scales the loss (:attr:`scalers`, one per role, kept
+        across rounds).  The loss is summed on the device and read once at the end of the
+        round, so no step waits for the host.
         """
         model = self.model(role)
         opt = optimizer or self.optimizer(role)
+        scaler = self.scaler(role)
+        if scaler is not None and not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"train.precision = 'fp16' needs a plain torch optimizer, but {self.algorithm.name!r} steps "
+                              f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)")
         model.train()
-        total, count = 0.0, 0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
         for x, y in self.batches(rnd, stream, steps):
             opt.zero_grad(set_to_none=True)
-            loss = self.workload.loss(model(x), y)
+            with autocast(self.device, self.precision):
+                loss = self.workload.loss(model(x), y)
             if extra_loss is not None:
                 loss = loss + extra_loss(model)
-            loss.backward()
-            if after_backward is not None:
-                after_backward(model)
-            opt.step()
-            total += float(loss.detach())
+            if scaler is None:
+                loss.backward()
+                if after_backward is not None:
+                    after_backward(model)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if after_backward is not None:
+                    after_backward(model)
+                scaler.step(opt)
+                scaler.update()
+            total += loss.detach()
             count += 1
-        return {"loss": total / max(count, 1), "steps": count}
+        return {"loss": float(total) / max(count, 1), "steps": count}
+
+    def scaler(self, role: str) -> torch.amp.GradScaler | None:
+        """The role's fp16 gradient scaler (None unless ``train.precision = "fp16"``)."""
+        if role not in self.scalers:
+            sc = grad_scaler(self.device, self.precision)
+            if sc is None:
+                return None
+            self.scalers[role] = sc
+        return self.scalers[role]
 
     # ------------------------------------------------------------- evaluation
     @torch.no_grad()
     def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
         """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
-        ds = self.data.split(split)
+        ds = self.split_data(split)
         n = dataset_len(ds)
         out = []
         bs = self.cfg.eval.batch_size
         for start in range(0, n, bs):
             x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
-            x = x.to(self.dtype)
-            out.append(self.workload.metric(predict(x), y).double().cpu())
+            x, y = self._to_device(x, cast=True), self._to_device(y, cast=False)
+            with autocast(self.device, self.precision):
+                pred = predict(x)
+            out.append(self.workload.metric(pred, y).double())
+        out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
 
     def model_predictor(self, arrays: Arrays, role: str = "eval") -> Callable[[torch.Tensor], torch.Tensor]:
@@ -318,22 +398,27 @@ class Site:
         return Reply(metrics={"per_case": results}, num_samples=dataset_len(self.data.split(split)))
 
     # ------------------------------------------------------------ persistence
-    def state_arrays(self) -> tuple[Arrays, dict[str, Any]]:
-        """Everything the site must remember, as flat arrays + JSON metadata."""
+    def state_arrays(self, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
+        """Everything the site must remember, as flat host arrays + JSON metadata (device-independent:
+        a state saved on a GPU loads on the CPU and back).  ``copy=False`` returns the live tensors
+        (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
+        take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach())
         arrays: Arrays = {}
         meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}}
+        if self.scalers:
+            meta["scalers"] = {role: sc.state_dict() for role, sc in self.scalers.items()}
         for role, m in self.models.items():
             for k, v in m.state_dict().items():
-                arrays[f"model/{role}/{k}"] = v.detach().clone()
+                arrays[f"model/{role}/{k}"] = take(v)
         for role, opt in self.optimizers.items():
             sd = opt.state_dict()
             meta["optimizers"][role] = {"param_groups": sd["param_groups"], "type": type(opt).__name__}
             for idx, st in sd["state"].items():
                 for key, v in st.items():
                     t = v if torch.is_tensor(v) else torch.tensor(v)
-                    arrays[f"optim/{role}/{idx}/{key}"] = t.detach().clone()
+                    arrays[f"optim/{role}/{idx}/{key}"] = take(t)
         for k, v in self.store.items():
-            arrays[f"store/{k}"] = v.detach().clone()
+            arrays[f"store/{k}"] = take(v)
         return arrays, meta
 
     def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None:
@@ -350,8 +435,12 @@ class Site:
             for k, v in strip_prefix(f"optim/{role}", arrays).items():
                 idx, key = k.split("/", 1)
                 state.setdefault(int(idx), {})[key] = v
-            opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-        self.store = strip_prefix("store", arrays)
+            opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})  # moves moments to the params' device
+        for role, sd in meta.get("scalers", {}).items():
+            sc = self.scaler(role)
+            if sc is not None:
+                sc.load_state_dict(sd)
+        self.store = to_device(strip_prefix("store", arrays), self.device)
 
     def save(self, folder: str | Path) -> Path:
         """Write the site's state to ``folder/<site>.safetensors`` (+ ``.json``)."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from fedseg.arrays import Arrays, prefixed
 from fedseg.config import RunConfig, dataclass_from_dict
+from fedseg.device import to_device
 from fedseg.site import Reply, Site, Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,10 +81,15 @@ class ServerContext:
     init_arrays: Callable[[str], Arrays]
     """``init_arrays(role)``: seeded initial weights of a role's model (same seed → same weights)."""
     log: Callable[[str], None] = print
+    device: torch.device = torch.device("cpu")
+    """The run's device: replies are moved onto it (a deployment's replies arrive as host tensors)."""
 
     def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
-        """Send tasks and collect replies (see :class:`fedseg.transport.base.Transport`)."""
-        return self.transport.ask(tasks, optional=optional)
+        """Send tasks and collect replies (see :class:`fedseg.transport.base.Transport`), their arrays on :attr:`device`."""
+        replies = self.transport.ask(tasks, optional=optional)
+        for reply in replies.values():
+            reply.arrays = to_device(reply.arrays, self.device)
+        return replies
 
 
 class Algorithm:

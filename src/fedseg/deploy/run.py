@@ -46,8 +46,11 @@ def provision(sites: list[str], server: str, out: str | Path) -> dict[str, Path]
     return provision_kits(out, sites, host, int(port), int(port) + 1)
 
 
-def configure_site(kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None) -> Path:
-    """Write ``<kit>/local/fedseg_site.json``: this site's datalist and working folder (never sent anywhere)."""
+def configure_site(kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None, device: str = "auto") -> Path:
+    """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder and device (never sent anywhere)."""
+    from fedseg.device import resolve_device
+
+    resolve_device(device)  # --device cuda on a machine without CUDA stops here
     kit = Path(kit).resolve()
     if not (kit / "startup" / "fed_client.json").is_file():
         raise ConfigError(f"{kit} is not a site startup kit (no startup/fed_client.json); use a kit from `fedseg deploy provision`")
@@ -55,7 +58,7 @@ def configure_site(kit: str | Path, datalist: str | Path, workdir: str | Path, n
     if not Path(datalist).is_file():
         raise ConfigError(f"datalist {datalist} does not exist; give this site's datalist JSON")
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    return write_site_config(kit / "local" / SITE_CONFIG_NAME, SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve())))
+    return write_site_config(kit / "local" / SITE_CONFIG_NAME, SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device))
 
 
 @contextmanager

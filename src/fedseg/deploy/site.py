@@ -18,6 +18,7 @@ Everything is bytes in, bytes out (see :mod:`fedseg.deploy.wire`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -46,17 +47,19 @@ _KEEP = 2
 
 @dataclass(frozen=True)
 class SiteConfig:
-    """What only the site knows: its name in the federation, its datalist, its working folder."""
+    """What only the site knows: its name in the federation, its datalist, its working folder, its device."""
 
     name: str
     datalist: str
     workdir: str
+    device: str = "auto"
+    """Where this site trains ('auto', 'cpu', 'cuda', 'cuda:N'); replaces the run config's device at this site."""
 
 
 def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir)}, indent=1))
+    path.write_text(json.dumps({"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device}, indent=1))
     return path
 
 
@@ -68,7 +71,7 @@ def read_site_config(path: str | Path) -> SiteConfig:
     missing = [k for k in ("name", "datalist", "workdir") if not raw.get(k)]
     if missing:
         raise ConfigError(f"site config {path} lacks {missing}; rewrite it with `fedseg deploy site`")
-    return SiteConfig(raw["name"], raw["datalist"], raw["workdir"])
+    return SiteConfig(raw["name"], raw["datalist"], raw["workdir"], str(raw.get("device", "auto")))
 
 
 def data_header(fed: Any) -> dict[str, Any]:
@@ -172,6 +175,7 @@ class SiteRuntime:
             p = Path(tmp) / "config.toml"
             p.write_text(desc["config_toml"])
             cfg = load_run_config(p, known_sections=known_sections() | {"deploy"})
+        cfg = dataclasses.replace(cfg, device=self.config.device)  # each site trains on its own device
         (self.run_dir() / "config.toml").write_text(desc["config_toml"])
         algorithm = get_algorithm(cfg)
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)

@@ -45,6 +45,11 @@ class InProcessTransport:
             replies[name] = reply
         return replies
 
+    def snapshot_sites(self) -> dict[str, tuple[dict, dict]]:
+        """Every site's state (live tensors, not copies) + metadata — what :meth:`save_sites` writes —
+        for the engine's checkpoint writer, which copies them to host memory at once."""
+        return {name: s.state_arrays(copy=False) for name, s in self._sites.items()}
+
     def save_sites(self, folder: Path) -> None:
         for s in self._sites.values():
             s.save(folder)
