@@ -131,7 +131,7 @@ class Algorithm:
         raise NotImplementedError
 
     def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]:
-        return {"model": lambda site, arrays, config: site.model_predictor(arrays)}
+        return {"model": lambda site, arrays, config: site.model_predictor(arrays, bn_from=config.get("bn_role"))}
 
     def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None:
         """Factory of a role's model when it is not the workload's model (e.g. FedSM's selector)."""

@@ -63,7 +63,7 @@ from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.fga import gradient_step, lockstep_round
 from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull
-from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.arrays import Arrays, clone, prefixed, strip_prefix, weighted_mean
 from fedseg.errors import ConfigError, PayloadError
 from fedseg.models import Selector
 from fedseg.site import Reply, Site, Task, batch_of, dataset_len
@@ -306,7 +306,8 @@ def _frozen_roles(sites: Sequence[str]) -> list[str]:
 def _load_frozen(site: Site, arrays: Arrays, sites: Sequence[str]) -> list[nn.Module]:
     """The frozen global and personalized models of a selector-phase round, loaded at the site (eval mode)."""
     names = ["global", *(f"personal/{s}" for s in sites)]
-    frozen = [site.load(role, strip_prefix(name, arrays)) for role, name in zip(_frozen_roles(sites), names)]
+    bn = ["global", *("personal" if s == site.name else "global" for s in sites)]  # train.bn_policy = "local": the site's own statistics
+    frozen = [site.load(role, strip_prefix(name, arrays), bn_from=b) for role, name, b in zip(_frozen_roles(sites), names, bn)]
     for m in frozen:
         m.eval()
     return frozen
@@ -339,9 +340,11 @@ def _load_composite(site: Site, arrays: Arrays, config: dict[str, Any], params: 
     c = int(config["num_classes"])
     role = selector_role(c, prefix)
     sel = site.load(role, strip_prefix("selector", arrays), _selector_factory(site, c, params))
-    models = [site.load(f"{prefix}global", strip_prefix("global", arrays))]
+    # under train.bn_policy = "local": the site's own running statistics — those of its
+    # personalized model for its own, those of its global model for the others
+    models = [site.load(f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
     for j, s in enumerate(config["sites"]):
-        models.append(site.load(f"{prefix}p{j}", strip_prefix(f"personal/{s}", arrays)))
+        models.append(site.load(f"{prefix}p{j}", strip_prefix(f"personal/{s}", arrays), bn_from="personal" if s == site.name else "global"))
     sel.eval()
     for m in models:
         m.eval()
@@ -438,7 +441,9 @@ class FedSM(Algorithm):
         init = ctx.init_arrays("global")
         state = prefixed("global", init)
         for s in ctx.sites:
-            state.update(prefixed(f"personal/{s}", init))
+            # own copies: tensors the sites never send back (batch-norm statistics under
+            # train.bn_policy = "local") must not be shared between entries of the checkpoint
+            state.update(prefixed(f"personal/{s}", clone(init)))
         if not self.two_phase:
             state.update(self._init_selector(ctx))
         return state
@@ -590,7 +595,7 @@ class FedSM(Algorithm):
             out.append(cand)
         if not (self.two_phase and have_selector):
             out.append(Candidate("global", strip_prefix("global", state)))
-            out += [Candidate(f"personal/{s}", strip_prefix(f"personal/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites]
+            out += [Candidate(f"personal/{s}", strip_prefix(f"personal/{s}", state), val_sites=(s,), home_site=s, config={"bn_role": "personal"}) for s in ctx.sites]
         return out
 
     # ----------------------------------------------------------- site half
