@@ -185,3 +185,47 @@ def test_selector_steps_limits_the_selector_work_per_round(tmp_path, sites, work
     assert steps == {1.0}
     site = load_file(str(tmp_path / "checkpoints/sites/site1.safetensors"))
     assert float(site["optim/personal/0/step"]) == 3.0
+
+
+# ------------------------------------------------------------- best models
+def test_keep_best_selector_keeps_the_selector_with_the_best_mean_routing_accuracy():
+    """Round r reports the accuracies of the selector held at its start (after round r − 1):
+    means 0.5 (r0), 0.75 (r1), 0.6 (r2) → the kept selector is r1's, score 0.75, round 1;
+    a None/NaN site is left out of the mean."""
+    from fedseg.algorithms.fedsm import _keep_best_selector
+
+    state: dict[str, torch.Tensor] = {}
+    for rnd, (sel, accs) in enumerate([(0.0, {"a": 0.5, "b": 0.5}), (1.0, {"a": 1.0, "b": 0.5, "c": None}), (2.0, {"a": 0.6, "b": float("nan")})], start=1):
+        _keep_best_selector(state, {"selector/w": torch.tensor([sel])}, accs, rnd - 1)
+    assert state["best_selector/w"].item() == 1.0
+    assert state["best_selector_score"].item() == pytest.approx(0.75)
+    assert int(state["best_selector_round"]) == 1
+
+
+@pytest.mark.parametrize("method", ["fedsm", "fedsm-extra"])
+def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, method):
+    """The tested composite holds the best-validation global model and each site's best-validation
+    personalized model (fedsm-extra: the best of its model phase, the only rounds they are validated)
+    and a selector that is the final one or the best kept one; the rounds are recorded."""
+    # Prepare
+    cfg = _with(tiny_config(method, rounds=4), selector_width=0.0625, selector_hidden=8, selector_rounds=2)
+    # Execute
+    res = simulate(cfg, workload, sites, out=tmp_path, progress=False)
+    # Assert
+    best = load_file(str(tmp_path / "checkpoints/best.safetensors"))
+    meta = json.loads((tmp_path / "checkpoints/best.json").read_text())
+    server = load_file(str(tmp_path / "checkpoints/server.safetensors"))
+    assembled = meta["fedsm"]["config"]["assembled"]
+    for name in ["global", *(f"personal/{s}" for s in sites)]:
+        part = {k: v for k, v in best.items() if k.startswith(name + "/")}
+        assert part and all(torch.equal(best["fedsm/" + k], v) for k, v in part.items()), name
+        assert assembled[name] == meta[name]["round"]
+        if method == "fedsm-extra":
+            assert meta[name]["round"] <= 2  # model phase
+    sel = {k.removeprefix("fedsm/selector/"): v for k, v in best.items() if k.startswith("fedsm/selector/")}
+    final = {k.removeprefix("selector/"): v for k, v in server.items() if k.startswith("selector/")}
+    kept = {k.removeprefix("best_selector/"): v for k, v in server.items() if k.startswith("best_selector/")}
+    assert all(torch.equal(sel[k], final[k]) for k in final) or all(torch.equal(sel[k], kept[k]) for k in kept)
+    assert 0.0 <= assembled["selector_val_routing_acc"] <= 1.0
+    # the method's row is that composite, tested
+    assert res["per_site_dice"] == next(r for r in res["rows"] if r["name"] == "fedsm")["per_site_dice"]

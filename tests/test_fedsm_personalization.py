@@ -77,7 +77,9 @@ def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload
     a, b = _server(tmp_path / "default"), _server(tmp_path / "softpull")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if torch.__version__ == "2.13.0+cpu":
-        assert _digest(a) == "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b"
+        # the entries the pre-option code had (best_selector… was added later to the server state)
+        trained = {k: v for k, v in a.items() if not k.startswith("best_selector")}
+        assert _digest(trained) == "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b"
 
 
 def test_bad_personalization_and_incompatible_settings_are_rejected():

@@ -281,6 +281,12 @@ class Engine:
                     return None
         finally:
             bar.close()
+        final = self.algorithm.final_candidates(self.state, {n: b.candidate for n, b in self.best.items()}, {n: b.round for n, b in self.best.items()}, self.ctx)
+        if final:
+            # e.g. FedSM's composite assembled from its best parts: test (and keep) that one
+            for name, cand in final.items():
+                self.best[name] = Best(self.best[name].score, self.best[name].round, cand)
+            self.save_checkpoint()
         per_case = self.test()
         results = summarize(
             method=self.algorithm.name,

@@ -126,6 +126,12 @@ class Algorithm:
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         raise NotImplementedError
 
+    def final_candidates(self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext) -> dict[str, Candidate]:
+        """Candidates to test in place of some best-validation ones, built after the last round from the
+        best candidates (and their rounds) and the final state (FedSM assembles its composite from its
+        best parts).  Returns ``{name: candidate}`` for the names replaced; the default replaces none."""
+        return {}
+
     # ------------------------------------------------------------- site half
     def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]:
         raise NotImplementedError

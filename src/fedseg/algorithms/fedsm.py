@@ -472,11 +472,14 @@ class FedSM(Algorithm):
         by_fga = self.params.selector_training == "fga"
         train_models = phase in ("joint", "models")
         train_selector = phase in ("joint", "selector")
+        before = {k: v for k, v in new.items() if k.startswith("selector/")}
         metrics: dict[str, Any] = {"phase": phase}
         if train_models or (train_selector and not by_fga):
             metrics.update(self._train_round(ctx, state, new, rnd, phase, train_selector and not by_fga))
         if train_selector and by_fga:
             metrics.update(self._selector_fga_round(ctx, new, rnd, phase))
+        if train_selector:
+            _keep_best_selector(new, before, metrics.get("routing_acc"), rnd - 1)
         return new, metrics
 
     def _train_round(self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int, phase: str, train_selector: bool) -> dict[str, Any]:
@@ -597,6 +600,50 @@ class FedSM(Algorithm):
             out.append(Candidate("global", strip_prefix("global", state)))
             out += [Candidate(f"personal/{s}", strip_prefix(f"personal/{s}", state), val_sites=(s,), home_site=s, config={"bn_role": "personal"}) for s in ctx.sites]
         return out
+
+    def final_candidates(self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext) -> dict[str, Candidate]:
+        """The composite to test, assembled from the best parts as the reference code keeps them.
+
+        Global model: the best-validation ``global`` candidate; personalized models: each
+        site's best-validation ``personal/<site>`` (for fedsm-extra / ensemble these are only
+        validated in the model phase, so they are the model phase's best); selector: the
+        final one or the best earlier one (``best_selector/…``, kept by the server), whichever
+        has the higher mean validation routing accuracy over the sites (Eq. 2; Eq. 1's oracle
+        labels for K + 1 classes).  With ``gamma = "auto"`` γ is picked again on validation
+        for the assembled composite.  ``config["assembled"]`` records the rounds of the parts.
+        """
+        comp = best.get("fedsm")
+        if comp is None:
+            return {}
+        sites = list(ctx.sites)
+        arrays: Arrays = {}
+        rounds: dict[str, Any] = {}
+        for name in ["global", *(f"personal/{s}" for s in sites)]:
+            part = best.get(name)
+            arrays.update(prefixed(name, part.arrays if part is not None else strip_prefix(name, comp.arrays)))
+        gate_auto = self.params.gamma == "auto" and self.mode == "gate"
+        grid = self.params.gamma_grid
+        options = [("final", strip_prefix("selector", state), None)]
+        if "best_selector_score" in state:
+            options.append(("best", strip_prefix("best_selector", state), float(state["best_selector_score"])))
+        chosen = None
+        for label, sel, known in options:
+            cand = self.composite({**arrays, **prefixed("selector", sel)}, ctx)
+            replies = route_task(ctx.transport, cand, sites, "validation", grid) if known is None or gate_auto else None
+            score = known if known is not None else _mean_routing({s: r["routing_acc"] for s, r in replies.items()})
+            if chosen is None or (score is not None and (chosen[1] is None or score > chosen[1])):
+                chosen = (cand, score, replies, label)
+        assert chosen is not None
+        cand, score, replies, label = chosen
+        if gate_auto and replies is not None and sum(r["n"] for r in replies.values()):
+            cand.config["gamma"] = pick_gamma(replies, grid)[0]
+        rounds["selector"] = int(state["best_selector_round"]) if label == "best" else self.cfg.rounds
+        rounds["selector_val_routing_acc"] = score
+        for name in ["global", *(f"personal/{s}" for s in sites)]:
+            rounds[name] = best_rounds.get(name, best_rounds["fedsm"])
+        cand.config["assembled"] = rounds
+        cand.arrays = clone(cand.arrays)  # its own tensors (the best candidates keep theirs)
+        return {"fedsm": cand}
 
     # ----------------------------------------------------------- site half
     def site_handlers(self):
@@ -805,6 +852,29 @@ class FedSM(Algorithm):
                 dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
             selections.append({"gamma": None, "dice_sum": float(dice.sum()), "counts": torch.bincount(idx, minlength=len(models)).tolist()})
         return Reply(metrics={"n": n, "routing_acc": acc, "dice_sum_per_model": per_model.sum(dim=0).tolist(), "selections": selections}, num_samples=n)
+
+
+def _mean_routing(accs: Mapping[str, Any] | None) -> float | None:
+    """Mean over sites of the per-site routing accuracies (None / NaN left out); None if there is none."""
+    vals = [float(v) for v in (accs or {}).values() if v is not None and not math.isnan(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _keep_best_selector(new: Arrays, before: Arrays, accs: Mapping[str, Any] | None, measured_round: int) -> None:
+    """Keep in ``new`` the selector with the best mean validation routing accuracy so far.
+
+    ``accs`` are the sites' routing accuracies of ``before`` — the selector the sites held at the
+    start of this round, i.e. after round ``measured_round`` — so the best is kept one round late;
+    the final selector is compared at the end (:meth:`FedSM.final_candidates`).
+    """
+    score = _mean_routing(accs)
+    if score is None or not before:
+        return
+    if "best_selector_score" in new and float(new["best_selector_score"]) >= score:
+        return
+    new.update(prefixed("best_selector", {k.removeprefix("selector/"): v.clone() for k, v in before.items()}))
+    new["best_selector_score"] = torch.tensor(score, dtype=torch.float64)
+    new["best_selector_round"] = torch.tensor(measured_round, dtype=torch.int64)
 
 
 def route_task(transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]) -> dict[str, dict[str, Any]]:
