@@ -179,7 +179,11 @@ class Engine:
             case_means = [sum(case) / len(case) for cases in per_site.values() for case in cases]
             if not case_means:
                 continue
-            score = sum(case_means) / len(case_means)
+            if self.cfg.eval.best_criterion == "sites":  # mean of the per-site means (the papers' client average)
+                site_means = [sum(sum(c) / len(c) for c in cases) / len(cases) for cases in per_site.values() if cases]
+                score = sum(site_means) / len(site_means)
+            else:  # "cases": mean over the pooled validation cases
+                score = sum(case_means) / len(case_means)
             record["val_dice"][c.name] = {s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None) for s, cases in per_site.items()}
             record["val_score"][c.name] = score
             prev = self.best.get(c.name)

@@ -137,7 +137,7 @@ def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, spli
         raise ConfigError(f"{run_dir} has no checkpoints/best.json; evaluate needs the folder of a finished fedseg run")
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
     fed, data = load_federation_data(federation or cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     algorithm = get_algorithm(cfg)
     transport = build_transport(cfg, workload, data, algorithm)
     engine = Engine(cfg, algorithm, transport, workload, progress=False)

@@ -44,7 +44,7 @@ def load_spec(config: str | Path | RunConfig, overrides: Sequence[str] = (), pro
 
     cfg = config if isinstance(config, RunConfig) else load_run_config(config, list(overrides), known_sections(), **fields)
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     return cfg, workload, data
 
 

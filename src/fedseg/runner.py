@@ -142,5 +142,5 @@ def run(
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
     get_algorithm(cfg)  # validate the method and its settings before loading data
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log, on_round=on_round)
