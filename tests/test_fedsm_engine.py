@@ -229,3 +229,26 @@ def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, m
     assert 0.0 <= assembled["selector_val_routing_acc"] <= 1.0
     # the method's row is that composite, tested
     assert res["per_site_dice"] == next(r for r in res["rows"] if r["name"] == "fedsm")["per_site_dice"]
+
+
+# ------------------------------------------------------- settings written down
+@pytest.mark.parametrize("profile,expect", [
+    (None, {"profile": "default", "gamma": "auto", "selector_training": "fga", "selector_steps": "all", "selector_weighting": "even"}),
+    ("reference", {"profile": "reference", "gamma": 0.9, "selector_training": "fedavg", "selector_steps": "all", "selector_weighting": "samples"}),
+])
+def test_resolved_fedsm_settings_are_written_and_reload_to_the_same_run(tmp_path, sites, workload, profile, expect):
+    """With no [fedsm] settings (or only the profile) config.toml and results.json["config"] hold the
+    resolved section (γ, λ, the selector's training…); config.toml loads back to the same settings."""
+    from fedseg.algorithms import get_algorithm, known_sections
+    from fedseg.config import load_run_config
+
+    cfg = tiny_config("fedsm", rounds=1)
+    if profile is not None:
+        cfg = _with(cfg, profile=profile)
+    res = simulate(cfg, workload, sites, out=tmp_path, progress=False)
+    section = res["config"]["fedsm"]
+    assert {k: section[k] for k in expect} == expect and section["lam"] == 0.7
+    text = (tmp_path / "config.toml").read_text()
+    assert "[fedsm]" in text and "lam = 0.7" in text
+    back = load_run_config(tmp_path / "config.toml", known_sections=known_sections())
+    assert get_algorithm(back).params == get_algorithm(cfg).params

@@ -110,6 +110,7 @@ def run_fedsm(
     algorithm = get_algorithm(cfg)
     if not isinstance(algorithm, FedSM):
         raise ConfigError(f"run_fedsm runs fedsm, fedsm-extra or fedsm-ensemble, not {cfg.method!r}")
+    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
     if heldout is not None and heldout not in site_data:
         raise ConfigError(f"held-out site {heldout!r} is not in the federation; sites: {list(site_data)}")
     train = [(s, d) for s, d in site_data.items() if s != heldout]

@@ -79,6 +79,7 @@ def simulate(
     if not site_data:
         raise ConfigError("no sites given; a federation needs at least one site")
     algorithm = get_algorithm(cfg)
+    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
     transport = build_transport(cfg, workload, site_data, algorithm)
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)

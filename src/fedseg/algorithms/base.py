@@ -35,6 +35,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Algorithm", "Candidate", "NoParams", "ServerContext"]
 
 
+def _toml_ready(table: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in table.items()}
+
+
 @dataclass(frozen=True)
 class NoParams:
     """An algorithm without settings of its own."""
@@ -114,6 +118,17 @@ class Algorithm:
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **dataclasses.asdict(self.params)}
+
+    def resolved_params(self) -> dict[str, dict[str, Any]]:
+        """``{section: settings}`` as this run uses them (defaults and profile choices filled in), for
+        ``config.toml`` and ``results.json["config"]``; empty for a method without settings."""
+        if not self.section or not dataclasses.fields(self.params):
+            return {}
+        return {self.section: _toml_ready(dataclasses.asdict(self.params))}
+
+    def resolved_config(self) -> RunConfig:
+        """The run config with this method's sections replaced by :meth:`resolved_params`."""
+        return dataclasses.replace(self.cfg, params={**self.cfg.params, **self.resolved_params()})
 
     # ----------------------------------------------------------- server half
     def init_state(self, ctx: ServerContext) -> Arrays:

@@ -419,6 +419,12 @@ class FedSM(Algorithm):
             out[self.personalization] = dataclasses.asdict(self.personal_params)
         return out
 
+    def resolved_params(self) -> dict[str, dict[str, Any]]:
+        out = super().resolved_params()
+        if self.personal_params is not None:
+            out.update(personalization_class(self.personalization)(self.cfg).resolved_params())
+        return out
+
     # ------------------------------------------------------------ helpers
     def num_classes(self, k: int) -> int:
         """Selector outputs: K sites (Eq. 2), or K + 1 with the global model as class 0 (Eq. 1 / ensemble)."""
