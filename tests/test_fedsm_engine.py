@@ -94,9 +94,12 @@ def test_gamma_auto_picks_a_grid_value_from_federated_validation(tmp_path, sites
 
 
 @pytest.mark.slow
-def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload):
-    """Default U-Net and default selector: per site and round, FedSM carries 2 w_g (global +
-    personalized) + 3 w_s (selector + its two Adam moments, + step) each way; FedAvg carries w_g."""
+@pytest.mark.parametrize("training", ["fga", "fedavg"])
+def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload, training):
+    """Default U-Net and default selector, one local step: per site and round, FedSM carries 2 w_g
+    (global + personalized) plus, with the fedavg selector, 3 w_s (selector + its two Adam moments,
+    + step) each way, with the fga selector one gradient (w_s) each way (+ the selector once from
+    site 1); FedAvg carries w_g."""
     # Prepare: default model (5 levels need 32 px), one local step
     cfg = RunConfig(federation="(mem)", rounds=2, model=ModelConfig(), train=TrainConfig(batch_size=2, local_steps=1, local_epochs=None))
     from fedseg.workload import segmentation_workload
@@ -105,7 +108,7 @@ def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload
     data = tiny_sites(2, n_train=2, size=32)
     # Execute
     fa = simulate(dataclasses.replace(cfg, method="fedavg"), wl, data, progress=False)
-    fs = simulate(dataclasses.replace(cfg, method="fedsm"), wl, data, progress=False)
+    fs = simulate(dataclasses.replace(cfg, method="fedsm", params={"fedsm": {"selector_training": training}}), wl, data, progress=False)
     # Assert: round 2 (with the averaged selector moments on the way out too)
     for s in data:
         b_fa, b_fs = fa["history"][1]["bytes"][s], fs["history"][1]["bytes"][s]
