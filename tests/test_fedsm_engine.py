@@ -153,7 +153,9 @@ def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
     assert set(r["selection_at_0"]) == {"global", *(f"personal/site{i}" for i in (1, 3, 4, 5, 6))}
     assert sum(r["selection_at_0"].values()) == pytest.approx(1.0)
     assert r["selection_at_0"]["global"] == 0.0
-    assert r["best_dice"] >= r["dice_at_0"] and r["best_gamma"] in (0.0, 0.9)
+    # the grid: the given γ values plus the run's own (γ = auto picks one on validation)
+    assert {0.0, 0.9} <= {float(g) for g in r["dice_by_gamma"]}
+    assert r["best_dice"] >= r["dice_at_0"] and r["best_gamma"] in {float(g) for g in r["dice_by_gamma"]}
     header = table.splitlines()[0]
     assert header.startswith("| Unseen site | γ | GM | PM site1 | PM site2 |") and header.endswith("Dice | Best γ, Dice |")
     assert "| site2 | 0 |" in table and "N/A" in table.splitlines()[2]
