@@ -13,15 +13,21 @@ from fedseg.runner import simulate
 from fedseg.workload import dice_metric
 
 
-def test_dice_per_case_and_channel_hand_computed():
-    # Prepare: case 0: channel 0 prediction covers 2 of 4 true pixels and nothing else -> 2*2/(2+4) = 2/3;
-    #          channel 1 empty prediction on empty truth -> 1.  Case 1: disjoint -> 0 and 1.
+def _two_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, logits) of two 2-channel 2×2 cases (described in the test below)."""
     target = torch.zeros(2, 2, 2, 2)
     target[0, 0] = 1.0
     target[1, 0, 0, 0] = 1.0
     logits = torch.full((2, 2, 2, 2), -10.0)
     logits[0, 0, 0, :] = 10.0
     logits[1, 0, 1, 1] = 10.0
+    return target, logits
+
+
+def test_dice_per_case_and_channel_hand_computed():
+    # Prepare: case 0: channel 0 prediction covers 2 of 4 true pixels and nothing else -> 2*2/(2+4) = 2/3;
+    #          channel 1 empty prediction on empty truth -> 1.  Case 1: disjoint -> 0 and 1.
+    target, logits = _two_cases()
     # Execute
     d = dice_metric(0.5)(logits, target)
     # Assert
@@ -32,12 +38,9 @@ def test_dice_per_case_and_channel_hand_computed():
 def test_empty_dice_sets_the_score_of_a_case_with_empty_mask_and_prediction():
     """Same cases as above: the two channels with empty mask and empty prediction take eval.empty_dice
     (0 here); an empty mask with a non-empty prediction stays 0, the others are unchanged."""
-    target = torch.zeros(3, 2, 2, 2)
-    target[0, 0] = 1.0
-    target[1, 0, 0, 0] = 1.0
-    logits = torch.full((3, 2, 2, 2), -10.0)
-    logits[0, 0, 0, :] = 10.0
-    logits[1, 0, 1, 1] = 10.0
+    target, logits = _two_cases()
+    target = torch.cat([target, torch.zeros(1, 2, 2, 2)])
+    logits = torch.cat([logits, torch.full((1, 2, 2, 2), -10.0)])
     logits[2, 1, 0, 0] = 10.0  # case 2: channel 1 predicts a pixel on an empty mask -> 0; channel 0 both empty
     d0 = dice_metric(0.5, empty_dice=0.0)(logits, target)
     d1 = dice_metric(0.5)(logits, target)
