@@ -160,7 +160,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--channels", default="8,16,32,64")
     ap.add_argument("--selector-width", type=float, default=0.0625)
-    ap.add_argument("--selector-steps", type=int, default=1, help="fedsm.selector_steps (selector steps per round)")
+    ap.add_argument("--selector-steps", default=None, help="fedsm.selector_steps (an integer or 'all'; default: the profile's)")
+    ap.add_argument("--selector-training", default=None, help="fedsm.selector_training ('fga' or 'fedavg'; default: the profile's)")
+    ap.add_argument("--profile", default=None, help="fedsm.profile ('default' or 'reference')")
     ap.add_argument("--selector-rounds", type=int, default=None, help="fedsm-extra extra rounds (default rounds/3)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
@@ -176,8 +178,11 @@ def main() -> None:
         f"train.local_steps={args.steps}", "train.local_epochs=none", f"train.batch_size={args.batch}",
         f"model.channels={chans}", f"model.strides={[2] * (len(chans) - 1)}", "model.num_res_units=1",
         f"eval.every={args.eval_every}", f"checkpoint_every={args.rounds}",
-        f"fedsm.selector_width={args.selector_width}", f"fedsm.selector_steps={args.selector_steps}",
+        f"fedsm.selector_width={args.selector_width}",
     ]
+    for key in ("selector_steps", "selector_training", "profile"):
+        if getattr(args, key) is not None:
+            common.append(f"fedsm.{key}={getattr(args, key)}")
     if args.gamma is not None:
         common.append(f"fedsm.gamma={args.gamma}")
     if args.selector_rounds is not None:
@@ -265,7 +270,11 @@ def main() -> None:
                 if ra and e["round"] % every == 0:
                     pts.append(f"{e['round'] - 1}:{sum(ra.values()) / len(ra):.2f}")
             md.append(f"- {res.get('label', res['method'])}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
-        md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(f"{r['method']} {bytes_per_round(r) / 1e3:.0f} kB" for r in runs if r['seed'] == seeds[0]) + "\n")
+        first = [r for r in runs if r["seed"] == seeds[0]]
+        fedavg_bytes = next((bytes_per_round(r) for r in first if r["method"] == "fedavg"), None)
+        md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(
+            f"{r.get('label', r['method'])} {bytes_per_round(r) / 1e3:.0f} kB" + (f" ({bytes_per_round(r) / fedavg_bytes:.2f}× FedAvg)" if fedavg_bytes else "")
+            for r in first) + "\n")
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
     emit(md, args.md, out, {"args": vars(args)})
 

@@ -394,7 +394,7 @@ def test_unknown_key_in_a_method_section_is_rejected():
 
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsm"])
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
 def test_robust_aggregation_in_simulation_is_the_rule_over_the_sites_models(tmp_path, sites, workload, method, rule):
     """After round 1 the global model is the coordinate-wise rule over the three sites' trained models
@@ -411,6 +411,7 @@ def test_robust_aggregation_in_simulation_is_the_rule_over_the_sites_models(tmp_
             assert torch.allclose(v, torch.stack([m[k] for m in models]).median(dim=0).values, rtol=0, atol=1e-6), k
 
 
-def test_bad_aggregation_setting_names_the_key():
-    with pytest.raises(ConfigError, match=r"fedavg.aggregation = 'avg'"):
-        get_algorithm(cfg_with("fedavg", params={"aggregation": "avg"}))
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsm"])
+def test_bad_aggregation_setting_names_the_key(method):
+    with pytest.raises(ConfigError, match=rf"{method}.aggregation = 'avg'"):
+        get_algorithm(cfg_with(method, params={"aggregation": "avg"}))

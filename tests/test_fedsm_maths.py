@@ -95,19 +95,32 @@ def test_softpull_rejects_replies_from_unknown_sites():
         soft_pull({"a": _w(1.0)}, 0.7, replied=["a", "zz"])
 
 
-def test_check_lambda_rejects_one_site_and_lambda_outside_one_over_k_to_one():
+def test_check_lambda_rejects_one_site_and_lambda_outside_zero_one_and_warns_below_one_over_k():
+    """K = 6, λ = 0.1 (Table 7): own weight 0.1 < (1 − 0.1)/5 = 0.18 for every other site → warned, allowed."""
+    import warnings
+
+    from fedseg.algorithms.softpull import LambdaBelowOneOverKWarning
+
     with pytest.raises(ValueError, match="at least 2 sites"):
         check_lambda(0.7, 1)
-    with pytest.raises(ValueError, match=r"fedsm.lam = 0.1 is outside \[1/K, 1\] = \[0.1667, 1\]"):
+    with pytest.raises(ValueError, match=r"fedsm.lam = 1.2 is outside \[0, 1\]"):
+        check_lambda(1.2, 6)
+    with pytest.raises(ValueError, match=r"fedsm.lam = -0.1 is outside \[0, 1\]"):
+        check_lambda(-0.1, 6)
+    with pytest.warns(LambdaBelowOneOverKWarning, match=r"below 1/K = 0.1667 .* weighs 0.1 .* every other site's 0.18"):
         check_lambda(0.1, 6)
-    check_lambda(1 / 6, 6)  # the lower end is allowed (FedAvg-like uniform mean)
-    check_lambda(1.0, 6)
+    with pytest.warns(LambdaBelowOneOverKWarning):
+        check_lambda(0.0, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_lambda(1 / 6, 6)  # the lower end of the old range: uniform mean, no warning
+        check_lambda(1.0, 6)
 
 
 @pytest.mark.parametrize(
     "settings,message",
     [
-        ({"lam": 0.0}, "fedsm.lam = 0.0"),
+        ({"lam": -0.1}, "fedsm.lam = -0.1"),
         ({"lam": 1.5}, "fedsm.lam = 1.5"),
         ({"gamma": "often"}, "fedsm.gamma = 'often'"),
         ({"gamma": 1.2}, "fedsm.gamma = 1.2"),
@@ -115,7 +128,10 @@ def test_check_lambda_rejects_one_site_and_lambda_outside_one_over_k_to_one():
         ({"selector_rounds": 0}, "fedsm.selector_rounds must be >= 1"),
         ({"weighting": "size"}, "fedsm.weighting"),
         ({"selector_weighting": "size"}, "fedsm.selector_weighting"),
-        ({"selector_steps": 0}, "fedsm.selector_steps must be >= 1"),
+        ({"selector_steps": 0}, "fedsm.selector_steps = 0; give an integer >= 1 or 'all'"),
+        ({"selector_steps": "some"}, "fedsm.selector_steps = 'some'"),
+        ({"selector_training": "fedprox"}, "fedsm.selector_training = 'fedprox'; use 'fga'"),
+        ({"profile": "paper"}, "fedsm.profile = 'paper'; use 'default'"),
     ],
 )
 def test_params_reject_bad_settings_naming_the_key(settings, message):
@@ -224,7 +240,7 @@ def test_server_round_averages_selector_moments_with_the_selector_weights_and_so
     SoftPull with K = 2, λ = 0.7: p_a = 0.7·10 + 0.3·20 = 13, p_b = 0.7·20 + 0.3·10 = 17."""
     # Prepare
     cfg = tiny_config("fedsm")
-    algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_weighting": selector_weighting}}}))
+    algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_weighting": selector_weighting, "selector_training": "fedavg"}}}))
     state = {"global/w": torch.tensor([0.0]), "personal/a/w": torch.tensor([0.0]), "personal/b/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0])}
     tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)})
     # Execute
@@ -244,7 +260,8 @@ def test_server_round_averages_selector_moments_with_the_selector_weights_and_so
 
 def test_server_round_with_a_dropped_site_keeps_its_personalized_model():
     """c drops: global/selector averaged over a, b only; p_c unchanged (= 7); a, b SoftPull with K' = 2."""
-    algo = FedSM(tiny_config("fedsm"))
+    cfg = tiny_config("fedsm")
+    algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_training": "fedavg"}}}))
     state = {"global/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0]),
              **{f"personal/{s}/w": torch.tensor([7.0]) for s in "abc"}}
     tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)}, drop={"c"})

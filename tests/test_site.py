@@ -64,3 +64,61 @@ def test_save_and_restore_roundtrip(tmp_path, sites, workload):
         assert torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"])
     assert torch.equal(fresh.store["c"], torch.arange(3.0))
     assert not _site(sites, workload).restore(tmp_path / "empty")
+
+
+def _bn_stats(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+
+
+def test_local_batch_norm_evaluation_copies_follow_the_sites_current_statistics(sites):
+    """bn_policy = "local": the arrays a site receives carry no running statistics, so the evaluation
+    copy ("eval", built once by copying the site's first model) must take the site's *current* ones
+    at every evaluation — not keep those of its first evaluation (the bug: after two more rounds of
+    training the eval copy still held round 1's statistics)."""
+    # Prepare
+    model = ModelConfig(channels=(4, 8), strides=(2,), num_res_units=0, norm="batch")
+    cfg = RunConfig(federation="x", model=model, train=TrainConfig(batch_size=4, bn_policy="local"))
+    wl = segmentation_workload(2, 1, ["fg"], model)
+    s = _site(sites, wl, cfg)
+    s.model("global")
+    s.fit("global", 1)
+    s.model_predictor(s.arrays("global"))
+    first = _bn_stats(s.models["eval"])
+    # Execute: more training changes the site's statistics, then evaluate again
+    s.fit("global", 2)
+    s.fit("global", 3)
+    s.model_predictor(s.arrays("global"))
+    # Assert
+    now, trained = _bn_stats(s.models["eval"]), _bn_stats(s.models["global"])
+    assert now and all(torch.equal(now[k], trained[k]) for k in now)
+    assert any(not torch.equal(now[k], first[k]) for k in now)
+    # a trained role keeps its own statistics when it receives weights (bn_from is for evaluation copies only)
+    s.model("personal")
+    s.fit("personal", 5)
+    own = _bn_stats(s.models["personal"])
+    s.load("personal", s.arrays("global"))
+    assert all(torch.equal(_bn_stats(s.models["personal"])[k], own[k]) for k in own)
+
+
+def test_local_batch_norm_fedsm_composite_uses_the_sites_own_statistics(sites, tmp_path):
+    """FedSM with a batch-norm U-Net and bn_policy = "local", 2 rounds: after the last evaluation the
+    composite's global copy holds the site's global-model statistics and its own personalized copy
+    the site's personalized-model statistics, both as trained in round 2 (not round 1's)."""
+    from safetensors.torch import load_file
+
+    from fedseg.runner import simulate
+
+    model = ModelConfig(channels=(4, 8), strides=(2,), num_res_units=0, norm="batch")
+    cfg = RunConfig(federation="x", method="fedsm", rounds=2, model=model, train=TrainConfig(batch_size=4, bn_policy="local"),
+                    params={"fedsm": {"selector_width": 0.0625, "selector_hidden": 8}})
+    wl = segmentation_workload(2, 1, ["fg"], model)
+    simulate(cfg, wl, sites, out=tmp_path, progress=False)
+    st = load_file(str(tmp_path / "checkpoints/sites/site2.safetensors"))
+
+    def stats(role):
+        return {k.removeprefix(f"model/{role}/"): v for k, v in st.items() if k.startswith(f"model/{role}/") and "running_" in k}
+
+    g, p, cg, cp = stats("global"), stats("personal"), stats("fedsm-eval/global"), stats("fedsm-eval/p1")
+    assert g and all(torch.equal(cg[k], g[k]) for k in g)
+    assert all(torch.equal(cp[k], p[k]) for k in p)
+    assert any(not torch.equal(g[k], p[k]) for k in g)

@@ -16,9 +16,10 @@ def _csv(text: str) -> list[str]:
 def cmd_demo(a: argparse.Namespace) -> int:
     from fedseg.experiments import demo
 
-    table = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed)
+    table, report = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed)
     print("\n" + table)
     print(f"results, resolved configs and checkpoints: {Path(a.out).resolve()}")
+    print(f"HTML report: {Path(report).resolve()}")
     return 0
 
 
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedseg", description="Cross-silo federated learning of medical image segmentation.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    d = sub.add_parser("demo", help="synthesize a small federation, train local/centralized/FedAvg, print a Dice table")
+    d = sub.add_parser("demo", help="synthesize a small federation, train local/centralized/FedAvg/FedSM, print a Dice table, write an HTML report")
     d.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     d.add_argument("--rounds", type=int, default=40)
     d.add_argument("--scale", type=float, default=0.15, help="fraction of the paper's Table 1 case counts")

@@ -133,12 +133,24 @@ class EvalConfig:
     threshold: float = 0.5
     """Sigmoid output above this is foreground."""
     batch_size: int = 16
+    empty_dice: float = 1.0
+    """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
+    "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
+    cases instead; that is not offered, as every per-case mean would then need to skip them.)"""
+    best_criterion: str = "cases"
+    """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
+    pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
+    client average)."""
 
     def validate(self) -> None:
         if self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
+        if not 0.0 <= self.empty_dice <= 1.0:
+            raise ConfigError(f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)")
+        if self.best_criterion not in ("cases", "sites"):
+            raise ConfigError(f"eval.best_criterion = {self.best_criterion!r}; use 'cases' (mean over pooled validation cases) or 'sites' (mean of per-site means)")
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,11 @@ class Engine:
             case_means = [sum(case) / len(case) for cases in per_site.values() for case in cases]
             if not case_means:
                 continue
-            score = sum(case_means) / len(case_means)
+            if self.cfg.eval.best_criterion == "sites":  # mean of the per-site means (the papers' client average)
+                site_means = [sum(sum(c) / len(c) for c in cases) / len(cases) for cases in per_site.values() if cases]
+                score = sum(site_means) / len(site_means)
+            else:  # "cases": mean over the pooled validation cases
+                score = sum(case_means) / len(case_means)
             record["val_dice"][c.name] = {s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None) for s, cases in per_site.items()}
             record["val_score"][c.name] = score
             prev = self.best.get(c.name)
@@ -414,6 +418,13 @@ class Engine:
         finally:
             bar.close()
             self.writer.wait()  # every checkpoint is committed before the run returns
+        final = self.algorithm.final_candidates(self.state, {n: b.candidate for n, b in self.best.items()}, {n: b.round for n, b in self.best.items()}, self.ctx)
+        if final:
+            # e.g. FedSM's composite assembled from its best parts: test (and keep) that one
+            for name, cand in final.items():
+                self.best[name] = Best(self.best[name].score, self.best[name].round, cand)
+            self.save_checkpoint()
+            self.writer.wait()
         per_case = self.test()
         results = summarize(
             method=self.algorithm.name,

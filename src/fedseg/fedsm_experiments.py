@@ -44,7 +44,7 @@ def load_spec(config: str | Path | RunConfig, overrides: Sequence[str] = (), pro
 
     cfg = config if isinstance(config, RunConfig) else load_run_config(config, list(overrides), known_sections(), **fields)
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     return cfg, workload, data
 
 
@@ -110,6 +110,7 @@ def run_fedsm(
     algorithm = get_algorithm(cfg)
     if not isinstance(algorithm, FedSM):
         raise ConfigError(f"run_fedsm runs fedsm, fedsm-extra or fedsm-ensemble, not {cfg.method!r}")
+    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
     if heldout is not None and heldout not in site_data:
         raise ConfigError(f"held-out site {heldout!r} is not in the federation; sites: {list(site_data)}")
     train = [(s, d) for s, d in site_data.items() if s != heldout]
@@ -219,19 +220,19 @@ def sweep(
 ) -> tuple[list[dict[str, Any]], str]:
     """FedSM Table 7: one FedSM run per λ (Client Avg and Global Dice), plus test Dice per γ.
 
-    λ below 1/K is outside SoftPull's range (Eq. 11) and is reported as rejected
-    rather than run (the paper's Table 7 includes λ = 0.1 < 1/6).
+    Every λ in [0, 1] runs (the paper's Table 7 includes λ = 0.1 < 1/K = 1/6; below 1/K a
+    warning says that a site's own model then weighs less than each other site's); a λ
+    outside [0, 1] is reported as rejected rather than run.
     """
     cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
     if cfg.method != "fedsm":
         cfg = dataclasses.replace(cfg, method="fedsm")
-    k = len(data)
     out = Path(out)
     rows = []
     for lam in lams:
-        if lam < 1.0 / k - 1e-12 or lam > 1.0:
-            rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [1/K, 1] = [{1 / k:.3f}, 1]"})
-            log(f"λ = {lam}: skipped, outside [1/K, 1] for K = {k}")
+        if not 0.0 <= lam <= 1.0:
+            rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [0, 1]"})
+            log(f"λ = {lam}: skipped, outside [0, 1]")
             continue
         res = run_fedsm(with_fedsm(cfg, lam=float(lam)), workload, data, out=out / f"lam{lam:g}", gammas=gammas, progress=progress, log=log)
         rows.append({"lam": lam, "client_avg_dice": res["client_avg_dice"], "global_dice": res["global_dice"], "gamma": res["fedsm"]["gamma"],

@@ -80,6 +80,7 @@ def simulate(
     if not site_data:
         raise ConfigError("no sites given; a federation needs at least one site")
     algorithm = get_algorithm(cfg)
+    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
     transport = build_transport(cfg, workload, site_data, algorithm)
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -145,5 +146,5 @@ def run(
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log, on_round=on_round)

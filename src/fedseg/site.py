@@ -151,6 +151,7 @@ class Site:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.store: Arrays = {}
         self._workload_models: dict[str, nn.Module] = {}
+        self._template_role: str | None = None
         self._handlers = algorithm.site_handlers()
 
     # ------------------------------------------------------------------ tasks
@@ -179,8 +180,9 @@ class Site:
             # another instance of the workload model: copy it (its weights are replaced
             # on load) instead of building and randomly initializing a new one
             m = copy.deepcopy(template) if template is not None else (factory or self.workload.build_model)().to(device=self.device, dtype=self.dtype)
-            if factory is None:
-                self._workload_models.setdefault("any", m)
+            if factory is None and "any" not in self._workload_models:
+                self._workload_models["any"] = m
+                self._template_role = role
             self.models[role] = m
         return m
 
@@ -200,8 +202,14 @@ class Site:
                 return set(model.state_dict()) - bn
         return None
 
-    def load(self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None) -> nn.Module:
-        """Copy ``arrays`` into the role's model (validated: names, shapes, dtypes) and return the model."""
+    def load(self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None) -> nn.Module:
+        """Copy ``arrays`` into the role's model (validated: names, shapes, dtypes) and return the model.
+
+        With ``train.bn_policy = "local"`` the arrays carry no batch-norm running statistics;
+        a role the site trains keeps its own, and a role that only evaluates (``bn_from``
+        given) takes the current ones of the site's role ``bn_from`` — otherwise an
+        evaluation copy would keep the statistics it had when it was first built.
+        """
         model = self.model(role, factory)
         own = model.state_dict()
         shared = self._shared_names(model)
@@ -211,6 +219,12 @@ class Site:
         with torch.no_grad():
             for k, v in incoming.items():
                 own[k].copy_(v)
+            source = self.models.get(bn_from) if bn_from is not None and bn_from != role else None
+            if shared is not None and source is not None:
+                theirs = source.state_dict()
+                for k in set(own) - shared:
+                    if k in theirs and theirs[k].shape == own[k].shape:
+                        own[k].copy_(theirs[k])
         return model
 
     def arrays(self, role: str) -> Arrays:
@@ -378,9 +392,14 @@ class Site:
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
 
-    def model_predictor(self, arrays: Arrays, role: str = "eval") -> Callable[[torch.Tensor], torch.Tensor]:
-        """A predictor that runs the workload model with ``arrays`` (the default ``"model"`` predictor)."""
-        model = self.load(role, arrays)
+    def model_predictor(self, arrays: Arrays, role: str = "eval", bn_from: str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A predictor that runs the workload model with ``arrays`` (the default ``"model"`` predictor).
+
+        ``bn_from``: the role whose batch-norm running statistics it uses under
+        ``train.bn_policy = "local"`` (default: the site's first trained workload model,
+        e.g. its ``global`` model).
+        """
+        model = self.load(role, arrays, bn_from=bn_from or self._template_role)
         model.eval()
         return lambda x: self.workload.predict(model, x)
 
@@ -404,7 +423,7 @@ class Site:
         (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
         take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach())
         arrays: Arrays = {}
-        meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}}
+        meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}, "template_role": self._template_role}
         if self.scalers:
             meta["scalers"] = {role: sc.state_dict() for role, sc in self.scalers.items()}
         for role, m in self.models.items():
@@ -423,7 +442,9 @@ class Site:
 
     def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None:
         """Restore :meth:`state_arrays` output.  Models must be creatable by the workload or already exist."""
-        for role in meta["models"]:
+        template = meta.get("template_role")
+        roles = sorted(meta["models"], key=lambda r: r != template)  # the template first, as when it was built
+        for role in roles:
             sd = strip_prefix(f"model/{role}", arrays)
             if role not in self.models:
                 factory = self.algorithm.model_factory(self, role)

@@ -61,10 +61,11 @@ class Workload:
         return self.infer(model, x) if self.infer is not None else model(x)
 
 
-def dice_metric(threshold: float = 0.5) -> Metric:
+def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
     """Per-case, per-channel Dice of ``sigmoid(logits) > threshold`` against binary masks (MONAI DiceMetric).
 
-    An empty prediction on an empty mask scores 1 (``ignore_empty=False``).
+    An empty prediction on an empty mask scores ``empty_dice`` (``eval.empty_dice``, default
+    1 as MONAI's ``ignore_empty=False``); a non-empty prediction on an empty mask scores 0.
     """
     from monai.metrics import DiceMetric
 
@@ -74,6 +75,10 @@ def dice_metric(threshold: float = 0.5) -> Metric:
         pred = (torch.sigmoid(logits.float()) > threshold).float()
         out = metric(pred, target.float())
         metric.reset()
+        if empty_dice != 1.0:
+            dims = tuple(range(2, pred.dim()))
+            both = (pred.sum(dim=dims) == 0) & (target.float().sum(dim=dims) == 0)
+            out = torch.where(both.to(out.device), torch.full_like(out, empty_dice), out)
         return out
 
     return compute
@@ -121,6 +126,7 @@ def segmentation_workload(
     train: TrainConfig | None = None,
     threshold: float = 0.5,
     sw_batch_size: int = 4,
+    empty_dice: float = 1.0,
 ) -> Workload:
     """The papers' setting: MONAI U-Net, Dice loss with sigmoid, per-channel Dice.
 
@@ -148,7 +154,7 @@ def segmentation_workload(
     return Workload(
         build_model=lambda: build_unet(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
-        metric=dice_metric(threshold),
+        metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
         infer=infer,
         train_transform=transform,

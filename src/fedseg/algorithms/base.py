@@ -36,6 +36,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Algorithm", "Candidate", "NoParams", "ServerContext"]
 
 
+def _toml_ready(table: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in table.items()}
+
+
 @dataclass(frozen=True)
 class NoParams:
     """An algorithm without settings of its own."""
@@ -121,6 +125,17 @@ class Algorithm:
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **dataclasses.asdict(self.params)}
 
+    def resolved_params(self) -> dict[str, dict[str, Any]]:
+        """``{section: settings}`` as this run uses them (defaults and profile choices filled in), for
+        ``config.toml`` and ``results.json["config"]``; empty for a method without settings."""
+        if not self.section or not dataclasses.fields(self.params):
+            return {}
+        return {self.section: _toml_ready(dataclasses.asdict(self.params))}
+
+    def resolved_config(self) -> RunConfig:
+        """The run config with this method's sections replaced by :meth:`resolved_params`."""
+        return dataclasses.replace(self.cfg, params={**self.cfg.params, **self.resolved_params()})
+
     # ----------------------------------------------------------- server half
     def init_state(self, ctx: ServerContext) -> Arrays:
         """Initial server state; by default one seeded model under ``global/``."""
@@ -132,12 +147,18 @@ class Algorithm:
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         raise NotImplementedError
 
+    def final_candidates(self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext) -> dict[str, Candidate]:
+        """Candidates to test in place of some best-validation ones, built after the last round from the
+        best candidates (and their rounds) and the final state (FedSM assembles its composite from its
+        best parts).  Returns ``{name: candidate}`` for the names replaced; the default replaces none."""
+        return {}
+
     # ------------------------------------------------------------- site half
     def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]:
         raise NotImplementedError
 
     def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]:
-        return {"model": lambda site, arrays, config: site.model_predictor(arrays)}
+        return {"model": lambda site, arrays, config: site.model_predictor(arrays, bn_from=config.get("bn_role"))}
 
     def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None:
         """Factory of a role's model when it is not the workload's model (e.g. FedSM's selector)."""

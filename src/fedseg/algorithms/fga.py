@@ -47,7 +47,7 @@ import itertools
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,8 @@ __all__ = [
     "average_gradients",
     "equivalence_problems",
     "federation_steps",
+    "gradient_step",
+    "lockstep_round",
     "state_digest",
 ]
 
@@ -237,7 +239,7 @@ class _Cursor:
 # Per-site iterator over the round's batches (rebuilt when a site restarts mid-round),
 # and the sites whose model/loss were already checked for equivalence problems.
 _CURSORS: weakref.WeakKeyDictionary[Site, _Cursor] = weakref.WeakKeyDictionary()
-_CHECKED: weakref.WeakSet[Site] = weakref.WeakSet()
+_CHECKED: weakref.WeakKeyDictionary[Site, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _batch(site: Site, rnd: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,25 +253,34 @@ def _batch(site: Site, rnd: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
     return next(cur.it)
 
 
-def fga_step(site: Site, task: Task) -> Reply:
-    """Site half of FGA: apply the previous averaged gradient, then compute the next gradient.
+def gradient_step(
+    site: Site,
+    task: Task,
+    role: str = ROLE,
+    prefix: str = ROLE,
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    factory: Callable[[], nn.Module] | None = None,
+    lr: float | None = None,
+    check_loss: Any = None,
+) -> Reply:
+    """Site half of one lockstep exchange for the model of ``role`` (FGA's, or any other model trained
+    by gradient averaging, e.g. FedSM's selector): apply the previous averaged gradient, then compute
+    the gradient of ``loss(model, x, y)`` (default: the workload loss) on this step's batch.
 
     ``task.config``: ``round``; ``step`` (batch index to compute, or None to only
     apply); ``send_weights`` (return Θ); ``digest`` (return the state digest).
-    ``task.arrays``: ``global/…`` initial weights (first round), ``avg/…`` the
-    averaged gradient to apply.
+    ``task.arrays``: ``<prefix>/…`` initial weights (first round), ``avg/…`` the
+    averaged gradient to apply.  ``lr`` overrides ``train.lr`` for this role's optimizer;
+    ``check_loss`` is the loss checked by :func:`equivalence_problems` (default: the workload loss).
     """
     cfg = task.config
     rnd, step = int(cfg["round"]), cfg.get("step")
-    init = strip_prefix(ROLE, task.arrays)
+    init = strip_prefix(prefix, task.arrays)
     if init:
-        site.load(ROLE, init)
-    model = site.model(ROLE)
-    if step == 0:
-        # the optimizer persists across rounds (Alg. 1 initializes m, v once) unless train.reset_optimizer
-        opt = site.optimizer(ROLE, reset=site.cfg.train.reset_optimizer)
-    else:
-        opt = site.optimizer(ROLE)
+        site.load(role, init, factory)
+    model = site.model(role, factory)
+    # the optimizer persists across rounds (Alg. 1 initializes m, v once) unless train.reset_optimizer
+    opt = site.optimizer(role, reset=step == 0 and site.cfg.train.reset_optimizer, params=list(model.parameters()), lr=lr)
     avg = strip_prefix("avg", task.arrays)
     if avg:
         apply_gradient(model, opt, avg)
@@ -277,25 +288,85 @@ def fga_step(site: Site, task: Task) -> Reply:
     metrics: dict[str, Any] = {}
     num = 0
     if step is not None:
-        if site not in _CHECKED:
-            _CHECKED.add(site)
-            for problem in equivalence_problems(model, site.workload.loss):
+        checked = _CHECKED.setdefault(site, set())
+        if role not in checked:
+            checked.add(role)
+            for problem in equivalence_problems(model, site.workload.loss if check_loss is None else check_loss):
                 warnings.warn(f"FGA at site {site.name}: {problem}", FGAEquivalenceWarning, stacklevel=2)
         x, y = _batch(site, rnd, int(step))
         model.train()
         model.zero_grad(set_to_none=True)
-        loss = site.workload.loss(model(x), y)
-        loss.backward()
+        value = site.workload.loss(model(x), y) if loss is None else loss(model, x, y)
+        value.backward()
         arrays = {f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         num = int(x.shape[0])
-        metrics["loss"] = float(loss.detach())
+        metrics["loss"] = float(value.detach())
         if step == 0:
             metrics["steps_per_round"] = site.steps_per_round()
     if cfg.get("send_weights"):
-        arrays.update(prefixed(ROLE, site.arrays(ROLE)))
+        arrays.update(prefixed(prefix, site.arrays(role)))
     if cfg.get("digest"):
         metrics["digest"] = state_digest(model, opt)
     return Reply(arrays=arrays, metrics=metrics, num_samples=num)
+
+
+def fga_step(site: Site, task: Task) -> Reply:
+    """Site half of FGA (:func:`gradient_step` for the global model)."""
+    return gradient_step(site, task)
+
+
+def lockstep_round(
+    ctx: ServerContext,
+    rnd: int,
+    kind: str = "fga_step",
+    first: Arrays | None = None,
+    config: Mapping[str, Any] | None = None,
+    weighting: str = "samples",
+    steps: str = "max",
+    check_sync: bool = True,
+    prefix: str = ROLE,
+    max_steps: int | None = None,
+) -> tuple[Arrays, dict[str, Any], dict[str, dict[str, Any]]]:
+    """Server half of one round of lockstep gradient averaging over ``ctx.sites`` (protocol above).
+
+    ``first``: arrays sent with step 0 (initial weights on the first round, anything
+    else the site needs for the round); ``config``: added to every task's config;
+    ``max_steps`` caps the round's steps.  Returns the weights site 1 sent at the end
+    (``<prefix>/…``), the metrics (``train_loss`` per site, ``steps``, ``in_sync``)
+    and each site's step-0 reply metrics.
+    """
+    sites = ctx.sites
+    base = {"round": rnd, **(config or {})}
+
+    def average(replies: Mapping[str, Reply]) -> Arrays:
+        return prefixed("avg", average_gradients([strip_prefix("grad", replies[s].arrays) for s in sites], [replies[s].num_samples for s in sites], weighting))
+
+    replies = ctx.ask({s: Task(kind, dict(first or {}), {**base, "step": 0}) for s in sites})
+    start = {s: dict(replies[s].metrics) for s in sites}
+    total = federation_steps([replies[s].metrics["steps_per_round"] for s in sites], steps)
+    if max_steps is not None:
+        total = min(total, max_steps)
+    losses = {s: [replies[s].metrics["loss"]] for s in sites}
+    for step in range(1, total):
+        replies = ctx.ask({s: Task(kind, average(replies), {**base, "step": step}) for s in sites})
+        for s in sites:
+            losses[s].append(replies[s].metrics["loss"])
+    avg = average(replies)
+    last = ctx.ask({s: Task(kind, avg, {**base, "step": None, "send_weights": s == sites[0], "digest": check_sync}) for s in sites})
+    weights = {k: v for k, v in last[sites[0]].arrays.items() if k.startswith(prefix + "/")}
+    metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
+    if check_sync:
+        digests = {s: last[s].metrics["digest"] for s in sites}
+        in_sync = len(set(digests.values())) == 1
+        metrics["in_sync"] = in_sync
+        if not in_sync:
+            warnings.warn(
+                f"FGA round {rnd}: sites hold different weights or optimizer states (digests {digests}); "
+                "this happens across different hardware or library versions, or if a site changed its model outside FGA",
+                FGAEquivalenceWarning,
+                stacklevel=2,
+            )
+    return weights, metrics, start
 
 
 # ---------------------------------------------------------------------- server half
@@ -308,38 +379,10 @@ class FGA(Algorithm):
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))
 
-    def _average(self, replies: Mapping[str, Reply], sites: Sequence[str]) -> Arrays:
-        return average_gradients([strip_prefix("grad", replies[s].arrays) for s in sites], [replies[s].num_samples for s in sites], self.params.weighting)
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        sites = ctx.sites
-        init = state if rnd == 1 else {}
-        replies = ctx.ask({s: Task("fga_step", init, {"round": rnd, "step": 0}) for s in sites})
-        total = federation_steps([replies[s].metrics["steps_per_round"] for s in sites], self.params.steps)
-        losses = {s: [replies[s].metrics["loss"]] for s in sites}
-        for step in range(1, total):
-            avg = prefixed("avg", self._average(replies, sites))
-            replies = ctx.ask({s: Task("fga_step", avg, {"round": rnd, "step": step}) for s in sites})
-            for s in sites:
-                losses[s].append(replies[s].metrics["loss"])
-        avg = prefixed("avg", self._average(replies, sites))
-        check = self.params.check_sync
-        last = ctx.ask({s: Task("fga_step", avg, {"round": rnd, "step": None, "send_weights": s == sites[0], "digest": check}) for s in sites})
-        new = dict(state)
-        new.update({k: v for k, v in last[sites[0]].arrays.items() if k.startswith(ROLE + "/")})
-        metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
-        if check:
-            digests = {s: last[s].metrics["digest"] for s in sites}
-            in_sync = len(set(digests.values())) == 1
-            metrics["in_sync"] = in_sync
-            if not in_sync:
-                warnings.warn(
-                    f"FGA round {rnd}: sites hold different weights or optimizer states (digests {digests}); "
-                    "this happens across different hardware or library versions, or if a site changed its model outside FGA",
-                    FGAEquivalenceWarning,
-                    stacklevel=2,
-                )
-        return new, metrics
+        p = self.params
+        weights, metrics, _ = lockstep_round(ctx, rnd, first=state if rnd == 1 else {}, weighting=p.weighting, steps=p.steps, check_sync=p.check_sync)
+        return {**state, **weights}, metrics
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate(ROLE, strip_prefix(ROLE, state))]

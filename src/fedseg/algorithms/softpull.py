@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import warnings
+
 import torch
 
 from fedseg.arrays import Arrays, clone, weighted_mean
 
 __all__ = [
+    "LambdaBelowOneOverKWarning",
     "check_lambda",
     "ensemble_mix",
     "oracle_labels",
@@ -26,8 +29,17 @@ __all__ = [
 ]
 
 
+class LambdaBelowOneOverKWarning(UserWarning):
+    """SoftPull's λ is below 1/K: a site's own model weighs less than each other site's."""
+
+
 def check_lambda(lam: float, k: int, where: str = "fedsm.lam") -> None:
-    """Raise ``ValueError`` unless K ≥ 2 and λ ∈ [1/K, 1] (SoftPull's range, Eq. 11).
+    """Raise ``ValueError`` unless K ≥ 2 and λ ∈ [0, 1]; warn when λ < 1/K (SoftPull, Eq. 11).
+
+    In [1/K, 1] a site's own model weighs at least as much as each other site's
+    ((1 − λ)/(K − 1) ≤ λ ⇔ λ ≥ 1/K).  Below 1/K the own model weighs *less* than each
+    other site's — allowed (the paper's Table 7 runs λ = 0.1 with K = 6) but warned
+    (:class:`LambdaBelowOneOverKWarning`).
 
     Parameters
     ----------
@@ -36,17 +48,22 @@ def check_lambda(lam: float, k: int, where: str = "fedsm.lam") -> None:
     k
         Number of sites K in the federation.
     where
-        Setting name used in the message.
+        Setting name used in the messages.
     """
     if k < 2:
         raise ValueError(
             f"SoftPull needs at least 2 sites (got K = {k}): with one site there are no other "
             "personalized models to pull towards; use method 'local' or 'fedavg' for a single site"
         )
-    if not (1.0 / k - 1e-12 <= lam <= 1.0):
-        raise ValueError(
-            f"{where} = {lam} is outside [1/K, 1] = [{1.0 / k:.4f}, 1] for K = {k} sites (FedSM Eq. 11); "
-            f"set {where} between {1.0 / k:.4f} (uniform mean, FedAvg-like) and 1 (no pulling)"
+    if not (0.0 <= lam <= 1.0):
+        raise ValueError(f"{where} = {lam} is outside [0, 1] (FedSM Eq. 11); e.g. {where} = 0.7 (the paper's best on low-similarity data)")
+    if lam < 1.0 / k - 1e-12:
+        warnings.warn(
+            f"{where} = {lam} is below 1/K = {1.0 / k:.4f} for K = {k} sites: each site's own personalized model then weighs "
+            f"{lam:g} in its SoftPull average and every other site's {(1.0 - lam) / (k - 1):.4g} — more than its own. "
+            f"λ = 1/K is the uniform mean (FedAvg-like), λ = 1 no pulling",
+            LambdaBelowOneOverKWarning,
+            stacklevel=2,
         )
 
 

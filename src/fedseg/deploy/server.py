@@ -140,7 +140,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     params = deploy_params(cfg)
     algorithm = get_algorithm(cfg)
     h = desc["data"]
-    workload = segmentation_workload(int(h["spatial_dims"]), int(h["in_channels"]), list(h["labels"]), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(int(h["spatial_dims"]), int(h["in_channels"]), list(h["labels"]), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     resume = bool(desc.get("resume"))
     record = out / "dropouts.jsonl"
     if not resume:

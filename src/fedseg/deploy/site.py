@@ -100,7 +100,7 @@ def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg:
         foreground_only=bool(header.get("foreground_only", False)),
     )
     data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
     return data, workload
 
 

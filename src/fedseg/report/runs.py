@@ -244,7 +244,7 @@ class RunModels:
             raise ConfigError(f"{run.path} has no config.toml")
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         fed, data = cache.get(cfg.federation)
-        workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+        workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
         meta = json.loads((ckpt / "best.json").read_text())
         return cls(run, cfg, fed, data, workload, get_algorithm(cfg), load_file(str(ckpt / "best.safetensors")), meta)
 

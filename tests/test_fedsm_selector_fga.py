@@ -1,0 +1,155 @@
+"""FedSM's selector trained by federated gradient averaging (``fedsm.selector_training = "fga"``).
+
+Hand derivation (Remedios et al. 2020, Section 2.2, applied to the selector alone): at
+lockstep step t every site k computes the gradient of its mean cross-entropy on its
+batch B_k(t) (labels: the site's position k, Eq. 2; or Eq. 1's oracle labels in
+FedSM-extra's selector phase); the server's sample-weighted mean
+Σ_k |B_k| / Σ_j |B_j| · ∇ (1/|B_k|) Σ_{i∈B_k} ℓ_i = ∇ (1/|∪B_k|) Σ_{i∈∪B_k} ℓ_i is the
+gradient of the pooled batch, and every site applies it with an Adam whose state it
+built from the same gradients.  So after R rounds of T steps the selector equals one
+selector trained centrally with one Adam on the concatenated batches (site order) for
+R·T steps — up to float64 rounding of the split sum (≤ 1e-9 relative) — and all sites
+hold bitwise identical selectors and Adam moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import tiny_config, tiny_sites
+from fedseg.algorithms import get_algorithm
+from fedseg.algorithms.fedsm import selector_role
+from fedseg.algorithms.softpull import oracle_labels
+from fedseg.models import Selector
+from fedseg.runner import simulate
+from fedseg.seeding import derive_seed
+from fedseg.site import Site
+
+SEL = {"selector_width": 0.0625, "selector_hidden": 8, "selector_lr": 0.01}
+
+
+def _cfg(method: str, rounds: int, **fedsm):
+    cfg = tiny_config(method, rounds=rounds, dtype="float64")
+    return dataclasses.replace(cfg, params={"fedsm": {**SEL, **fedsm}})
+
+
+def _central_selector(cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None) -> dict[str, torch.Tensor]:
+    """One selector (the engine's seeded init), one Adam, each step on the concatenation of the sites' batches."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "init", selector_role(classes)))
+        sel = Selector(2, 1, classes, width=SEL["selector_width"], hidden=SEL["selector_hidden"])
+    sel = sel.to(torch.float64)
+    opt = torch.optim.Adam(sel.parameters(), lr=SEL["selector_lr"], betas=tuple(cfg.train.betas))
+    algo = get_algorithm(cfg)
+    sites = [Site(s, i, d, workload, cfg, algo) for i, (s, d) in enumerate(data.items())]
+    for rnd in rounds:
+        per_site = [list(s.batches(rnd, "train", steps=steps)) for s in sites]
+        for t in range(steps):
+            xs, labels = [], []
+            for k, batches in enumerate(per_site):
+                x, y = batches[t]
+                xs.append(x)
+                if frozen is None:
+                    labels.append(torch.full((x.shape[0],), k, dtype=torch.long))
+                else:
+                    with torch.no_grad():
+                        labels.append(oracle_labels([m(x) for m in frozen], y, workload.loss))
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(sel(torch.cat(xs)), torch.cat(labels)).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in sel.state_dict().items()}
+
+
+def _rel_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / max(float(b[k].abs().max()) for k in a)
+
+
+def _server_selector(out) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("selector/"): v for k, v in load_file(str(out / "checkpoints/server.safetensors")).items() if k.startswith("selector/")}
+
+
+def _sites_in_sync(out, sites, role):
+    states = {s: load_file(str(out / f"checkpoints/sites/{s}.safetensors")) for s in sites}
+    ref = states[sites[0]]
+    keys = [k for k in ref if k.startswith((f"model/{role}/", f"optim/{role}/"))]
+    assert any(k.endswith("exp_avg_sq") for k in keys)
+    for s in sites[1:]:
+        for k in keys:
+            assert torch.equal(states[s][k], ref[k]), (s, k)
+    return ref
+
+
+def test_fga_selector_equals_a_centrally_trained_selector_in_float64(tmp_path, workload):
+    """3 sites of 6, 8 and 10 training cases, batch 4 (1 local epoch): T = max(2, 2, 3) = 3
+    lockstep selector steps per round; 3 rounds = 9 Adam steps of the pooled batch (12 cases,
+    labels 0, 1, 2 by site; sites 1 and 2 cycle into their next seeded permutation)."""
+    # Prepare
+    data = tiny_sites()
+    cfg = _cfg("fedsm", rounds=3)
+    # Execute
+    res = simulate(cfg, workload, data, out=tmp_path, progress=False)
+    # Assert
+    assert [e["selector_steps"] for e in res["history"]] == [3, 3, 3]
+    assert all(e["selector_in_sync"] for e in res["history"])
+    central = _central_selector(cfg, workload, data, 3, range(1, 4), steps=3)
+    assert _rel_diff(_server_selector(tmp_path), central) <= 1e-9
+    ref = _sites_in_sync(tmp_path, list(data), "selector@3")
+    step = [v for k, v in ref.items() if k.startswith("optim/selector@3/") and k.endswith("/step")]
+    assert {float(v) for v in step} == {9.0}
+    # the routing accuracy of the selector each site holds is reported every round
+    assert set(res["history"][0]["routing_acc"]) == set(data)
+    # negative control: the averaged selector (local steps, then the mean) is not that selector
+    simulate(_cfg("fedsm", rounds=3, selector_training="fedavg", selector_steps="all"), workload, data, out=tmp_path / "avg", progress=False)
+    assert _rel_diff(_server_selector(tmp_path / "avg"), central) > 1e-3
+
+
+def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_path, workload):
+    """FedSM-extra, 3 rounds = 2 model rounds + 1 selector round: the K + 1-class selector's
+    single FGA round equals central training on the pooled batches with Eq. 1's labels
+    computed from the frozen global and personalized models (those the server holds after
+    the model rounds; they do not change in the selector phase)."""
+    # Prepare
+    data = tiny_sites()
+    cfg = _cfg("fedsm-extra", rounds=3, selector_rounds=1)
+    # Execute
+    res = simulate(cfg, workload, data, out=tmp_path, progress=False)
+    # Assert
+    assert res["history"][-1]["phase"] == "selector" and res["history"][-1]["selector_in_sync"]
+    server = load_file(str(tmp_path / "checkpoints/server.safetensors"))
+    frozen = []
+    for name in ["global", *(f"personal/{s}" for s in data)]:
+        m = workload.build_model().to(torch.float64)
+        m.load_state_dict({k.removeprefix(name + "/"): v for k, v in server.items() if k.startswith(name + "/")})
+        frozen.append(m.eval())
+    central = _central_selector(cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen)
+    assert _rel_diff(_server_selector(tmp_path), central) <= 1e-9
+    _sites_in_sync(tmp_path, list(data), "selector@4")
+    # routing accuracy of a K + 1-class selector is agreement with Eq. 1's labels, in [0, 1]
+    assert all(0.0 <= v <= 1.0 for v in res["history"][-1]["routing_acc"].values())
+
+
+@pytest.mark.parametrize("training", ["fga", "fedavg"])
+def test_selector_bytes_per_round(workload, training):
+    """Sites of 8 and 10 cases, batch 4: T = max(2, 3) = 3 selector steps.  Per site in round 2,
+    fga: the models' train task (2 w_g down, 2 w_g up) plus T selector gradients up (steps
+    0…T−1) and T averaged gradients down (steps 1…T−1 and the final apply); site 1 also returns
+    the selector's weights once.  fedavg: 2 w_g + 3 w_s each way (selector, two Adam moments)
+    plus one float32 step counter (Adam's) per selector parameter tensor."""
+    data = tiny_sites(2, n_train=8)
+    res = simulate(_cfg("fedsm", rounds=2, selector_training=training, selector_steps="all"), workload, data, progress=False)
+    b = res["history"][1]["bytes"]
+    w_g = sum(v.numel() * v.element_size() for v in workload.build_model().to(torch.float64).state_dict().values())
+    sel = Selector(2, 1, 2, width=SEL["selector_width"], hidden=SEL["selector_hidden"]).to(torch.float64)
+    w_s = sum(p.numel() * p.element_size() for p in sel.parameters())
+    if training == "fga":
+        assert b["site2"] == {"sent": 2 * w_g + 3 * w_s, "received": 2 * w_g + 3 * w_s}
+        assert b["site1"] == {"sent": 2 * w_g + 3 * w_s, "received": 2 * w_g + 4 * w_s}
+    else:
+        n = sum(1 for _ in sel.parameters())
+        assert b["site2"]["sent"] == b["site2"]["received"] == 2 * w_g + 3 * w_s + n * 4
