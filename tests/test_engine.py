@@ -139,3 +139,25 @@ def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp
     assert json.loads((d / "progress.json").read_text())["round"] == 2
     assert (d / "best.json").read_text() == "r2" and (d / "sites" / "site1.json").read_text() == "r2"
     assert not list(d.glob("*.next")) and not (d / "sites.next").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}, "non-finite values in"),
+    (lambda w: {k: (torch.zeros(3, 3) if k == min(n for n in w if n.startswith("model/")) else v) for k, v in w.items()}, "does not fit this run's site"),
+], ids=["nan", "wrong-shape"])
+def test_resume_refuses_a_damaged_site_state_naming_the_file(tmp_path, sites, workload, damage, message):
+    """A site's saved state (models + optimizer moments) is checked on --resume like the server's:
+    finite, and fitting the site's models; the error names the file instead of a traceback deep in torch."""
+    from safetensors.torch import save_file
+
+    from fedseg.errors import ConfigError
+
+    # Prepare: a run stopped after round 1, then one site's state damaged
+    cfg = tiny_config("fedavg", rounds=2)
+    assert simulate(cfg, workload, sites, out=tmp_path, progress=False, stop_after=1) is None
+    site = next(iter(sites))
+    path = tmp_path / "checkpoints" / "sites" / f"{site}.safetensors"
+    save_file({k: v.contiguous() for k, v in damage(load_file(str(path))).items()}, str(path))
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=f"{path.name}.*{message}|{message}.*{path.name}"):
+        simulate(cfg, workload, tiny_sites(), out=tmp_path, progress=False, resume=True)

@@ -39,13 +39,13 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, check_layout, clone, layout_of, nonfinite, prefixed, strip_prefix
+from fedseg.arrays import Arrays, clone, layout_of, prefixed, strip_prefix
 from fedseg.config import RunConfig
 from fedseg.device import configure_determinism, describe, resolve_device, to_device
-from fedseg.errors import ConfigError, PayloadError
+from fedseg.errors import ConfigError
 from fedseg.evaluation.summary import summarize
 from fedseg.seeding import derive_seed
-from fedseg.site import Task
+from fedseg.site import Task, load_checked
 from fedseg.transport.base import Transport
 from fedseg.workload import Workload
 
@@ -76,24 +76,6 @@ def _save_json(data: Any, path: Path) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
-
-def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
-    """Load a checkpoint file for ``--resume``: readable, the names/shapes/dtypes recorded when it was saved
-    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming the file."""
-    fix = f"restore {path.name} from a backup, or start the run again without --resume"
-    try:
-        arrays = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - missing, truncated or not safetensors
-        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
-    try:
-        if layout is not None:
-            check_layout(arrays, layout)
-        bad = nonfinite(arrays)
-        if bad:
-            raise PayloadError(f"non-finite values in {bad[:5]}")
-    except PayloadError as e:
-        raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
-    return arrays
 
 
 @dataclass(frozen=True)

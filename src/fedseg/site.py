@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.arrays import Arrays, check_compatible, strip_prefix
+from fedseg.arrays import Arrays, check_compatible, check_layout, nonfinite, strip_prefix
 from fedseg.config import RunConfig
 from fedseg.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
 from fedseg.errors import ConfigError, PayloadError
@@ -112,6 +112,25 @@ def _atomic_save(arrays: Arrays, path: Path, metadata: dict[str, Any] | None = N
         jtmp = path.with_suffix(".json.tmp")
         jtmp.write_text(json.dumps(metadata, indent=1))
         os.replace(jtmp, path.with_suffix(".json"))
+
+
+def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
+    """Load a checkpoint file for ``--resume``: readable, the names/shapes/dtypes recorded when it was saved
+    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming the file."""
+    fix = f"restore {path.name} from a backup, or start the run again without --resume"
+    try:
+        arrays = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - missing, truncated or not safetensors
+        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+    try:
+        if layout is not None:
+            check_layout(arrays, layout)
+        bad = nonfinite(arrays)
+        if bad:
+            raise PayloadError(f"non-finite values in {bad[:5]}")
+    except PayloadError as e:
+        raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
+    return arrays
 
 
 class Site:
@@ -477,6 +496,11 @@ class Site:
         path = Path(folder) / f"{self.name}.safetensors"
         if not path.is_file():
             return False
-        meta = json.loads(path.with_suffix(".json").read_text())
-        self.load_state_arrays(load_file(str(path)), meta)
+        arrays = load_checked(path, None)
+        fix = f"restore {path.name} and its .json from a backup, or start the run again without --resume"
+        try:
+            meta = json.loads(path.with_suffix(".json").read_text())
+            self.load_state_arrays(arrays, meta)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # unreadable JSON, state that does not fit the models
+            raise ConfigError(f"site state {path} does not fit this run's site {self.name!r} ({type(e).__name__}: {str(e)[:300]}); {fix}") from None
         return True
