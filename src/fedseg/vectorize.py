@@ -338,10 +338,13 @@ class VectorizedExecutor:
             for w in workers:
                 if w.thread.is_alive():
                     w.thread.join()
-        unfitted = [w.site.name for w in workers if not w.fitted and w.task.kind == "train"]
-        if unfitted:
+        unfitted: dict[str, list[str]] = {}
+        for w in workers:
+            if not w.fitted:
+                unfitted.setdefault(w.task.kind, []).append(w.site.name)
+        for kind, names in unfitted.items():
             method = workers[0].site.algorithm.name
-            self._say(f"task 'train' of {_names(unfitted)} runs sequentially: method {method!r} trains in its own loop, not through Site.fit")
+            self._say(f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit")
         return [w.reply for w in workers]  # type: ignore[misc]
 
     # -------------------------------------------------------------- planning
