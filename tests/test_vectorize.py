@@ -103,6 +103,7 @@ METHODS = [
     ("local", {}),
     ("ditto", {}),
     ("ft", {}),
+    ("fedsm", {}),
 ]
 
 
@@ -119,7 +120,7 @@ def test_float64_equals_sequential(tmp_path, method, params):
             assert b["train_loss"][s] == pytest.approx(loss, rel=1e-10)
 
 
-@pytest.mark.parametrize("method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {})])
+@pytest.mark.parametrize("method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {})])
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
     """Weights and moments to rtol 1e-4.  SCAFFOLD's control variates c_i = c_i − c + (x − y)/(K η_l)
     divide a difference of two nearly equal float32 weights by K η_l = 2e-3: one ulp of a weight
