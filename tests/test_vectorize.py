@@ -259,3 +259,29 @@ def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
     assert _vectorized(logs)
     assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in vec["rows"]]
     assert table3([seq]) == table3([vec])
+
+
+def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_falls_back(tmp_path, monkeypatch):
+    """Out of memory at a group's first step (nothing updated yet): the group trains as two halves.
+    Any other error at the first step: the group trains sequentially, with the error logged."""
+    real = VectorizedExecutor._gradients
+
+    def oom_for_groups(batch, *rest):
+        if len(batch) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(batch, *rest)
+
+    _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
+    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(oom_for_groups))
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
+    assert "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)" in logs
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "split"), rtol=1e-10, atol=1e-10)
+
+    def unsupported(*args):
+        raise RuntimeError("vmap: an op without a batching rule (simulated)")
+
+    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(unsupported))
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
+    assert any("trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs)
+    a, b = _states(tmp_path / "seq"), _states(tmp_path / "fallback")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
