@@ -231,18 +231,22 @@ class _StackedOptimizer:
             s_eff = s.clamp(min=1.0)
             step_size = g["lr"] / (1 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=dev), s_eff))
             bc2_sqrt = (1 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=dev), s_eff)).sqrt()
+            full = len(active) == k  # every site steps: in place, no masking
             for j, w in enumerate(self.weights):
                 p, grad, shp = w.detach(), grads[j], _shape(k, w)
                 if wd != 0:
                     grad = grad.add(p, alpha=wd)
-                m = self.m[j].lerp(grad, 1 - b1)
-                v = self.v[j].mul(b2).addcmul_(grad, grad, value=1 - b2)
+                m = self.m[j].lerp_(grad, 1 - b1) if full else self.m[j].lerp(grad, 1 - b1)
+                v = (self.v[j] if full else self.v[j].clone()).mul_(b2).addcmul_(grad, grad, value=1 - b2)
                 denom = (v.sqrt() / bc2_sqrt.to(p.dtype).view(shp)).add_(float(g["eps"]))
-                new = p + (-step_size).to(p.dtype).view(shp) * m / denom
-                mb = mask.view(shp)
-                p.copy_(torch.where(mb, new, p))
-                self.m[j].copy_(torch.where(mb, m, self.m[j]))
-                self.v[j].copy_(torch.where(mb, v, self.v[j]))
+                update = (-step_size).to(p.dtype).view(shp) * m / denom
+                if full:
+                    p.add_(update)
+                else:
+                    mb = mask.view(shp)
+                    p.copy_(torch.where(mb, p + update, p))
+                    self.m[j].copy_(torch.where(mb, m, self.m[j]))
+                    self.v[j].copy_(torch.where(mb, v, self.v[j]))
             self.s = s
         else:
             mom, damp, nesterov = g["momentum"], g["dampening"], g["nesterov"]
