@@ -6,7 +6,9 @@ MONAI U-Net (``--channels``, default the FedSM reference's 16…256), Adam, batc
 (size, method, K, simulation.vectorize) — is a fresh subprocess, so that its peak memory is its
 own: peak resident memory of the process on the CPU (``ru_maxrss``, which includes the Python
 interpreter and torch, ~0.3–0.5 GB), ``torch.cuda.max_memory_allocated`` on CUDA.
-``s/round`` is the mean over the rounds after the first (warm-up) and before the last (validation).
+``s/round`` is the median over the rounds after the first (warm-up) and before the last (validation),
+with the fastest such round beside it (the development machine is shared: the median and the
+minimum are less disturbed by other jobs than the mean).
 
 Goals (issue 13): on the CPU ≥ 2× faster at 32² with 6 sites; on a GPU a 6-site round at 64² in
 ≤ 1.5× the time of one site's round.
@@ -71,7 +73,7 @@ def one(args: argparse.Namespace) -> dict:
     times = [e["time_s"] for e in engine.history]
     steady = times[1:-1] or times[-1:]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"s_per_round": statistics.mean(steady), "wall_s": wall, "peak_gib": peak / 2**30,
+    return {"s_per_round": statistics.median(steady), "min_s_per_round": min(steady), "rounds_s": times, "wall_s": wall, "peak_gib": peak / 2**30,
             "vectorized": any("one vectorized computation" in m for m in logs), "plan": [m for m in logs if m.startswith("vectorize")]}
 
 
@@ -118,13 +120,14 @@ def main() -> None:
                 speedup = res["off"]["s_per_round"] / res["on"]["s_per_round"]
                 print(f"{size}² {method} K={k}: sequential {res['off']['s_per_round']:.2f} s/round, vectorized {res['on']['s_per_round']:.2f} "
                       f"({speedup:.2f}×; {'vectorized' if res['on']['vectorized'] else 'fell back'})", flush=True)
-                rows.append([f"{size}²", method, str(k), f"{res['off']['s_per_round']:.2f}", f"{res['on']['s_per_round']:.2f}", f"{speedup:.2f}×",
+                rows.append([f"{size}²", method, str(k), f"{res['off']['s_per_round']:.3f} ({res['off']['min_s_per_round']:.3f})",
+                             f"{res['on']['s_per_round']:.3f} ({res['on']['min_s_per_round']:.3f})", f"{speedup:.2f}×",
                              f"{res['off']['peak_gib']:.2f}", f"{res['on']['peak_gib']:.2f}"])
     machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads"
     mem = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak RSS GiB"
     md = [f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
           f"{args.rounds} rounds, group {args.group or 'all'}; {machine}", ""]
-    md += md_table(["size", "method", "sites K", "sequential s/round", "vectorized s/round", "speed-up", f"sequential {mem}", f"vectorized {mem}"], rows)
+    md += md_table(["size", "method", "sites K", "sequential s/round (fastest)", "vectorized s/round (fastest)", "speed-up (medians)", f"sequential {mem}", f"vectorized {mem}"], rows)
     emit(md, args.md, out, {"args": vars(args), "machine": machine, "runs": records})
 
 

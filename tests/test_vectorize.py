@@ -285,3 +285,13 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     assert any("trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs)
     a, b = _states(tmp_path / "seq"), _states(tmp_path / "fallback")
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
+def test_bf16_autocast_runs_vectorized(tmp_path):
+    """train.precision = bf16: the vmapped loss runs under the same autocast; losses agree to bf16 rounding."""
+    seq, _ = _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
+    vec, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
+    assert _vectorized(logs)
+    for a, b in zip(seq["history"], vec["history"]):
+        for s, loss in a["train_loss"].items():
+            assert b["train_loss"][s] == pytest.approx(loss, abs=1e-2)
