@@ -9,8 +9,8 @@ another).  When a handler calls :meth:`Site.fit`, its thread parks there (the ho
 that can be stacked are trained together, and each thread goes on with its own result.  A
 handler that calls ``fit`` twice (Ditto's global and personal models) meets the others twice.
 
-Trained together means: the K models' parameters are stacked into one tensor per parameter
-(``K × shape``) and each site's model parameters become *views* of its row for the duration of
+Trained together means: the K models' parameters are stacked into one ``K × P`` tensor (each
+site's parameters flattened into its row) and each site's model parameters become *views* of its row for the duration of
 the call, so anything a handler's hook does to its model (``extra_loss``, ``after_backward``,
 an optimizer wrapper's ``after_step``) acts on the stacked weights.  Each local step
 
@@ -194,25 +194,30 @@ def _shape(k: int, t: torch.Tensor) -> tuple[int, ...]:
 class _StackedOptimizer:
     """K sites' Adam (or SGD) as stacked moments and per-site step counts; steps only the masked rows.
 
-    The arithmetic is ``torch.optim``'s single-tensor implementation, row by row."""
+    The weights are one ``K × P`` tensor (every parameter of a site flattened into its row, at
+    ``layout``'s offsets), so a step is a handful of kernels whatever the number of parameter
+    tensors.  The arithmetic is ``torch.optim``'s single-tensor implementation, row by row."""
 
-    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], weights: Sequence[torch.Tensor]):
-        self.opts, self.plist, self.weights = opts, plist, weights
+    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], flat: torch.Tensor, layout: Sequence[tuple[int, int, torch.Size]]):
+        self.opts, self.plist, self.weights, self.layout = opts, plist, [flat], layout
         g = opts[0].param_groups[0]
         self.adam = type(opts[0]) is torch.optim.Adam
         self.g = dict(g)
-        dev = weights[0].device
+        dev = flat.device
         k = len(opts)
+
+        def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
+            return torch.stack([torch.cat([(o.state[p][key] if h else torch.zeros_like(p)).reshape(-1) for p in ps]) for o, ps, h in zip(opts, plist, present)])
+
         with torch.no_grad():
             if self.adam:
-                steps = [float(o.state[ps[0]]["step"]) if o.state.get(ps[0]) else 0.0 for o, ps in zip(opts, plist)]
-                self.s = torch.tensor(steps, dtype=torch.float64, device=dev)
-                self.m = [torch.stack([o.state[ps[j]]["exp_avg"] if o.state.get(ps[j]) else torch.zeros_like(ps[j]) for o, ps in zip(opts, plist)]) for j in range(len(weights))]
-                self.v = [torch.stack([o.state[ps[j]]["exp_avg_sq"] if o.state.get(ps[j]) else torch.zeros_like(ps[j]) for o, ps in zip(opts, plist)]) for j in range(len(weights))]
+                present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
+                self.s = torch.tensor([float(o.state[ps[0]]["step"]) if h else 0.0 for o, ps, h in zip(opts, plist, present)], dtype=torch.float64, device=dev)
+                self.m, self.v = [stacked("exp_avg", present)], [stacked("exp_avg_sq", present)]
             else:
                 has = [bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None for o, ps in zip(opts, plist)]
                 self.has = torch.tensor(has, device=dev)
-                self.buf = [torch.stack([o.state[ps[j]]["momentum_buffer"] if h else torch.zeros_like(ps[j]) for o, ps, h in zip(opts, plist, has)]) for j in range(len(weights))]
+                self.buf = [stacked("momentum_buffer", has)]
         self.taken = [0] * k
 
     @torch.no_grad()
@@ -271,15 +276,15 @@ class _StackedOptimizer:
         for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
             if self.taken[i] == 0:
                 continue
-            for j, p in enumerate(ps):
+            for p, (off, n, shape) in zip(ps, self.layout):
                 st = opt.state[p]
                 if self.adam:
                     dtype = st["step"].dtype if "step" in st else _get_scalar_dtype()
                     st["step"] = torch.tensor(float(self.s[i]), dtype=dtype)
-                    st["exp_avg"] = self.m[j][i].clone()
-                    st["exp_avg_sq"] = self.v[j][i].clone()
+                    st["exp_avg"] = self.m[0][i, off:off + n].view(shape).clone()
+                    st["exp_avg_sq"] = self.v[0][i, off:off + n].view(shape).clone()
                 elif self.g["momentum"] != 0:
-                    st["momentum_buffer"] = self.buf[j][i].clone()
+                    st["momentum_buffer"] = self.buf[0][i, off:off + n].view(shape).clone()
 
 
 @dataclass
@@ -366,6 +371,8 @@ class VectorizedExecutor:
             else:
                 return None, f"it steps with {type(opt).__name__}, not a torch optimizer"
         reason = vectorize_reason(model)
+        if reason is None and len({p.dtype for p in model.parameters()}) > 1:
+            reason = "its parameters have several dtypes"
         if reason is None:
             reason, _ = _optimizer_reason(opt, list(model.parameters()))
         if reason is not None:
@@ -429,17 +436,22 @@ class VectorizedExecutor:
         pnames = [n for n, _ in template.named_parameters()]
         bnames = [n for n, _ in template.named_buffers()]
         plist = [list(m.parameters()) for m in models]
+        layout, off = [], 0
+        for p in plist[0]:
+            layout.append((off, p.numel(), p.shape))
+            off += p.numel()
         for m in models:
             m.train()
         with torch.no_grad():
-            weights = [torch.stack([ps[j].detach() for ps in plist]) for j in range(len(pnames))]
+            flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in plist])  # K × P, no autograd
             buffers = {n: torch.stack([dict(m.named_buffers())[n] for m in models]) for n in bnames}
-        for w in weights:
-            w.requires_grad_(True)
+        # the differentiable leaves: one K × shape view of ``flat`` per parameter (gradients per parameter,
+        # not through slices of one big tensor, whose backward would write K × P zeros per parameter)
+        weights = [flat[:, o:o + n].view(k, *shape).requires_grad_(True) for o, n, shape in layout]
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
-            for j, p in enumerate(ps):
-                p.data = weights[j].data[i]
-        opt = _StackedOptimizer([it.opt for it in items], plist, weights)
+            for p, (o, n, shape) in zip(ps, layout):
+                p.data = flat[i, o:o + n].view(shape)
+        opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout)
         iters = [c.site.batches(c.rnd, c.stream, c.steps) for c in calls]
         totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
         counts = [0] * k
@@ -464,13 +476,13 @@ class VectorizedExecutor:
                 if not batch:
                     break
                 try:
-                    grads, losses = self._gradients(batch, weights, pnames, buffers, losses_of, calls, models, plist)
+                    grads, losses = self._gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist)
                 except Exception as e:  # noqa: BLE001 - decided by the caller (split, or train sequentially)
                     if first:
                         raise _FirstStepFailed(e) from e
                     raise
                 first = False
-                opt.step(grads, list(batch))
+                opt.step([grads], list(batch))
                 for i in batch:
                     wrapper = items[i].wrapper
                     if wrapper is not None:
@@ -481,60 +493,60 @@ class VectorizedExecutor:
         finally:
             with torch.no_grad():
                 for i, ps in enumerate(plist):  # back to the site's own tensors
-                    for j, p in enumerate(ps):
-                        p.data = weights[j].data[i].clone()
+                    for p, (o, n, shape) in zip(ps, layout):
+                        p.data = flat[i, o:o + n].view(shape).clone()
             if done:
                 opt.write_back()
         self.vectorized_fits += k
         return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(totals, counts)]
 
     @staticmethod
-    def _gradients(batch, weights, pnames, buffers, losses_of, calls, models, plist):
-        k = len(calls)
-        dev = weights[0].device
+    def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist):
+        """The ``K × P`` gradient of every site's loss (plus its ``extra_loss``, edited by its
+        ``after_backward``) at the current weights, and each site's loss."""
+        k = weights[0].shape[0]
         by_shape: dict[tuple, list[int]] = {}
         for i, (x, y) in batch.items():
             by_shape.setdefault((x.shape, x.dtype, y.shape, y.dtype), []).append(i)
-        grads: list[torch.Tensor] | None = None
+        grads: torch.Tensor | None = None
         losses: dict[int, torch.Tensor] = {}
         for idx in by_shape.values():
             if idx == list(range(k)):
-                params = dict(zip(pnames, weights))
-                bufs = buffers
+                params, bufs = dict(zip(pnames, weights)), buffers
             else:  # some sites' batches differ in shape (or their round has ended): a vmap over their rows
-                rows = torch.tensor(idx, device=dev)
-                params = {n: w.index_select(0, rows) for n, w in zip(pnames, weights)}
-                bufs = {n: b.index_select(0, rows) for n, b in buffers.items()}
+                sel = torch.tensor(idx, device=weights[0].device)
+                params = {n: w.index_select(0, sel) for n, w in zip(pnames, weights)}
+                bufs = {n: b.index_select(0, sel) for n, b in buffers.items()}
             x = torch.stack([batch[i][0] for i in idx])
             y = torch.stack([batch[i][1] for i in idx])
             out = losses_of(params, bufs, x, y)
-            g = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-            g = [torch.zeros_like(w) if gj is None else gj for gj, w in zip(g, weights)]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
+            g = torch.cat([(torch.zeros_like(w) if gj is None else gj).reshape(k, -1) for gj, w in zip(gs, weights)], dim=1)
+            grads = g if grads is None else grads + g
             for j, i in enumerate(idx):
                 losses[i] = out[j].detach()
         assert grads is not None
         for i in batch:
             c = calls[i]
+            views = [grads[i, o:o + n].view(shape) for o, n, shape in layout]
             if c.extra_loss is not None:  # evaluated on the site's model, whose parameters view its row
                 extra = c.extra_loss(models[i])
                 ge = torch.autograd.grad(extra, plist[i], allow_unused=True)
                 with torch.no_grad():
-                    for j, gj in enumerate(ge):
+                    for view, gj in zip(views, ge):
                         if gj is not None:
-                            grads[j][i] += gj
+                            view += gj
                 losses[i] = losses[i] + extra.detach()
             if c.after_backward is not None:
-                rows = [grads[j][i] for j in range(len(weights))]
-                for p, r in zip(plist[i], rows):
-                    p.grad = r
+                for p, view in zip(plist[i], views):
+                    p.grad = view
                 c.after_backward(models[i])
                 with torch.no_grad():
-                    for p, r in zip(plist[i], rows):
+                    for p, view in zip(plist[i], views):
                         if p.grad is None:
-                            r.zero_()
-                        elif p.grad.data_ptr() != r.data_ptr():
-                            r.copy_(p.grad)
+                            view.zero_()
+                        elif p.grad.data_ptr() != view.data_ptr():
+                            view.copy_(p.grad)
                         p.grad = None
         return grads, losses
 
