@@ -39,6 +39,7 @@ without :meth:`Site.fit` (its own loop) runs sequentially as well.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,104 +188,125 @@ def _optimizer_reason(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]
     return None, ("sgd", float(g["lr"]), float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
 
 
-def _shape(k: int, t: torch.Tensor) -> tuple[int, ...]:
-    return (k,) + (1,) * (t.dim() - 1)
+class _Layout:
+    """Where each site's parameters live in one flat buffer, parameter-major: parameter j of all K
+    sites is one contiguous ``K × shape`` block (a contiguous weight for the vmapped convolution),
+    site i's copy of it the block's row i."""
+
+    def __init__(self, params: Sequence[torch.Tensor], k: int):
+        self.k = k
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.starts = [k * o for o in itertools.accumulate([0] + self.sizes[:-1])]
+        self.numel = k * sum(self.sizes)
+        self._reps = torch.tensor([n for n in self.sizes for _ in range(k)], device=params[0].device)
+
+    def pack(self, rows: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """``rows[i][j]`` (site i, parameter j) into a flat buffer."""
+        return torch.cat([torch.stack([r[j].reshape(-1) for r in rows]).reshape(-1) for j in range(len(self.sizes))])
+
+    def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The ``K × shape`` view of every parameter."""
+        return [flat[a:a + self.k * n].view(self.k, *shape) for a, n, shape in zip(self.starts, self.sizes, self.shapes)]
+
+    def per_element(self, per_site: torch.Tensor) -> torch.Tensor:
+        """A per-site value (``K``) for every element of a flat buffer."""
+        return torch.repeat_interleave(per_site.repeat(len(self.sizes)), self._reps, output_size=self.numel)
 
 
 class _StackedOptimizer:
-    """K sites' Adam (or SGD) as stacked moments and per-site step counts; steps only the masked rows.
+    """K sites' Adam (or SGD) as stacked moments and per-site step counts; steps only the active sites.
 
-    The weights are one ``K × P`` tensor (every parameter of a site flattened into its row, at
-    ``layout``'s offsets), so a step is a handful of kernels whatever the number of parameter
-    tensors.  The arithmetic is ``torch.optim``'s single-tensor implementation, row by row."""
+    Weights and moments are flat buffers (:class:`_Layout`), so a step is a handful of kernels
+    whatever the number of parameter tensors.  The arithmetic is ``torch.optim``'s single-tensor
+    implementation, site by site (its bias corrections computed in Python floats as torch does)."""
 
-    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], flat: torch.Tensor, layout: Sequence[tuple[int, int, torch.Size]]):
-        self.opts, self.plist, self.weights, self.layout = opts, plist, [flat], layout
+    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], flat: torch.Tensor, layout: _Layout):
+        self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
         self.adam = type(opts[0]) is torch.optim.Adam
         self.g = dict(g)
-        dev = flat.device
-        k = len(opts)
 
         def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
-            return torch.stack([torch.cat([(o.state[p][key] if h else torch.zeros_like(p)).reshape(-1) for p in ps]) for o, ps, h in zip(opts, plist, present)])
+            return layout.pack([[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)])
 
         with torch.no_grad():
             if self.adam:
                 present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
-                self.s = torch.tensor([float(o.state[ps[0]]["step"]) if h else 0.0 for o, ps, h in zip(opts, plist, present)], dtype=torch.float64, device=dev)
-                self.m, self.v = [stacked("exp_avg", present)], [stacked("exp_avg_sq", present)]
+                self.s = [float(o.state[ps[0]]["step"]) if h else 0.0 for o, ps, h in zip(opts, plist, present)]
+                self.m, self.v = stacked("exp_avg", present), stacked("exp_avg_sq", present)
             else:
-                has = [bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None for o, ps in zip(opts, plist)]
-                self.has = torch.tensor(has, device=dev)
-                self.buf = [stacked("momentum_buffer", has)]
-        self.taken = [0] * k
+                self.has = [bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None for o, ps in zip(opts, plist)]
+                self.buf = stacked("momentum_buffer", self.has)
+        self.taken = [0] * len(opts)
+
+    def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
+        """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
+        if len(set(values)) == 1:
+            return values[0]
+        return self.layout.per_element(torch.tensor(values, dtype=torch.float64, device=self.flat.device)).to(self.flat.dtype)
 
     @torch.no_grad()
-    def step(self, grads: Sequence[torch.Tensor], active: Sequence[int]) -> None:
+    def step(self, grad: torch.Tensor, active: Sequence[int]) -> None:
         k = len(self.opts)
-        dev = self.weights[0].device
-        mask = torch.zeros(k, dtype=torch.bool, device=dev)
-        mask[list(active)] = True
         for i in active:
             self.taken[i] += 1
-        g = self.g
+        full = len(active) == k  # every site steps: in place, no masking
+        mask = None if full else self.layout.per_element(torch.tensor([i in active for i in range(k)], device=self.flat.device))
+        g, p = self.g, self.flat
         wd = g["weight_decay"]
+        if wd != 0:
+            grad = grad.add(p, alpha=wd)
         if self.adam:
             b1, b2 = g["betas"]
-            s = self.s + mask.to(torch.float64)
-            s_eff = s.clamp(min=1.0)
-            step_size = g["lr"] / (1 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=dev), s_eff))
-            bc2_sqrt = (1 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=dev), s_eff)).sqrt()
-            full = len(active) == k  # every site steps: in place, no masking
-            for j, w in enumerate(self.weights):
-                p, grad, shp = w.detach(), grads[j], _shape(k, w)
-                if wd != 0:
-                    grad = grad.add(p, alpha=wd)
-                m = self.m[j].lerp_(grad, 1 - b1) if full else self.m[j].lerp(grad, 1 - b1)
-                v = (self.v[j] if full else self.v[j].clone()).mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                denom = (v.sqrt() / bc2_sqrt.to(p.dtype).view(shp)).add_(float(g["eps"]))
-                update = (-step_size).to(p.dtype).view(shp) * m / denom
-                if full:
-                    p.add_(update)
-                else:
-                    mb = mask.view(shp)
-                    p.copy_(torch.where(mb, p + update, p))
-                    self.m[j].copy_(torch.where(mb, m, self.m[j]))
-                    self.v[j].copy_(torch.where(mb, v, self.v[j]))
+            s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
+            s_eff = [max(si, 1.0) for si in s]
+            step_size = self._factor([-(g["lr"] / (1 - b1 ** si)) for si in s_eff])
+            bc2_sqrt = self._factor([(1 - b2 ** si) ** 0.5 for si in s_eff])
+            m = self.m.lerp_(grad, 1 - b1) if full else self.m.lerp(grad, 1 - b1)
+            v = (self.v if full else self.v.clone()).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(float(g["eps"]))
+            update = step_size * m / denom
+            if full:
+                p.add_(update)
+            else:
+                p.copy_(torch.where(mask, p + update, p))
+                self.m.copy_(torch.where(mask, m, self.m))
+                self.v.copy_(torch.where(mask, v, self.v))
             self.s = s
         else:
             mom, damp, nesterov = g["momentum"], g["dampening"], g["nesterov"]
-            for j, w in enumerate(self.weights):
-                p, grad, shp = w.detach(), grads[j], _shape(k, w)
-                mb = mask.view(shp)
-                if wd != 0:
-                    grad = grad.add(p, alpha=wd)
-                if mom != 0:
-                    buf = torch.where(self.has.view(shp), self.buf[j].mul(mom).add(grad, alpha=1 - damp), grad)
-                    self.buf[j].copy_(torch.where(mb, buf, self.buf[j]))
-                    grad = grad.add(buf, alpha=mom) if nesterov else buf
-                new = p.add(grad, alpha=-g["lr"])
-                p.copy_(torch.where(mb, new, p))
-            self.has = self.has | mask
+            if mom != 0:
+                if all(self.has):
+                    buf = self.buf.mul(mom).add_(grad, alpha=1 - damp)
+                elif not any(self.has):
+                    buf = grad.clone()
+                else:
+                    has = self.layout.per_element(torch.tensor(self.has, device=p.device))
+                    buf = torch.where(has, self.buf.mul(mom).add(grad, alpha=1 - damp), grad)
+                self.buf.copy_(buf if full else torch.where(mask, buf, self.buf))
+                grad = grad.add(buf, alpha=mom) if nesterov else buf
+            new = p.add(grad, alpha=-g["lr"])
+            p.copy_(new if full else torch.where(mask, new, p))
+            self.has = [h or i in active for i, h in enumerate(self.has)]
 
     @torch.no_grad()
     def write_back(self) -> None:
         """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
         from torch.optim.optimizer import _get_scalar_dtype
 
+        blocks = {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))} if self.adam else (
+            {"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
         for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
             if self.taken[i] == 0:
                 continue
-            for p, (off, n, shape) in zip(ps, self.layout):
+            for j, p in enumerate(ps):
                 st = opt.state[p]
                 if self.adam:
                     dtype = st["step"].dtype if "step" in st else _get_scalar_dtype()
-                    st["step"] = torch.tensor(float(self.s[i]), dtype=dtype)
-                    st["exp_avg"] = self.m[0][i, off:off + n].view(shape).clone()
-                    st["exp_avg_sq"] = self.v[0][i, off:off + n].view(shape).clone()
-                elif self.g["momentum"] != 0:
-                    st["momentum_buffer"] = self.buf[0][i, off:off + n].view(shape).clone()
+                    st["step"] = torch.tensor(self.s[i], dtype=dtype)
+                for key, bl in blocks.items():
+                    st[key] = bl[j][i].clone()
 
 
 @dataclass
@@ -436,21 +458,16 @@ class VectorizedExecutor:
         pnames = [n for n, _ in template.named_parameters()]
         bnames = [n for n, _ in template.named_buffers()]
         plist = [list(m.parameters()) for m in models]
-        layout, off = [], 0
-        for p in plist[0]:
-            layout.append((off, p.numel(), p.shape))
-            off += p.numel()
+        layout = _Layout(plist[0], k)
         for m in models:
             m.train()
         with torch.no_grad():
-            flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in plist])  # K × P, no autograd
+            flat = layout.pack(plist)  # every site's parameters, no autograd
             buffers = {n: torch.stack([dict(m.named_buffers())[n] for m in models]) for n in bnames}
-        # the differentiable leaves: one K × shape view of ``flat`` per parameter (gradients per parameter,
-        # not through slices of one big tensor, whose backward would write K × P zeros per parameter)
-        weights = [flat[:, o:o + n].view(k, *shape).requires_grad_(True) for o, n, shape in layout]
+        weights = [b.requires_grad_(True) for b in layout.blocks(flat)]  # the differentiable K × shape leaves
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
-            for p, (o, n, shape) in zip(ps, layout):
-                p.data = flat[i, o:o + n].view(shape)
+            for p, w in zip(ps, weights):
+                p.data = w.detach()[i]
         opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout)
         iters = [c.site.batches(c.rnd, c.stream, c.steps) for c in calls]
         totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
@@ -482,7 +499,7 @@ class VectorizedExecutor:
                         raise _FirstStepFailed(e) from e
                     raise
                 first = False
-                opt.step([grads], list(batch))
+                opt.step(grads, list(batch))
                 for i in batch:
                     wrapper = items[i].wrapper
                     if wrapper is not None:
@@ -493,8 +510,8 @@ class VectorizedExecutor:
         finally:
             with torch.no_grad():
                 for i, ps in enumerate(plist):  # back to the site's own tensors
-                    for p, (o, n, shape) in zip(ps, layout):
-                        p.data = flat[i, o:o + n].view(shape).clone()
+                    for p, w in zip(ps, weights):
+                        p.data = w.detach()[i].clone()
             if done:
                 opt.write_back()
         self.vectorized_fits += k
@@ -502,7 +519,7 @@ class VectorizedExecutor:
 
     @staticmethod
     def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist):
-        """The ``K × P`` gradient of every site's loss (plus its ``extra_loss``, edited by its
+        """The flat gradient (:class:`_Layout`) of every site's loss (plus its ``extra_loss``, edited by its
         ``after_backward``) at the current weights, and each site's loss."""
         k = weights[0].shape[0]
         by_shape: dict[tuple, list[int]] = {}
@@ -521,14 +538,14 @@ class VectorizedExecutor:
             y = torch.stack([batch[i][1] for i in idx])
             out = losses_of(params, bufs, x, y)
             gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-            g = torch.cat([(torch.zeros_like(w) if gj is None else gj).reshape(k, -1) for gj, w in zip(gs, weights)], dim=1)
+            g = torch.cat([(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)])  # the flat layout
             grads = g if grads is None else grads + g
             for j, i in enumerate(idx):
                 losses[i] = out[j].detach()
         assert grads is not None
         for i in batch:
             c = calls[i]
-            views = [grads[i, o:o + n].view(shape) for o, n, shape in layout]
+            views = [b[i] for b in layout.blocks(grads)]
             if c.extra_loss is not None:  # evaluated on the site's model, whose parameters view its row
                 extra = c.extra_loss(models[i])
                 ge = torch.autograd.grad(extra, plist[i], allow_unused=True)
