@@ -230,6 +230,8 @@ class _StackedOptimizer:
         def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
             return layout.pack([[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)])
 
+        self.scratch = torch.empty_like(flat)  # reused every step: no K·P-sized allocation per step
+        self._factors: dict[tuple[float, ...], torch.Tensor] = {}
         with torch.no_grad():
             if self.adam:
                 present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
@@ -244,7 +246,12 @@ class _StackedOptimizer:
         """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
         if len(set(values)) == 1:
             return values[0]
-        return self.layout.per_element(torch.tensor(values, dtype=torch.float64, device=self.flat.device)).to(self.flat.dtype)
+        key = tuple(values)
+        if key not in self._factors:
+            if len(self._factors) > 4:
+                self._factors.clear()
+            self._factors[key] = self.layout.per_element(torch.tensor(values, dtype=torch.float64, device=self.flat.device)).to(self.flat.dtype)
+        return self._factors[key]
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, active: Sequence[int]) -> None:
@@ -256,23 +263,37 @@ class _StackedOptimizer:
         g, p = self.g, self.flat
         wd = g["weight_decay"]
         if wd != 0:
-            grad = grad.add(p, alpha=wd)
+            grad.add_(p, alpha=wd)  # ``grad`` is the executor's own buffer
         if self.adam:
             b1, b2 = g["betas"]
             s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
             s_eff = [max(si, 1.0) for si in s]
             step_size = self._factor([-(g["lr"] / (1 - b1 ** si)) for si in s_eff])
             bc2_sqrt = self._factor([(1 - b2 ** si) ** 0.5 for si in s_eff])
-            m = self.m.lerp_(grad, 1 - b1) if full else self.m.lerp(grad, 1 - b1)
-            v = (self.v if full else self.v.clone()).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            if full:  # in place, into preallocated memory (torch's own single-tensor sequence)
+                # on the CPU in cache-sized chunks (one pass per op over a K·P buffer would stream it
+                # from memory seven times); on CUDA in one piece
+                n = p.numel()
+                chunk = n if p.device.type == "cuda" else 1 << 16
+                for a in range(0, n, chunk):
+                    sl = slice(a, a + chunk)
+                    m, v = self.m[sl], self.v[sl]
+                    m.lerp_(grad[sl], 1 - b1)
+                    v.mul_(b2).addcmul_(grad[sl], grad[sl], value=1 - b2)
+                    denom = torch.sqrt(v, out=self.scratch[sl]).div_(bc2_sqrt if isinstance(bc2_sqrt, float) else bc2_sqrt[sl]).add_(float(g["eps"]))
+                    if isinstance(step_size, float):
+                        p[sl].addcdiv_(m, denom, value=step_size)
+                    else:
+                        p[sl].add_(torch.div(m, denom, out=denom).mul_(step_size[sl]))
+                self.s = s
+                return
+            m = self.m.lerp(grad, 1 - b1)
+            v = self.v.clone().mul_(b2).addcmul_(grad, grad, value=1 - b2)
             denom = (v.sqrt() / bc2_sqrt).add_(float(g["eps"]))
             update = step_size * m / denom
-            if full:
-                p.add_(update)
-            else:
-                p.copy_(torch.where(mask, p + update, p))
-                self.m.copy_(torch.where(mask, m, self.m))
-                self.v.copy_(torch.where(mask, v, self.v))
+            p.copy_(torch.where(mask, p + update, p))
+            self.m.copy_(torch.where(mask, m, self.m))
+            self.v.copy_(torch.where(mask, v, self.v))
             self.s = s
         else:
             mom, damp, nesterov = g["momentum"], g["dampening"], g["nesterov"]
@@ -469,6 +490,7 @@ class VectorizedExecutor:
             for p, w in zip(ps, weights):
                 p.data = w.detach()[i]
         opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout)
+        gbuf = torch.empty_like(flat)
         iters = [c.site.batches(c.rnd, c.stream, c.steps) for c in calls]
         totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
         counts = [0] * k
@@ -493,7 +515,7 @@ class VectorizedExecutor:
                 if not batch:
                     break
                 try:
-                    grads, losses = self._gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist)
+                    grads, losses = self._gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf)
                 except Exception as e:  # noqa: BLE001 - decided by the caller (split, or train sequentially)
                     if first:
                         raise _FirstStepFailed(e) from e
@@ -518,7 +540,7 @@ class VectorizedExecutor:
         return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(totals, counts)]
 
     @staticmethod
-    def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist):
+    def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
         """The flat gradient (:class:`_Layout`) of every site's loss (plus its ``extra_loss``, edited by its
         ``after_backward``) at the current weights, and each site's loss."""
         k = weights[0].shape[0]
@@ -538,8 +560,11 @@ class VectorizedExecutor:
             y = torch.stack([batch[i][1] for i in idx])
             out = losses_of(params, bufs, x, y)
             gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-            g = torch.cat([(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)])  # the flat layout
-            grads = g if grads is None else grads + g
+            parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
+            if grads is None:
+                grads = torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
+            else:
+                grads += torch.cat(parts)
             for j, i in enumerate(idx):
                 losses[i] = out[j].detach()
         assert grads is not None
