@@ -9,10 +9,11 @@ another).  When a handler calls :meth:`Site.fit`, its thread parks there (the ho
 that can be stacked are trained together, and each thread goes on with its own result.  A
 handler that calls ``fit`` twice (Ditto's global and personal models) meets the others twice.
 
-Trained together means: the K models' parameters are stacked into one ``K × P`` tensor (each
-site's parameters flattened into its row) and each site's model parameters become *views* of its row for the duration of
-the call, so anything a handler's hook does to its model (``extra_loss``, ``after_backward``,
-an optimizer wrapper's ``after_step``) acts on the stacked weights.  Each local step
+Trained together means: the K models' parameters are stacked into one flat buffer (parameter j
+of all sites one contiguous ``K × shape`` block, :class:`_Layout`) and each site's model
+parameters become *views* of its rows for the duration of the call, so anything a handler's
+hook does to its model (``extra_loss``, ``after_backward``, an optimizer wrapper's
+``after_step``) acts on the stacked weights.  Each local step
 
 1. draws every site's batch from its own seeded stream (:meth:`Site.batches`: the same
    batches as sequentially);
