@@ -25,6 +25,7 @@ __all__ = [
     "EvalConfig",
     "ModelConfig",
     "RunConfig",
+    "SimulationConfig",
     "TrainConfig",
     "apply_overrides",
     "dataclass_from_dict",
@@ -154,6 +155,30 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class SimulationConfig:
+    """How a one-machine simulation executes the sites' local work (never changes what a site computes).
+
+    vectorize
+        'on': the sites' local steps of a round run as one vectorized computation
+        (:mod:`fedseg.vectorize`; equal to the sequential run to rounding, not bitwise);
+        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA,
+        off on the CPU.
+    vectorize_group
+        Most sites stacked into one computation (0 = all of them; on CUDA a group that does
+        not fit in memory at its first step is split in halves).
+    """
+
+    vectorize: str = "auto"
+    vectorize_group: int = 0
+
+    def validate(self) -> None:
+        if self.vectorize not in ("auto", "on", "off"):
+            raise ConfigError(f"simulation.vectorize = {self.vectorize!r}; use 'auto', 'on' or 'off' (e.g. --set simulation.vectorize=on)")
+        if self.vectorize_group < 0:
+            raise ConfigError(f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything that defines one run.
 
@@ -177,6 +202,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -190,6 +216,7 @@ class RunConfig:
         self.model.validate()
         self.train.validate()
         self.eval.validate()
+        self.simulation.validate()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -198,7 +225,7 @@ class RunConfig:
         return d
 
 
-_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig}
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig, "simulation": SimulationConfig}
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

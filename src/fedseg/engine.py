@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext

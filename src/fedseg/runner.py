@@ -7,7 +7,6 @@ does the same for a user-supplied workload and in-memory site datasets.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from fedseg.errors import ConfigError
 from fedseg.evaluation.tables import table3
 from fedseg.site import Site, SiteData
 from fedseg.transport.inprocess import InProcessTransport
+from fedseg.vectorize import VectorizedExecutor, resolve_vectorize
 from fedseg.workload import Workload, segmentation_workload
 
 __all__ = ["load_federation_data", "run", "simulate", "write_results"]
@@ -37,14 +37,19 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     return SiteData(train=ConcatDataset(trains))
 
 
-def build_transport(cfg: RunConfig, workload: Workload, site_data: Mapping[str, SiteData], algorithm=None) -> InProcessTransport:
-    """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed)."""
+def build_transport(cfg: RunConfig, workload: Workload, site_data: Mapping[str, SiteData], algorithm=None, log: Callable[[str], None] = print) -> InProcessTransport:
+    """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed),
+    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.vectorize`)."""
     algorithm = algorithm or get_algorithm(cfg)
     sites = [Site(name, i, data, workload, cfg, algorithm) for i, (name, data) in enumerate(site_data.items())]
     extra = []
     if algorithm.needs_pooled_site:
         extra.append(Site(POOLED, len(sites), _pooled(site_data), workload, cfg, algorithm))
-    return InProcessTransport(sites, extra)
+    vectorized = None
+    if resolve_vectorize(cfg.simulation.vectorize, resolve_device(cfg.device)):
+        vectorized = VectorizedExecutor(cfg.simulation.vectorize_group, log)
+        log(f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)")
+    return InProcessTransport(sites, extra, vectorized)
 
 
 def simulate(
@@ -81,7 +86,7 @@ def simulate(
         raise ConfigError("no sites given; a federation needs at least one site")
     algorithm = get_algorithm(cfg)
     cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
-    transport = build_transport(cfg, workload, site_data, algorithm)
+    transport = build_transport(cfg, workload, site_data, algorithm, log=log)
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         used = f"# ran on device {describe(resolve_device(cfg.device))}, precision {cfg.train.precision}\n"

@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Reply", "Site", "SiteData", "Task", "batch_of", "dataset_len"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+_fit_hook = threading.local()
+"""``_fit_hook.call``: set by :mod:`fedseg.vectorize` in the threads that run sites' handlers, so that
+their :meth:`Site.fit` calls meet and run as one vectorized computation (None: train here)."""
 
 
 @dataclass
@@ -353,7 +358,14 @@ class Site:
         it, in the weights' dtype); fp16 scales the loss (:attr:`scalers`, one per role, kept
         across rounds).  The loss is summed on the device and read once at the end of the
         round, so no step waits for the host.
+
+        In a vectorized simulation (``simulation.vectorize``) the call is handed to
+        :mod:`fedseg.vectorize`, which trains the sites that meet here together, or calls
+        this method again for a site it cannot vectorize.
         """
+        call = getattr(_fit_hook, "call", None)
+        if call is not None:
+            return call(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
         model = self.model(role)
         opt = optimizer or self.optimizer(role)
         scaler = self.scaler(role)

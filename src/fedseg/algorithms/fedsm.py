@@ -477,7 +477,6 @@ class FedSM(Algorithm):
         return self.cfg.rounds - self.selector_rounds + 1 if self.two_phase else 1
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        sites = list(ctx.sites)
         phase = self.phase(rnd)
         new = dict(state)
         if phase == "selector" and not any(k.startswith("selector/") for k in state):
@@ -707,31 +706,31 @@ class FedSM(Algorithm):
                 # routing accuracy of the selector as received (last round's average), on validation
                 metrics["routing_acc"] = self._routing_accuracy(site, sel, sites, phase)
             sel.train()
-        loss_fn = site.workload.loss
-        sums = {"loss": 0.0, "personal_loss": 0.0, "selector_loss": 0.0}
+        sums = {"selector_loss": 0.0}
         steps = sel_steps = 0
         max_sel = self.params.max_selector_steps
-        for x, y in site.batches(rnd, "train", cfg.get("steps")) if (train_models or train_selector) else ():
-            if train_models:
-                for model, opt, key in ((g, opt_g, "loss"), (pm, opt_p, "personal_loss")):
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    sums[key] += float(loss.detach())
-            if train_selector and (max_sel is None or sel_steps < max_sel):
+        if train_models:
+            # Alg. 1 trains the models on the same batches; they are independent within a round, so
+            # each runs the generic loop over the round's seeded batches (a vectorized simulation
+            # then trains every site's global and personal models together: fedseg.vectorize)
+            fit_g = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=cfg.get("steps"))
+            fit_p = site.fit("personal", rnd, stream="train", optimizer=opt_p, steps=cfg.get("steps"))
+            steps = fit_g["steps"]
+        for x, y in site.batches(rnd, "train", cfg.get("steps")) if train_selector else ():
+            if not train_models:
+                steps += 1
+            if max_sel is None or sel_steps < max_sel:
                 sel_steps += 1
                 opt_s.zero_grad(set_to_none=True)
                 loss = self._selector_loss(site, sel, x, y, phase, own, frozen)
                 loss.backward()
                 opt_s.step()
                 sums["selector_loss"] += float(loss.detach())
-            steps += 1
         if train_models:
             out.update(prefixed("global", site.arrays("global")))
             out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
-            metrics["loss"] = sums["loss"] / max(steps, 1)
-            metrics["personal_loss"] = sums["personal_loss"] / max(steps, 1)
+            metrics["loss"] = fit_g["loss"]
+            metrics["personal_loss"] = fit_p["loss"]
         if train_selector:
             out.update(prefixed("selector", site.arrays(role)))
             if self.params.share_selector_moments:

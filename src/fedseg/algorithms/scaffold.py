@@ -123,6 +123,10 @@ class _CorrectedStep:
 
     def step(self) -> None:
         self.opt.step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.vectorize` after its stacked step)."""
         with torch.no_grad():
             for k, p in self.model.named_parameters():
                 p.sub_(self.corr[k], alpha=self.lr)

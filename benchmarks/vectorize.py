@@ -1,0 +1,135 @@
+"""Vectorized vs sequential simulation: seconds per round and peak memory for K sites (issue 13).
+
+K in-memory sites of random images (``--cases`` training cases each, 3 channels, 2 labels), the
+MONAI U-Net (``--channels``, default the FedSM reference's 16…256), Adam, batch ``--batch-size``,
+``--local-steps`` local steps per round, validation only after the last round.  Each run —
+(size, method, K, simulation.vectorize) — is a fresh subprocess, so that its peak memory is its
+own: peak resident memory of the process on the CPU (``ru_maxrss``, which includes the Python
+interpreter and torch, ~0.3–0.5 GB), ``torch.cuda.max_memory_allocated`` on CUDA.
+``s/round`` is the median over the rounds after the first (warm-up) and before the last (validation),
+with the fastest such round beside it (the development machine is shared: the median and the
+minimum are less disturbed by other jobs than the mean).
+
+Goals (issue 13): on the CPU ≥ 2× faster at 32² with 6 sites; on a GPU a 6-site round at 64² in
+≤ 1.5× the time of one site's round.
+
+    .venv/bin/python benchmarks/vectorize.py --device cpu --sizes 32 --channels 8,16,32,64 --sites 2,6   # CPU, small
+    .venv/bin/python benchmarks/vectorize.py --device cuda --sizes 64,128,256 --sites 1,2,6,12,24         # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _report import emit, md_table
+
+
+def one(args: argparse.Namespace) -> dict:
+    """One run in this process; returns its timings and peak memory."""
+    from torch.utils.data import TensorDataset
+
+    from fedseg.algorithms import get_algorithm
+    from fedseg.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
+    from fedseg.device import resolve_device
+    from fedseg.engine import Engine
+    from fedseg.runner import build_transport
+    from fedseg.site import SiteData
+    from fedseg.workload import segmentation_workload
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+
+    def split(n: int) -> TensorDataset:
+        x = torch.rand(n, 3, args.size, args.size, generator=g)
+        return TensorDataset(x, (x[:, :2] > 0.5).float())
+
+    data = {f"site{k + 1}": SiteData(split(args.cases), split(2), split(2)) for k in range(args.k)}
+    model = ModelConfig() if not args.channels else ModelConfig(channels=tuple(args.channels), strides=(2,) * (len(args.channels) - 1))
+    cfg = RunConfig(federation="(in memory)", method=args.method, rounds=args.rounds, seed=0, device=args.device, checkpoint_every=args.rounds,
+                    model=model, train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
+                    eval=EvalConfig(every=args.rounds), simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group))
+    device = resolve_device(cfg.device)
+    workload = segmentation_workload(2, 3, ["a", "b"], cfg.model, cfg.train)
+    algorithm = get_algorithm(cfg)
+    logs: list[str] = []
+    transport = build_transport(cfg, workload, data, algorithm, log=logs.append)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = Engine(cfg, algorithm, transport, workload, out=None, progress=False, log=logs.append)
+    t0 = time.perf_counter()
+    engine.run()
+    wall = time.perf_counter() - t0
+    times = [e["time_s"] for e in engine.history]
+    steady = times[1:-1] or times[-1:]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"s_per_round": statistics.median(steady), "min_s_per_round": min(steady), "rounds_s": times, "wall_s": wall, "peak_gib": peak / 2**30,
+            "vectorized": any("one vectorized computation" in m for m in logs), "plan": [m for m in logs if m.startswith("vectorize")]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--sizes", default="32,64")
+    ap.add_argument("--sites", default="2,6,12,24")
+    ap.add_argument("--methods", default="fedavg,fedsm")
+    ap.add_argument("--channels", help="U-Net channels, e.g. 8,16,32,64 (default: the FedSM reference's 16…256)")
+    ap.add_argument("--rounds", type=int, default=4, help=">= 3: warm-up, measured rounds, last with validation")
+    ap.add_argument("--local-steps", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--cases", type=int, default=8, help="training cases per site")
+    ap.add_argument("--group", type=int, default=0, help="simulation.vectorize_group")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--md", default=None, help="also write the Markdown table here")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration (JSON) and print its result
+    args = ap.parse_args()
+    args.channels = [int(c) for c in args.channels.split(",")] if args.channels else None
+    if args.one:
+        for k, v in json.loads(args.one).items():
+            setattr(args, k, v)
+        print("RESULT " + json.dumps(one(args)), flush=True)
+        return
+    from fedseg.device import describe, resolve_device
+
+    device = resolve_device(args.device)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedseg-vectorize-"))
+    rows, records = [], []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        for method in args.methods.split(","):
+            for k in [int(s) for s in args.sites.split(",")]:
+                res = {}
+                for mode in ("off", "on"):
+                    spec = {"size": size, "method": method, "k": k, "vectorize": mode}
+                    proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", json.dumps(spec)], capture_output=True, text=True)
+                    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if proc.returncode != 0 or not line:
+                        raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
+                    res[mode] = json.loads(line[0][7:])
+                    records.append({**spec, **res[mode]})
+                speedup = res["off"]["s_per_round"] / res["on"]["s_per_round"]
+                print(f"{size}² {method} K={k}: sequential {res['off']['s_per_round']:.2f} s/round, vectorized {res['on']['s_per_round']:.2f} "
+                      f"({speedup:.2f}×; {'vectorized' if res['on']['vectorized'] else 'fell back'})", flush=True)
+                rows.append([f"{size}²", method, str(k), f"{res['off']['s_per_round']:.3f} ({res['off']['min_s_per_round']:.3f})",
+                             f"{res['on']['s_per_round']:.3f} ({res['on']['min_s_per_round']:.3f})", f"{speedup:.2f}×",
+                             f"{res['off']['peak_gib']:.2f}", f"{res['on']['peak_gib']:.2f}"])
+    machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads"
+    mem = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak RSS GiB"
+    md = [f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
+          f"{args.rounds} rounds, group {args.group or 'all'}; {machine}", ""]
+    md += md_table(["size", "method", "sites K", "sequential s/round (fastest)", "vectorized s/round (fastest)", "speed-up (medians)", f"sequential {mem}", f"vectorized {mem}"], rows)
+    emit(md, args.md, out, {"args": vars(args), "machine": machine, "runs": records})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,604 @@
+"""Vectorized simulation: the local steps of K sites run as one computation (``simulation.vectorize``).
+
+The site halves of the algorithms stay written for one site.  What changes is how the
+in-process transport *executes* them: :class:`VectorizedExecutor` runs each site's handler
+in its own thread, one thread at a time (a baton passed in site order, so every line of a
+handler outside :meth:`Site.fit` runs exactly as it does sequentially, one site after
+another).  When a handler calls :meth:`Site.fit`, its thread parks there (the hook in
+``Site.fit``); once every site's handler has parked in ``fit`` or returned, the parked calls
+that can be stacked are trained together, and each thread goes on with its own result.  A
+handler that calls ``fit`` twice (Ditto's global and personal models) meets the others twice.
+
+Trained together means: the K models' parameters are stacked into one flat buffer (parameter j
+of all sites one contiguous ``K × shape`` block, :class:`_Layout`) and each site's model
+parameters become *views* of its rows for the duration of the call, so anything a handler's
+hook does to its model (``extra_loss``, ``after_backward``, an optimizer wrapper's
+``after_step``) acts on the stacked weights.  Each local step
+
+1. draws every site's batch from its own seeded stream (:meth:`Site.batches`: the same
+   batches as sequentially);
+2. runs the workload loss of all sites in one ``torch.func.vmap`` over
+   ``torch.func.functional_call`` (sites whose batches differ in shape — the last, smaller
+   batch of an epoch — run as separate vmaps over their rows);
+3. adds each site's ``extra_loss(model)`` gradient (FedProx's proximal term, Ditto's) and lets
+   its ``after_backward`` edit its gradient row (SCAFFOLD's gradient correction);
+4. steps a stacked Adam or SGD with per-site step counts and moments, **masked**: a site
+   whose round has ended (epoch mode with different n_k) keeps its parameters and optimizer
+   state unchanged, exactly.
+
+At the end the rows are copied back into each site's own model and the moments into each
+site's own ``torch.optim`` optimizer state, so checkpoints, resume and results are those of a
+sequential run (equal to rounding: the arithmetic is the same but not bitwise the same kernels).
+
+A ``fit`` call that cannot be stacked runs sequentially, in its own thread, and the reason is
+logged once: fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's
+parameters, batch norm with running statistics (its in-place buffer updates do not vectorize),
+dropout (it draws from the global random stream), a site whose model differs from the others'
+(architecture, dtype, optimizer settings), or a site alone in its group.  A handler that trains
+without :meth:`Site.fit` (its own loop) runs sequentially as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from fedseg.device import autocast
+from fedseg.site import Reply, Site, Task, _fit_hook
+
+__all__ = ["FitCall", "VectorizedExecutor", "resolve_vectorize", "vectorize_reason"]
+
+
+def resolve_vectorize(setting: str, device: torch.device) -> bool:
+    """``simulation.vectorize``: 'on' / 'off', or 'auto' = on on CUDA, off on the CPU (where sites then run
+    exactly as deployed sites do, and the bitwise deployment/resume guarantees hold)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return setting == "on"
+
+
+@dataclass
+class FitCall:
+    """The arguments of one site's :meth:`Site.fit` call."""
+
+    site: Site
+    role: str
+    rnd: int
+    stream: str
+    optimizer: Any
+    extra_loss: Callable[[nn.Module], torch.Tensor] | None
+    after_backward: Callable[[nn.Module], None] | None
+    steps: int | None
+
+
+_SEQUENTIAL = object()
+"""Result handed to a parked thread: run your ``fit`` yourself, sequentially."""
+
+
+class _Aborted(BaseException):
+    """Raised in a parked site thread when another site's handler failed (the ask is abandoned)."""
+
+
+class _Worker:
+    """One site's handler in its own thread; it runs only between :meth:`resume` and its next park."""
+
+    def __init__(self, site: Site, task: Task):
+        self.site, self.task = site, task
+        self._go, self._yielded = threading.Event(), threading.Event()
+        self.call: FitCall | None = None
+        self.result: Any = None
+        self.reply: Reply | None = None
+        self.error: BaseException | None = None
+        self.done = self.fitted = self.abort = False
+        self.thread = threading.Thread(target=self._main, daemon=True, name=f"fedseg-site-{site.name}")
+
+    def _main(self) -> None:
+        self._go.wait()
+        self._go.clear()
+        try:
+            if self.abort:
+                raise _Aborted
+            _fit_hook.call = self._park
+            self.reply = self.site.handle(self.task)
+        except _Aborted:
+            pass
+        except BaseException as e:  # handed to the main thread, re-raised there
+            self.error = e
+        finally:
+            _fit_hook.call = None
+            self.done = True
+            self._yielded.set()
+
+    def _park(self, site: Site, role: str, rnd: int, stream: str, optimizer: Any, extra_loss: Any, after_backward: Any, steps: int | None) -> dict[str, float]:
+        self.fitted = True
+        self.call = FitCall(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+        self._yielded.set()
+        self._go.wait()
+        self._go.clear()
+        self.call = None
+        if self.abort:
+            raise _Aborted
+        result, self.result = self.result, None
+        if result is _SEQUENTIAL:
+            _fit_hook.call = None
+            try:
+                return site.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+            finally:
+                _fit_hook.call = self._park
+        return result
+
+    def resume(self) -> None:
+        """Let the thread run until it parks in ``fit`` or its handler returns (called by the main thread)."""
+        self._yielded.clear()
+        if not self.thread.is_alive() and not self.done:
+            self.thread.start()
+        self._go.set()
+        self._yielded.wait()
+
+
+def _model_signature(model: nn.Module) -> tuple:
+    return (
+        tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in model.state_dict().items()),
+        tuple(type(m).__qualname__ for m in model.modules()),
+    )
+
+
+def vectorize_reason(model: nn.Module) -> str | None:
+    """Why a model cannot train under ``vmap`` (None when it can)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            return f"batch norm with running statistics ({name or type(m).__name__}: its in-place buffer updates do not vectorize)"
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"dropout ({name}: it draws from the global random stream)"
+    return None
+
+
+_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+_SGD_FLAGS = ("maximize", "differentiable", "fused")
+
+
+def _optimizer_reason(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> tuple[str | None, tuple]:
+    """Why the optimizer cannot be stacked (None when it can) and its settings (the group key)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.SGD):
+        return f"optimizer {type(opt).__name__} (only plain Adam and SGD are stacked)", ()
+    if len(opt.param_groups) != 1:
+        return "its optimizer has several parameter groups", ()
+    g = opt.param_groups[0]
+    if [id(p) for p in g["params"]] != [id(p) for p in params]:
+        return "its optimizer does not update exactly the model's parameters", ()
+    if not all(p.requires_grad for p in params):
+        return "the model has frozen parameters", ()
+    flags = _ADAM_FLAGS if type(opt) is torch.optim.Adam else _SGD_FLAGS
+    on = [f for f in flags if g.get(f)]
+    if on:
+        return f"optimizer option(s) {', '.join(on)}", ()
+    states = [opt.state.get(p) for p in params]
+    if any(states) and not all(states):
+        return "its optimizer holds state for some parameters only", ()
+    if type(opt) is torch.optim.Adam:
+        if all(states) and len({float(s["step"]) for s in states}) != 1:  # type: ignore[index]
+            return "its Adam step counts differ between parameters", ()
+        return None, ("adam", float(g["lr"]), tuple(g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+    return None, ("sgd", float(g["lr"]), float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
+
+
+class _Layout:
+    """Where each site's parameters live in one flat buffer, parameter-major: parameter j of all K
+    sites is one contiguous ``K × shape`` block (a contiguous weight for the vmapped convolution),
+    site i's copy of it the block's row i."""
+
+    def __init__(self, params: Sequence[torch.Tensor], k: int):
+        self.k = k
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.starts = [k * o for o in itertools.accumulate([0] + self.sizes[:-1])]
+        self.numel = k * sum(self.sizes)
+        self._reps = torch.tensor([n for n in self.sizes for _ in range(k)], device=params[0].device)
+
+    def pack(self, rows: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """``rows[i][j]`` (site i, parameter j) into a flat buffer."""
+        return torch.cat([torch.stack([r[j].reshape(-1) for r in rows]).reshape(-1) for j in range(len(self.sizes))])
+
+    def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The ``K × shape`` view of every parameter."""
+        return [flat[a:a + self.k * n].view(self.k, *shape) for a, n, shape in zip(self.starts, self.sizes, self.shapes)]
+
+    def per_element(self, per_site: torch.Tensor) -> torch.Tensor:
+        """A per-site value (``K``) for every element of a flat buffer."""
+        return torch.repeat_interleave(per_site.repeat(len(self.sizes)), self._reps, output_size=self.numel)
+
+
+class _StackedOptimizer:
+    """K sites' Adam (or SGD) as stacked moments and per-site step counts; steps only the active sites.
+
+    Weights and moments are flat buffers (:class:`_Layout`), so a step is a handful of kernels
+    whatever the number of parameter tensors.  The arithmetic is ``torch.optim``'s single-tensor
+    implementation, site by site (its bias corrections computed in Python floats as torch does)."""
+
+    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], flat: torch.Tensor, layout: _Layout):
+        self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
+        g = opts[0].param_groups[0]
+        self.adam = type(opts[0]) is torch.optim.Adam
+        self.g = dict(g)
+
+        def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
+            return layout.pack([[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)])
+
+        self.scratch = torch.empty_like(flat)  # reused every step: no K·P-sized allocation per step
+        self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+        with torch.no_grad():
+            if self.adam:
+                present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
+                self.s = [float(o.state[ps[0]]["step"]) if h else 0.0 for o, ps, h in zip(opts, plist, present)]
+                self.m, self.v = stacked("exp_avg", present), stacked("exp_avg_sq", present)
+            else:
+                self.has = [bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None for o, ps in zip(opts, plist)]
+                self.buf = stacked("momentum_buffer", self.has)
+        self.taken = [0] * len(opts)
+
+    def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
+        """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
+        if len(set(values)) == 1:
+            return values[0]
+        key = tuple(values)
+        if key not in self._factors:
+            if len(self._factors) > 4:
+                self._factors.clear()
+            self._factors[key] = self.layout.per_element(torch.tensor(values, dtype=torch.float64, device=self.flat.device)).to(self.flat.dtype)
+        return self._factors[key]
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, active: Sequence[int]) -> None:
+        k = len(self.opts)
+        for i in active:
+            self.taken[i] += 1
+        full = len(active) == k  # every site steps: in place, no masking
+        mask = None if full else self.layout.per_element(torch.tensor([i in active for i in range(k)], device=self.flat.device))
+        g, p = self.g, self.flat
+        wd = g["weight_decay"]
+        if wd != 0:
+            grad.add_(p, alpha=wd)  # ``grad`` is the executor's own buffer
+        if self.adam:
+            b1, b2 = g["betas"]
+            s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
+            s_eff = [max(si, 1.0) for si in s]
+            step_size = self._factor([-(g["lr"] / (1 - b1 ** si)) for si in s_eff])
+            bc2_sqrt = self._factor([(1 - b2 ** si) ** 0.5 for si in s_eff])
+            if full:  # in place, into preallocated memory (torch's own single-tensor sequence)
+                # on the CPU in cache-sized chunks (one pass per op over a K·P buffer would stream it
+                # from memory seven times); on CUDA in one piece
+                n = p.numel()
+                chunk = n if p.device.type == "cuda" else 1 << 16
+                for a in range(0, n, chunk):
+                    sl = slice(a, a + chunk)
+                    m, v = self.m[sl], self.v[sl]
+                    m.lerp_(grad[sl], 1 - b1)
+                    v.mul_(b2).addcmul_(grad[sl], grad[sl], value=1 - b2)
+                    denom = torch.sqrt(v, out=self.scratch[sl]).div_(bc2_sqrt if isinstance(bc2_sqrt, float) else bc2_sqrt[sl]).add_(float(g["eps"]))
+                    if isinstance(step_size, float):
+                        p[sl].addcdiv_(m, denom, value=step_size)
+                    else:
+                        p[sl].add_(torch.div(m, denom, out=denom).mul_(step_size[sl]))
+                self.s = s
+                return
+            m = self.m.lerp(grad, 1 - b1)
+            v = self.v.clone().mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(float(g["eps"]))
+            update = step_size * m / denom
+            p.copy_(torch.where(mask, p + update, p))
+            self.m.copy_(torch.where(mask, m, self.m))
+            self.v.copy_(torch.where(mask, v, self.v))
+            self.s = s
+        else:
+            mom, damp, nesterov = g["momentum"], g["dampening"], g["nesterov"]
+            if mom != 0:
+                if all(self.has):
+                    buf = self.buf.mul(mom).add_(grad, alpha=1 - damp)
+                elif not any(self.has):
+                    buf = grad.clone()
+                else:
+                    has = self.layout.per_element(torch.tensor(self.has, device=p.device))
+                    buf = torch.where(has, self.buf.mul(mom).add(grad, alpha=1 - damp), grad)
+                self.buf.copy_(buf if full else torch.where(mask, buf, self.buf))
+                grad = grad.add(buf, alpha=mom) if nesterov else buf
+            new = p.add(grad, alpha=-g["lr"])
+            p.copy_(new if full else torch.where(mask, new, p))
+            self.has = [h or i in active for i, h in enumerate(self.has)]
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        blocks = {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))} if self.adam else (
+            {"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
+        for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
+            if self.taken[i] == 0:
+                continue
+            for j, p in enumerate(ps):
+                st = opt.state[p]
+                if self.adam:
+                    dtype = st["step"].dtype if "step" in st else _get_scalar_dtype()
+                    st["step"] = torch.tensor(self.s[i], dtype=dtype)
+                for key, bl in blocks.items():
+                    st[key] = bl[j][i].clone()
+
+
+@dataclass
+class _Item:
+    index: int
+    call: FitCall
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    wrapper: Any  # an optimizer wrapper with ``after_step()`` (SCAFFOLD's corrected step), or None
+
+
+class VectorizedExecutor:
+    """Runs one ask's handlers so that their :meth:`Site.fit` calls train as one computation.
+
+    Parameters
+    ----------
+    group_size
+        Most sites stacked together (0 = all); on CUDA a group that runs out of memory at its
+        first step is split in halves and retried (nothing has been updated yet).
+    log
+        Where the plan (which roles of which sites are vectorized, and why not) is said, once.
+    """
+
+    def __init__(self, group_size: int = 0, log: Callable[[str], None] = print):
+        self.group_size = group_size
+        self.log = log
+        self._said: set[str] = set()
+        self.vectorized_fits = 0
+        """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
+
+    def _say(self, msg: str) -> None:
+        if msg not in self._said:
+            self._said.add(msg)
+            self.log(f"vectorize: {msg}")
+
+    # ------------------------------------------------------------ scheduling
+    def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
+        """Every ``site.handle(task)``; returns the replies in order."""
+        workers = [_Worker(s, t) for s, t in calls]
+        try:
+            live = list(workers)
+            while live:
+                for w in live:
+                    w.resume()
+                    if w.error is not None:
+                        raise w.error
+                live = [w for w in workers if not w.done]
+                if not live:
+                    break
+                results = self.fit_together([w.call for w in live])  # type: ignore[misc]
+                for w, r in zip(live, results):
+                    w.result = r
+        except BaseException:
+            for w in workers:
+                if not w.done:
+                    w.abort = True
+                    w.resume()
+            raise
+        finally:
+            for w in workers:
+                if w.thread.is_alive():
+                    w.thread.join()
+        unfitted: dict[str, list[str]] = {}
+        for w in workers:
+            if not w.fitted:
+                unfitted.setdefault(w.task.kind, []).append(w.site.name)
+        for kind, names in unfitted.items():
+            method = workers[0].site.algorithm.name
+            self._say(f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit")
+        return [w.reply for w in workers]  # type: ignore[misc]
+
+    # -------------------------------------------------------------- planning
+    def _check(self, index: int, call: FitCall) -> tuple[_Item | None, str | None]:
+        site = call.site
+        model = site.model(call.role)
+        opt = call.optimizer or site.optimizer(call.role)
+        if site.precision == "fp16":
+            return None, "fp16 loss scaling (a GradScaler per site)"
+        wrapper = None
+        if not isinstance(opt, torch.optim.Optimizer):
+            inner = getattr(opt, "opt", None)
+            if isinstance(inner, torch.optim.Optimizer) and callable(getattr(opt, "after_step", None)):
+                wrapper, opt = opt, inner
+            else:
+                return None, f"it steps with {type(opt).__name__}, not a torch optimizer"
+        reason = vectorize_reason(model)
+        if reason is None and len({p.dtype for p in model.parameters()}) > 1:
+            reason = "its parameters have several dtypes"
+        if reason is None:
+            reason, _ = _optimizer_reason(opt, list(model.parameters()))
+        if reason is not None:
+            return None, reason
+        return _Item(index, call, model, opt, wrapper), None
+
+    @staticmethod
+    def _key(item: _Item) -> tuple:
+        site = item.call.site
+        return (item.call.role, _model_signature(item.model), _optimizer_reason(item.opt, list(item.model.parameters()))[1], str(site.device), site.precision)
+
+    def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
+        """Train the calls that can be stacked; the others get ``_SEQUENTIAL`` (their thread trains them)."""
+        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, list[_Item]]] = []
+        for i, c in enumerate(calls):
+            item, reason = self._check(i, c)
+            if item is None:
+                self._say(f"role {c.role!r} of site {c.site.name} trains sequentially: {reason}")
+                continue
+            key = self._key(item)
+            for gkey, members in groups:
+                if gkey == key and members[0].call.site.workload.loss == c.site.workload.loss:
+                    members.append(item)
+                    break
+            else:
+                groups.append((key, [item]))
+        for _, members in groups:
+            if len(members) == 1:
+                c = members[0].call
+                self._say(f"role {c.role!r} of site {c.site.name} trains sequentially: no other site's training of the same model meets it")
+                continue
+            self._say(f"role {members[0].call.role!r} of {_names([m.call.site.name for m in members])} trains as one vectorized computation")
+            size = self.group_size or len(members)
+            for start in range(0, len(members), size):
+                for item, out in zip(members[start:start + size], self._train(members[start:start + size])):
+                    results[item.index] = out
+        return results
+
+    # -------------------------------------------------------------- training
+    def _train(self, items: list[_Item]) -> list[Any]:
+        """Train a group; on a CUDA out-of-memory error at its first step, train its halves instead."""
+        try:
+            return self._train_group(items)
+        except _FirstStepFailed as e:
+            if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
+                half = len(items) // 2
+                self._say(f"a group of {len(items)} sites does not fit in memory; training groups of at most {half} (set simulation.vectorize_group)")
+                return self._train(items[:half]) + self._train(items[half:])
+            names = _names([it.call.site.name for it in items])
+            self._say(f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})")
+            return [_SEQUENTIAL] * len(items)
+
+    def _train_group(self, items: list[_Item]) -> list[dict[str, float]]:
+        calls = [it.call for it in items]
+        models = [it.model for it in items]
+        k = len(items)
+        site0 = calls[0].site
+        dev, precision, loss_fn = site0.device, site0.precision, site0.workload.loss
+        template = models[0]
+        pnames = [n for n, _ in template.named_parameters()]
+        bnames = [n for n, _ in template.named_buffers()]
+        plist = [list(m.parameters()) for m in models]
+        layout = _Layout(plist[0], k)
+        for m in models:
+            m.train()
+        with torch.no_grad():
+            flat = layout.pack(plist)  # every site's parameters, no autograd
+            buffers = {n: torch.stack([dict(m.named_buffers())[n] for m in models]) for n in bnames}
+        weights = [b.requires_grad_(True) for b in layout.blocks(flat)]  # the differentiable K × shape leaves
+        for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
+            for p, w in zip(ps, weights):
+                p.data = w.detach()[i]
+        opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout)
+        gbuf = torch.empty_like(flat)
+        iters = [c.site.batches(c.rnd, c.stream, c.steps) for c in calls]
+        totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
+        counts = [0] * k
+
+        def site_loss(params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with autocast(dev, precision):
+                return loss_fn(functional_call(template, (params, bufs), (x,)), y)
+
+        losses_of = vmap(site_loss, randomness="error")
+        active = list(range(k))
+        first = True
+        done = False
+        try:
+            while True:
+                batch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                for i in list(active):
+                    b = next(iters[i], None)
+                    if b is None:
+                        active.remove(i)
+                    else:
+                        batch[i] = b
+                if not batch:
+                    break
+                try:
+                    grads, losses = self._gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf)
+                except Exception as e:  # noqa: BLE001 - decided by the caller (split, or train sequentially)
+                    if first:
+                        raise _FirstStepFailed(e) from e
+                    raise
+                first = False
+                opt.step(grads, list(batch))
+                for i in batch:
+                    wrapper = items[i].wrapper
+                    if wrapper is not None:
+                        wrapper.after_step()  # acts on the site's parameters, i.e. on its row
+                    totals[i] += losses[i]
+                    counts[i] += 1
+            done = True
+        finally:
+            with torch.no_grad():
+                for i, ps in enumerate(plist):  # back to the site's own tensors
+                    for p, w in zip(ps, weights):
+                        p.data = w.detach()[i].clone()
+            if done:
+                opt.write_back()
+        self.vectorized_fits += k
+        return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(totals, counts)]
+
+    @staticmethod
+    def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
+        """The flat gradient (:class:`_Layout`) of every site's loss (plus its ``extra_loss``, edited by its
+        ``after_backward``) at the current weights, and each site's loss."""
+        k = weights[0].shape[0]
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (x, y) in batch.items():
+            by_shape.setdefault((x.shape, x.dtype, y.shape, y.dtype), []).append(i)
+        grads: torch.Tensor | None = None
+        losses: dict[int, torch.Tensor] = {}
+        for idx in by_shape.values():
+            if idx == list(range(k)):
+                params, bufs = dict(zip(pnames, weights)), buffers
+            else:  # some sites' batches differ in shape (or their round has ended): a vmap over their rows
+                sel = torch.tensor(idx, device=weights[0].device)
+                params = {n: w.index_select(0, sel) for n, w in zip(pnames, weights)}
+                bufs = {n: b.index_select(0, sel) for n, b in buffers.items()}
+            x = torch.stack([batch[i][0] for i in idx])
+            y = torch.stack([batch[i][1] for i in idx])
+            out = losses_of(params, bufs, x, y)
+            gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
+            parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
+            if grads is None:
+                grads = torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
+            else:
+                grads += torch.cat(parts)
+            for j, i in enumerate(idx):
+                losses[i] = out[j].detach()
+        assert grads is not None
+        for i in batch:
+            c = calls[i]
+            views = [b[i] for b in layout.blocks(grads)]
+            if c.extra_loss is not None:  # evaluated on the site's model, whose parameters view its row
+                extra = c.extra_loss(models[i])
+                ge = torch.autograd.grad(extra, plist[i], allow_unused=True)
+                with torch.no_grad():
+                    for view, gj in zip(views, ge):
+                        if gj is not None:
+                            view += gj
+                losses[i] = losses[i] + extra.detach()
+            if c.after_backward is not None:
+                for p, view in zip(plist[i], views):
+                    p.grad = view
+                c.after_backward(models[i])
+                with torch.no_grad():
+                    for p, view in zip(plist[i], views):
+                        if p.grad is None:
+                            view.zero_()
+                        elif p.grad.data_ptr() != view.data_ptr():
+                            view.copy_(p.grad)
+                        p.grad = None
+        return grads, losses
+
+
+class _FirstStepFailed(Exception):
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _names(names: Sequence[str]) -> str:
+    return ("site " if len(names) == 1 else "sites ") + ", ".join(names)

@@ -1,0 +1,310 @@
+"""Vectorized simulation (``simulation.vectorize``, issue 13): the same numbers as sequential, to rounding.
+
+The equality tests use the tiny U-Net *without* normalization (``model.norm = "none"``).  With
+instance norm, a convolution's bias right before the norm has a gradient that is exactly zero in
+exact arithmetic; in floating point it is rounding noise, which Adam normalizes into steps of up
+to ``lr`` (for |g| << eps the step is lr·g/eps, i.e. 10⁵·g).  Those biases then differ between any
+two correct implementations (a vmapped convolution sums in another order), without changing
+any output — :func:`test_instance_norm_model_gives_the_same_best_rounds_and_table` checks
+exactly that on the default tiny model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_MODEL, tiny_config, tiny_sites
+from fedseg.algorithms.fedprox import proximal_loss
+from fedseg.config import RunConfig, SimulationConfig, load_run_config
+from fedseg.errors import ConfigError, PayloadError
+from fedseg.evaluation.tables import table3
+from fedseg.runner import build_transport, simulate
+from fedseg.site import Reply, Task
+from fedseg.vectorize import FitCall, VectorizedExecutor, resolve_vectorize
+from fedseg.workload import segmentation_workload
+
+PLAIN = dataclasses.replace(TINY_MODEL, norm="none")
+
+
+def _cfg(method: str, vectorize: str, dtype: str = "float64", model=PLAIN, rounds: int = 2, params=None, group: int = 0, **train) -> RunConfig:
+    cfg = tiny_config(method, rounds=rounds, dtype=dtype, **train)
+    return dataclasses.replace(cfg, model=model, simulation=SimulationConfig(vectorize=vectorize, vectorize_group=group), params=params or {})
+
+
+def _run(tmp_path, cfg, name, sites=None):
+    logs: list[str] = []
+    wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+    res = simulate(cfg, wl, sites or tiny_sites(), out=tmp_path / name, progress=False, log=logs.append)
+    return res, logs
+
+
+def _states(out) -> dict[str, dict[str, torch.Tensor]]:
+    """Server state and every site's saved state (models, optimizer moments and steps, store)."""
+    ck = out / "checkpoints"
+    states = {"server": load_file(str(ck / "server.safetensors"))}
+    for f in sorted((ck / "sites").glob("*.safetensors")):
+        states[f.stem] = load_file(str(f))
+    return states
+
+
+def _assert_close(a, b, rtol: float, atol: float, control_atol: float | None = None) -> None:
+    assert a.keys() == b.keys()
+    for who in a:
+        assert a[who].keys() == b[who].keys(), who  # same checkpoint layout
+        for k in a[who]:
+            control = k.startswith(("control/", "store/scaffold/"))
+            tol = (rtol, control_atol) if control and control_atol is not None else (rtol, atol)
+            torch.testing.assert_close(b[who][k], a[who][k], rtol=tol[0], atol=tol[1], msg=lambda m, who=who, k=k: f"{who} {k}: {m}")
+
+
+def _vectorized(logs: list[str]) -> bool:
+    return any("trains as one vectorized computation" in m for m in logs)
+
+
+# ------------------------------------------------------------------ settings
+def test_auto_is_off_on_the_cpu_and_on_on_cuda():
+    assert resolve_vectorize("auto", torch.device("cpu")) is False
+    assert resolve_vectorize("auto", torch.device("cuda", 0)) is True
+    assert resolve_vectorize("on", torch.device("cpu")) is True
+    assert resolve_vectorize("off", torch.device("cuda", 0)) is False
+    with pytest.raises(ConfigError, match="simulation.vectorize = 'yes'.*'auto', 'on' or 'off'"):
+        RunConfig(federation="x", simulation=SimulationConfig(vectorize="yes")).validate()
+    with pytest.raises(ConfigError, match="simulation.vectorize_group"):
+        SimulationConfig(vectorize_group=-1).validate()
+
+
+def test_set_simulation_vectorize(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text('federation = "fed.toml"\n')
+    cfg = load_run_config(p, ["simulation.vectorize=on", "simulation.vectorize_group=4"])
+    assert (cfg.simulation.vectorize, cfg.simulation.vectorize_group) == ("on", 4)
+    assert load_run_config(p).simulation.vectorize == "auto"
+
+
+def test_default_on_the_cpu_runs_sites_one_after_another(workload):
+    transport = build_transport(tiny_config("fedavg"), workload, tiny_sites(), log=lambda m: None)
+    assert transport.vectorized is None  # auto → off on the CPU: the bitwise guarantees hold unchanged
+
+
+# ------------------------------------------------------------------ equality
+# tiny_sites() has 6, 8 and 10 training cases at batch 4: in epoch mode the sites take 2, 2 and 3
+# steps, and the last batch of site1 and site3 has 2 cases — unequal steps and unequal batch shapes.
+METHODS = [
+    ("fedavg", {}),
+    ("fedavg-even", {}),
+    ("fedprox", {"fedprox": {"mu": 0.5}}),
+    ("scaffold", {}),
+    ("scaffold", {"scaffold": {"correction": "gradient"}}),
+    ("local", {}),
+    ("ditto", {}),
+    ("ft", {}),
+    ("fedsm", {}),
+]
+
+
+@pytest.mark.parametrize("method,params", METHODS, ids=[m + ("-" + "-".join(str(v) for s in p.values() for v in s.values()) if p else "") for m, p in METHODS])
+def test_float64_equals_sequential(tmp_path, method, params):
+    """Every tensor a site keeps (weights, Adam moments and steps, SCAFFOLD's c_i) and the server
+    state after 2 rounds equal the sequential run's to 1e-10 in float64; the train losses too."""
+    seq, _ = _run(tmp_path, _cfg(method, "off", params=params), "seq")
+    vec, logs = _run(tmp_path, _cfg(method, "on", params=params), "vec")
+    assert _vectorized(logs), logs
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-10, atol=1e-10)
+    for a, b in zip(seq["history"], vec["history"]):
+        for s, loss in a["train_loss"].items():
+            assert b["train_loss"][s] == pytest.approx(loss, rel=1e-10)
+
+
+@pytest.mark.parametrize("method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {})])
+def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
+    """Weights and moments to rtol 1e-4.  SCAFFOLD's control variates c_i = c_i − c + (x − y)/(K η_l)
+    divide a difference of two nearly equal float32 weights by K η_l = 2e-3: one ulp of a weight
+    (6e-8 at |w| ≈ 0.5) becomes 3e-5, in any implementation — that is their absolute tolerance."""
+    _run(tmp_path, _cfg(method, "off", dtype="float32", params=params, rounds=3), "seq")
+    _, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", params=params, rounds=3), "vec")
+    assert _vectorized(logs)
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-4, atol=1e-6, control_atol=5e-5)
+
+
+def test_sgd_with_momentum_equals_sequential(tmp_path):
+    _run(tmp_path, _cfg("fedavg", "off", optimizer="sgd", lr=0.05, weight_decay=1e-3), "seq")
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", optimizer="sgd", lr=0.05, weight_decay=1e-3), "vec")
+    assert _vectorized(logs)
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-10, atol=1e-10)
+
+
+def test_groups_of_sites_equal_one_group(tmp_path):
+    _run(tmp_path, _cfg("fedavg", "off"), "seq")
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", group=2), "vec")
+    assert _vectorized(logs)
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-10, atol=1e-10)
+
+
+def _fit_calls(steps: list[int], mu: float = 0.0):
+    cfg = _cfg("fedavg", "on", local_steps=1, local_epochs=None)
+    wl = segmentation_workload(2, 1, ["fg"], PLAIN)
+    transport = build_transport(cfg, wl, tiny_sites(len(steps)), log=lambda m: None)
+    torch.manual_seed(0)
+    init = {k: v.double() for k, v in wl.build_model().state_dict().items()}
+    calls = []
+    for name, n in zip(transport.sites, steps):
+        site = transport.site(name)
+        model = site.load("global", init)
+        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+        calls.append(FitCall(site, "global", 1, "train", site.optimizer("global"), proximal_loss(anchor, mu) if mu else None, None, n))
+    return calls
+
+
+def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
+    """Site 1 takes 1 step, site 2 takes 4: site 1's weights, Adam moments and step count are those
+    of its single sequential step — the three padding steps change nothing (not just a zero gradient,
+    which Adam would still turn into a step through its moments)."""
+    seq = _fit_calls([1, 4], mu=0.1)
+    seq_out = [c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps) for c in seq]
+    vec = _fit_calls([1, 4], mu=0.1)
+    ex = VectorizedExecutor(log=lambda m: None)
+    vec_out = ex.fit_together(vec)
+    assert ex.vectorized_fits == 2
+    assert [o["steps"] for o in vec_out] == [1, 4] == [o["steps"] for o in seq_out]
+    for a, b, out_a, out_b in zip(seq, vec, seq_out, vec_out):
+        assert out_b["loss"] == pytest.approx(out_a["loss"], rel=1e-12)
+        ma, mb = a.site.model("global"), b.site.model("global")
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            torch.testing.assert_close(pb, pa, rtol=1e-12, atol=1e-13)
+            sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
+            assert float(sb["step"]) == float(sa["step"]) and sb["step"].dtype == sa["step"].dtype
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sb[key], sa[key], rtol=1e-12, atol=1e-16)
+    # the site views of the stacked weights are gone: each model owns its tensors again
+    p1, p2 = (next(c.site.model("global").parameters()) for c in vec)
+    assert p1.untyped_storage().data_ptr() != p2.untyped_storage().data_ptr()
+
+
+def test_batches_are_the_sites_seeded_batches(monkeypatch):
+    """The vectorized step draws every site's batches from Site.batches (its seeded streams)."""
+    from fedseg.site import Site
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = Site.batches
+
+    def spy(self, rnd, stream="train", steps=None, split="train", batch_size=None):
+        for x, y in real(self, rnd, stream, steps, split, batch_size):
+            seen.setdefault(f"{self.name}/{threading.current_thread() is threading.main_thread()}", []).append(x.clone())
+            yield x, y
+
+    monkeypatch.setattr(Site, "batches", spy)
+    calls = _fit_calls([2, 3])
+    VectorizedExecutor(log=lambda m: None).fit_together(calls)
+    vec = {k: v for k, v in seen.items()}
+    seen.clear()
+    for c in _fit_calls([2, 3]):
+        c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps)
+    assert vec.keys() == seen.keys() == {"site1/True", "site2/True"}
+    for k in vec:
+        assert len(vec[k]) == len(seen[k]) and all(torch.equal(a, b) for a, b in zip(vec[k], seen[k]))
+
+
+# ------------------------------------------------------------------ fallbacks
+def test_batch_norm_model_falls_back_with_the_reason_logged(tmp_path):
+    bn = dataclasses.replace(TINY_MODEL, norm="batch")
+    _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=bn), "seq")
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=bn), "vec")
+    said = [m for m in logs if m.startswith("vectorize:")]
+    assert said == ["vectorize: role 'global' of site site1 trains sequentially: batch norm with running statistics "
+                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
+                    "vectorize: role 'global' of site site2 trains sequentially: batch norm with running statistics "
+                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
+                    "vectorize: role 'global' of site site3 trains sequentially: batch norm with running statistics "
+                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)"]
+    a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])  # the fallback is the sequential path: bitwise
+
+
+def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
+    _run(tmp_path, _cfg("apfl", "off", rounds=1), "seq")
+    _, logs = _run(tmp_path, _cfg("apfl", "on", rounds=1), "vec")
+    assert "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit" in logs
+    a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
+def test_an_error_in_one_site_ends_the_ask_and_its_threads():
+    calls = _fit_calls([1, 1, 1])
+    sites = [c.site for c in calls]
+
+    def bad(site, task):
+        if site.name == "site2":
+            raise PayloadError("site2: hostile payload")
+        site.fit("global", 1, "train", steps=1)
+        return Reply()
+
+    for s in sites:
+        s._handlers = {"train": bad}
+    before = threading.active_count()
+    with pytest.raises(PayloadError, match="hostile"):
+        VectorizedExecutor(log=lambda m: None).run([(s, Task("train")) for s in sites])
+    assert threading.active_count() == before
+
+
+# ------------------------------------------------------------------ results
+def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
+    """The default (instance-norm) tiny U-Net in float32: same best rounds, same results table."""
+    seq, _ = _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, rounds=3), "seq")
+    vec, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=TINY_MODEL, rounds=3), "vec")
+    assert _vectorized(logs)
+    assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in vec["rows"]]
+    assert table3([seq]) == table3([vec])
+
+
+def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_falls_back(tmp_path, monkeypatch):
+    """Out of memory at a group's first step (nothing updated yet): the group trains as two halves.
+    Any other error at the first step: the group trains sequentially, with the error logged."""
+    real = VectorizedExecutor._gradients
+
+    def oom_for_groups(batch, *rest):
+        if len(batch) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(batch, *rest)
+
+    _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
+    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(oom_for_groups))
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
+    assert "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)" in logs
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "split"), rtol=1e-10, atol=1e-10)
+
+    def unsupported(*args):
+        raise RuntimeError("vmap: an op without a batching rule (simulated)")
+
+    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(unsupported))
+    _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
+    assert any("trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs)
+    a, b = _states(tmp_path / "seq"), _states(tmp_path / "fallback")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
+def test_bf16_autocast_runs_vectorized(tmp_path):
+    """train.precision = bf16: the vmapped loss runs under the same autocast; losses agree to bf16 rounding."""
+    seq, _ = _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
+    vec, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
+    assert _vectorized(logs)
+    for a, b in zip(seq["history"], vec["history"]):
+        for s, loss in a["train_loss"].items():
+            assert b["train_loss"][s] == pytest.approx(loss, abs=1e-2)
+
+
+def test_a_vectorized_run_resumes_exactly(tmp_path):
+    """Checkpoints of a vectorized run hold each site's own state, so an interrupted vectorized
+    run resumed from them equals the uninterrupted vectorized run (here bitwise: same arithmetic)."""
+    cfg = _cfg("fedprox", "on", rounds=3, params={"fedprox": {"mu": 0.5}})
+    wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+    full = simulate(cfg, wl, tiny_sites(), out=tmp_path / "full", progress=False, log=lambda m: None)
+    assert simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, stop_after=1) is None
+    resumed = simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, resume=True)
+    a, b = _states(tmp_path / "full"), _states(tmp_path / "cut")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+    assert [e["train_loss"] for e in full["history"]] == [e["train_loss"] for e in resumed["history"]]
