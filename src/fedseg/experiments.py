@@ -121,3 +121,41 @@ def demo(out: str | Path = "runs/demo", rounds: int = 40, scale: float = 0.15, s
     report = build_report([out / m / f"seed{seed}" for m in DEMO_METHODS], out / "report.html", options=ReportOptions(models=False),
                           progress=progress, log=log, title="fedseg demo: local, centralized, FedAvg and FedSM on a synthetic fundus federation")
     return table, report
+
+
+def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, split: str = "testing", progress: bool = True) -> dict[str, Any]:
+    """Score a finished run's best models on a federation's split (its own federation by default).
+
+    Returns ``{"rows": [...], "table": markdown}``; rows follow ``results.json``'s ``rows``.
+    """
+    from safetensors.torch import load_file
+
+    from fedseg.algorithms import get_algorithm, known_sections
+    from fedseg.algorithms.base import Candidate
+    from fedseg.config import load_run_config
+    from fedseg.engine import Engine
+    from fedseg.errors import ConfigError
+    from fedseg.evaluation.summary import row_from_cases
+    from fedseg.runner import build_transport, load_federation_data
+    from fedseg.workload import segmentation_workload
+
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "checkpoints"
+    if not (ckpt / "best.json").is_file():
+        raise ConfigError(f"{run_dir} has no checkpoints/best.json; evaluate needs the folder of a finished fedseg run")
+    cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
+    fed, data = load_federation_data(federation or cfg.federation, progress=progress)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+    algorithm = get_algorithm(cfg)
+    transport = build_transport(cfg, workload, data, algorithm)
+    engine = Engine(cfg, algorithm, transport, workload, progress=False)
+    best = load_file(str(ckpt / "best.safetensors"))
+    rows = []
+    names = list(fed.labels)
+    for name, m in json.loads((ckpt / "best.json").read_text()).items():
+        arrays = {k[len(name) + 1:]: v for k, v in best.items() if k.startswith(name + "/")}
+        cand = Candidate(name, arrays, m["predictor"], None, m["home_site"], m["config"])
+        per_case = engine.evaluate([cand], split, lambda c: transport.sites)[name]
+        rows.append({"name": name, **row_from_cases(per_case, list(transport.sites), names)})
+    runs = [{"method": r["name"], "seed": cfg.seed, "sites": list(transport.sites), "rows": [], **r} for r in rows]
+    return {"rows": rows, "table": table3(runs)}
