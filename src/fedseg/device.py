@@ -24,6 +24,7 @@ __all__ = [
     "configure_determinism",
     "describe",
     "fits_on_device",
+    "fp16_refusal",
     "grad_scaler",
     "resolve_device",
     "to_device",
@@ -107,6 +108,13 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
     if precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type)
+
+
+def fp16_refusal(what: str) -> str:
+    """The error of a run that asks fp16 of a step fp16 cannot scale (see :meth:`Site.refuse_fp16`)."""
+    return (f"train.precision = 'fp16' is not supported by {what}: it uses the gradients themselves "
+            "(not through an optimizer step), so fp16's loss scaling cannot unscale them or skip an overflowed step; "
+            "use --set train.precision=bf16 (same speed-up, no loss scaling needed) or fp32")
 
 
 def to_host(arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
