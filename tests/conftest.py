@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -57,8 +59,6 @@ def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
     """Count host reads of tensor values (``float(t)``, ``t.item()``, ``t.tolist()``) made directly
     by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/site.py"``):
     each is a device synchronisation on a GPU.  Returns the live counter ``{"n": …}``."""
-    import sys
-
     calls = {"n": 0}
     ends = tuple(files) + tuple(f.replace("/", "\\") for f in files)
 

@@ -111,10 +111,11 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
 
 
 def fp16_refusal(what: str) -> str:
-    """The error of a run that asks fp16 of a step fp16 cannot scale (see :meth:`Site.refuse_fp16`)."""
-    return (f"train.precision = 'fp16' is not supported by {what}: it uses the gradients themselves "
-            "(not through an optimizer step), so fp16's loss scaling cannot unscale them or skip an overflowed step; "
-            "use --set train.precision=bf16 (same speed-up, no loss scaling needed) or fp32")
+    """The error of a run that asks fp16 of a method whose site work ``what`` uses raw gradients outside
+    an optimizer step (:meth:`fedseg.algorithms.base.Algorithm.fp16_unsupported`)."""
+    return (f"train.precision = 'fp16' is not supported by {what}: fp16's loss scaling can unscale gradients and skip "
+            "an overflowed step only inside an optimizer step; use --set train.precision=bf16 (float32's exponent range, "
+            "no loss scaling needed) or fp32")
 
 
 def to_host(arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

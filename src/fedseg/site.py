@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from fedseg.arrays import Arrays, check_compatible, check_layout, nonfinite, strip_prefix
 from fedseg.config import RunConfig
-from fedseg.device import autocast, configure_determinism, fits_on_device, fp16_refusal, grad_scaler, resolve_device, to_device
+from fedseg.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
 from fedseg.errors import ConfigError, PayloadError
 from fedseg.seeding import generator
 from fedseg.workload import Workload
@@ -424,13 +424,6 @@ class Site:
             after_backward(model)
         scaler.step(opt)
         scaler.update()
-
-    def refuse_fp16(self, what: str) -> None:
-        """One clear error when ``train.precision = "fp16"`` reaches a step that uses raw gradients
-        (``what`` says which) outside an optimizer, where a gradient scaler cannot unscale them or
-        skip an overflowed step; bf16 needs no scaling."""
-        if self.precision == "fp16":
-            raise ConfigError(fp16_refusal(what))
 
     def scaler(self, role: str) -> torch.amp.GradScaler | None:
         """The role's fp16 gradient scaler (None unless ``train.precision = "fp16"``)."""

@@ -225,7 +225,7 @@ class APFL(Algorithm):
         return {"train": train_apfl}
 
     def fp16_unsupported(self) -> str | None:
-        return "APFL's v and α updates (torch.autograd.grad at the mixture; α's gradient enters its update directly)"
+        return "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
 
     def predictors(self):
         return {**super().predictors(), "apfl_outputs": _outputs_predictor}

@@ -664,7 +664,7 @@ class FedSM(Algorithm):
 
     def fp16_unsupported(self) -> str | None:
         if self.params.selector_training == "fga":
-            return FP16_GRADIENT_AVERAGING
+            return FP16_GRADIENT_AVERAGING + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
         if self.params.personalization != "softpull":
             return personalization_class(self.params.personalization).fp16_unsupported(self)
         return None

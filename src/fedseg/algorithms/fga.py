@@ -161,8 +161,8 @@ def federation_steps(steps_per_site: Sequence[int], rule: str = "max") -> int:
     raise ValueError(f"unknown rule {rule!r}; use 'max' or 'min'")
 
 
-FP16_GRADIENT_AVERAGING = ("gradient averaging (FGA, FedSM's selector_training = 'fga'): each site sends the raw gradient "
-                           "of its batch to be averaged, and a per-site loss scale would weight the sites unequally")
+FP16_GRADIENT_AVERAGING = ("gradient averaging (FGA; FedSM's selector_training = 'fga'), whose sites send raw batch gradients "
+                           "to be averaged (per-site loss scales would weight the sites unequally)")
 """Why fp16 is refused where gradients are averaged; bf16 (no loss scaling) runs as is."""
 
 

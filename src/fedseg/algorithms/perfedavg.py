@@ -216,4 +216,4 @@ class PerFedAvg(Algorithm):
         return {"train": train_perfedavg, "personalize": personalize_perfedavg}
 
     def fp16_unsupported(self) -> str | None:
-        return "Per-FedAvg's meta-gradient (the inner step w − α∇f and the Hessian-vector product use the gradients themselves)"
+        return "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"

@@ -163,4 +163,4 @@ class PFedMe(Algorithm):
         return {"train": train_pfedme}
 
     def fp16_unsupported(self) -> str | None:
-        return "pFedMe's inner solve (θ steps with the gradients themselves)"
+        return "pFedMe, whose inner solve steps θ with raw gradients"
