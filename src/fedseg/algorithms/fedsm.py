@@ -66,7 +66,7 @@ from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels
 from fedseg.arrays import Arrays, aggregate, check_aggregation, clone, prefixed, strip_prefix, weighted_mean
 from fedseg.errors import ConfigError, PayloadError
 from fedseg.models import Selector
-from fedseg.site import LossSums, Reply, Site, Task, batch_of, dataset_len
+from fedseg.site import Reply, Site, Task, batch_of, dataset_len
 
 __all__ = [
     "FedSM",
@@ -716,7 +716,6 @@ class FedSM(Algorithm):
             sel.train()
         loss_fn = site.workload.loss
         sums = {"loss": 0.0, "personal_loss": 0.0, "selector_loss": 0.0}
-        sel_sums = LossSums(site.device)
         steps = sel_steps = 0
         max_sel = self.params.max_selector_steps
         for x, y in site.batches(rnd, "train", cfg.get("steps")) if (train_models or train_selector) else ():
@@ -733,7 +732,7 @@ class FedSM(Algorithm):
                 with site.autocast():
                     loss = self._selector_loss(site, sel, x, y, phase, own, frozen)
                 site.step(role, opt_s, loss)
-                sel_sums.add("selector_loss", loss)
+                sums["selector_loss"] += loss.detach().double()  # summed on the device, read once below
             steps += 1
         if train_models:
             out.update(prefixed("global", site.arrays("global")))
@@ -744,7 +743,7 @@ class FedSM(Algorithm):
             out.update(prefixed("selector", site.arrays(role)))
             if self.params.share_selector_moments:
                 out.update(prefixed("selector_optim", optimizer_moments(opt_s, sel)))
-            metrics["selector_loss"] = sel_sums.means().get("selector_loss", 0.0)
+            metrics["selector_loss"] = float(sums["selector_loss"]) / max(sel_steps, 1)
         metrics["steps"] = metrics["steps"] if by_method else steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
 
