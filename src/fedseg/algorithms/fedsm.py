@@ -666,6 +666,7 @@ class FedSM(Algorithm):
         if self.params.selector_training == "fga":
             return FP16_GRADIENT_AVERAGING + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
         if self.params.personalization != "softpull":
+            # APFL's, pFedMe's and Per-FedAvg's answers do not depend on their settings
             return personalization_class(self.params.personalization).fp16_unsupported(self)
         return None
 
