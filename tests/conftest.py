@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -51,3 +53,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
+    """Count host reads of tensor values (``float(t)``, ``t.item()``, ``t.tolist()``) made directly
+    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/site.py"``):
+    each is a device synchronisation on a GPU.  Returns the live counter ``{"n": …}``."""
+    calls = {"n": 0}
+    ends = tuple(files) + tuple(f.replace("/", "\\") for f in files)
+
+    def counted(real):
+        def wrapper(t, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(ends):
+                calls["n"] += 1
+            return real(t, *args, **kwargs)
+        return wrapper
+
+    for name in ("__float__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    return calls

@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_config, tiny_sites
+from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.cli import main
 from fedseg.config import RunConfig, TrainConfig, load_run_config
 from fedseg.device import autocast, resolve_device, to_host
@@ -208,23 +207,7 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     cfg = tiny_config("fedavg", rounds=1, local_steps=5, local_epochs=None)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
     site.model("global")
-    calls = {"n": 0}
-    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
-
-    def from_site_py() -> None:
-        if sys._getframe(2).f_code.co_filename.endswith(("fedseg/site.py", "fedseg\\site.py")):
-            calls["n"] += 1
-
-    def counting_float(t):
-        from_site_py()
-        return real_float(t)
-
-    def counting_item(t):
-        from_site_py()
-        return real_item(t)
-
-    monkeypatch.setattr(torch.Tensor, "__float__", counting_float)
-    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    calls = count_host_reads(monkeypatch, "fedseg/site.py")
     out = site.fit("global", 1)
     assert out["steps"] == 5 and calls["n"] == 1
 

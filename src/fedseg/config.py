@@ -88,7 +88,9 @@ class TrainConfig:
     dtype: str = "float32"
     precision: str = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
-    scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider)."""
+    scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
+    that use raw gradients outside an optimizer step (APFL, pFedMe, Per-FedAvg, FGA, FedSM's 'fga'
+    selector) refuse 'fp16' when the run starts and name bf16 (docs/architecture.md)."""
     data: str = "auto"
     """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
     each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""

@@ -24,6 +24,7 @@ __all__ = [
     "configure_determinism",
     "describe",
     "fits_on_device",
+    "fp16_refusal",
     "grad_scaler",
     "resolve_device",
     "to_device",
@@ -107,6 +108,14 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
     if precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type)
+
+
+def fp16_refusal(what: str) -> str:
+    """The error of a run that asks fp16 of a method whose site work ``what`` uses raw gradients outside
+    an optimizer step (:meth:`fedseg.algorithms.base.Algorithm.fp16_unsupported`)."""
+    return (f"train.precision = 'fp16' is not supported by {what}: fp16's loss scaling can unscale gradients and skip "
+            "an overflowed step only inside an optimizer step; use --set train.precision=bf16 (float32's exponent range, "
+            "no loss scaling needed) or fp32")
 
 
 def to_host(arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

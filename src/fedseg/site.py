@@ -38,7 +38,7 @@ from fedseg.workload import Workload
 if TYPE_CHECKING:  # pragma: no cover
     from fedseg.algorithms.base import Algorithm
 
-__all__ = ["Reply", "Site", "SiteData", "Task", "batch_of", "dataset_len"]
+__all__ = ["LossSums", "Reply", "Site", "SiteData", "Task", "batch_of", "dataset_len"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -136,6 +136,34 @@ def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
     except PayloadError as e:
         raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
     return arrays
+
+
+class LossSums:
+    """Losses summed on the device (float64) and read on the host once, by :meth:`means`:
+    a training loop that adds every step's loss never waits for the device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, key: str, loss: torch.Tensor) -> None:
+        if key not in self._sums:
+            self._sums[key] = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._counts[key] = 0
+        self._sums[key] += loss.detach()
+        self._counts[key] += 1
+
+    def count(self, key: str) -> int:
+        return self._counts.get(key, 0)
+
+    def means(self) -> dict[str, float]:
+        """``{key: mean loss}`` (one host read for all keys)."""
+        if not self._sums:
+            return {}
+        keys = list(self._sums)
+        values = torch.stack([self._sums[k] for k in keys]).tolist()
+        return {k: v / self._counts[k] for k, v in zip(keys, values)}
 
 
 class Site:
@@ -373,29 +401,41 @@ class Site:
             raise ConfigError(f"train.precision = 'fp16' needs a plain torch optimizer, but {self.algorithm.name!r} steps "
                               f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)")
         model.train()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        sums = LossSums(self.device)
         for x, y in self.batches(rnd, stream, steps):
             opt.zero_grad(set_to_none=True)
-            with autocast(self.device, self.precision):
+            with self.autocast():
                 loss = self.workload.loss(model(x), y)
             if extra_loss is not None:
                 loss = loss + extra_loss(model)
-            if scaler is None:
-                loss.backward()
-                if after_backward is not None:
-                    after_backward(model)
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                if after_backward is not None:
-                    after_backward(model)
-                scaler.step(opt)
-                scaler.update()
-            total += loss.detach()
-            count += 1
-        return {"loss": float(total) / max(count, 1), "steps": count}
+            self.step(role, opt, loss, model, after_backward)
+            sums.add("loss", loss)
+        means = sums.means()
+        return {"loss": means.get("loss", 0.0), "steps": sums.count("loss")}
+
+    def autocast(self):
+        """``train.precision``'s autocast on the site's device (a no-op context for fp32): the
+        forward pass of every local loop runs under it."""
+        return autocast(self.device, self.precision)
+
+    def step(self, role: str, opt: torch.optim.Optimizer, loss: torch.Tensor, model: nn.Module | None = None,
+             after_backward: Callable[[nn.Module], None] | None = None) -> None:
+        """``loss.backward()`` and one step of ``opt``; under fp16 through the role's gradient
+        scaler (scaled backward, unscaled gradients for ``after_backward(model)``, a step skipped
+        and the scale backed off when a gradient overflowed).  fp32 and bf16: the plain step."""
+        scaler = self.scaler(role)
+        if scaler is None:
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            opt.step()
+            return
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if after_backward is not None:
+            after_backward(model)
+        scaler.step(opt)
+        scaler.update()
 
     def scaler(self, role: str) -> torch.amp.GradScaler | None:
         """The role's fp16 gradient scaler (None unless ``train.precision = "fp16"``)."""

@@ -44,7 +44,7 @@ from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.personal import aggregate_global, check_positive, check_weighting, is_eval_round
 from fedseg.arrays import Arrays, dot, prefixed, strip_prefix, sub
 from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.site import LossSums, Reply, Site, Task
 
 __all__ = ["APFL", "APFLParams", "alpha_gradient", "alpha_step", "local_round", "mix_outputs", "mix_parameters"]
 
@@ -67,9 +67,10 @@ def alpha_gradient(v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor],
     return float(dot(sub(dict(v), dict(w)), dict(grad_mixed)))
 
 
-def alpha_step(alpha: float, grad: float, lr: float) -> float:
-    """α − η_α ∂f/∂α, clipped to [0, 1]."""
-    return min(1.0, max(0.0, alpha - lr * grad))
+def alpha_step(alpha, grad, lr: float):
+    """α − η_α ∂f/∂α, clipped to [0, 1] (floats, or tensors kept on the device by the local loop)."""
+    new = alpha - lr * grad
+    return new.clamp(0.0, 1.0) if isinstance(new, torch.Tensor) else min(1.0, max(0.0, new))
 
 
 @dataclass(frozen=True)
@@ -111,28 +112,35 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     v_model = site.models["personal"]
     opt_w = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
     opt_v = site.optimizer("personal")
-    alpha = float(site.store["apfl/alpha"]) if "apfl/alpha" in site.store else params.alpha
+    # α stays a float64 tensor on the device (the same arithmetic as Python floats), read once per round
+    alpha = site.store["apfl/alpha"].reshape(()) if "apfl/alpha" in site.store else torch.tensor(params.alpha, dtype=torch.float64)
+    alpha = alpha.to(site.device)
     lr_a = params.alpha_lr or site.cfg.train.lr
     loss_f = site.workload.loss
     w_model.train()
     v_model.train()
     v_params = dict(v_model.named_parameters())
-    total, total_v, count = 0.0, 0.0, 0
+    sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
         # w: exactly FedAvg's local step (Site.fit's order)
         opt_w.zero_grad(set_to_none=True)
-        out_w = w_model(x)
-        loss_w = loss_f(out_w, y)
+        with site.autocast():
+            out_w = w_model(x)
+            loss_w = loss_f(out_w, y)
         loss_w.backward()
         # v and α: gradient of f at the mixture, w held fixed
-        a = torch.tensor(alpha, dtype=site.dtype, requires_grad=params.learn_alpha)
+        a = alpha.to(site.dtype).requires_grad_(params.learn_alpha)
         if params.mix == "parameters":
             w_now = {k: p.detach() for k, p in w_model.named_parameters()}
             mixed = {k: a * p + (1 - a) * w_now[k] for k, p in v_params.items()}
-            out = functional_call(v_model, mixed, (x,))
+            with site.autocast():
+                out = functional_call(v_model, mixed, (x,))
         else:
-            out = a * v_model(x) + (1 - a) * out_w.detach()
-        loss_v = loss_f(out, y)
+            with site.autocast():
+                out_v = v_model(x)
+            out = a * out_v + (1 - a) * out_w.detach()
+        with site.autocast():
+            loss_v = loss_f(out, y)
         targets = list(v_params.values()) + ([a] if params.learn_alpha else [])
         grads = torch.autograd.grad(loss_v, targets, allow_unused=True)
         opt_v.zero_grad(set_to_none=True)
@@ -140,13 +148,13 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
             p.grad = torch.zeros_like(p) if g is None else g
         opt_w.step()
         opt_v.step()
-        if params.learn_alpha:
-            alpha = alpha_step(alpha, float(grads[-1]) if grads[-1] is not None else 0.0, lr_a)
-        total += float(loss_w.detach())
-        total_v += float(loss_v.detach())
-        count += 1
-    site.store["apfl/alpha"] = torch.tensor([alpha], dtype=torch.float64)
-    return {"loss": total / max(count, 1), "personal_loss": total_v / max(count, 1), "alpha": alpha, "steps": count}
+        if params.learn_alpha and grads[-1] is not None:
+            alpha = alpha_step(alpha, grads[-1].detach().to(torch.float64), lr_a)
+        sums.add("loss", loss_w)
+        sums.add("personal_loss", loss_v)
+    means = sums.means()
+    site.store["apfl/alpha"] = alpha.detach().reshape(1).to("cpu", torch.float64)
+    return {"loss": means.get("loss", 0.0), "personal_loss": means.get("personal_loss", 0.0), "alpha": float(alpha), "steps": sums.count("loss")}
 
 
 def train_apfl(site: Site, task: Task) -> Reply:
@@ -215,6 +223,9 @@ class APFL(Algorithm):
 
     def site_handlers(self):
         return {"train": train_apfl}
+
+    def fp16_unsupported(self) -> str | None:
+        return "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
 
     def predictors(self):
         return {**super().predictors(), "apfl_outputs": _outputs_predictor}

@@ -380,16 +380,16 @@ def beta_step(site: Site, task: Task) -> Reply:
         torch.manual_seed(derive_seed(site.cfg.seed, site.index, rnd, "autofedavg-forward", step))
         alpha = alpha_train(dict(zip(layers, leaves)), p.param, seed)
         full.update(mix(models, alpha_per_tensor(alpha, groups)))
-        loss = site.workload.loss(functional_call(model, full, (x,)), y)
+        with site.autocast():
+            loss = site.workload.loss(functional_call(model, full, (x,)), y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
+    site.step(_OPT, opt, loss)
     if p.param == "dirichlet":
         with torch.no_grad():
             for leaf in leaves:
                 leaf.clamp_(min=p.min_concentration)
     reply = Reply(arrays=prefixed("beta", {n: leaf.detach().clone() for n, leaf in zip(layers, leaves)}),
-                  metrics={"loss": float(loss.detach())}, num_samples=site.num_train)
+                  metrics={"loss": float(loss.detach())}, num_samples=site.num_train)  # one read per task (one step)
     if cfg.get("last", False):
         site.optimizers.pop(_OPT, None)
         site.store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}

@@ -27,7 +27,8 @@ from torch import nn
 
 from fedseg.arrays import Arrays, prefixed
 from fedseg.config import RunConfig, dataclass_from_dict
-from fedseg.device import to_device
+from fedseg.device import fp16_refusal, to_device
+from fedseg.errors import ConfigError
 from fedseg.site import Reply, Site, Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,6 +113,14 @@ class Algorithm:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.params = self.parse_params(cfg)
+        what = self.fp16_unsupported() if cfg.train.precision == "fp16" else None
+        if what:
+            raise ConfigError(fp16_refusal(what))
+
+    def fp16_unsupported(self) -> str | None:
+        """The part of this method's site work that fp16 loss scaling cannot serve (it uses raw
+        gradients outside an optimizer step), or None; a run asking for fp16 then stops at once."""
+        return None
 
     @classmethod
     def parse_params(cls, cfg: RunConfig) -> Any:

@@ -61,7 +61,7 @@ from torch import nn
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.algorithms.fga import gradient_step, lockstep_round
+from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING, gradient_step, lockstep_round
 from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull
 from fedseg.arrays import Arrays, aggregate, check_aggregation, clone, prefixed, strip_prefix, weighted_mean
 from fedseg.errors import ConfigError, PayloadError
@@ -661,6 +661,14 @@ class FedSM(Algorithm):
     def site_handlers(self):
         return {"train": self._train, "route": self._route, "selector_step": self._selector_step}
 
+    def fp16_unsupported(self) -> str | None:
+        if self.params.selector_training == "fga":
+            return FP16_GRADIENT_AVERAGING + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
+        if self.params.personalization != "softpull":
+            # APFL's, pFedMe's and Per-FedAvg's answers do not depend on their settings
+            return personalization_class(self.params.personalization).fp16_unsupported(self)
+        return None
+
     def predictors(self):
         def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
             sel, models = _load_composite(site, arrays, config, self.params, "fedsm-eval/")
@@ -722,10 +730,10 @@ class FedSM(Algorithm):
             if max_sel is None or sel_steps < max_sel:
                 sel_steps += 1
                 opt_s.zero_grad(set_to_none=True)
-                loss = self._selector_loss(site, sel, x, y, phase, own, frozen)
-                loss.backward()
-                opt_s.step()
-                sums["selector_loss"] += float(loss.detach())
+                with site.autocast():
+                    loss = self._selector_loss(site, sel, x, y, phase, own, frozen)
+                site.step(role, opt_s, loss)
+                sums["selector_loss"] += loss.detach().double()  # summed on the device, read once below
         if train_models:
             out.update(prefixed("global", site.arrays("global")))
             out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
@@ -735,7 +743,7 @@ class FedSM(Algorithm):
             out.update(prefixed("selector", site.arrays(role)))
             if self.params.share_selector_moments:
                 out.update(prefixed("selector_optim", optimizer_moments(opt_s, sel)))
-            metrics["selector_loss"] = sums["selector_loss"] / max(sel_steps, 1)
+            metrics["selector_loss"] = float(sums["selector_loss"]) / max(sel_steps, 1)
         metrics["steps"] = metrics["steps"] if by_method else steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
 
@@ -744,7 +752,7 @@ class FedSM(Algorithm):
         (fedsm-extra) or the workload loss of the softmax-weighted output mix (ensemble)."""
         logits = sel(x)
         if phase == "joint":
-            return F.cross_entropy(logits, torch.full((x.shape[0],), own, dtype=torch.long))
+            return F.cross_entropy(logits, torch.full((x.shape[0],), own, dtype=torch.long, device=logits.device))
         with torch.no_grad():
             outputs = [m(x) for m in frozen]
         if self.labels == "oracle":

@@ -161,6 +161,11 @@ def federation_steps(steps_per_site: Sequence[int], rule: str = "max") -> int:
     raise ValueError(f"unknown rule {rule!r}; use 'max' or 'min'")
 
 
+FP16_GRADIENT_AVERAGING = ("gradient averaging (FGA; FedSM's selector_training = 'fga'), whose sites send raw batch gradients "
+                           "to be averaged (per-site loss scales would weight the sites unequally)")
+"""Why fp16 is refused where gradients are averaged; bf16 (no loss scaling) runs as is."""
+
+
 def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
     """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry)."""
     params = dict(model.named_parameters())
@@ -296,11 +301,12 @@ def gradient_step(
         x, y = _batch(site, rnd, int(step))
         model.train()
         model.zero_grad(set_to_none=True)
-        value = site.workload.loss(model(x), y) if loss is None else loss(model, x, y)
+        with site.autocast():
+            value = site.workload.loss(model(x), y) if loss is None else loss(model, x, y)
         value.backward()
         arrays = {f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         num = int(x.shape[0])
-        metrics["loss"] = float(value.detach())
+        metrics["loss"] = float(value.detach())  # one read per task: the reply's only scalar
         if step == 0:
             metrics["steps_per_round"] = site.steps_per_round()
     if cfg.get("send_weights"):
@@ -378,6 +384,9 @@ class FGA(Algorithm):
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))
+
+    def fp16_unsupported(self) -> str | None:
+        return FP16_GRADIENT_AVERAGING
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params

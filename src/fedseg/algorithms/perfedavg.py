@@ -53,7 +53,7 @@ from fedseg.algorithms.personal import (
 )
 from fedseg.arrays import Arrays, prefixed, strip_prefix
 from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.site import LossSums, Reply, Site, Task
 
 __all__ = ["PerFedAvg", "PerFedAvgParams", "hvp_autograd", "hvp_finite_difference", "meta_gradient", "personal_step"]
 
@@ -145,13 +145,17 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
     streams = [site.batches(rnd, "train"), site.batches(rnd, "meta")]
     if params.variant == "hf":
         streams.append(site.batches(rnd, "hessian"))
-    total, count = 0.0, 0
+    sums = LossSums(site.device)
     for batches in zip(*streams):
         w = {k: p.detach() for k, p in model.named_parameters()}
 
         def loss_on(batch):
             x, y = batch
-            return lambda p: loss_f(functional_call(model, p, (x,)), y)
+
+            def f(p):
+                with site.autocast():
+                    return loss_f(functional_call(model, p, (x,)), y)
+            return f
 
         g1 = grad_of(loss_on(batches[0]), w)
         w_tilde = {k: w[k] - params.alpha * g1[k] for k in w}
@@ -168,9 +172,8 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
         for k, p in model.named_parameters():
             p.grad = g[k]
         opt.step()
-        total += float(loss2.detach())
-        count += 1
-    return {"loss": total / max(count, 1), "steps": count}
+        sums.add("loss", loss2)
+    return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
 def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> tuple[Arrays, dict[str, Any]]:
@@ -211,3 +214,6 @@ class PerFedAvg(Algorithm):
 
     def site_handlers(self):
         return {"train": train_perfedavg, "personalize": personalize_perfedavg}
+
+    def fp16_unsupported(self) -> str | None:
+        return "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"

@@ -40,7 +40,7 @@ from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import check_positive, check_weighting, is_eval_round, personal_candidates, store_personal
 from fedseg.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
 from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.site import LossSums, Reply, Site, Task
 
 __all__ = ["PFedMe", "PFedMeParams", "inner_update", "local_round", "moreau_gradient", "server_update"]
 
@@ -103,11 +103,12 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
     w_model.train()
     theta.train()
     t_params = dict(theta.named_parameters())
-    total, count = 0.0, 0
+    sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
         w_now = {k: p.detach().clone() for k, p in w_model.named_parameters()}
         for _ in range(params.inner_steps):
-            loss = site.workload.loss(theta(x), y)
+            with site.autocast():
+                loss = site.workload.loss(theta(x), y)
             grads = torch.autograd.grad(loss, list(t_params.values()))
             with torch.no_grad():
                 new = inner_update({k: p.detach() for k, p in t_params.items()}, dict(zip(t_params, grads)), w_now, params.lam, params.personal_lr)
@@ -118,9 +119,8 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
         for k, p in w_model.named_parameters():
             p.grad = g[k].clone()
         opt.step()
-        total += float(loss.detach())
-        count += 1
-    return {"loss": total / max(count, 1), "steps": count}
+        sums.add("loss", loss)
+    return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
 def train_pfedme(site: Site, task: Task) -> Reply:
@@ -161,3 +161,6 @@ class PFedMe(Algorithm):
 
     def site_handlers(self):
         return {"train": train_pfedme}
+
+    def fp16_unsupported(self) -> str | None:
+        return "pFedMe, whose inner solve steps θ with raw gradients"
