@@ -154,7 +154,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
         sums.add("personal_loss", loss_v)
     means = sums.means()
     site.store["apfl/alpha"] = alpha.detach().reshape(1).to("cpu", torch.float64)
-    return {"loss": means.get("loss", 0.0), "personal_loss": means.get("personal_loss", 0.0), "alpha": float(alpha), "steps": sums.count("loss")}
+    return {"loss": means.get("loss", 0.0), "personal_loss": means.get("personal_loss", 0.0), "alpha": float(alpha.detach()), "steps": sums.count("loss")}
 
 
 def train_apfl(site: Site, task: Task) -> Reply:
