@@ -233,3 +233,23 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
     assert _equal(_weights(tmp_path / "part"), _weights(tmp_path / "dep")), "resumed weights differ from the uninterrupted run"
     assert resumed["per_site_dice"] == dep["per_site_dice"] and resumed["deploy"]["resumed"]
+
+
+def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
+    """A deployed FedSM run with no [fedsm] settings writes them resolved into OUT/config.toml (γ = auto, the
+    fga selector: the default profile), as a simulation does — the server and every site read that file."""
+    from fedseg.algorithms import get_algorithm
+    from fedseg.data.synth import synthesize
+    from fedseg.deploy.server import load_deploy_config, prepare_run
+
+    # Prepare
+    spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32, progress=False)
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(f'federation = "{spec}"\nmethod = "fedsm"\nseed = 0\n')
+    # Execute
+    prepare_run(load_deploy_config(run_toml, []), tmp_path / "out", sites=["site1", "site2"])
+    # Assert
+    text = (tmp_path / "out" / "config.toml").read_text()
+    assert "[fedsm]" in text and 'gamma = "auto"' in text and 'selector_training = "fga"' in text
+    back = get_algorithm(load_deploy_config(tmp_path / "out" / "config.toml", []))
+    assert back.params == get_algorithm(load_deploy_config(run_toml, [])).params

@@ -105,8 +105,8 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
         desc["resume"] = True
         _save_json(desc, desc_path)
         return desc
-    get_algorithm(cfg)
-    if get_algorithm(cfg).needs_pooled_site:
+    algorithm = get_algorithm(cfg)
+    if algorithm.needs_pooled_site:
         raise ConfigError(f"method {cfg.method!r} pools all sites' data and cannot be deployed; it exists in simulation only")
     fed = load_federation(cfg.federation)
     names = list(fed.site_names)
@@ -116,7 +116,9 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
             raise ConfigError(f"sites {unknown} are not in the federation {cfg.federation} (it has {names})")
         names = [s for s in names if s in sites]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dump_toml(cfg.to_dict()))
+    # the settings as used, defaults filled in (as a simulation writes them), so the server and
+    # every site read one fully resolved description of the method
+    (out / "config.toml").write_text(dump_toml(algorithm.resolved_config().to_dict()))
     desc = {"run_id": f"{cfg.method}-{uuid.uuid4().hex[:12]}", "sites": names, "data": data_header(fed), "resume": False}
     _save_json(desc, desc_path)
     return desc
