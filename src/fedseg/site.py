@@ -457,7 +457,7 @@ class Site:
         for start in range(0, n, bs):
             x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
             x, y = self._to_device(x, cast=True), self._to_device(y, cast=False)
-            with autocast(self.device, self.precision):
+            with self.autocast():
                 pred = predict(x)
             out.append(self.workload.metric(pred, y).double())
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued

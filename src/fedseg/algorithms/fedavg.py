@@ -77,8 +77,12 @@ class FedAvg(Algorithm):
     def weighting(self) -> str:
         return self.params.weighting
 
+    def round_config(self, rnd: int) -> dict[str, Any]:
+        """The train task's settings (subclasses add theirs, e.g. FedProx's μ)."""
+        return {"round": rnd}
+
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        task = Task("train", state, {"round": rnd})
+        task = Task("train", state, self.round_config(rnd))
         replies = ctx.ask({s: task for s in ctx.sites})
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedseg.algorithms.base import ServerContext
-from fedseg.algorithms.fedavg import FedAvg, aggregation_weights
-from fedseg.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
+from fedseg.algorithms.fedavg import FedAvg
+from fedseg.arrays import check_aggregation, prefixed, strip_prefix
 from fedseg.errors import ConfigError
 from fedseg.site import Reply, Site, Task
 
@@ -113,15 +112,6 @@ class FedProx(FedAvg):
 
     def round_config(self, rnd: int) -> dict[str, Any]:
         return {"round": rnd, "mu": self.params.mu}
-
-    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        task = Task("train", state, self.round_config(rnd))
-        replies = ctx.ask({s: task for s in ctx.sites})
-        names = list(replies)
-        p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
-        new = dict(state)
-        new.update(aggregate([replies[s].arrays for s in names], p, self.params.aggregation, self.params.trim))
-        return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
 
     def site_handlers(self):
         return {"train": train_prox}
