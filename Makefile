@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.fedseg-installed
 # torch; otherwise pip resolves a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test lint format venv bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_overhead.py

@@ -21,4 +21,6 @@ def emit(md: list[str], md_path: str | None, out: Path, summary: dict[str, Any])
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     """Markdown table lines."""
-    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]

@@ -25,12 +25,12 @@ import torch
 
 from fedseg.algorithms import REGISTRY, known_sections
 from fedseg.algorithms.autofedavg import site_selected_candidates
-from fedseg.config import load_run_config
+from fedseg.core.config import load_run_config
+from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.plots import plot_alpha_trajectory, plot_interval_effect
 from fedseg.evaluation.stats import table2
-from fedseg.runner import load_federation_data, simulate, write_results
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import load_federation_data, simulate, write_results
 
 VARIANTS = {
     "Auto-FedAvg-L-Softmax": ["autofedavg.param=softmax", "autofedavg.granularity=layer"],
@@ -55,15 +55,21 @@ def with_site_selection(cls):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="fundus", choices=["fundus", "prostate"])
-    ap.add_argument("--sites", default="site6,site1,site5", help="comma-separated subset of the preset's sites ('' = all six)")
+    ap.add_argument(
+        "--sites", default="site6,site1,site5", help="comma-separated subset of the preset's sites ('' = all six)"
+    )
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--interval", type=int, default=5, help="t0 of the Table 2 runs")
-    ap.add_argument("--intervals", type=int, nargs="*", default=[1, 5, 10], help="t0 values of the Fig. 4 sweep (N-Dirichlet)")
+    ap.add_argument(
+        "--intervals", type=int, nargs="*", default=[1, 5, 10], help="t0 values of the Fig. 4 sweep (N-Dirichlet)"
+    )
     ap.add_argument("--channels", default="[8,16,32,64]")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config overrides, e.g. autofedavg.lr=0.05")
+    ap.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="extra config overrides, e.g. autofedavg.lr=0.05"
+    )
     ap.add_argument("--out", default="runs/bench_autofedavg")
     ap.add_argument("--plots", default="docs/results", help="folder for the PNGs")
     args = ap.parse_args()
@@ -79,14 +85,26 @@ def main() -> None:
     if args.sites:
         data = {s: data[s] for s in args.sites.split(",")}
     base = [
-        f"model.channels={args.channels}", f"model.strides=[{','.join(['2'] * (args.channels.count(',')))}]", "model.num_res_units=1",
-        "train.batch_size=8", "checkpoint_every=1000", *args.overrides,
+        f"model.channels={args.channels}",
+        f"model.strides=[{','.join(['2'] * (args.channels.count(',')))}]",
+        "model.num_res_units=1",
+        "train.batch_size=8",
+        "checkpoint_every=1000",
+        *args.overrides,
     ]
-    plan: list[tuple[str, str, list[str]]] = [("Local only", "local", []), ("FedAvg", "fedavg", []), ("FedAvg - even", "fedavg-even", [])]
+    plan: list[tuple[str, str, list[str]]] = [
+        ("Local only", "local", []),
+        ("FedAvg", "fedavg", []),
+        ("FedAvg - even", "fedavg-even", []),
+    ]
     if "fedprox" in REGISTRY:
         plan.append(("FedProx", "fedprox", []))
     plan += [(label, "autofedavg", [*ov, f"autofedavg.interval={args.interval}"]) for label, ov in VARIANTS.items()]
-    sweep = [(f"N-Dirichlet t0={t}", "autofedavg", [*VARIANTS["Auto-FedAvg-N-Dirichlet"], f"autofedavg.interval={t}"]) for t in args.intervals if t != args.interval]
+    sweep = [
+        (f"N-Dirichlet t0={t}", "autofedavg", [*VARIANTS["Auto-FedAvg-N-Dirichlet"], f"autofedavg.interval={t}"])
+        for t in args.intervals
+        if t != args.interval
+    ]
 
     runs: dict[str, list[dict]] = {}
     for label, method, ov in plan + sweep:
@@ -97,12 +115,17 @@ def main() -> None:
                 res = json.loads(done.read_text())
             else:
                 cfg = load_run_config(spec, base + ov, known_sections(), method=method, seed=seed, rounds=args.rounds)
-                wl = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold)
+                wl = segmentation_workload(
+                    fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold
+                )
                 t0 = time.perf_counter()
                 res = simulate(cfg, wl, data, out=None, progress=False, log=lambda s: None)
                 res["label"] = label
                 write_results(res, folder)
-                print(f"{label:28s} seed {seed}: global test avg {res['client_avg_dice']:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"{label:28s} seed {seed}: global test avg {res['client_avg_dice']:.4f}  ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
             runs.setdefault(label, []).append(res)
 
     table = table2([r for label, _, _ in plan for r in runs[label]])
@@ -111,7 +134,11 @@ def main() -> None:
         if t != args.interval:
             t0_scores[t] = [r["client_avg_dice"] for r in runs[f"N-Dirichlet t0={t}"]]
     fedavg_bytes = None
-    lines = ["\n### Effect of the learning interval t0 (Auto-FedAvg-N-Dirichlet)\n", "| t0 | global test avg (%) | extra bytes / FedAvg bytes (measured) | (K−1)/(2 t0) |", "|---|---|---|---|"]
+    lines = [
+        "\n### Effect of the learning interval t0 (Auto-FedAvg-N-Dirichlet)\n",
+        "| t0 | global test avg (%) | extra bytes / FedAvg bytes (measured) | (K−1)/(2 t0) |",
+        "|---|---|---|---|",
+    ]
     k = len(data)
 
     def total_bytes(res):
@@ -125,17 +152,30 @@ def main() -> None:
         models = sum(e["extra_bytes"]["models"] for e in r0["history"] if e.get("alpha_learned"))
         vals = [100 * v for v in t0_scores[t]]
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        lines.append(f"| {t} | {statistics.mean(vals):.2f} ± {sd:.2f} | {extra / fedavg_bytes:.4f} (models only {models / fedavg_bytes:.4f}) | {(k - 1) / (2 * t):.4f} |")
+        lines.append(
+            f"| {t} | {statistics.mean(vals):.2f} ± {sd:.2f} | {extra / fedavg_bytes:.4f} (models only {models / fedavg_bytes:.4f}) | {(k - 1) / (2 * t):.4f} |"
+        )
     t_table = "\n".join(lines) + "\n"
 
     plots = Path(args.plots)
-    alpha_png = plot_alpha_trajectory({label: runs[label][0] for label in VARIANTS}, plots / "autofedavg_alpha.png", title=f"α per round, seed {args.seeds[0]}")
+    alpha_png = plot_alpha_trajectory(
+        {label: runs[label][0] for label in VARIANTS},
+        plots / "autofedavg_alpha.png",
+        title=f"α per round, seed {args.seeds[0]}",
+    )
     t0_png = plot_interval_effect(t0_scores, plots / "autofedavg_t0.png", title="Auto-FedAvg-N-Dirichlet")
     traj = runs["Auto-FedAvg-N-Dirichlet"][0]["history"]
-    alpha_lines = ["\n### α trajectory, Auto-FedAvg-N-Dirichlet, seed %d (learned rounds marked *)\n" % args.seeds[0],
-                   "| round | " + " | ".join(data) + " |", "|---|" + "---|" * len(data)]
+    alpha_lines = [
+        f"\n### α trajectory, Auto-FedAvg-N-Dirichlet, seed {args.seeds[0]} (learned rounds marked *)\n",
+        "| round | " + " | ".join(data) + " |",
+        "|---|" + "---|" * len(data),
+    ]
     for e in traj:
-        alpha_lines.append(f"| {e['round']}{'*' if e.get('alpha_learned') else ''} | " + " | ".join(f"{e['alpha'][s]:.4f}" for s in data) + " |")
+        alpha_lines.append(
+            f"| {e['round']}{'*' if e.get('alpha_learned') else ''} | "
+            + " | ".join(f"{e['alpha'][s]:.4f}" for s in data)
+            + " |"
+        )
     wall = time.perf_counter() - t_start
     n = {s: len(d.train) for s, d in data.items()}
     header = (

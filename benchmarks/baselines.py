@@ -26,13 +26,23 @@ import torch
 from _report import emit
 
 from fedseg.algorithms import known_sections
-from fedseg.config import load_run_config
+from fedseg.core.config import load_run_config
+from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
-from fedseg.runner import load_federation_data, simulate
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import load_federation_data, simulate
 
-METHODS = ("fedavg", "fedprox", "scaffold", "scaffold:correction=gradient", "ft", "apfl", "perfedavg", "pfedme", "ditto")
+METHODS = (
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "scaffold:correction=gradient",
+    "ft",
+    "apfl",
+    "perfedavg",
+    "pfedme",
+    "ditto",
+)
 PERSONAL = ("ft", "apfl", "perfedavg", "pfedme", "ditto")
 
 
@@ -50,8 +60,12 @@ def global_row(res: dict) -> dict | None:
     """The global model's row of a personalization run, shaped like a run's results for ``table3``."""
     for r in res["rows"]:
         if r["name"] == "global":
-            return {"method": f"{res.get('label', res['method'])} (global)", "sites": res["sites"], "seed": res["seed"],
-                    **{k: r[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")}}
+            return {
+                "method": f"{res.get('label', res['method'])} (global)",
+                "sites": res["sites"],
+                "seed": res["seed"],
+                **{k: r[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")},
+            }
     return None
 
 
@@ -88,56 +102,96 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
     common = [
-        f"train.local_steps={args.steps}", "train.local_epochs=none", f"train.batch_size={args.batch}", f"train.lr={args.lr}",
-        f"model.channels={chans}", f"model.strides={[2] * (len(chans) - 1)}", "model.num_res_units=1",
-        f"eval.every={args.eval_every}", f"checkpoint_every={args.rounds}", *args.set,
+        f"train.local_steps={args.steps}",
+        "train.local_epochs=none",
+        f"train.batch_size={args.batch}",
+        f"train.lr={args.lr}",
+        f"model.channels={chans}",
+        f"model.strides={[2] * (len(chans) - 1)}",
+        "model.num_res_units=1",
+        f"eval.every={args.eval_every}",
+        f"checkpoint_every={args.rounds}",
+        *args.set,
     ]
     methods = args.methods.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     t_all = time.perf_counter()
-    md = [f"Command: `.venv/bin/python benchmarks/baselines.py {' '.join(sys.argv[1:])}`\n",
-          f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n"]
+    md = [
+        f"Command: `.venv/bin/python benchmarks/baselines.py {' '.join(sys.argv[1:])}`\n",
+        f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n",
+    ]
     summary = []
     for preset in args.presets.split(","):
         spec = synthesize(preset, out / "data" / preset, seed=0, scale=args.scale, size=args.size)
         base = load_run_config(spec, common, known_sections(), rounds=args.rounds)
         fed, data = load_federation_data(spec)
-        workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), base.model, base.train, base.eval.threshold)
+        workload = segmentation_workload(
+            fed.spatial_dims, fed.in_channels, list(fed.labels), base.model, base.train, base.eval.threshold
+        )
         runs, gen, times = [], [], {}
         t_preset = time.perf_counter()
         for entry in methods:
             method, extra = parse_entry(entry)
             for seed in seeds:
                 overrides = [*common, *(f"{method}.{k}={v}" for k, v in extra.items())]
-                cfg = dataclasses.replace(load_run_config(spec, overrides, known_sections(), rounds=args.rounds), method=method, seed=seed)
+                cfg = dataclasses.replace(
+                    load_run_config(spec, overrides, known_sections(), rounds=args.rounds), method=method, seed=seed
+                )
                 t0 = time.perf_counter()
-                res = simulate(cfg, workload, data, out=out / preset / entry.replace(":", "_").replace(";", "_") / f"seed{seed}", progress=False, log=lambda m: None)
+                res = simulate(
+                    cfg,
+                    workload,
+                    data,
+                    out=out / preset / entry.replace(":", "_").replace(";", "_") / f"seed{seed}",
+                    progress=False,
+                    log=lambda m: None,
+                )
                 res["label"] = entry
                 dt = time.perf_counter() - t0
                 times.setdefault(entry, []).append(dt)
-                print(f"{preset} {entry} seed {seed}: client avg {res['client_avg_dice']:.4f} global {res['global_dice']:.4f} in {dt:.0f}s", flush=True)
+                print(
+                    f"{preset} {entry} seed {seed}: client avg {res['client_avg_dice']:.4f} global {res['global_dice']:.4f} in {dt:.0f}s",
+                    flush=True,
+                )
                 runs.append(res)
                 if method in PERSONAL:
                     g = global_row(res)
                     if g is not None:
                         runs.append(g)
                     gen.append((entry, seed, *generalization(res)))
-                summary.append({"preset": preset, "method": entry, "seed": seed, "client_avg_dice": res["client_avg_dice"], "global_dice": res["global_dice"], "wall_s": dt})
+                summary.append(
+                    {
+                        "preset": preset,
+                        "method": entry,
+                        "seed": seed,
+                        "client_avg_dice": res["client_avg_dice"],
+                        "global_dice": res["global_dice"],
+                        "wall_s": dt,
+                    }
+                )
         sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
-        md.append(f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {args.scale}, "
-                  f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, lr {args.lr}, channels {chans}, seeds {seeds}, "
-                  f"wall {time.perf_counter() - t_preset:.0f} s\n")
+        md.append(
+            f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {args.scale}, "
+            f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, lr {args.lr}, channels {chans}, seeds {seeds}, "
+            f"wall {time.perf_counter() - t_preset:.0f} s\n"
+        )
         md.append(f"Sites (train, val, test): {sizes}\n")
-        md.append("Method rows: personalization methods report each site's personalized model on its own test set; "
-                  "'(global)' rows are their global model.\n")
+        md.append(
+            "Method rows: personalization methods report each site's personalized model on its own test set; "
+            "'(global)' rows are their global model.\n"
+        )
         md.append(table3(runs))
         if gen:
-            md.append("\nPersonalized models on their own site vs on the other sites (mean Dice over the model × site matrix):\n")
+            md.append(
+                "\nPersonalized models on their own site vs on the other sites (mean Dice over the model × site matrix):\n"
+            )
             md.append("| method | seed | own site (diagonal) | other sites (off-diagonal) |\n|---|---|---|---|")
             for m, s, d, o in gen:
                 md.append(f"| {m} | {s} | {d:.4f} | {o:.4f} |")
-        md.append("\nWall time per run (s): " + ", ".join(f"{m} {sum(v) / len(v):.0f}" for m, v in times.items()) + "\n")
+        md.append(
+            "\nWall time per run (s): " + ", ".join(f"{m} {sum(v) / len(v):.0f}" for m, v in times.items()) + "\n"
+        )
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
     emit(md, args.md, out, {"args": vars(args), "runs": summary})
 

@@ -35,19 +35,18 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from _report import md_table
+from safetensors.torch import load_file
 
 from fedseg.data.synth import synthesize
 from fedseg.deploy.run import rehearse, subset_spec
 from fedseg.deploy.server import load_deploy_config
-from fedseg.runner import run
+from fedseg.simulation.runner import run
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:
     """Channels (c, 2c, 4c, 8c) whose MONAI U-Net (1 residual unit) has float32 parameters closest to ``mb`` MB."""
-    from fedseg.config import ModelConfig
+    from fedseg.core.config import ModelConfig
     from fedseg.models.unet import build_unet
 
     best = None
@@ -67,32 +66,80 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
     rows = []
     for mb in [float(x) for x in a.fga_mb.split(",")]:
         ch, nbytes = unet_for_mb(mb)
-        ov = [f"model.channels={ch}", "model.strides=[2,2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
-              "eval.every=1000", f"checkpoint_every={a.rounds}"]
+        ov = [
+            f"model.channels={ch}",
+            "model.strides=[2,2,2]",
+            "model.num_res_units=1",
+            "train.batch_size=4",
+            f"rounds={a.rounds}",
+            "eval.every=1000",
+            f"checkpoint_every={a.rounds}",
+        ]
         tag = f"fga-{mb:g}mb"
         t0 = time.perf_counter()
         dep = rehearse(run_toml, a.sites, out / f"dep-{tag}", overrides=ov, method="fga")
         dep_wall = time.perf_counter() - t0
-        sim = run(load_deploy_config(run_toml, ov, method="fga", federation=str(sim_spec)), out=out / f"sim-{tag}", progress=False)
+        sim = run(
+            load_deploy_config(run_toml, ov, method="fga", federation=str(sim_spec)),
+            out=out / f"sim-{tag}",
+            progress=False,
+        )
 
         def step_s(r):  # median over rounds 2..R of round time / steps (round 1 carries warm-up)
             hs = r["history"][1:] or r["history"]
             return statistics.median(h["time_s"] / h["steps"] for h in hs)
 
         steps = sum(h["steps"] for h in dep["history"])
-        per_step_bytes = sum(sum(v["sent"] + v["received"] for v in h["bytes"].values()) for h in dep["history"]) / steps / a.sites
+        per_step_bytes = (
+            sum(sum(v["sent"] + v["received"] for v in h["bytes"].values()) for h in dep["history"]) / steps / a.sites
+        )
         wa = load_file(str(out / f"dep-{tag}" / "checkpoints" / "server.safetensors"))
         wb = load_file(str(out / f"sim-{tag}" / "checkpoints" / "server.safetensors"))
-        rows.append({"mb": mb, "channels": ch, "param_mb": nbytes / 1e6, "steps": steps, "dep_step_s": step_s(dep), "sim_step_s": step_s(sim),
-                     "bytes_per_step_site": per_step_bytes, "job_wall_s": dep_wall,
-                     "bitwise_equal": set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)})
+        rows.append(
+            {
+                "mb": mb,
+                "channels": ch,
+                "param_mb": nbytes / 1e6,
+                "steps": steps,
+                "dep_step_s": step_s(dep),
+                "sim_step_s": step_s(sim),
+                "bytes_per_step_site": per_step_bytes,
+                "job_wall_s": dep_wall,
+                "bitwise_equal": set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    md = [f"FGA per-step overhead vs payload. Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, batch 4; "
-          f"machine: {platform.machine()}, 1-thread torch per process, `{platform.node()}`.\n"]
-    md += md_table(["target MB", "U-Net channels", "parameters MB (float32)", "steps", "deployed s/step", "simulated s/step", "overhead s/step",
-                    "tensor bytes/step/site (both ways)", "bitwise equal"],
-                   [[f"{r['mb']:g}", str(r["channels"]), f"{r['param_mb']:.2f}", str(r["steps"]), f"{r['dep_step_s']:.3f}", f"{r['sim_step_s']:.3f}",
-                     f"{r['dep_step_s'] - r['sim_step_s']:.3f}", f"{r['bytes_per_step_site'] / 1e6:.1f} MB", str(r["bitwise_equal"])] for r in rows])
+    md = [
+        f"FGA per-step overhead vs payload. Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, batch 4; "
+        f"machine: {platform.machine()}, 1-thread torch per process, `{platform.node()}`.\n"
+    ]
+    md += md_table(
+        [
+            "target MB",
+            "U-Net channels",
+            "parameters MB (float32)",
+            "steps",
+            "deployed s/step",
+            "simulated s/step",
+            "overhead s/step",
+            "tensor bytes/step/site (both ways)",
+            "bitwise equal",
+        ],
+        [
+            [
+                f"{r['mb']:g}",
+                str(r["channels"]),
+                f"{r['param_mb']:.2f}",
+                str(r["steps"]),
+                f"{r['dep_step_s']:.3f}",
+                f"{r['sim_step_s']:.3f}",
+                f"{r['dep_step_s'] - r['sim_step_s']:.3f}",
+                f"{r['bytes_per_step_site'] / 1e6:.1f} MB",
+                str(r["bitwise_equal"]),
+            ]
+            for r in rows
+        ],
+    )
     (out / "deploy-fga.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -134,16 +181,28 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     from fedseg.deploy.supervise import completed_round
 
     deadline = 6.0
-    ov = [f"model.channels={a.channels}", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
-          "train.local_steps=20", "train.local_epochs=none", f"deploy.round_deadline_s={deadline}", "deploy.probe_timeout_s=2",
-          "deploy.rejoin_wait_s=20", "eval.every=5"]
+    ov = [
+        f"model.channels={a.channels}",
+        "model.strides=[2,2]",
+        "model.num_res_units=1",
+        "train.batch_size=4",
+        f"rounds={a.rounds}",
+        "train.local_steps=20",
+        "train.local_epochs=none",
+        f"deploy.round_deadline_s={deadline}",
+        "deploy.probe_timeout_s=2",
+        "deploy.rejoin_wait_s=20",
+        "eval.every=5",
+    ]
     names = ["site1", "site2"]
     fed = load_federation(spec)
     run_dir = out / "drill"
     prepare_run(load_deploy_config(run_toml, ov, method="fedavg"), run_dir, sites=names)
     events: dict[str, float] = {}
     with LocalCluster(out / "drill-nv", {n: fed.site(n).datalist for n in names}, out / "drill-sites") as cl:
-        first = threading.Thread(target=lambda: _quiet(submit_run, cl.kits["admin"], run_dir, names, 600, None, lambda m: None), daemon=True)
+        first = threading.Thread(
+            target=lambda: _quiet(submit_run, cl.kits["admin"], run_dir, names, 600, None, lambda m: None), daemon=True
+        )
         first.start()
         _round_reached(run_dir, 2)
         cl.pause("site1")
@@ -166,16 +225,25 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     drops = res["deploy"]["dropouts"]
     rec = res["deploy"].get("recoveries", [])
     times = [round(h["time_s"], 2) for h in res["history"]]
-    md = [f"Fault drill (FedAvg, 2 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, "
-          f"probe 2 s; machine {platform.machine()}, 1 torch thread per process).\n",
-          f"- round times (s): {times}",
-          "- dropouts: " + "; ".join(f"round {d['round']} {d['site']} {d['task']}: {d['reason'][:80]}" for d in drops),
-          "- supervisor recoveries: " + "; ".join(f"{r['reason']} from round {r['from_round']} → first new round after {r.get('recover_s')} s" for r in rec),
-          f"- site2 killed → restarted 3 s later → first round of the new job (with site2) done {events['rejoined_round_done'] - events['kill']:.1f} s after the kill",
-          f"- server killed after round {killed_round}; server restart → end of the resumed run ({a.rounds - killed_round} rounds + test): "
-          f"{events['end'] - events['server_restarted']:.1f} s",
-          "- jobs: " + "; ".join(f"{j['job'][:8]} sites {j['sites']} rounds {j['from_round']}→{j.get('to_round', '(server killed)')} {j.get('status', '')}"
-                                 for j in res["deploy"].get("jobs", [])) + f"; final history {len(res['history'])} rounds"]
+    md = [
+        f"Fault drill (FedAvg, 2 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, "
+        f"probe 2 s; machine {platform.machine()}, 1 torch thread per process).\n",
+        f"- round times (s): {times}",
+        "- dropouts: " + "; ".join(f"round {d['round']} {d['site']} {d['task']}: {d['reason'][:80]}" for d in drops),
+        "- supervisor recoveries: "
+        + "; ".join(
+            f"{r['reason']} from round {r['from_round']} → first new round after {r.get('recover_s')} s" for r in rec
+        ),
+        f"- site2 killed → restarted 3 s later → first round of the new job (with site2) done {events['rejoined_round_done'] - events['kill']:.1f} s after the kill",
+        f"- server killed after round {killed_round}; server restart → end of the resumed run ({a.rounds - killed_round} rounds + test): "
+        f"{events['end'] - events['server_restarted']:.1f} s",
+        "- jobs: "
+        + "; ".join(
+            f"{j['job'][:8]} sites {j['sites']} rounds {j['from_round']}→{j.get('to_round', '(server killed)')} {j.get('status', '')}"
+            for j in res["deploy"].get("jobs", [])
+        )
+        + f"; final history {len(res['history'])} rounds",
+    ]
     (out / "deploy-faults.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -192,8 +260,18 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     from fedseg.deploy.server import prepare_run
 
     deadline = 6.0
-    ov = [f"model.channels={a.channels}", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}",
-          "train.local_steps=20", "train.local_epochs=none", f"deploy.round_deadline_s={deadline}", "deploy.probe_timeout_s=2", "eval.every=5"]
+    ov = [
+        f"model.channels={a.channels}",
+        "model.strides=[2,2]",
+        "model.num_res_units=1",
+        "train.batch_size=4",
+        f"rounds={a.rounds}",
+        "train.local_steps=20",
+        "train.local_epochs=none",
+        f"deploy.round_deadline_s={deadline}",
+        "deploy.probe_timeout_s=2",
+        "eval.every=5",
+    ]
     names = ["site1", "site2", "site3"]
     fed = load_federation(spec)
     run_dir = out / "dead"
@@ -201,6 +279,7 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     grace = deploy_params(load_deploy_config(run_toml, ov)).shutdown_grace_s
     ev: dict[str, float] = {}
     with LocalCluster(out / "dead-nv", {n: fed.site(n).datalist for n in names}, out / "dead-sites") as cl:
+
         def supervised():
             submit_run(cl.kits["admin"], run_dir, names, 900, None, lambda m: print(m, flush=True))
             ev["returned"] = time.time()
@@ -215,13 +294,19 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     ev["cluster_stopped_s"] = time.monotonic() - t_exit0
     res = json.loads((run_dir / "results.json").read_text())
     ev["results"] = (run_dir / "results.md").stat().st_mtime
-    md = [f"Dead-site drill (FedAvg, 3 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, probe 2 s, "
-          f"deploy.shutdown_grace_s {grace:g} s; machine {platform.machine()}, 1 torch thread per process): site3 killed after round 2, never restarted.\n",
-          f"- rounds in results: {len(res['history'])}; sites in the last round: {sorted(res['history'][-1]['train_loss'])}",
-          f"- kill → results.json complete: {ev['results'] - ev['killed']:.1f} s",
-          f"- results.json complete → command returned: {ev['returned'] - ev['results']:.1f} s",
-          f"- then stopping the server and site processes (rehearse's cluster exit): {ev['cluster_stopped_s']:.1f} s",
-          "- jobs: " + "; ".join(f"{j['job'][:8]} rounds {j['from_round']}→{j.get('to_round')} {j.get('status', '')}" for j in res["deploy"].get("jobs", []))]
+    md = [
+        f"Dead-site drill (FedAvg, 3 sites, {a.rounds} rounds × 20 local steps, U-Net {a.channels}, deadline {deadline:g} s, probe 2 s, "
+        f"deploy.shutdown_grace_s {grace:g} s; machine {platform.machine()}, 1 torch thread per process): site3 killed after round 2, never restarted.\n",
+        f"- rounds in results: {len(res['history'])}; sites in the last round: {sorted(res['history'][-1]['train_loss'])}",
+        f"- kill → results.json complete: {ev['results'] - ev['killed']:.1f} s",
+        f"- results.json complete → command returned: {ev['returned'] - ev['results']:.1f} s",
+        f"- then stopping the server and site processes (rehearse's cluster exit): {ev['cluster_stopped_s']:.1f} s",
+        "- jobs: "
+        + "; ".join(
+            f"{j['job'][:8]} rounds {j['from_round']}→{j.get('to_round')} {j.get('status', '')}"
+            for j in res["deploy"].get("jobs", [])
+        ),
+    ]
     (out / "deploy-dead-site.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -229,7 +314,7 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
 def _quiet(fn, *args):
     try:
         fn(*args)
-    except Exception as e:  # noqa: BLE001 - the drill kills the server under it
+    except Exception as e:
         print(f"(first submission ended: {type(e).__name__})")
 
 
@@ -242,9 +327,17 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--channels", default="[4,8,16]")
     ap.add_argument("--out", default="runs/bench-deploy")
-    ap.add_argument("--fga-mb", default=None, help="measure FGA per-step overhead for models of these sizes (MB), e.g. 1,6,25")
-    ap.add_argument("--faults", action="store_true", help="fault drill: hang, kill + rejoin, server crash + resume (timings)")
-    ap.add_argument("--dead-site", action="store_true", help="3 sites, one killed for good: time from complete results to the command's return")
+    ap.add_argument(
+        "--fga-mb", default=None, help="measure FGA per-step overhead for models of these sizes (MB), e.g. 1,6,25"
+    )
+    ap.add_argument(
+        "--faults", action="store_true", help="fault drill: hang, kill + rejoin, server crash + resume (timings)"
+    )
+    ap.add_argument(
+        "--dead-site",
+        action="store_true",
+        help="3 sites, one killed for good: time from complete results to the command's return",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out).resolve()
@@ -252,7 +345,13 @@ def main() -> None:
     run_toml = out / "run.toml"
     run_toml.write_text(f'federation = "{spec}"\nseed = 0\n')
     strides = "[" + ",".join(["2"] * (len(json.loads(a.channels)) - 1)) + "]"
-    ov = [f"model.channels={a.channels}", f"model.strides={strides}", "model.num_res_units=1", "train.batch_size=4", f"rounds={a.rounds}"]
+    ov = [
+        f"model.channels={a.channels}",
+        f"model.strides={strides}",
+        "model.num_res_units=1",
+        "train.batch_size=4",
+        f"rounds={a.rounds}",
+    ]
     names = [f"site{i + 1}" for i in range(a.sites)]
     sim_spec = subset_spec(spec, names, out / "sim-fed" / "federation.toml")
     if a.fga_mb:
@@ -267,32 +366,75 @@ def main() -> None:
         dep = rehearse(run_toml, a.sites, out / f"dep-{m}", overrides=ov, method=m)
         dep_wall = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sim = run(load_deploy_config(run_toml, ov, method=m, federation=str(sim_spec)), out=out / f"sim-{m}", progress=False)
+        sim = run(
+            load_deploy_config(run_toml, ov, method=m, federation=str(sim_spec)), out=out / f"sim-{m}", progress=False
+        )
         sim_wall = time.perf_counter() - t0
         wa = load_file(str(out / f"dep-{m}" / "checkpoints" / "server.safetensors"))
         wb = load_file(str(out / f"sim-{m}" / "checkpoints" / "server.safetensors"))
         same = set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
         def per_round(r):
-            return statistics.median(h["time_s"] for h in r["history"][1:]) if len(r["history"]) > 1 else r["history"][0]["time_s"]
+            return (
+                statistics.median(h["time_s"] for h in r["history"][1:])
+                if len(r["history"]) > 1
+                else r["history"][0]["time_s"]
+            )
 
         def bytes_round(r):
             h = r["history"][-1]
             return sum(v["sent"] + v["received"] for v in h["bytes"].values())
 
-        rows.append({
-            "method": m, "dep_round_s": per_round(dep), "sim_round_s": per_round(sim), "dep_round1_s": dep["history"][0]["time_s"],
-            "bytes_round": bytes_round(dep), "wire_bytes": dep["deploy"]["wire_bytes"], "dep_job_wall_s": dep_wall,
-            "dep_engine_s": dep["wall_time_s"], "sim_wall_s": sim_wall, "bitwise_equal": same, "dice_dep": dep["client_avg_dice"], "dice_sim": sim["client_avg_dice"],
-        })
+        rows.append(
+            {
+                "method": m,
+                "dep_round_s": per_round(dep),
+                "sim_round_s": per_round(sim),
+                "dep_round1_s": dep["history"][0]["time_s"],
+                "bytes_round": bytes_round(dep),
+                "wire_bytes": dep["deploy"]["wire_bytes"],
+                "dep_job_wall_s": dep_wall,
+                "dep_engine_s": dep["wall_time_s"],
+                "sim_wall_s": sim_wall,
+                "bitwise_equal": same,
+                "dice_dep": dep["client_avg_dice"],
+                "dice_sim": sim["client_avg_dice"],
+            }
+        )
         print(json.dumps(rows[-1]))
-    md = [f"Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, channels {a.channels}; "
-          f"machine: {platform.machine()} {torch.get_num_threads()}-thread torch, `{platform.node()}`.\n"]
-    md += md_table(["method", "deployed s/round (median r≥2)", "simulated s/round", "deployed round 1 s", "tensor bytes/round",
-                    "job wall s (incl. provisioning, process start)", "engine wall s deployed", "sim wall s", "bitwise equal", "Client Avg Dice dep / sim"],
-                   [[r["method"], f"{r['dep_round_s']:.3f}", f"{r['sim_round_s']:.3f}", f"{r['dep_round1_s']:.2f}", f"{r['bytes_round']:,}",
-                     f"{r['dep_job_wall_s']:.1f}", f"{r['dep_engine_s']:.2f}", f"{r['sim_wall_s']:.2f}", str(r["bitwise_equal"]),
-                     f"{r['dice_dep']:.4f} / {r['dice_sim']:.4f}"] for r in rows])
+    md = [
+        f"Sites: {a.sites}, rounds: {a.rounds}, fundus synth scale {a.scale}, {a.size}px, channels {a.channels}; "
+        f"machine: {platform.machine()} {torch.get_num_threads()}-thread torch, `{platform.node()}`.\n"
+    ]
+    md += md_table(
+        [
+            "method",
+            "deployed s/round (median r≥2)",
+            "simulated s/round",
+            "deployed round 1 s",
+            "tensor bytes/round",
+            "job wall s (incl. provisioning, process start)",
+            "engine wall s deployed",
+            "sim wall s",
+            "bitwise equal",
+            "Client Avg Dice dep / sim",
+        ],
+        [
+            [
+                r["method"],
+                f"{r['dep_round_s']:.3f}",
+                f"{r['sim_round_s']:.3f}",
+                f"{r['dep_round1_s']:.2f}",
+                f"{r['bytes_round']:,}",
+                f"{r['dep_job_wall_s']:.1f}",
+                f"{r['dep_engine_s']:.2f}",
+                f"{r['sim_wall_s']:.2f}",
+                str(r["bitwise_equal"]),
+                f"{r['dice_dep']:.4f} / {r['dice_sim']:.4f}",
+            ]
+            for r in rows
+        ],
+    )
     (out / "deploy.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

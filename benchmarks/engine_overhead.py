@@ -29,20 +29,28 @@ from types import SimpleNamespace
 
 import torch
 
-from fedseg.config import RunConfig, TrainConfig, EvalConfig
+from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.core.device import describe, resolve_device
+from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
-from fedseg.device import describe, resolve_device
-from fedseg.runner import load_federation_data, simulate
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import load_federation_data, simulate
 
 
-def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: torch.device = torch.device("cpu")) -> float:
+def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: torch.device | None = None) -> float:
     """FedAvg written directly in PyTorch; returns wall seconds."""
+    device = device or torch.device("cpu")
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     if device.type != "cpu":
-        data = {s: SimpleNamespace(**{name: SimpleNamespace(images=split.images.to(device), labels=split.labels.to(device))
-                                      for name, split in (("train", d.train), ("val", d.val), ("test", d.test))}) for s, d in data.items()}
+        data = {
+            s: SimpleNamespace(
+                **{
+                    name: SimpleNamespace(images=split.images.to(device), labels=split.labels.to(device))
+                    for name, split in (("train", d.train), ("val", d.val), ("test", d.test))
+                }
+            )
+            for s, d in data.items()
+        }
     global_model = workload.build_model().to(device)
     state = {k: v.clone() for k, v in global_model.state_dict().items()}
     models = {s: workload.build_model().to(device) for s in data}
@@ -58,7 +66,7 @@ def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: t
             g = torch.Generator().manual_seed(seed * 1000 + r * 10 + k)
             perm = torch.randperm(n[s], generator=g)
             for start in range(0, n[s], batch_size):
-                idx = perm[start:start + batch_size]
+                idx = perm[start : start + batch_size]
                 x, y = d.train.images[idx], d.train.labels[idx]
                 opt.zero_grad(set_to_none=True)
                 loss = workload.loss(m(x), y)
@@ -78,7 +86,7 @@ def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: t
         for d in data.values():
             for split in (d.val, d.test):
                 for start in range(0, split.images.shape[0], 16):
-                    x, y = split.images[start:start + 16], split.labels[start:start + 16]
+                    x, y = split.images[start : start + 16], split.labels[start : start + 16]
                     workload.metric(global_model(x), y).cpu()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,32 +100,52 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--sync-checkpoints", action="store_true", help="write checkpoints in the round loop (checkpoint_background = false)")
+    ap.add_argument(
+        "--sync-checkpoints",
+        action="store_true",
+        help="write checkpoints in the round loop (checkpoint_background = false)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (both loops run there)")
-    ap.add_argument("--checkpoint-every", type=int, default=1, help="0 = no output folder, no checkpoints (pure engine overhead)")
+    ap.add_argument(
+        "--checkpoint-every", type=int, default=1, help="0 = no output folder, no checkpoints (pure engine overhead)"
+    )
     args = ap.parse_args()
     device = resolve_device(args.device)
     tmp = Path(tempfile.mkdtemp(prefix="fedseg-overhead-"))
     spec = synthesize("fundus", tmp / "data", seed=0, scale=args.scale, size=args.size)
     fed, data = load_federation_data(spec)
     cfg = RunConfig(
-        federation=str(spec), method="fedavg", rounds=args.rounds, checkpoint_every=max(1, args.checkpoint_every), device=args.device,
+        federation=str(spec),
+        method="fedavg",
+        rounds=args.rounds,
+        checkpoint_every=max(1, args.checkpoint_every),
+        device=args.device,
         checkpoint_background=not args.sync_checkpoints,
-        train=TrainConfig(batch_size=args.batch_size), eval=EvalConfig(every=args.rounds),
+        train=TrainConfig(batch_size=args.batch_size),
+        eval=EvalConfig(every=args.rounds),
     )
     workload = segmentation_workload(2, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
     steps = sum(math.ceil(len(d.train) / args.batch_size) for d in data.values())
     engine_t, bare_t = [], []
     for rep in range(args.repeats):
         t0 = time.perf_counter()
-        simulate(cfg, workload, data, out=tmp / f"run{rep}" if args.checkpoint_every > 0 else None, progress=False, log=lambda m: None)
+        simulate(
+            cfg,
+            workload,
+            data,
+            out=tmp / f"run{rep}" if args.checkpoint_every > 0 else None,
+            progress=False,
+            log=lambda m: None,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         engine_t.append(time.perf_counter() - t0)
         bare_t.append(bare_loop(data, workload, args.rounds, args.batch_size, seed=rep, device=device))
         print(f"repeat {rep}: fedseg {engine_t[-1]:.2f} s, bare loop {bare_t[-1]:.2f} s")
     e, b = statistics.median(engine_t), statistics.median(bare_t)
-    print(f"\n6 sites, {args.rounds} rounds, {steps} local steps per round, {args.size}x{args.size}, batch {args.batch_size}")
+    print(
+        f"\n6 sites, {args.rounds} rounds, {steps} local steps per round, {args.size}x{args.size}, batch {args.batch_size}"
+    )
     print(f"median fedseg {e:.2f} s, median bare loop {b:.2f} s, ratio {e / b:.3f}")
     ckpt = f"checkpoint every {args.checkpoint_every}" if args.checkpoint_every > 0 else "no checkpoints"
     if args.checkpoint_every > 0:

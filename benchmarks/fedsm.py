@@ -24,8 +24,8 @@ from _report import emit
 
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
-from fedseg.fedsm_experiments import load_spec, routing_markdown, run_fedsm
-from fedseg.runner import simulate
+from fedseg.simulation.runner import simulate
+from fedseg.studies.fedsm import load_spec, routing_markdown, run_fedsm
 
 BASELINES = ("centralized", "local", "fedavg")
 FEDSM = ("fedsm", "fedsm-extra", "fedsm-ensemble")
@@ -80,17 +80,25 @@ def oracle_line(res: dict) -> str:
     def avg(xs):
         return sum(xs) / len(xs)
 
-    return (f"| {res.get('label', res['method'])} | {res['seed']} | {avg(comp):.4f} | {avg(glob):.4f} | {avg(own):.4f} | "
-            f"{avg([max(a, b) for a, b in zip(own, glob)]):.4f} | {sum(o > g for o, g in zip(own, glob))}/{len(sites)} |")
+    return (
+        f"| {res.get('label', res['method'])} | {res['seed']} | {avg(comp):.4f} | {avg(glob):.4f} | {avg(own):.4f} | "
+        f"{avg([max(a, b) for a, b in zip(own, glob)]):.4f} | {sum(o > g for o, g in zip(own, glob))}/{len(sites)} |"
+    )
 
 
 def bytes_per_round(res: dict) -> float:
     """Mean per-site bytes (sent + received) of a training round."""
-    per = [sum(b["sent"] + b["received"] for b in e["bytes"].values()) / max(len(e["bytes"]), 1) for e in res["history"] if e.get("bytes")]
+    per = [
+        sum(b["sent"] + b["received"] for b in e["bytes"].values()) / max(len(e["bytes"]), 1)
+        for e in res["history"]
+        if e.get("bytes")
+    ]
     return sum(per) / len(per) if per else float("nan")
 
 
-def selector_study(spec: Path, rounds: int, configs: list[tuple[int, str, float]], batch: int, report_every: int) -> str:
+def selector_study(
+    spec: Path, rounds: int, configs: list[tuple[int, str, float]], batch: int, report_every: int
+) -> str:
     """Alg. 1's selector part alone (lines 6, 11, 15 + shared Adam moments), with fedseg's own
     functions: routing accuracy (mean over sites, validation) per round for (local steps,
     selector weighting, width) configurations.  In FedSM the selector's training does not
@@ -100,20 +108,24 @@ def selector_study(spec: Path, rounds: int, configs: list[tuple[int, str, float]
     from fedseg.algorithms.fedavg import aggregation_weights
     from fedseg.algorithms.fedsm import optimizer_moments, set_optimizer_moments
     from fedseg.algorithms.softpull import routing_accuracy
-    from fedseg.arrays import weighted_mean
+    from fedseg.core.arrays import weighted_mean
+    from fedseg.core.seeding import generator
+    from fedseg.core.site import batch_of
     from fedseg.models import Selector
-    from fedseg.runner import load_federation_data
-    from fedseg.seeding import generator
-    from fedseg.site import batch_of
+    from fedseg.simulation.runner import load_federation_data
 
     fed, data = load_federation_data(spec)
     names = list(data)
     k = len(names)
-    lines = ["| local steps | selector weighting | width | " + " | ".join(f"r{r}" for r in range(report_every, rounds + 1, report_every)) + " |",
-             "|" + "---|" * (3 + rounds // report_every)]
+    lines = [
+        "| local steps | selector weighting | width | "
+        + " | ".join(f"r{r}" for r in range(report_every, rounds + 1, report_every))
+        + " |",
+        "|" + "---|" * (3 + rounds // report_every),
+    ]
     for steps, weighting, width in configs:
         torch.manual_seed(0)
-        make = lambda: Selector(fed.spatial_dims, fed.in_channels, k, width=width)  # noqa: E731
+        make = lambda: Selector(fed.spatial_dims, fed.in_channels, k, width=width)  # noqa: E731, B023 (called in this iteration)
         state = make().state_dict()
         models = {s: make() for s in names}
         opts = {s: torch.optim.Adam(models[s].parameters(), lr=1e-3) for s in names}
@@ -140,7 +152,12 @@ def selector_study(spec: Path, rounds: int, configs: list[tuple[int, str, float]
                 ev = make()
                 ev.load_state_dict(state)
                 with torch.no_grad():
-                    a = [routing_accuracy(torch.softmax(ev(batch_of(data[s].val, torch.arange(len(data[s].val)))[0]), 1), i) for i, s in enumerate(names)]
+                    a = [
+                        routing_accuracy(
+                            torch.softmax(ev(batch_of(data[s].val, torch.arange(len(data[s].val)))[0]), 1), i
+                        )
+                        for i, s in enumerate(names)
+                    ]
                 accs.append(sum(a) / k)
         lines.append(f"| {steps} | {weighting} | {width} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
         print(lines[-1], flush=True)
@@ -153,31 +170,46 @@ def main() -> None:
     ap.add_argument("--md", default=None, help="write the Markdown fragment here")
     ap.add_argument("--presets", default="fundus,prostate")
     ap.add_argument("--scale", type=float, default=0.1, help="fraction of the paper's per-site case counts (fundus)")
-    ap.add_argument("--prostate-scale", type=float, default=0.03, help="same for prostate (its paper counts are 3.5x larger)")
+    ap.add_argument(
+        "--prostate-scale", type=float, default=0.03, help="same for prostate (its paper counts are 3.5x larger)"
+    )
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=160)
     ap.add_argument("--steps", type=int, default=5, help="local steps per round (train.local_steps)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--channels", default="8,16,32,64")
     ap.add_argument("--selector-width", type=float, default=0.0625)
-    ap.add_argument("--selector-steps", default=None, help="fedsm.selector_steps (an integer or 'all'; default: the profile's)")
-    ap.add_argument("--selector-training", default=None, help="fedsm.selector_training ('fga' or 'fedavg'; default: the profile's)")
+    ap.add_argument(
+        "--selector-steps", default=None, help="fedsm.selector_steps (an integer or 'all'; default: the profile's)"
+    )
+    ap.add_argument(
+        "--selector-training", default=None, help="fedsm.selector_training ('fga' or 'fedavg'; default: the profile's)"
+    )
     ap.add_argument("--profile", default=None, help="fedsm.profile ('default' or 'reference')")
     ap.add_argument("--selector-rounds", type=int, default=None, help="fedsm-extra extra rounds (default rounds/3)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM + ON_TOP))
+    ap.add_argument(
+        "--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM + ON_TOP)
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--selector-study", action="store_true", help="only the selector-training study (routing accuracy vs rounds)")
+    ap.add_argument(
+        "--selector-study", action="store_true", help="only the selector-training study (routing accuracy vs rounds)"
+    )
     ap.add_argument("--study-rounds", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
     common = [
-        f"train.local_steps={args.steps}", "train.local_epochs=none", f"train.batch_size={args.batch}",
-        f"model.channels={chans}", f"model.strides={[2] * (len(chans) - 1)}", "model.num_res_units=1",
-        f"eval.every={args.eval_every}", f"checkpoint_every={args.rounds}",
+        f"train.local_steps={args.steps}",
+        "train.local_epochs=none",
+        f"train.batch_size={args.batch}",
+        f"model.channels={chans}",
+        f"model.strides={[2] * (len(chans) - 1)}",
+        "model.num_res_units=1",
+        f"eval.every={args.eval_every}",
+        f"checkpoint_every={args.rounds}",
         f"fedsm.selector_width={args.selector_width}",
     ]
     for key in ("selector_steps", "selector_training", "profile"):
@@ -191,11 +223,20 @@ def main() -> None:
     if args.selector_study:
         t0 = time.perf_counter()
         spec = synthesize("fundus", out / "data" / "fundus", seed=0, scale=args.scale, size=args.size)
-        configs = [(5, "samples", 0.0625), (5, "even", 0.0625), (1, "samples", 0.0625), (1, "even", 0.0625), (1, "even", 0.125)]
+        configs = [
+            (5, "samples", 0.0625),
+            (5, "even", 0.0625),
+            (1, "samples", 0.0625),
+            (1, "even", 0.0625),
+            (1, "even", 0.125),
+        ]
         table = selector_study(spec, args.study_rounds, configs, args.batch, args.study_rounds // 10)
-        text = (f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n\n"
-                f"Selector-only federated training on fundus (scale {args.scale}, {args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments); "
-                f"mean routing accuracy over the 6 sites' validation splits after round r; wall {time.perf_counter() - t0:.0f} s.\n\n" + table)
+        text = (
+            f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n\n"
+            f"Selector-only federated training on fundus (scale {args.scale}, {args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments); "
+            f"mean routing accuracy over the 6 sites' validation splits after round r; wall {time.perf_counter() - t0:.0f} s.\n\n"
+            + table
+        )
         emit([text], args.md, out, {"args": vars(args)})
         return
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -204,8 +245,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + FEDSM + ON_TOP)}")
     t_all = time.perf_counter()
-    md = [f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n",
-          f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n"]
+    md = [
+        f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n",
+        f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s), shared 2-core host.\n",
+    ]
     for preset in args.presets.split(","):
         scale = args.scale if preset == "fundus" else args.prostate_scale
         spec = synthesize(preset, out / "data" / preset, seed=0, scale=scale, size=args.size)
@@ -229,52 +272,87 @@ def main() -> None:
                     c = cfg.__class__(**{**cfg.__dict__, "method": method.rstrip("+"), "rounds": rounds})
                     if method in FEDSM + ON_TOP:
                         if method in ON_TOP:
-                            c = c.__class__(**{**c.__dict__, "params": {**c.params, "fedsm": {**c.params.get("fedsm", {}), "selector_rounds": sel}}})
+                            c = c.__class__(
+                                **{
+                                    **c.__dict__,
+                                    "params": {
+                                        **c.params,
+                                        "fedsm": {**c.params.get("fedsm", {}), "selector_rounds": sel},
+                                    },
+                                }
+                            )
                         res = run_fedsm(c, workload, data, out=run_dir, log=lambda m: None)
                     else:
                         res = simulate(c, workload, data, out=run_dir, progress=False, log=lambda m: None)
                     if label:
                         res["label"] = label
                         done.write_text(json.dumps(res))
-                print(f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s", flush=True)
+                print(
+                    f"{preset} {method} seed {seed}: client avg {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f}s",
+                    flush=True,
+                )
                 runs.append(res)
                 if method in FEDSM + ON_TOP:
                     extras.append(res)
         sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
-        md.append(f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {scale}, "
-                  f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, seeds {seeds}, wall {time.perf_counter() - t_preset:.0f} s\n")
+        md.append(
+            f"\n### {preset} ({'low' if preset == 'fundus' else 'high'} similarity) — {args.size}×{args.size} px, scale {scale}, "
+            f"{args.rounds} rounds × {args.steps} steps × batch {args.batch}, seeds {seeds}, wall {time.perf_counter() - t_preset:.0f} s\n"
+        )
         md.append(f"Sites (train, val, test): {sizes}\n")
         md.append(table3(runs))
         for res in extras:
             md.append(routing_markdown(res))
             rep = res["fedsm"]
             if rep["dice_by_gamma"]:
-                md.append("Test Dice (pooled) of the composite per γ: " + ", ".join(f"γ={float(g):g}: {d:.4f}" for g, d in rep["dice_by_gamma"].items()) + "\n")
+                md.append(
+                    "Test Dice (pooled) of the composite per γ: "
+                    + ", ".join(f"γ={float(g):g}: {d:.4f}" for g, d in rep["dice_by_gamma"].items())
+                    + "\n"
+                )
         diag = [oracle_line(r) for r in extras]
         if any(diag):
-            md.append("\nWhere FedSM's Dice comes from (client-average test Dice; 'own PM' = every site's images sent to its own "
-                      "personalized model, i.e. a perfect selector with γ = 0; 'best of' = per site the better of own PM and global):\n")
-            md.append("| method | seed | composite | global model | own PM (perfect routing) | best of own PM / global | sites where own PM > global |\n|---|---|---|---|---|---|---|")
+            md.append(
+                "\nWhere FedSM's Dice comes from (client-average test Dice; 'own PM' = every site's images sent to its own "
+                "personalized model, i.e. a perfect selector with γ = 0; 'best of' = per site the better of own PM and global):\n"
+            )
+            md.append(
+                "| method | seed | composite | global model | own PM (perfect routing) | best of own PM / global | sites where own PM > global |\n|---|---|---|---|---|---|---|"
+            )
             md.extend(d for d in diag if d)
         md.append("\nValidation curves (round:score of the reported candidate; best-so-far is what is reported):\n")
         every = max(args.eval_every, args.rounds // 10 // args.eval_every * args.eval_every)
         for res in runs:
             gain = late_gain(res)
             flag = "plateaued" if gain <= 0.01 else "**still rising**"
-            md.append(f"- {res.get('label', res['method'])} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})")
-        md.append("\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n")
+            md.append(
+                f"- {res.get('label', res['method'])} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})"
+            )
+        md.append(
+            "\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n"
+        )
         for res in extras:
             pts = []
             for e in res["history"]:
                 ra = e.get("routing_acc")
                 if ra and e["round"] % every == 0:
                     pts.append(f"{e['round'] - 1}:{sum(ra.values()) / len(ra):.2f}")
-            md.append(f"- {res.get('label', res['method'])}: " + " ".join(pts) + "  (round r reports the selector after round r−1)")
+            md.append(
+                f"- {res.get('label', res['method'])}: "
+                + " ".join(pts)
+                + "  (round r reports the selector after round r−1)"
+            )
         first = [r for r in runs if r["seed"] == seeds[0]]
         fedavg_bytes = next((bytes_per_round(r) for r in first if r["method"] == "fedavg"), None)
-        md.append("\nMean bytes per site per training round (sent + received): " + ", ".join(
-            f"{r.get('label', r['method'])} {bytes_per_round(r) / 1e3:.0f} kB" + (f" ({bytes_per_round(r) / fedavg_bytes:.2f}× FedAvg)" if fedavg_bytes else "")
-            for r in first) + "\n")
+        md.append(
+            "\nMean bytes per site per training round (sent + received): "
+            + ", ".join(
+                f"{r.get('label', r['method'])} {bytes_per_round(r) / 1e3:.0f} kB"
+                + (f" ({bytes_per_round(r) / fedavg_bytes:.2f}× FedAvg)" if fedavg_bytes else "")
+                for r in first
+            )
+            + "\n"
+        )
     md.append(f"\nTotal wall time: {time.perf_counter() - t_all:.0f} s\n")
     emit(md, args.md, out, {"args": vars(args)})
 

@@ -30,19 +30,30 @@ import torch
 from _report import emit
 
 from fedseg.algorithms import known_sections
-from fedseg.config import load_run_config
+from fedseg.core.config import load_run_config
+from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
-from fedseg.runner import load_federation_data, simulate
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import load_federation_data, simulate
 
 #: Table 6 rows, in the paper's order: (fedsm.personalization, label)
-ROWS = (("ft", "FT"), ("apfl", "APFL"), ("perfedavg", "Per-FedAvg"), ("pfedme", "pFedMe"), ("ditto", "Ditto"), ("softpull", "SoftPull"))
+ROWS = (
+    ("ft", "FT"),
+    ("apfl", "APFL"),
+    ("perfedavg", "Per-FedAvg"),
+    ("pfedme", "pFedMe"),
+    ("ditto", "Ditto"),
+    ("softpull", "SoftPull"),
+)
 
 
 def own_site_dice(res: dict) -> float:
     """Mean Dice of each personal/<site> candidate on its own site (diagonal of the model × site matrix)."""
-    vals = [r["per_site_dice"][r["home_site"]] for r in res["rows"] if r.get("home_site") and r["home_site"] in r["per_site_dice"]]
+    vals = [
+        r["per_site_dice"][r["home_site"]]
+        for r in res["rows"]
+        if r.get("home_site") and r["home_site"] in r["per_site_dice"]
+    ]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
@@ -83,10 +94,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
     common = [
-        f"train.local_steps={args.steps}", "train.local_epochs=none", f"train.batch_size={args.batch}", f"train.lr={args.lr}",
-        f"model.channels={chans}", f"model.strides={[2] * (len(chans) - 1)}", "model.num_res_units=1",
-        f"eval.every={args.eval_every}", f"checkpoint_every={args.rounds}",
-        f"fedsm.selector_width={args.selector_width}", f"fedsm.selector_steps={args.selector_steps}", f"fedsm.gamma={args.gamma}",
+        f"train.local_steps={args.steps}",
+        "train.local_epochs=none",
+        f"train.batch_size={args.batch}",
+        f"train.lr={args.lr}",
+        f"model.channels={chans}",
+        f"model.strides={[2] * (len(chans) - 1)}",
+        "model.num_res_units=1",
+        f"eval.every={args.eval_every}",
+        f"checkpoint_every={args.rounds}",
+        f"fedsm.selector_width={args.selector_width}",
+        f"fedsm.selector_steps={args.selector_steps}",
+        f"fedsm.gamma={args.gamma}",
         *args.set,
     ]
     labels = dict(ROWS)
@@ -100,7 +119,9 @@ def main() -> None:
     spec = synthesize(args.preset, out / "data" / args.preset, seed=0, scale=args.scale, size=args.size)
     base = load_run_config(spec, common, known_sections(), rounds=args.rounds)
     fed, data = load_federation_data(spec)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), base.model, base.train, base.eval.threshold)
+    workload = segmentation_workload(
+        fed.spatial_dims, fed.in_channels, list(fed.labels), base.model, base.train, base.eval.threshold
+    )
     runs, extra, summary = [], [], []
     for p in chosen:
         for seed in seeds:
@@ -117,8 +138,19 @@ def main() -> None:
             res["label"] = labels[p]
             runs.append(res)
             extra.append((labels[p], seed, own_site_dice(res), global_avg(res), *routing(res, folder), dt))
-            print(f"{p} seed {seed}: client avg {res['client_avg_dice']:.4f} global {res['global_dice']:.4f} in {dt:.0f}s", flush=True)
-            summary.append({"personalization": p, "seed": seed, "client_avg_dice": res["client_avg_dice"], "global_dice": res["global_dice"], "wall_s": dt})
+            print(
+                f"{p} seed {seed}: client avg {res['client_avg_dice']:.4f} global {res['global_dice']:.4f} in {dt:.0f}s",
+                flush=True,
+            )
+            summary.append(
+                {
+                    "personalization": p,
+                    "seed": seed,
+                    "client_avg_dice": res["client_avg_dice"],
+                    "global_dice": res["global_dice"],
+                    "wall_s": dt,
+                }
+            )
     sizes = {s: (len(d.train), len(d.val), len(d.test)) for s, d in data.items()}
     md = [
         f"Command: `.venv/bin/python benchmarks/fedsm_personalization.py {' '.join(sys.argv[1:])}`\n",

@@ -34,11 +34,11 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm
-from fedseg.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.runner import simulate
-from fedseg.seeding import derive_seed, generator
-from fedseg.site import Site, SiteData
-from fedseg.workload import Workload, accuracy_metric
+from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.core.seeding import derive_seed, generator
+from fedseg.core.site import Site, SiteData
+from fedseg.core.workload import Workload, accuracy_metric
+from fedseg.simulation.runner import simulate
 
 NUM_CLASSES = 10
 
@@ -57,7 +57,9 @@ def glyph_prototypes(size: int, g: torch.Generator) -> torch.Tensor:
     return F.max_pool2d(protos[:, None], 3, 1, 1)[:, 0]
 
 
-def glyph_split(protos: torch.Tensor, classes: list[int], per_class: int, g: torch.Generator, noise: float) -> TensorDataset:
+def glyph_split(
+    protos: torch.Tensor, classes: list[int], per_class: int, g: torch.Generator, noise: float
+) -> TensorDataset:
     """``per_class`` samples of each class in ``classes``: shifted, brightness-scaled, noisy patterns (N, 1, H, W)."""
     xs, ys = [], []
     for c in classes:
@@ -71,7 +73,9 @@ def glyph_split(protos: torch.Tensor, classes: list[int], per_class: int, g: tor
     return TensorDataset(torch.stack(xs)[perm][:, None], torch.tensor(ys)[perm])
 
 
-def make_sites(size: int, train_per_class: int, val_per_class: int, test_per_class: int, noise: float, seed: int) -> tuple[dict[str, SiteData], torch.Tensor]:
+def make_sites(
+    size: int, train_per_class: int, val_per_class: int, test_per_class: int, noise: float, seed: int
+) -> tuple[dict[str, SiteData], torch.Tensor]:
     """Site A: classes 0–4, site B: 5–9 (train and validation); one test set of all 10 classes shared by both."""
     g = generator(seed, "bench-fga-data")
     protos = glyph_prototypes(size, g)
@@ -94,10 +98,17 @@ class SmallCNN(nn.Module):
         super().__init__()
         c = filters
         self.features = nn.Sequential(
-            nn.Conv2d(1, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, c, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, c, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, c, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, c, 3, padding=1),
+            nn.ReLU(),
         )
         self.head = nn.Linear(c, NUM_CLASSES)
 
@@ -106,7 +117,12 @@ class SmallCNN(nn.Module):
 
 
 def workload(filters: int) -> Workload:
-    return Workload(build_model=lambda: SmallCNN(filters), loss=nn.CrossEntropyLoss(), metric=accuracy_metric, metric_names=("accuracy",))
+    return Workload(
+        build_model=lambda: SmallCNN(filters),
+        loss=nn.CrossEntropyLoss(),
+        metric=accuracy_metric,
+        metric_names=("accuracy",),
+    )
 
 
 # ---------------------------------------------------------------------- measurements
@@ -161,7 +177,9 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.5)
     ap.add_argument("--filters", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=40, help="epochs (one round = one epoch for every method)")
-    ap.add_argument("--batch", type=int, default=200, help="batch of single-site, centralized, FWA, CWT; FGA uses batch/2 per site")
+    ap.add_argument(
+        "--batch", type=int, default=200, help="batch of single-site, centralized, FWA, CWT; FGA uses batch/2 per site"
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
@@ -172,7 +190,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
 
-    sites, test_labels = make_sites(args.size, args.train_per_class, args.val_per_class, args.test_per_class, args.noise, args.seed)
+    sites, test_labels = make_sites(
+        args.size, args.train_per_class, args.val_per_class, args.test_per_class, args.noise, args.seed
+    )
     wl = workload(args.filters)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
 
@@ -219,8 +239,17 @@ def main() -> None:
     t0 = time.perf_counter()
     ref = same_order_centralized(runs["fga"], wl, sites, steps)
     times["same-order centralized"] = time.perf_counter() - t0
-    rows.insert(3, ("Single site", "A∪B (centralized on FGA's batches, same order)", balanced_accuracy(model_correct(ref, sites["A"].test, dtype), test_labels)))
-    fga_w = {k.removeprefix("global/"): v for k, v in load_file(str(out / "fga/checkpoints/server.safetensors")).items()}
+    rows.insert(
+        3,
+        (
+            "Single site",
+            "A∪B (centralized on FGA's batches, same order)",
+            balanced_accuracy(model_correct(ref, sites["A"].test, dtype), test_labels),
+        ),
+    )
+    fga_w = {
+        k.removeprefix("global/"): v for k, v in load_file(str(out / "fga/checkpoints/server.safetensors")).items()
+    }
     ref_w = ref.state_dict()
     max_diff = max(float((fga_w[k].double() - ref_w[k].double()).abs().max()) for k in ref_w)
     max_w = max(float(v.double().abs().max()) for v in ref_w.values())

@@ -39,12 +39,12 @@ def one(args: argparse.Namespace) -> dict:
     from torch.utils.data import TensorDataset
 
     from fedseg.algorithms import get_algorithm
-    from fedseg.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
-    from fedseg.device import resolve_device
-    from fedseg.engine import Engine
-    from fedseg.runner import build_transport
-    from fedseg.site import SiteData
-    from fedseg.workload import segmentation_workload
+    from fedseg.core.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
+    from fedseg.core.device import resolve_device
+    from fedseg.core.engine import Engine
+    from fedseg.core.site import SiteData
+    from fedseg.core.workload import segmentation_workload
+    from fedseg.simulation.runner import build_transport
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -54,10 +54,23 @@ def one(args: argparse.Namespace) -> dict:
         return TensorDataset(x, (x[:, :2] > 0.5).float())
 
     data = {f"site{k + 1}": SiteData(split(args.cases), split(2), split(2)) for k in range(args.k)}
-    model = ModelConfig() if not args.channels else ModelConfig(channels=tuple(args.channels), strides=(2,) * (len(args.channels) - 1))
-    cfg = RunConfig(federation="(in memory)", method=args.method, rounds=args.rounds, seed=0, device=args.device, checkpoint_every=args.rounds,
-                    model=model, train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
-                    eval=EvalConfig(every=args.rounds), simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group))
+    model = (
+        ModelConfig()
+        if not args.channels
+        else ModelConfig(channels=tuple(args.channels), strides=(2,) * (len(args.channels) - 1))
+    )
+    cfg = RunConfig(
+        federation="(in memory)",
+        method=args.method,
+        rounds=args.rounds,
+        seed=0,
+        device=args.device,
+        checkpoint_every=args.rounds,
+        model=model,
+        train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
+        eval=EvalConfig(every=args.rounds),
+        simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group),
+    )
     device = resolve_device(cfg.device)
     workload = segmentation_workload(2, 3, ["a", "b"], cfg.model, cfg.train)
     algorithm = get_algorithm(cfg)
@@ -72,9 +85,20 @@ def one(args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     times = [e["time_s"] for e in engine.history]
     steady = times[1:-1] or times[-1:]
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"s_per_round": statistics.median(steady), "min_s_per_round": min(steady), "rounds_s": times, "wall_s": wall, "peak_gib": peak / 2**30,
-            "vectorized": any("one vectorized computation" in m for m in logs), "plan": [m for m in logs if m.startswith("vectorize")]}
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "s_per_round": statistics.median(steady),
+        "min_s_per_round": min(steady),
+        "rounds_s": times,
+        "wall_s": wall,
+        "peak_gib": peak / 2**30,
+        "vectorized": any("one vectorized computation" in m for m in logs),
+        "plan": [m for m in logs if m.startswith("vectorize")],
+    }
 
 
 def main() -> None:
@@ -92,7 +116,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration (JSON) and print its result
+    ap.add_argument(
+        "--one", default=None, help=argparse.SUPPRESS
+    )  # internal: run one configuration (JSON) and print its result
     args = ap.parse_args()
     args.channels = [int(c) for c in args.channels.split(",")] if args.channels else None
     if args.one:
@@ -100,7 +126,7 @@ def main() -> None:
             setattr(args, k, v)
         print("RESULT " + json.dumps(one(args)), flush=True)
         return
-    from fedseg.device import describe, resolve_device
+    from fedseg.core.device import describe, resolve_device
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedseg-vectorize-"))
@@ -111,23 +137,54 @@ def main() -> None:
                 res = {}
                 for mode in ("off", "on"):
                     spec = {"size": size, "method": method, "k": k, "vectorize": mode}
-                    proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", json.dumps(spec)], capture_output=True, text=True)
+                    proc = subprocess.run(
+                        [sys.executable, __file__, *sys.argv[1:], "--one", json.dumps(spec)],
+                        capture_output=True,
+                        text=True,
+                    )
                     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                     if proc.returncode != 0 or not line:
                         raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
                     res[mode] = json.loads(line[0][7:])
                     records.append({**spec, **res[mode]})
                 speedup = res["off"]["s_per_round"] / res["on"]["s_per_round"]
-                print(f"{size}² {method} K={k}: sequential {res['off']['s_per_round']:.2f} s/round, vectorized {res['on']['s_per_round']:.2f} "
-                      f"({speedup:.2f}×; {'vectorized' if res['on']['vectorized'] else 'fell back'})", flush=True)
-                rows.append([f"{size}²", method, str(k), f"{res['off']['s_per_round']:.3f} ({res['off']['min_s_per_round']:.3f})",
-                             f"{res['on']['s_per_round']:.3f} ({res['on']['min_s_per_round']:.3f})", f"{speedup:.2f}×",
-                             f"{res['off']['peak_gib']:.2f}", f"{res['on']['peak_gib']:.2f}"])
+                print(
+                    f"{size}² {method} K={k}: sequential {res['off']['s_per_round']:.2f} s/round, vectorized {res['on']['s_per_round']:.2f} "
+                    f"({speedup:.2f}×; {'vectorized' if res['on']['vectorized'] else 'fell back'})",
+                    flush=True,
+                )
+                rows.append(
+                    [
+                        f"{size}²",
+                        method,
+                        str(k),
+                        f"{res['off']['s_per_round']:.3f} ({res['off']['min_s_per_round']:.3f})",
+                        f"{res['on']['s_per_round']:.3f} ({res['on']['min_s_per_round']:.3f})",
+                        f"{speedup:.2f}×",
+                        f"{res['off']['peak_gib']:.2f}",
+                        f"{res['on']['peak_gib']:.2f}",
+                    ]
+                )
     machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads"
     mem = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak RSS GiB"
-    md = [f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
-          f"{args.rounds} rounds, group {args.group or 'all'}; {machine}", ""]
-    md += md_table(["size", "method", "sites K", "sequential s/round (fastest)", "vectorized s/round (fastest)", "speed-up (medians)", f"sequential {mem}", f"vectorized {mem}"], rows)
+    md = [
+        f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
+        f"{args.rounds} rounds, group {args.group or 'all'}; {machine}",
+        "",
+    ]
+    md += md_table(
+        [
+            "size",
+            "method",
+            "sites K",
+            "sequential s/round (fastest)",
+            "vectorized s/round (fastest)",
+            "speed-up (medians)",
+            f"sequential {mem}",
+            f"vectorized {mem}",
+        ],
+        rows,
+    )
     emit(md, args.md, out, {"args": vars(args), "machine": machine, "runs": records})
 
 

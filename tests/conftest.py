@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedseg.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.site import SiteData
-from fedseg.workload import segmentation_workload
+from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.site import SiteData
+from fedseg.core.workload import segmentation_workload
 
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes them
 # crawl when another process holds the second core.
@@ -24,15 +24,23 @@ def tiny_sites(num_sites: int = 3, n_train: int = 6, size: int = 16, seed: int =
     g = torch.Generator().manual_seed(seed)
     data = {}
     for k in range(num_sites):
+
         def split(n: int) -> TensorDataset:
             x = torch.rand(n, 1, size, size, generator=g)
-            return TensorDataset(x, (x > 0.3 + 0.1 * k).float())
+            return TensorDataset(x, (x > 0.3 + 0.1 * k).float())  # noqa: B023
+
         data[f"site{k + 1}"] = SiteData(split(n_train + 2 * k), split(3), split(3))
     return data
 
 
 def tiny_config(method: str = "fedavg", rounds: int = 3, **train) -> RunConfig:
-    return RunConfig(federation="(in memory)", method=method, rounds=rounds, model=TINY_MODEL, train=TrainConfig(batch_size=4, **train))
+    return RunConfig(
+        federation="(in memory)",
+        method=method,
+        rounds=rounds,
+        model=TINY_MODEL,
+        train=TrainConfig(batch_size=4, **train),
+    )
 
 
 @pytest.fixture
@@ -57,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 
 def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
     """Count host reads of tensor values (``float(t)``, ``t.item()``, ``t.tolist()``) made directly
-    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/site.py"``):
+    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/core/site.py"``):
     each is a device synchronisation on a GPU.  Returns the live counter ``{"n": …}``."""
     calls = {"n": 0}
     ends = tuple(files) + tuple(f.replace("/", "\\") for f in files)
@@ -67,6 +75,7 @@ def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
             if sys._getframe(1).f_code.co_filename.endswith(ends):
                 calls["n"] += 1
             return real(t, *args, **kwargs)
+
         return wrapper
 
     for name in ("__float__", "item", "tolist"):

@@ -12,20 +12,24 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import REGISTRY
-from fedseg.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.runner import simulate
-from fedseg.site import SiteData
-from fedseg.workload import Workload, accuracy_metric
+from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.core.site import SiteData
+from fedseg.core.workload import Workload, accuracy_metric
+from fedseg.simulation.runner import simulate
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 
 
 def classifier() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)
+    )
 
 
 def workload() -> Workload:
-    return Workload(build_model=classifier, loss=nn.CrossEntropyLoss(), metric=accuracy_metric, metric_names=("accuracy",))
+    return Workload(
+        build_model=classifier, loss=nn.CrossEntropyLoss(), metric=accuracy_metric, metric_names=("accuracy",)
+    )
 
 
 def sites(sizes=(6, 4, 5)) -> dict[str, SiteData]:
@@ -36,7 +40,7 @@ def sites(sizes=(6, 4, 5)) -> dict[str, SiteData]:
         y = torch.randint(3, (n,), generator=g)
         x = 0.3 * torch.randn(n, 1, 8, 8, generator=g)
         for i, c in enumerate(y.tolist()):
-            x[i, 0, 3 * c:3 * c + 2] += 1.0
+            x[i, 0, 3 * c : 3 * c + 2] += 1.0
         return TensorDataset(x, y)
 
     return {f"site{k + 1}": SiteData(split(n), split(3), split(4)) for k, n in enumerate(sizes)}
@@ -46,7 +50,13 @@ def sites(sizes=(6, 4, 5)) -> dict[str, SiteData]:
 def test_every_method_runs_on_a_classification_task(method):
     """Two rounds of each method on a 3-class classifier; accuracy per site is a fraction of 4 test cases."""
     # Prepare
-    cfg = RunConfig(federation="(in memory)", method=method, rounds=2, train=TrainConfig(batch_size=4, lr=1e-2), eval=EvalConfig(every=1))
+    cfg = RunConfig(
+        federation="(in memory)",
+        method=method,
+        rounds=2,
+        train=TrainConfig(batch_size=4, lr=1e-2),
+        eval=EvalConfig(every=1),
+    )
     # Execute
     res = simulate(cfg, workload(), sites(), progress=False)
     # Assert

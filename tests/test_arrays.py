@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fedseg import arrays as A
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.arrays import aggregate, check_aggregation, weighted_mean
-from fedseg.errors import ConfigError, PayloadError
+from fedseg.core import arrays as A
+from fedseg.core.arrays import aggregate, check_aggregation, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
 
 
 def test_weighted_mean_hand_computed():
@@ -89,18 +89,24 @@ def test_trimmed_mean_by_hand():
 
 def test_trimmed_mean_with_too_few_sites_trims_nothing():
     """⌊0.1·3⌋ = 0: the trimmed mean of 3 sites at trim 0.1 is the weighted mean (1·1 + 2·2 + 3·3)/6 = 14/6."""
-    assert torch.allclose(aggregate(_vals(1.0, 2.0, 3.0), [1, 2, 3], "trimmed_mean", 0.1)["w"], torch.tensor([14 / 6, -14 / 6]))
+    assert torch.allclose(
+        aggregate(_vals(1.0, 2.0, 3.0), [1, 2, 3], "trimmed_mean", 0.1)["w"], torch.tensor([14 / 6, -14 / 6])
+    )
 
 
 def test_median_by_hand_and_bounded_by_honest_values():
     """Median of 5, 1, 3 is 3; of 1, 2, 3, 1e30 it is (2 + 3)/2 = 2.5, whatever the weights: one hostile
     site cannot move it outside the honest values."""
     assert torch.allclose(aggregate(_vals(5.0, 1.0, 3.0), None, "median")["w"], torch.tensor([3.0, -3.0]))
-    assert torch.allclose(aggregate(_vals(1.0, 2.0, 3.0, 1e30), [1, 1, 1, 1e9], "median")["w"], torch.tensor([2.5, -2.5]))
+    assert torch.allclose(
+        aggregate(_vals(1.0, 2.0, 3.0, 1e30), [1, 1, 1, 1e9], "median")["w"], torch.tensor([2.5, -2.5])
+    )
 
 
 def test_aggregation_settings_are_validated_with_the_key():
-    with pytest.raises(ConfigError, match=r"fedavg.aggregation = 'avg'; use one of \['mean', 'trimmed_mean', 'median'\]"):
+    with pytest.raises(
+        ConfigError, match=r"fedavg.aggregation = 'avg'; use one of \['mean', 'trimmed_mean', 'median'\]"
+    ):
         check_aggregation("avg", 0.1, "fedavg")
     with pytest.raises(ConfigError, match=r"fedprox.trim = 0.5; it must be in \[0, 0.5\)"):
         check_aggregation("trimmed_mean", 0.5, "fedprox")

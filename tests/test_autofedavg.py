@@ -25,13 +25,13 @@ from fedseg.algorithms.autofedavg import (
     init_beta,
     mix,
     sample_dirichlet,
-    softmax_alpha,
     tensor_layers,
 )
-from fedseg.arrays import dot, weighted_mean
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.runner import simulate
-from fedseg.site import Site, Task
+from fedseg.core.arrays import dot, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Task
+from fedseg.core.site import Site
+from fedseg.simulation.runner import simulate
 
 
 def _cfg(rounds: int = 2, method: str = "autofedavg", **params):
@@ -42,7 +42,11 @@ def _cfg(rounds: int = 2, method: str = "autofedavg", **params):
 def _models(k: int = 3, seed: int = 0, dtype=torch.float64) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        {"lin.weight": torch.randn(2, 3, generator=g, dtype=dtype), "lin.bias": torch.randn(2, generator=g, dtype=dtype), "bn.num_batches_tracked": torch.tensor(i)}
+        {
+            "lin.weight": torch.randn(2, 3, generator=g, dtype=dtype),
+            "lin.bias": torch.randn(2, generator=g, dtype=dtype),
+            "bn.num_batches_tracked": torch.tensor(i),
+        }
         for i in range(k)
     ]
 
@@ -84,7 +88,10 @@ def test_uniform_alpha_aggregation_is_bitwise_fedavg_even():
     """aggregate with α_k = 1/K goes through weighted_mean with FedAvg-even's weights: identical bits."""
     # Prepare: float32 models (float64 accumulation inside weighted_mean)
     models = _models(3, dtype=torch.float32)
-    alpha = alpha_per_tensor(alpha_eval(init_beta(AutoFedAvgParams(), [4, 9, 30], [NETWORK]), "dirichlet"), tensor_layers(["lin.weight", "lin.bias"], [NETWORK]))
+    alpha = alpha_per_tensor(
+        alpha_eval(init_beta(AutoFedAvgParams(), [4, 9, 30], [NETWORK]), "dirichlet"),
+        tensor_layers(["lin.weight", "lin.bias"], [NETWORK]),
+    )
     # Execute
     ours = aggregate(models, alpha)
     even = weighted_mean(models, [1 / 3] * 3)
@@ -198,11 +205,19 @@ def test_layerwise_with_all_layers_tied_equals_networkwise():
             assert torch.equal(a_net[n], a_lay[n])
     # Execute: gradients (softmax)
     beta_net = b0.clone().requires_grad_(True)
-    _loss_of(mix(models, alpha_per_tensor(alpha_train({NETWORK: beta_net}, "softmax", 0), tensor_layers(names, [NETWORK]))), x, y).backward()
+    _loss_of(
+        mix(models, alpha_per_tensor(alpha_train({NETWORK: beta_net}, "softmax", 0), tensor_layers(names, [NETWORK]))),
+        x,
+        y,
+    ).backward()
     beta_lay = {n: b0.clone().requires_grad_(True) for n in names}
-    _loss_of(mix(models, alpha_per_tensor(alpha_train(beta_lay, "softmax", 0), tensor_layers(names, names))), x, y).backward()
+    _loss_of(
+        mix(models, alpha_per_tensor(alpha_train(beta_lay, "softmax", 0), tensor_layers(names, names))), x, y
+    ).backward()
     # Assert
-    torch.testing.assert_close(beta_net.grad, beta_lay["lin.weight"].grad + beta_lay["lin.bias"].grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        beta_net.grad, beta_lay["lin.weight"].grad + beta_lay["lin.bias"].grad, rtol=1e-12, atol=1e-15
+    )
     assert not torch.allclose(beta_lay["lin.weight"].grad, beta_lay["lin.bias"].grad)
 
 
@@ -213,10 +228,17 @@ def test_tensor_layers_maps_buffers_to_their_module_or_the_mean():
     names = [*params, "bn.running_mean", "bn.running_var", "stats.buf"]
     # Execute
     groups = tensor_layers(names, params)
-    alpha = {"conv.weight": torch.tensor([1.0, 0.0]), "conv.bias": torch.tensor([1.0, 0.0]), "bn.weight": torch.tensor([0.0, 1.0]), "bn.bias": torch.tensor([0.0, 1.0])}
+    alpha = {
+        "conv.weight": torch.tensor([1.0, 0.0]),
+        "conv.bias": torch.tensor([1.0, 0.0]),
+        "bn.weight": torch.tensor([0.0, 1.0]),
+        "bn.bias": torch.tensor([0.0, 1.0]),
+    }
     per = alpha_per_tensor(alpha, groups)
     # Assert
-    assert groups["bn.running_mean"] == "bn.weight" and groups["conv.bias"] == "conv.bias" and groups["stats.buf"] is None
+    assert (
+        groups["bn.running_mean"] == "bn.weight" and groups["conv.bias"] == "conv.bias" and groups["stats.buf"] is None
+    )
     assert per["stats.buf"].tolist() == [0.5, 0.5]
     assert set(tensor_layers(names, [NETWORK]).values()) == {NETWORK}
 
@@ -254,7 +276,11 @@ def test_site_refuses_a_weight_step_without_peer_models(workload):
     # Prepare
     cfg = _cfg()
     site = Site("site1", 0, tiny_sites()["site1"], workload, cfg, get_algorithm(cfg))
-    task = Task("autofedavg-step", {f"beta/{NETWORK}": torch.full((3,), 6.0, dtype=torch.float64)}, {"round": 1, "step": 0, "sites": ["site1", "site2", "site3"]})
+    task = Task(
+        "autofedavg-step",
+        {f"beta/{NETWORK}": torch.full((3,), 6.0, dtype=torch.float64)},
+        {"round": 1, "step": 0, "sites": ["site1", "site2", "site3"]},
+    )
     # Execute / Assert
     with pytest.raises(PayloadError, match="must send 'autofedavg-peers' first"):
         site.handle(task)
@@ -307,7 +333,9 @@ def test_measured_extra_bytes_equal_the_papers_formula(sites, workload):
 @pytest.mark.parametrize("granularity", ["network", "layer"])
 def test_end_to_end_variants_learn_weights(sites, workload, param, granularity):
     # Execute
-    res = simulate(_cfg(2, param=param, granularity=granularity, interval=1, steps=3, lr=0.1), workload, sites, progress=False)
+    res = simulate(
+        _cfg(2, param=param, granularity=granularity, interval=1, steps=3, lr=0.1), workload, sites, progress=False
+    )
     # Assert: α learned every round, on the simplex, moved away from 1/K
     h = res["history"]
     assert [e["alpha_learned"] for e in h] == [True, True]
@@ -347,4 +375,6 @@ def test_autofedavg_is_deterministic_and_resumes_bitwise(tmp_path, sites, worklo
     # the site scratch of the learning phase is gone from the checkpoint
     site_state = json.loads((tmp_path / "full/checkpoints/sites/site1.json").read_text())
     assert "autofedavg/beta" not in site_state["optimizers"]
-    assert not any(k.startswith("store/") for k in load_file(str(tmp_path / "full/checkpoints/sites/site1.safetensors")))
+    assert not any(
+        k.startswith("store/") for k in load_file(str(tmp_path / "full/checkpoints/sites/site1.safetensors"))
+    )

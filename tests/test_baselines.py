@@ -22,11 +22,11 @@ from fedseg.algorithms.apfl import alpha_gradient, alpha_step, mix_outputs, mix_
 from fedseg.algorithms.fedprox import proximal_term
 from fedseg.algorithms.pfedme import inner_update, moreau_gradient, server_update
 from fedseg.algorithms.scaffold import control_update, correction, server_control_update, server_model_update
-from fedseg.arrays import strip_prefix, weighted_mean
-from fedseg.errors import ConfigError
-from fedseg.runner import simulate
-from fedseg.seeding import derive_seed
-from fedseg.site import Site, SiteData
+from fedseg.core.arrays import strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError
+from fedseg.core.seeding import derive_seed
+from fedseg.core.site import Site, SiteData
+from fedseg.simulation.runner import simulate
 
 PERSONAL = ["ft", "apfl", "perfedavg", "pfedme", "ditto"]
 ALL = ["fedprox", "scaffold", *PERSONAL]
@@ -118,15 +118,25 @@ def test_apfl_mixing_endpoints_are_exact():
     assert torch.equal(mix_outputs(v["a"], w["a"], 0.0), w["a"])
     assert torch.equal(mix_outputs(v["a"], w["a"], 1.0), v["a"])
     # α clipped to [0, 1]
-    assert alpha_step(0.1, 5.0, 0.1) == 0.0 and alpha_step(0.9, -5.0, 0.1) == 1.0 and alpha_step(0.5, 1.0, 0.1) == pytest.approx(0.4)
+    assert (
+        alpha_step(0.1, 5.0, 0.1) == 0.0
+        and alpha_step(0.9, -5.0, 0.1) == 1.0
+        and alpha_step(0.5, 1.0, 0.1) == pytest.approx(0.4)
+    )
 
 
 def test_apfl_alpha_gradient_matches_autograd_through_the_parameter_mixture():
     """d/dα f(α v + (1 − α) w) = ⟨v − w, ∇f(v̄)⟩ (APFL Eq. 10), checked against autograd on a linear model."""
     # Prepare
     g = torch.Generator().manual_seed(1)
-    v = {"W": torch.randn(3, 2, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g, dtype=torch.float64)}
-    w = {"W": torch.randn(3, 2, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    v = {
+        "W": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "b": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+    w = {
+        "W": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "b": torch.randn(3, generator=g, dtype=torch.float64),
+    }
     x, y = torch.randn(4, 2, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
 
     def f(p):
@@ -150,7 +160,9 @@ def test_pfedme_updates_by_hand():
     assert float(inner_update({"w": t(1.0)}, {"w": t(0.5)}, {"w": t(3.0)}, lam=2.0, lr=0.1)["w"]) == pytest.approx(1.35)
     assert float(moreau_gradient({"w": t(3.0)}, {"w": t(1.0)}, lam=2.0)["w"]) == 4.0
     locals_ = [{"w": t(2.0)}, {"w": t(4.0)}]
-    assert torch.equal(server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 1.0)["w"], weighted_mean(locals_, [0.25, 0.75])["w"])
+    assert torch.equal(
+        server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 1.0)["w"], weighted_mean(locals_, [0.25, 0.75])["w"]
+    )
     assert float(server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 0.5)["w"]) == 1.75
     assert float(server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 2.0)["w"]) == 7.0
 
@@ -171,7 +183,14 @@ def test_scaffold_round_one_equals_fedavg_bitwise(tmp_path, sites, workload, mod
     """With c = c_i = 0 the correction is 0 and η_g = 1 makes the server step the FedAvg mean."""
     # Execute
     simulate(cfg_with("fedavg", rounds=1), workload, sites, out=tmp_path / "fa", progress=False)
-    res = simulate(cfg_with("scaffold", rounds=2, params={"correction": mode}), workload, sites, out=tmp_path / "sc", progress=False, stop_after=1)
+    res = simulate(
+        cfg_with("scaffold", rounds=2, params={"correction": mode}),
+        workload,
+        sites,
+        out=tmp_path / "sc",
+        progress=False,
+        stop_after=1,
+    )
     # Assert
     assert res is None
     sc = server_state(tmp_path / "sc")
@@ -187,10 +206,34 @@ def test_scaffold_step_and_gradient_corrections_agree_under_plain_sgd(tmp_path, 
     # Prepare
     sgd = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05}
     # Execute
-    simulate(cfg_with("scaffold", rounds=3, params={"correction": "step"}, **sgd), workload, sites, out=tmp_path / "s", progress=False)
-    simulate(cfg_with("scaffold", rounds=3, params={"correction": "gradient"}, **sgd), workload, sites, out=tmp_path / "g", progress=False)
-    simulate(cfg_with("scaffold", rounds=3, params={"correction": "step"}), workload, sites, out=tmp_path / "sa", progress=False)
-    simulate(cfg_with("scaffold", rounds=3, params={"correction": "gradient"}), workload, sites, out=tmp_path / "ga", progress=False)
+    simulate(
+        cfg_with("scaffold", rounds=3, params={"correction": "step"}, **sgd),
+        workload,
+        sites,
+        out=tmp_path / "s",
+        progress=False,
+    )
+    simulate(
+        cfg_with("scaffold", rounds=3, params={"correction": "gradient"}, **sgd),
+        workload,
+        sites,
+        out=tmp_path / "g",
+        progress=False,
+    )
+    simulate(
+        cfg_with("scaffold", rounds=3, params={"correction": "step"}),
+        workload,
+        sites,
+        out=tmp_path / "sa",
+        progress=False,
+    )
+    simulate(
+        cfg_with("scaffold", rounds=3, params={"correction": "gradient"}),
+        workload,
+        sites,
+        out=tmp_path / "ga",
+        progress=False,
+    )
     # Assert
     a, b = server_state(tmp_path / "s"), server_state(tmp_path / "g")
     assert any(float(v.abs().max()) > 0 for k, v in a.items() if k.startswith("control/"))
@@ -198,7 +241,9 @@ def test_scaffold_step_and_gradient_corrections_agree_under_plain_sgd(tmp_path, 
         if a[k].is_floating_point():
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     a, b = server_state(tmp_path / "sa"), server_state(tmp_path / "ga")
-    assert any(float((a[k] - b[k]).abs().max()) > 1e-4 for k in a if k.startswith("global/") and a[k].is_floating_point())
+    assert any(
+        float((a[k] - b[k]).abs().max()) > 1e-4 for k in a if k.startswith("global/") and a[k].is_floating_point()
+    )
 
 
 def identical_sites(n: int = 3) -> dict[str, SiteData]:
@@ -232,8 +277,14 @@ def test_ft_with_zero_steps_equals_fedavg(tmp_path, sites, workload):
     once = {"eval": dataclasses.replace(tiny_config().eval, every=2)}
     # Execute
     fa = simulate(dataclasses.replace(cfg_with("fedavg"), **once), workload, sites, out=tmp_path / "fa", progress=False)
-    ft = simulate(dataclasses.replace(cfg_with("ft", params={"steps": 0}), **once), workload, sites, out=tmp_path / "ft", progress=False)
-    ft3 = simulate(cfg_with("ft", params={"steps": 3}), workload, sites, out=tmp_path / "ft3", progress=False)
+    ft = simulate(
+        dataclasses.replace(cfg_with("ft", params={"steps": 0}), **once),
+        workload,
+        sites,
+        out=tmp_path / "ft",
+        progress=False,
+    )
+    simulate(cfg_with("ft", params={"steps": 3}), workload, sites, out=tmp_path / "ft3", progress=False)
     # Assert: the global model is FedAvg's; with 0 steps every personal model is the global one
     state = server_state(tmp_path / "ft")
     g = strip_prefix("global", state)
@@ -271,9 +322,13 @@ def test_apfl_personal_prediction_is_global_at_alpha_0_and_local_at_alpha_1(site
     w = workload.build_model().state_dict()
     torch.manual_seed(1)
     v = workload.build_model().state_dict()
-    state = {**{f"global/{k}": x for k, x in w.items()}, **{f"personal/site1/{k}": x for k, x in v.items()}, "alpha/site1": torch.tensor([alpha], dtype=torch.float64)}
+    state = {
+        **{f"global/{k}": x for k, x in w.items()},
+        **{f"personal/site1/{k}": x for k, x in v.items()},
+        "alpha/site1": torch.tensor([alpha], dtype=torch.float64),
+    }
     ctx = type("Ctx", (), {"sites": ("site1",)})()
-    cand = [c for c in algo.candidates(state, ctx) if c.name == "personal/site1"][0]
+    cand = next(c for c in algo.candidates(state, ctx) if c.name == "personal/site1")
     site = Site("site1", 0, sites["site1"], workload, cfg, algo)
     x = sites["site1"].test.tensors[0]
     # Execute
@@ -293,8 +348,14 @@ def test_ditto_global_equals_fedavg_and_lambda_zero_is_local_training(tmp_path, 
     simulate(cfg, workload, sites, out=tmp_path / "d0", progress=False)
     simulate(cfg_with("ditto", rounds=2, params={"lam": 1.0}), workload, sites, out=tmp_path / "d1", progress=False)
     # Assert: global trajectory
-    assert_same(server_state(tmp_path / "fa"), {k: v for k, v in server_state(tmp_path / "d0").items() if k.startswith("global/")})
-    assert_same(server_state(tmp_path / "fa"), {k: v for k, v in server_state(tmp_path / "d1").items() if k.startswith("global/")})
+    assert_same(
+        server_state(tmp_path / "fa"),
+        {k: v for k, v in server_state(tmp_path / "d0").items() if k.startswith("global/")},
+    )
+    assert_same(
+        server_state(tmp_path / "fa"),
+        {k: v for k, v in server_state(tmp_path / "d1").items() if k.startswith("global/")},
+    )
     # Assert: λ = 0 personal = local training from the initial model
     site = Site("site2", 1, sites["site2"], workload, cfg, get_algorithm(cfg))
     with torch.random.fork_rng(devices=[]):
@@ -326,11 +387,21 @@ def test_pfedme_beta_one_is_the_plain_average_of_the_sites_models(tmp_path, site
 
 
 # ------------------------------------------------------------- end to end
-@pytest.mark.parametrize("method,params", [
-    ("fedprox", {}), ("scaffold", {}), ("ft", {}), ("apfl", {}), ("apfl", {"mix": "outputs"}),
-    ("perfedavg", {}), ("perfedavg", {"variant": "hf"}), ("perfedavg", {"variant": "hf", "hvp": "finite_difference"}),
-    ("pfedme", {}), ("ditto", {}),
-])
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("fedprox", {}),
+        ("scaffold", {}),
+        ("ft", {}),
+        ("apfl", {}),
+        ("apfl", {"mix": "outputs"}),
+        ("perfedavg", {}),
+        ("perfedavg", {"variant": "hf"}),
+        ("perfedavg", {"variant": "hf", "hvp": "finite_difference"}),
+        ("pfedme", {}),
+        ("ditto", {}),
+    ],
+)
 def test_end_to_end_on_a_tiny_federation(sites, workload, method, params):
     """Every method trains, reports its row, and personalization methods report the model × site matrix."""
     # Execute
@@ -369,20 +440,23 @@ def test_resume_equals_uninterrupted(tmp_path, sites, workload, method):
 
 
 # ---------------------------------------------------------------- bad input
-@pytest.mark.parametrize("method,key,value,match", [
-    ("fedprox", "mu", -1.0, "fedprox.mu"),
-    ("fedprox", "weighting", "median", "fedprox.weighting"),
-    ("scaffold", "server_lr", 0.0, "scaffold.server_lr"),
-    ("scaffold", "correction", "momentum", "scaffold.correction"),
-    ("ft", "steps", -2, "ft.steps"),
-    ("apfl", "alpha", 1.5, r"apfl.alpha .*\[0, 1\]"),
-    ("apfl", "mix", "logits", "apfl.mix"),
-    ("perfedavg", "variant", "so", "perfedavg.variant"),
-    ("perfedavg", "hvp", "exact", "perfedavg.hvp"),
-    ("pfedme", "beta", 0.0, "pfedme.beta .*freezes the global model"),
-    ("pfedme", "inner_steps", 0, "pfedme.inner_steps"),
-    ("ditto", "lam", -0.1, "ditto.lam"),
-])
+@pytest.mark.parametrize(
+    "method,key,value,match",
+    [
+        ("fedprox", "mu", -1.0, "fedprox.mu"),
+        ("fedprox", "weighting", "median", "fedprox.weighting"),
+        ("scaffold", "server_lr", 0.0, "scaffold.server_lr"),
+        ("scaffold", "correction", "momentum", "scaffold.correction"),
+        ("ft", "steps", -2, "ft.steps"),
+        ("apfl", "alpha", 1.5, r"apfl.alpha .*\[0, 1\]"),
+        ("apfl", "mix", "logits", "apfl.mix"),
+        ("perfedavg", "variant", "so", "perfedavg.variant"),
+        ("perfedavg", "hvp", "exact", "perfedavg.hvp"),
+        ("pfedme", "beta", 0.0, "pfedme.beta .*freezes the global model"),
+        ("pfedme", "inner_steps", 0, "pfedme.inner_steps"),
+        ("ditto", "lam", -0.1, "ditto.lam"),
+    ],
+)
 def test_bad_settings_are_rejected_with_the_key_named(method, key, value, match):
     with pytest.raises(ConfigError, match=match):
         get_algorithm(cfg_with(method, params={key: value}))
@@ -393,7 +467,6 @@ def test_unknown_key_in_a_method_section_is_rejected():
         get_algorithm(cfg_with("ditto", params={"lambda": 0.1}))
 
 
-
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedsm"])
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
 def test_robust_aggregation_in_simulation_is_the_rule_over_the_sites_models(tmp_path, sites, workload, method, rule):
@@ -401,7 +474,13 @@ def test_robust_aggregation_in_simulation_is_the_rule_over_the_sites_models(tmp_
     (each site's checkpoint keeps the model it sent); trim 0.34 drops ⌊0.34·3⌋ = 1 site at each end,
     so the trimmed mean is then the median too."""
     # Execute
-    simulate(cfg_with(method, rounds=1, params={"aggregation": rule, "trim": 0.34}), workload, sites, out=tmp_path, progress=False)
+    simulate(
+        cfg_with(method, rounds=1, params={"aggregation": rule, "trim": 0.34}),
+        workload,
+        sites,
+        out=tmp_path,
+        progress=False,
+    )
     # Assert
     glob = strip_prefix("global", server_state(tmp_path))
     models = [strip_prefix("model/global", site_state(tmp_path, s)) for s in sites]

@@ -10,11 +10,22 @@ import pytest
 
 from fedseg.cli import main
 
-SMALL = ["--set", "model.channels=[4,8,16]", "--set", "model.strides=[2,2]", "--set", "model.num_res_units=1", "--set", "train.batch_size=8"]
+SMALL = [
+    "--set",
+    "model.channels=[4,8,16]",
+    "--set",
+    "model.strides=[2,2]",
+    "--set",
+    "model.num_res_units=1",
+    "--set",
+    "train.batch_size=8",
+]
 
 
 def test_help_lists_every_verb_with_a_purpose():
-    out = subprocess.run([sys.executable, "-m", "fedseg.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "fedseg.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for verb in ("demo", "synth", "validate", "run", "evaluate", "compare"):
         assert verb in out
 
@@ -56,7 +67,24 @@ def test_run_resume_evaluate_compare(spec, tmp_path, capsys):
     assert [e["round"] for e in json.loads((out / "results.json").read_text())["history"]] == [1, 2, 3]
     assert main(["evaluate", str(out)]) == 0
     assert "global" in capsys.readouterr().out
-    assert main(["compare", str(spec), "--methods", "fedavg,fedavg-even", "--seeds", "0,1", "--rounds", "1", "--out", str(tmp_path / "cmp"), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                str(spec),
+                "--methods",
+                "fedavg,fedavg-even",
+                "--seeds",
+                "0,1",
+                "--rounds",
+                "1",
+                "--out",
+                str(tmp_path / "cmp"),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     table = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| fedavg-even |" in table and "±" in table
 
@@ -67,11 +95,19 @@ def test_bad_override_is_one_clear_error(spec, tmp_path, capsys):
 
 
 def test_method_entries_with_settings():
-    from fedseg.errors import ConfigError
-    from fedseg.experiments import parse_method_entry, split_method_entries
+    from fedseg.core.errors import ConfigError
+    from fedseg.studies.compare import parse_method_entry, split_method_entries
 
-    assert split_method_entries("local, fedsm:personalization=ft,lam=0.5,fedavg") == ["local", "fedsm:personalization=ft,lam=0.5", "fedavg"]
-    assert parse_method_entry("fedsm-extra:personalization=ditto") == ("fedsm-extra", ["fedsm.personalization=ditto"], "fedsm-extra (personalization=ditto)")
+    assert split_method_entries("local, fedsm:personalization=ft,lam=0.5,fedavg") == [
+        "local",
+        "fedsm:personalization=ft,lam=0.5",
+        "fedavg",
+    ]
+    assert parse_method_entry("fedsm-extra:personalization=ditto") == (
+        "fedsm-extra",
+        ["fedsm.personalization=ditto"],
+        "fedsm-extra (personalization=ditto)",
+    )
     assert parse_method_entry("fedavg") == ("fedavg", [], "fedavg")
     with pytest.raises(ConfigError, match="unknown method 'nope'"):
         parse_method_entry("nope:x=1")
@@ -81,6 +117,21 @@ def test_method_entries_with_settings():
 
 def test_compare_gives_each_variant_its_own_row(spec, tmp_path):
     methods = ["fedavg:weighting=samples", "fedavg:weighting=even"]
-    assert main(["compare", str(spec), "--methods", ",".join(methods), "--rounds", "1", "--out", str(tmp_path / "cmp"), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                str(spec),
+                "--methods",
+                ",".join(methods),
+                "--rounds",
+                "1",
+                "--out",
+                str(tmp_path / "cmp"),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     table = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| fedavg (weighting=samples) |" in table and "| fedavg (weighting=even) |" in table

@@ -3,8 +3,8 @@
 import pytest
 
 from fedseg.algorithms import known_sections
-from fedseg.config import dump_toml, load_run_config
-from fedseg.errors import ConfigError
+from fedseg.core.config import dump_toml, load_run_config
+from fedseg.core.errors import ConfigError
 
 
 def _write(tmp_path, text, name="run.toml"):
@@ -21,7 +21,9 @@ def test_defaults_overrides_and_roundtrip(tmp_path):
     assert cfg.params["fedavg"] == {"weighting": "even"}
     assert cfg.model.channels == (16, 32, 64, 128, 256)
     # the resolved config written beside results loads back to the same config
-    again = load_run_config(_write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections())
+    again = load_run_config(
+        _write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections()
+    )
     assert again == cfg
 
 

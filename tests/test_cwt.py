@@ -9,9 +9,9 @@ from torch import nn
 
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.cwt import load_optimizer_arrays, optimizer_arrays, visit_order
-from fedseg.errors import ConfigError
-from fedseg.runner import simulate
-from fedseg.site import Site
+from fedseg.core.errors import ConfigError
+from fedseg.core.site import Site
+from fedseg.simulation.runner import simulate
 from test_fga import class_sites, config, init_model, mlp_workload, server_weights
 
 # ------------------------------------------------------------------- pure parts
@@ -42,7 +42,9 @@ def test_visit_order_rejects_bad_orders(order, end, message):
         visit_order(["A", "B"], order, end)
 
 
-@pytest.mark.parametrize("section, message", [({"optimizer": "share"}, "cwt.optimizer"), ({"order": " , "}, "cwt.order is empty")])
+@pytest.mark.parametrize(
+    "section, message", [({"optimizer": "share"}, "cwt.optimizer"), ({"order": " , "}, "cwt.order is empty")]
+)
 def test_cwt_params_are_validated(section, message):
     with pytest.raises(ConfigError, match=message):
         get_algorithm(config("cwt", params={"cwt": section}))
@@ -50,7 +52,9 @@ def test_cwt_params_are_validated(section, message):
 
 def test_bad_order_fails_before_training():
     with pytest.raises(ConfigError, match="unknown site"):
-        simulate(config("cwt", params={"cwt": {"order": "site1,siteX"}}), mlp_workload(), class_sites([4, 4]), progress=False)
+        simulate(
+            config("cwt", params={"cwt": {"order": "site1,siteX"}}), mlp_workload(), class_sites([4, 4]), progress=False
+        )
 
 
 def test_optimizer_arrays_round_trip():
@@ -102,7 +106,12 @@ def sequential_reference(cfg, workload, data, cycle, mode, handover=True):
 
 @pytest.mark.parametrize(
     "mode, end, cycle",
-    [("transfer", None, ("site1", "site2")), ("transfer", "site1", ("site2", "site1")), ("keep", None, ("site1", "site2")), ("reset", "site1", ("site2", "site1"))],
+    [
+        ("transfer", None, ("site1", "site2")),
+        ("transfer", "site1", ("site2", "site1")),
+        ("keep", None, ("site1", "site2")),
+        ("reset", "site1", ("site2", "site1")),
+    ],
 )
 def test_one_step_per_visit_equals_sequential_training(tmp_path, mode, end, cycle):
     """With train.local_steps = 1, 10 rounds of a 2-site cycle are 20 optimizer steps on the sites' batches in
@@ -130,7 +139,9 @@ def test_transfer_moves_adam_moments_with_the_model(tmp_path):
     """Transfer: after 3 rounds × 2 sites × 1 step the travelling Adam has counted 6 steps; keep: each site's counts 3."""
     data = class_sites([4, 4])
     for mode, server_step, site_step in (("transfer", 6.0, None), ("keep", None, 3.0)):
-        cfg = config("cwt", rounds=3, batch_size=2, local_steps=1, local_epochs=None, params={"cwt": {"optimizer": mode}})
+        cfg = config(
+            "cwt", rounds=3, batch_size=2, local_steps=1, local_epochs=None, params={"cwt": {"optimizer": mode}}
+        )
         simulate(cfg, mlp_workload(), data, out=tmp_path / mode, progress=False)
         state = load_file(str(tmp_path / mode / "checkpoints/server.safetensors"))
         if server_step is not None:
@@ -138,7 +149,10 @@ def test_transfer_moves_adam_moments_with_the_model(tmp_path):
         else:
             assert not any(k.startswith("optim/") for k in state)
             for s in data:
-                assert float(load_file(str(tmp_path / mode / f"checkpoints/sites/{s}.safetensors"))["optim/global/0/step"]) == site_step
+                assert (
+                    float(load_file(str(tmp_path / mode / f"checkpoints/sites/{s}.safetensors"))["optim/global/0/step"])
+                    == site_step
+                )
 
 
 def test_cwt_resume_is_bitwise(tmp_path):

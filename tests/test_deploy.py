@@ -2,7 +2,7 @@
 
 The server half (:func:`fedseg.deploy.server.serve`), the site runtimes and the
 wire format are the ones NVFlare carries; only the channel is a function call
-(:class:`fedseg.deploy.transport.LoopbackChannel`), so these tests are fast.
+(:class:`fedseg.deploy.remote.LoopbackChannel`), so these tests are fast.
 """
 
 from __future__ import annotations
@@ -18,16 +18,23 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import REGISTRY
-from fedseg.config import dump_toml
+from fedseg.core.config import dump_toml
+from fedseg.core.messages import Reply
+from fedseg.core.workload import segmentation_workload
+from fedseg.deploy.remote import DeployError, LoopbackChannel
 from fedseg.deploy.server import serve
 from fedseg.deploy.site import SiteConfig, SiteRuntime
-from fedseg.deploy.transport import DeployError, LoopbackChannel
 from fedseg.deploy.wire import decode_reply, encode_reply
-from fedseg.runner import simulate
-from fedseg.site import Reply
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import simulate
 
-HEADER = {"mode": "2d", "spatial_dims": 2, "in_channels": 1, "labels": {"fg": [1]}, "image_size": None, "foreground_only": False}
+HEADER = {
+    "mode": "2d",
+    "spatial_dims": 2,
+    "in_channels": 1,
+    "labels": {"fg": [1]},
+    "image_size": None,
+    "foreground_only": False,
+}
 
 
 def _cfg(rounds=2, **deploy):
@@ -98,11 +105,19 @@ def test_dead_site_is_left_out_and_run_finishes(tmp_path):
 
     def poison(op, blob):
         r = decode_reply(blob)
-        return encode_reply(Reply({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
+        return encode_reply(
+            Reply(
+                {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in r.arrays.items()},
+                r.metrics,
+                r.num_samples,
+            )
+        )
 
     # Execute
     dead = serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path / "a", data), {"site2": "die"}), log=lambda m: None)
-    nan = serve(tmp_path / "b", LoopbackChannel(_runtimes(tmp_path / "b", tiny_sites(2)), {"site2": poison}), log=lambda m: None)
+    nan = serve(
+        tmp_path / "b", LoopbackChannel(_runtimes(tmp_path / "b", tiny_sites(2)), {"site2": poison}), log=lambda m: None
+    )
     # Assert
     assert {d["site"] for d in dead["deploy"]["dropouts"]} == {"site2"}
     reasons = [d["reason"] for d in nan["deploy"]["dropouts"] if d["task"] == "train"]
@@ -190,7 +205,9 @@ def test_server_crash_and_resume_equals_uninterrupted(tmp_path):
     _prepare(tmp_path / "full", cfg, list(data))
     full = serve(tmp_path / "full", LoopbackChannel(_runtimes(tmp_path / "f", data)), log=lambda m: None)
     _prepare(tmp_path / "part", cfg, list(data), stop_after=1)
-    assert serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
+    assert (
+        serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
+    )
     # Execute: new server, new site runtimes (same workdirs), resume
     desc = json.loads((tmp_path / "part" / "deploy.json").read_text())
     desc.update(resume=True, stop_after=None)
@@ -223,7 +240,9 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     # Execute
     dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(tmp_path / "d", tiny_sites(2))), log=lambda m: None)
     sim = simulate(cfg, wl, tiny_sites(2), out=tmp_path / "sim", progress=False)
-    assert serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
+    assert (
+        serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
+    )
     desc = json.loads((tmp_path / "part" / "deploy.json").read_text())
     desc.update(resume=True, stop_after=None)
     (tmp_path / "part" / "deploy.json").write_text(json.dumps(desc))
@@ -231,7 +250,9 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     # Assert
     assert _equal(_weights(tmp_path / "dep"), _weights(tmp_path / "sim")), "deployed weights differ from the simulation"
     assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
-    assert _equal(_weights(tmp_path / "part"), _weights(tmp_path / "dep")), "resumed weights differ from the uninterrupted run"
+    assert _equal(_weights(tmp_path / "part"), _weights(tmp_path / "dep")), (
+        "resumed weights differ from the uninterrupted run"
+    )
     assert resumed["per_site_dice"] == dep["per_site_dice"] and resumed["deploy"]["resumed"]
 
 

@@ -1,6 +1,6 @@
 """A hostile site over the byte channel: whatever it sends, the run finishes without it.
 
-One provisioned site rewrites its replies (:class:`fedseg.deploy.transport.LoopbackChannel`
+One provisioned site rewrites its replies (:class:`fedseg.deploy.remote.LoopbackChannel`
 with a fault function), one row per attack of issue 14.  For every row:
 
 * the run finishes (``serve`` returns results);
@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_sites
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply
+from fedseg.deploy.remote import DeployError, LoopbackChannel
 from fedseg.deploy.server import serve
-from fedseg.deploy.transport import DeployError, LoopbackChannel
-from fedseg.errors import ConfigError, PayloadError
 from fedseg.deploy.wire import decode_reply, encode_reply
-from fedseg.site import Reply
 from test_deploy import _equal, _prepare, _runtimes, _weights
 
 
@@ -64,19 +64,23 @@ def reference(tmp_path_factory):
 # ------------------------------------------------------------------ rewriters
 def _training(fn):
     """Rewrite only training replies (they carry tensors), pass evaluation replies through."""
+
     def fault(op, blob):
         r = decode_reply(blob)
         return fn(r, blob) if r.arrays else blob
+
     return fault
 
 
 def _evaluation(fn):
     """Rewrite only evaluation replies (``per_case`` metrics)."""
+
     def fault(op, blob):
         r = decode_reply(blob)
         if "per_case" not in r.metrics:
             return blob
         return encode_reply(Reply(r.arrays, {"per_case": fn(r.metrics["per_case"])}, r.num_samples))
+
     return fault
 
 
@@ -91,7 +95,13 @@ def _huge_samples(r, blob):
 
 
 def _huge_weights(r, blob):
-    return encode_reply(Reply({k: torch.full_like(v, 3e38) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
+    return encode_reply(
+        Reply(
+            {k: torch.full_like(v, 3e38) if v.is_floating_point() else v for k, v in r.arrays.items()},
+            r.metrics,
+            r.num_samples,
+        )
+    )
 
 
 def _extra_tensor(r, blob):
@@ -115,7 +125,11 @@ def _nested_metadata(r, blob):
 
 
 TRAINING_ATTACKS = [
-    ("site2", _huge_samples, "claims 1000000000000000000000000000000 training samples, but the site declared 8 at setup"),
+    (
+        "site2",
+        _huge_samples,
+        "claims 1000000000000000000000000000000 training samples, but the site declared 8 at setup",
+    ),
     ("site2", _huge_weights, "update norm"),
     ("site2", _extra_tensor, "tensor names differ from the expected set (missing [], unexpected ['global/backdoor'])"),
     ("site1", _extra_tensor, "tensor names differ from the expected set (missing [], unexpected ['global/backdoor'])"),
@@ -141,27 +155,45 @@ def test_training_attack_has_no_influence(tmp_path, reference, attacker, rewrite
     assert [(d["round"], d["site"]) for d in drops] == [(0, attacker), (1, attacker)]
     assert all(d["reason"].startswith("rejected: ") and reason in d["reason"] for d in drops), drops
     assert all(set(e["train_loss"]) == {"site1", "site2"} - {attacker} for e in res["history"])
-    assert res["deploy"]["declared_samples"] == {"site1": {"training": 6, "validation": 3, "testing": 3},
-                                                 "site2": {"training": 8, "validation": 3, "testing": 3}}
+    assert res["deploy"]["declared_samples"] == {
+        "site1": {"training": 6, "validation": 3, "testing": 3},
+        "site2": {"training": 8, "validation": 3, "testing": 3},
+    }
 
 
 EVAL_ATTACKS = [
-    (lambda pc: {"not-a-candidate": v for v in pc.values()}, r"scores \['not-a-candidate'\], but was asked for the candidates \['global'\]"),
-    (lambda pc: {k: [] for k in pc}, r"rejected: .* 0 (validation|testing) cases scored for 'global', but the site declared 3 at setup"),
-    (lambda pc: {k: [[] for _ in v] for k, v in pc.items()}, r"a case of 'global' is \[\], not a list of 1 metric scores"),
-    (lambda pc: {k: [[1.0]] * 5000 for k in pc}, r"rejected: .* 5000 (validation|testing) cases scored for 'global', but the site declared 3 at setup"),
+    (
+        lambda pc: {"not-a-candidate": next(iter(pc.values()))},
+        r"scores \['not-a-candidate'\], but was asked for the candidates \['global'\]",
+    ),
+    (
+        lambda pc: {k: [] for k in pc},
+        r"rejected: .* 0 (validation|testing) cases scored for 'global', but the site declared 3 at setup",
+    ),
+    (
+        lambda pc: {k: [[] for _ in v] for k, v in pc.items()},
+        r"a case of 'global' is \[\], not a list of 1 metric scores",
+    ),
+    (
+        lambda pc: {k: [[1.0]] * 5000 for k in pc},
+        r"rejected: .* 5000 (validation|testing) cases scored for 'global', but the site declared 3 at setup",
+    ),
     (lambda pc: {k: [[1.5] for _ in v] for k, v in pc.items()}, r"a score of 'global' is outside \[0, 1\]"),
 ]
 
 
-@pytest.mark.parametrize("rewrite, reason", EVAL_ATTACKS, ids=["unknown-candidate", "no-cases", "empty-case", "5000-fake-cases", "dice-above-1"])
+@pytest.mark.parametrize(
+    "rewrite, reason",
+    EVAL_ATTACKS,
+    ids=["unknown-candidate", "no-cases", "empty-case", "5000-fake-cases", "dice-above-1"],
+)
 def test_evaluation_attack_inflates_nothing(tmp_path, reference, rewrite, reason):
     """Forged evaluation scores are rejected: training is the honest run's bitwise, the attacker's cases are
     not pooled into the reported Dice, and validation scores (which pick the best round) are the honest site's."""
     # Execute
     res = _serve(tmp_path / "run", {"site2": _evaluation(rewrite)})
     # Assert
-    honest, w_honest = reference("honest")
+    _honest, w_honest = reference("honest")
     assert _equal(_weights(tmp_path / "run"), w_honest)
     assert res["num_cases"] == {"site1": 3, "site2": 0}
     assert res["global_dice"] == pytest.approx(res["per_site_dice"]["site1"]) and res["global_dice"] < 0.99
@@ -179,7 +211,11 @@ def test_poisoned_aggregate_is_never_checkpointed(tmp_path):
     cfg, data = _cfg(max_update_ratio=0), tiny_sites(2)
     _prepare(tmp_path, cfg, list(data))
     with pytest.raises(DeployError, match="beyond deploy.max_abs_value = 1e\\+12; it is not checkpointed"):
-        serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": _training(_huge_weights)}), log=lambda m: None)
+        serve(
+            tmp_path,
+            LoopbackChannel(_runtimes(tmp_path, data), {"site2": _training(_huge_weights)}),
+            log=lambda m: None,
+        )
     assert not (tmp_path / "checkpoints" / "progress.json").exists()
     assert not (tmp_path / "checkpoints" / "server.safetensors").exists()
 
@@ -193,12 +229,19 @@ def _stopped_run(out: Path) -> None:
     (out / "deploy.json").write_text(json.dumps(desc))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda w: {**w, next(iter(w)): torch.zeros(2, 2)}, r"has shape \[2, 2\] float32, expected"),
-    (lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}, "non-finite values in"),
-    (lambda w: {k: v.double() if v.is_floating_point() else v for k, v in w.items()}, "float64, expected"),
-    (lambda w: dict(list(w.items())[1:]), r"names differ \(missing \["),
-], ids=["wrong-shape", "nan", "wrong-dtype", "missing-name"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda w: {**w, next(iter(w)): torch.zeros(2, 2)}, r"has shape \[2, 2\] float32, expected"),
+        (
+            lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()},
+            "non-finite values in",
+        ),
+        (lambda w: {k: v.double() if v.is_floating_point() else v for k, v in w.items()}, "float64, expected"),
+        (lambda w: dict(list(w.items())[1:]), r"names differ \(missing \["),
+    ],
+    ids=["wrong-shape", "nan", "wrong-dtype", "missing-name"],
+)
 def test_resume_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, damage, message):
     """--resume checks the names, shapes and dtypes recorded at save time and finiteness, and names the file."""
     from safetensors.torch import save_file
@@ -208,7 +251,9 @@ def test_resume_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, damage, m
     path = tmp_path / "checkpoints" / "server.safetensors"
     save_file({k: v.contiguous() for k, v in damage(_weights(tmp_path)).items()}, str(path))
     # Execute / Assert
-    with pytest.raises(ConfigError, match=f"checkpoint file {re.escape(str(path))} is not the one this run saved: .*{message}"):
+    with pytest.raises(
+        ConfigError, match=f"checkpoint file {re.escape(str(path))} is not the one this run saved: .*{message}"
+    ):
         serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=lambda m: None)
 
 
@@ -231,10 +276,14 @@ def test_provisioned_private_keys_and_ca_state_are_owner_only(tmp_path):
     # Assert
     root = tmp_path / "kits"
     secret = [p for p in root.rglob("*") if p.is_file() and (b"PRIVATE KEY" in p.read_bytes() or "state" in p.parts)]
-    assert any(p.name == "cert.json" for p in secret) and sum(p.suffix == ".key" for p in secret) >= 8  # 4 kits + 4 copies
+    assert (
+        any(p.name == "cert.json" for p in secret) and sum(p.suffix == ".key" for p in secret) >= 8
+    )  # 4 kits + 4 copies
     for p in secret:
         assert p.stat().st_mode & 0o077 == 0, f"{p} is {oct(p.stat().st_mode)}"
-        assert any(d.stat().st_mode & 0o077 == 0 for d in p.parents if root in d.parents), f"every folder above {p} is open"
+        assert any(d.stat().st_mode & 0o077 == 0 for d in p.parents if root in d.parents), (
+            f"every folder above {p} is open"
+        )
     for d in [root / ".provision", *(root / ".provision").rglob("*")]:
         if d.is_dir():
             assert d.stat().st_mode & 0o077 == 0, f"{d} is {oct(d.stat().st_mode)}"
@@ -253,7 +302,7 @@ def test_site_refuses_a_call_from_another_participant(tmp_path):
 
     from nvflare.collab.api.context import get_call_context, set_call_context
 
-    from fedseg.transport.nvflare import FedsegSite
+    from fedseg.deploy.flare import FedsegSite
 
     # Prepare
     site = FedsegSite()
@@ -274,16 +323,27 @@ def test_site_refuses_a_call_from_another_participant(tmp_path):
     assert json.loads(call_as("server", "ping")) == {"site": "site1", "ready": False}
 
 
-@pytest.mark.parametrize("payload, message", [
-    ({"round": -1}, "round -1 refused"), ({"round": 999999}, "round 999999 refused"), ({"round": "3"}, "round '3' refused"),
-    ({"round": True}, "round True refused"), ({}, "round None refused"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"round": -1}, "round -1 refused"),
+        ({"round": 999999}, "round 999999 refused"),
+        ({"round": "3"}, "round '3' refused"),
+        ({"round": True}, "round True refused"),
+        ({}, "round None refused"),
+    ],
+)
 def test_site_refuses_checkpoints_of_impossible_rounds(tmp_path, payload, message):
     """After setup, checkpoint/restore take a round in 0..rounds only; the site's checkpoint listing stays intact."""
-    from fedseg.config import dump_toml
+    from fedseg.core.config import dump_toml
 
     rt = _runtimes(tmp_path, tiny_sites(1))["site1"]
-    rt.call("setup", json.dumps({"run_id": "run-1", "sites": ["site1"], "data": {}, "config_toml": dump_toml(_cfg().to_dict())}).encode())
+    rt.call(
+        "setup",
+        json.dumps(
+            {"run_id": "run-1", "sites": ["site1"], "data": {}, "config_toml": dump_toml(_cfg().to_dict())}
+        ).encode(),
+    )
     for op in ("checkpoint", "restore"):
         with pytest.raises(PayloadError, match=message):
             rt.call(op, json.dumps(payload).encode())
@@ -315,7 +375,9 @@ def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
     # Execute
     res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, tiny_sites(2))), log=logged.append)
     # Assert
-    assert res is not None and [d["site"] for d in res["deploy"]["dropouts"]] == ["site2"] * len(res["deploy"]["dropouts"])
+    assert res is not None and [d["site"] for d in res["deploy"]["dropouts"]] == ["site2"] * len(
+        res["deploy"]["dropouts"]
+    )
     assert len(res["deploy"]["dropouts"]) >= 3
     assert any("dropouts.jsonl line" in m and "torn or malformed" in m for m in logged)
 
@@ -323,9 +385,9 @@ def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
 def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
     """deploy.json, supervisor.json and results.json go through a temp file + fsync + rename: a crash
     before the rename leaves the previous file whole."""
+    from fedseg.core.engine import _save_json
     from fedseg.deploy import supervise
-    from fedseg.engine import _save_json
-    from fedseg.runner import write_results
+    from fedseg.simulation.runner import write_results
 
     for name in ("deploy.json", "supervisor.json", "results.json"):
         _save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
@@ -357,7 +419,9 @@ def test_damaged_deploy_json_is_named_and_damaged_supervisor_record_set_aside(tm
     from fedseg.deploy.supervise import Supervisor
 
     (tmp_path / "deploy.json").write_text('{"run_id": "fedavg-12')
-    with pytest.raises(ConfigError, match=f"{re.escape(str(tmp_path / 'deploy.json'))} is damaged .* restore it from a backup"):
+    with pytest.raises(
+        ConfigError, match=f"{re.escape(str(tmp_path / 'deploy.json'))} is damaged .* restore it from a backup"
+    ):
         read_deploy_json(tmp_path)
     (tmp_path / "deploy.json").write_text('{"run_id": "..", "sites": []}')
     with pytest.raises(ConfigError, match="lacks a plain run_id"):
@@ -421,7 +485,10 @@ def test_sigterm_on_rehearse_stops_the_processes_it_started(tmp_path):
 
 
 METRIC_ATTACKS = [
-    (lambda m: {k: v for k, v in m.items() if k != "loss"}, r"metrics keys differ from the expected set \(missing \['loss'\], unexpected \[\]\)"),
+    (
+        lambda m: {k: v for k, v in m.items() if k != "loss"},
+        r"metrics keys differ from the expected set \(missing \['loss'\], unexpected \[\]\)",
+    ),
     (lambda m: {**m, "loss": "0.1; rm -rf /"}, "metrics loss is a string, expected a number"),
     (lambda m: {**m, "extra": [1, 2]}, r"unexpected \['extra'\]"),
 ]
@@ -432,7 +499,10 @@ def test_training_metrics_with_another_layout_are_rejected(tmp_path, reference, 
     """Algorithms read training metrics (a loss, step counts): a reply whose metric keys or value kinds differ
     from every other reply to the same task is rejected (a missing key would be a KeyError, a string a
     TypeError in the server's code)."""
-    res = _serve(tmp_path / "run", {"site2": _training(lambda r, blob: encode_reply(Reply(r.arrays, rewrite(r.metrics), r.num_samples)))})
+    res = _serve(
+        tmp_path / "run",
+        {"site2": _training(lambda r, blob: encode_reply(Reply(r.arrays, rewrite(r.metrics), r.num_samples)))},
+    )
     assert _equal(_weights(tmp_path / "run"), reference("site2")[1])
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
     assert len(drops) == 2 and all(re.search(reason, d["reason"]) for d in drops), drops

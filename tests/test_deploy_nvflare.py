@@ -11,13 +11,20 @@ from safetensors.torch import load_file
 
 pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests")
 
-from fedseg.data.synth import synthesize  # noqa: E402
-from fedseg.deploy.run import LocalCluster, start_site, stop, submit_run, subset_spec  # noqa: E402
-from fedseg.deploy.server import load_deploy_config, prepare_run  # noqa: E402
-from fedseg.runner import run  # noqa: E402
+from fedseg.data.synth import synthesize
+from fedseg.deploy.run import LocalCluster, start_site, stop, submit_run, subset_spec
+from fedseg.deploy.server import load_deploy_config, prepare_run
+from fedseg.simulation.runner import run
 
-OVERRIDES = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4", "rounds=2",
-             "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
+OVERRIDES = [
+    "model.channels=[4,8,16]",
+    "model.strides=[2,2]",
+    "model.num_res_units=1",
+    "train.batch_size=4",
+    "rounds=2",
+    "deploy.round_deadline_s=60",
+    "deploy.setup_timeout_s=90",
+]
 
 
 def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):
@@ -45,7 +52,9 @@ def _provision(cluster) -> None:
 def _simulate_same(tmp_path, spec, run_toml, overrides, names=("site1", "site2")):
     """The in-process simulation of the same run on the same sites."""
     sim_spec = subset_spec(spec, list(names), tmp_path / "sim" / "federation.toml")
-    return run(load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False)
+    return run(
+        load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False
+    )
 
 
 @pytest.mark.slow
@@ -62,7 +71,7 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     intruder = None
     try:
         _provision(cluster)
-        from fedseg.transport.nvflare import Admin, provision_kits
+        from fedseg.deploy.flare import Admin, provision_kits
 
         port = int(json.loads((cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
         foreign = provision_kits(tmp_path / "foreign", ["intruder"], "localhost", port, port + 1)
@@ -103,10 +112,15 @@ def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
     # Assert
     assert sorted(kits) == ["admin", "server", "siteA", "siteB"]
     client = json.loads((kits["siteA"] / "startup" / "fed_client.json").read_text())
-    assert client["client"]["connection_security"] == "mtls" and client["servers"][0]["service"]["target"] == "localhost:18002"
+    assert (
+        client["client"]["connection_security"] == "mtls"
+        and client["servers"][0]["service"]["target"] == "localhost:18002"
+    )
     allow = json.loads((kits["siteB"] / "local" / "resources.json").read_text())["class_allow_list"]
-    assert "fedseg.transport.nvflare." in allow and "nvflare.collab." in allow
-    assert (kits["siteA"] / "startup" / "rootCA.pem").read_bytes() == (kits["server"] / "startup" / "rootCA.pem").read_bytes()
+    assert "fedseg.deploy.flare." in allow and "nvflare.collab." in allow
+    assert (kits["siteA"] / "startup" / "rootCA.pem").read_bytes() == (
+        kits["server"] / "startup" / "rootCA.pem"
+    ).read_bytes()
 
 
 def test_cli_deploy_errors_name_the_fix(tmp_path, capsys):
@@ -160,12 +174,21 @@ def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
 
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith(("rounds=", "deploy.round_deadline_s"))] + [
-        "rounds=16", "train.local_steps=20", "train.local_epochs=none", "deploy.round_deadline_s=6", "deploy.probe_timeout_s=2",
-        "deploy.rejoin_wait_s=20", "eval.every=5"]
-    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
+        "rounds=16",
+        "train.local_steps=20",
+        "train.local_epochs=none",
+        "deploy.round_deadline_s=6",
+        "deploy.probe_timeout_s=2",
+        "deploy.rejoin_wait_s=20",
+        "eval.every=5",
+    ]
+    _spec, _run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
     _provision(cluster)
     with cluster:
-        worker = threading.Thread(target=lambda: submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=400, log=lambda m: None), daemon=True)
+        worker = threading.Thread(
+            target=lambda: submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=400, log=lambda m: None),
+            daemon=True,
+        )
         worker.start()
         # Execute: freeze site1 for longer than the deadline
         _wait_round(out, 2, 240)
@@ -206,7 +229,11 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     from fedseg.deploy.run import deploy_run
 
     # Prepare
-    overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + ["rounds=8", "train.local_steps=20", "train.local_epochs=none"]
+    overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + [
+        "rounds=8",
+        "train.local_steps=20",
+        "train.local_epochs=none",
+    ]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
     _provision(cluster)
     box: dict = {}
@@ -214,7 +241,7 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     def first():
         try:
             submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=300, log=lambda m: None)
-        except Exception as e:  # noqa: BLE001 - expected: the server went away
+        except Exception as e:
             box["error"] = e
 
     with cluster:
@@ -239,12 +266,12 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     print(f"server killed after round {killed_at}; restart + resume to the end took {resume_s:.1f} s")
 
 
-EVIL_SITECUSTOMIZE = '''
+EVIL_SITECUSTOMIZE = """
 # Loaded at interpreter start by every Python process of the hostile site (PYTHONPATH): its site runtime
 # returns its trained weights replaced by 3e38 (finite but huge), as a site running modified code would.
 import fedseg.deploy.site as _site
 from fedseg.deploy.wire import decode_reply, encode_reply
-from fedseg.site import Reply
+from fedseg.core.messages import Reply
 
 _call = _site.SiteRuntime.call
 
@@ -259,7 +286,7 @@ def _evil(self, op, payload):
 
 
 _site.SiteRuntime.call = _evil
-'''
+"""
 
 
 @pytest.mark.slow
@@ -269,7 +296,7 @@ def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path):
     the run finishes, and the global model is bitwise the simulation of site1 alone: site2 had no influence."""
     # Prepare
     names = ["site1", "site2"]
-    spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
+    spec, run_toml, out, _fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
     evil = tmp_path / "evil"
     evil.mkdir()
     (evil / "sitecustomize.py").write_text(EVIL_SITECUSTOMIZE)
@@ -277,7 +304,9 @@ def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path):
     try:
         cluster.start_server()
         cluster.start_site("site1")
-        cluster.procs["site2"] = start_site(cluster.kits["site2"], {**cluster.env, "PYTHONPATH": str(evil)}, tmp_path / "site2.log")
+        cluster.procs["site2"] = start_site(
+            cluster.kits["site2"], {**cluster.env, "PYTHONPATH": str(evil)}, tmp_path / "site2.log"
+        )
         # Execute
         submit_run(cluster.kits["admin"], out, names, timeout=150)
     finally:

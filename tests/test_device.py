@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.cli import main
-from fedseg.config import RunConfig, TrainConfig, load_run_config
-from fedseg.device import autocast, resolve_device, to_host
-from fedseg.engine import CheckpointWriter, JsonDoc, commit_checkpoint
-from fedseg.errors import ConfigError
-from fedseg.runner import build_transport, simulate
+from fedseg.core.config import RunConfig, TrainConfig, load_run_config
+from fedseg.core.device import autocast, resolve_device, to_host
+from fedseg.core.engine import CheckpointWriter, JsonDoc, commit_checkpoint
+from fedseg.core.errors import ConfigError
+from fedseg.simulation.runner import build_transport, simulate
 from test_engine import _strip_times
 
 
@@ -132,15 +132,32 @@ def test_explicit_cpu_and_auto_give_the_same_run_and_record_the_device(tmp_path,
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_are_finite_and_keep_float32_weights(tmp_path, workload, precision):
-    fp32 = simulate(tiny_config("fedavg", rounds=2), workload, tiny_sites(), out=tmp_path / "fp32", progress=False, log=lambda m: None)
-    mixed = simulate(tiny_config("fedavg", rounds=2, precision=precision), workload, tiny_sites(), out=tmp_path / precision, progress=False, log=lambda m: None)
+    fp32 = simulate(
+        tiny_config("fedavg", rounds=2),
+        workload,
+        tiny_sites(),
+        out=tmp_path / "fp32",
+        progress=False,
+        log=lambda m: None,
+    )
+    mixed = simulate(
+        tiny_config("fedavg", rounds=2, precision=precision),
+        workload,
+        tiny_sites(),
+        out=tmp_path / precision,
+        progress=False,
+        log=lambda m: None,
+    )
     w, w32 = _weights(tmp_path / precision), _weights(tmp_path / "fp32")
     assert all(torch.isfinite(v).all() for v in w.values())
     assert all(v.dtype == w32[k].dtype for k, v in w.items())  # fp32 master weights, float32 aggregate
     assert not _same(w, w32)  # autocast really ran the forward pass in low precision
     losses = [v for e in mixed["history"] for v in e["train_loss"].values()]
     assert all(torch.isfinite(torch.tensor(losses))) and mixed["precision"] == precision
-    assert abs(sum(losses) / len(losses) - sum(v for e in fp32["history"] for v in e["train_loss"].values()) / len(losses)) < 0.05
+    assert (
+        abs(sum(losses) / len(losses) - sum(v for e in fp32["history"] for v in e["train_loss"].values()) / len(losses))
+        < 0.05
+    )
 
 
 def test_autocast_is_bf16_on_the_cpu():
@@ -156,7 +173,10 @@ def test_fp16_scaler_state_is_checkpointed_and_resume_is_bitwise(tmp_path, workl
     2000 good steps), so it is part of the site state: resume must restore it."""
     cfg = tiny_config("fedavg", rounds=3, precision="fp16")
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "full", progress=False, log=lambda m: None)
-    assert simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, stop_after=1, log=lambda m: None) is None
+    assert (
+        simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, stop_after=1, log=lambda m: None)
+        is None
+    )
     meta = json.loads((tmp_path / "part" / "checkpoints" / "sites" / "site1.json").read_text())
     assert meta["scalers"]["global"]["scale"] > 0
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True, log=lambda m: None)
@@ -179,18 +199,28 @@ def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
 
 def test_cuda_determinism_settings(monkeypatch):
     """The CUDA branch only sets flags, so it is checked here without a GPU (then restored)."""
-    from fedseg.device import configure_determinism
+    from fedseg.core.device import configure_determinism
 
     cudnn = torch.backends.cudnn
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn.benchmark,
+        cudnn.deterministic,
+        cudnn.allow_tf32,
+    )
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
         configure_determinism(torch.device("cpu"))
         assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and torch.are_deterministic_algorithms_enabled() == saved[0]
         configure_determinism(torch.device("cuda"))
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        assert torch.are_deterministic_algorithms_enabled() and cudnn.deterministic and not cudnn.benchmark and not cudnn.allow_tf32
+        assert (
+            torch.are_deterministic_algorithms_enabled()
+            and cudnn.deterministic
+            and not cudnn.benchmark
+            and not cudnn.allow_tf32
+        )
         configure_determinism(torch.device("cuda"), deterministic=False)
         assert not torch.are_deterministic_algorithms_enabled() and cudnn.benchmark and not cudnn.deterministic
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
@@ -207,7 +237,7 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     cfg = tiny_config("fedavg", rounds=1, local_steps=5, local_epochs=None)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
     site.model("global")
-    calls = count_host_reads(monkeypatch, "fedseg/site.py")
+    calls = count_host_reads(monkeypatch, "fedseg/core/site.py")
     out = site.fit("global", 1)
     assert out["steps"] == 5 and calls["n"] == 1
 
@@ -226,7 +256,10 @@ def test_data_placement_on_the_cpu_copies_nothing_and_changes_no_number(tmp_path
             return self.base[i]
 
     sites = tiny_sites()
-    placed = {mode: build_transport(tiny_config("fedavg", data=mode), workload, sites).site("site1") for mode in ("auto", "device", "stream")}
+    placed = {
+        mode: build_transport(tiny_config("fedavg", data=mode), workload, sites).site("site1")
+        for mode in ("auto", "device", "stream")
+    }
     train = sites["site1"].train
     for mode in ("auto", "device"):
         ds = placed[mode].split_data("training")
@@ -234,11 +267,20 @@ def test_data_placement_on_the_cpu_copies_nothing_and_changes_no_number(tmp_path
         assert placed[mode].split_data("train") is ds  # placed once
     assert placed["stream"].split_data("train") is train
     generic = Generic(train)
-    site = build_transport(tiny_config("fedavg"), workload, {"g": dataclasses.replace(sites["site1"], train=generic)}).site("g")
+    site = build_transport(
+        tiny_config("fedavg"), workload, {"g": dataclasses.replace(sites["site1"], train=generic)}
+    ).site("g")
     assert site.split_data("train") is generic
     weights = {}
     for mode in ("device", "stream"):
-        simulate(tiny_config("fedavg", rounds=2, data=mode), workload, tiny_sites(), out=tmp_path / mode, progress=False, log=lambda m: None)
+        simulate(
+            tiny_config("fedavg", rounds=2, data=mode),
+            workload,
+            tiny_sites(),
+            out=tmp_path / mode,
+            progress=False,
+            log=lambda m: None,
+        )
         weights[mode] = _weights(tmp_path / mode)
     assert _same(weights["device"], weights["stream"])
 
@@ -286,17 +328,22 @@ def test_writer_commits_in_order_and_a_failed_write_leaves_the_previous_checkpoi
     d.mkdir()
     w = CheckpointWriter(background=True)
     for rnd in (1, 2):
-        files = {"server.safetensors.next": {"w": torch.full((3,), float(rnd))},
-                 "progress.json.next": JsonDoc({"round": rnd, "staged": ["server.safetensors"]})}
+        files = {
+            "server.safetensors.next": {"w": torch.full((3,), float(rnd))},
+            "progress.json.next": JsonDoc({"round": rnd, "staged": ["server.safetensors"]}),
+        }
         w.submit(d, files)
     w.wait()
     assert json.loads((d / "progress.json").read_text())["round"] == 2
     assert torch.equal(load_file(str(d / "server.safetensors"))["w"], torch.full((3,), 2.0))
     # a write that fails half-way (after the server file, before the commit record) ...
-    bad = {"server.safetensors.next": {"w": torch.full((3,), 3.0)}, "best.safetensors.next": {"b": "not a tensor"},
-           "progress.json.next": JsonDoc({"round": 3, "staged": ["server.safetensors"]})}
+    bad = {
+        "server.safetensors.next": {"w": torch.full((3,), 3.0)},
+        "best.safetensors.next": {"b": "not a tensor"},
+        "progress.json.next": JsonDoc({"round": 3, "staged": ["server.safetensors"]}),
+    }
     w.submit(d, bad)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whatever the writer raised is re-raised)
         w.wait()  # ... is reported to the round loop
     commit_checkpoint(d)  # what a resume does first: drop the staged leftovers
     assert json.loads((d / "progress.json").read_text())["round"] == 2
@@ -350,14 +397,26 @@ def test_gpu_same_seed_twice_is_bitwise(tmp_path, workload, data):
 @pytest.mark.gpu
 def test_gpu_data_on_device_equals_streamed(tmp_path, workload):
     for data in ("device", "stream"):
-        simulate(_cuda(tiny_config("fedavg", rounds=2, data=data)), workload, tiny_sites(), out=tmp_path / data, progress=False)
+        simulate(
+            _cuda(tiny_config("fedavg", rounds=2, data=data)),
+            workload,
+            tiny_sites(),
+            out=tmp_path / data,
+            progress=False,
+        )
     assert _same(_weights(tmp_path / "device"), _weights(tmp_path / "stream"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_gpu_mixed_precision_is_finite(tmp_path, workload, precision):
-    res = simulate(_cuda(tiny_config("fedavg", rounds=2, precision=precision)), workload, tiny_sites(), out=tmp_path, progress=False)
+    res = simulate(
+        _cuda(tiny_config("fedavg", rounds=2, precision=precision)),
+        workload,
+        tiny_sites(),
+        out=tmp_path,
+        progress=False,
+    )
     assert all(torch.isfinite(v).all() for v in _weights(tmp_path).values())
     assert all(torch.isfinite(torch.tensor(list(e["train_loss"].values()))).all() for e in res["history"])
 
@@ -366,7 +425,14 @@ def test_gpu_mixed_precision_is_finite(tmp_path, workload, precision):
 def test_checkpoint_on_gpu_resumes_on_cpu(tmp_path, workload):
     cfg = tiny_config("fedavg", rounds=3)
     assert simulate(_cuda(cfg), workload, tiny_sites(), out=tmp_path / "run", progress=False, stop_after=2) is None
-    res = simulate(dataclasses.replace(cfg, device="cpu"), workload, tiny_sites(), out=tmp_path / "run", progress=False, resume=True)
+    res = simulate(
+        dataclasses.replace(cfg, device="cpu"),
+        workload,
+        tiny_sites(),
+        out=tmp_path / "run",
+        progress=False,
+        resume=True,
+    )
     assert res["device"] == "cpu"
     simulate(_cuda(cfg), workload, tiny_sites(), out=tmp_path / "gpu", progress=False)
     a, b = _weights(tmp_path / "run"), _weights(tmp_path / "gpu")
@@ -381,22 +447,44 @@ def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
 
     spec = synthesize("fundus", tmp_path / "fed", seed=0, scale=0.05, size=32)
     out = tmp_path / "run"
-    assert main(["run", str(spec), "--device", "cpu", "--set", "train.precision=bf16", "--rounds", "1", "--out", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(spec),
+                "--device",
+                "cpu",
+                "--set",
+                "train.precision=bf16",
+                "--rounds",
+                "1",
+                "--out",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert "device cpu, precision bf16" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert (res["device"], res["precision"], res["config"]["device"]) == ("cpu", "bf16", "cpu")
     assert (out / "config.toml").read_text().startswith("# ran on device cpu, precision bf16")
     cmp = tmp_path / "cmp"
-    assert main(["compare", str(spec), "--methods", "fedavg", "--device", "cpu", "--rounds", "1", "--out", str(cmp), *SMALL]) == 0
+    assert (
+        main(
+            ["compare", str(spec), "--methods", "fedavg", "--device", "cpu", "--rounds", "1", "--out", str(cmp), *SMALL]
+        )
+        == 0
+    )
     assert [json.loads(p.read_text())["device"] for p in cmp.rglob("results.json")] == ["cpu"]
 
 
 def test_each_deployed_site_trains_on_its_own_device(tmp_path):
     """The run config's device is the server's; a deployed site uses the device of its own
     site config (``fedseg deploy site --device``) and still gives the simulation's weights."""
+    from fedseg.deploy.remote import LoopbackChannel
     from fedseg.deploy.server import serve
     from fedseg.deploy.site import SiteConfig, SiteRuntime
-    from fedseg.deploy.transport import LoopbackChannel
     from test_deploy import _cfg, _prepare, _workload
 
     cfg, data = _cfg(), tiny_sites(2)
@@ -406,7 +494,10 @@ def test_each_deployed_site_trains_on_its_own_device(tmp_path):
     def loader(name, datalist, header, site_cfg):
         return data[name], _workload(site_cfg)
 
-    runtimes = {n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp_path / "sites" / n), device="cpu"), loader=loader) for n in data}
+    runtimes = {
+        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp_path / "sites" / n), device="cpu"), loader=loader)
+        for n in data
+    }
     serve(tmp_path / "dep", LoopbackChannel(runtimes), log=lambda m: None)
     assert all(r.site.cfg.device == "cpu" and r.site.device == torch.device("cpu") for r in runtimes.values())
     simulate(cfg, _workload(cfg), tiny_sites(2), out=tmp_path / "sim", progress=False, log=lambda m: None)

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
-from fedseg.errors import PayloadError
-from fedseg.runner import simulate
+from fedseg.core.errors import PayloadError
+from fedseg.simulation.runner import simulate
 
 
 def _strip_times(obj):
@@ -32,12 +32,20 @@ def test_same_seed_gives_bitwise_identical_runs(tmp_path, sites, workload):
     cfg = tiny_config("fedavg", rounds=2)
     r1 = simulate(cfg, workload, sites, out=tmp_path / "a", progress=False)
     r2 = simulate(cfg, workload, sites, out=tmp_path / "b", progress=False)
-    r3 = simulate(tiny_config("fedavg", rounds=2).__class__(**{**cfg.__dict__, "seed": 1}), workload, sites, out=tmp_path / "c", progress=False)
+    simulate(
+        tiny_config("fedavg", rounds=2).__class__(**{**cfg.__dict__, "seed": 1}),
+        workload,
+        sites,
+        out=tmp_path / "c",
+        progress=False,
+    )
     # Assert: weights and results identical except timings; another seed differs
     a = load_file(str(tmp_path / "a/checkpoints/server.safetensors"))
     _assert_same_arrays(a, load_file(str(tmp_path / "b/checkpoints/server.safetensors")))
     assert _strip_times(r1) == _strip_times(r2)
-    assert _strip_times(json.loads((tmp_path / "a/results.json").read_text())) == _strip_times(json.loads((tmp_path / "b/results.json").read_text()))
+    assert _strip_times(json.loads((tmp_path / "a/results.json").read_text())) == _strip_times(
+        json.loads((tmp_path / "b/results.json").read_text())
+    )
     c = load_file(str(tmp_path / "c/checkpoints/server.safetensors"))
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
@@ -52,10 +60,14 @@ def test_resume_equals_uninterrupted(tmp_path, sites, workload, method):
     # Execute: a fresh process state (new sites) resumes from the checkpoint
     resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
     # Assert: bitwise equal server state, site states and results
-    _assert_same_arrays(load_file(str(tmp_path / "full/checkpoints/server.safetensors")), load_file(str(tmp_path / "part/checkpoints/server.safetensors")))
+    _assert_same_arrays(
+        load_file(str(tmp_path / "full/checkpoints/server.safetensors")),
+        load_file(str(tmp_path / "part/checkpoints/server.safetensors")),
+    )
     for s in sites:
         _assert_same_arrays(
-            load_file(str(tmp_path / f"full/checkpoints/sites/{s}.safetensors")), load_file(str(tmp_path / f"part/checkpoints/sites/{s}.safetensors"))
+            load_file(str(tmp_path / f"full/checkpoints/sites/{s}.safetensors")),
+            load_file(str(tmp_path / f"part/checkpoints/sites/{s}.safetensors")),
         )
     assert _strip_times(full) == _strip_times(resumed)
 
@@ -66,7 +78,10 @@ def test_fedavg_with_one_site_equals_local_training(tmp_path, workload):
     lo = simulate(tiny_config("local", rounds=3), workload, one, out=tmp_path / "lo", progress=False)
     w_fa = load_file(str(tmp_path / "fa/checkpoints/server.safetensors"))
     w_lo = load_file(str(tmp_path / "lo/checkpoints/server.safetensors"))
-    _assert_same_arrays({k.removeprefix("global/"): v for k, v in w_fa.items()}, {k.removeprefix("local/site1/"): v for k, v in w_lo.items()})
+    _assert_same_arrays(
+        {k.removeprefix("global/"): v for k, v in w_fa.items()},
+        {k.removeprefix("local/site1/"): v for k, v in w_lo.items()},
+    )
     assert fa["per_site_dice"] == lo["per_site_dice"]
 
 
@@ -102,7 +117,8 @@ def test_keeping_vs_resetting_optimizer_state_differs(sites, workload):
 
 def test_site_rejects_model_of_another_shape(sites, workload):
     from fedseg.algorithms import get_algorithm
-    from fedseg.site import Site, Task
+    from fedseg.core.messages import Task
+    from fedseg.core.site import Site
 
     cfg = tiny_config()
     site = Site("site1", 0, sites["site1"], workload, cfg, get_algorithm(cfg))
@@ -116,7 +132,7 @@ def test_site_rejects_model_of_another_shape(sites, workload):
 def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp_path):
     """A save interrupted before its commit record leaves the previous checkpoint in force (staged files are
     dropped); one interrupted after the record is finished on the next load (staged files moved into place)."""
-    from fedseg.engine import commit_checkpoint
+    from fedseg.core.engine import commit_checkpoint
 
     # Prepare: round 1 committed; round 2 staged without a record
     d = tmp_path / "checkpoints"
@@ -127,7 +143,11 @@ def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp
     (d / "sites.next" / "site1.json").write_text("r2")
     # Execute / Assert: rolled back
     commit_checkpoint(d)
-    assert (d / "server.safetensors").read_text() == "r1" and not (d / "server.safetensors.next").exists() and not (d / "sites.next").exists()
+    assert (
+        (d / "server.safetensors").read_text() == "r1"
+        and not (d / "server.safetensors.next").exists()
+        and not (d / "sites.next").exists()
+    )
     # Prepare: round 2 staged with its record, and half moved already (a crash during the commit)
     (d / "sites.next").mkdir()
     (d / "sites.next" / "site1.json").write_text("r2")
@@ -141,16 +161,28 @@ def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp
     assert not list(d.glob("*.next")) and not (d / "sites.next").exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}, "non-finite values in"),
-    (lambda w: {k: (torch.zeros(3, 3) if k == min(n for n in w if n.startswith("model/")) else v) for k, v in w.items()}, "does not fit this run's site"),
-], ids=["nan", "wrong-shape"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda w: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()},
+            "non-finite values in",
+        ),
+        (
+            lambda w: {
+                k: (torch.zeros(3, 3) if k == min(n for n in w if n.startswith("model/")) else v) for k, v in w.items()
+            },
+            "does not fit this run's site",
+        ),
+    ],
+    ids=["nan", "wrong-shape"],
+)
 def test_resume_refuses_a_damaged_site_state_naming_the_file(tmp_path, sites, workload, damage, message):
     """A site's saved state (models + optimizer moments) is checked on --resume like the server's:
     finite, and fitting the site's models; the error names the file instead of a traceback deep in torch."""
     from safetensors.torch import save_file
 
-    from fedseg.errors import ConfigError
+    from fedseg.core.errors import ConfigError
 
     # Prepare: a run stopped after round 1, then one site's state damaged
     cfg = tiny_config("fedavg", rounds=2)

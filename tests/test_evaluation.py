@@ -7,10 +7,10 @@ import math
 import torch
 
 from conftest import tiny_config
+from fedseg.core.workload import dice_metric
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
-from fedseg.runner import simulate
-from fedseg.workload import dice_metric
+from fedseg.simulation.runner import simulate
 
 
 def _two_cases() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +51,8 @@ def test_empty_dice_sets_the_score_of_a_case_with_empty_mask_and_prediction():
 def test_eval_settings_are_validated():
     import pytest
 
-    from fedseg.config import EvalConfig
-    from fedseg.errors import ConfigError
+    from fedseg.core.config import EvalConfig
+    from fedseg.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"eval.empty_dice = 1.5; give a value in \[0, 1\]"):
         EvalConfig(empty_dice=1.5).validate()
@@ -68,11 +68,16 @@ def test_best_criterion_sites_scores_the_mean_of_per_site_means(sites, workload)
 
     from torch.utils.data import ConcatDataset
 
-    from fedseg.config import EvalConfig
+    from fedseg.core.config import EvalConfig
 
     data = dict(sites)
     data["site1"] = dataclasses.replace(data["site1"], val=ConcatDataset([data["site1"].val, data["site2"].val]))
-    by_site = simulate(dataclasses.replace(tiny_config("fedavg", rounds=2), eval=EvalConfig(best_criterion="sites")), workload, data, progress=False)
+    by_site = simulate(
+        dataclasses.replace(tiny_config("fedavg", rounds=2), eval=EvalConfig(best_criterion="sites")),
+        workload,
+        data,
+        progress=False,
+    )
     by_case = simulate(tiny_config("fedavg", rounds=2), workload, data, progress=False)
     for e_s, e_c in zip(by_site["history"], by_case["history"]):
         per_site = e_s["val_dice"]["global"]
@@ -103,7 +108,14 @@ def test_best_round_is_the_best_validation_round(sites, workload):
 
 def test_table3_merges_seeds_into_mean_and_sd():
     def run(seed, v):
-        return {"method": "fedavg", "seed": seed, "sites": ["a"], "per_site_dice": {"a": v}, "client_avg_dice": v, "global_dice": v}
+        return {
+            "method": "fedavg",
+            "seed": seed,
+            "sites": ["a"],
+            "per_site_dice": {"a": v},
+            "client_avg_dice": v,
+            "global_dice": v,
+        }
 
     md = table3([run(0, 0.5), run(1, 0.7)])
     # mean 0.6, sample sd of (0.5, 0.7) = 0.1414

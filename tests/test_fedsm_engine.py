@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
-from fedseg.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.errors import ConfigError
-from fedseg.runner import simulate
+from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.errors import ConfigError
+from fedseg.simulation.runner import simulate
 
 
 def _with(cfg: RunConfig, **fedsm) -> RunConfig:
@@ -28,11 +28,14 @@ def _strip_times(obj):
     return obj
 
 
-@pytest.mark.parametrize("method,phases", [
-    ("fedsm", ["joint", "joint", "joint"]),
-    ("fedsm-extra", ["models", "models", "selector"]),
-    ("fedsm-ensemble", ["models", "models", "selector"]),
-])
+@pytest.mark.parametrize(
+    "method,phases",
+    [
+        ("fedsm", ["joint", "joint", "joint"]),
+        ("fedsm-extra", ["models", "models", "selector"]),
+        ("fedsm-ensemble", ["models", "models", "selector"]),
+    ],
+)
 def test_each_variant_runs_end_to_end_and_reports_the_composite(tmp_path, sites, workload, method, phases):
     # Execute
     res = simulate(tiny_config(method, rounds=3), workload, sites, out=tmp_path, progress=False)
@@ -51,7 +54,9 @@ def test_each_variant_runs_end_to_end_and_reports_the_composite(tmp_path, sites,
             assert set(e["routing_acc"]) == set(sites)
     # personalized models differ per site after SoftPull with λ = 0.7 < 1
     server = load_file(str(tmp_path / "checkpoints/server.safetensors"))
-    k = next(k for k in server if k.startswith("personal/site1/") and server[k].is_floating_point() and server[k].numel() > 1)
+    k = next(
+        k for k in server if k.startswith("personal/site1/") and server[k].is_floating_point() and server[k].numel() > 1
+    )
     assert not torch.equal(server[k], server[k.replace("site1", "site2")])
     # selector classes: K (Eq. 2) or K + 1 with the global model (Eq. 1 / ensemble)
     head = [v for k, v in server.items() if k.startswith("selector/classifier") and k.endswith("weight")][-1]
@@ -70,7 +75,9 @@ def test_fedsm_with_lambda_one_over_k_makes_personalized_models_equal(sites, wor
 @pytest.mark.parametrize("method", ["fedsm", "fedsm-extra"])
 def test_resume_equals_uninterrupted(tmp_path, sites, workload, method):
     """fedsm-extra stops at the end of its model rounds and resumes into the selector round."""
-    cfg = _with(tiny_config(method, rounds=3), selector_rounds=1) if method != "fedsm" else tiny_config(method, rounds=3)
+    cfg = (
+        _with(tiny_config(method, rounds=3), selector_rounds=1) if method != "fedsm" else tiny_config(method, rounds=3)
+    )
     full = simulate(cfg, workload, sites, out=tmp_path / "full", progress=False)
     assert simulate(cfg, workload, sites, out=tmp_path / "part", progress=False, stop_after=2) is None
     resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
@@ -101,14 +108,24 @@ def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload
     + step) each way, with the fga selector one gradient (w_s) each way (+ the selector once from
     site 1); FedAvg carries w_g."""
     # Prepare: default model (5 levels need 32 px), one local step
-    cfg = RunConfig(federation="(mem)", rounds=2, model=ModelConfig(), train=TrainConfig(batch_size=2, local_steps=1, local_epochs=None))
-    from fedseg.workload import segmentation_workload
+    cfg = RunConfig(
+        federation="(mem)",
+        rounds=2,
+        model=ModelConfig(),
+        train=TrainConfig(batch_size=2, local_steps=1, local_epochs=None),
+    )
+    from fedseg.core.workload import segmentation_workload
 
     wl = segmentation_workload(2, 1, ["fg"], ModelConfig())
     data = tiny_sites(2, n_train=2, size=32)
     # Execute
     fa = simulate(dataclasses.replace(cfg, method="fedavg"), wl, data, progress=False)
-    fs = simulate(dataclasses.replace(cfg, method="fedsm", params={"fedsm": {"selector_training": training}}), wl, data, progress=False)
+    fs = simulate(
+        dataclasses.replace(cfg, method="fedsm", params={"fedsm": {"selector_training": training}}),
+        wl,
+        data,
+        progress=False,
+    )
     # Assert: round 2 (with the averaged selector moments on the way out too)
     for s in data:
         b_fa, b_fs = fa["history"][1]["bytes"][s], fs["history"][1]["bytes"][s]
@@ -124,7 +141,10 @@ def test_one_site_is_rejected_and_lambda_below_one_over_k_runs_with_a_warning(wo
     one = dict(list(tiny_sites().items())[:1])
     with pytest.raises(ConfigError, match="at least 2 sites"):
         simulate(tiny_config("fedsm", rounds=1), workload, one, progress=False)
-    with pytest.warns(LambdaBelowOneOverKWarning, match=r"fedsm.lam = 0.2 is below 1/K = 0.3333 .* weighs 0.2 .* every other site's 0.4 — more than its own"):
+    with pytest.warns(
+        LambdaBelowOneOverKWarning,
+        match=r"fedsm.lam = 0.2 is below 1/K = 0.3333 .* weighs 0.2 .* every other site's 0.4 — more than its own",
+    ):
         res = simulate(_with(tiny_config("fedsm", rounds=1), lam=0.2), workload, tiny_sites(), progress=False)
     assert res["config"]["fedsm"]["lam"] == 0.2
     with pytest.raises(ConfigError, match=r"fedsm.lam = 1.5 must be in \[0, 1\]"):
@@ -139,15 +159,24 @@ def tiny_spec(tmp_path_factory):
     return synthesize("prostate", tmp_path_factory.mktemp("fed"), seed=0, scale=0.005, size=16)
 
 
-TINY_OVERRIDES = ["model.channels=[4, 8, 16]", "model.strides=[2, 2]", "model.num_res_units=1", "train.batch_size=4",
-                  "train.local_steps=1", "train.local_epochs=none", "checkpoint_every=10"]
+TINY_OVERRIDES = [
+    "model.channels=[4, 8, 16]",
+    "model.strides=[2, 2]",
+    "model.num_res_units=1",
+    "train.batch_size=4",
+    "train.local_steps=1",
+    "train.local_epochs=none",
+    "checkpoint_every=10",
+]
 
 
 @pytest.mark.slow
 def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
-    from fedseg.fedsm_experiments import unseen
+    from fedseg.studies.fedsm import unseen
 
-    rows, table = unseen(tiny_spec, tmp_path, TINY_OVERRIDES, sites=["site2"], gammas=[0.0, 0.9], rounds=1, log=lambda m: None)
+    rows, table = unseen(
+        tiny_spec, tmp_path, TINY_OVERRIDES, sites=["site2"], gammas=[0.0, 0.9], rounds=1, log=lambda m: None
+    )
     r = rows[0]
     # selection frequencies over GM and the five remaining PMs sum to 1 at γ = 0, with no GM (γ = 0)
     assert set(r["selection_at_0"]) == {"global", *(f"personal/site{i}" for i in (1, 3, 4, 5, 6))}
@@ -157,7 +186,9 @@ def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
     assert {0.0, 0.9} <= {float(g) for g in r["dice_by_gamma"]}
     assert r["best_dice"] >= r["dice_at_0"] and r["best_gamma"] in {float(g) for g in r["dice_by_gamma"]}
     header = table.splitlines()[0]
-    assert header.startswith("| Unseen site | γ | GM | PM site1 | PM site2 |") and header.endswith("Dice | Best γ, Dice |")
+    assert header.startswith("| Unseen site | γ | GM | PM site1 | PM site2 |") and header.endswith(
+        "Dice | Best γ, Dice |"
+    )
     assert "| site2 | 0 |" in table and "N/A" in table.splitlines()[2]
     assert (tmp_path / "unseen.md").read_text() == table
 
@@ -167,8 +198,22 @@ def test_lambda_sweep_writes_the_table7_layout_and_runs_lambda_below_one_over_k(
     from fedseg.cli import main
 
     # Execute through the CLI verb (a thin wrapper over fedsm_experiments.sweep)
-    rc = main(["fedsm", "sweep", str(tiny_spec), "--lam", "0.1,0.7", "--gamma", "0,0.9", "--rounds", "1", "--out", str(tmp_path),
-               *[a for o in TINY_OVERRIDES for a in ("--set", o)]])
+    rc = main(
+        [
+            "fedsm",
+            "sweep",
+            str(tiny_spec),
+            "--lam",
+            "0.1,0.7",
+            "--gamma",
+            "0,0.9",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+            *[a for o in TINY_OVERRIDES for a in ("--set", o)],
+        ]
+    )
     assert rc == 0
     table = (tmp_path / "sweep.md").read_text()
     lines = table.splitlines()
@@ -183,7 +228,9 @@ def test_lambda_sweep_writes_the_table7_layout_and_runs_lambda_below_one_over_k(
 def test_selector_steps_limits_the_selector_work_per_round(tmp_path, sites, workload):
     """local_steps = 3, selector_steps = 1: the models take 3 Adam steps, the selector 1,
     so the averaged selector step count is exactly 1 and a site's personal-model count 3."""
-    cfg = _with(tiny_config("fedsm", rounds=1, local_steps=3, local_epochs=None), selector_steps=1, selector_training="fedavg")
+    cfg = _with(
+        tiny_config("fedsm", rounds=1, local_steps=3, local_epochs=None), selector_steps=1, selector_training="fedavg"
+    )
     simulate(cfg, workload, sites, out=tmp_path, progress=False)
     server = load_file(str(tmp_path / "checkpoints/server.safetensors"))
     steps = {float(v) for k, v in server.items() if k.startswith("selector_optim/") and k.endswith("/step")}
@@ -200,7 +247,10 @@ def test_keep_best_selector_keeps_the_selector_with_the_best_mean_routing_accura
     from fedseg.algorithms.fedsm import _keep_best_selector
 
     state: dict[str, torch.Tensor] = {}
-    for rnd, (sel, accs) in enumerate([(0.0, {"a": 0.5, "b": 0.5}), (1.0, {"a": 1.0, "b": 0.5, "c": None}), (2.0, {"a": 0.6, "b": float("nan")})], start=1):
+    for rnd, (sel, accs) in enumerate(
+        [(0.0, {"a": 0.5, "b": 0.5}), (1.0, {"a": 1.0, "b": 0.5, "c": None}), (2.0, {"a": 0.6, "b": float("nan")})],
+        start=1,
+    ):
         _keep_best_selector(state, {"selector/w": torch.tensor([sel])}, accs, rnd - 1)
     assert state["best_selector/w"].item() == 1.0
     assert state["best_selector_score"].item() == pytest.approx(0.75)
@@ -237,15 +287,36 @@ def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, m
 
 
 # ------------------------------------------------------- settings written down
-@pytest.mark.parametrize("profile,expect", [
-    (None, {"profile": "default", "gamma": "auto", "selector_training": "fga", "selector_steps": "all", "selector_weighting": "even"}),
-    ("reference", {"profile": "reference", "gamma": 0.9, "selector_training": "fedavg", "selector_steps": "all", "selector_weighting": "samples"}),
-])
+@pytest.mark.parametrize(
+    "profile,expect",
+    [
+        (
+            None,
+            {
+                "profile": "default",
+                "gamma": "auto",
+                "selector_training": "fga",
+                "selector_steps": "all",
+                "selector_weighting": "even",
+            },
+        ),
+        (
+            "reference",
+            {
+                "profile": "reference",
+                "gamma": 0.9,
+                "selector_training": "fedavg",
+                "selector_steps": "all",
+                "selector_weighting": "samples",
+            },
+        ),
+    ],
+)
 def test_resolved_fedsm_settings_are_written_and_reload_to_the_same_run(tmp_path, sites, workload, profile, expect):
     """With no [fedsm] settings (or only the profile) config.toml and results.json["config"] hold the
     resolved section (γ, λ, the selector's training…); config.toml loads back to the same settings."""
     from fedseg.algorithms import get_algorithm, known_sections
-    from fedseg.config import load_run_config
+    from fedseg.core.config import load_run_config
 
     cfg = tiny_config("fedsm", rounds=1)
     if profile is not None:

@@ -8,9 +8,17 @@ import torch
 
 from conftest import tiny_config
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
-from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull, soft_pull_matrix
-from fedseg.errors import ConfigError
-from fedseg.site import Reply
+from fedseg.algorithms.softpull import (
+    check_lambda,
+    ensemble_mix,
+    oracle_labels,
+    route,
+    routing_accuracy,
+    soft_pull,
+    soft_pull_matrix,
+)
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply
 
 
 def _w(v: float, n: int = 0) -> dict[str, torch.Tensor]:
@@ -227,8 +235,14 @@ def _ctx(transport, sites):
 
 
 def _reply(s, g, p, sel, m, n):
-    arrays = {"global/w": torch.tensor([g]), f"personal/{s}/w": torch.tensor([p]), "selector/w": torch.tensor([sel]),
-              "selector_optim/w/exp_avg": torch.tensor([m]), "selector_optim/w/exp_avg_sq": torch.tensor([m * m]), "selector_optim/w/step": torch.tensor(4.0 * n)}
+    arrays = {
+        "global/w": torch.tensor([g]),
+        f"personal/{s}/w": torch.tensor([p]),
+        "selector/w": torch.tensor([sel]),
+        "selector_optim/w/exp_avg": torch.tensor([m]),
+        "selector_optim/w/exp_avg_sq": torch.tensor([m * m]),
+        "selector_optim/w/step": torch.tensor(4.0 * n),
+    }
     return Reply(arrays=arrays, metrics={"loss": 0.5}, num_samples=n)
 
 
@@ -240,16 +254,34 @@ def test_server_round_averages_selector_moments_with_the_selector_weights_and_so
     SoftPull with K = 2, λ = 0.7: p_a = 0.7·10 + 0.3·20 = 13, p_b = 0.7·20 + 0.3·10 = 17."""
     # Prepare
     cfg = tiny_config("fedsm")
-    algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_weighting": selector_weighting, "selector_training": "fedavg"}}}))
-    state = {"global/w": torch.tensor([0.0]), "personal/a/w": torch.tensor([0.0]), "personal/b/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0])}
+    algo = FedSM(
+        cfg.__class__(
+            **{
+                **cfg.__dict__,
+                "params": {"fedsm": {"selector_weighting": selector_weighting, "selector_training": "fedavg"}},
+            }
+        )
+    )
+    state = {
+        "global/w": torch.tensor([0.0]),
+        "personal/a/w": torch.tensor([0.0]),
+        "personal/b/w": torch.tensor([0.0]),
+        "selector/w": torch.tensor([0.0]),
+    }
     tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)})
     # Execute
     new, metrics = algo.server_round(_ctx(tr, "ab"), state, 1)
     # Assert
     qa, qb = q
-    expect = {"global/w": 3.0, "selector/w": qa * 8 + qb * 4, "selector_optim/w/exp_avg": qa * 1 + qb * 2,
-              "selector_optim/w/exp_avg_sq": qa * 1 + qb * 4, "selector_optim/w/step": qa * 4 + qb * 12,
-              "personal/a/w": 13.0, "personal/b/w": 17.0}
+    expect = {
+        "global/w": 3.0,
+        "selector/w": qa * 8 + qb * 4,
+        "selector_optim/w/exp_avg": qa * 1 + qb * 2,
+        "selector_optim/w/exp_avg_sq": qa * 1 + qb * 4,
+        "selector_optim/w/step": qa * 4 + qb * 12,
+        "personal/a/w": 13.0,
+        "personal/b/w": 17.0,
+    }
     for k, v in expect.items():
         assert new[k].item() == pytest.approx(v), k
     # each site was sent only its own personalized model; labels are positions in the federation
@@ -262,9 +294,14 @@ def test_server_round_with_a_dropped_site_keeps_its_personalized_model():
     """c drops: global/selector averaged over a, b only; p_c unchanged (= 7); a, b SoftPull with K' = 2."""
     cfg = tiny_config("fedsm")
     algo = FedSM(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": {"selector_training": "fedavg"}}}))
-    state = {"global/w": torch.tensor([0.0]), "selector/w": torch.tensor([0.0]),
-             **{f"personal/{s}/w": torch.tensor([7.0]) for s in "abc"}}
-    tr = _FakeTransport({"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)}, drop={"c"})
+    state = {
+        "global/w": torch.tensor([0.0]),
+        "selector/w": torch.tensor([0.0]),
+        **{f"personal/{s}/w": torch.tensor([7.0]) for s in "abc"},
+    }
+    tr = _FakeTransport(
+        {"a": _reply("a", 0.0, 10.0, 8.0, 1.0, 1), "b": _reply("b", 4.0, 20.0, 4.0, 2.0, 3)}, drop={"c"}
+    )
     new, _ = algo.server_round(_ctx(tr, "abc"), state, 1)
     assert new["personal/c/w"].item() == 7.0
     assert new["global/w"].item() == pytest.approx(3.0)

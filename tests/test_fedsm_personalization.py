@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import PERSONALIZATIONS
-from fedseg.errors import ConfigError
-from fedseg.runner import simulate
+from fedseg.core.errors import ConfigError
+from fedseg.simulation.runner import simulate
 
 METHODS = [p for p in PERSONALIZATIONS if p != "softpull"]
 
@@ -30,7 +30,7 @@ def _server(path) -> dict[str, torch.Tensor]:
 
 
 def _model(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + "/")}
+    return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + "/")}
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -72,7 +72,13 @@ def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload
     old = {"profile": "reference", "selector_weighting": "even"}
     # Execute
     simulate(_cfg(fedsm=old), workload, sites, out=tmp_path / "default", progress=False)
-    simulate(_cfg(fedsm={**old, "personalization": "softpull"}), workload, tiny_sites(), out=tmp_path / "softpull", progress=False)
+    simulate(
+        _cfg(fedsm={**old, "personalization": "softpull"}),
+        workload,
+        tiny_sites(),
+        out=tmp_path / "softpull",
+        progress=False,
+    )
     # Assert
     a, b = _server(tmp_path / "default"), _server(tmp_path / "softpull")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -86,7 +92,9 @@ def test_bad_personalization_and_incompatible_settings_are_rejected():
     """A name outside Table 6 lists the choices; the method's own settings are validated
     from its own section; APFL's output mixture is no single model for the selector."""
     # Execute / Assert
-    with pytest.raises(ConfigError, match=r"fedsm.personalization = 'fedprox'.*softpull, ft, apfl, perfedavg, pfedme, ditto"):
+    with pytest.raises(
+        ConfigError, match=r"fedsm.personalization = 'fedprox'.*softpull, ft, apfl, perfedavg, pfedme, ditto"
+    ):
         get_algorithm(_cfg(fedsm={"personalization": "fedprox"}))
     with pytest.raises(ConfigError, match=r"ditto.lam = -1"):
         get_algorithm(_cfg(fedsm={"personalization": "ditto"}, ditto={"lam": -1.0}))
@@ -125,7 +133,13 @@ def test_apfl_with_fixed_alpha_zero_personalized_models_are_the_new_global_model
     """APFL's personalized model is α v + (1 − α) w_{r+1}; with α fixed at 0 it is the new
     global model exactly (``torch.lerp`` with weight 0)."""
     # Execute
-    simulate(_cfg(fedsm={"personalization": "apfl"}, apfl={"alpha": 0.0, "learn_alpha": False}), workload, sites, out=tmp_path, progress=False)
+    simulate(
+        _cfg(fedsm={"personalization": "apfl"}, apfl={"alpha": 0.0, "learn_alpha": False}),
+        workload,
+        sites,
+        out=tmp_path,
+        progress=False,
+    )
     # Assert
     state = _server(tmp_path)
     g = _model(state, "global")
@@ -153,7 +167,9 @@ def test_fedsm_extra_trains_the_selector_on_the_methods_models(tmp_path, sites, 
     """fedsm-extra with FT: the model rounds make FT's personalized models, the selector
     round then freezes them (phases models, selector) and the K + 1-class selector is trained."""
     # Execute
-    cfg = dataclasses.replace(tiny_config("fedsm-extra", rounds=2), params={"fedsm": {"personalization": "ft", "selector_rounds": 1}})
+    cfg = dataclasses.replace(
+        tiny_config("fedsm-extra", rounds=2), params={"fedsm": {"personalization": "ft", "selector_rounds": 1}}
+    )
     res = simulate(cfg, workload, sites, out=tmp_path, progress=False)
     # Assert
     assert [e["phase"] for e in res["history"]] == ["models", "selector"]

@@ -25,10 +25,10 @@ from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import selector_role
 from fedseg.algorithms.softpull import oracle_labels
+from fedseg.core.seeding import derive_seed
+from fedseg.core.site import Site
 from fedseg.models import Selector
-from fedseg.runner import simulate
-from fedseg.seeding import derive_seed
-from fedseg.site import Site
+from fedseg.simulation.runner import simulate
 
 SEL = {"selector_width": 0.0625, "selector_hidden": 8, "selector_lr": 0.01}
 
@@ -38,7 +38,9 @@ def _cfg(method: str, rounds: int, **fedsm):
     return dataclasses.replace(cfg, params={"fedsm": {**SEL, **fedsm}})
 
 
-def _central_selector(cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None) -> dict[str, torch.Tensor]:
+def _central_selector(
+    cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None
+) -> dict[str, torch.Tensor]:
     """One selector (the engine's seeded init), one Adam, each step on the concatenation of the sites' batches."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "init", selector_role(classes)))
@@ -71,7 +73,11 @@ def _rel_diff(a, b) -> float:
 
 
 def _server_selector(out) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("selector/"): v for k, v in load_file(str(out / "checkpoints/server.safetensors")).items() if k.startswith("selector/")}
+    return {
+        k.removeprefix("selector/"): v
+        for k, v in load_file(str(out / "checkpoints/server.safetensors")).items()
+        if k.startswith("selector/")
+    }
 
 
 def _sites_in_sync(out, sites, role):
@@ -105,7 +111,13 @@ def test_fga_selector_equals_a_centrally_trained_selector_in_float64(tmp_path, w
     # the routing accuracy of the selector each site holds is reported every round
     assert set(res["history"][0]["routing_acc"]) == set(data)
     # negative control: the averaged selector (local steps, then the mean) is not that selector
-    simulate(_cfg("fedsm", rounds=3, selector_training="fedavg", selector_steps="all"), workload, data, out=tmp_path / "avg", progress=False)
+    simulate(
+        _cfg("fedsm", rounds=3, selector_training="fedavg", selector_steps="all"),
+        workload,
+        data,
+        out=tmp_path / "avg",
+        progress=False,
+    )
     assert _rel_diff(_server_selector(tmp_path / "avg"), central) > 1e-3
 
 
@@ -142,7 +154,9 @@ def test_selector_bytes_per_round(workload, training):
     the selector's weights once.  fedavg: 2 w_g + 3 w_s each way (selector, two Adam moments)
     plus one float32 step counter (Adam's) per selector parameter tensor."""
     data = tiny_sites(2, n_train=8)
-    res = simulate(_cfg("fedsm", rounds=2, selector_training=training, selector_steps="all"), workload, data, progress=False)
+    res = simulate(
+        _cfg("fedsm", rounds=2, selector_training=training, selector_steps="all"), workload, data, progress=False
+    )
     b = res["history"][1]["bytes"]
     w_g = sum(v.numel() * v.element_size() for v in workload.build_model().to(torch.float64).state_dict().values())
     sel = Selector(2, 1, 2, width=SEL["selector_width"], hidden=SEL["selector_hidden"]).to(torch.float64)

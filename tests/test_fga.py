@@ -25,12 +25,12 @@ from fedseg.algorithms.fga import (
     federation_steps,
     state_digest,
 )
-from fedseg.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.runner import simulate
-from fedseg.seeding import derive_seed
-from fedseg.site import Site, SiteData
-from fedseg.workload import Workload, accuracy_metric, segmentation_workload
+from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.seeding import derive_seed
+from fedseg.core.site import Site, SiteData
+from fedseg.core.workload import Workload, accuracy_metric, segmentation_workload
+from fedseg.simulation.runner import simulate
 
 # ----------------------------------------------------------------------- helpers
 
@@ -45,7 +45,9 @@ def mlp_workload(batch_norm: bool = False, loss: nn.Module | None = None) -> Wor
         layers += [nn.Tanh(), nn.Linear(8, 3)]
         return nn.Sequential(*layers)
 
-    return Workload(build_model=build, loss=loss or nn.CrossEntropyLoss(), metric=accuracy_metric, metric_names=("accuracy",))
+    return Workload(
+        build_model=build, loss=loss or nn.CrossEntropyLoss(), metric=accuracy_metric, metric_names=("accuracy",)
+    )
 
 
 def class_sites(sizes: list[int], seed: int = 0) -> dict[str, SiteData]:
@@ -53,17 +55,33 @@ def class_sites(sizes: list[int], seed: int = 0) -> dict[str, SiteData]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k, n in enumerate(sizes):
+
         def split(m: int) -> TensorDataset:
             x = torch.randn(m, 1, 4, 4, generator=g)
-            y = ((x[:, 0, 0, :].sum(1) + k) > 0).long() + (x[:, 0, 1, 0] > 0.5).long()
+            y = ((x[:, 0, 0, :].sum(1) + k) > 0).long()  # noqa: B023 + (x[:, 0, 1, 0] > 0.5).long()
             return TensorDataset(x, y)
+
         out[f"site{k + 1}"] = SiteData(split(n), split(3), split(3))
     return out
 
 
-def config(method: str = "fga", rounds: int = 10, batch_size: int = 4, params: dict | None = None, dtype: str = "float64", **train) -> RunConfig:
+def config(
+    method: str = "fga",
+    rounds: int = 10,
+    batch_size: int = 4,
+    params: dict | None = None,
+    dtype: str = "float64",
+    **train,
+) -> RunConfig:
     t = TrainConfig(batch_size=batch_size, dtype=dtype, lr=train.pop("lr", 1e-2), **train)
-    return RunConfig(federation="(in memory)", method=method, rounds=rounds, train=t, eval=EvalConfig(every=1000), params=params or {})
+    return RunConfig(
+        federation="(in memory)",
+        method=method,
+        rounds=rounds,
+        train=t,
+        eval=EvalConfig(every=1000),
+        params=params or {},
+    )
 
 
 def init_model(cfg: RunConfig, workload: Workload) -> nn.Module:
@@ -74,10 +92,15 @@ def init_model(cfg: RunConfig, workload: Workload) -> nn.Module:
     return model.to(torch.float64 if cfg.train.dtype == "float64" else torch.float32)
 
 
-def site_batches(cfg: RunConfig, workload: Workload, data: dict[str, SiteData], rnd: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def site_batches(
+    cfg: RunConfig, workload: Workload, data: dict[str, SiteData], rnd: int, steps: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """batches[t][k]: site k's batch at lockstep step t of round ``rnd`` (seeded stream 'train', cycling permutations)."""
     algo = get_algorithm(cfg)
-    per_site = [list(Site(s, i, d, workload, cfg, algo).batches(rnd, "train", steps=steps)) for i, (s, d) in enumerate(data.items())]
+    per_site = [
+        list(Site(s, i, d, workload, cfg, algo).batches(rnd, "train", steps=steps))
+        for i, (s, d) in enumerate(data.items())
+    ]
     return [list(step) for step in zip(*per_site)]
 
 
@@ -85,7 +108,9 @@ def adam(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas))
 
 
-def centralized_reference(cfg: RunConfig, workload: Workload, data: dict[str, SiteData], steps: int) -> dict[str, torch.Tensor]:
+def centralized_reference(
+    cfg: RunConfig, workload: Workload, data: dict[str, SiteData], steps: int
+) -> dict[str, torch.Tensor]:
     """One model, one Adam, each step on the concatenation of the sites' batches (site order)."""
     model = init_model(cfg, workload)
     opt = adam(cfg, model)
@@ -100,7 +125,9 @@ def centralized_reference(cfg: RunConfig, workload: Workload, data: dict[str, Si
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def split_batch_reference(cfg: RunConfig, workload: Workload, data: dict[str, SiteData], steps: int, weighting: str = "samples") -> dict[str, torch.Tensor]:
+def split_batch_reference(
+    cfg: RunConfig, workload: Workload, data: dict[str, SiteData], steps: int, weighting: str = "samples"
+) -> dict[str, torch.Tensor]:
     """One process, FGA's arithmetic: per-site gradients, :func:`average_gradients`, :func:`apply_gradient`."""
     model = init_model(cfg, workload)
     opt = adam(cfg, model)
@@ -219,7 +246,11 @@ def test_equivalence_problems_finds_batch_norm_and_batch_reduced_losses():
     assert any("batch-norm" in p for p in equivalence_problems(bn.train(), nn.CrossEntropyLoss()))
     assert equivalence_problems(bn.eval(), nn.CrossEntropyLoss()) == []
     # losses reducing over the batch, directly or inside a compound loss
-    for loss in (DiceLoss(sigmoid=True, batch=True), DiceCELoss(sigmoid=True, batch=True), nn.CrossEntropyLoss(reduction="sum")):
+    for loss in (
+        DiceLoss(sigmoid=True, batch=True),
+        DiceCELoss(sigmoid=True, batch=True),
+        nn.CrossEntropyLoss(reduction="sum"),
+    ):
         problems = equivalence_problems(mlp_workload().build_model(), loss)
         assert len(problems) == 1 and "reduces over the batch" in problems[0], loss
 
@@ -236,7 +267,10 @@ def test_state_digest_sees_weights_and_moments():
     assert state_digest(model, opt) == state_digest(model, opt)
 
 
-@pytest.mark.parametrize("key, value, message", [("weighting", "median", "fga.weighting"), ("steps", "mean", "fga.steps"), ("lr", 1.0, r"\[fga\] has unknown key")])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("weighting", "median", "fga.weighting"), ("steps", "mean", "fga.steps"), ("lr", 1.0, r"\[fga\] has unknown key")],
+)
 def test_fga_params_are_validated(key, value, message):
     with pytest.raises(ConfigError, match=message):
         get_algorithm(config(params={"fga": {key: value}}))
@@ -309,9 +343,18 @@ def test_fga_with_instance_norm_unet_and_dice_matches_centralized(tmp_path):
     """
     # Prepare
     data = {k: SiteData(v.train, v.val, v.test) for k, v in tiny_sites(2, n_train=4, size=8).items()}
-    data["site2"] = SiteData(torch.utils.data.Subset(data["site2"].train, range(4)), data["site2"].val, data["site2"].test)
+    data["site2"] = SiteData(
+        torch.utils.data.Subset(data["site2"].train, range(4)), data["site2"].val, data["site2"].test
+    )
     wl = segmentation_workload(2, 1, ["fg"], TINY_MODEL)
-    cfg = RunConfig(federation="(in memory)", method="fga", rounds=10, model=TINY_MODEL, train=TrainConfig(batch_size=2, dtype="float64"), eval=EvalConfig(every=1000))
+    cfg = RunConfig(
+        federation="(in memory)",
+        method="fga",
+        rounds=10,
+        model=TINY_MODEL,
+        train=TrainConfig(batch_size=2, dtype="float64"),
+        eval=EvalConfig(every=1000),
+    )
     # Execute
     simulate(cfg, wl, data, out=tmp_path, progress=False)
     # Assert
@@ -333,7 +376,10 @@ def test_fga_bytes_per_round_are_one_gradient_each_way_per_step(tmp_path):
     res = simulate(config(rounds=2), mlp_workload(), data, progress=False)
     r1, r2 = (h["bytes"] for h in res["history"])
     # Assert
-    assert r2 == {"site1": {"sent": 2 * p_bytes, "received": 3 * p_bytes}, "site2": {"sent": 2 * p_bytes, "received": 2 * p_bytes}}
+    assert r2 == {
+        "site1": {"sent": 2 * p_bytes, "received": 3 * p_bytes},
+        "site2": {"sent": 2 * p_bytes, "received": 2 * p_bytes},
+    }
     assert r1["site1"]["sent"] == r1["site2"]["sent"] == 3 * p_bytes
 
 
@@ -392,10 +438,19 @@ def test_fga_does_not_warn_for_a_clean_model():
 def test_fwa_keeps_or_resets_adam_moments(tmp_path, reset, expected_step):
     """8 samples, batch 4 → 2 steps per round; after 3 rounds Adam's step count is 6 (kept) or 2 (reset each round)."""
     # Execute
-    simulate(config("fwa", rounds=3, params={"fwa": {"reset_optimizer": reset}}), mlp_workload(), class_sites([8, 8]), out=tmp_path, progress=False)
+    simulate(
+        config("fwa", rounds=3, params={"fwa": {"reset_optimizer": reset}}),
+        mlp_workload(),
+        class_sites([8, 8]),
+        out=tmp_path,
+        progress=False,
+    )
     # Assert
     for s in ("site1", "site2"):
-        assert float(load_file(str(tmp_path / f"checkpoints/sites/{s}.safetensors"))["optim/global/0/step"]) == expected_step
+        assert (
+            float(load_file(str(tmp_path / f"checkpoints/sites/{s}.safetensors"))["optim/global/0/step"])
+            == expected_step
+        )
 
 
 def test_fwa_with_kept_moments_is_fedavg(tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fedseg.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
-from fedseg.runner import load_federation_data, simulate
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import load_federation_data, simulate
 
 
 @pytest.mark.slow
@@ -17,7 +17,13 @@ def test_site1_local_model_scores_lower_on_other_sites(tmp_path):
     fed, data = load_federation_data(spec)
     data = {s: data[s] for s in ("site1", "site3", "site4")}
     model = ModelConfig(channels=(8, 16, 32, 64), strides=(2, 2, 2), num_res_units=1)
-    cfg = RunConfig(federation=str(spec), method="local", rounds=4, model=model, train=TrainConfig(batch_size=8, local_epochs=None, local_steps=40, lr=3e-3))
+    cfg = RunConfig(
+        federation=str(spec),
+        method="local",
+        rounds=4,
+        model=model,
+        train=TrainConfig(batch_size=8, local_epochs=None, local_steps=40, lr=3e-3),
+    )
     workload = segmentation_workload(2, fed.in_channels, list(fed.labels), model, cfg.train)
     # Execute: local training, every local model tested on every site
     res = simulate(cfg, workload, data, progress=False)

@@ -98,7 +98,7 @@ def test_maml_gradient_matches_autograd_through_the_inner_step():
 @pytest.mark.parametrize("delta", [1e-2, 1e-3])
 def test_finite_difference_meta_gradient_close_to_exact(delta):
     """With the finite-difference HVP the meta-gradient stays within O(δ²) of the exact one."""
-    f, A, w, v = quadratic()
+    f, _A, w, _v = quadratic()
     g2 = grad_of(f, w)
     exact = meta_gradient(g2, 0.1, hvp_autograd(f, w, g2))
     fd = meta_gradient(g2, 0.1, hvp_finite_difference(f, w, g2, delta))

@@ -4,7 +4,7 @@ APFL, pFedMe, Per-FedAvg, FGA (and FedSM's ``fga`` selector), Auto-FedAvg's weig
 step and FedSM's ``fedavg`` selector loop do not train through :meth:`Site.fit`; each runs its
 forward passes under :meth:`Site.autocast`, steps through :meth:`Site.step` (fp16: the role's
 gradient scaler) where an optimizer steps on a loss, and sums its losses on the device
-(:class:`fedseg.site.LossSums`).  fp16 is refused at the start of a run, with one error naming
+(:class:`fedseg.core.site.LossSums`).  fp16 is refused at the start of a run, with one error naming
 bf16, where a method uses raw gradients outside an optimizer step (a loss scale cannot be
 unscaled or an overflowed step skipped there) — see docs/architecture.md.
 """
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
-from fedseg.errors import ConfigError
-from fedseg.runner import simulate
-from fedseg.site import LossSums, Site
+from fedseg.core.errors import ConfigError
+from fedseg.core.site import LossSums, Site
+from fedseg.simulation.runner import simulate
 
 FEDSM_FEDAVG = {"fedsm": {"selector_training": "fedavg", "selector_steps": "all"}}
 
@@ -39,7 +39,9 @@ CASES = {
 }
 
 
-def _run(workload, out: Path, method: str, params: dict, precision: str, **train) -> tuple[dict, dict[str, torch.Tensor]]:
+def _run(
+    workload, out: Path, method: str, params: dict, precision: str, **train
+) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = dataclasses.replace(tiny_config(method, rounds=2, precision=precision, **train), params=params)
     res = simulate(cfg, workload, tiny_sites(), out=out, progress=False, log=lambda m: None)
     return res, load_file(str(out / "checkpoints" / "server.safetensors"))
@@ -50,7 +52,19 @@ def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str
     return bool(keys) and any(not torch.equal(a[k], b[k]) for k in keys)
 
 
-@pytest.mark.parametrize("case", ["apfl", "apfl-outputs", "pfedme", "perfedavg-hf", "fga", "autofedavg", "fedsm-fedavg-selector", "fedsm-fga-selector"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "apfl",
+        "apfl-outputs",
+        "pfedme",
+        "perfedavg-hf",
+        "fga",
+        "autofedavg",
+        "fedsm-fedavg-selector",
+        "fedsm-fga-selector",
+    ],
+)
 def test_bf16_runs_finite_and_differs_from_fp32(tmp_path, workload, case):
     method, params, _ = CASES[case]
     _, w32 = _run(workload, tmp_path / "fp32", method, params, "fp32")
@@ -61,7 +75,9 @@ def test_bf16_runs_finite_and_differs_from_fp32(tmp_path, workload, case):
     losses = [v for e in res["history"] for v in e["train_loss"].values()]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
     # the method's own loop ran under autocast: the part it trains changed
-    part = {"autofedavg": "autofedavg/", "fedsm-fedavg-selector": "selector/", "fedsm-fga-selector": "selector/"}.get(case, "")
+    part = {"autofedavg": "autofedavg/", "fedsm-fedavg-selector": "selector/", "fedsm-fga-selector": "selector/"}.get(
+        case, ""
+    )
     assert _differs(w16, w32, part)
 
 
@@ -69,7 +85,9 @@ def test_bf16_runs_finite_and_differs_from_fp32(tmp_path, workload, case):
 def test_fp16_runs_with_loss_scaling_or_is_refused_naming_bf16(tmp_path, workload, case):
     method, params, refused = CASES[case]
     if refused is not None:
-        with pytest.raises(ConfigError, match=rf"train.precision = 'fp16' is not supported by {refused}.*train.precision=bf16"):
+        with pytest.raises(
+            ConfigError, match=rf"train.precision = 'fp16' is not supported by {refused}.*train.precision=bf16"
+        ):
             _run(workload, tmp_path / "fp16", method, params, "fp16")
         assert not (tmp_path / "fp16" / "checkpoints").exists()  # refused before any training
         return
@@ -78,8 +96,12 @@ def test_fp16_runs_with_loss_scaling_or_is_refused_naming_bf16(tmp_path, workloa
     assert all(torch.isfinite(v).all() for v in w16.values() if v.is_floating_point())
     part = {"autofedavg": "autofedavg/", "fedsm-fedavg-selector": "selector/"}[case]
     assert _differs(w16, w32, part)
-    scalers = __import__("json").loads((tmp_path / "fp16" / "checkpoints" / "sites" / "site1.json").read_text())["scalers"]
-    assert {"autofedavg": "autofedavg/beta", "fedsm-fedavg-selector": "selector@3"}[case] in scalers  # the loop's own scaler, saved
+    scalers = __import__("json").loads((tmp_path / "fp16" / "checkpoints" / "sites" / "site1.json").read_text())[
+        "scalers"
+    ]
+    assert {"autofedavg": "autofedavg/beta", "fedsm-fedavg-selector": "selector@3"}[
+        case
+    ] in scalers  # the loop's own scaler, saved
 
 
 LOOPS = {
@@ -87,7 +109,11 @@ LOOPS = {
     "pfedme": ("pfedme", {}, "fedseg/algorithms/pfedme.py"),
     "perfedavg": ("perfedavg", {}, "fedseg/algorithms/perfedavg.py"),
     "autofedavg": ("autofedavg", {"autofedavg": {"interval": 1}}, "fedseg/algorithms/autofedavg.py"),
-    "fedsm-fedavg-selector": ("fedsm", {"fedsm": {**FEDSM_FEDAVG["fedsm"], "personalization": "ft"}}, "fedseg/algorithms/fedsm.py"),
+    "fedsm-fedavg-selector": (
+        "fedsm",
+        {"fedsm": {**FEDSM_FEDAVG["fedsm"], "personalization": "ft"}},
+        "fedseg/algorithms/fedsm.py",
+    ),
 }
 
 
@@ -98,7 +124,7 @@ def test_local_loops_read_no_loss_per_step_and_enter_autocast(tmp_path, workload
     The same runs count the method's own entries into :meth:`Site.autocast`.
     (FedSM with ``ft`` personalization, so that its loop trains only the selector.)"""
     method, params, module = LOOPS[case]
-    reads = count_host_reads(monkeypatch, module, "fedseg/site.py")
+    reads = count_host_reads(monkeypatch, module, "fedseg/core/site.py")
     entered = {"n": 0}
     real = Site.autocast
 
@@ -116,7 +142,9 @@ def test_local_loops_read_no_loss_per_step_and_enter_autocast(tmp_path, workload
         counts.append((reads["n"], entered["n"]))
     (reads1, entered1), (reads4, entered4) = counts
     assert reads1 == reads4, f"{case}: {reads1} host reads with 1 local step, {reads4} with 4"
-    assert entered1 > 0 and (entered4 > entered1 or case == "autofedavg")  # Auto-FedAvg's β steps do not follow local_steps
+    assert entered1 > 0 and (
+        entered4 > entered1 or case == "autofedavg"
+    )  # Auto-FedAvg's β steps do not follow local_steps
 
 
 def test_loss_sums_means_match_python_float_sums_bitwise():
@@ -127,4 +155,6 @@ def test_loss_sums_means_match_python_float_sums_bitwise():
     for t in losses:
         sums.add("loss", t)
         total += float(t)
-    assert sums.means() == {"loss": total / 4} and sums.count("loss") == 4 and LossSums(torch.device("cpu")).means() == {}
+    assert (
+        sums.means() == {"loss": total / 4} and sums.count("loss") == 4 and LossSums(torch.device("cpu")).means() == {}
+    )

@@ -46,7 +46,13 @@ class _Checker(HTMLParser):
         for key in ("src", "href"):
             v = a.get(key)
             if v and not (v.startswith("data:") or v.startswith("#")):
-                if key == "href" and tag == "a" and v.endswith("config.toml") and "://" not in v and not v.startswith("/"):
+                if (
+                    key == "href"
+                    and tag == "a"
+                    and v.endswith("config.toml")
+                    and "://" not in v
+                    and not v.startswith("/")
+                ):
                     continue  # the bookkeeping links each run's config.toml, relative to the report
                 self.external.append(v)
         if tag not in VOID:
@@ -85,8 +91,8 @@ def check_html(path: Path) -> _Checker:
 def runs(tmp_path_factory):
     """Tiny runs of every method family the report knows (made once, ~20 s on a loaded 2-core CPU)."""
     from fedseg.data.synth import synthesize
-    from fedseg.fedsm_experiments import load_spec, run_fedsm
-    from fedseg.runner import run
+    from fedseg.simulation.runner import run
+    from fedseg.studies.fedsm import load_spec, run_fedsm
 
     root = tmp_path_factory.mktemp("report")
     spec = synthesize("fundus", root / "data", scale=0.05, size=32)
@@ -113,10 +119,31 @@ def test_report_of_every_method_has_every_section_and_is_valid_html(full_report)
     # Execute
     c = check_html(full_report)
     # Assert
-    assert c.sections == ["headline", "table3", "distributions", "table2", "fedsm", "table5", "curves", "alpha", "loss-surface", "tsne",
-                          "predictions", "runs", "config"]
-    assert c.figures == ["fig-distributions", "fig-fedsm-history", "fig-curves", "fig-history", "fig-alpha", "fig-loss-surface",
-                         "fig-tsne-0", "fig-predictions"]
+    assert c.sections == [
+        "headline",
+        "table3",
+        "distributions",
+        "table2",
+        "fedsm",
+        "table5",
+        "curves",
+        "alpha",
+        "loss-surface",
+        "tsne",
+        "predictions",
+        "runs",
+        "config",
+    ]
+    assert c.figures == [
+        "fig-distributions",
+        "fig-fedsm-history",
+        "fig-curves",
+        "fig-history",
+        "fig-alpha",
+        "fig-loss-surface",
+        "fig-tsne-0",
+        "fig-predictions",
+    ]
     assert full_report.stat().st_size < 2_000_000
 
 
@@ -124,7 +151,14 @@ def test_report_of_every_method_has_every_section_and_is_valid_html(full_report)
 def test_report_tables_name_every_method_site_and_test(full_report):
     text = full_report.read_text(encoding="utf-8")
     t3 = text.split('<section id="table3">')[1].split("</section>")[0]
-    for label in ("site1 Local", "Centralized", "FedAvg", "Auto-FedAvg-N-Dirichlet", "FedSM (unseen site6)", "Client Avg Dice"):
+    for label in (
+        "site1 Local",
+        "Centralized",
+        "FedAvg",
+        "Auto-FedAvg-N-Dirichlet",
+        "FedSM (unseen site6)",
+        "Client Avg Dice",
+    ):
         assert label in t3
     for s in ("site1", "site6"):
         assert f"<th>{s}</th>" in t3
@@ -185,7 +219,9 @@ def test_run_with_tensorboard_writes_per_round_scalars(runs, tmp_path, capsys):
     spec = runs.parent / "data" / "federation.toml"
     out = tmp_path / "tb"
     sets = [x for s in SMALL for x in ("--set", s)]
-    assert main(["run", str(spec), "--method", "fedavg", "--rounds", "2", "--out", str(out), "--tensorboard", *sets]) == 0
+    assert (
+        main(["run", str(spec), "--method", "fedavg", "--rounds", "2", "--out", str(out), "--tensorboard", *sets]) == 0
+    )
     assert "tensorboard --logdir" in capsys.readouterr().out
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
@@ -226,8 +262,14 @@ def test_tensorboard_flag_without_tensorboard_says_how_to_install(runs, tmp_path
 
 
 # ------------------------------------------------------------------ hand-made run folders (no training)
-def _fake_run(folder: Path, method: str, seed: int, per_case: dict[str, list[float]], settings: dict | None = None,
-              routing_acc: float | None = None) -> Path:
+def _fake_run(
+    folder: Path,
+    method: str,
+    seed: int,
+    per_case: dict[str, list[float]],
+    settings: dict | None = None,
+    routing_acc: float | None = None,
+) -> Path:
     """A run folder with a results.json in the documented format (docs/results-format.md), numbers given by hand."""
     sites = list(per_case)
     mean = lambda v: sum(v) / len(v)  # noqa: E731
@@ -236,8 +278,15 @@ def _fake_run(folder: Path, method: str, seed: int, per_case: dict[str, list[flo
     primary = "fedsm" if method.startswith("fedsm") else "global"
 
     def row(name, dice, home=None):
-        return {"name": name, "home_site": home, "best_round": 2, "best_val_dice": 0.5, "per_site_dice": dice,
-                "client_avg_dice": mean(list(dice.values())), "global_dice": mean(pooled)}
+        return {
+            "name": name,
+            "home_site": home,
+            "best_round": 2,
+            "best_val_dice": 0.5,
+            "per_site_dice": dice,
+            "client_avg_dice": mean(list(dice.values())),
+            "global_dice": mean(pooled),
+        }
 
     rows = [row(primary, psd)]
     pcd = {primary: per_case}
@@ -246,16 +295,32 @@ def _fake_run(folder: Path, method: str, seed: int, per_case: dict[str, list[flo
         rows += [row(f"personal/{s}", {t: v - 0.05 for t, v in psd.items()}, s) for s in sites]
     history = []
     for r in (1, 2, 3):
-        e = {"round": r, "train_loss": {s: 1.0 / r for s in sites}, "bytes": {s: {"sent": 1000, "received": 1000} for s in sites},
-             "val_dice": {primary: {s: 0.2 * r for s in sites}}, "val_score": {primary: 0.2 * r}}
+        e = {
+            "round": r,
+            "train_loss": {s: 1.0 / r for s in sites},
+            "bytes": {s: {"sent": 1000, "received": 1000} for s in sites},
+            "val_dice": {primary: {s: 0.2 * r for s in sites}},
+            "val_score": {primary: 0.2 * r},
+        }
         if routing_acc is not None:
             e["routing_acc"] = {s: routing_acc for s in sites}
             e["selector_loss"] = {s: 2.0 / r for s in sites}
         history.append(e)
-    results = {"method": method, "sites": sites, "seed": seed, "metric_names": ["disc"], "per_site_dice": psd,
-               "client_avg_dice": mean(list(psd.values())), "global_dice": mean(pooled), "num_cases": {s: len(v) for s, v in per_case.items()},
-               "rows": rows, "per_case_dice": pcd, "history": history, "config": {"method": method, "seed": seed, **({"fedsm": settings} if settings else {})},
-               "wall_time_s": 1.0}
+    results = {
+        "method": method,
+        "sites": sites,
+        "seed": seed,
+        "metric_names": ["disc"],
+        "per_site_dice": psd,
+        "client_avg_dice": mean(list(psd.values())),
+        "global_dice": mean(pooled),
+        "num_cases": {s: len(v) for s, v in per_case.items()},
+        "rows": rows,
+        "per_case_dice": pcd,
+        "history": history,
+        "config": {"method": method, "seed": seed, **({"fedsm": settings} if settings else {})},
+        "wall_time_s": 1.0,
+    }
     folder.mkdir(parents=True)
     (folder / "results.json").write_text(json.dumps(results))
     return folder
@@ -270,7 +335,14 @@ def test_two_variants_of_one_method_get_two_rows_and_seeds_of_one_variant_one(tm
     # Prepare: a compare-like folder
     cases = {"a": [0.6, 0.7, 0.8], "b": [0.2, 0.3]}
     _fake_run(tmp_path / "runs" / "fedsm" / "seed0", "fedsm", 0, cases, routing_acc=0.5)
-    _fake_run(tmp_path / "runs" / "fedsm-gamma=auto" / "seed0", "fedsm", 0, {"a": [0.9, 0.9, 0.9], "b": [0.5, 0.5]}, {"gamma": "auto"}, 1.0)
+    _fake_run(
+        tmp_path / "runs" / "fedsm-gamma=auto" / "seed0",
+        "fedsm",
+        0,
+        {"a": [0.9, 0.9, 0.9], "b": [0.5, 0.5]},
+        {"gamma": "auto"},
+        1.0,
+    )
     _fake_run(tmp_path / "runs" / "fedavg" / "seed0", "fedavg", 0, cases)
     _fake_run(tmp_path / "runs" / "fedavg" / "seed1", "fedavg", 1, {"a": [0.5, 0.6, 0.7], "b": [0.1, 0.2]})
     # Execute
@@ -302,8 +374,15 @@ def test_headline_intervals_and_differences():
     runs on different sites → no Δ."""
     from fedseg.report.numbers import headline
 
-    base = {"method": "fedavg", "sites": ["a", "b"], "seed": 0, "client_avg_dice": 0.5, "global_dice": 0.52,
-            "per_case_dice": {"global": {"a": [0.4, 0.5, 0.6], "b": [0.5, 0.5]}}, "rows": [{"name": "global", "best_round": 7}]}
+    base = {
+        "method": "fedavg",
+        "sites": ["a", "b"],
+        "seed": 0,
+        "client_avg_dice": 0.5,
+        "global_dice": 0.52,
+        "per_case_dice": {"global": {"a": [0.4, 0.5, 0.6], "b": [0.5, 0.5]}},
+        "rows": [{"name": "global", "best_round": 7}],
+    }
     same = {**base, "method": "fedprox"}
     other_sites = {**base, "method": "centralized", "sites": ["a"], "per_case_dice": {"global": {"a": [0.4, 0.5, 0.6]}}}
     rows = {r["label"]: r for r in headline({"FedAvg": [base], "FedProx": [same], "C": [other_sites]}, boot=500)}
@@ -318,10 +397,20 @@ def test_headline_intervals_and_differences():
 def test_variant_labels_name_the_settings_that_differ():
     from fedseg.report.runs import variant_labels
 
-    runs = [{"method": "fedsm", "config": {}}, {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}},
-            {"method": "fedsm", "config": {"fedsm": {"gamma": 0.5, "lam": 0.3}}}, {"method": "fedavg", "config": {}},
-            {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}, "label": "fedsm (gamma=auto)"}]
-    assert variant_labels(runs) == ["FedSM", "FedSM (gamma=auto)", "FedSM (gamma=0.5, lam=0.3)", "FedAvg", "fedsm (gamma=auto)"]
+    runs = [
+        {"method": "fedsm", "config": {}},
+        {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}},
+        {"method": "fedsm", "config": {"fedsm": {"gamma": 0.5, "lam": 0.3}}},
+        {"method": "fedavg", "config": {}},
+        {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}, "label": "fedsm (gamma=auto)"},
+    ]
+    assert variant_labels(runs) == [
+        "FedSM",
+        "FedSM (gamma=auto)",
+        "FedSM (gamma=0.5, lam=0.3)",
+        "FedAvg",
+        "fedsm (gamma=auto)",
+    ]
     # one variant only: the plain name, whatever its settings
     assert variant_labels([{"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}}]) == ["FedSM"]
 
@@ -331,15 +420,25 @@ def test_fedsm_findings_say_where_the_images_went():
     site's personalized model; a site whose images all went to its own model; all-to-GM summarised first."""
     from fedseg.report.numbers import fedsm_findings
 
-    summary = {"sites": ["s1", "s2"], "models": ["global", "personal/s1", "personal/s2"],
-               "dice": {"s1": {"fedsm": 0.60, "global": 0.65, "personal/s1": 0.70, "personal/s2": 0.51},
-                        "s2": {"fedsm": 0.80, "global": 0.70, "personal/s1": 0.40, "personal/s2": 0.80}},
-               "selection": {"s1": {"global": 0.6, "personal/s1": 0.0, "personal/s2": 0.4},
-                             "s2": {"global": 0.0, "personal/s1": 0.0, "personal/s2": 1.0}}, "routing_acc": None}
+    summary = {
+        "sites": ["s1", "s2"],
+        "models": ["global", "personal/s1", "personal/s2"],
+        "dice": {
+            "s1": {"fedsm": 0.60, "global": 0.65, "personal/s1": 0.70, "personal/s2": 0.51},
+            "s2": {"fedsm": 0.80, "global": 0.70, "personal/s1": 0.40, "personal/s2": 0.80},
+        },
+        "selection": {
+            "s1": {"global": 0.6, "personal/s1": 0.0, "personal/s2": 0.4},
+            "s2": {"global": 0.0, "personal/s1": 0.0, "personal/s2": 1.0},
+        },
+        "routing_acc": None,
+    }
     s1, s2 = fedsm_findings(summary)
     assert s1.startswith("s1: composite 0.600 vs global model 0.650 (-0.050, lost)")
     assert "40 % to PM s2 (Dice 0.510 on s1)" in s1 and "40 % went to another site's personalized model" in s1
-    assert "100 % to PM s2 (its own)" in s2 and "(+0.100, gained)" in s2 and "mostly to its own personalized model" in s2
+    assert (
+        "100 % to PM s2 (its own)" in s2 and "(+0.100, gained)" in s2 and "mostly to its own personalized model" in s2
+    )
     mixed = fedsm_findings({**summary, "mode": "mix"})  # the ensemble mixes all models: only the selector's top choice
     assert "the selector's top choice for its images was 60 % to GM" in mixed[0] and "another site's" not in mixed[0]
     summary["selection"] = {s: {"global": 1.0, "personal/s1": 0.0, "personal/s2": 0.0} for s in ("s1", "s2")}
@@ -353,10 +452,10 @@ def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_traini
     checkpoints/best.* for runs that lack it. On a run that has both, the two agree: shares and Dice of every
     model on every site, at the run's γ and at γ = 0 (where the selector's argmax decides, so the images spread
     over the personalized models), and the per-image names in the predictions give the same shares."""
+    from fedseg.core.site import batch_of, dataset_len
     from fedseg.report.model_sections import routed_models, routing_on_test
     from fedseg.report.numbers import model_short
     from fedseg.report.runs import DataCache, RunModels, load_runs
-    from fedseg.site import batch_of, dataset_len
 
     # Prepare
     (run,) = load_runs([runs / "unseen-site6"])
@@ -393,7 +492,12 @@ def test_fedsm_section_computes_the_routing_of_a_run_that_did_not_record_it(runs
     res = json.loads((run / "results.json").read_text())
     recorded = res.pop("fedsm")
     (run / "results.json").write_text(json.dumps(res))
-    out = build_report([run], tmp_path / "r.html", ReportOptions(directions=1, steps=3, loss_cases=2, cases=0, tsne_cases=3), progress=False)
+    out = build_report(
+        [run],
+        tmp_path / "r.html",
+        ReportOptions(directions=1, steps=3, loss_cases=2, cases=0, tsne_cases=3),
+        progress=False,
+    )
     fedsm = _section(out.read_text(encoding="utf-8"), "fedsm")
     assert f"Routing on test (at γ = {recorded['gamma']:g})" in fedsm and "of each model inside it" in fedsm
     row = fedsm.split("<td>site1</td>")[2].split("</tr>")[0]  # the routing table's row of site1

@@ -20,11 +20,21 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)")
 
 #: Added before </body>: on load, every image must have decoded; the result goes into the DOM.
-CHECKER = ('<script>window.addEventListener("load",function(){var im=document.images,bad=0;'
-           'for(var i=0;i<im.length;i++){if(!im[i].complete||im[i].naturalWidth===0){bad++;console.error("broken image "+i);}}'
-           'document.body.setAttribute("data-check","images="+im.length+" broken="+bad);});</script>')
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+CHECKER = (
+    '<script>window.addEventListener("load",function(){var im=document.images,bad=0;'
+    'for(var i=0;i<im.length;i++){if(!im[i].complete||im[i].naturalWidth===0){bad++;console.error("broken image "+i);}}'
+    'document.body.setAttribute("data-check","images="+im.length+" broken="+bad);});</script>'
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def render(html_file: Path, profile: Path) -> tuple[list[str], str]:
@@ -32,8 +42,16 @@ def render(html_file: Path, profile: Path) -> tuple[list[str], str]:
     page = profile.parent / (html_file.stem + "-checked.html")
     page.write_text(html_file.read_text(encoding="utf-8").replace("</body>", CHECKER + "</body>"), encoding="utf-8")
     profile.mkdir()
-    cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-           "--virtual-time-budget=10000", "--dump-dom", page.as_uri()]
+    cmd = [
+        CHROMIUM,
+        *FLAGS,
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        page.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     console = [line for line in proc.stderr.splitlines() if re.search(r":CONSOLE(:\d+)?\]", line)]
     return console, proc.stdout

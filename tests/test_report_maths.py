@@ -10,15 +10,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from conftest import TINY_MODEL, tiny_sites
-from fedseg.arrays import flatten
+from fedseg.core.arrays import flatten
+from fedseg.core.errors import ConfigError
+from fedseg.core.workload import make_loss
 from fedseg.models import Selector, build_unet
 from fedseg.report.figures import best_so_far, site_curve
 from fedseg.report.html import ReportOptions, markdown_html
 from fedseg.report.loss_surface import dataset_loss, loss_surface, random_directions, trainable_arrays
 from fedseg.report.tensorboard import round_scalars
 from fedseg.report.tsne import selector_features, tsne_embed
-from fedseg.errors import ConfigError
-from fedseg.workload import make_loss
 
 
 def _unet() -> nn.Module:
@@ -28,7 +28,7 @@ def _unet() -> nn.Module:
 
 # ------------------------------------------------------------------ directions
 def test_unit_directions_have_unit_norm_and_are_seeded():
-    """"unit" directions lie on the unit sphere of parameter space (FedSM: "unit vector directions");
+    """ "unit" directions lie on the unit sphere of parameter space (FedSM: "unit vector directions");
     the same seed gives the same directions, another seed others."""
     # Prepare
     params = trainable_arrays(_unet())
@@ -161,7 +161,9 @@ def test_tsne_rejects_too_few_points_and_bad_shapes():
 def test_round_scalars_flattens_a_history_entry():
     """Nested dicts become '/'-tags; bytes get totals over sites; strings, None, bools, NaN are left out."""
     entry = {
-        "round": 3, "phase": "joint", "alpha_learned": True,
+        "round": 3,
+        "phase": "joint",
+        "alpha_learned": True,
         "train_loss": {"a": 0.5, "b": None},
         "bytes": {"a": {"sent": 10, "received": 20}, "b": {"sent": 1, "received": 2}},
         "val_dice": {"global": {"a": 0.7, "b": float("nan")}},
@@ -170,10 +172,15 @@ def test_round_scalars_flattens_a_history_entry():
     }
     assert round_scalars(entry) == {
         "train_loss/a": 0.5,
-        "bytes/a/sent": 10.0, "bytes/a/received": 20.0, "bytes/b/sent": 1.0, "bytes/b/received": 2.0,
-        "bytes/total/sent": 11.0, "bytes/total/received": 22.0,
+        "bytes/a/sent": 10.0,
+        "bytes/a/received": 20.0,
+        "bytes/b/sent": 1.0,
+        "bytes/b/received": 2.0,
+        "bytes/total/sent": 11.0,
+        "bytes/total/received": 22.0,
         "val_dice/global/a": 0.7,
-        "alpha/a": 0.25, "alpha/b": 0.75,
+        "alpha/a": 0.25,
+        "alpha/b": 0.75,
         "time_s": 1.5,
     }
 
@@ -191,6 +198,10 @@ def test_markdown_table_becomes_an_escaped_html_table():
 def test_best_so_far_and_site_curve():
     """Running maximum of validation Dice (the papers keep the best round); rounds without validation skipped."""
     assert best_so_far([0.1, 0.3, 0.2, 0.4]) == [0.1, 0.3, 0.3, 0.4]
-    hist = [{"round": 1, "val_dice": {"local/a": {"a": 0.2}}}, {"round": 2}, {"round": 3, "val_dice": {"local/a": {"a": 0.1}}}]
+    hist = [
+        {"round": 1, "val_dice": {"local/a": {"a": 0.2}}},
+        {"round": 2},
+        {"round": 3, "val_dice": {"local/a": {"a": 0.1}}},
+    ]
     assert site_curve(hist, None, "a", {"a": "local/a"}) == ([1, 3], [0.2, 0.1])
     assert site_curve(hist, "global", "a") == ([], [])

@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_config
 from fedseg.algorithms import get_algorithm
-from fedseg.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.site import Site
-from fedseg.workload import segmentation_workload
+from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.site import Site
+from fedseg.core.workload import segmentation_workload
 
 
 def _site(sites, workload, cfg=None, name="site1"):
@@ -106,17 +106,27 @@ def test_local_batch_norm_fedsm_composite_uses_the_sites_own_statistics(sites, t
     the site's personalized-model statistics, both as trained in round 2 (not round 1's)."""
     from safetensors.torch import load_file
 
-    from fedseg.runner import simulate
+    from fedseg.simulation.runner import simulate
 
     model = ModelConfig(channels=(4, 8), strides=(2,), num_res_units=0, norm="batch")
-    cfg = RunConfig(federation="x", method="fedsm", rounds=2, model=model, train=TrainConfig(batch_size=4, bn_policy="local"),
-                    params={"fedsm": {"selector_width": 0.0625, "selector_hidden": 8}})
+    cfg = RunConfig(
+        federation="x",
+        method="fedsm",
+        rounds=2,
+        model=model,
+        train=TrainConfig(batch_size=4, bn_policy="local"),
+        params={"fedsm": {"selector_width": 0.0625, "selector_hidden": 8}},
+    )
     wl = segmentation_workload(2, 1, ["fg"], model)
     simulate(cfg, wl, sites, out=tmp_path, progress=False)
     st = load_file(str(tmp_path / "checkpoints/sites/site2.safetensors"))
 
     def stats(role):
-        return {k.removeprefix(f"model/{role}/"): v for k, v in st.items() if k.startswith(f"model/{role}/") and "running_" in k}
+        return {
+            k.removeprefix(f"model/{role}/"): v
+            for k, v in st.items()
+            if k.startswith(f"model/{role}/") and "running_" in k
+        }
 
     g, p, cg, cp = stats("global"), stats("personal"), stats("fedsm-eval/global"), stats("fedsm-eval/p1")
     assert g and all(torch.equal(cg[k], g[k]) for k in g)

@@ -23,7 +23,10 @@ def _run(method, seed, global_cases, matrix=None, config=None, home_rows=True):
     per_site = {s: sum(c) / len(c) for s, c in global_cases.items()}
     rows = [{"name": "global", "home_site": None, "per_site_dice": per_site}]
     if matrix is not None and home_rows:
-        rows += [{"name": f"global@{k}", "home_site": k, "per_site_dice": dict(zip(SITES, matrix[i]))} for i, k in enumerate(SITES)]
+        rows += [
+            {"name": f"global@{k}", "home_site": k, "per_site_dice": dict(zip(SITES, matrix[i]))}
+            for i, k in enumerate(SITES)
+        ]
     return {
         "method": method,
         "seed": seed,
@@ -93,7 +96,10 @@ def test_default_labels_follow_the_paper():
     assert default_label({"method": "autofedavg", "config": {}}) == "Auto-FedAvg-N-Dirichlet"
     cfg = {"autofedavg": {"granularity": "layer", "param": "softmax"}}
     assert default_label({"method": "autofedavg", "config": cfg}) == "Auto-FedAvg-L-Softmax"
-    assert default_label({"method": "autofedavg", "config": {"autofedavg": {"reinit": True}}}) == "Auto-FedAvg-N-Dirichlet*"
+    assert (
+        default_label({"method": "autofedavg", "config": {"autofedavg": {"reinit": True}}})
+        == "Auto-FedAvg-N-Dirichlet*"
+    )
 
 
 def test_table2_layout_mean_sd_and_significance_mark():
@@ -156,7 +162,10 @@ def test_bootstrap_ci_is_seeded_paired_and_about_the_right_width():
     lo, hi = ci["client_avg"]
     assert lo < float(np.mean(big["a"])) < hi and 0.016 < hi - lo < 0.024
     assert bootstrap_ci({"a": [0.3] * 5, "b": [0.7] * 2})["client_avg"] == pytest.approx((0.5, 0.5))
-    assert bootstrap_ci({"a": [0.3, 0.4] * 5, "b": [0.7] * 2})["global"][0] < bootstrap_ci({"a": [0.3, 0.4] * 5, "b": [0.7] * 2})["global"][1]
+    assert (
+        bootstrap_ci({"a": [0.3, 0.4] * 5, "b": [0.7] * 2})["global"][0]
+        < bootstrap_ci({"a": [0.3, 0.4] * 5, "b": [0.7] * 2})["global"][1]
+    )
     assert bootstrap_ci(big, big) == {"client_avg": (0.0, 0.0), "global": (0.0, 0.0)}
     with pytest.raises(ValueError, match="case counts differ"):
         bootstrap_ci({"a": [0.1, 0.2]}, {"a": [0.1]})

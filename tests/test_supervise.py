@@ -16,9 +16,9 @@ import pytest
 
 from conftest import tiny_sites
 from fedseg.deploy.params import DeployParams
+from fedseg.deploy.remote import DeployError, LoopbackChannel
 from fedseg.deploy.server import serve
 from fedseg.deploy.supervise import Supervisor
-from fedseg.deploy.transport import DeployError, LoopbackChannel
 from test_deploy import _cfg, _equal, _prepare, _runtimes, _weights
 
 
@@ -48,7 +48,11 @@ class FakeAdmin:
                 raise ConnectionError(f"site {site} is not part of this job")
             if op == "task":
                 self.tasks += 1
-                if self.abort_at is not None and self.tasks == self.abort_at[0] and len(self.jobs) == self.abort_at[1] + 1:
+                if (
+                    self.abort_at is not None
+                    and self.tasks == self.abort_at[0]
+                    and len(self.jobs) == self.abort_at[1] + 1
+                ):
                     raise ConnectionError("FLARE aborted the job")  # with deploy.min_sites = 2 the job's main fails
             return chan(site, op, payload, timeout)
 
@@ -56,7 +60,7 @@ class FakeAdmin:
             try:
                 serve(self.run_dir, call, log=lambda m: None)
                 job["status"] = "FINISHED:COMPLETED"
-            except Exception:  # noqa: BLE001 - the job's end state
+            except Exception:
                 job["status"] = "FINISHED:EXECUTION_EXCEPTION"
 
         self.jobs[job_id] = job
@@ -92,8 +96,18 @@ def test_aborted_job_is_resubmitted_from_its_last_checkpoint_and_ends_bitwise_as
     _prepare(tmp_path / "ref", cfg, ["site1", "site2"])
     _prepare(tmp_path / "run", cfg, ["site1", "site2"])
     serve(tmp_path / "ref", LoopbackChannel(_runtimes(tmp_path / "r", tiny_sites(2))), log=lambda m: None)
-    admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)), abort_at=(5, 0))  # 5th task (train + evaluate per round): round 2
-    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=lambda m: None, poll_s=0.05)
+    admin = FakeAdmin(
+        tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)), abort_at=(5, 0)
+    )  # 5th task (train + evaluate per round): round 2
+    sup = Supervisor(
+        admin,
+        tmp_path / "run",
+        ["site1", "site2"],
+        _make_job(tmp_path / "jobs"),
+        PARAMS,
+        log=lambda m: None,
+        poll_s=0.05,
+    )
     # Execute
     last = sup.run(timeout=120)
     # Assert
@@ -102,7 +116,10 @@ def test_aborted_job_is_resubmitted_from_its_last_checkpoint_and_ends_bitwise_as
     assert sup.recoveries[0]["from_round"] == 1 and sup.recoveries[0]["recover_s"] > 0
     assert _equal(_weights(tmp_path / "run"), _weights(tmp_path / "ref"))
     res = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert res["deploy"]["recoveries"][0]["after_job"] == "job0" and [j["job"] for j in res["deploy"]["jobs"]] == ["job0", "job1"]
+    assert res["deploy"]["recoveries"][0]["after_job"] == "job0" and [j["job"] for j in res["deploy"]["jobs"]] == [
+        "job0",
+        "job1",
+    ]
 
 
 def test_restarted_site_rejoins_through_a_new_job_at_a_round_boundary(tmp_path):
@@ -114,7 +131,9 @@ def test_restarted_site_rejoins_through_a_new_job_at_a_round_boundary(tmp_path):
     _prepare(tmp_path / "run", cfg, ["site1", "site2"])
     admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)))
     logs: list[str] = []
-    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=logs.append, poll_s=0.05)
+    sup = Supervisor(
+        admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=logs.append, poll_s=0.05
+    )
     original = admin.status
 
     def status(job_id):  # site2 restarts once the first job has completed a round
@@ -148,7 +167,15 @@ def test_restarts_are_bounded_and_the_error_names_the_resume_command(tmp_path):
         return job_id
 
     admin.submit = failing_submit
-    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=lambda m: None, poll_s=0.01)
+    sup = Supervisor(
+        admin,
+        tmp_path / "run",
+        ["site1", "site2"],
+        _make_job(tmp_path / "jobs"),
+        PARAMS,
+        log=lambda m: None,
+        poll_s=0.01,
+    )
     # Execute / Assert
     with pytest.raises(DeployError, match=r"two jobs in a row completed no round.*fedseg deploy run --resume"):
         sup.run(timeout=60)
@@ -168,7 +195,15 @@ def test_restarts_are_bounded_by_max_restarts_when_jobs_progress(tmp_path):
         return real_submit(folder)
 
     admin.submit = submit
-    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=lambda m: None, poll_s=0.02)
+    sup = Supervisor(
+        admin,
+        tmp_path / "run",
+        ["site1", "site2"],
+        _make_job(tmp_path / "jobs"),
+        PARAMS,
+        log=lambda m: None,
+        poll_s=0.02,
+    )
     # Execute / Assert
     with pytest.raises(DeployError, match=r"max_restarts = 2 automatic restarts are used up"):
         sup.run(timeout=60)
@@ -189,7 +224,9 @@ def test_command_returns_after_the_results_even_if_the_job_never_ends(tmp_path):
     admin.abort = aborted.append
     logs: list[str] = []
     params = DeployParams(round_deadline_s=30.0, setup_timeout_s=5.0, rejoin_wait_s=0.0, shutdown_grace_s=0.5)
-    sup = Supervisor(admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), params, log=logs.append, poll_s=0.05)
+    sup = Supervisor(
+        admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), params, log=logs.append, poll_s=0.05
+    )
     # Execute
     last = sup.run(timeout=60)
     done = time.time()

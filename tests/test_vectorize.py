@@ -20,20 +20,31 @@ from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.algorithms.fedprox import proximal_loss
-from fedseg.config import RunConfig, SimulationConfig, load_run_config
-from fedseg.errors import ConfigError, PayloadError
+from fedseg.core.config import RunConfig, SimulationConfig, load_run_config
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.workload import segmentation_workload
 from fedseg.evaluation.tables import table3
-from fedseg.runner import build_transport, simulate
-from fedseg.site import Reply, Task
-from fedseg.vectorize import FitCall, VectorizedExecutor, resolve_vectorize
-from fedseg.workload import segmentation_workload
+from fedseg.simulation.runner import build_transport, simulate
+from fedseg.simulation.vectorize import FitCall, VectorizedExecutor, resolve_vectorize
 
 PLAIN = dataclasses.replace(TINY_MODEL, norm="none")
 
 
-def _cfg(method: str, vectorize: str, dtype: str = "float64", model=PLAIN, rounds: int = 2, params=None, group: int = 0, **train) -> RunConfig:
+def _cfg(
+    method: str,
+    vectorize: str,
+    dtype: str = "float64",
+    model=PLAIN,
+    rounds: int = 2,
+    params=None,
+    group: int = 0,
+    **train,
+) -> RunConfig:
     cfg = tiny_config(method, rounds=rounds, dtype=dtype, **train)
-    return dataclasses.replace(cfg, model=model, simulation=SimulationConfig(vectorize=vectorize, vectorize_group=group), params=params or {})
+    return dataclasses.replace(
+        cfg, model=model, simulation=SimulationConfig(vectorize=vectorize, vectorize_group=group), params=params or {}
+    )
 
 
 def _run(tmp_path, cfg, name, sites=None):
@@ -59,7 +70,9 @@ def _assert_close(a, b, rtol: float, atol: float, control_atol: float | None = N
         for k in a[who]:
             control = k.startswith(("control/", "store/scaffold/"))
             tol = (rtol, control_atol) if control and control_atol is not None else (rtol, atol)
-            torch.testing.assert_close(b[who][k], a[who][k], rtol=tol[0], atol=tol[1], msg=lambda m, who=who, k=k: f"{who} {k}: {m}")
+            torch.testing.assert_close(
+                b[who][k], a[who][k], rtol=tol[0], atol=tol[1], msg=lambda m, who=who, k=k: f"{who} {k}: {m}"
+            )
 
 
 def _vectorized(logs: list[str]) -> bool:
@@ -107,7 +120,11 @@ METHODS = [
 ]
 
 
-@pytest.mark.parametrize("method,params", METHODS, ids=[m + ("-" + "-".join(str(v) for s in p.values() for v in s.values()) if p else "") for m, p in METHODS])
+@pytest.mark.parametrize(
+    "method,params",
+    METHODS,
+    ids=[m + ("-" + "-".join(str(v) for s in p.values() for v in s.values()) if p else "") for m, p in METHODS],
+)
 def test_float64_equals_sequential(tmp_path, method, params):
     """Every tensor a site keeps (weights, Adam moments and steps, SCAFFOLD's c_i) and the server
     state after 2 rounds equal the sequential run's to 1e-10 in float64; the train losses too."""
@@ -120,7 +137,9 @@ def test_float64_equals_sequential(tmp_path, method, params):
             assert b["train_loss"][s] == pytest.approx(loss, rel=1e-10)
 
 
-@pytest.mark.parametrize("method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {})])
+@pytest.mark.parametrize(
+    "method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {})]
+)
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
     """Weights and moments to rtol 1e-4.  SCAFFOLD's control variates c_i = c_i − c + (x − y)/(K η_l)
     divide a difference of two nearly equal float32 weights by K η_l = 2e-3: one ulp of a weight
@@ -156,7 +175,11 @@ def _fit_calls(steps: list[int], mu: float = 0.0):
         site = transport.site(name)
         model = site.load("global", init)
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
-        calls.append(FitCall(site, "global", 1, "train", site.optimizer("global"), proximal_loss(anchor, mu) if mu else None, None, n))
+        calls.append(
+            FitCall(
+                site, "global", 1, "train", site.optimizer("global"), proximal_loss(anchor, mu) if mu else None, None, n
+            )
+        )
     return calls
 
 
@@ -187,14 +210,16 @@ def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
 
 def test_batches_are_the_sites_seeded_batches(monkeypatch):
     """The vectorized step draws every site's batches from Site.batches (its seeded streams)."""
-    from fedseg.site import Site
+    from fedseg.core.site import Site
 
     seen: dict[str, list[torch.Tensor]] = {}
     real = Site.batches
 
     def spy(self, rnd, stream="train", steps=None, split="train", batch_size=None):
         for x, y in real(self, rnd, stream, steps, split, batch_size):
-            seen.setdefault(f"{self.name}/{threading.current_thread() is threading.main_thread()}", []).append(x.clone())
+            seen.setdefault(f"{self.name}/{threading.current_thread() is threading.main_thread()}", []).append(
+                x.clone()
+            )
             yield x, y
 
     monkeypatch.setattr(Site, "batches", spy)
@@ -215,12 +240,14 @@ def test_batch_norm_model_falls_back_with_the_reason_logged(tmp_path):
     _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=bn), "seq")
     _, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=bn), "vec")
     said = [m for m in logs if m.startswith("vectorize:")]
-    assert said == ["vectorize: role 'global' of site site1 trains sequentially: batch norm with running statistics "
-                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
-                    "vectorize: role 'global' of site site2 trains sequentially: batch norm with running statistics "
-                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
-                    "vectorize: role 'global' of site site3 trains sequentially: batch norm with running statistics "
-                    "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)"]
+    assert said == [
+        "vectorize: role 'global' of site site1 trains sequentially: batch norm with running statistics "
+        "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
+        "vectorize: role 'global' of site site2 trains sequentially: batch norm with running statistics "
+        "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
+        "vectorize: role 'global' of site site3 trains sequentially: batch norm with running statistics "
+        "(model.0.conv.unit0.adn.N: its in-place buffer updates do not vectorize)",
+    ]
     a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])  # the fallback is the sequential path: bitwise
 
@@ -228,7 +255,10 @@ def test_batch_norm_model_falls_back_with_the_reason_logged(tmp_path):
 def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
     _run(tmp_path, _cfg("apfl", "off", rounds=1), "seq")
     _, logs = _run(tmp_path, _cfg("apfl", "on", rounds=1), "vec")
-    assert "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit" in logs
+    assert (
+        "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit"
+        in logs
+    )
     a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
@@ -274,7 +304,10 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
     monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(oom_for_groups))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
-    assert "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)" in logs
+    assert (
+        "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)"
+        in logs
+    )
     _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "split"), rtol=1e-10, atol=1e-10)
 
     def unsupported(*args):
@@ -282,7 +315,9 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
 
     monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(unsupported))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
-    assert any("trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs)
+    assert any(
+        "trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs
+    )
     a, b = _states(tmp_path / "seq"), _states(tmp_path / "fallback")
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
@@ -303,7 +338,9 @@ def test_a_vectorized_run_resumes_exactly(tmp_path):
     cfg = _cfg("fedprox", "on", rounds=3, params={"fedprox": {"mu": 0.5}})
     wl = segmentation_workload(2, 1, ["fg"], cfg.model)
     full = simulate(cfg, wl, tiny_sites(), out=tmp_path / "full", progress=False, log=lambda m: None)
-    assert simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, stop_after=1) is None
+    assert (
+        simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, stop_after=1) is None
+    )
     resumed = simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, resume=True)
     a, b = _states(tmp_path / "full"), _states(tmp_path / "cut")
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedseg.errors import FedsegError
+from fedseg.core.errors import FedsegError
 
 
 def _csv(text: str) -> list[str]:
@@ -14,7 +14,7 @@ def _csv(text: str) -> list[str]:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from fedseg.experiments import demo
+    from fedseg.studies.compare import demo
 
     table, report = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed)
     print("\n" + table)
@@ -45,7 +45,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from fedseg.runner import run
+    from fedseg.simulation.runner import run
 
     if a.resume is None and a.config is None:
         raise FedsegError("give a run config or federation spec, or --resume OUT to continue a run")
@@ -57,7 +57,17 @@ def cmd_run(a: argparse.Namespace) -> int:
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
         print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
     try:
-        res = run(a.config, out=out, overrides=a.set, resume=a.resume is not None, method=a.method, rounds=a.rounds, seed=a.seed, device=a.device, on_round=logger)
+        res = run(
+            a.config,
+            out=out,
+            overrides=a.set,
+            resume=a.resume is not None,
+            method=a.method,
+            rounds=a.rounds,
+            seed=a.seed,
+            device=a.device,
+            on_round=logger,
+        )
     finally:
         if logger is not None:
             logger.close()
@@ -71,15 +81,25 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_report(a: argparse.Namespace) -> int:
     from fedseg.report import ReportOptions, build_report
 
-    opts = ReportOptions(models=not a.no_models, loss_site=a.loss_site, directions=a.directions, steps=a.steps, radius=a.radius,
-                         normalize=a.normalize, loss_cases=a.loss_cases, cases=a.cases, tsne_cases=a.tsne_cases, seed=a.seed)
+    opts = ReportOptions(
+        models=not a.no_models,
+        loss_site=a.loss_site,
+        directions=a.directions,
+        steps=a.steps,
+        radius=a.radius,
+        normalize=a.normalize,
+        loss_cases=a.loss_cases,
+        cases=a.cases,
+        tsne_cases=a.tsne_cases,
+        seed=a.seed,
+    )
     path = build_report(a.runs, a.html, opts, title=a.title)
     print(f"report: {path.resolve()} ({path.stat().st_size / 1e6:.1f} MB, self-contained: open it in any browser)")
     return 0
 
 
 def cmd_evaluate(a: argparse.Namespace) -> int:
-    from fedseg.experiments import evaluate_run
+    from fedseg.studies.compare import evaluate_run
 
     res = evaluate_run(a.run, federation=a.spec, split=a.split)
     print(res["table"])
@@ -87,25 +107,42 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from fedseg.experiments import compare, split_method_entries
+    from fedseg.studies.compare import compare, split_method_entries
 
     overrides = a.set + ([f"device={a.device}"] if a.device else [])
-    _, table = compare(a.config, split_method_entries(a.methods), a.out, seeds=[int(s) for s in _csv(a.seeds)], rounds=a.rounds, overrides=overrides)
+    _, table = compare(
+        a.config,
+        split_method_entries(a.methods),
+        a.out,
+        seeds=[int(s) for s in _csv(a.seeds)],
+        rounds=a.rounds,
+        overrides=overrides,
+    )
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
     return 0
 
 
 def cmd_fedsm(a: argparse.Namespace) -> int:
-    from fedseg.fedsm_experiments import sweep, unseen
+    from fedseg.studies.fedsm import sweep, unseen
 
     gammas = [float(g) for g in _csv(a.gamma)] if a.gamma else None
     fields = {k: v for k, v in (("rounds", a.rounds), ("seed", a.seed)) if v is not None}
     if a.fedsm_verb == "unseen":
-        _, table = unseen(a.config, a.out, overrides=a.set, sites=_csv(a.sites) if a.sites else None, gammas=gammas, progress=True, **fields)
+        _, table = unseen(
+            a.config,
+            a.out,
+            overrides=a.set,
+            sites=_csv(a.sites) if a.sites else None,
+            gammas=gammas,
+            progress=True,
+            **fields,
+        )
         name = "unseen.md"
     else:
-        _, table = sweep(a.config, a.out, [float(x) for x in _csv(a.lam)], overrides=a.set, gammas=gammas, progress=True, **fields)
+        _, table = sweep(
+            a.config, a.out, [float(x) for x in _csv(a.lam)], overrides=a.set, gammas=gammas, progress=True, **fields
+        )
         name = "sweep.md"
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / name}")
@@ -119,7 +156,9 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         kits = dep.provision(_csv(a.sites), a.server, a.out)
         for name, path in kits.items():
             print(f"{name}: {path}")
-        print("give each site its own kit folder (it holds that site's private key); keep 'admin' with the run submitter")
+        print(
+            "give each site its own kit folder (it holds that site's private key); keep 'admin' with the run submitter"
+        )
         return 0
     if a.deploy_verb == "site":
         cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name, device=a.device)
@@ -130,12 +169,26 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return dep.foreground(dep.start_server(a.kit))
     if a.deploy_verb == "run":
         out = a.resume or a.out
-        res = dep.deploy_run(a.config, a.kits, out, overrides=a.set, resume=a.resume is not None, progress=True, method=a.method, rounds=a.rounds, seed=a.seed)
+        res = dep.deploy_run(
+            a.config,
+            a.kits,
+            out,
+            overrides=a.set,
+            resume=a.resume is not None,
+            progress=True,
+            method=a.method,
+            rounds=a.rounds,
+            seed=a.seed,
+        )
     else:
         out = a.out
-        res = dep.rehearse(a.config, a.sites, out, overrides=a.set, progress=True, method=a.method, rounds=a.rounds, seed=a.seed)
+        res = dep.rehearse(
+            a.config, a.sites, out, overrides=a.set, progress=True, method=a.method, rounds=a.rounds, seed=a.seed
+        )
     if res is None:
-        print(f"the run did not finish; see {Path(out).resolve()} and resume with: fedseg deploy run --kits KITS --resume {out}")
+        print(
+            f"the run did not finish; see {Path(out).resolve()} and resume with: fedseg deploy run --kits KITS --resume {out}"
+        )
         return 1
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
@@ -143,19 +196,27 @@ def cmd_deploy(a: argparse.Namespace) -> int:
 
 
 def _device_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", metavar="DEVICE",
-                   help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
-                        "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
-                        "printed at the start and recorded in results.json and config.toml")
+    p.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
+        "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
+        "printed at the start and recorded in results.json and config.toml",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from fedseg.algorithms import REGISTRY
 
-    p = argparse.ArgumentParser(prog="fedseg", description="Cross-silo federated learning of medical image segmentation.")
+    p = argparse.ArgumentParser(
+        prog="fedseg", description="Cross-silo federated learning of medical image segmentation."
+    )
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    d = sub.add_parser("demo", help="synthesize a small federation, train local/centralized/FedAvg/FedSM, print a Dice table, write an HTML report")
+    d = sub.add_parser(
+        "demo",
+        help="synthesize a small federation, train local/centralized/FedAvg/FedSM, print a Dice table, write an HTML report",
+    )
     d.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     d.add_argument("--rounds", type=int, default=40)
     d.add_argument("--scale", type=float, default=0.15, help="fraction of the paper's Table 1 case counts")
@@ -181,24 +242,55 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rounds", type=int)
     r.add_argument("--seed", type=int)
     r.add_argument("--out", default="runs/run", help="output folder (default: runs/run)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-4 (repeatable)")
+    r.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-4 (repeatable)"
+    )
     r.add_argument("--resume", metavar="OUT", help="continue the interrupted run in OUT")
     _device_argument(r)
-    r.add_argument("--tensorboard", action="store_true", help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard")
+    r.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard",
+    )
     r.add_argument("--tensorboard-dir", metavar="DIR", help="with --tensorboard: write the scalars to DIR instead")
     r.set_defaults(func=cmd_run)
 
-    rp = sub.add_parser("report", help="one self-contained HTML report (tables, training curves, loss surface, t-SNE, predictions) of finished runs")
-    rp.add_argument("runs", nargs="+", metavar="OUT", help="run output folders (or folders holding runs, e.g. a compare output)")
+    rp = sub.add_parser(
+        "report",
+        help="one self-contained HTML report (tables, training curves, loss surface, t-SNE, predictions) of finished runs",
+    )
+    rp.add_argument(
+        "runs", nargs="+", metavar="OUT", help="run output folders (or folders holding runs, e.g. a compare output)"
+    )
     rp.add_argument("--html", default="report.html", help="HTML file to write (default: report.html)")
     rp.add_argument("--title", help="report title (default: the methods)")
-    rp.add_argument("--no-models", action="store_true", help="tables and history figures only: skip loss surface, t-SNE and predictions")
-    rp.add_argument("--loss-site", help="site whose training data the loss surface uses (default: the one with the fewest training cases)")
-    rp.add_argument("--directions", type=int, default=10, help="random directions of the loss surface (FedSM Fig. 4: 10)")
+    rp.add_argument(
+        "--no-models",
+        action="store_true",
+        help="tables and history figures only: skip loss surface, t-SNE and predictions",
+    )
+    rp.add_argument(
+        "--loss-site",
+        help="site whose training data the loss surface uses (default: the one with the fewest training cases)",
+    )
+    rp.add_argument(
+        "--directions", type=int, default=10, help="random directions of the loss surface (FedSM Fig. 4: 10)"
+    )
     rp.add_argument("--steps", type=int, default=21, help="points along each direction (odd; default 21)")
-    rp.add_argument("--radius", type=float, help="loss-surface range ±R (default: mean parameter norm for unit directions, 1 for filter)")
-    rp.add_argument("--normalize", choices=["unit", "filter"], default="unit", help="unit directions in parameter space (the paper) or filter-normalized (Li et al.)")
-    rp.add_argument("--loss-cases", type=int, default=32, help="at most this many training cases for the loss surface (default 32)")
+    rp.add_argument(
+        "--radius",
+        type=float,
+        help="loss-surface range ±R (default: mean parameter norm for unit directions, 1 for filter)",
+    )
+    rp.add_argument(
+        "--normalize",
+        choices=["unit", "filter"],
+        default="unit",
+        help="unit directions in parameter space (the paper) or filter-normalized (Li et al.)",
+    )
+    rp.add_argument(
+        "--loss-cases", type=int, default=32, help="at most this many training cases for the loss surface (default 32)"
+    )
     rp.add_argument("--cases", type=int, default=2, help="sample predictions per site (default 2)")
     rp.add_argument("--tsne-cases", type=int, default=40, help="test images per site in the t-SNE map (default 40)")
     rp.add_argument("--seed", type=int, default=0, help="seed of the loss-surface directions and t-SNE")
@@ -212,7 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="run several methods over seeds and print one table (mean ± sd)")
     c.add_argument("config", help="run config TOML or federation spec")
-    c.add_argument("--methods", required=True, help="comma-separated, e.g. local,centralized,fedavg; a variant with settings of its own section: fedsm:personalization=ft")
+    c.add_argument(
+        "--methods",
+        required=True,
+        help="comma-separated, e.g. local,centralized,fedavg; a variant with settings of its own section: fedsm:personalization=ft",
+    )
     c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     c.add_argument("--rounds", type=int)
     c.add_argument("--out", required=True)
@@ -221,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
     fsub = f.add_subparsers(dest="fedsm_verb", required=True, metavar="STUDY")
-    for study, text in (("unseen", "leave each site out, train FedSM on the rest, test the composite on it (Table 5)"),
-                        ("sweep", "one FedSM run per lambda; Client Avg / Global Dice and test Dice per gamma (Table 7)")):
+    for study, text in (
+        ("unseen", "leave each site out, train FedSM on the rest, test the composite on it (Table 5)"),
+        ("sweep", "one FedSM run per lambda; Client Avg / Global Dice and test Dice per gamma (Table 7)"),
+    ):
         x = fsub.add_parser(study, help=text)
         x.add_argument("config", help="run config TOML or federation spec")
         x.add_argument("--out", required=True)
@@ -235,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             x.add_argument("--lam", required=True, help="comma-separated lambdas, e.g. 0.1,0.3,0.5,0.7,0.9")
         x.set_defaults(func=cmd_fedsm)
-    dp = sub.add_parser("deploy", help="run across real sites on NVIDIA FLARE (mutual TLS), or rehearse it on this machine")
+    dp = sub.add_parser(
+        "deploy", help="run across real sites on NVIDIA FLARE (mutual TLS), or rehearse it on this machine"
+    )
     dsub = dp.add_subparsers(dest="deploy_verb", required=True, metavar="STEP")
     x = dsub.add_parser("provision", help="root CA + server, site and admin startup kits (mutual TLS)")
     x.add_argument("--sites", required=True, help="comma-separated site names, as in the federation spec")
@@ -246,22 +346,34 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--datalist", required=True, help="this site's datalist JSON (never sent to the server)")
     x.add_argument("--workdir", required=True, help="where the site keeps its checkpoints")
     x.add_argument("--name", help="site name in the federation (default: the kit's)")
-    x.add_argument("--device", default="auto", metavar="DEVICE",
-                   help="where this site trains: auto (CUDA when available, else cpu), cpu, cuda or cuda:N; each site picks its own")
+    x.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEVICE",
+        help="where this site trains: auto (CUDA when available, else cpu), cpu, cuda or cuda:N; each site picks its own",
+    )
     x = dsub.add_parser("server", help="start the server from its kit")
     x.add_argument("--kit", required=True)
-    for verb, text in (("run", "submit a run to the deployment and wait for results.json"),
-                       ("rehearse", "one machine: server + site processes, real mutual TLS, 127.0.0.1")):
+    for verb, text in (
+        ("run", "submit a run to the deployment and wait for results.json"),
+        ("rehearse", "one machine: server + site processes, real mutual TLS, 127.0.0.1"),
+    ):
         x = dsub.add_parser(verb, help=text)
-        x.add_argument("config", nargs="?" if verb == "run" else None, help="run config TOML (may hold a [deploy] section)")
+        x.add_argument(
+            "config", nargs="?" if verb == "run" else None, help="run config TOML (may hold a [deploy] section)"
+        )
         x.add_argument("--out", default="runs/deploy")
         x.add_argument("--method", choices=sorted(REGISTRY))
         x.add_argument("--rounds", type=int)
         x.add_argument("--seed", type=int)
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if verb == "run":
-            x.add_argument("--kits", required=True, help="folder written by `fedseg deploy provision` (uses kits/admin)")
-            x.add_argument("--resume", metavar="OUT", help="continue the deployed run in OUT after a server crash, as a new job")
+            x.add_argument(
+                "--kits", required=True, help="folder written by `fedseg deploy provision` (uses kits/admin)"
+            )
+            x.add_argument(
+                "--resume", metavar="OUT", help="continue the deployed run in OUT after a server crash, as a new job"
+            )
         else:
             x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
     for x in dsub.choices.values():

@@ -28,16 +28,31 @@ def disc_cup_pair(h: int = 16, w: int = 16, seed: int = 0) -> tuple[np.ndarray, 
     rng = np.random.default_rng(seed)
     image = rng.integers(20, 200, (h, w, 3), dtype=np.uint8)
     label = np.zeros((h, w), np.uint8)
-    label[2:h - 2, 2:w - 2] = 1
-    label[4:h - 4, 4:w - 4] = 2
+    label[2 : h - 2, 2 : w - 2] = 1
+    label[4 : h - 4, 4 : w - 4] = 2
     return image, label
 
 
-def write_spec(root: Path, *, sites=("site1",), mode="2d", in_channels=3, labels=None,
-               image_size=None, foreground_only=None, spatial_dims=None, extra="") -> Path:
+def write_spec(
+    root: Path,
+    *,
+    sites=("site1",),
+    mode="2d",
+    in_channels=3,
+    labels=None,
+    image_size=None,
+    foreground_only=None,
+    spatial_dims=None,
+    extra="",
+) -> Path:
     labels = labels or {"disc": [1, 2], "cup": [2]}
-    lines = ['name = "test"', "[data]", f'mode = "{mode}"',
-             f"spatial_dims = {spatial_dims or (3 if mode == '3d' else 2)}", f"in_channels = {in_channels}"]
+    lines = [
+        'name = "test"',
+        "[data]",
+        f'mode = "{mode}"',
+        f"spatial_dims = {spatial_dims or (3 if mode == '3d' else 2)}",
+        f"in_channels = {in_channels}",
+    ]
     if image_size is not None:
         lines.append(f"image_size = {list(image_size)}")
     if foreground_only is not None:
@@ -51,8 +66,9 @@ def write_spec(root: Path, *, sites=("site1",), mode="2d", in_channels=3, labels
     return path
 
 
-def write_site(root: Path, site: str, cases: dict[str, list[tuple[np.ndarray, np.ndarray]]],
-               suffix: str = ".png") -> Path:
+def write_site(
+    root: Path, site: str, cases: dict[str, list[tuple[np.ndarray, np.ndarray]]], suffix: str = ".png"
+) -> Path:
     """Write cases {split: [(image, label), ...]} and the site's datalist; returns the datalist."""
     entries = {}
     for split, pairs in cases.items():
@@ -79,5 +95,11 @@ def png_federation(tmp_path: Path) -> Path:
 def h():
     """The helper functions above, as a fixture (works under any pytest import mode)."""
     from types import SimpleNamespace
-    return SimpleNamespace(write_png=write_png, write_nifti=write_nifti, disc_cup_pair=disc_cup_pair,
-                           write_spec=write_spec, write_site=write_site)
+
+    return SimpleNamespace(
+        write_png=write_png,
+        write_nifti=write_nifti,
+        disc_cup_pair=disc_cup_pair,
+        write_spec=write_spec,
+        write_site=write_site,
+    )

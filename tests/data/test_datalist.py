@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from fedseg.core.errors import DataError
 from fedseg.data.datalist import load_datalist, write_datalist
-from fedseg.errors import DataError
 
 
 def test_write_then_load_gives_absolute_paths(tmp_path):
@@ -33,14 +33,17 @@ def test_msd_test_key_is_accepted(tmp_path):
     assert loaded["testing"][0]["label"] == (tmp_path / "l.nii.gz").resolve()
 
 
-@pytest.mark.parametrize("content, expected", [
-    (None, "not found"),
-    ("{not json", "not valid JSON"),
-    ("[]", "must be a JSON object"),
-    ('{"training": [], "validation": []}', "no 'testing' key"),
-    ('{"training": [{"image": "a.png"}], "validation": [], "testing": []}', "training[0]"),
-    ('{"training": {}, "validation": [], "testing": []}', "'training' must be a list"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "not found"),
+        ("{not json", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"training": [], "validation": []}', "no 'testing' key"),
+        ('{"training": [{"image": "a.png"}], "validation": [], "testing": []}', "training[0]"),
+        ('{"training": {}, "validation": [], "testing": []}', "'training' must be a list"),
+    ],
+)
 def test_bad_datalist_names_file_and_fix(tmp_path, content, expected):
     # Prepare
     path = tmp_path / "datalist.json"

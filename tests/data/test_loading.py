@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedseg.core.errors import ConfigError, DataError
 from fedseg.data.loading import SegmentationDataset, load_split
 from fedseg.data.spec import load_federation
-from fedseg.errors import ConfigError, DataError
 
 
 def test_png_split_shapes_range_and_nested_channels(png_federation):
@@ -23,7 +23,7 @@ def test_png_split_shapes_range_and_nested_channels(png_federation):
     assert 0 <= ds.images.min() and ds.images.max() <= 1
     assert set(ds.labels.unique().tolist()) == {0.0, 1.0}
     disc, cup = ds.labels[:, 0], ds.labels[:, 1]
-    assert torch.all(cup <= disc) and cup.sum() < disc.sum()       # cup inside disc
+    assert torch.all(cup <= disc) and cup.sum() < disc.sum()  # cup inside disc
     assert ds.case_ids == ["images/training_0.png", "images/training_1.png"]
     image, label = ds[1]
     assert image.shape == (3, 16, 16) and label.shape == (2, 16, 16)
@@ -95,10 +95,17 @@ def _volume(shape=(8, 10, 5), fg_slices=(1, 3), seed=0):
 def test_nifti_slices_mode(tmp_path, h, foreground_only, expected_z):
     # Prepare
     image, label = _volume()
-    h.write_site(tmp_path, "s", {k: [(image, label)] for k in ("training", "validation", "testing")},
-                 suffix=".nii.gz")
-    fed = load_federation(h.write_spec(tmp_path, sites=("s",), mode="slices", in_channels=1,
-                                       labels={"prostate": [1]}, foreground_only=foreground_only))
+    h.write_site(tmp_path, "s", {k: [(image, label)] for k in ("training", "validation", "testing")}, suffix=".nii.gz")
+    fed = load_federation(
+        h.write_spec(
+            tmp_path,
+            sites=("s",),
+            mode="slices",
+            in_channels=1,
+            labels={"prostate": [1]},
+            foreground_only=foreground_only,
+        )
+    )
     # Execute
     ds = load_split(fed, "s", "testing")
     # Assert: one 2D case per kept slice, min-max scaled per volume, labels aligned to slices
@@ -124,8 +131,9 @@ def test_3d_mode_stacks_volumes_and_needs_one_size(tmp_path, h):
     with pytest.raises(DataError, match="set data.image_size"):
         load_split(fed, "s", "validation")
     # Execute: with a 3-entry image_size the odd volume is resized
-    fed = load_federation(h.write_spec(tmp_path, sites=("s",), mode="3d", in_channels=1,
-                                       labels={"prostate": [1]}, image_size=(4, 5, 3)))
+    fed = load_federation(
+        h.write_spec(tmp_path, sites=("s",), mode="3d", in_channels=1, labels={"prostate": [1]}, image_size=(4, 5, 3))
+    )
     ds = load_split(fed, "s", "validation")
     # Assert
     assert ds.images.shape == (2, 1, 4, 5, 3) and set(ds.labels.unique().tolist()) <= {0.0, 1.0}

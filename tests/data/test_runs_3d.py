@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedseg.runner import run
+from fedseg.simulation.runner import run
 
 SMALL = ["model.channels=[4,8]", "model.strides=[2]", "model.num_res_units=0", "train.batch_size=2"]
 
@@ -26,9 +26,20 @@ def _volumes(n: int, seed: int, shape=(16, 16, 8)):
 def test_nifti_federation_runs(tmp_path, h, mode):
     # Prepare: two sites of tiny NIfTI volumes
     for k, site in enumerate(("a", "b")):
-        h.write_site(tmp_path, site, {s: _volumes(2, 10 * k + i) for i, s in enumerate(("training", "validation", "testing"))}, suffix=".nii.gz")
-    spec = h.write_spec(tmp_path, sites=("a", "b"), mode=mode, in_channels=1, labels={"prostate": [1]},
-                        foreground_only=True if mode == "slices" else None)
+        h.write_site(
+            tmp_path,
+            site,
+            {s: _volumes(2, 10 * k + i) for i, s in enumerate(("training", "validation", "testing"))},
+            suffix=".nii.gz",
+        )
+    spec = h.write_spec(
+        tmp_path,
+        sites=("a", "b"),
+        mode=mode,
+        in_channels=1,
+        labels={"prostate": [1]},
+        foreground_only=True if mode == "slices" else None,
+    )
     overrides = SMALL + (["model.roi_size=[8,8,8]"] if mode == "3d" else [])
     # Execute
     res = run(spec, out=tmp_path / "out", overrides=overrides, progress=False, method="fedavg", rounds=1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fedseg.core.errors import ConfigError
 from fedseg.data.spec import load_federation
-from fedseg.errors import ConfigError
 
 
 def test_valid_spec_loads(tmp_path, h):
@@ -23,20 +23,23 @@ def test_valid_spec_loads(tmp_path, h):
     assert fed.label_values == {0, 1, 2}
 
 
-@pytest.mark.parametrize("kwargs, extra, expected", [
-    ({}, "colour = 1\n", "'colour'"),                                     # unknown top-level key
-    ({"mode": "2d"}, "", None),                                           # control: valid
-    ({"mode": "4d"}, "", "data.mode"),
-    ({"mode": "2d", "spatial_dims": 3}, "", "spatial_dims"),
-    ({"image_size": (64,)}, "", "data.image_size"),
-    ({"labels": {"disc": []}}, "", "data.labels.disc"),
-    ({"labels": {"disc": [0]}}, "", "data.labels.disc"),
-    ({"sites": ("a", "a")}, "", "'a' is used twice"),
-    ({"sites": ("a/b",)}, "", "'a/b'"),
-    ({"sites": ()}, "", "[[sites]]"),
-    ({"foreground_only": True}, "", "foreground_only"),
-    ({"in_channels": 0}, "", "data.in_channels"),
-])
+@pytest.mark.parametrize(
+    "kwargs, extra, expected",
+    [
+        ({}, "colour = 1\n", "'colour'"),  # unknown top-level key
+        ({"mode": "2d"}, "", None),  # control: valid
+        ({"mode": "4d"}, "", "data.mode"),
+        ({"mode": "2d", "spatial_dims": 3}, "", "spatial_dims"),
+        ({"image_size": (64,)}, "", "data.image_size"),
+        ({"labels": {"disc": []}}, "", "data.labels.disc"),
+        ({"labels": {"disc": [0]}}, "", "data.labels.disc"),
+        ({"sites": ("a", "a")}, "", "'a' is used twice"),
+        ({"sites": ("a/b",)}, "", "'a/b'"),
+        ({"sites": ()}, "", "[[sites]]"),
+        ({"foreground_only": True}, "", "foreground_only"),
+        ({"in_channels": 0}, "", "data.in_channels"),
+    ],
+)
 def test_malformed_spec_names_the_key(tmp_path, h, kwargs, extra, expected):
     # Prepare
     path = h.write_spec(tmp_path, extra=extra, **kwargs)
@@ -55,7 +58,7 @@ def test_unknown_key_in_data_and_site_tables(tmp_path, h):
     p1 = h.write_spec(tmp_path)
     p1.write_text(p1.read_text().replace("[data]\n", "[data]\nresolution = 1\n"))
     p2 = tmp_path / "b.toml"
-    p2.write_text(p1.read_text().replace("resolution = 1\n", "") + 'weight = 2\n')
+    p2.write_text(p1.read_text().replace("resolution = 1\n", "") + "weight = 2\n")
     # Execute / Assert
     with pytest.raises(ConfigError, match="'resolution' in \\[data\\]"):
         load_federation(p1)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from fedseg.core.errors import ConfigError
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import FUNDUS_COUNTS, split_sizes, synthesize
 from fedseg.data.validate import validate_federation
-from fedseg.errors import ConfigError
 
 SCALE = 0.05
 
@@ -63,7 +63,7 @@ def test_spec_validates_clean_and_cup_inside_disc(fundus):
             ds = load_split(fed, site, split)
             disc, cup = ds.labels[:, 0], ds.labels[:, 1]
             assert torch.all(cup <= disc)
-            assert torch.all(disc.sum((1, 2)) > cup.sum((1, 2)))   # a disc rim around every cup
+            assert torch.all(disc.sum((1, 2)) > cup.sum((1, 2)))  # a disc rim around every cup
             assert torch.all(cup.sum((1, 2)) > 0)
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
+from fedseg.core.errors import DataError
 from fedseg.data.validate import Problem, raise_if_invalid, validate_federation
-from fedseg.errors import DataError
 
 SPLITS = ("training", "validation", "testing")
 
@@ -15,8 +14,9 @@ SPLITS = ("training", "validation", "testing")
 def _federation(tmp_path, h, *, training=None, **spec_kwargs):
     """One-site federation; ``training`` replaces the training cases."""
     good = [h.disc_cup_pair(seed=i) for i in range(2)]
-    h.write_site(tmp_path, "site1", {"training": training if training is not None else good,
-                                     "validation": good, "testing": good})
+    h.write_site(
+        tmp_path, "site1", {"training": training if training is not None else good, "validation": good, "testing": good}
+    )
     return h.write_spec(tmp_path, **spec_kwargs)
 
 
@@ -111,8 +111,12 @@ def test_nan_in_image(tmp_path, h):
     lab[2:4, 2:4, :] = 1
     bad = vol.copy()
     bad[0, 0, 0] = np.nan
-    h.write_site(tmp_path, "site1", {"training": [(bad, lab)], "validation": [(vol, lab)],
-                                     "testing": [(vol, lab)]}, suffix=".nii.gz")
+    h.write_site(
+        tmp_path,
+        "site1",
+        {"training": [(bad, lab)], "validation": [(vol, lab)], "testing": [(vol, lab)]},
+        suffix=".nii.gz",
+    )
     path = h.write_spec(tmp_path, mode="slices", in_channels=1, labels={"prostate": [1]})
     # Execute
     p = _only(validate_federation(path), "NaN")
@@ -133,8 +137,7 @@ def test_constant_image(tmp_path, h):
 def test_undeclared_label_values(tmp_path, h):
     # Prepare: a 0/255 mask while labels declare only [1]
     image, label = h.disc_cup_pair()
-    path = _federation(tmp_path, h, training=[(image, (label > 0).astype(np.uint8) * 255)],
-                       labels={"disc": [1, 2]})
+    path = _federation(tmp_path, h, training=[(image, (label > 0).astype(np.uint8) * 255)], labels={"disc": [1, 2]})
     # Execute
     p = _only(validate_federation(path), "[255]")
     # Assert
@@ -162,5 +165,4 @@ def test_sizes_differ_without_image_size(tmp_path, h):
     p = _only(validate_federation(path), "no image_size is set")
     # Assert
     assert "image_size" in p.fix
-    assert validate_federation(_federation(tmp_path, h, training=[h.disc_cup_pair(16, 20)],
-                                           image_size=(16, 16))) == []
+    assert validate_federation(_federation(tmp_path, h, training=[h.disc_cup_pair(16, 20)], image_size=(16, 16))) == []

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+from fedseg.algorithms.apfl import APFL
 from fedseg.algorithms.autofedavg import AutoFedAvg
 from fedseg.algorithms.base import Algorithm, Candidate, NoParams, ServerContext
 from fedseg.algorithms.centralized import Centralized
+from fedseg.algorithms.cwt import CWT
+from fedseg.algorithms.ditto import Ditto
 from fedseg.algorithms.fedavg import FedAvg, FedAvgEven
-from fedseg.algorithms.fedsm import FedSM, FedSMEnsemble, FedSMExtra
-from fedseg.algorithms.local import Local
 from fedseg.algorithms.fedprox import FedProx
-from fedseg.algorithms.scaffold import Scaffold
+from fedseg.algorithms.fedsm import FedSM, FedSMEnsemble, FedSMExtra
+from fedseg.algorithms.fga import FGA
 from fedseg.algorithms.ft import FT
-from fedseg.algorithms.apfl import APFL
+from fedseg.algorithms.fwa import FWA
+from fedseg.algorithms.local import Local
 from fedseg.algorithms.perfedavg import PerFedAvg
 from fedseg.algorithms.pfedme import PFedMe
-from fedseg.algorithms.ditto import Ditto
-from fedseg.algorithms.fga import FGA
-from fedseg.algorithms.fwa import FWA
-from fedseg.algorithms.cwt import CWT
-from fedseg.config import RunConfig
-from fedseg.errors import ConfigError
+from fedseg.algorithms.scaffold import Scaffold
+from fedseg.core.config import RunConfig
+from fedseg.core.errors import ConfigError
 
 REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -32,7 +32,26 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
-for _cls in (Centralized, Local, FedAvg, FedAvgEven, FGA, FWA, CWT, AutoFedAvg, FedSM, FedSMExtra, FedSMEnsemble, FedProx, Scaffold, FT, APFL, PerFedAvg, PFedMe, Ditto):
+for _cls in (
+    Centralized,
+    Local,
+    FedAvg,
+    FedAvgEven,
+    FGA,
+    FWA,
+    CWT,
+    AutoFedAvg,
+    FedSM,
+    FedSMExtra,
+    FedSMEnsemble,
+    FedProx,
+    Scaffold,
+    FT,
+    APFL,
+    PerFedAvg,
+    PFedMe,
+    Ditto,
+):
     register(_cls)
 
 
@@ -55,4 +74,13 @@ def get_algorithm(cfg: RunConfig) -> Algorithm:
     return cls(cfg)
 
 
-__all__ = ["REGISTRY", "Algorithm", "Candidate", "NoParams", "ServerContext", "get_algorithm", "known_sections", "register"]
+__all__ = [
+    "REGISTRY",
+    "Algorithm",
+    "Candidate",
+    "NoParams",
+    "ServerContext",
+    "get_algorithm",
+    "known_sections",
+    "register",
+]

@@ -42,9 +42,10 @@ from torch.func import functional_call
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.personal import aggregate_global, check_positive, check_weighting, is_eval_round
-from fedseg.arrays import Arrays, dot, prefixed, strip_prefix, sub
-from fedseg.errors import ConfigError
-from fedseg.site import LossSums, Reply, Site, Task
+from fedseg.core.arrays import Arrays, dot, prefixed, strip_prefix, sub
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import LossSums, Site
 
 __all__ = ["APFL", "APFLParams", "alpha_gradient", "alpha_step", "local_round", "mix_outputs", "mix_parameters"]
 
@@ -62,7 +63,9 @@ def mix_outputs(out_v: torch.Tensor, out_w: torch.Tensor, alpha: float) -> torch
     return torch.lerp(out_w, out_v, float(alpha))
 
 
-def alpha_gradient(v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], grad_mixed: Mapping[str, torch.Tensor]) -> float:
+def alpha_gradient(
+    v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], grad_mixed: Mapping[str, torch.Tensor]
+) -> float:
     """∂f(v̄)/∂α = ⟨v − w, ∇f(v̄)⟩ for parameter mixing (paper Eq. 10)."""
     return float(dot(sub(dict(v), dict(w)), dict(grad_mixed)))
 
@@ -113,7 +116,11 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     opt_w = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
     opt_v = site.optimizer("personal")
     # α stays a float64 tensor on the device (the same arithmetic as Python floats), read once per round
-    alpha = site.store["apfl/alpha"].reshape(()) if "apfl/alpha" in site.store else torch.tensor(params.alpha, dtype=torch.float64)
+    alpha = (
+        site.store["apfl/alpha"].reshape(())
+        if "apfl/alpha" in site.store
+        else torch.tensor(params.alpha, dtype=torch.float64)
+    )
     alpha = alpha.to(site.device)
     lr_a = params.alpha_lr or site.cfg.train.lr
     loss_f = site.workload.loss
@@ -154,7 +161,12 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
         sums.add("personal_loss", loss_v)
     means = sums.means()
     site.store["apfl/alpha"] = alpha.detach().reshape(1).to("cpu", torch.float64)
-    return {"loss": means.get("loss", 0.0), "personal_loss": means.get("personal_loss", 0.0), "alpha": float(alpha.detach()), "steps": sums.count("loss")}
+    return {
+        "loss": means.get("loss", 0.0),
+        "personal_loss": means.get("personal_loss", 0.0),
+        "alpha": float(alpha.detach()),
+        "steps": sums.count("loss"),
+    }
 
 
 def train_apfl(site: Site, task: Task) -> Reply:
@@ -189,9 +201,17 @@ class APFL(Algorithm):
         conf = {
             "round": rnd,
             "report_personal": is_eval_round(ctx.cfg, rnd),
-            "params": {"alpha": p.alpha, "learn_alpha": p.learn_alpha, "alpha_lr": p.alpha_lr, "mix": p.mix, "weighting": p.weighting},
+            "params": {
+                "alpha": p.alpha,
+                "learn_alpha": p.learn_alpha,
+                "alpha_lr": p.alpha_lr,
+                "mix": p.mix,
+                "weighting": p.weighting,
+            },
         }
-        replies = ctx.ask({s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites})
+        replies = ctx.ask(
+            {s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites}
+        )
         new = dict(state)
         new.update(aggregate_global(replies, p.weighting))
         for s, rep in replies.items():

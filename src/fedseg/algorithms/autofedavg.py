@@ -34,7 +34,7 @@ Granularity:
   parameter of its own module (``bn.running_mean`` uses the α of ``bn.weight``);
   a buffer of a module without parameters uses the mean over layers of α.
   Integer buffers are never averaged (taken from the first site, as in
-  :func:`fedseg.arrays.weighted_mean`).
+  :func:`fedseg.core.arrays.weighted_mean`).
 
 Variant ``reinit = true`` resets β to its initial value before each learning
 phase (the paper's "Auto-FedAvg-N-Dirichlet*").
@@ -66,10 +66,11 @@ from torch.func import functional_call
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights, train_global
-from fedseg.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.seeding import derive_seed
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.seeding import derive_seed
+from fedseg.core.site import Site
 
 __all__ = [
     "NETWORK",
@@ -308,7 +309,7 @@ def mix(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.
 
 
 def aggregate(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.Tensor]) -> Arrays:
-    """The new global model Σ_k α_k w_k (no gradient), per tensor through :func:`fedseg.arrays.weighted_mean`.
+    """The new global model Σ_k α_k w_k (no gradient), per tensor through :func:`fedseg.core.arrays.weighted_mean`.
 
     With α_k = 1/K for every tensor the result is bitwise FedAvg-even's (same function, same weights).
     """
@@ -359,7 +360,9 @@ def beta_step(site: Site, task: Task) -> Reply:
     layers = sorted(beta_in)
     missing = [s for s in sites if not any(k.startswith(f"{_SCRATCH}/{s}/") for k in site.store)]
     if missing:
-        raise PayloadError(f"site {site.name}: no models of {missing} for the weight-learning step; the server must send '{PEERS}' first")
+        raise PayloadError(
+            f"site {site.name}: no models of {missing} for the weight-learning step; the server must send '{PEERS}' first"
+        )
     opt = site.optimizers.get(_OPT) if step > 0 else None
     if opt is None:
         leaves = [beta_in[n].detach().clone().requires_grad_(True) for n in layers]
@@ -371,7 +374,9 @@ def beta_step(site: Site, task: Task) -> Reply:
             leaf.copy_(beta_in[n])
     models = [strip_prefix(f"{_SCRATCH}/{s}", site.store) for s in sites]
     model = site.model("global")
-    full = {k: v.detach().clone() for k, v in model.state_dict().items()}  # clones: BN must not touch the site's own buffers
+    full = {
+        k: v.detach().clone() for k, v in model.state_dict().items()
+    }  # clones: BN must not touch the site's own buffers
     groups = tensor_layers([n for n, v in models[0].items() if is_float(v)], layers)
     x, y = next(site.batches(rnd, f"autofedavg/{step}", steps=1))
     seed = derive_seed(site.cfg.seed, site.index, rnd, "autofedavg-dirichlet", step)
@@ -388,8 +393,11 @@ def beta_step(site: Site, task: Task) -> Reply:
         with torch.no_grad():
             for leaf in leaves:
                 leaf.clamp_(min=p.min_concentration)
-    reply = Reply(arrays=prefixed("beta", {n: leaf.detach().clone() for n, leaf in zip(layers, leaves)}),
-                  metrics={"loss": float(loss.detach())}, num_samples=site.num_train)  # one read per task (one step)
+    reply = Reply(
+        arrays=prefixed("beta", {n: leaf.detach().clone() for n, leaf in zip(layers, leaves)}),
+        metrics={"loss": float(loss.detach())},
+        num_samples=site.num_train,
+    )  # one read per task (one step)
     if cfg.get("last", False):
         site.optimizers.pop(_OPT, None)
         site.store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}
@@ -410,15 +418,28 @@ class AutoFedAvg(Algorithm):
         layers = [NETWORK] if self.params.granularity == "network" else replies[ctx.sites[0]].metrics["parameters"]
         beta = init_beta(self.params, n, layers)
         state.update(prefixed("autofedavg/beta", beta))
-        state.update(prefixed("autofedavg/beta0", {k: v.clone() for k, v in beta.items()}))  # no shared storage (safetensors)
+        state.update(
+            prefixed("autofedavg/beta0", {k: v.clone() for k, v in beta.items()})
+        )  # no shared storage (safetensors)
         return state
 
-    def learn(self, ctx: ServerContext, rnd: int, models: dict[str, Arrays], beta: dict[str, torch.Tensor], num_samples: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def learn(
+        self,
+        ctx: ServerContext,
+        rnd: int,
+        models: dict[str, Arrays],
+        beta: dict[str, torch.Tensor],
+        num_samples: list[int],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """LearnAggWeight (Alg. 1): peers once, then S rounds of β steps averaged at the server."""
         p = self.params
         names = list(models)
         peer_tasks = {
-            s: Task(PEERS, {f"{o}/{k}": v for o in names if o != s for k, v in models[o].items()}, {"round": rnd, "sites": names})
+            s: Task(
+                PEERS,
+                {f"{o}/{k}": v for o in names if o != s for k, v in models[o].items()},
+                {"round": rnd, "sites": names},
+            )
             for s in names
         }
         model_bytes = sum(nbytes(t.arrays) for t in peer_tasks.values())
@@ -438,7 +459,9 @@ class AutoFedAvg(Algorithm):
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
-        replies = ctx.ask({s: Task("train", prefixed("global", strip_prefix("global", state)), {"round": rnd}) for s in ctx.sites})
+        replies = ctx.ask(
+            {s: Task("train", prefixed("global", strip_prefix("global", state)), {"round": rnd}) for s in ctx.sites}
+        )
         names = list(ctx.sites)
         missing = [s for s in names if s not in replies]
         if missing:
@@ -446,7 +469,10 @@ class AutoFedAvg(Algorithm):
         models = {s: strip_prefix("global", replies[s].arrays) for s in names}
         n = [replies[s].num_samples for s in names]
         beta = strip_prefix("autofedavg/beta", state)
-        metrics: dict[str, Any] = {"train_loss": {s: replies[s].metrics.get("loss") for s in names}, "alpha_learned": False}
+        metrics: dict[str, Any] = {
+            "train_loss": {s: replies[s].metrics.get("loss") for s in names},
+            "alpha_learned": False,
+        }
         if rnd % p.interval == 0:
             if p.reinit:
                 beta = strip_prefix("autofedavg/beta0", state)

@@ -12,7 +12,7 @@ Site half (runs at each site, in simulation or deployment)::
     predictors()    -> {predictor kind: make(site, arrays, config) -> predict(x)}
 
 The maths of a method lives in small pure functions over arrays (see
-``fedseg.arrays`` and each algorithm module); this class only wires them up.
+``fedseg.core.arrays`` and each algorithm module); this class only wires them up.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from fedseg.arrays import Arrays, prefixed
-from fedseg.config import RunConfig, dataclass_from_dict
-from fedseg.device import fp16_refusal, to_device
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed
+from fedseg.core.config import RunConfig, dataclass_from_dict
+from fedseg.core.device import fp16_refusal, to_device
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedseg.transport.base import Transport
@@ -86,8 +87,12 @@ class ServerContext:
     init_arrays: Callable[[str], Arrays]
     """``init_arrays(role)``: seeded initial weights of a role's model (same seed → same weights)."""
     log: Callable[[str], None] = print
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """The run's device: replies are moved onto it (a deployment's replies arrive as host tensors)."""
+
+    def is_eval_round(self, rnd: int) -> bool:
+        """True on the rounds the engine validates after (``RunConfig.is_eval_round``)."""
+        return self.cfg.is_eval_round(rnd)
 
     def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
         """Send tasks and collect replies (see :class:`fedseg.transport.base.Transport`), their arrays on :attr:`device`."""
@@ -109,6 +114,8 @@ class Algorithm:
     primary: ClassVar[str | None] = "global"
     """Candidate reported as the method's row; None = each site's own (home) model."""
     summary: ClassVar[str] = ""
+    title: ClassVar[str] = ""
+    """Display name in tables and reports ("FedAvg", "FedSM"); the registry name when empty."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -130,6 +137,11 @@ class Algorithm:
         if validate is not None:
             validate()
         return params
+
+    def label(self) -> str:
+        """This run's row label in tables: :attr:`title`, plus what its settings make of it (e.g.
+        "FedAvg - even", "Auto-FedAvg-N-Dirichlet"); written to ``results.json["label"]``."""
+        return self.title or self.name
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **dataclasses.asdict(self.params)}
@@ -156,7 +168,9 @@ class Algorithm:
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         raise NotImplementedError
 
-    def final_candidates(self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext) -> dict[str, Candidate]:
+    def final_candidates(
+        self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Candidate]:
         """Candidates to test in place of some best-validation ones, built after the last round from the
         best candidates (and their rounds) and the final state (FedSM assembles its composite from its
         best parts).  Returns ``{name: candidate}`` for the names replaced; the default replaces none."""

@@ -14,8 +14,8 @@ from typing import Any
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import train_global
-from fedseg.arrays import Arrays, strip_prefix
-from fedseg.site import Task
+from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.messages import Task
 
 POOLED = "pooled"
 

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = ["CWT", "CWTParams", "load_optimizer_arrays", "optimizer_arrays", "train_cwt", "visit_order"]
 
@@ -69,7 +70,9 @@ def _names(order: tuple[str, ...] | str) -> tuple[str, ...]:
     return tuple(s.strip() for s in items if s.strip())
 
 
-def visit_order(sites: Sequence[str], order: tuple[str, ...] | str | None = None, end: str | None = None) -> tuple[str, ...]:
+def visit_order(
+    sites: Sequence[str], order: tuple[str, ...] | str | None = None, end: str | None = None
+) -> tuple[str, ...]:
     """The cycle of one round.
 
     Parameters
@@ -93,7 +96,7 @@ def visit_order(sites: Sequence[str], order: tuple[str, ...] | str | None = None
             if end not in sites:
                 raise ConfigError(f"cwt.end = {end!r} is not a site; sites are {list(sites)}")
             i = sites.index(end)
-            cycle = sites[i + 1:] + sites[: i + 1]
+            cycle = sites[i + 1 :] + sites[: i + 1]
     else:
         cycle = _names(order)
         unknown = [s for s in cycle if s not in sites]
@@ -102,7 +105,9 @@ def visit_order(sites: Sequence[str], order: tuple[str, ...] | str | None = None
         if sorted(cycle) != sorted(sites):
             raise ConfigError(f"cwt.order = {list(cycle)} must list every site exactly once; sites are {list(sites)}")
         if end is not None and cycle[-1] != end:
-            raise ConfigError(f"cwt.end = {end!r} but cwt.order ends at {cycle[-1]!r}; set one of them or make them agree")
+            raise ConfigError(
+                f"cwt.end = {end!r} but cwt.order ends at {cycle[-1]!r}; set one of them or make them agree"
+            )
     return cycle
 
 

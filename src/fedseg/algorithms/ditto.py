@@ -39,9 +39,10 @@ from fedseg.algorithms.personal import (
     personal_candidates,
     store_personal,
 )
-from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = ["Ditto", "DittoParams", "personal_step"]
 
@@ -85,7 +86,14 @@ def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: DittoPara
     model = site.models["personal"]
     anchor = {k: global_arrays[k] for k, _ in model.named_parameters()}
     opt = site.optimizer("personal", lr=params.lr)
-    return site.fit("personal", rnd, stream="personal", optimizer=opt, extra_loss=proximal_loss(anchor, params.lam), steps=local_work(site, params.steps))
+    return site.fit(
+        "personal",
+        rnd,
+        stream="personal",
+        optimizer=opt,
+        extra_loss=proximal_loss(anchor, params.lam),
+        steps=local_work(site, params.steps),
+    )
 
 
 def train_ditto(site: Site, task: Task) -> Reply:
@@ -109,8 +117,14 @@ class Ditto(Algorithm):
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
-        conf = {"round": rnd, "report_personal": is_eval_round(ctx.cfg, rnd), "params": {"lam": p.lam, "steps": p.steps, "lr": p.lr}}
-        replies = ctx.ask({s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites})
+        conf = {
+            "round": rnd,
+            "report_personal": is_eval_round(ctx.cfg, rnd),
+            "params": {"lam": p.lam, "steps": p.steps, "lr": p.lr},
+        }
+        replies = ctx.ask(
+            {s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites}
+        )
         new = dict(state)
         new.update(aggregate_global(replies, p.weighting))
         store_personal(new, replies)

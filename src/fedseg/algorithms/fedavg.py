@@ -7,7 +7,7 @@ moments persist across rounds by default (FedSM reference code); the server sets
     w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("fedavg")   or   p_k = 1/K   ("fedavg-even").
 
 ``fedavg.aggregation = "trimmed_mean" | "median"`` replaces the weighted mean by a
-coordinate-wise robust rule (:func:`fedseg.arrays.aggregate`); the default
+coordinate-wise robust rule (:func:`fedseg.core.arrays.aggregate`); the default
 ``"mean"`` is the papers' rule, bitwise.
 
 Only the sites that replied are averaged (weights renormalized over them).
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
-from fedseg.config import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
+from fedseg.core.config import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:
@@ -45,7 +46,7 @@ class FedAvgParams:
         'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K).
     aggregation
         'mean' (Σ_k p_k w_k, the papers' FedAvg), 'trimmed_mean' or 'median'
-        (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.arrays.aggregate`).
+        (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.core.arrays.aggregate`).
     trim
         Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5).
     """
@@ -87,7 +88,10 @@ class FedAvg(Algorithm):
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
         new = dict(state)
-        rule = getattr(self.params, "aggregation", "mean"), getattr(self.params, "trim", 0.0)  # subclasses with their own settings: mean
+        rule = (
+            getattr(self.params, "aggregation", "mean"),
+            getattr(self.params, "trim", 0.0),
+        )  # subclasses with their own settings: mean
         new.update(aggregate([replies[s].arrays for s in names], p, *rule))
         return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
 

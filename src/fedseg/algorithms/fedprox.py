@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.fedavg import FedAvg
-from fedseg.arrays import check_aggregation, prefixed, strip_prefix
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import check_aggregation, prefixed, strip_prefix
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = ["FedProx", "FedProxParams", "proximal_loss", "proximal_term"]
 
@@ -88,7 +89,9 @@ class FedProxParams:
 
     def validate(self) -> None:
         if not (self.mu >= 0.0 and self.mu < float("inf")):
-            raise ConfigError(f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)")
+            raise ConfigError(
+                f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)"
+            )
         if self.weighting not in ("samples", "even"):
             raise ConfigError(f"fedprox.weighting = {self.weighting!r}; use 'samples' or 'even'")
         check_aggregation(self.aggregation, self.trim, "fedprox")
@@ -100,7 +103,14 @@ def train_prox(site: Site, task: Task) -> Reply:
     model = site.load("global", strip_prefix("global", task.arrays))
     anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
-    metrics = site.fit("global", task.config["round"], stream="train", optimizer=opt, extra_loss=proximal_loss(anchor, mu), steps=task.config.get("steps"))
+    metrics = site.fit(
+        "global",
+        task.config["round"],
+        stream="train",
+        optimizer=opt,
+        extra_loss=proximal_loss(anchor, mu),
+        steps=task.config.get("steps"),
+    )
     return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
 
 

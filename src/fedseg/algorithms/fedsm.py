@@ -63,10 +63,11 @@ from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING, gradient_step, lockstep_round
 from fedseg.algorithms.softpull import check_lambda, ensemble_mix, oracle_labels, route, routing_accuracy, soft_pull
-from fedseg.arrays import Arrays, aggregate, check_aggregation, clone, prefixed, strip_prefix, weighted_mean
-from fedseg.errors import ConfigError, PayloadError
+from fedseg.core.arrays import Arrays, aggregate, check_aggregation, clone, prefixed, strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site, batch_of, dataset_len
 from fedseg.models import Selector
-from fedseg.site import Reply, Site, Task, batch_of, dataset_len
 
 __all__ = [
     "FedSM",
@@ -74,8 +75,8 @@ __all__ = [
     "FedSMExtra",
     "FedSMParams",
     "input_layout",
-    "oracle_accuracy",
     "optimizer_moments",
+    "oracle_accuracy",
     "pick_gamma",
     "route_task",
     "selector_role",
@@ -106,7 +107,12 @@ SELECTOR_TRAININGS = ("fga", "fedavg")
 #: code's literal ones (γ 0.9, n_k/n weights, every local step, averaged selector).
 PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
     "default": {"gamma": "auto", "selector_training": "fga", "selector_weighting": "even"},
-    "reference": {"gamma": 0.9, "selector_training": "fedavg", "selector_weighting": "samples", "selector_steps": "all"},
+    "reference": {
+        "gamma": 0.9,
+        "selector_training": "fedavg",
+        "selector_weighting": "samples",
+        "selector_steps": "all",
+    },
 }
 
 
@@ -171,7 +177,7 @@ class FedSMParams:
         paper's FedSM, Eq. 11) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto'
         (that method's site step, its settings from its own section; no SoftPull).
     aggregation, trim
-        How the global model is combined (:func:`fedseg.arrays.aggregate`): 'mean'
+        How the global model is combined (:func:`fedseg.core.arrays.aggregate`): 'mean'
         (Alg. 1, the paper), 'trimmed_mean' (``trim`` of the sites dropped at each end per
         coordinate) or 'median' — the latter two bound one site's influence (deployment).
     """
@@ -196,7 +202,9 @@ class FedSMParams:
     def resolved(self) -> FedSMParams:
         """These settings with every unset one filled in from ``profile``."""
         if self.profile not in PROFILES:
-            raise ConfigError(f"fedsm.profile = {self.profile!r}; use 'default' (settings that learn) or 'reference' (the reference code's literal settings)")
+            raise ConfigError(
+                f"fedsm.profile = {self.profile!r}; use 'default' (settings that learn) or 'reference' (the reference code's literal settings)"
+            )
         fill = dict(PROFILE_DEFAULTS[self.profile])
         training = self.selector_training if self.selector_training is not None else fill["selector_training"]
         fill.setdefault("selector_steps", 1 if training == "fedavg" else "all")
@@ -209,7 +217,9 @@ class FedSMParams:
 
     def validate(self) -> None:
         if self.profile not in PROFILES:
-            raise ConfigError(f"fedsm.profile = {self.profile!r}; use 'default' (settings that learn) or 'reference' (the reference code's literal settings)")
+            raise ConfigError(
+                f"fedsm.profile = {self.profile!r}; use 'default' (settings that learn) or 'reference' (the reference code's literal settings)"
+            )
         if self.personalization not in PERSONALIZATIONS:
             raise ConfigError(
                 f"fedsm.personalization = {self.personalization!r} is not a personalization method; "
@@ -223,7 +233,9 @@ class FedSMParams:
         elif self.gamma is not None and not (0.0 <= self.gamma <= 1.0):
             raise ConfigError(f"fedsm.gamma = {self.gamma} must be in [0, 1] (or 'auto'); the reference uses 0.9")
         if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
-            raise ConfigError(f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]")
+            raise ConfigError(
+                f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"
+            )
         if not self.selector_width > 0:
             raise ConfigError(f"fedsm.selector_width must be > 0, got {self.selector_width}")
         if self.selector_hidden < 1:
@@ -231,7 +243,9 @@ class FedSMParams:
         if self.selector_lr is not None and not self.selector_lr > 0:
             raise ConfigError(f"fedsm.selector_lr must be > 0 (or none for train.lr), got {self.selector_lr}")
         if self.selector_training is not None and self.selector_training not in SELECTOR_TRAININGS:
-            raise ConfigError(f"fedsm.selector_training = {self.selector_training!r}; use 'fga' (gradient averaging each step) or 'fedavg' (average after local steps)")
+            raise ConfigError(
+                f"fedsm.selector_training = {self.selector_training!r}; use 'fga' (gradient averaging each step) or 'fedavg' (average after local steps)"
+            )
         if self.selector_rounds is not None and self.selector_rounds < 1:
             raise ConfigError(f"fedsm.selector_rounds must be >= 1 (or none for rounds/3), got {self.selector_rounds}")
         steps = self.selector_steps
@@ -290,7 +304,13 @@ def input_layout(model_arrays: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 # -------------------------------------------------------------- site half
 def _selector_factory(site: Site, num_classes: int, params: FedSMParams) -> Callable[[], nn.Module]:
-    return lambda: Selector(site.workload.spatial_dims, site.workload.in_channels, num_classes, width=params.selector_width, hidden=params.selector_hidden)
+    return lambda: Selector(
+        site.workload.spatial_dims,
+        site.workload.in_channels,
+        num_classes,
+        width=params.selector_width,
+        hidden=params.selector_hidden,
+    )
 
 
 @torch.no_grad()
@@ -313,8 +333,13 @@ def _frozen_roles(sites: Sequence[str]) -> list[str]:
 def _load_frozen(site: Site, arrays: Arrays, sites: Sequence[str]) -> list[nn.Module]:
     """The frozen global and personalized models of a selector-phase round, loaded at the site (eval mode)."""
     names = ["global", *(f"personal/{s}" for s in sites)]
-    bn = ["global", *("personal" if s == site.name else "global" for s in sites)]  # train.bn_policy = "local": the site's own statistics
-    frozen = [site.load(role, strip_prefix(name, arrays), bn_from=b) for role, name, b in zip(_frozen_roles(sites), names, bn)]
+    bn = [
+        "global",
+        *("personal" if s == site.name else "global" for s in sites),
+    ]  # train.bn_policy = "local": the site's own statistics
+    frozen = [
+        site.load(role, strip_prefix(name, arrays), bn_from=b) for role, name, b in zip(_frozen_roles(sites), names, bn)
+    ]
     for m in frozen:
         m.eval()
     return frozen
@@ -342,7 +367,9 @@ def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module]
     return hits / n
 
 
-def _load_composite(site: Site, arrays: Arrays, config: dict[str, Any], params: FedSMParams, prefix: str) -> tuple[nn.Module, list[nn.Module]]:
+def _load_composite(
+    site: Site, arrays: Arrays, config: dict[str, Any], params: FedSMParams, prefix: str
+) -> tuple[nn.Module, list[nn.Module]]:
     """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site."""
     c = int(config["num_classes"])
     role = selector_role(c, prefix)
@@ -351,14 +378,22 @@ def _load_composite(site: Site, arrays: Arrays, config: dict[str, Any], params: 
     # personalized model for its own, those of its global model for the others
     models = [site.load(f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
     for j, s in enumerate(config["sites"]):
-        models.append(site.load(f"{prefix}p{j}", strip_prefix(f"personal/{s}", arrays), bn_from="personal" if s == site.name else "global"))
+        models.append(
+            site.load(
+                f"{prefix}p{j}",
+                strip_prefix(f"personal/{s}", arrays),
+                bn_from="personal" if s == site.name else "global",
+            )
+        )
     sel.eval()
     for m in models:
         m.eval()
     return sel, models
 
 
-def _composite_predict(site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+def _composite_predict(
+    site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
     wl = site.workload
 
     @torch.no_grad()
@@ -388,8 +423,8 @@ class FedSM(Algorithm):
     Params = FedSMParams
     primary = "fedsm"
     summary = "FedSM: global model + SoftPull personalized models + model selector (γ-gated routing)"
-    labels = "site"      # Eq. 2
-    mode = "gate"        # Alg. 2
+    labels = "site"  # Eq. 2
+    mode = "gate"  # Alg. 2
     two_phase = False
 
     @classmethod
@@ -402,7 +437,9 @@ class FedSM(Algorithm):
         self.selector_rounds = 0
         if self.two_phase:
             if cfg.rounds < 2:
-                raise ConfigError(f"{self.name} needs rounds >= 2 (model rounds, then selector rounds); got rounds = {cfg.rounds}")
+                raise ConfigError(
+                    f"{self.name} needs rounds >= 2 (model rounds, then selector rounds); got rounds = {cfg.rounds}"
+                )
             s = self.params.selector_rounds if self.params.selector_rounds is not None else math.ceil(cfg.rounds / 3)
             if not 1 <= s < cfg.rounds:
                 raise ConfigError(
@@ -464,7 +501,10 @@ class FedSM(Algorithm):
     def _init_selector(self, ctx: ServerContext) -> Arrays:
         c = self.num_classes(len(ctx.sites))
         dims, channels = input_layout(ctx.init_arrays("global"))
-        factory = lambda: Selector(dims, channels, c, width=self.params.selector_width, hidden=self.params.selector_hidden)  # noqa: E731
+
+        def factory() -> nn.Module:
+            return Selector(dims, channels, c, width=self.params.selector_width, hidden=self.params.selector_hidden)
+
         return prefixed("selector", ctx.init_arrays(selector_role(c), factory=factory))
 
     def phase(self, rnd: int) -> str:
@@ -494,11 +534,20 @@ class FedSM(Algorithm):
             _keep_best_selector(new, before, metrics.get("routing_acc"), rnd - 1)
         return new, metrics
 
-    def _train_round(self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int, phase: str, train_selector: bool) -> dict[str, Any]:
+    def _train_round(
+        self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int, phase: str, train_selector: bool
+    ) -> dict[str, Any]:
         """One ``"train"`` task per site (models and/or the locally trained selector), aggregated into ``new``."""
         sites = list(ctx.sites)
         train_models = phase in ("joint", "models")
-        base = {"round": rnd, "phase": phase, "sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode, "train_selector": train_selector}
+        base = {
+            "round": rnd,
+            "phase": phase,
+            "sites": sites,
+            "num_classes": self.num_classes(len(sites)),
+            "mode": self.mode,
+            "train_selector": train_selector,
+        }
         shared: Arrays = {}
         if train_models:
             shared.update({k: v for k, v in new.items() if k.startswith("global/")})
@@ -522,7 +571,17 @@ class FedSM(Algorithm):
         if train_models and self.personalization != "softpull":
             new.update(self._aggregate_personalization(state, replies, names, p))
         elif train_models:
-            new.update(prefixed("global", aggregate([strip_prefix("global", replies[s].arrays) for s in names], p, self.params.aggregation, self.params.trim)))
+            new.update(
+                prefixed(
+                    "global",
+                    aggregate(
+                        [strip_prefix("global", replies[s].arrays) for s in names],
+                        p,
+                        self.params.aggregation,
+                        self.params.trim,
+                    ),
+                )
+            )
             personal = {s: strip_prefix(f"personal/{s}", new) for s in sites}
             for s in names:
                 personal[s] = strip_prefix(f"personal/{s}", replies[s].arrays)
@@ -530,13 +589,21 @@ class FedSM(Algorithm):
                 new.update(prefixed(f"personal/{s}", a))
         if train_selector:
             p_sel = aggregation_weights(counts, self.params.selector_weighting)
-            new.update(prefixed("selector", weighted_mean([strip_prefix("selector", replies[s].arrays) for s in names], p_sel)))
+            new.update(
+                prefixed("selector", weighted_mean([strip_prefix("selector", replies[s].arrays) for s in names], p_sel))
+            )
             moments = [strip_prefix("selector_optim", replies[s].arrays) for s in names]
             if self.params.share_selector_moments and all(moments):
                 # the moments are averaged with the weights of the selector's parameters
                 new.update(prefixed("selector_optim", weighted_mean(moments, p_sel)))
         metrics: dict[str, Any] = {}
-        for key, mkey in (("train_loss", "loss"), ("personal_loss", "personal_loss"), ("selector_loss", "selector_loss"), ("routing_acc", "routing_acc"), ("alpha", "alpha")):
+        for key, mkey in (
+            ("train_loss", "loss"),
+            ("personal_loss", "personal_loss"),
+            ("selector_loss", "selector_loss"),
+            ("routing_acc", "routing_acc"),
+            ("alpha", "alpha"),
+        ):
             vals = {s: replies[s].metrics.get(mkey) for s in names}
             if any(v is not None for v in vals.values()):
                 metrics[key] = vals
@@ -558,7 +625,15 @@ class FedSM(Algorithm):
         if phase == "selector":
             first.update({k: v for k, v in new.items() if k.startswith(("global/", "personal/"))})
         config = {"phase": phase, "sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode}
-        weights, m, start = lockstep_round(ctx, rnd, kind="selector_step", first=first, config=config, prefix="selector", max_steps=self.params.max_selector_steps)
+        weights, m, start = lockstep_round(
+            ctx,
+            rnd,
+            kind="selector_step",
+            first=first,
+            config=config,
+            prefix="selector",
+            max_steps=self.params.max_selector_steps,
+        )
         new.update(weights)
         out: dict[str, Any] = {"selector_loss": m["train_loss"], "selector_steps": m["steps"]}
         if "in_sync" in m:
@@ -568,7 +643,9 @@ class FedSM(Algorithm):
             out["routing_acc"] = routing
         return out
 
-    def _aggregate_personalization(self, state: Arrays, replies: Mapping[str, Reply], names: list[str], p: Sequence[float]) -> Arrays:
+    def _aggregate_personalization(
+        self, state: Arrays, replies: Mapping[str, Reply], names: list[str], p: Sequence[float]
+    ) -> Arrays:
         """Server half of a non-SoftPull personalization: the new global model and the replies' personalized models.
 
         Global: weighted mean of the sites' models with FedSM's ``weighting`` (pFedMe:
@@ -596,7 +673,12 @@ class FedSM(Algorithm):
         """The "fedsm" candidate: global + selector + personalized models, routed by the ``"fedsm"`` predictor."""
         sites = list(ctx.sites)
         arrays = {k: v for k, v in state.items() if k.startswith(("global/", "selector/", "personal/"))}
-        config = {"sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode, "gamma": self._gamma() if gamma is None else gamma}
+        config = {
+            "sites": sites,
+            "num_classes": self.num_classes(len(sites)),
+            "mode": self.mode,
+            "gamma": self._gamma() if gamma is None else gamma,
+        }
         return Candidate("fedsm", arrays, predictor="fedsm", config=config)
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
@@ -610,10 +692,21 @@ class FedSM(Algorithm):
             out.append(cand)
         if not (self.two_phase and have_selector):
             out.append(Candidate("global", strip_prefix("global", state)))
-            out += [Candidate(f"personal/{s}", strip_prefix(f"personal/{s}", state), val_sites=(s,), home_site=s, config={"bn_role": "personal"}) for s in ctx.sites]
+            out += [
+                Candidate(
+                    f"personal/{s}",
+                    strip_prefix(f"personal/{s}", state),
+                    val_sites=(s,),
+                    home_site=s,
+                    config={"bn_role": "personal"},
+                )
+                for s in ctx.sites
+            ]
         return out
 
-    def final_candidates(self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext) -> dict[str, Candidate]:
+    def final_candidates(
+        self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Candidate]:
         """The composite to test, assembled from the best parts as the reference code keeps them.
 
         Global model: the best-validation ``global`` candidate; personalized models: each
@@ -663,7 +756,10 @@ class FedSM(Algorithm):
 
     def fp16_unsupported(self) -> str | None:
         if self.params.selector_training == "fga":
-            return FP16_GRADIENT_AVERAGING + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
+            return (
+                FP16_GRADIENT_AVERAGING
+                + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
+            )
         if self.params.personalization != "softpull":
             # APFL's, pFedMe's and Per-FedAvg's answers do not depend on their settings
             return personalization_class(self.params.personalization).fp16_unsupported(self)
@@ -720,7 +816,7 @@ class FedSM(Algorithm):
         if train_models:
             # Alg. 1 trains the models on the same batches; they are independent within a round, so
             # each runs the generic loop over the round's seeded batches (a vectorized simulation
-            # then trains every site's global and personal models together: fedseg.vectorize)
+            # then trains every site's global and personal models together: fedseg.simulation.vectorize)
             fit_g = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=cfg.get("steps"))
             fit_p = site.fit("personal", rnd, stream="train", optimizer=opt_p, steps=cfg.get("steps"))
             steps = fit_g["steps"]
@@ -747,7 +843,16 @@ class FedSM(Algorithm):
         metrics["steps"] = metrics["steps"] if by_method else steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
 
-    def _selector_loss(self, site: Site, sel: nn.Module, x: torch.Tensor, y: torch.Tensor, phase: str, own: int, frozen: Sequence[nn.Module]) -> torch.Tensor:
+    def _selector_loss(
+        self,
+        site: Site,
+        sel: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        phase: str,
+        own: int,
+        frozen: Sequence[nn.Module],
+    ) -> torch.Tensor:
         """The selector's mean loss on a batch: Eq. 2 cross-entropy (joint phase), Eq. 1 cross-entropy
         (fedsm-extra) or the workload loss of the softmax-weighted output mix (ensemble)."""
         logits = sel(x)
@@ -786,7 +891,12 @@ class FedSM(Algorithm):
                 routing = self._routing_accuracy(site, sel, sites, phase)
         frozen = [site.models[r] for r in _frozen_roles(sites)] if phase == "selector" else []
         reply = gradient_step(
-            site, Task(task.kind, arrays, cfg), role=role, prefix="selector", factory=factory, lr=self.params.selector_lr,
+            site,
+            Task(task.kind, arrays, cfg),
+            role=role,
+            prefix="selector",
+            factory=factory,
+            lr=self.params.selector_lr,
             loss=lambda model, x, y: self._selector_loss(site, model, x, y, phase, own, frozen),
             check_loss=F.cross_entropy if self.labels != "mix" or phase == "joint" else None,
         )
@@ -801,7 +911,9 @@ class FedSM(Algorithm):
         frozen models must be loaded)."""
         if phase == "selector":
             return oracle_accuracy(site, sel, [site.models[r] for r in _frozen_roles(sites)], "validation")
-        return routing_accuracy(_selector_probs(site, sel, "validation"), sites.index(site.name), 0 if self.labels == "site" else 1)
+        return routing_accuracy(
+            _selector_probs(site, sel, "validation"), sites.index(site.name), 0 if self.labels == "site" else 1
+        )
 
     def _personalize(self, site: Site, task: Task) -> tuple[Arrays, dict[str, Any]]:
         """Site half of a non-SoftPull personalization: one round of the method from the received w_r.
@@ -853,7 +965,13 @@ class FedSM(Algorithm):
         sel, models = _load_composite(site, task.arrays, cfg, self.params, "fedsm-eval/")
         probs = _selector_probs(site, sel, split)
         n = probs.shape[0]
-        per_model = torch.stack([site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1) if n else torch.zeros(0, len(models), dtype=torch.float64)
+        per_model = (
+            torch.stack(
+                [site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1
+            )
+            if n
+            else torch.zeros(0, len(models), dtype=torch.float64)
+        )
         if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
             acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
         else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
@@ -863,15 +981,35 @@ class FedSM(Algorithm):
             for gamma in cfg.get("gammas", [0.9]):
                 idx = route(probs, float(gamma))
                 dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
-                selections.append({"gamma": float(gamma), "dice_sum": float(dice.sum()), "counts": torch.bincount(idx, minlength=len(models)).tolist()})
+                selections.append(
+                    {
+                        "gamma": float(gamma),
+                        "dice_sum": float(dice.sum()),
+                        "counts": torch.bincount(idx, minlength=len(models)).tolist(),
+                    }
+                )
         else:
             idx = probs.argmax(dim=1)
             if mode == "mix":
                 dice = site.score(_composite_predict(site, sel, models, "mix", 0.0), split).mean(dim=1)
             else:
                 dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
-            selections.append({"gamma": None, "dice_sum": float(dice.sum()), "counts": torch.bincount(idx, minlength=len(models)).tolist()})
-        return Reply(metrics={"n": n, "routing_acc": acc, "dice_sum_per_model": per_model.sum(dim=0).tolist(), "selections": selections}, num_samples=n)
+            selections.append(
+                {
+                    "gamma": None,
+                    "dice_sum": float(dice.sum()),
+                    "counts": torch.bincount(idx, minlength=len(models)).tolist(),
+                }
+            )
+        return Reply(
+            metrics={
+                "n": n,
+                "routing_acc": acc,
+                "dice_sum_per_model": per_model.sum(dim=0).tolist(),
+                "selections": selections,
+            },
+            num_samples=n,
+        )
 
 
 def _mean_routing(accs: Mapping[str, Any] | None) -> float | None:
@@ -897,7 +1035,9 @@ def _keep_best_selector(new: Arrays, before: Arrays, accs: Mapping[str, Any] | N
     new["best_selector_round"] = torch.tensor(measured_round, dtype=torch.int64)
 
 
-def route_task(transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]) -> dict[str, dict[str, Any]]:
+def route_task(
+    transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]
+) -> dict[str, dict[str, Any]]:
     """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``."""
     config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
     replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})

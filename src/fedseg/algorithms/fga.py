@@ -55,9 +55,10 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = [
     "FGA",
@@ -104,13 +105,19 @@ class FGAParams:
 
     def validate(self) -> None:
         if self.weighting not in ("samples", "even"):
-            raise ConfigError(f"fga.weighting = {self.weighting!r}; use 'samples' (pooled-batch gradient) or 'even' (Alg. 1's 1/S mean)")
+            raise ConfigError(
+                f"fga.weighting = {self.weighting!r}; use 'samples' (pooled-batch gradient) or 'even' (Alg. 1's 1/S mean)"
+            )
         if self.steps not in ("max", "min"):
-            raise ConfigError(f"fga.steps = {self.steps!r}; use 'max' (smaller sites cycle their data) or 'min' (stop with the smallest site)")
+            raise ConfigError(
+                f"fga.steps = {self.steps!r}; use 'max' (smaller sites cycle their data) or 'min' (stop with the smallest site)"
+            )
 
 
 # ---------------------------------------------------------------------------- maths
-def average_gradients(grads: Sequence[Mapping[str, torch.Tensor]], batch_sizes: Sequence[int], weighting: str = "samples") -> Arrays:
+def average_gradients(
+    grads: Sequence[Mapping[str, torch.Tensor]], batch_sizes: Sequence[int], weighting: str = "samples"
+) -> Arrays:
     """The server's averaged gradient g = Σ_k p_k g_k.
 
     Parameters
@@ -161,8 +168,10 @@ def federation_steps(steps_per_site: Sequence[int], rule: str = "max") -> int:
     raise ValueError(f"unknown rule {rule!r}; use 'max' or 'min'")
 
 
-FP16_GRADIENT_AVERAGING = ("gradient averaging (FGA; FedSM's selector_training = 'fga'), whose sites send raw batch gradients "
-                           "to be averaged (per-site loss scales would weight the sites unequally)")
+FP16_GRADIENT_AVERAGING = (
+    "gradient averaging (FGA; FedSM's selector_training = 'fga'), whose sites send raw batch gradients "
+    "to be averaged (per-site loss scales would weight the sites unequally)"
+)
 """Why fp16 is refused where gradients are averaged; bf16 (no loss scaling) runs as is."""
 
 
@@ -171,7 +180,9 @@ def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Map
     params = dict(model.named_parameters())
     unknown = sorted(set(grad) - set(params))
     if unknown:
-        raise PayloadError(f"averaged gradient names parameters the model does not have: {unknown[:5]}; every site must build the same model")
+        raise PayloadError(
+            f"averaged gradient names parameters the model does not have: {unknown[:5]}; every site must build the same model"
+        )
     for name, p in params.items():
         g = grad.get(name)
         if g is None:
@@ -196,7 +207,11 @@ def equivalence_problems(model: nn.Module, loss: Any) -> list[str]:
     ``batch=True`` Dice losses) or sums instead of averaging (``reduction="sum"``).
     """
     problems = []
-    bn = [name or type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    bn = [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
     if bn:
         problems.append(
             f"the model has batch-norm layers in training mode ({', '.join(bn[:3])}{'…' if len(bn) > 3 else ''}): batch statistics "
@@ -285,7 +300,9 @@ def gradient_step(
         site.load(role, init, factory)
     model = site.model(role, factory)
     # the optimizer persists across rounds (Alg. 1 initializes m, v once) unless train.reset_optimizer
-    opt = site.optimizer(role, reset=step == 0 and site.cfg.train.reset_optimizer, params=list(model.parameters()), lr=lr)
+    opt = site.optimizer(
+        role, reset=step == 0 and site.cfg.train.reset_optimizer, params=list(model.parameters()), lr=lr
+    )
     avg = strip_prefix("avg", task.arrays)
     if avg:
         apply_gradient(model, opt, avg)
@@ -345,7 +362,14 @@ def lockstep_round(
     base = {"round": rnd, **(config or {})}
 
     def average(replies: Mapping[str, Reply]) -> Arrays:
-        return prefixed("avg", average_gradients([strip_prefix("grad", replies[s].arrays) for s in sites], [replies[s].num_samples for s in sites], weighting))
+        return prefixed(
+            "avg",
+            average_gradients(
+                [strip_prefix("grad", replies[s].arrays) for s in sites],
+                [replies[s].num_samples for s in sites],
+                weighting,
+            ),
+        )
 
     replies = ctx.ask({s: Task(kind, dict(first or {}), {**base, "step": 0}) for s in sites})
     start = {s: dict(replies[s].metrics) for s in sites}
@@ -358,7 +382,9 @@ def lockstep_round(
         for s in sites:
             losses[s].append(replies[s].metrics["loss"])
     avg = average(replies)
-    last = ctx.ask({s: Task(kind, avg, {**base, "step": None, "send_weights": s == sites[0], "digest": check_sync}) for s in sites})
+    last = ctx.ask(
+        {s: Task(kind, avg, {**base, "step": None, "send_weights": s == sites[0], "digest": check_sync}) for s in sites}
+    )
     weights = {k: v for k, v in last[sites[0]].arrays.items() if k.startswith(prefix + "/")}
     metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
     if check_sync:
@@ -380,7 +406,9 @@ class FGA(Algorithm):
     name = "fga"
     section = "fga"
     Params = FGAParams
-    summary = "FGA: lockstep gradient averaging each step; every site applies it with its own Adam (= centralized training)"
+    summary = (
+        "FGA: lockstep gradient averaging each step; every site applies it with its own Adam (= centralized training)"
+    )
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))
@@ -390,7 +418,9 @@ class FGA(Algorithm):
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
-        weights, metrics, _ = lockstep_round(ctx, rnd, first=state if rnd == 1 else {}, weighting=p.weighting, steps=p.steps, check_sync=p.check_sync)
+        weights, metrics, _ = lockstep_round(
+            ctx, rnd, first=state if rnd == 1 else {}, weighting=p.weighting, steps=p.steps, check_sync=p.check_sync
+        )
         return {**state, **weights}, metrics
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:

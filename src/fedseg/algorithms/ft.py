@@ -36,8 +36,9 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
-from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.site import Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix
+from fedseg.core.messages import Task
+from fedseg.core.site import Site
 
 __all__ = ["FT", "FTParams", "personal_step"]
 
@@ -66,7 +67,15 @@ class FTParams:
 
 def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: FTParams) -> tuple[Arrays, dict[str, Any]]:
     """FT's personalization of ``global_arrays`` at ``site`` (reusable outside this algorithm)."""
-    return finetune(site, global_arrays, rnd, steps=local_work(site, params.steps), lr=params.lr, optimizer="train", stream="finetune")
+    return finetune(
+        site,
+        global_arrays,
+        rnd,
+        steps=local_work(site, params.steps),
+        lr=params.lr,
+        optimizer="train",
+        stream="finetune",
+    )
 
 
 # Site half of the ``personalize`` task: fine-tune the sent global model, send θ_k back.

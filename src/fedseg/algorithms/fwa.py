@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedseg.algorithms.fedavg import FedAvg
-from fedseg.arrays import prefixed, strip_prefix
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import prefixed, strip_prefix
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = ["FWA", "FWAParams", "train_fwa"]
 
@@ -57,7 +58,9 @@ class FWA(FedAvg):
     name = "fwa"
     section = "fwa"
     Params = FWAParams
-    summary = "FWA: FedAvg with epoch-long local training; Adam moments kept or reset between rounds (fwa.reset_optimizer)"
+    summary = (
+        "FWA: FedAvg with epoch-long local training; Adam moments kept or reset between rounds (fwa.reset_optimizer)"
+    )
 
     def site_handlers(self):
         return {"train": train_fwa}

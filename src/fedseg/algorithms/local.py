@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 
 def train_local(site: Site, task: Task) -> Reply:
@@ -36,14 +37,18 @@ class Local(Algorithm):
         return state
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        replies = ctx.ask({s: Task("train", strip_prefix(f"local/{s}", state) if rnd == 1 else {}, {"round": rnd}) for s in ctx.sites})
+        replies = ctx.ask(
+            {s: Task("train", strip_prefix(f"local/{s}", state) if rnd == 1 else {}, {"round": rnd}) for s in ctx.sites}
+        )
         new = dict(state)
         for s, rep in replies.items():
             new.update(prefixed(f"local/{s}", rep.arrays))
         return new, {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
-        return [Candidate(f"local/{s}", strip_prefix(f"local/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites]
+        return [
+            Candidate(f"local/{s}", strip_prefix(f"local/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites
+        ]
 
     def site_handlers(self):
         return {"train": train_local}

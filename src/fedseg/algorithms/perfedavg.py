@@ -51,16 +51,19 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
-from fedseg.arrays import Arrays, prefixed, strip_prefix
-from fedseg.errors import ConfigError
-from fedseg.site import LossSums, Reply, Site, Task
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import LossSums, Site
 
 __all__ = ["PerFedAvg", "PerFedAvgParams", "hvp_autograd", "hvp_finite_difference", "meta_gradient", "personal_step"]
 
 Params_ = dict[str, torch.Tensor]
 
 
-def hvp_autograd(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]) -> Arrays:
+def hvp_autograd(
+    loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
+) -> Arrays:
     """Exact Hessian-vector product ∇²f(w) v by double backprop.
 
     Parameters
@@ -86,14 +89,21 @@ def grad_of(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, tor
     return {k: (g.detach() if g is not None else torch.zeros_like(p[k])) for k, g in zip(p, gs)}
 
 
-def hvp_finite_difference(loss_fn: Callable[[Params_], torch.Tensor], params: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor], delta: float) -> Arrays:
+def hvp_finite_difference(
+    loss_fn: Callable[[Params_], torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    v: Mapping[str, torch.Tensor],
+    delta: float,
+) -> Arrays:
     """[∇f(w + δ v) − ∇f(w − δ v)] / (2δ), the paper's Hessian-free estimate (error O(δ²) ||v||³)."""
     plus = grad_of(loss_fn, {k: t.detach() + delta * v[k] for k, t in params.items()})
     minus = grad_of(loss_fn, {k: t.detach() - delta * v[k] for k, t in params.items()})
     return {k: (plus[k] - minus[k]) / (2.0 * delta) for k in params}
 
 
-def meta_gradient(g_outer: Mapping[str, torch.Tensor], alpha: float, hv: Mapping[str, torch.Tensor] | None = None) -> Arrays:
+def meta_gradient(
+    g_outer: Mapping[str, torch.Tensor], alpha: float, hv: Mapping[str, torch.Tensor] | None = None
+) -> Arrays:
     """(I − α ∇²f) ∇f(w̃) given the HVP ``hv`` = ∇²f ∇f(w̃); ``hv = None`` is the FO variant (g_outer)."""
     if hv is None:
         return {k: g.clone() for k, g in g_outer.items()}
@@ -154,7 +164,8 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
 
             def f(p):
                 with site.autocast():
-                    return loss_f(functional_call(model, p, (x,)), y)
+                    return loss_f(functional_call(model, p, (x,)), y)  # noqa: B023 (f is used before the next batch)
+
             return f
 
         g1 = grad_of(loss_on(batches[0]), w)
@@ -166,7 +177,11 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
         hv = None
         if params.variant == "hf":
             hess = loss_on(batches[2])
-            hv = hvp_autograd(hess, w, g2) if params.hvp == "autograd" else hvp_finite_difference(hess, w, g2, params.delta)
+            hv = (
+                hvp_autograd(hess, w, g2)
+                if params.hvp == "autograd"
+                else hvp_finite_difference(hess, w, g2, params.delta)
+            )
         g = meta_gradient(g2, params.alpha, hv)
         opt.zero_grad(set_to_none=True)
         for k, p in model.named_parameters():
@@ -176,9 +191,13 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
     return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
-def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> tuple[Arrays, dict[str, Any]]:
+def personal_step(
+    site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams
+) -> tuple[Arrays, dict[str, Any]]:
     """Per-FedAvg's personalization: ``personal_steps`` gradient steps of size α from the global model."""
-    return finetune(site, global_arrays, rnd, steps=params.personal_steps, lr=params.alpha, optimizer="sgd", stream="adapt")
+    return finetune(
+        site, global_arrays, rnd, steps=params.personal_steps, lr=params.alpha, optimizer="sgd", stream="adapt"
+    )
 
 
 def train_perfedavg(site: Site, task: Task) -> Reply:
@@ -205,7 +224,9 @@ class PerFedAvg(Algorithm):
         new.update(aggregate_global(replies, self.params.weighting))
         metrics: dict[str, Any] = {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
         if is_eval_round(ctx.cfg, rnd):
-            personal = ctx.ask({s: Task("personalize", prefixed("global", strip_prefix("global", new)), conf) for s in ctx.sites})
+            personal = ctx.ask(
+                {s: Task("personalize", prefixed("global", strip_prefix("global", new)), conf) for s in ctx.sites}
+            )
             store_personal(new, personal)
         return new, metrics
 

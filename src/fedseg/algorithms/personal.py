@@ -26,19 +26,20 @@ import torch
 
 from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.config import RunConfig
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.core.config import RunConfig
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply
+from fedseg.core.site import Site
 
 __all__ = [
     "aggregate_global",
     "check_nonneg_int",
     "check_positive",
     "check_weighting",
-    "local_work",
     "finetune",
     "is_eval_round",
+    "local_work",
     "personal_candidates",
     "store_personal",
 ]
@@ -157,7 +158,10 @@ def check_nonneg_int(section: str, key: str, value: int | None, allow_none: bool
             raise ConfigError(f"{section}.{key} must be set to an integer >= 0")
         return
     if value < 0:
-        raise ConfigError(f"{section}.{key} = {value}; it must be >= 0" + (" (or none for one round of local work)" if allow_none else ""))
+        raise ConfigError(
+            f"{section}.{key} = {value}; it must be >= 0"
+            + (" (or none for one round of local work)" if allow_none else "")
+        )
 
 
 def check_positive(section: str, key: str, value: float | None, allow_none: bool = False) -> None:
@@ -165,5 +169,3 @@ def check_positive(section: str, key: str, value: float | None, allow_none: bool
         return
     if value is None or not (value > 0.0 and value < float("inf")):
         raise ConfigError(f"{section}.{key} = {value}; it must be a finite number > 0")
-
-

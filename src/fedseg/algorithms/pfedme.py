@@ -37,15 +37,28 @@ import torch
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.algorithms.personal import check_positive, check_weighting, is_eval_round, personal_candidates, store_personal
-from fedseg.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
-from fedseg.errors import ConfigError
-from fedseg.site import LossSums, Reply, Site, Task
+from fedseg.algorithms.personal import (
+    check_positive,
+    check_weighting,
+    is_eval_round,
+    personal_candidates,
+    store_personal,
+)
+from fedseg.core.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import LossSums, Site
 
 __all__ = ["PFedMe", "PFedMeParams", "inner_update", "local_round", "moreau_gradient", "server_update"]
 
 
-def inner_update(theta: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], lam: float, lr: float) -> Arrays:
+def inner_update(
+    theta: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor],
+    w: Mapping[str, torch.Tensor],
+    lam: float,
+    lr: float,
+) -> Arrays:
     """One inner step θ − η_p (g + λ (θ − w))  (Alg. 1 line 7, authors' ``pFedMeOptimizer.step``)."""
     return {k: t - lr * (grads[k] + lam * (t - w[k])) for k, t in theta.items()}
 
@@ -55,7 +68,9 @@ def moreau_gradient(w: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Ten
     return {k: lam * (v - theta[k]) for k, v in w.items()}
 
 
-def server_update(w: Mapping[str, torch.Tensor], locals_: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], beta: float) -> Arrays:
+def server_update(
+    w: Mapping[str, torch.Tensor], locals_: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], beta: float
+) -> Arrays:
     """(1 − β) w_t + β Σ p_i w_i  (Alg. 1 line 12), via ``torch.lerp`` so β = 1 is exactly the weighted mean."""
     return lerp(dict(w), weighted_mean(locals_, weights), beta)
 
@@ -88,7 +103,9 @@ class PFedMeParams:
             raise ConfigError(f"pfedme.inner_steps = {self.inner_steps}; the inner problem needs K >= 1 steps")
         check_positive("pfedme", "personal_lr", self.personal_lr)
         if not (self.beta > 0.0 and self.beta < float("inf")):
-            raise ConfigError(f"pfedme.beta = {self.beta}; it must be > 0 (beta = 0 freezes the global model; 1 = plain average)")
+            raise ConfigError(
+                f"pfedme.beta = {self.beta}; it must be > 0 (beta = 0 freezes the global model; 1 = plain average)"
+            )
         check_weighting("pfedme", self.weighting)
 
 
@@ -111,7 +128,13 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
                 loss = site.workload.loss(theta(x), y)
             grads = torch.autograd.grad(loss, list(t_params.values()))
             with torch.no_grad():
-                new = inner_update({k: p.detach() for k, p in t_params.items()}, dict(zip(t_params, grads)), w_now, params.lam, params.personal_lr)
+                new = inner_update(
+                    {k: p.detach() for k, p in t_params.items()},
+                    dict(zip(t_params, grads)),
+                    w_now,
+                    params.lam,
+                    params.personal_lr,
+                )
                 for k, p in t_params.items():
                     p.copy_(new[k])
         g = moreau_gradient(w_now, {k: p.detach() for k, p in t_params.items()}, params.lam)
@@ -145,14 +168,24 @@ class PFedMe(Algorithm):
         conf = {
             "round": rnd,
             "report_personal": is_eval_round(ctx.cfg, rnd),
-            "params": {"lam": p.lam, "inner_steps": p.inner_steps, "personal_lr": p.personal_lr, "beta": p.beta, "weighting": p.weighting},
+            "params": {
+                "lam": p.lam,
+                "inner_steps": p.inner_steps,
+                "personal_lr": p.personal_lr,
+                "beta": p.beta,
+                "weighting": p.weighting,
+            },
         }
         w = strip_prefix("global", state)
         replies = ctx.ask({s: Task("train", prefixed("global", w), conf) for s in ctx.sites})
         names = list(replies)
         weights = aggregation_weights([replies[s].num_samples for s in names], p.weighting)
         new = dict(state)
-        new.update(prefixed("global", server_update(w, [strip_prefix("global", replies[s].arrays) for s in names], weights, p.beta)))
+        new.update(
+            prefixed(
+                "global", server_update(w, [strip_prefix("global", replies[s].arrays) for s in names], weights, p.beta)
+            )
+        )
         store_personal(new, replies)
         return new, {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
 

@@ -46,9 +46,10 @@ import torch
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import check_positive, check_weighting
-from fedseg.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
-from fedseg.errors import ConfigError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = ["Scaffold", "ScaffoldParams", "control_update", "correction", "server_control_update", "server_model_update"]
 
@@ -58,7 +59,14 @@ def correction(c: Mapping[str, torch.Tensor], c_i: Mapping[str, torch.Tensor]) -
     return sub(c, c_i)
 
 
-def control_update(c_i: Mapping[str, torch.Tensor], c: Mapping[str, torch.Tensor], x: Mapping[str, torch.Tensor], y: Mapping[str, torch.Tensor], steps: int, lr: float) -> Arrays:
+def control_update(
+    c_i: Mapping[str, torch.Tensor],
+    c: Mapping[str, torch.Tensor],
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    steps: int,
+    lr: float,
+) -> Arrays:
     """Option II: c_i⁺ = c_i − c + (x − y) / (K η_l)  (Alg. 1 line 12).
 
     Parameters
@@ -77,12 +85,19 @@ def control_update(c_i: Mapping[str, torch.Tensor], c: Mapping[str, torch.Tensor
     return add(sub(c_i, c), sub(x, y), alpha=1.0 / (steps * lr))
 
 
-def server_model_update(x: Mapping[str, torch.Tensor], ys: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], server_lr: float) -> Arrays:
+def server_model_update(
+    x: Mapping[str, torch.Tensor], ys: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], server_lr: float
+) -> Arrays:
     """x + η_g Σ p_i (y_i − x), computed as (1 − η_g) x + η_g Σ p_i y_i (``torch.lerp``; η_g = 1 gives FedAvg bitwise)."""
     return lerp(dict(x), weighted_mean(ys, weights), server_lr)
 
 
-def server_control_update(c: Mapping[str, torch.Tensor] | None, dcs: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], fraction: float) -> Arrays:
+def server_control_update(
+    c: Mapping[str, torch.Tensor] | None,
+    dcs: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    fraction: float,
+) -> Arrays:
     """c + |S|/N · Σ p_i Δc_i (Alg. 1 line 17); ``c = None`` means c = 0."""
     mean = weighted_mean(dcs, weights)
     return scale(mean, fraction) if c is None else add(c, mean, alpha=fraction)
@@ -108,7 +123,9 @@ class ScaffoldParams:
     def validate(self) -> None:
         check_positive("scaffold", "server_lr", self.server_lr)
         if self.correction not in ("step", "gradient"):
-            raise ConfigError(f"scaffold.correction = {self.correction!r}; use 'step' (after the optimizer step) or 'gradient' (added to the gradient)")
+            raise ConfigError(
+                f"scaffold.correction = {self.correction!r}; use 'step' (after the optimizer step) or 'gradient' (added to the gradient)"
+            )
         check_weighting("scaffold", self.weighting)
 
 
@@ -126,7 +143,7 @@ class _CorrectedStep:
         self.after_step()
 
     def after_step(self) -> None:
-        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.vectorize` after its stacked step)."""
+        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.simulation.vectorize` after its stacked step)."""
         with torch.no_grad():
             for k, p in self.model.named_parameters():
                 p.sub_(self.corr[k], alpha=self.lr)
@@ -151,9 +168,17 @@ def train_scaffold(site: Site, task: Task) -> Reply:
                 p.grad.add_(corr[k])
 
     if mode == "gradient":
-        metrics = site.fit("global", rnd, stream="train", optimizer=opt, after_backward=after_backward, steps=task.config.get("steps"))
+        metrics = site.fit(
+            "global", rnd, stream="train", optimizer=opt, after_backward=after_backward, steps=task.config.get("steps")
+        )
     else:
-        metrics = site.fit("global", rnd, stream="train", optimizer=_CorrectedStep(opt, model, corr, lr), steps=task.config.get("steps"))
+        metrics = site.fit(
+            "global",
+            rnd,
+            stream="train",
+            optimizer=_CorrectedStep(opt, model, corr, lr),
+            steps=task.config.get("steps"),
+        )
     y = {k: v.detach().clone() for k, v in model.named_parameters()}
     c_new = control_update(c_i, c, x, y, metrics["steps"], lr)
     site.store.update(prefixed("scaffold/c", c_new))
@@ -170,13 +195,19 @@ class Scaffold(Algorithm):
     summary = "SCAFFOLD: local gradients corrected by control variates c - c_i (option II), server step size eta_g"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        replies = ctx.ask({s: Task("train", state, {"round": rnd, "correction": self.params.correction}) for s in ctx.sites})
+        replies = ctx.ask(
+            {s: Task("train", state, {"round": rnd, "correction": self.params.correction}) for s in ctx.sites}
+        )
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.params.weighting)
         x = strip_prefix("global", state)
         c = strip_prefix("control", state) or None
-        new_x = server_model_update(x, [strip_prefix("global", replies[s].arrays) for s in names], p, self.params.server_lr)
-        new_c = server_control_update(c, [strip_prefix("dc", replies[s].arrays) for s in names], p, len(names) / len(ctx.sites))
+        new_x = server_model_update(
+            x, [strip_prefix("global", replies[s].arrays) for s in names], p, self.params.server_lr
+        )
+        new_c = server_control_update(
+            c, [strip_prefix("dc", replies[s].arrays) for s in names], p, len(names) / len(ctx.sites)
+        )
         new = prefixed("global", new_x)
         new.update(prefixed("control", new_c))
         return new, {

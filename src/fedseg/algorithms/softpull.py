@@ -9,13 +9,12 @@ model, index k ≥ 1 is the personalized model of the k-th site (in federation o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from fedseg.arrays import Arrays, clone, weighted_mean
+from fedseg.core.arrays import Arrays, clone, weighted_mean
 
 __all__ = [
     "LambdaBelowOneOverKWarning",
@@ -56,7 +55,9 @@ def check_lambda(lam: float, k: int, where: str = "fedsm.lam") -> None:
             "personalized models to pull towards; use method 'local' or 'fedavg' for a single site"
         )
     if not (0.0 <= lam <= 1.0):
-        raise ValueError(f"{where} = {lam} is outside [0, 1] (FedSM Eq. 11); e.g. {where} = 0.7 (the paper's best on low-similarity data)")
+        raise ValueError(
+            f"{where} = {lam} is outside [0, 1] (FedSM Eq. 11); e.g. {where} = 0.7 (the paper's best on low-similarity data)"
+        )
     if lam < 1.0 / k - 1e-12:
         warnings.warn(
             f"{where} = {lam} is below 1/K = {1.0 / k:.4f} for K = {k} sites: each site's own personalized model then weighs "
@@ -83,7 +84,9 @@ def soft_pull_matrix(k: int, lam: float) -> torch.Tensor:
     return a
 
 
-def soft_pull(personal: Mapping[str, Mapping[str, torch.Tensor]], lam: float, replied: Sequence[str] | None = None) -> dict[str, Arrays]:
+def soft_pull(
+    personal: Mapping[str, Mapping[str, torch.Tensor]], lam: float, replied: Sequence[str] | None = None
+) -> dict[str, Arrays]:
     """SoftPull (FedSM Eq. 11, Alg. 1 line 16) over the sites that replied.
 
     ``w_{p,k} ← λ w_{p,k} + (1 − λ)/(K' − 1) Σ_{k' ≠ k} w_{p,k'}`` for every replying
@@ -161,7 +164,9 @@ def routing_accuracy(probs: torch.Tensor, own: int, first_personal: int = 0) -> 
     return float((pick == own).double().mean())
 
 
-def oracle_labels(outputs: Sequence[torch.Tensor], target: torch.Tensor, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def oracle_labels(
+    outputs: Sequence[torch.Tensor], target: torch.Tensor, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """FedSM-extra's selector labels (Eq. 1): per image, the model whose output has the lowest loss.
 
     Parameters
@@ -179,7 +184,10 @@ def oracle_labels(outputs: Sequence[torch.Tensor], target: torch.Tensor, loss: C
         (B,) int64 index of argmin_k L(h_k, y) (ties → the lowest index, i.e. the global model).
     """
     b = target.shape[0]
-    losses = torch.stack([torch.stack([loss(h[i:i + 1], target[i:i + 1]).detach().double() for i in range(b)]) for h in outputs], dim=1)
+    losses = torch.stack(
+        [torch.stack([loss(h[i : i + 1], target[i : i + 1]).detach().double() for i in range(b)]) for h in outputs],
+        dim=1,
+    )
     return losses.argmin(dim=1)
 
 

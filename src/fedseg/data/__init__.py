@@ -10,7 +10,16 @@ from fedseg.data.synth import synthesize
 from fedseg.data.validate import Problem, raise_if_invalid, validate_federation
 
 __all__ = [
-    "SPLITS", "FederationSpec", "Problem", "SegmentationDataset", "SiteSpec", "load_datalist",
-    "load_federation", "load_split", "raise_if_invalid", "synthesize", "validate_federation",
+    "SPLITS",
+    "FederationSpec",
+    "Problem",
+    "SegmentationDataset",
+    "SiteSpec",
+    "load_datalist",
+    "load_federation",
+    "load_split",
+    "raise_if_invalid",
+    "synthesize",
+    "validate_federation",
     "write_datalist",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from monai.data import load_decathlon_datalist
 
-from fedseg.errors import DataError
+from fedseg.core.errors import DataError
 
 SPLITS = ("training", "validation", "testing")
 _ALIASES = {"testing": ("testing", "test")}
@@ -57,34 +57,43 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
     path = Path(path).expanduser().resolve()
     where = _where(site, path)
     if not path.is_file():
-        raise DataError(f"{where}: datalist file not found -> check the datalist path in the "
-                        "federation spec (relative to the spec file) or create the file")
+        raise DataError(
+            f"{where}: datalist file not found -> check the datalist path in the "
+            "federation spec (relative to the spec file) or create the file"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{where}: datalist is not valid JSON ({e}) -> fix the JSON syntax") from None
     if not isinstance(raw, dict):
-        raise DataError(f"{where}: datalist must be a JSON object with keys {list(SPLITS)} "
-                        "-> wrap the lists in {\"training\": [...], ...}")
+        raise DataError(
+            f"{where}: datalist must be a JSON object with keys {list(SPLITS)} "
+            '-> wrap the lists in {"training": [...], ...}'
+        )
     out: dict[str, list[dict[str, Path]]] = {}
     for split in SPLITS:
         key = next((k for k in _ALIASES.get(split, (split,)) if k in raw), None)
         if key is None:
-            raise DataError(f"{where}: datalist has no {split!r} key -> add \"{split}\": "
-                            "[{\"image\": ..., \"label\": ...}] (it may not be empty)")
+            raise DataError(
+                f'{where}: datalist has no {split!r} key -> add "{split}": '
+                '[{"image": ..., "label": ...}] (it may not be empty)'
+            )
         entries = raw[key]
         if not isinstance(entries, list):
             raise DataError(f"{where}: {key!r} must be a list of {{image, label}} objects -> fix the JSON")
         for i, e in enumerate(entries):
-            if not (isinstance(e, dict) and isinstance(e.get("image"), str)
-                    and isinstance(e.get("label"), str)):
-                raise DataError(f"{where}: {key}[{i}] must be an object with string 'image' and "
-                                f"'label' paths, got {e!r} -> add the missing path(s)")
+            if not (isinstance(e, dict) and isinstance(e.get("image"), str) and isinstance(e.get("label"), str)):
+                raise DataError(
+                    f"{where}: {key}[{i}] must be an object with string 'image' and "
+                    f"'label' paths, got {e!r} -> add the missing path(s)"
+                )
         # MONAI resolves the paths relative to base_dir exactly as MSD/nnU-Net do.
-        items = load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=key,
-                                        base_dir=str(path.parent)) if entries else []
-        out[split] = [{"image": Path(it["image"]).resolve(), "label": Path(it["label"]).resolve()}
-                      for it in items]
+        items = (
+            load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=key, base_dir=str(path.parent))
+            if entries
+            else []
+        )
+        out[split] = [{"image": Path(it["image"]).resolve(), "label": Path(it["label"]).resolve()} for it in items]
     return out
 
 
@@ -110,7 +119,8 @@ def write_datalist(path: str | Path, splits: dict[str, list[dict[str, str | Path
     def rel(p: str | Path) -> str:
         return Path(os.path.relpath(Path(p).resolve(), path.parent)).as_posix()
 
-    doc = {split: [{"image": rel(e["image"]), "label": rel(e["label"])} for e in splits.get(split, [])]
-           for split in SPLITS}
+    doc = {
+        split: [{"image": rel(e["image"]), "label": rel(e["label"])} for e in splits.get(split, [])] for split in SPLITS
+    }
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return path

@@ -15,10 +15,10 @@ import torch
 from monai.transforms import Resize
 from tqdm.auto import tqdm
 
+from fedseg.core.errors import ConfigError, DataError
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
-from fedseg.errors import ConfigError, DataError
 
 _SPLIT_ALIASES = {"train": "training", "val": "validation", "test": "testing"}
 
@@ -39,10 +39,15 @@ class SegmentationDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, case_ids: list[str]):
-        if images.shape[0] != labels.shape[0] or images.shape[0] != len(case_ids) \
-                or images.shape[2:] != labels.shape[2:]:
-            raise ValueError(f"inconsistent dataset: images {tuple(images.shape)}, labels "
-                             f"{tuple(labels.shape)}, {len(case_ids)} case ids")
+        if (
+            images.shape[0] != labels.shape[0]
+            or images.shape[0] != len(case_ids)
+            or images.shape[2:] != labels.shape[2:]
+        ):
+            raise ValueError(
+                f"inconsistent dataset: images {tuple(images.shape)}, labels "
+                f"{tuple(labels.shape)}, {len(case_ids)} case ids"
+            )
         self.images, self.labels, self.case_ids = images, labels, list(case_ids)
 
     def __len__(self) -> int:
@@ -103,8 +108,7 @@ def _pieces(fed: FederationSpec, image: np.ndarray, label: np.ndarray, case_id: 
         yield f"{case_id}#{z}", image[..., z], lab
 
 
-def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *,
-               progress: bool = False) -> SegmentationDataset:
+def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *, progress: bool = False) -> SegmentationDataset:
     """Load one split of one site into memory.
 
     Parameters
@@ -144,9 +148,10 @@ def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *,
     for entry in tqdm(entries, desc=f"{site.name} {split}", disable=not progress, leave=False):
         case, issues = check_case(fed, entry["image"], entry["label"])
         if case is None:
-            raise DataError("; ".join(f"{site.name}: {i.file}: {i.message} -> {i.fix}"
-                                      for i in issues if i.fatal)
-                            + " (fedseg.data.validate_federation lists every problem)")
+            raise DataError(
+                "; ".join(f"{site.name}: {i.file}: {i.message} -> {i.fix}" for i in issues if i.fatal)
+                + " (fedseg.data.validate_federation lists every problem)"
+            )
         image = normalize(case.image)
         try:
             cid = Path(entry["image"]).relative_to(root).as_posix()
@@ -156,15 +161,18 @@ def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *,
             if fed.image_size is not None:
                 img, lab = resize_pair(img, lab, fed.image_size)
             if images and img.shape != images[0].shape:
-                raise DataError(f"{site.name}: {entry['image']}: size {img.shape[1:]} differs from "
-                                f"{images[0].shape[1:]} of {ids[0]} -> set data.image_size in "
-                                f"{fed.path} to resize all cases to one size")
+                raise DataError(
+                    f"{site.name}: {entry['image']}: size {img.shape[1:]} differs from "
+                    f"{images[0].shape[1:]} of {ids[0]} -> set data.image_size in "
+                    f"{fed.path} to resize all cases to one size"
+                )
             images.append(img)
             labels.append(label_channels(lab, fed.labels))
             ids.append(pid)
     if not images:
-        raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases"
-                        + (" with foreground" if fed.foreground_only else "")
-                        + " -> add cases to the datalist")
-    return SegmentationDataset(torch.from_numpy(np.stack(images)),
-                               torch.from_numpy(np.stack(labels)), ids)
+        raise DataError(
+            f"{site.name}: {site.datalist}: split {split!r} has no cases"
+            + (" with foreground" if fed.foreground_only else "")
+            + " -> add cases to the datalist"
+        )
+    return SegmentationDataset(torch.from_numpy(np.stack(images)), torch.from_numpy(np.stack(labels)), ids)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,7 @@ class Case:
     label: np.ndarray
 
 
-@lru_cache(maxsize=None)
+@cache
 def _loader(kind: str) -> LoadImage:
     reader = PILReader(reverse_indexing=False) if kind == "pil" else NibabelReader()
     return LoadImage(image_only=True, reader=reader, dtype=None)
@@ -122,8 +122,13 @@ def check_case(fed: FederationSpec, image_path: Path, label_path: Path) -> tuple
     img_f, lab_f = str(image_path), str(label_path)
     for f in (img_f, lab_f):
         if not Path(f).is_file():
-            issues.append(Issue(f, "file listed in the datalist does not exist",
-                                "fix the path in the datalist (relative to the datalist's folder) or add the file"))
+            issues.append(
+                Issue(
+                    f,
+                    "file listed in the datalist does not exist",
+                    "fix the path in the datalist (relative to the datalist's folder) or add the file",
+                )
+            )
     if issues:
         return None, issues
     arrays = {}
@@ -131,45 +136,76 @@ def check_case(fed: FederationSpec, image_path: Path, label_path: Path) -> tuple
         try:
             arrays[f] = read_array(f)
         except Exception as e:  # reader errors are varied; report them all the same way
-            issues.append(Issue(f, f"cannot be read ({type(e).__name__}: {e})",
-                                "re-save it as PNG (2D) or NIfTI (.nii.gz)"))
+            issues.append(
+                Issue(f, f"cannot be read ({type(e).__name__}: {e})", "re-save it as PNG (2D) or NIfTI (.nii.gz)")
+            )
     if issues:
         return None, issues
     dims = "2D" if fed.mode == "2d" else "3D"
     image = _image_channels_first(arrays[img_f], fed.mode)
     label = _label_array(arrays[lab_f], fed.mode)
     if image is None:
-        issues.append(Issue(img_f, f"image has shape {arrays[img_f].shape}, not a {dims} image "
-                            f"as mode {fed.mode!r} needs", f"store {dims} images or change data.mode"))
+        issues.append(
+            Issue(
+                img_f,
+                f"image has shape {arrays[img_f].shape}, not a {dims} image as mode {fed.mode!r} needs",
+                f"store {dims} images or change data.mode",
+            )
+        )
     elif image.shape[0] != fed.in_channels:
         kind = {1: "grey", 3: "RGB", 4: "RGBA"}.get(image.shape[0], f"{image.shape[0]}-channel")
-        issues.append(Issue(img_f, f"image is {kind} ({image.shape[0]} channels) but in_channels = "
-                            f"{fed.in_channels}", f"convert the image to {fed.in_channels} channel(s) "
-                            "or set data.in_channels to match"))
+        issues.append(
+            Issue(
+                img_f,
+                f"image is {kind} ({image.shape[0]} channels) but in_channels = {fed.in_channels}",
+                f"convert the image to {fed.in_channels} channel(s) or set data.in_channels to match",
+            )
+        )
     if label is None:
-        issues.append(Issue(lab_f, f"label has shape {arrays[lab_f].shape}, not a single-channel {dims} "
-                            "integer label map", "save the label as one channel of integer class values"))
+        issues.append(
+            Issue(
+                lab_f,
+                f"label has shape {arrays[lab_f].shape}, not a single-channel {dims} integer label map",
+                "save the label as one channel of integer class values",
+            )
+        )
     if issues:
         return None, issues
 
     if image.dtype.kind == "f" and not np.isfinite(image).all():
-        issues.append(Issue(img_f, "image contains NaN or infinite values",
-                            "replace them (e.g. with 0) and re-save the image"))
+        issues.append(
+            Issue(img_f, "image contains NaN or infinite values", "replace them (e.g. with 0) and re-save the image")
+        )
     elif image.size and image.min() == image.max():
-        issues.append(Issue(img_f, f"image is constant (every value {image.flat[0]})",
-                            "check the file is not blank; remove it from the datalist if so", fatal=False))
+        issues.append(
+            Issue(
+                img_f,
+                f"image is constant (every value {image.flat[0]})",
+                "check the file is not blank; remove it from the datalist if so",
+                fatal=False,
+            )
+        )
     if label.dtype.kind == "f" and not (np.isfinite(label).all() and (label == np.round(label)).all()):
         issues.append(Issue(lab_f, "label has non-integer values", "save the label with integer class values"))
     else:
         label = label.astype(np.int64)
         extra = sorted(set(np.unique(label).tolist()) - fed.label_values)
         if extra:
-            issues.append(Issue(lab_f, f"label values {extra[:10]} are not 0 or a value declared in "
-                                f"[data.labels] {dict(fed.labels)}",
-                                "declare the value in [data.labels] or re-save the mask as 0/1"))
+            issues.append(
+                Issue(
+                    lab_f,
+                    f"label values {extra[:10]} are not 0 or a value declared in [data.labels] {dict(fed.labels)}",
+                    "declare the value in [data.labels] or re-save the mask as 0/1",
+                )
+            )
     if image.shape[1:] != label.shape:
-        issues.append(Issue(lab_f, f"label shape {label.shape} differs from image shape "
-                            f"{image.shape[1:]} ({img_f})", "save image and label at the same size"))
+        issues.append(
+            Issue(
+                lab_f,
+                f"label shape {label.shape} differs from image shape {image.shape[1:]} ({img_f})",
+                "save image and label at the same size",
+            )
+        )
     if any(i.fatal for i in issues):
         return None, issues
     return Case(image=image, label=label), issues

@@ -17,7 +17,7 @@ A federation spec is one TOML file (format in ``docs/data.md``)::
     datalist = "site1/datalist.json"   # relative to the spec file
 
 Parsing is strict: unknown keys, wrong types and inconsistent values raise
-:class:`fedseg.errors.ConfigError` naming the file, the key and the fix.
+:class:`fedseg.core.errors.ConfigError` naming the file, the key and the fix.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 
 MODES = ("2d", "slices", "3d")
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -126,37 +126,39 @@ def _err(path: Path, what: str, fix: str) -> ConfigError:
 def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
     for key in table:
         if key not in allowed:
-            raise _err(path, f"unknown key {key!r} in {where}",
-                       f"remove it or use one of {sorted(allowed)}")
+            raise _err(path, f"unknown key {key!r} in {where}", f"remove it or use one of {sorted(allowed)}")
 
 
 def _int(path: Path, value: Any, key: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _err(path, f"{key} must be an integer >= {low}, got {value!r}",
-                   f"set {key} to an integer >= {low}")
+        raise _err(path, f"{key} must be an integer >= {low}, got {value!r}", f"set {key} to an integer >= {low}")
     return value
 
 
 def _parse_labels(path: Path, raw: Any) -> dict[str, tuple[int, ...]]:
     if not isinstance(raw, dict) or not raw:
-        raise _err(path, "[data.labels] is missing or empty",
-                   'add a [data.labels] table, e.g. foreground = [1]')
+        raise _err(path, "[data.labels] is missing or empty", "add a [data.labels] table, e.g. foreground = [1]")
     labels: dict[str, tuple[int, ...]] = {}
     for name, values in raw.items():
         if isinstance(values, int) and not isinstance(values, bool):
             values = [values]
-        if (not isinstance(values, list) or not values
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)):
-            raise _err(path, f"data.labels.{name} must be a non-empty list of integers >= 1 "
-                       f"(0 is background), got {values!r}",
-                       f"write e.g. {name} = [1]")
+        if (
+            not isinstance(values, list)
+            or not values
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
+        ):
+            raise _err(
+                path,
+                f"data.labels.{name} must be a non-empty list of integers >= 1 (0 is background), got {values!r}",
+                f"write e.g. {name} = [1]",
+            )
         labels[name] = tuple(values)
     return labels
 
 
 def _parse_sites(path: Path, raw: Any) -> tuple[SiteSpec, ...]:
     if not isinstance(raw, list) or not raw:
-        raise _err(path, "no [[sites]] entries", 'add at least one [[sites]] with name and datalist')
+        raise _err(path, "no [[sites]] entries", "add at least one [[sites]] with name and datalist")
     sites, seen = [], set()
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict):
@@ -164,15 +166,21 @@ def _parse_sites(path: Path, raw: Any) -> tuple[SiteSpec, ...]:
         _check_keys(path, entry, _SITE_KEYS, f"sites[{i}]")
         name = entry.get("name")
         if not isinstance(name, str) or not _SITE_NAME.match(name):
-            raise _err(path, f"sites[{i}].name {name!r} is missing or not safe as a folder name",
-                       "use a non-empty name of letters, digits, '_', '.', '-'")
+            raise _err(
+                path,
+                f"sites[{i}].name {name!r} is missing or not safe as a folder name",
+                "use a non-empty name of letters, digits, '_', '.', '-'",
+            )
         if name in seen:
             raise _err(path, f"site name {name!r} is used twice", "give every site a unique name")
         seen.add(name)
         datalist = entry.get("datalist")
         if not isinstance(datalist, str) or not datalist:
-            raise _err(path, f"site {name!r} has no datalist",
-                       f'add datalist = "{name}/datalist.json" (relative to the spec file)')
+            raise _err(
+                path,
+                f"site {name!r} has no datalist",
+                f'add datalist = "{name}/datalist.json" (relative to the spec file)',
+            )
         dl = Path(datalist)
         sites.append(SiteSpec(name, dl if dl.is_absolute() else (path.parent / dl).resolve()))
     return tuple(sites)
@@ -200,8 +208,11 @@ def load_federation(path: str | Path) -> FederationSpec:
     """
     path = Path(path).expanduser().resolve()
     if not path.is_file():
-        raise _err(path, "federation spec file not found",
-                   "check the path, or write one (docs/data.md) or generate one with fedseg.data.synthesize")
+        raise _err(
+            path,
+            "federation spec file not found",
+            "check the path, or write one (docs/data.md) or generate one with fedseg.data.synthesize",
+        )
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -217,34 +228,51 @@ def load_federation(path: str | Path) -> FederationSpec:
 
     mode = data.get("mode", "2d")
     if mode not in MODES:
-        raise _err(path, f"data.mode must be one of {list(MODES)}, got {mode!r}",
-                   'set mode = "2d", "slices" or "3d"')
+        raise _err(path, f"data.mode must be one of {list(MODES)}, got {mode!r}", 'set mode = "2d", "slices" or "3d"')
     want_dims = 3 if mode == "3d" else 2
     spatial_dims = _int(path, data.get("spatial_dims", want_dims), "data.spatial_dims")
     if spatial_dims != want_dims:
-        raise _err(path, f'data.spatial_dims = {spatial_dims} does not fit mode "{mode}"',
-                   f"set spatial_dims = {want_dims}")
+        raise _err(
+            path, f'data.spatial_dims = {spatial_dims} does not fit mode "{mode}"', f"set spatial_dims = {want_dims}"
+        )
     in_channels = _int(path, data.get("in_channels"), "data.in_channels")
 
     image_size = data.get("image_size")
     if image_size is not None:
-        if (not isinstance(image_size, list) or len(image_size) != spatial_dims
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in image_size)):
-            raise _err(path, f"data.image_size must be a list of {spatial_dims} positive integers "
-                       f"for mode {mode!r}, got {image_size!r}",
-                       f"write e.g. image_size = {[64] * spatial_dims} or remove it")
+        if (
+            not isinstance(image_size, list)
+            or len(image_size) != spatial_dims
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in image_size)
+        ):
+            raise _err(
+                path,
+                f"data.image_size must be a list of {spatial_dims} positive integers "
+                f"for mode {mode!r}, got {image_size!r}",
+                f"write e.g. image_size = {[64] * spatial_dims} or remove it",
+            )
         image_size = tuple(image_size)
     foreground_only = data.get("foreground_only", False)
     if not isinstance(foreground_only, bool):
-        raise _err(path, f"data.foreground_only must be true or false, got {foreground_only!r}",
-                   "set foreground_only = true or false")
+        raise _err(
+            path,
+            f"data.foreground_only must be true or false, got {foreground_only!r}",
+            "set foreground_only = true or false",
+        )
     if foreground_only and mode != "slices":
-        raise _err(path, f'data.foreground_only only applies to mode "slices", not {mode!r}',
-                   'remove foreground_only or set mode = "slices"')
+        raise _err(
+            path,
+            f'data.foreground_only only applies to mode "slices", not {mode!r}',
+            'remove foreground_only or set mode = "slices"',
+        )
 
     return FederationSpec(
-        name=name, path=path, sites=_parse_sites(path, raw.get("sites")),
-        spatial_dims=spatial_dims, in_channels=in_channels,
-        labels=_parse_labels(path, data.get("labels")), mode=mode,
-        image_size=image_size, foreground_only=foreground_only,
+        name=name,
+        path=path,
+        sites=_parse_sites(path, raw.get("sites")),
+        spatial_dims=spatial_dims,
+        in_channels=in_channels,
+        labels=_parse_labels(path, data.get("labels")),
+        mode=mode,
+        image_size=image_size,
+        foreground_only=foreground_only,
     )

@@ -22,14 +22,13 @@ from PIL import Image
 from scipy.ndimage import gaussian_filter
 from tqdm.auto import tqdm
 
+from fedseg.core.errors import ConfigError
 from fedseg.data.datalist import SPLITS, write_datalist
-from fedseg.errors import ConfigError
 
 #: FedSM Table 1 (retinal): per-site (train, val, test) counts for sites 1..6.
 FUNDUS_COUNTS = ((50, 25, 26), (98, 49, 48), (47, 24, 23), (230, 115, 115), (80, 40, 39), (400, 200, 200))
 #: FedSM Table 2 (prostate, 2D slices): per-site (train, val, test) counts.
-PROSTATE_COUNTS = ((153, 77, 61), (404, 215, 245), (464, 219, 198), (361, 162, 150),
-                   (609, 289, 329), (1179, 582, 532))
+PROSTATE_COUNTS = ((153, 77, 61), (404, 215, 245), (464, 219, 198), (361, 162, 150), (609, 289, 329), (1179, 582, 532))
 _FILE_SPLIT = {"training": "train", "validation": "val", "testing": "test"}
 
 
@@ -41,48 +40,138 @@ class FundusSite:
     uniform draw per image.
     """
 
-    tint: tuple[float, float, float]      # retina RGB colour cast
-    brightness: float                     # multiplicative gain
-    contrast: float                       # (x - mean) * contrast + mean
-    gamma: float                          # x ** gamma after contrast
-    blur: float                           # Gaussian sigma, pixels at 64 px (scales with size)
-    noise: float                          # Gaussian noise std (0-1 intensity)
-    fov_center: tuple[float, float]       # (x, y) of the circular field of view
-    fov_radius: float                     # > 0.71 means no dark border (disc-centred crop)
-    disc_radius: tuple[float, float]      # visible disc radius (horizontal)
-    disc_offset: tuple[float, float]      # |horizontal offset| of disc from FOV centre; side random
-    cup_ratio: tuple[float, float]        # visible cup radius / disc radius
-    disc_boost: float                     # how far the disc is blended towards pale yellow
-    vessels: tuple[int, int]              # number of vessels (low, high inclusive)
-    ann_disc: float                       # annotators' disc radius / visible disc radius
-    ann_cup: float                        # annotators' cup radius / visible cup radius
+    tint: tuple[float, float, float]  # retina RGB colour cast
+    brightness: float  # multiplicative gain
+    contrast: float  # (x - mean) * contrast + mean
+    gamma: float  # x ** gamma after contrast
+    blur: float  # Gaussian sigma, pixels at 64 px (scales with size)
+    noise: float  # Gaussian noise std (0-1 intensity)
+    fov_center: tuple[float, float]  # (x, y) of the circular field of view
+    fov_radius: float  # > 0.71 means no dark border (disc-centred crop)
+    disc_radius: tuple[float, float]  # visible disc radius (horizontal)
+    disc_offset: tuple[float, float]  # |horizontal offset| of disc from FOV centre; side random
+    cup_ratio: tuple[float, float]  # visible cup radius / disc radius
+    disc_boost: float  # how far the disc is blended towards pale yellow
+    vessels: tuple[int, int]  # number of vessels (low, high inclusive)
+    ann_disc: float  # annotators' disc radius / visible disc radius
+    ann_cup: float  # annotators' cup radius / visible cup radius
 
 
 @dataclass(frozen=True)
 class ProstateSite:
     """Intensity profile of one synthetic prostate site (grey MR-like slices)."""
 
-    gain: float       # multiplicative gain
-    offset: float     # additive offset
-    gamma: float      # x ** gamma
-    noise: float      # Gaussian noise std
-    blur: float       # Gaussian sigma, pixels at 64 px
+    gain: float  # multiplicative gain
+    offset: float  # additive offset
+    gamma: float  # x ** gamma
+    noise: float  # Gaussian noise std
+    blur: float  # Gaussian sigma, pixels at 64 px
 
 
 # Sites 1..6 loosely after Drishti-GS1, RIGA BinRushed, RIGA Magrabia, RIGA MESSIDOR, RIM-ONE, REFUGE.
 FUNDUS_SITES = (
-    FundusSite((0.85, 0.42, 0.20), 1.00, 1.00, 1.0, 0.3, 0.02, (0.50, 0.50), 0.80,
-               (0.14, 0.18), (0.00, 0.04), (0.45, 0.65), 0.75, (6, 9), 1.00, 1.00),
-    FundusSite((0.55, 0.28, 0.22), 0.85, 1.20, 1.1, 0.6, 0.03, (0.50, 0.50), 0.46,
-               (0.10, 0.12), (0.12, 0.18), (0.35, 0.55), 0.60, (8, 12), 1.20, 1.30),
-    FundusSite((0.80, 0.50, 0.42), 1.15, 0.80, 0.8, 0.4, 0.02, (0.55, 0.48), 0.40,
-               (0.10, 0.12), (0.08, 0.14), (0.40, 0.60), 0.50, (6, 10), 0.88, 0.85),
-    FundusSite((0.72, 0.30, 0.08), 1.00, 1.10, 1.0, 0.3, 0.015, (0.50, 0.52), 0.48,
-               (0.09, 0.11), (0.18, 0.24), (0.35, 0.55), 0.70, (8, 12), 1.05, 1.15),
-    FundusSite((0.45, 0.30, 0.32), 0.80, 0.85, 1.2, 0.7, 0.035, (0.50, 0.50), 0.90,
-               (0.18, 0.24), (0.00, 0.06), (0.45, 0.70), 0.45, (4, 7), 1.25, 1.40),
-    FundusSite((0.62, 0.38, 0.14), 1.05, 1.00, 0.9, 0.5, 0.025, (0.46, 0.50), 0.44,
-               (0.10, 0.12), (0.10, 0.16), (0.35, 0.55), 0.65, (6, 10), 0.95, 0.90),
+    FundusSite(
+        (0.85, 0.42, 0.20),
+        1.00,
+        1.00,
+        1.0,
+        0.3,
+        0.02,
+        (0.50, 0.50),
+        0.80,
+        (0.14, 0.18),
+        (0.00, 0.04),
+        (0.45, 0.65),
+        0.75,
+        (6, 9),
+        1.00,
+        1.00,
+    ),
+    FundusSite(
+        (0.55, 0.28, 0.22),
+        0.85,
+        1.20,
+        1.1,
+        0.6,
+        0.03,
+        (0.50, 0.50),
+        0.46,
+        (0.10, 0.12),
+        (0.12, 0.18),
+        (0.35, 0.55),
+        0.60,
+        (8, 12),
+        1.20,
+        1.30,
+    ),
+    FundusSite(
+        (0.80, 0.50, 0.42),
+        1.15,
+        0.80,
+        0.8,
+        0.4,
+        0.02,
+        (0.55, 0.48),
+        0.40,
+        (0.10, 0.12),
+        (0.08, 0.14),
+        (0.40, 0.60),
+        0.50,
+        (6, 10),
+        0.88,
+        0.85,
+    ),
+    FundusSite(
+        (0.72, 0.30, 0.08),
+        1.00,
+        1.10,
+        1.0,
+        0.3,
+        0.015,
+        (0.50, 0.52),
+        0.48,
+        (0.09, 0.11),
+        (0.18, 0.24),
+        (0.35, 0.55),
+        0.70,
+        (8, 12),
+        1.05,
+        1.15,
+    ),
+    FundusSite(
+        (0.45, 0.30, 0.32),
+        0.80,
+        0.85,
+        1.2,
+        0.7,
+        0.035,
+        (0.50, 0.50),
+        0.90,
+        (0.18, 0.24),
+        (0.00, 0.06),
+        (0.45, 0.70),
+        0.45,
+        (4, 7),
+        1.25,
+        1.40,
+    ),
+    FundusSite(
+        (0.62, 0.38, 0.14),
+        1.05,
+        1.00,
+        0.9,
+        0.5,
+        0.025,
+        (0.46, 0.50),
+        0.44,
+        (0.10, 0.12),
+        (0.10, 0.16),
+        (0.35, 0.55),
+        0.65,
+        (6, 10),
+        0.95,
+        0.90,
+    ),
 )
 
 # Sites 1..6 loosely after I2CVB, MSD, NCI-ISBI 3T, NCI-ISBI Dx, PROMISE12, ProstateX.
@@ -95,8 +184,10 @@ PROSTATE_SITES = (
     ProstateSite(1.00, 0.02, 0.90, 0.03, 0.5),
 )
 
-PRESETS = {"fundus": (FUNDUS_COUNTS, {"disc": [1, 2], "cup": [2]}, 3),
-           "prostate": (PROSTATE_COUNTS, {"prostate": [1]}, 1)}
+PRESETS = {
+    "fundus": (FUNDUS_COUNTS, {"disc": [1, 2], "cup": [2]}, 3),
+    "prostate": (PROSTATE_COUNTS, {"prostate": [1]}, 1),
+}
 
 
 def split_sizes(preset: str, scale: float) -> list[tuple[int, int, int]]:
@@ -145,11 +236,11 @@ def fundus_case(site: FundusSite, rng: np.random.Generator, size: int) -> tuple[
     y, x = _grid(size)
     fx, fy = site.fov_center
     fx, fy = fx + rng.uniform(-0.02, 0.02), fy + rng.uniform(-0.02, 0.02)
-    side = rng.choice((-1.0, 1.0))                     # left or right eye
+    side = rng.choice((-1.0, 1.0))  # left or right eye
     dr = rng.uniform(*site.disc_radius)
     dcx = fx + side * rng.uniform(*site.disc_offset) + rng.uniform(-0.02, 0.02)
     dcy = fy + rng.uniform(-0.04, 0.04)
-    aspect = rng.uniform(1.0, 1.15)                    # discs are slightly taller than wide
+    aspect = rng.uniform(1.0, 1.15)  # discs are slightly taller than wide
     angle = rng.uniform(-0.2, 0.2)
     cr = rng.uniform(*site.cup_ratio)
     ccx, ccy = dcx + side * rng.uniform(0.0, 0.15) * dr * (1 - cr), dcy  # cup shifted temporally
@@ -186,7 +277,7 @@ def fundus_case(site: FundusSite, rng: np.random.Generator, size: int) -> tuple[
     mean = img.mean()
     img = np.clip((img - mean) * site.contrast + mean, 0, 1) ** site.gamma
     fov = _soft_inside(r_fov, site.fov_radius, size)[..., None]
-    img = img * fov + 0.02 * (1 - fov)                 # dark outside the field of view
+    img = img * fov + 0.02 * (1 - fov)  # dark outside the field of view
     sigma = site.blur * size / 64
     if sigma > 0:
         img = gaussian_filter(img, sigma=(sigma, sigma, 0))
@@ -219,13 +310,13 @@ def prostate_case(site: ProstateSite, rng: np.random.Generator, size: int) -> tu
     e_body = _ellipse(y, x, bcy, bcx, bry, brx)
     body = _soft_inside(e_body, bry, size)
     img = 0.02 + body * (0.40 + 0.05 * tex) + 0.25 * body * np.clip((e_body - 0.8) / 0.2, 0, 1)  # fat rim
-    for sx in (-1, 1):                                  # femoral heads: dark cortex, grey marrow
+    for sx in (-1, 1):  # femoral heads: dark cortex, grey marrow
         hx, hy, hr = bcx + sx * rng.uniform(0.27, 0.32), bcy + rng.uniform(0.0, 0.05), rng.uniform(0.06, 0.08)
         e = _ellipse(y, x, hy, hx, hr, hr)
         img = img * (1 - _soft_inside(e, hr, size)) + _soft_inside(e, hr, size) * (0.12 + 0.4 * (e < 0.75))
     pcx, pcy = bcx + rng.uniform(-0.03, 0.03), bcy + rng.uniform(-0.04, 0.02)
     r0 = rng.uniform(0.06, 0.14)
-    if rng.random() < 0.7:                              # bladder: bright fluid above the prostate
+    if rng.random() < 0.7:  # bladder: bright fluid above the prostate
         blr = rng.uniform(0.06, 0.12)
         e = _ellipse(y, x, pcy - r0 - blr * 0.9, pcx, blr * 0.8, blr * 1.2)
         img = img * (1 - _soft_inside(e, blr, size)) + 0.85 * _soft_inside(e, blr, size)
@@ -252,17 +343,27 @@ def prostate_case(site: ProstateSite, rng: np.random.Generator, size: int) -> tu
 
 def _spec_toml(preset: str, size: int, n_sites: int) -> str:
     _, labels, channels = PRESETS[preset]
-    lines = [f'name = "{preset}-synth"', "", "[data]", 'mode = "2d"', "spatial_dims = 2",
-             f"in_channels = {channels}", f"image_size = [{size}, {size}]", "foreground_only = false",
-             "", "[data.labels]"]
+    lines = [
+        f'name = "{preset}-synth"',
+        "",
+        "[data]",
+        'mode = "2d"',
+        "spatial_dims = 2",
+        f"in_channels = {channels}",
+        f"image_size = [{size}, {size}]",
+        "foreground_only = false",
+        "",
+        "[data.labels]",
+    ]
     lines += [f"{k} = {json.dumps(v)}" for k, v in labels.items()]
     for i in range(n_sites):
         lines += ["", "[[sites]]", f'name = "site{i + 1}"', f'datalist = "site{i + 1}/datalist.json"']
     return "\n".join(lines) + "\n"
 
 
-def synthesize(preset: str, out: str | Path, seed: int = 0, scale: float = 1.0, size: int = 64,
-               progress: bool = False) -> Path:
+def synthesize(
+    preset: str, out: str | Path, seed: int = 0, scale: float = 1.0, size: int = 64, progress: bool = False
+) -> Path:
     """Write a synthetic six-site federation.
 
     Parameters
@@ -293,8 +394,9 @@ def synthesize(preset: str, out: str | Path, seed: int = 0, scale: float = 1.0, 
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"synth: seed must be a non-negative integer, got {seed!r} -> pass e.g. seed=0")
     if not scale > 0 or size < 8:
-        raise ConfigError(f"synth: need scale > 0 and size >= 8, got scale={scale}, size={size} "
-                          "-> pass e.g. scale=0.1, size=64")
+        raise ConfigError(
+            f"synth: need scale > 0 and size >= 8, got scale={scale}, size={size} -> pass e.g. scale=0.1, size=64"
+        )
     out = Path(out).expanduser().resolve()
     sites = FUNDUS_SITES if preset == "fundus" else PROSTATE_SITES
     draw = fundus_case if preset == "fundus" else prostate_case

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedseg.core.errors import ConfigError, DataError
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import load_federation
-from fedseg.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Problem:
 def _split_message(text: str, prefix: str) -> tuple[str, str]:
     """Split an error text "prefix: message -> fix" into (message, fix)."""
     if text.startswith(prefix + ": "):
-        text = text[len(prefix) + 2:]
+        text = text[len(prefix) + 2 :]
     message, _, fix = text.partition(" -> ")
     return message, fix or "see docs/data.md"
 
@@ -76,7 +76,7 @@ def validate_federation(path: str | Path) -> list[Problem]:
         message, fix = _split_message(str(e), str(path))
         return [Problem("federation", str(path), message, fix)]
     problems: list[Problem] = []
-    shapes: dict[tuple, tuple[str, str]] = {}   # spatial shape -> first (site, file) with it
+    shapes: dict[tuple, tuple[str, str]] = {}  # spatial shape -> first (site, file) with it
     for site in fed.sites:
         try:
             datalist = load_datalist(site.datalist, site=site.name)
@@ -86,8 +86,14 @@ def validate_federation(path: str | Path) -> list[Problem]:
             continue
         for split in SPLITS:
             if not datalist[split]:
-                problems.append(Problem(site.name, str(site.datalist), f"split {split!r} is empty",
-                                        f"add cases to {split!r} in the datalist"))
+                problems.append(
+                    Problem(
+                        site.name,
+                        str(site.datalist),
+                        f"split {split!r} is empty",
+                        f"add cases to {split!r} in the datalist",
+                    )
+                )
             for entry in datalist[split]:
                 case, issues = check_case(fed, entry["image"], entry["label"])
                 problems += [Problem(site.name, i.file, i.message, i.fix) for i in issues]
@@ -96,8 +102,14 @@ def validate_federation(path: str | Path) -> list[Problem]:
                     shapes.setdefault(shape, (site.name, str(entry["image"])))
     if fed.image_size is None and len(shapes) > 1:
         (s0, (_, f0)), (s1, (site1, f1)) = list(shapes.items())[:2]
-        problems.append(Problem(site1, f1, f"size {s1} differs from {s0} of {f0} and no image_size is set",
-                                f"set data.image_size in {fed.path} to resize all cases to one size"))
+        problems.append(
+            Problem(
+                site1,
+                f1,
+                f"size {s1} differs from {s0} of {f0} and no image_size is set",
+                f"set data.image_size in {fed.path} to resize all cases to one size",
+            )
+        )
     return problems
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.config import RunConfig, dataclass_from_dict
-from fedseg.errors import ConfigError
+from fedseg.core.config import RunConfig, dataclass_from_dict
+from fedseg.core.errors import ConfigError
 
 SECTION = "deploy"
 
@@ -90,7 +90,9 @@ class DeployParams:
         if self.rejoin_wait_s < 0:
             raise ConfigError(f"deploy.rejoin_wait_s must be >= 0 seconds, got {self.rejoin_wait_s}")
         if not (self.max_update_ratio == 0 or 1.0 < self.max_update_ratio < float("inf")):
-            raise ConfigError(f"deploy.max_update_ratio must be > 1 (reject updates that many times the median) or 0 (off), got {self.max_update_ratio}")
+            raise ConfigError(
+                f"deploy.max_update_ratio must be > 1 (reject updates that many times the median) or 0 (off), got {self.max_update_ratio}"
+            )
         if not 0 < self.max_abs_value < float("inf"):
             raise ConfigError(f"deploy.max_abs_value must be a finite number > 0, got {self.max_abs_value}")
         if self.shutdown_grace_s < 0:

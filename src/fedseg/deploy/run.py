@@ -1,6 +1,6 @@
 """``fedseg deploy`` library functions: provision, start a server or a site, submit a run, rehearse.
 
-All NVFlare specifics live in :mod:`fedseg.transport.nvflare`; this module starts
+All NVFlare specifics live in :mod:`fedseg.deploy.flare`; this module starts
 processes, writes site configs and waits for results.  ``rehearse`` runs the whole
 deployment on one machine: real provisioning (root CA, mutual TLS on every
 connection), one server process and one process per site, all on 127.0.0.1.
@@ -19,13 +19,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedseg.engine import _save_json
-from fedseg.errors import ConfigError
-
+from fedseg.core.engine import _save_json
+from fedseg.core.errors import ConfigError
 from fedseg.deploy.server import load_deploy_config, prepare_run
 from fedseg.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
 
-__all__ = ["LocalCluster", "configure_site", "free_port", "provision", "rehearse", "submit_run", "terminate_as_interrupt"]
+__all__ = [
+    "LocalCluster",
+    "configure_site",
+    "free_port",
+    "provision",
+    "rehearse",
+    "submit_run",
+    "terminate_as_interrupt",
+]
 
 
 def free_port() -> int:
@@ -36,7 +43,7 @@ def free_port() -> int:
 
 def provision(sites: list[str], server: str, out: str | Path) -> dict[str, Path]:
     """Startup kits for ``server`` (``HOST:PORT``; the admin port is PORT+1) and each site, under ``out``."""
-    from fedseg.transport.nvflare import provision_kits
+    from fedseg.deploy.flare import provision_kits
 
     if ":" not in server:
         raise ConfigError(f"--server {server!r} must be HOST:PORT, e.g. fl.example.org:8002")
@@ -46,19 +53,26 @@ def provision(sites: list[str], server: str, out: str | Path) -> dict[str, Path]
     return provision_kits(out, sites, host, int(port), int(port) + 1)
 
 
-def configure_site(kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None, device: str = "auto") -> Path:
+def configure_site(
+    kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None, device: str = "auto"
+) -> Path:
     """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder and device (never sent anywhere)."""
-    from fedseg.device import resolve_device
+    from fedseg.core.device import resolve_device
 
     resolve_device(device)  # --device cuda on a machine without CUDA stops here
     kit = Path(kit).resolve()
     if not (kit / "startup" / "fed_client.json").is_file():
-        raise ConfigError(f"{kit} is not a site startup kit (no startup/fed_client.json); use a kit from `fedseg deploy provision`")
+        raise ConfigError(
+            f"{kit} is not a site startup kit (no startup/fed_client.json); use a kit from `fedseg deploy provision`"
+        )
     name = name or json.loads((kit / "startup" / "fed_client.json").read_text())["client"]["fqsn"]
     if not Path(datalist).is_file():
         raise ConfigError(f"datalist {datalist} does not exist; give this site's datalist JSON")
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    return write_site_config(kit / "local" / SITE_CONFIG_NAME, SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device))
+    return write_site_config(
+        kit / "local" / SITE_CONFIG_NAME,
+        SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device),
+    )
 
 
 @contextmanager
@@ -91,19 +105,21 @@ def _spawn(cmd: list[str], cwd: Path, logfile: Path, env: dict[str, str]) -> sub
 
 
 def start_server(kit: str | Path, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    from fedseg.transport.nvflare import server_command
+    from fedseg.deploy.flare import server_command
 
     kit = Path(kit).resolve()
     return _spawn(server_command(kit), kit, log or kit / "fedseg-server.log", {**os.environ, **(env or {})})
 
 
 def start_site(kit: str | Path, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    from fedseg.transport.nvflare import site_command
+    from fedseg.deploy.flare import site_command
 
     kit = Path(kit).resolve()
     name = json.loads((kit / "startup" / "fed_client.json").read_text())["client"]["fqsn"]
     if not (kit / "local" / SITE_CONFIG_NAME).is_file():
-        raise ConfigError(f"{kit} has no local/{SITE_CONFIG_NAME}; run `fedseg deploy site --kit {kit} --datalist ... --workdir ...`")
+        raise ConfigError(
+            f"{kit} has no local/{SITE_CONFIG_NAME}; run `fedseg deploy site --kit {kit} --datalist ... --workdir ...`"
+        )
     return _spawn(site_command(kit, name), kit, log or kit / "fedseg-site.log", {**os.environ, **(env or {})})
 
 
@@ -163,19 +179,27 @@ def stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
         pass
 
 
-def submit_run(admin_kit: str | Path, run_dir: str | Path, sites: list[str], timeout: float = 0.0, job_root: str | Path | None = None,
-               log: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
+def submit_run(
+    admin_kit: str | Path,
+    run_dir: str | Path,
+    sites: list[str],
+    timeout: float = 0.0,
+    job_root: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Submit the run prepared in ``run_dir`` and supervise it until it has results (automatic re-submission
     after an aborted job, rejoin of restarted sites: :mod:`fedseg.deploy.supervise`); returns the last job's record."""
+    from fedseg.deploy.flare import Admin, make_job
     from fedseg.deploy.params import deploy_params
     from fedseg.deploy.supervise import Supervisor
-    from fedseg.transport.nvflare import Admin, make_job
 
     run_dir = Path(run_dir).resolve()
     root = Path(job_root or run_dir / "job")
     params = deploy_params(load_deploy_config(run_dir / "config.toml"))
     admin = Admin(admin_kit)
     try:
+
         def job(job_sites: list[str], attempt: int) -> Path:
             return make_job(root / f"attempt-{attempt}", run_dir, job_sites)
 
@@ -194,13 +218,17 @@ class LocalCluster:
         self.root = Path(root).resolve()
         self.site_data = dict(site_data)
         self.workdir = Path(workdir).resolve()
-        self.env = {"HOME": str(self.root / "home"), "FEDSEG_TORCH_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-                    "NVFLARE_POC_WORKSPACE": str(self.root / "poc")}
+        self.env = {
+            "HOME": str(self.root / "home"),
+            "FEDSEG_TORCH_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(threads),
+            "NVFLARE_POC_WORKSPACE": str(self.root / "poc"),
+        }
         self.procs: dict[str, subprocess.Popen] = {}
         self.kits: dict[str, Path] = {}
 
     def provision(self) -> None:
-        from fedseg.transport.nvflare import provision_kits
+        from fedseg.deploy.flare import provision_kits
 
         (self.root / "home").mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -242,8 +270,16 @@ class LocalCluster:
             self.kill(name)
 
 
-def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[str] | None = None, timeout: float = 0.0,
-             stop_after: int | None = None, progress: bool = False, **fields: Any) -> dict[str, Any] | None:
+def rehearse(
+    config: str | Path,
+    sites: int,
+    out: str | Path,
+    overrides: list[str] | None = None,
+    timeout: float = 0.0,
+    stop_after: int | None = None,
+    progress: bool = False,
+    **fields: Any,
+) -> dict[str, Any] | None:
     """Run ``config`` deployed on this machine: the first ``sites`` sites of its federation, each in its own
     process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation."""
     from fedseg.data.spec import load_federation
@@ -259,7 +295,10 @@ def rehearse(config: str | Path, sites: int, out: str | Path, overrides: list[st
     if stop_after is not None:
         desc["stop_after"] = stop_after
     _save_json(desc, out / "deploy.json")
-    with terminate_as_interrupt(), LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster:
+    with (
+        terminate_as_interrupt(),
+        LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster,
+    ):
         submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"
     return json.loads(res.read_text()) if res.is_file() else None
@@ -269,7 +308,7 @@ def subset_spec(spec: str | Path, names: list[str], out: str | Path) -> Path:
     """A copy of federation ``spec`` with only ``names`` (absolute datalist paths): the simulation twin of a rehearsal."""
     import tomllib
 
-    from fedseg.config import _toml_value
+    from fedseg.core.config import _toml_value
     from fedseg.data.spec import load_federation
 
     fed = load_federation(spec)
@@ -289,8 +328,16 @@ def subset_spec(spec: str | Path, names: list[str], out: str | Path) -> Path:
     return out
 
 
-def deploy_run(config: str | Path | None, kits: str | Path, out: str | Path, overrides: list[str] | None = None,
-               resume: bool = False, timeout: float = 0.0, progress: bool = False, **fields: Any) -> dict[str, Any] | None:
+def deploy_run(
+    config: str | Path | None,
+    kits: str | Path,
+    out: str | Path,
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    timeout: float = 0.0,
+    progress: bool = False,
+    **fields: Any,
+) -> dict[str, Any] | None:
     """Submit a run to a provisioned deployment (``kits/admin`` logs in) and wait; ``OUT`` must be a path the
     server process can write (run this on the server machine or on a shared folder)."""
     kits = Path(kits)

@@ -3,8 +3,8 @@
 ``prepare_run`` writes what a deployed run needs into its output folder
 (``config.toml``, the resolved run config, and ``deploy.json``: run id, site
 order, the federation's data layout — never a data path).  ``serve`` runs
-fedseg's unchanged :class:`~fedseg.engine.Engine` in the server's main over a
-:class:`~fedseg.deploy.transport.RemoteTransport`, checkpoints after every round
+fedseg's unchanged :class:`~fedseg.core.engine.Engine` in the server's main over a
+:class:`~fedseg.deploy.remote.RemoteTransport`, checkpoints after every round
 (server state, best models, history; sites checkpoint their own state on the
 same call) and writes ``results.json`` / ``results.md`` like a simulation.
 """
@@ -18,29 +18,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedseg.arrays import Arrays, is_float, nonfinite
-from fedseg.config import RunConfig, dump_toml, load_run_config
-from fedseg.engine import _save_json
-from fedseg.errors import ConfigError
-
+from fedseg.core.arrays import Arrays, is_float, nonfinite
+from fedseg.core.config import RunConfig, dump_toml, load_run_config
+from fedseg.core.engine import _save_json
+from fedseg.core.errors import ConfigError
 from fedseg.deploy.params import deploy_params
+from fedseg.deploy.remote import Call, DeployError, RemoteTransport
 from fedseg.deploy.site import data_header, is_plain_name
-from fedseg.deploy.supervise import CONTROL_RESTART
-from fedseg.deploy.transport import Call, DeployError, RemoteTransport
 
-__all__ = ["check_aggregate", "load_deploy_config", "prepare_run", "read_dropouts", "serve"]
+__all__ = [
+    "CONTROL_RESTART",
+    "check_aggregate",
+    "load_deploy_config",
+    "prepare_run",
+    "read_deploy_json",
+    "read_dropouts",
+    "serve",
+]
+
+CONTROL_RESTART = Path("control") / "restart"
+"""A file the server polls: the supervisor asks the job to end after the current round (a site rejoins)."""
 
 
 def check_aggregate(state: Arrays, max_abs: float) -> None:
     """Refuse to commit a server state holding a NaN/infinity or a value beyond ``deploy.max_abs_value``."""
     bad = nonfinite(state)
     if bad:
-        raise DeployError(f"the aggregate holds non-finite values in {bad[:5]}; it is not checkpointed "
-                          "(the previous round's checkpoint stays valid for --resume)")
+        raise DeployError(
+            f"the aggregate holds non-finite values in {bad[:5]}; it is not checkpointed "
+            "(the previous round's checkpoint stays valid for --resume)"
+        )
     for k, v in state.items():
         if is_float(v) and v.numel() and float(v.abs().max()) > max_abs:
-            raise DeployError(f"the aggregate's '{k}' reaches {float(v.abs().max()):.3g}, beyond deploy.max_abs_value = {max_abs:g}; "
-                              "it is not checkpointed (the previous round's checkpoint stays valid for --resume)")
+            raise DeployError(
+                f"the aggregate's '{k}' reaches {float(v.abs().max()):.3g}, beyond deploy.max_abs_value = {max_abs:g}; "
+                "it is not checkpointed (the previous round's checkpoint stays valid for --resume)"
+            )
 
 
 def read_deploy_json(out: Path) -> dict[str, Any]:
@@ -51,8 +64,10 @@ def read_deploy_json(out: Path) -> dict[str, Any]:
     try:
         desc = json.loads(path.read_text())
     except ValueError as e:
-        raise ConfigError(f"{path} is damaged ({e}); it holds the run id the sites' checkpoints are filed under: restore it "
-                          "from a backup (or rewrite it from a site's WORKDIR/<run_id>), or start a new run") from None
+        raise ConfigError(
+            f"{path} is damaged ({e}); it holds the run id the sites' checkpoints are filed under: restore it "
+            "from a backup (or rewrite it from a site's WORKDIR/<run_id>), or start a new run"
+        ) from None
     if not isinstance(desc, dict) or not is_plain_name(desc.get("run_id")) or not isinstance(desc.get("sites"), list):
         raise ConfigError(f"{path} lacks a plain run_id or the site list; restore it from a backup or start a new run")
     return desc
@@ -86,7 +101,9 @@ def load_deploy_config(path: str | Path, overrides: list[str] | None = None, **f
     return cfg
 
 
-def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None, resume: bool = False) -> dict[str, Any]:
+def prepare_run(
+    cfg: RunConfig, out: str | Path, sites: list[str] | None = None, resume: bool = False
+) -> dict[str, Any]:
     """Write ``OUT/config.toml`` and ``OUT/deploy.json``; returns the deploy description.
 
     ``sites`` restricts the run to these sites of the federation spec (in spec
@@ -107,7 +124,9 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
         return desc
     algorithm = get_algorithm(cfg)
     if algorithm.needs_pooled_site:
-        raise ConfigError(f"method {cfg.method!r} pools all sites' data and cannot be deployed; it exists in simulation only")
+        raise ConfigError(
+            f"method {cfg.method!r} pools all sites' data and cannot be deployed; it exists in simulation only"
+        )
     fed = load_federation(cfg.federation)
     names = list(fed.site_names)
     if sites is not None:
@@ -119,7 +138,12 @@ def prepare_run(cfg: RunConfig, out: str | Path, sites: list[str] | None = None,
     # the settings as used, defaults filled in (as a simulation writes them), so the server and
     # every site read one fully resolved description of the method
     (out / "config.toml").write_text(dump_toml(algorithm.resolved_config().to_dict()))
-    desc = {"run_id": f"{cfg.method}-{uuid.uuid4().hex[:12]}", "sites": names, "data": data_header(fed), "resume": False}
+    desc = {
+        "run_id": f"{cfg.method}-{uuid.uuid4().hex[:12]}",
+        "sites": names,
+        "data": data_header(fed),
+        "resume": False,
+    }
     _save_json(desc, desc_path)
     return desc
 
@@ -131,9 +155,9 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     bytes on the wire, timing) when the run finishes.
     """
     from fedseg.algorithms import get_algorithm
-    from fedseg.engine import Engine
-    from fedseg.runner import write_results
-    from fedseg.workload import segmentation_workload
+    from fedseg.core.engine import Engine
+    from fedseg.core.workload import segmentation_workload
+    from fedseg.simulation.runner import write_results
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -142,13 +166,25 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     params = deploy_params(cfg)
     algorithm = get_algorithm(cfg)
     h = desc["data"]
-    workload = segmentation_workload(int(h["spatial_dims"]), int(h["in_channels"]), list(h["labels"]), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+    workload = segmentation_workload(
+        int(h["spatial_dims"]),
+        int(h["in_channels"]),
+        list(h["labels"]),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
     resume = bool(desc.get("resume"))
     record = out / "dropouts.jsonl"
     if not resume:
         record.unlink(missing_ok=True)
-    transport = RemoteTransport(desc["sites"], call, params, log=log, record=record, num_metrics=len(workload.metric_names))
-    setup = transport.setup({"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()})
+    transport = RemoteTransport(
+        desc["sites"], call, params, log=log, record=record, num_metrics=len(workload.metric_names)
+    )
+    setup = transport.setup(
+        {"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()}
+    )
     log(f"[deploy] sites set up: {json.dumps(setup)}")
     t_setup = time.perf_counter() - t0
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=log)

@@ -4,7 +4,7 @@ A :class:`SiteRuntime` lives for the whole run in the site's job process.  Its d
 paths come from the site's own config file (``fedseg deploy site`` writes it into
 the site's kit): the server never learns them.  The server sends, once, the run
 description (resolved run config, data layout, site order); the runtime then
-builds a :class:`fedseg.site.Site` (models and optimizer moments stay in memory
+builds a :class:`fedseg.core.site.Site` (models and optimizer moments stay in memory
 between tasks) and answers operations:
 
 ``setup``       JSON run description -> JSON summary (site name, training cases)
@@ -23,20 +23,27 @@ import json
 import logging
 import re
 import shutil
-import threading
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.site import Site, SiteData
-from fedseg.workload import Workload
-
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.site import Site, SiteData
+from fedseg.core.workload import Workload
 from fedseg.deploy.wire import check_arrays, decode_task, encode_reply, parse_json_object
 
-__all__ = ["SITE_CONFIG_NAME", "SiteConfig", "SiteRuntime", "data_header", "is_plain_name", "read_site_config", "write_site_config"]
+__all__ = [
+    "SITE_CONFIG_NAME",
+    "SiteConfig",
+    "SiteRuntime",
+    "data_header",
+    "is_plain_name",
+    "read_site_config",
+    "write_site_config",
+]
 
 SITE_CONFIG_NAME = "fedseg_site.json"
 """File name of a site's config inside its kit's ``local/`` folder."""
@@ -59,14 +66,21 @@ class SiteConfig:
 def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device}, indent=1))
+    path.write_text(
+        json.dumps(
+            {"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device},
+            indent=1,
+        )
+    )
     return path
 
 
 def read_site_config(path: str | Path) -> SiteConfig:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"site config {path} does not exist; run `fedseg deploy site --kit KIT --datalist ... --workdir ...` on this machine first")
+        raise ConfigError(
+            f"site config {path} does not exist; run `fedseg deploy site --kit KIT --datalist ... --workdir ...` on this machine first"
+        )
     raw = json.loads(path.read_text())
     missing = [k for k in ("name", "datalist", "workdir") if not raw.get(k)]
     if missing:
@@ -88,19 +102,32 @@ def data_header(fed: Any) -> dict[str, Any]:
 
 def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:
     """Load this site's splits from its own datalist, laid out as the server's header says."""
+    from fedseg.core.workload import segmentation_workload
     from fedseg.data.loading import load_split
     from fedseg.data.spec import FederationSpec, SiteSpec
-    from fedseg.workload import segmentation_workload
 
     dl = Path(datalist).resolve()
     fed = FederationSpec(
-        name=f"{name}-local", path=dl, sites=(SiteSpec(name, dl),), spatial_dims=int(header["spatial_dims"]),
-        in_channels=int(header["in_channels"]), labels={k: tuple(v) for k, v in header["labels"].items()},
-        mode=header["mode"], image_size=tuple(header["image_size"]) if header.get("image_size") else None,
+        name=f"{name}-local",
+        path=dl,
+        sites=(SiteSpec(name, dl),),
+        spatial_dims=int(header["spatial_dims"]),
+        in_channels=int(header["in_channels"]),
+        labels={k: tuple(v) for k, v in header["labels"].items()},
+        mode=header["mode"],
+        image_size=tuple(header["image_size"]) if header.get("image_size") else None,
         foreground_only=bool(header.get("foreground_only", False)),
     )
     data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+    workload = segmentation_workload(
+        fed.spatial_dims,
+        fed.in_channels,
+        list(fed.labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
     return data, workload
 
 
@@ -146,27 +173,35 @@ class SiteRuntime:
                 return _json(self._restore(self._round(payload, op)))
             if op == "ping":
                 return _json({"site": self.name, "ready": self.site is not None})
-            raise PayloadError(f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version")
+            raise PayloadError(
+                f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
+            )
 
     def _round(self, payload: bytes, op: str) -> int:
         """The round of a checkpoint/restore request: an integer in 0..rounds of the run set up."""
         rnd = parse_json_object(payload, f"site {self.name}: {op}").get("round")
         top = self.site.cfg.rounds if self.site is not None else None
         if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0 or (top is not None and rnd > top):
-            raise PayloadError(f"site {self.name}: {op} of round {rnd!r} refused; a round is an integer in 0..{top if top is not None else 'rounds'}")
+            raise PayloadError(
+                f"site {self.name}: {op} of round {rnd!r} refused; a round is an integer in 0..{top if top is not None else 'rounds'}"
+            )
         return rnd
 
     def _setup(self, desc: dict[str, Any]) -> dict[str, Any]:
         from fedseg.algorithms import get_algorithm, known_sections
-        from fedseg.config import load_run_config
+        from fedseg.core.config import load_run_config
 
         sites = list(desc["sites"])
         if self.name not in sites:
-            raise ConfigError(f"site {self.name}: not among the run's sites {sites}; check the name in {SITE_CONFIG_NAME}")
+            raise ConfigError(
+                f"site {self.name}: not among the run's sites {sites}; check the name in {SITE_CONFIG_NAME}"
+            )
         run_id = desc.get("run_id")
         if not is_plain_name(run_id):
-            raise PayloadError(f"site {self.name}: run id {run_id!r} is not a plain name (letters, digits, '_', '.', '-'; "
-                               "starting with a letter or digit; at most 128 characters)")
+            raise PayloadError(
+                f"site {self.name}: run id {run_id!r} is not a plain name (letters, digits, '_', '.', '-'; "
+                "starting with a letter or digit; at most 128 characters)"
+            )
         if self.site is not None and self.run_id == run_id:
             return self._summary()
         self.run_id = run_id
@@ -180,16 +215,27 @@ class SiteRuntime:
         algorithm = get_algorithm(cfg)
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
-        log.info("site %s set up for run %s (index %d, %d training cases)", self.name, run_id, sites.index(self.name), self.site.num_train)
+        log.info(
+            "site %s set up for run %s (index %d, %d training cases)",
+            self.name,
+            run_id,
+            sites.index(self.name),
+            self.site.num_train,
+        )
         return self._summary()
 
     def _summary(self) -> dict[str, Any]:
         assert self.site is not None
-        from fedseg.site import dataset_len
+        from fedseg.core.site import dataset_len
 
         d = self.site.data
-        return {"site": self.name, "index": self.site.index, "num_train": self.site.num_train,
-                "num_validation": dataset_len(d.val), "num_testing": dataset_len(d.test)}
+        return {
+            "site": self.name,
+            "index": self.site.index,
+            "num_train": self.site.num_train,
+            "num_validation": dataset_len(d.val),
+            "num_testing": dataset_len(d.test),
+        }
 
     def _task(self, payload: bytes) -> bytes:
         if self.site is None:
@@ -226,7 +272,9 @@ class SiteRuntime:
         r, d = usable[-1]
         self.site.restore(d)
         if r != rnd:
-            log.warning("site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r)
+            log.warning(
+                "site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r
+            )
         return {"site": self.name, "restored": r}
 
 

@@ -35,18 +35,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedseg.core.engine import _save_json
 from fedseg.deploy.params import DeployParams
-from fedseg.engine import _save_json
-from fedseg.deploy.transport import DeployError
+from fedseg.deploy.remote import DeployError
+from fedseg.deploy.server import CONTROL_RESTART, read_deploy_json
 
-__all__ = ["CONTROL_RESTART", "JobAdmin", "Supervisor", "completed_round"]
+__all__ = ["JobAdmin", "Supervisor", "completed_round"]
 
-CONTROL_RESTART = Path("control") / "restart"
 RECORD = "supervisor.json"
 
 
 class JobAdmin(Protocol):
-    """What the supervisor needs from the federation's admin session (FLARE: :class:`fedseg.transport.nvflare.Admin`)."""
+    """What the supervisor needs from the federation's admin session (FLARE: :class:`fedseg.deploy.flare.Admin`)."""
 
     def connected_sites(self) -> list[str]: ...
 
@@ -85,8 +85,17 @@ class Supervisor:
         The run's ``[deploy]`` settings.
     """
 
-    def __init__(self, admin: JobAdmin, run_dir: str | Path, sites: list[str], make_job: Callable[[list[str], int], Path],
-                 params: DeployParams, log: Callable[[str], None] = print, poll_s: float = 1.0, progress: bool = False):
+    def __init__(
+        self,
+        admin: JobAdmin,
+        run_dir: str | Path,
+        sites: list[str],
+        make_job: Callable[[list[str], int], Path],
+        params: DeployParams,
+        log: Callable[[str], None] = print,
+        poll_s: float = 1.0,
+        progress: bool = False,
+    ):
         self.admin = admin
         self.run_dir = Path(run_dir)
         self.sites = list(sites)
@@ -109,7 +118,11 @@ class Supervisor:
             return {}
         try:
             past = json.loads(record.read_text())
-            if isinstance(past, dict) and isinstance(past.get("jobs", []), list) and isinstance(past.get("recoveries", []), list):
+            if (
+                isinstance(past, dict)
+                and isinstance(past.get("jobs", []), list)
+                and isinstance(past.get("recoveries", []), list)
+            ):
                 return past
         except ValueError:
             pass
@@ -119,7 +132,6 @@ class Supervisor:
         return {}
 
     def _desc(self) -> dict[str, Any]:
-        from fedseg.deploy.server import read_deploy_json
 
         return read_deploy_json(self.run_dir)
 
@@ -161,13 +173,21 @@ class Supervisor:
         need = min(self.params.min_sites, len(self.sites))
         job_sites = self._present(self.params.setup_timeout_s)
         if len(job_sites) < need:
-            raise DeployError(f"only {job_sites} of the sites {self.sites} are connected after {self.params.setup_timeout_s:g} s "
-                              f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`")
+            raise DeployError(
+                f"only {job_sites} of the sites {self.sites} are connected after {self.params.setup_timeout_s:g} s "
+                f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`"
+            )
         self._first_job = len(self.jobs)
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self._rounds(), initial=completed_round(self.run_dir), desc="deployed rounds", unit="round",
-                   disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=self._rounds(),
+            initial=completed_round(self.run_dir),
+            desc="deployed rounds",
+            unit="round",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         try:
             return self._loop(job_sites, need, end, timeout, bar)
         finally:
@@ -185,8 +205,13 @@ class Supervisor:
         restarts = 0
         pending: dict[str, Any] | None = None  # a recovery whose first completed round is awaited
         if self._desc().get("resume") and self.jobs:  # a resume by hand (e.g. after a server crash) is a recovery too
-            pending = {"after_job": self.jobs[-1]["job"], "reason": "resumed with `fedseg deploy run --resume`",
-                       "from_round": completed_round(self.run_dir), "sites": job_sites, "_t0": time.monotonic()}
+            pending = {
+                "after_job": self.jobs[-1]["job"],
+                "reason": "resumed with `fedseg deploy run --resume`",
+                "from_round": completed_round(self.run_dir),
+                "sites": job_sites,
+                "_t0": time.monotonic(),
+            }
         while True:
             self._clear_restart()
             folder = self.make_job(job_sites, len(self.jobs))
@@ -210,8 +235,10 @@ class Supervisor:
                 if results_at is not None and time.monotonic() - results_at >= self.params.shutdown_grace_s:
                     # the run is complete; FLARE may still wait for a site that died (it keeps the job open for
                     # minutes): nothing is left to wait for, so end the job instead of blocking the command
-                    self.log(f"[supervisor] results are complete but job {job_id} is still {status} after "
-                             f"{self.params.shutdown_grace_s:g} s (deploy.shutdown_grace_s; a dead site can hold it open): aborting it")
+                    self.log(
+                        f"[supervisor] results are complete but job {job_id} is still {status} after "
+                        f"{self.params.shutdown_grace_s:g} s (deploy.shutdown_grace_s; a dead site can hold it open): aborting it"
+                    )
                     self.admin.abort(job_id)
                     status = f"{status}, aborted after its results"
                     break
@@ -222,18 +249,26 @@ class Supervisor:
                     pending["recover_s"] = round(time.monotonic() - pending.pop("_t0"), 3)
                     self.recoveries.append(pending)
                     self._save_record()
-                    self.log(f"[supervisor] recovered: round {rnd} done {pending['recover_s']:.1f} s after job {pending['after_job']} ended")
+                    self.log(
+                        f"[supervisor] recovered: round {rnd} done {pending['recover_s']:.1f} s after job {pending['after_job']} ended"
+                    )
                     pending = None
                 if self.params.rejoin and not rejoining:
                     now = self.admin.site_sessions()
-                    rejoining = [s for s in self.sites if s in now and (s not in job_sites or now[s] != sessions.get(s))]
+                    rejoining = [
+                        s for s in self.sites if s in now and (s not in job_sites or now[s] != sessions.get(s))
+                    ]
                     if rejoining:
                         self._request_restart(f"sites {rejoining} (re)connected")
-                        self.log(f"[supervisor] sites {rejoining} (re)connected: ending job {job_id} after round {rnd + 1} to let them rejoin")
+                        self.log(
+                            f"[supervisor] sites {rejoining} (re)connected: ending job {job_id} after round {rnd + 1} to let them rejoin"
+                        )
                 if end is not None and time.monotonic() > end:
                     self.admin.abort(job_id)
-                    raise TimeoutError(f"run {self.run_dir} not finished after {timeout:g} s (job {job_id}, {status}); "
-                                       f"continue with `fedseg deploy run --resume {self.run_dir}`")
+                    raise TimeoutError(
+                        f"run {self.run_dir} not finished after {timeout:g} s (job {job_id}, {status}); "
+                        f"continue with `fedseg deploy run --resume {self.run_dir}`"
+                    )
                 time.sleep(self.poll_s)
             rnd = completed_round(self.run_dir)
             record.update(status=status, to_round=rnd)
@@ -253,22 +288,31 @@ class Supervisor:
                 reason = f"rejoin of {rejoining}"
             else:
                 restarts += 1
-                mine = self.jobs[self._first_job:]  # this submission's jobs
+                mine = self.jobs[self._first_job :]  # this submission's jobs
                 stalled = len(mine) >= 2 and all(j.get("to_round") == j["from_round"] for j in mine[-2:])
                 if restarts > self.params.max_restarts or stalled:
-                    why = ("two jobs in a row completed no round (a cause that a restart does not remove, e.g. a site "
-                           "failing at setup)" if stalled else f"deploy.max_restarts = {self.params.max_restarts} automatic restarts are used up")
+                    why = (
+                        "two jobs in a row completed no round (a cause that a restart does not remove, e.g. a site "
+                        "failing at setup)"
+                        if stalled
+                        else f"deploy.max_restarts = {self.params.max_restarts} automatic restarts are used up"
+                    )
                     raise DeployError(
                         f"job {job_id} ended {status} after round {rnd} without results, and {why}; read the server's job log "
-                        f"(<server kit>/{job_id}/log.txt), fix the cause, then `fedseg deploy run --resume {self.run_dir}`")
+                        f"(<server kit>/{job_id}/log.txt), fix the cause, then `fedseg deploy run --resume {self.run_dir}`"
+                    )
                 reason = f"job ended {status}"
-                self.log(f"[supervisor] job {job_id} ended {status} after round {rnd} without results: restart {restarts} of {self.params.max_restarts}")
+                self.log(
+                    f"[supervisor] job {job_id} ended {status} after round {rnd} without results: restart {restarts} of {self.params.max_restarts}"
+                )
             job_sites = self._present(self.params.rejoin_wait_s)
             if len(job_sites) < need:
                 job_sites = self._present(self.params.setup_timeout_s)
             if len(job_sites) < need:
-                raise DeployError(f"after job {job_id} only {job_sites} are connected (deploy.min_sites = {self.params.min_sites}); "
-                                  f"start the missing sites, then `fedseg deploy run --resume {self.run_dir}`")
+                raise DeployError(
+                    f"after job {job_id} only {job_sites} are connected (deploy.min_sites = {self.params.min_sites}); "
+                    f"start the missing sites, then `fedseg deploy run --resume {self.run_dir}`"
+                )
             if rnd > 0:
                 desc = self._desc()
                 desc["resume"] = True

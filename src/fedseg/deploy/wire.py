@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedseg.arrays import Arrays, nonfinite
-from fedseg.errors import PayloadError
-from fedseg.site import Reply, Task
+from fedseg.core.arrays import Arrays, nonfinite
+from fedseg.core.errors import PayloadError
+from fedseg.core.messages import Reply, Task
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
@@ -58,7 +58,9 @@ def _pack(arrays: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
     try:
         text = json.dumps({"v": _VERSION, **meta}, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise PayloadError(f"the JSON part of a payload cannot be written ({e}); keep config and metrics to finite numbers, strings, lists and dicts") from None
+        raise PayloadError(
+            f"the JSON part of a payload cannot be written ({e}); keep config and metrics to finite numbers, strings, lists and dicts"
+        ) from None
     return st_save(tensors, metadata={_KEY: text})
 
 
@@ -70,7 +72,9 @@ def read_header(data: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> tuple[dict[s
     Raises :class:`PayloadError` on anything malformed.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"payload must be bytes, got {type(data).__name__}; the peer is not speaking fedseg's wire format")
+        raise PayloadError(
+            f"payload must be bytes, got {type(data).__name__}; the peer is not speaking fedseg's wire format"
+        )
     if len(data) > max_bytes:
         raise PayloadError(f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     if len(data) < 8:
@@ -78,10 +82,12 @@ def read_header(data: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> tuple[dict[s
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > len(data) - 8:
         raise PayloadError(f"payload header claims {n} bytes but only {len(data) - 8} follow; the blob is truncated")
-    header = parse_json_object(bytes(data[8:8 + n]), "payload header")
+    header = parse_json_object(bytes(data[8 : 8 + n]), "payload header")
     meta_table = header.pop("__metadata__", None) or {}
     if not isinstance(meta_table, dict):
-        raise PayloadError(f"payload's safetensors metadata is a {type(meta_table).__name__}, not a JSON object of strings")
+        raise PayloadError(
+            f"payload's safetensors metadata is a {type(meta_table).__name__}, not a JSON object of strings"
+        )
     meta_raw = meta_table.get(_KEY)
     if meta_raw is None:
         raise PayloadError("payload has no fedseg metadata; it was not written by fedseg's encode_task/encode_reply")
@@ -89,7 +95,9 @@ def read_header(data: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> tuple[dict[s
         raise PayloadError(f"payload's fedseg metadata is a {type(meta_raw).__name__}, not a JSON string")
     meta = parse_json_object(meta_raw, "payload metadata")
     if meta.get("v") != _VERSION:
-        raise PayloadError(f"payload wire version {meta.get('v')!r} is not {_VERSION}; run the same fedseg version on server and sites")
+        raise PayloadError(
+            f"payload wire version {meta.get('v')!r} is not {_VERSION}; run the same fedseg version on server and sites"
+        )
     return header, meta
 
 
@@ -124,7 +132,9 @@ def parse_json_object(text: str | bytes, what: str) -> dict[str, Any]:
     :class:`PayloadError` (never a RecursionError or a parser's own exception)."""
     depth = _json_depth(text)
     if depth > MAX_JSON_DEPTH:
-        raise PayloadError(f"{what} nests {depth} levels deep (limit {MAX_JSON_DEPTH}); the peer is not speaking fedseg's wire format")
+        raise PayloadError(
+            f"{what} nests {depth} levels deep (limit {MAX_JSON_DEPTH}); the peer is not speaking fedseg's wire format"
+        )
     try:
         out = json.loads(text)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
@@ -192,7 +202,9 @@ def _finite_json(x: Any) -> bool:
     return True
 
 
-def check_reply(task: Task, reply: Reply, schema: Mapping[str, torch.Tensor] | None = None, what: str = "reply") -> None:
+def check_reply(
+    task: Task, reply: Reply, schema: Mapping[str, torch.Tensor] | None = None, what: str = "reply"
+) -> None:
     """Validate a reply against the task that asked for it.
 
     Rules (any violation raises :class:`PayloadError` with the reason):
@@ -210,10 +222,14 @@ def check_reply(task: Task, reply: Reply, schema: Mapping[str, torch.Tensor] | N
     for k, v in reply.arrays.items():
         ref = task.arrays.get(k)
         if ref is not None and (tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype):
-            raise PayloadError(f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but the task sent {tuple(ref.shape)} {ref.dtype}")
+            raise PayloadError(
+                f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but the task sent {tuple(ref.shape)} {ref.dtype}"
+            )
     for k, v in reply.arrays.items():
         ref = None if schema is None else schema.get(k)
         if ref is not None and (tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype):
-            raise PayloadError(f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but earlier replies had {tuple(ref.shape)} {ref.dtype}")
+            raise PayloadError(
+                f"{what}: '{k}' has shape {tuple(v.shape)} {v.dtype}, but earlier replies had {tuple(ref.shape)} {ref.dtype}"
+            )
     if not _finite_json(reply.metrics):
         raise PayloadError(f"{what}: metrics hold a non-finite number")

@@ -49,7 +49,9 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_alpha_trajectory(runs: Mapping[str, Mapping[str, Any]] | Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
+def plot_alpha_trajectory(
+    runs: Mapping[str, Mapping[str, Any]] | Mapping[str, Any], path: str | Path, title: str | None = None
+) -> Path:
     """Plot α_k against rounds (Fig. 3a), one panel per run.
 
     Parameters
@@ -82,7 +84,12 @@ def plot_alpha_trajectory(runs: Mapping[str, Mapping[str, Any]] | Mapping[str, A
     return _save(fig, path)
 
 
-def plot_interval_effect(values: Mapping[int, Sequence[float]], path: str | Path, ylabel: str = "global test avg Dice", title: str | None = None) -> Path:
+def plot_interval_effect(
+    values: Mapping[int, Sequence[float]],
+    path: str | Path,
+    ylabel: str = "global test avg Dice",
+    title: str | None = None,
+) -> Path:
     """Mean ± sd (over seeds) of a score against the learning interval t0 (Fig. 4)."""
     import statistics
 

@@ -39,7 +39,13 @@ __all__ = [
     "wilcoxon_signed_rank",
 ]
 
-_LABELS = {"local": "Local only", "fedavg": "FedAvg", "fedavg-even": "FedAvg - even", "fedprox": "FedProx", "centralized": "Centralized"}
+_LABELS = {
+    "local": "Local only",
+    "fedavg": "FedAvg",
+    "fedavg-even": "FedAvg - even",
+    "fedprox": "FedProx",
+    "centralized": "Centralized",
+}
 
 
 def wilcoxon_signed_rank(candidate: Sequence[float], baseline: Sequence[float]) -> dict[str, float]:
@@ -98,7 +104,7 @@ def bootstrap_ci(
     """
     import numpy as np
 
-    from fedseg.seeding import derive_seed
+    from fedseg.core.seeding import derive_seed
 
     if not 0.0 < level < 1.0:
         raise ValueError(f"bootstrap level = {level}; give a coverage in (0, 1), e.g. 0.95")
@@ -160,7 +166,9 @@ def compare_runs(
     for run in cands:
         base = bases.get(run.get("seed"))
         if base is None:
-            raise ValueError(f"no baseline run with seed {run.get('seed')}; pair the runs by seed (baseline seeds: {sorted(bases)})")
+            raise ValueError(
+                f"no baseline run with seed {run.get('seed')}; pair the runs by seed (baseline seeds: {sorted(bases)})"
+            )
         for s in sites:
             a[s] += per_case(run, candidate, s)
             b[s] += per_case(base, baseline, s)
@@ -228,9 +236,25 @@ def table2_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         rows = []
         for k, s in enumerate(sites):
             per_site = dict(zip(sites, m[k]))
-            rows.append({"label": f"{label} - {s}", "per_site": per_site, "global_test_avg": sum(m[k]) / len(m[k]), "local_avg": avg, "local_gen": gen})
+            rows.append(
+                {
+                    "label": f"{label} - {s}",
+                    "per_site": per_site,
+                    "global_test_avg": sum(m[k]) / len(m[k]),
+                    "local_avg": avg,
+                    "local_gen": gen,
+                }
+            )
         return rows
-    return [{"label": label, "per_site": dict(results["per_site_dice"]), "global_test_avg": results["client_avg_dice"], "local_avg": avg, "local_gen": gen}]
+    return [
+        {
+            "label": label,
+            "per_site": dict(results["per_site_dice"]),
+            "global_test_avg": results["client_avg_dice"],
+            "local_avg": avg,
+            "local_gen": gen,
+        }
+    ]
 
 
 def _fmt(values: Sequence[float | None], pct: bool) -> str:
@@ -273,7 +297,7 @@ def table2(runs: Sequence[Mapping[str, Any]], baseline: str = "FedAvg", alpha: f
         t = tests.get(label, {})
 
         def mark(key: str) -> str:
-            r = t.get(key)
+            r = t.get(key)  # noqa: B023 (mark is called in this iteration)
             return "†" if r is not None and r["pvalue"] < alpha and r["mean_diff"] > 0 else ""
 
         cells = [label]
@@ -283,8 +307,11 @@ def table2(runs: Sequence[Mapping[str, Any]], baseline: str = "FedAvg", alpha: f
         lines.append("| " + " | ".join(cells) + " |")
     seeds = sorted({r.get("seed") for r in runs})
     out = "\n".join(lines) + "\n"
-    out += (f"\nDice{' (%)' if pct else ''}; {len(seeds)} seed(s) {seeds}" + (", mean ± sd" if len(seeds) > 1 else "")
-            + f". † = Wilcoxon signed-rank test of per-case Dice vs {baseline}, p < {alpha}, higher mean.\n")
+    out += (
+        f"\nDice{' (%)' if pct else ''}; {len(seeds)} seed(s) {seeds}"
+        + (", mean ± sd" if len(seeds) > 1 else "")
+        + f". † = Wilcoxon signed-rank test of per-case Dice vs {baseline}, p < {alpha}, higher mean.\n"
+    )
     if tests:
         out += f"\nWilcoxon signed-rank p-values vs {baseline} (per-case Dice of the global model, seeds pooled; Δ = mean difference):\n\n"
         out += "| Method | " + " | ".join([*sites, "all sites"]) + " |\n|" + "---|" * (len(sites) + 2) + "\n"

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.config import RunConfig
-    from fedseg.engine import Best
+    from fedseg.core.config import RunConfig
 
 __all__ = ["row_from_cases", "summarize"]
 
@@ -25,7 +24,9 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
-def row_from_cases(per_site: Mapping[str, Sequence[Sequence[float]]], sites: Sequence[str], metric_names: Sequence[str]) -> dict[str, Any]:
+def row_from_cases(
+    per_site: Mapping[str, Sequence[Sequence[float]]], sites: Sequence[str], metric_names: Sequence[str]
+) -> dict[str, Any]:
     """Table 3 quantities from per-case, per-channel scores.
 
     Parameters
@@ -63,12 +64,20 @@ def row_from_cases(per_site: Mapping[str, Sequence[Sequence[float]]], sites: Seq
     }
 
 
+class BestResult(Protocol):
+    """What :func:`summarize` reads of a candidate's best validation result (``core.checkpoint.Best``)."""
+
+    score: float
+    round: int
+    candidate: Any  # has ``home_site``
+
+
 def summarize(
     method: str,
     sites: list[str],
     cfg: RunConfig,
     per_case: dict[str, dict[str, list[list[float]]]],
-    best: dict[str, Best],
+    best: Mapping[str, BestResult],
     primary: str | None,
     metric_names: list[str],
     history: list[dict[str, Any]],

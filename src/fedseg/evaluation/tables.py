@@ -20,10 +20,22 @@ def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
         for r in results["rows"]:
             site = r.get("home_site") or r["name"]
-            out.append({"label": f"{site} Local", **{k: r[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")}})
-        out.append({"label": "Local (own site)", **{k: results[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")}})
+            out.append(
+                {"label": f"{site} Local", **{k: r[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")}}
+            )
+        out.append(
+            {
+                "label": "Local (own site)",
+                **{k: results[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")},
+            }
+        )
         return out
-    return [{"label": results.get("label", method), **{k: results[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")}}]
+    return [
+        {
+            "label": results.get("label", method),
+            **{k: results[k] for k in ("per_site_dice", "client_avg_dice", "global_dice")},
+        }
+    ]
 
 
 def _fmt(values: Sequence[float]) -> str:
@@ -55,5 +67,9 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
         cells += [_fmt([r["per_site_dice"].get(s) for r in rows]) for s in sites]
         cells += [_fmt([r["client_avg_dice"] for r in rows]), _fmt([r["global_dice"] for r in rows])]
         lines.append("| " + " | ".join(cells) + " |")
-    note = f"\nDice = mean over label channels per case; {len(seeds)} seed(s): {seeds}" + (" (mean ± sd)" if len(seeds) > 1 else "") + ".\n"
+    note = (
+        f"\nDice = mean over label channels per case; {len(seeds)} seed(s): {seeds}"
+        + (" (mean ± sd)" if len(seeds) > 1 else "")
+        + ".\n"
+    )
     return "\n".join(lines) + "\n" + note

@@ -49,7 +49,7 @@ class Selector(nn.Module):
             if item == "M":
                 layers.append(pool(kernel_size=2, stride=2, ceil_mode=True))
             else:
-                out = max(4, int(round(int(item) * width)))
+                out = max(4, round(int(item) * width))
                 layers += [conv(c, out, kernel_size=3, padding=1), nn.ReLU(inplace=True)]
                 c = out
         self.features = nn.Sequential(*layers, gap(1), nn.Flatten())

@@ -62,7 +62,9 @@ def to_png(fig: Any, dpi: int = DPI, colors: int | None = 256) -> bytes:
     fig.set_dpi(dpi)
     canvas.draw()
     rgba = np.asarray(canvas.buffer_rgba())
-    img = Image.fromarray(rgba[..., :3].copy()).quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    img = Image.fromarray(rgba[..., :3].copy()).quantize(
+        colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE
+    )
     img.save(buf, format="png", optimize=True)
     return buf.getvalue()
 
@@ -84,7 +86,9 @@ def best_so_far(values: Sequence[float]) -> list[float]:
     return out
 
 
-def site_curve(history: Sequence[Mapping[str, Any]], candidate: str | None, site: str, home: Mapping[str, str] | None = None) -> tuple[list[int], list[float]]:
+def site_curve(
+    history: Sequence[Mapping[str, Any]], candidate: str | None, site: str, home: Mapping[str, str] | None = None
+) -> tuple[list[int], list[float]]:
     """(rounds, validation Dice) of one candidate on one site from a run's history.
 
     ``candidate`` None means "the site's own model": ``home[site]`` names it.
@@ -228,7 +232,7 @@ def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -
     sites: list[str] = []
     for entries in histories.values():
         for e in entries:
-            for s in (e.get("routing_acc") or e.get("selector_loss") or {}):
+            for s in e.get("routing_acc") or e.get("selector_loss") or {}:
                 if s not in sites:
                     sites.append(s)
     colors = color_of(sites)
@@ -242,14 +246,25 @@ def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -
                 if v is not None:
                     acc[i, j] = float(v)
         if rounds:
-            image = ax_a.imshow(acc, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest",
-                                extent=(rounds[0] - 0.5, rounds[-1] + 0.5, len(sites) - 0.5, -0.5))
+            image = ax_a.imshow(
+                acc,
+                aspect="auto",
+                cmap="viridis",
+                vmin=0.0,
+                vmax=1.0,
+                interpolation="nearest",
+                extent=(rounds[0] - 0.5, rounds[-1] + 0.5, len(sites) - 0.5, -0.5),
+            )
         ax_a.set_yticks(range(len(sites)))
         ax_a.set_yticklabels(sites)
         _style(ax_a, f"{label}: routing accuracy (validation)", "round")
         ax_a.grid(False)
         for s in sites:
-            pts = [(int(e["round"]), float(e["selector_loss"][s])) for e in entries if (e.get("selector_loss") or {}).get(s) is not None]
+            pts = [
+                (int(e["round"]), float(e["selector_loss"][s]))
+                for e in entries
+                if (e.get("selector_loss") or {}).get(s) is not None
+            ]
             if pts:
                 ax_l.plot(*zip(*pts), color=colors[s], lw=1.4, label=s)
         _style(ax_l, f"{label}: selector training loss", "round", "cross-entropy")
@@ -261,7 +276,9 @@ def fedsm_history_figure(histories: Mapping[str, Sequence[Mapping[str, Any]]]) -
     return to_png(fig)
 
 
-def dice_distributions(data: Mapping[str, Mapping[str, Sequence[float]]], labels: Sequence[str], colors: Mapping[str, Any] | None = None) -> bytes:
+def dice_distributions(
+    data: Mapping[str, Mapping[str, Sequence[float]]], labels: Sequence[str], colors: Mapping[str, Any] | None = None
+) -> bytes:
     """Per-case test Dice, one panel per site: a box (quartiles, whiskers 1.5 IQR) and every case as a dot, per method.
 
     ``data``: ``{site: {label: [per-case Dice]}}``; dots are spread evenly across the
@@ -277,8 +294,16 @@ def dice_distributions(data: Mapping[str, Mapping[str, Sequence[float]]], labels
             if not vals:
                 continue
             seen += vals
-            ax.boxplot([vals], positions=[i], widths=0.6, showfliers=False, medianprops={"color": "black"},
-                       boxprops={"color": colors[label]}, whiskerprops={"color": colors[label]}, capprops={"color": colors[label]})
+            ax.boxplot(
+                [vals],
+                positions=[i],
+                widths=0.6,
+                showfliers=False,
+                medianprops={"color": "black"},
+                boxprops={"color": colors[label]},
+                whiskerprops={"color": colors[label]},
+                capprops={"color": colors[label]},
+            )
             xs = np.linspace(i - 0.22, i + 0.22, len(vals)) if len(vals) > 1 else np.array([float(i)])
             ax.scatter(xs, vals, s=12, color=colors[label], alpha=0.8, zorder=3)
         ax.set_xticks(range(len(labels)))
@@ -288,7 +313,9 @@ def dice_distributions(data: Mapping[str, Mapping[str, Sequence[float]]], labels
     _shared_ylim(axes, seen, 0.0, 1.0)
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=colors[lab], marker="o", ls="", label=f"{j + 1}: {lab}") for j, lab in enumerate(labels)]
+    handles = [
+        Line2D([], [], color=colors[lab], marker="o", ls="", label=f"{j + 1}: {lab}") for j, lab in enumerate(labels)
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(labels), 4), fontsize=FONT)
     return to_png(fig)
 
@@ -312,7 +339,9 @@ def alpha_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
     return to_png(fig)
 
 
-def loss_surface_figure(surfaces: Mapping[str, Any], xlabel: str, ylabel: str, colors: Mapping[str, Any] | None = None) -> bytes:
+def loss_surface_figure(
+    surfaces: Mapping[str, Any], xlabel: str, ylabel: str, colors: Mapping[str, Any] | None = None
+) -> bytes:
     """One panel per method: the loss along each random direction against α (FedSM Fig. 4), shared y axis."""
     fig, axes = _grid(len(surfaces), ncols=3, w=4.0, h=3.0)
     lo = min(float(np.min(s.losses)) for s in surfaces.values())

@@ -42,12 +42,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 from fedseg.report import model_sections, sections
 from fedseg.report.markup import Doc, figure, markdown_html, note
 from fedseg.report.runs import DataCache, Run, RunModels, load_runs, variants_of
 
-__all__ = ["SECTIONS", "build_report", "markdown_html", "ReportOptions"]
+__all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
 
 #: Section ids and titles in page order: the results first, the bookkeeping last.
 SECTIONS = (
@@ -65,6 +65,7 @@ SECTIONS = (
     ("runs", "Runs"),
     ("config", "Configuration"),
 )
+
 
 # ------------------------------------------------------------------ options
 class ReportOptions:
@@ -87,9 +88,19 @@ class ReportOptions:
         Seed of the loss-surface directions, of t-SNE and of the headline's bootstrap intervals.
     """
 
-    def __init__(self, models: bool = True, loss_site: str | None = None, directions: int = 10, steps: int = 21,
-                 radius: float | None = None, normalize: str = "unit", loss_cases: int | None = 32, cases: int = 2,
-                 tsne_cases: int = 40, seed: int = 0):
+    def __init__(
+        self,
+        models: bool = True,
+        loss_site: str | None = None,
+        directions: int = 10,
+        steps: int = 21,
+        radius: float | None = None,
+        normalize: str = "unit",
+        loss_cases: int | None = 32,
+        cases: int = 2,
+        tsne_cases: int = 40,
+        seed: int = 0,
+    ):
         self.models = models
         self.loss_site = loss_site
         self.directions = directions
@@ -107,7 +118,9 @@ class ReportOptions:
         if self.directions < 1:
             raise ConfigError(f"report: --directions = {self.directions}; give at least 1 (FedSM Fig. 4 uses 10)")
         if self.steps < 3 or self.steps % 2 == 0:
-            raise ConfigError(f"report: --steps = {self.steps}; give an odd number >= 3 so that the trained model (α = 0) is on the grid")
+            raise ConfigError(
+                f"report: --steps = {self.steps}; give an odd number >= 3 so that the trained model (α = 0) is on the grid"
+            )
         if self.radius is not None and not self.radius > 0:
             raise ConfigError(f"report: --radius = {self.radius}; give a positive range")
         if self.normalize not in ("unit", "filter"):
@@ -146,7 +159,9 @@ def build_report(
     out = Path(html_path)
     base = out.parent
     doc = Doc(title or "fedseg report: " + ", ".join(dict.fromkeys(r.variant for r in runs)))
-    steps = ["tables", "curves"] + (["models", "loss surface", "t-SNE", "predictions"] if opts.models else []) + ["FedSM"]
+    steps = (
+        ["tables", "curves"] + (["models", "loss surface", "t-SNE", "predictions"] if opts.models else []) + ["FedSM"]
+    )
     bar = tqdm(steps, desc="report", unit="step", disable=not progress, leave=False)
     colors = sections.colors_of(runs)
     cache = DataCache(progress=progress)
@@ -159,10 +174,19 @@ def build_report(
             got["headline"] = sections.headline_section(runs, seed=opts.seed)
             got["table3"] = sections.table3_section(runs)
             dist, png = sections.distributions_section(runs)
-            got["distributions"] = (figure("fig-distributions", png, (
-                "Per-case test Dice of each method's reported model, one panel per site (seeds pooled): the box spans the "
-                "quartiles with the median as a black line, whiskers reach 1.5 × IQR, each dot is one test case. "
-                "All panels share one y-range.")) if png is not None else "") + dist
+            got["distributions"] = (
+                figure(
+                    "fig-distributions",
+                    png,
+                    (
+                        "Per-case test Dice of each method's reported model, one panel per site (seeds pooled): the box spans the "
+                        "quartiles with the median as a black line, whiskers reach 1.5 × IQR, each dot is one test case. "
+                        "All panels share one y-range."
+                    ),
+                )
+                if png is not None
+                else ""
+            ) + dist
             got["table2"] = sections.table2_section(runs)
             got["table5"] = sections.table5_section(runs)
         elif step == "curves":
@@ -179,7 +203,9 @@ def build_report(
             if step == "loss surface":
                 got["loss-surface"] = "".join(note(n) for n in model_notes) or note("no models to load")
         elif step == "loss surface":
-            got["loss-surface"] = model_sections.loss_surface_section(models, opts, progress, colors) + "".join(note(n) for n in model_notes)
+            got["loss-surface"] = model_sections.loss_surface_section(models, opts, progress, colors) + "".join(
+                note(n) for n in model_notes
+            )
         elif step == "t-SNE":
             got["tsne"] = model_sections.tsne_section(models, opts)
         elif step == "predictions" and opts.cases > 0:
@@ -191,15 +217,19 @@ def build_report(
         if got.get(sec_id) is not None:
             doc.add(sec_id, sec_title, got[sec_id])
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    intro = (f"<p>Generated by <code>fedseg report</code> on {html.escape(stamp)} from {len(runs)} run(s) "
-             f"of {len(variants_of(runs))} method variant(s). Dice is between 0 (no overlap) and 1 (perfect overlap with "
-             "the reference segmentation).</p>")
+    intro = (
+        f"<p>Generated by <code>fedseg report</code> on {html.escape(stamp)} from {len(runs)} run(s) "
+        f"of {len(variants_of(runs))} method variant(s). Dice is between 0 (no overlap) and 1 (perfect overlap with "
+        "the reference segmentation).</p>"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc.render(intro), encoding="utf-8")
     return out
 
 
-def _routings(runs: Sequence[Run], models: Sequence[RunModels], cache: DataCache | None) -> tuple[dict[str, Any], dict[str, str]]:
+def _routings(
+    runs: Sequence[Run], models: Sequence[RunModels], cache: DataCache | None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """FedSM routing on test per run: from ``results["fedsm"]`` when recorded, else computed from the run's
     checkpoint (every seed; ``cache`` None = models off)."""
     from fedseg.report.numbers import is_fedsm
@@ -214,7 +244,9 @@ def _routings(runs: Sequence[Run], models: Sequence[RunModels], cache: DataCache
             routings[r.label] = r.results["fedsm"]
             continue
         if cache is None:
-            notes[r.label] = "routing on test is not in results.json; the report computes it from the checkpoints (leave out --no-models)"
+            notes[r.label] = (
+                "routing on test is not in results.json; the report computes it from the checkpoints (leave out --no-models)"
+            )
             continue
         try:
             m = opened.get(r.label) or RunModels.open(r, cache)

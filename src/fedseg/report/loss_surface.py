@@ -28,7 +28,7 @@ Directions (``normalize``):
   filter by its own length), which removes the scale invariance of normalized
   networks; r = 1 is the usual range.
 
-Every direction k is drawn from ``fedseg.seeding.generator(seed, "loss-surface", k)``
+Every direction k is drawn from ``fedseg.core.seeding.generator(seed, "loss-surface", k)``
 in parameter-name order, so the same seed gives the same directions for every model
 of one architecture (the methods are compared along the same directions).
 """
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.arrays import Arrays, flatten
-from fedseg.seeding import generator
+from fedseg.core.arrays import Arrays, flatten
+from fedseg.core.seeding import generator
 
 __all__ = ["LossSurface", "dataset_loss", "loss_surface", "perturbed", "random_directions", "trainable_arrays"]
 
@@ -77,7 +77,9 @@ def random_directions(params: Arrays, n: int = 10, seed: int = 0, normalize: str
         One ``{name: tensor}`` per direction, shaped like ``params`` (float64).
     """
     if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize = {normalize!r}; use 'unit' (‖d‖ = 1, the paper's wording) or 'filter' (Li et al. 2018)")
+        raise ValueError(
+            f"normalize = {normalize!r}; use 'unit' (‖d‖ = 1, the paper's wording) or 'filter' (Li et al. 2018)"
+        )
     if n < 1:
         raise ValueError(f"need at least one direction, got n = {n}")
     names = sorted(k for k, v in params.items() if v.is_floating_point())
@@ -116,7 +118,7 @@ def _set(model: nn.Module, arrays: Arrays) -> None:
 
 
 def _batches(dataset: Dataset, batch_size: int, max_cases: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from fedseg.site import batch_of, dataset_len
+    from fedseg.core.site import batch_of, dataset_len
 
     n = dataset_len(dataset)
     if max_cases is not None:

@@ -82,7 +82,11 @@ def table(head: Sequence[str], rows: Iterable[Sequence[Any]], cls: str | None = 
     """A ``<table>``; cells are escaped unless ``raw`` (cells already built with these helpers)."""
     cell = (lambda c: str(c)) if raw else (lambda c: html.escape(str(c)))
     attr = f' class="{html.escape(cls)}"' if cls else ""
-    t = [f"<table{attr}>", "<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in head) + "</tr></thead>", "<tbody>"]
+    t = [
+        f"<table{attr}>",
+        "<thead><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in head) + "</tr></thead>",
+        "<tbody>",
+    ]
     t += ["<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows]
     t.append("</tbody></table>")
     return "\n".join(t)
@@ -101,8 +105,10 @@ def para(text: str, cls: str | None = None) -> str:
 def figure(fig_id: str, png: bytes, caption: str) -> str:
     """A figure with the PNG inlined as base64 and its caption (also the image's alt text)."""
     data = base64.b64encode(png).decode("ascii")
-    return (f'<figure id="{html.escape(fig_id)}"><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return (
+        f'<figure id="{html.escape(fig_id)}"><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
 
 
 class Doc:
@@ -117,10 +123,20 @@ class Doc:
 
     def render(self, intro: str) -> str:
         nav = " ".join(f'<a href="#{html.escape(i)}">{html.escape(t)}</a>' for i, t, _ in self.sections)
-        parts = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-                 '<meta name="viewport" content="width=device-width, initial-scale=1">',
-                 f"<title>{html.escape(self.title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>",
-                 f"<h1>{html.escape(self.title)}</h1>", intro, f"<nav>{nav}</nav>"]
+        parts = [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            "<head>",
+            '<meta charset="utf-8">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{html.escape(self.title)}</title>",
+            f"<style>{CSS}</style>",
+            "</head>",
+            "<body>",
+            f"<h1>{html.escape(self.title)}</h1>",
+            intro,
+            f"<nav>{nav}</nav>",
+        ]
         for i, t, body in self.sections:
             parts.append(f'<section id="{html.escape(i)}">\n<h2>{html.escape(t)}</h2>\n{body}\n</section>')
         parts += ["</body>", "</html>"]

@@ -14,13 +14,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 from fedseg.report import figures
 from fedseg.report.markup import figure, note, table
 from fedseg.report.numbers import is_fedsm, model_short
 from fedseg.report.runs import DataCache, Run, RunModels
 
-__all__ = ["loss_surface_section", "open_models", "predictions_section", "routed_models", "routing_on_test", "tsne_section"]
+__all__ = [
+    "loss_surface_section",
+    "open_models",
+    "predictions_section",
+    "routed_models",
+    "routing_on_test",
+    "tsne_section",
+]
 
 
 def open_models(runs: Sequence[Run], cache: DataCache) -> tuple[list[RunModels], list[str]]:
@@ -63,7 +70,10 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
     radius = opts.radius
     if radius is None:
         if opts.normalize == "unit":
-            norms = [float(torch.cat([v.reshape(-1).double() for v in trainable_arrays(mod).values()]).norm()) for _, _, mod in chosen.values()]
+            norms = [
+                float(torch.cat([v.reshape(-1).double() for v in trainable_arrays(mod).values()]).norm())
+                for _, _, mod in chosen.values()
+            ]
             radius = float(np.mean(norms))
         else:
             radius = 1.0
@@ -73,21 +83,36 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
     for label, (m, name, mod) in chosen.items():
         colors[f"{label} ({name})"] = palette[label]
         surfaces[f"{label} ({name})"] = loss_surface(
-            mod, m.workload.loss, m.data[site].train, directions=opts.directions, radius=radius, steps=opts.steps,
-            seed=opts.seed, normalize=opts.normalize, max_cases=opts.loss_cases, batch_size=m.cfg.eval.batch_size,
-            forward=(lambda model, x, wl=m.workload: wl.predict(model, x)), progress=progress, desc=f"loss surface {label}",
+            mod,
+            m.workload.loss,
+            m.data[site].train,
+            directions=opts.directions,
+            radius=radius,
+            steps=opts.steps,
+            seed=opts.seed,
+            normalize=opts.normalize,
+            max_cases=opts.loss_cases,
+            batch_size=m.cfg.eval.batch_size,
+            forward=(lambda model, x, wl=m.workload: wl.predict(model, x)),
+            progress=progress,
+            desc=f"loss surface {label}",
         )
     n_cases = min(len(data[site].train), opts.loss_cases or len(data[site].train))
     what = "distance along a random unit direction" if opts.normalize == "unit" else "α (filter-normalized direction)"
     loss_name = models[0].cfg.train.loss
     png = figures.loss_surface_figure(surfaces, what, f"train loss ({loss_name})", colors)
-    caption = (f"1D loss surface (FedSM Fig. 4): training loss on {site}'s first {n_cases} training cases along "
-               f"{opts.directions} random {'unit' if opts.normalize == 'unit' else 'filter-normalized'} directions (seed {opts.seed}, "
-               f"the same directions for every method), α ∈ [−{radius:.3g}, {radius:.3g}]; the dot is the trained model. "
-               "Sharpness = mean over directions of (max loss on the grid − loss at the model); the table lists both per model.")
+    caption = (
+        f"1D loss surface (FedSM Fig. 4): training loss on {site}'s first {n_cases} training cases along "
+        f"{opts.directions} random {'unit' if opts.normalize == 'unit' else 'filter-normalized'} directions (seed {opts.seed}, "
+        f"the same directions for every method), α ∈ [−{radius:.3g}, {radius:.3g}]; the dot is the trained model. "
+        "Sharpness = mean over directions of (max loss on the grid − loss at the model); the table lists both per model."
+    )
     rows = [[label, f"{s.center:.4f}", f"{s.sharpness:.4f}"] for label, s in surfaces.items()]
-    return (figure("fig-loss-surface", png, caption) + table(["Model", f"train loss at the model ({site})", "sharpness"], rows)
-            + "".join(note(n) for n in notes))
+    return (
+        figure("fig-loss-surface", png, caption)
+        + table(["Model", f"train loss at the model ({site})", "sharpness"], rows)
+        + "".join(note(n) for n in notes)
+    )
 
 
 def tsne_section(models: Sequence[RunModels], opts: Any) -> str | None:
@@ -109,8 +134,10 @@ def tsne_section(models: Sequence[RunModels], opts: Any) -> str | None:
             continue
         png = figures.tsne_figure(pts, sites, m.run.variant)
         held = f" ({m.run.heldout} was not in training)" if m.run.heldout else ""
-        caption = (f"t-SNE of the FedSM model selector's pooled features (FedSM Fig. 3), {m.run.variant}: "
-                   f"up to {opts.tsne_cases} test images per site{held}, coloured by site (perplexity min(30, (N − 1)/3), seed {opts.seed}).")
+        caption = (
+            f"t-SNE of the FedSM model selector's pooled features (FedSM Fig. 3), {m.run.variant}: "
+            f"up to {opts.tsne_cases} test images per site{held}, coloured by site (perplexity min(30, (N − 1)/3), seed {opts.seed})."
+        )
         parts.append(figure(f"fig-tsne-{len(parts)}", png, caption))
     return '<div class="figrow">' + "\n".join(parts) + "</div>"
 
@@ -123,12 +150,16 @@ def _slice(arr: np.ndarray, spatial_dims: int, index: int | None) -> np.ndarray:
 def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) -> str:
     from tqdm.auto import tqdm
 
-    from fedseg.site import batch_of, dataset_len
+    from fedseg.core.site import batch_of, dataset_len
 
     data = models[0].data
     wl0 = models[0].workload
     same = [m for m in models if m.data is data]  # runs on the first run's federation (one figure, one set of cases)
-    notes = [f"{m.run.variant}: trained on another federation ({m.cfg.federation}); not shown" for m in models if m.data is not data]
+    notes = [
+        f"{m.run.variant}: trained on another federation ({m.cfg.federation}); not shown"
+        for m in models
+        if m.data is not data
+    ]
     models = same
     labels = [m.run.variant for m in models]
     rows = []
@@ -153,20 +184,35 @@ def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) 
                 logits = got[1](x.to(m.site(s).dtype))
                 dice = m.workload.metric(logits, y).double().mean(dim=1)
                 routed = routed_models(m, x.to(m.site(s).dtype)) or [""] * n
-                outs[m.run.variant] = ((torch.sigmoid(logits.float()) > m.cfg.eval.threshold).numpy(), dice.numpy(), routed)
+                outs[m.run.variant] = (
+                    (torch.sigmoid(logits.float()) > m.cfg.eval.threshold).numpy(),
+                    dice.numpy(),
+                    routed,
+                )
         for i in range(n):
             lab = y[i].numpy()
             idx = None
             if wl0.spatial_dims == 3:
                 idx = int(lab.reshape(lab.shape[0], lab.shape[1], -1).sum(axis=(0, 2)).argmax())
-            rows.append({"site": s, "case": i, "image": _slice(x[i].numpy(), wl0.spatial_dims, idx), "label": _slice(lab, wl0.spatial_dims, idx),
-                         "preds": {k: (_slice(v[0][i], wl0.spatial_dims, idx), float(v[1][i]), v[2][i]) for k, v in outs.items()}})
+            rows.append(
+                {
+                    "site": s,
+                    "case": i,
+                    "image": _slice(x[i].numpy(), wl0.spatial_dims, idx),
+                    "label": _slice(lab, wl0.spatial_dims, idx),
+                    "preds": {
+                        k: (_slice(v[0][i], wl0.spatial_dims, idx), float(v[1][i]), v[2][i]) for k, v in outs.items()
+                    },
+                }
+            )
     if not rows:
         return note("no test cases to show")
     png = figures.predictions_figure(rows, labels, list(wl0.metric_names))
-    caption = (f"Sample predictions: the first {opts.cases} test case(s) of every site. First column: the image with the "
-               "ground truth filled; then each method's reported model: its prediction filled over the image, the ground "
-               "truth as a line, the case's Dice, and for FedSM the model the selector sent the image to (→ GM / → PM site).")
+    caption = (
+        f"Sample predictions: the first {opts.cases} test case(s) of every site. First column: the image with the "
+        "ground truth filled; then each method's reported model: its prediction filled over the image, the ground "
+        "truth as a line, the case's Dice, and for FedSM the model the selector sent the image to (→ GM / → PM site)."
+    )
     return figure("fig-predictions", png, caption) + "".join(note(n) for n in notes)
 
 
@@ -177,12 +223,12 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
     Runs the algorithm's own ``"route"`` site handler (the code the deployed sites
     run) with the composite's arrays and the γ it was saved with, so the numbers are
     those of the composite the results report.  Same shape as
-    :func:`fedseg.fedsm_experiments.routing_report`: ``{"gamma", "mode", "models",
+    :func:`fedseg.studies.fedsm.routing_report`: ``{"gamma", "mode", "models",
     "per_site": {site: {"n", "routing_acc", "selection" {model: share}, "dice",
     "dice_per_model" {model: Dice}}}}``.  None if the run has no composite.
     ``gamma`` overrides the saved γ (γ-gated composites only).
     """
-    from fedseg.site import Task
+    from fedseg.core.messages import Task
 
     meta = m.meta.get("fedsm")
     if meta is None or not is_fedsm(m.run.method):
@@ -195,7 +241,11 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
     arrays = m.arrays("fedsm")
     per_site: dict[str, Any] = {}
     for s in m.data:
-        task_cfg = {**config, "split": "testing", "gammas": [float(gamma)] if mode == "gate" and gamma is not None else []}
+        task_cfg = {
+            **config,
+            "split": "testing",
+            "gammas": [float(gamma)] if mode == "gate" and gamma is not None else [],
+        }
         got = handler(m.site(s), Task("route", arrays, task_cfg)).metrics
         n = got["n"]
         sel = got["selections"][0]

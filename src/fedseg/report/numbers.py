@@ -17,7 +17,16 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["best_round", "fedsm_findings", "fedsm_summary", "headline", "is_fedsm", "method_cases", "model_short", "reference_variant"]
+__all__ = [
+    "best_round",
+    "fedsm_findings",
+    "fedsm_summary",
+    "headline",
+    "is_fedsm",
+    "method_cases",
+    "model_short",
+    "reference_variant",
+]
 
 
 def _primary(method: str) -> str | None:
@@ -70,7 +79,9 @@ def reference_variant(variants: Mapping[str, Sequence[Mapping[str, Any]]], metho
     return (plain or of_method or [None])[0]
 
 
-def _delta(runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]], key: str, boot: int, seed: int) -> dict[str, Any]:
+def _delta(
+    runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]], key: str, boot: int, seed: int
+) -> dict[str, Any]:
     """Difference ``key`` (client_avg_dice / global_dice) of a variant to a reference variant, with its uncertainty."""
     from fedseg.evaluation.stats import bootstrap_ci
 
@@ -90,7 +101,9 @@ def _delta(runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]],
     return {"value": _mean_sd([r[key] for r in runs])[0] - _mean_sd([r[key] for r in refs])[0]}
 
 
-def headline(variants: Mapping[str, Sequence[Mapping[str, Any]]], boot: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+def headline(
+    variants: Mapping[str, Sequence[Mapping[str, Any]]], boot: int = 2000, seed: int = 0
+) -> list[dict[str, Any]]:
     """One row per variant: Client Avg / Global Dice with uncertainty, Δ to FedAvg and centralized, cases, best round.
 
     Parameters
@@ -112,7 +125,11 @@ def headline(variants: Mapping[str, Sequence[Mapping[str, Any]]], boot: int = 20
     refs = {"FedAvg": reference_variant(variants, "fedavg"), "centralized": reference_variant(variants, "centralized")}
     rows = []
     for label, runs in variants.items():
-        row: dict[str, Any] = {"label": label, "method": runs[0]["method"], "seeds": sorted({r.get("seed") for r in runs}, key=str)}
+        row: dict[str, Any] = {
+            "label": label,
+            "method": runs[0]["method"],
+            "seeds": sorted({r.get("seed") for r in runs}, key=str),
+        }
         for key, name in (("client_avg_dice", "client_avg"), ("global_dice", "global")):
             m, sd = _mean_sd([r[key] for r in runs])
             row[name] = {"value": m, "sd": sd}
@@ -125,8 +142,10 @@ def headline(variants: Mapping[str, Sequence[Mapping[str, Any]]], boot: int = 20
         for ref_name, ref in refs.items():
             if ref is None or ref == label:
                 continue
-            row["delta"][ref_name] = {name: _delta(runs, variants[ref], key, boot, seed)
-                                      for key, name in (("client_avg_dice", "client_avg"), ("global_dice", "global"))}
+            row["delta"][ref_name] = {
+                name: _delta(runs, variants[ref], key, boot, seed)
+                for key, name in (("client_avg_dice", "client_avg"), ("global_dice", "global"))
+            }
         rounds = sorted({best_round(r) for r in runs})
         row["best_round"] = ", ".join(rounds)
         rows.append(row)
@@ -162,7 +181,9 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
     candidate is at its own best round.
     """
     rows = {r["name"]: r for r in results.get("rows", [])}
-    routing = routing if routing is not None else results.get("fedsm") if isinstance(results.get("fedsm"), dict) else None
+    routing = (
+        routing if routing is not None else results.get("fedsm") if isinstance(results.get("fedsm"), dict) else None
+    )
     sites = list(results["sites"])
     if routing is not None and routing.get("models"):
         models = list(routing["models"])
@@ -185,8 +206,15 @@ def fedsm_summary(results: Mapping[str, Any], routing: Mapping[str, Any] | None 
         per = routing["per_site"]
         selection = {s: dict(per[s].get("selection") or {}) for s in per}
         routing_acc = {s: per[s].get("routing_acc") for s in per}
-    return {"sites": sites, "models": models, "dice": dice, "selection": selection, "routing_acc": routing_acc, "inside": inside,
-            "mode": (routing or {}).get("mode", "gate")}
+    return {
+        "sites": sites,
+        "models": models,
+        "dice": dice,
+        "selection": selection,
+        "routing_acc": routing_acc,
+        "inside": inside,
+        "mode": (routing or {}).get("mode", "gate"),
+    }
 
 
 def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
@@ -200,7 +228,9 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
     """
     out = []
     sel_all = summary.get("selection") or {}
-    mix = summary.get("mode") == "mix"  # the ensemble: every model contributes; the selection is the selector's top choice
+    mix = (
+        summary.get("mode") == "mix"
+    )  # the ensemble: every model contributes; the selection is the selector's top choice
     went = "the selector's top choice for its images was" if mix else "its images went"
     fed_sel = {s: sel_all[s] for s in summary["sites"] if sel_all.get(s)}
     if fed_sel and not mix:
@@ -209,11 +239,15 @@ def fedsm_findings(summary: Mapping[str, Any], tol: float = 0.005) -> list[str]:
             m = tops.pop()
             if all((sel.get(m) or 0.0) >= 0.999 for sel in fed_sel.values()):
                 if m == "global":
-                    out.append("Every test image of every site went to the global model (the selector's top probability "
-                               "never passed γ), so the composite is its global model on every site.")
+                    out.append(
+                        "Every test image of every site went to the global model (the selector's top probability "
+                        "never passed γ), so the composite is its global model on every site."
+                    )
                 else:
-                    out.append(f"Every test image of every site went to {model_short(m)}, so the composite is that one "
-                               "model on every site.")
+                    out.append(
+                        f"Every test image of every site went to {model_short(m)}, so the composite is that one "
+                        "model on every site."
+                    )
     for s in summary["sites"]:
         d = summary["dice"][s]
         comp, gm = d.get("fedsm"), d.get("global")

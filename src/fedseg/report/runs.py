@@ -6,7 +6,7 @@ prefixed by its name: ``global/…``, ``local/site1/…``, FedSM's composite
 ``fedsm/global/…``, ``fedsm/selector/…``, ``fedsm/personal/<site>/…``).  The model
 sections of a report (loss surface, t-SNE, sample predictions) rebuild the models
 from those arrays and the data from the run's federation spec, as
-:func:`fedseg.experiments.evaluate_run` does.
+:func:`fedseg.studies.compare.evaluate_run` does.
 """
 
 from __future__ import annotations
@@ -20,11 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedseg.arrays import Arrays, strip_prefix
-from fedseg.errors import ConfigError
+from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.errors import ConfigError
 
-__all__ = ["DataCache", "Run", "RunModels", "find_run_dirs", "given_settings", "load_runs", "method_settings", "primary_of", "run_label",
-           "sites_of", "variant_labels", "variants_of"]
+__all__ = [
+    "DataCache",
+    "Run",
+    "RunModels",
+    "find_run_dirs",
+    "given_settings",
+    "load_runs",
+    "method_settings",
+    "primary_of",
+    "run_label",
+    "sites_of",
+    "variant_labels",
+    "variants_of",
+]
 
 
 @dataclass
@@ -65,17 +77,30 @@ def find_run_dirs(paths: Iterable[str | Path], max_depth: int = 3) -> list[Path]
         elif p.is_file() and p.name == "results.json":
             found = [p.parent]
         elif p.is_dir():
-            found = sorted({f.parent for d in range(1, max_depth + 1) for f in p.glob("/".join(["*"] * d) + "/results.json")})
+            found = sorted(
+                {f.parent for d in range(1, max_depth + 1) for f in p.glob("/".join(["*"] * d) + "/results.json")}
+            )
         else:
             raise ConfigError(f"{p} does not exist; give the output folder of a finished run (it holds results.json)")
         if not found:
-            raise ConfigError(f"{p} holds no results.json (also not in its subfolders); give the output folder of a finished fedseg run")
+            raise ConfigError(
+                f"{p} holds no results.json (also not in its subfolders); give the output folder of a finished fedseg run"
+            )
         out += [f for f in found if f not in out]
     return out
 
 
-_NAMES = {"fedsm": "FedSM", "fedsm-extra": "FedSM-extra", "fedsm-ensemble": "FedSM-ensemble", "scaffold": "Scaffold",
-          "ditto": "Ditto", "apfl": "APFL", "perfedavg": "Per-FedAvg", "pfedme": "pFedMe", "ft": "FT"}
+_NAMES = {
+    "fedsm": "FedSM",
+    "fedsm-extra": "FedSM-extra",
+    "fedsm-ensemble": "FedSM-ensemble",
+    "scaffold": "Scaffold",
+    "ditto": "Ditto",
+    "apfl": "APFL",
+    "perfedavg": "Per-FedAvg",
+    "pfedme": "pFedMe",
+    "ft": "FT",
+}
 
 
 def run_label(results: dict[str, Any]) -> str:
@@ -144,10 +169,18 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
         try:
             results = json.loads((d / "results.json").read_text())
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{d / 'results.json'} is not valid JSON ({e}); was the run interrupted while writing?") from None
-        missing = [k for k in ("method", "sites", "per_site_dice", "client_avg_dice", "global_dice", "history") if k not in results]
+            raise ConfigError(
+                f"{d / 'results.json'} is not valid JSON ({e}); was the run interrupted while writing?"
+            ) from None
+        missing = [
+            k
+            for k in ("method", "sites", "per_site_dice", "client_avg_dice", "global_dice", "history")
+            if k not in results
+        ]
         if missing:
-            raise ConfigError(f"{d / 'results.json'} lacks {missing}; it is not a fedseg results file (docs/results-format.md)")
+            raise ConfigError(
+                f"{d / 'results.json'} lacks {missing}; it is not a fedseg results file (docs/results-format.md)"
+            )
         runs.append(Run(d, results))
     for r, v in zip(runs, variant_labels([r.results for r in runs])):
         r.variant = r.label = v
@@ -179,7 +212,7 @@ def method_settings(run: Run) -> dict[str, Any]:
     import dataclasses
 
     from fedseg.algorithms import get_algorithm, known_sections
-    from fedseg.config import load_run_config
+    from fedseg.core.config import load_run_config
 
     try:
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
@@ -205,7 +238,7 @@ class DataCache:
         self._cache: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def get(self, federation: str | Path) -> tuple[Any, dict[str, Any]]:
-        from fedseg.runner import load_federation_data
+        from fedseg.simulation.runner import load_federation_data
 
         key = str(Path(federation).resolve())
         if key not in self._cache:
@@ -234,17 +267,27 @@ class RunModels:
         from safetensors.torch import load_file
 
         from fedseg.algorithms import get_algorithm, known_sections
-        from fedseg.config import load_run_config
-        from fedseg.workload import segmentation_workload
+        from fedseg.core.config import load_run_config
+        from fedseg.core.workload import segmentation_workload
 
         ckpt = run.path / "checkpoints"
         if not (ckpt / "best.json").is_file() or not (ckpt / "best.safetensors").is_file():
-            raise ConfigError(f"{run.path} has no checkpoints/best.json + best.safetensors (the best models of a finished run)")
+            raise ConfigError(
+                f"{run.path} has no checkpoints/best.json + best.safetensors (the best models of a finished run)"
+            )
         if not (run.path / "config.toml").is_file():
             raise ConfigError(f"{run.path} has no config.toml")
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         fed, data = cache.get(cfg.federation)
-        workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+        workload = segmentation_workload(
+            fed.spatial_dims,
+            fed.in_channels,
+            list(fed.labels),
+            cfg.model,
+            cfg.train,
+            cfg.eval.threshold,
+            empty_dice=cfg.eval.empty_dice,
+        )
         meta = json.loads((ckpt / "best.json").read_text())
         return cls(run, cfg, fed, data, workload, get_algorithm(cfg), load_file(str(ckpt / "best.safetensors")), meta)
 
@@ -297,8 +340,8 @@ class RunModels:
 
     # ----------------------------------------------------------- prediction
     def site(self, name: str):
-        """A :class:`fedseg.site.Site` holding ``name``'s data (to run the algorithm's predictors)."""
-        from fedseg.site import Site
+        """A :class:`fedseg.core.site.Site` holding ``name``'s data (to run the algorithm's predictors)."""
+        from fedseg.core.site import Site
 
         if name not in self._sites:
             index = list(self.data).index(name)

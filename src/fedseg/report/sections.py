@@ -17,7 +17,16 @@ from typing import Any
 
 from fedseg.report import figures
 from fedseg.report.markup import figure, markdown_html, note, para, table
-from fedseg.report.numbers import best_round, fedsm_findings, fedsm_summary, headline, is_fedsm, method_cases, model_short, reference_variant
+from fedseg.report.numbers import (
+    best_round,
+    fedsm_findings,
+    fedsm_summary,
+    headline,
+    is_fedsm,
+    method_cases,
+    model_short,
+    reference_variant,
+)
 from fedseg.report.runs import Run, method_settings, primary_of, sites_of, variants_of
 
 __all__ = [
@@ -91,10 +100,19 @@ def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     body = []
     for r in rows:
         name = r["label"] + (f" ({len(variants[r['label']][0]['sites'])} sites)" if r["label"] in off else "")
-        cells = [html.escape(name), html.escape(", ".join(str(s) for s in r["seeds"])), _value(r["client_avg"]), _value(r["global"])]
+        cells = [
+            html.escape(name),
+            html.escape(", ".join(str(s) for s in r["seeds"])),
+            _value(r["client_avg"]),
+            _value(r["global"]),
+        ]
         for ref in refs:
             d = r["delta"].get(ref)
-            cells += ["(reference)", "(reference)"] if d is None else [_value(d["client_avg"], True), _value(d["global"], True)]
+            cells += (
+                ["(reference)", "(reference)"]
+                if d is None
+                else [_value(d["client_avg"], True), _value(d["global"], True)]
+            )
         cells.append(html.escape(r["best_round"]))
         body.append(cells)
     multi = any(len(r["seeds"]) > 1 for r in rows)
@@ -103,17 +121,33 @@ def headline_section(runs: Sequence[Run], seed: int = 0) -> str:
     if multi:
         how.append("With several seeds: mean ± sd over seeds (Δ: over the seeds both methods ran)")
     if single:
-        how.append(f"With one seed: the run's value [95 % bootstrap interval over its test cases, resampled within each site, "
-                   f"2000 resamples, seed {seed}] (Δ: paired bootstrap over the same cases)")
-    best = max((r for r in rows if r["label"] not in off and not math.isnan(r["client_avg"]["value"])), key=lambda r: r["client_avg"]["value"], default=None)
+        how.append(
+            f"With one seed: the run's value [95 % bootstrap interval over its test cases, resampled within each site, "
+            f"2000 resamples, seed {seed}] (Δ: paired bootstrap over the same cases)"
+        )
+    best = max(
+        (r for r in rows if r["label"] not in off and not math.isnan(r["client_avg"]["value"])),
+        key=lambda r: r["client_avg"]["value"],
+        default=None,
+    )
     parts = []
     if best is not None:
-        parts.append(para(f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f}). Rows are sorted by Client Avg Dice"
-                          + ("; runs on other sites (their number in brackets) come last." if off else ".")))
+        parts.append(
+            para(
+                f"Highest Client Avg Dice: {best['label']} ({best['client_avg']['value']:.4f}). Rows are sorted by Client Avg Dice"
+                + ("; runs on other sites (their number in brackets) come last." if off else ".")
+            )
+        )
     parts.append(table(head, body, cls="headline", raw=True))
-    parts.append(para("Client Avg Dice = mean over sites of each site's mean test Dice; Global Dice = mean over all "
-                      "test cases pooled. Each method is shown by its reported model at its best validation round. "
-                      + ". ".join(how) + ". Δ is left out (–) between runs on different sites.", "small"))
+    parts.append(
+        para(
+            "Client Avg Dice = mean over sites of each site's mean test Dice; Global Dice = mean over all "
+            "test cases pooled. Each method is shown by its reported model at its best validation round. "
+            + ". ".join(how)
+            + ". Δ is left out (–) between runs on different sites.",
+            "small",
+        )
+    )
     sites = sites_of(runs)
     counts: dict[str, int | None] = {}
     for s in sites:
@@ -135,8 +169,10 @@ def _docs(runs: Sequence[Run]) -> list[dict[str, Any]]:
 def table3_section(runs: Sequence[Run]) -> str:
     from fedseg.evaluation.tables import table3
 
-    intro = para("Test Dice of each method's reported model (best validation round) on every site's test set. "
-                 "For local training, one row per site's model tested on every site.")
+    intro = para(
+        "Test Dice of each method's reported model (best validation round) on every site's test set. "
+        "For local training, one row per site's model tested on every site."
+    )
     return intro + markdown_html(table3(_docs(runs), sites_of(runs)))
 
 
@@ -154,15 +190,22 @@ def table2_section(runs: Sequence[Run]) -> str | None:
         return note("Table 2 needs fedseg.evaluation.stats, which this installation lacks.")
     sites = runs[[r.method for r in runs].index("fedavg")].results["sites"]
     base = reference_variant({r.variant: [r.results] for r in runs}, "fedavg")
-    chosen = [d for d in _docs(runs) if d["method"] in _TABLE2_METHODS and d["sites"] == sites
-              and (d["method"] == "local" or "global" in (d.get("per_case_dice") or {}))]
+    chosen = [
+        d
+        for d in _docs(runs)
+        if d["method"] in _TABLE2_METHODS
+        and d["sites"] == sites
+        and (d["method"] == "local" or "global" in (d.get("per_case_dice") or {}))
+    ]
     try:
         md = table2(chosen, baseline=base or "FedAvg")
     except Exception as e:  # a run without the paired per-case scores
         return note(f"Table 2 could not be built: {e}")
-    intro = para("Auto-FedAvg Table 2 layout (Dice in %): the global model on each site and its mean (global test avg); "
-                 "local avg / local gen = mean of the best local models on their own / on the other sites. "
-                 "† marks a significant gain over FedAvg (two-sided Wilcoxon signed-rank test of per-case Dice, p < 0.05).")
+    intro = para(
+        "Auto-FedAvg Table 2 layout (Dice in %): the global model on each site and its mean (global test avg); "
+        "local avg / local gen = mean of the best local models on their own / on the other sites. "
+        "† marks a significant gain over FedAvg (two-sided Wilcoxon signed-rank test of per-case Dice, p < 0.05)."
+    )
     return intro + markdown_html(md)
 
 
@@ -170,7 +213,7 @@ def table5_section(runs: Sequence[Run]) -> str | None:
     held = [r for r in runs if r.heldout]
     if not held:
         return None
-    from fedseg.fedsm_experiments import table5
+    from fedseg.studies.fedsm import table5
 
     rows, notes = [], []
     for r in held:
@@ -179,13 +222,19 @@ def table5_section(runs: Sequence[Run]) -> str | None:
         dbg = {float(g): d for g, d in (per.get("dice_by_gamma") or {}).items() if d is not None}
         sel0 = (per.get("selection_by_gamma") or {}).get(str(0.0))
         if not dbg or sel0 is None or 0.0 not in dbg:
-            notes.append(f"{r.label}: no selection frequencies at γ = 0 (run it with 0 in fedsm.gamma_grid, as `fedseg fedsm unseen` does)")
+            notes.append(
+                f"{r.label}: no selection frequencies at γ = 0 (run it with 0 in fedsm.gamma_grid, as `fedseg fedsm unseen` does)"
+            )
             continue
         best_g = max(sorted(dbg), key=lambda g: dbg[g])
-        rows.append({"site": k, "selection_at_0": sel0, "dice_at_0": dbg[0.0], "best_gamma": best_g, "best_dice": dbg[best_g]})
+        rows.append(
+            {"site": k, "selection_at_0": sel0, "dice_at_0": dbg[0.0], "best_gamma": best_g, "best_dice": dbg[best_g]}
+        )
     sites = sites_of(runs)
     sites += [r.heldout for r in held if r.heldout not in sites]
-    body = para("FedSM Table 5 layout: the federation trains without site k; the selector routes the unseen site's test images.")
+    body = para(
+        "FedSM Table 5 layout: the federation trains without site k; the selector routes the unseen site's test images."
+    )
     if rows:
         body += markdown_html(table5(rows, sites))
     body += "".join(note(n) for n in notes)
@@ -240,9 +289,13 @@ def distributions_section(runs: Sequence[Run]) -> tuple[str, bytes | None]:
             cells.append(f"{t['mean_diff']:+.3f} (p={t['pvalue']:.2g}, n={t['n']})")
         rows.append(cells)
     if rows:
-        parts.append(para(f"Paired comparison with {ref}: mean difference of per-case Dice (method − {ref}), "
-                          "two-sided Wilcoxon signed-rank p-value and number of paired cases, per site and over all "
-                          "sites' cases; seeds paired by seed and pooled. With few cases per site a p-value cannot be small."))
+        parts.append(
+            para(
+                f"Paired comparison with {ref}: mean difference of per-case Dice (method − {ref}), "
+                "two-sided Wilcoxon signed-rank p-value and number of paired cases, per site and over all "
+                "sites' cases; seeds paired by seed and pooled. With few cases per site a p-value cannot be small."
+            )
+        )
         parts.append(table(["Method", *sites, "all sites"], rows))
     return "\n".join(parts), png
 
@@ -281,15 +334,25 @@ def curves_section(runs: Sequence[Run]) -> str:
             else:
                 curves[r.label] = per_site
                 best[r.label] = _best_rounds(r)
-        pts = [(int(e["round"]), sum(e["train_loss"].values()) / len(e["train_loss"])) for e in hist
-               if isinstance(e.get("train_loss"), dict) and e["train_loss"] and all(isinstance(v, (int, float)) for v in e["train_loss"].values())]
+        pts = [
+            (int(e["round"]), sum(e["train_loss"].values()) / len(e["train_loss"]))
+            for e in hist
+            if isinstance(e.get("train_loss"), dict)
+            and e["train_loss"]
+            and all(isinstance(v, (int, float)) for v in e["train_loss"].values())
+        ]
         if pts:
             loss[r.label] = ([p[0] for p in pts], [p[1] for p in pts])
         cum, rounds, vals = 0.0, [], []
         for e in hist:
             b = e.get("bytes")
             if isinstance(b, dict):
-                cum += sum(float(x.get("sent", 0)) + float(x.get("received", 0)) for x in b.values() if isinstance(x, dict)) / 1e6
+                cum += (
+                    sum(
+                        float(x.get("sent", 0)) + float(x.get("received", 0)) for x in b.values() if isinstance(x, dict)
+                    )
+                    / 1e6
+                )
                 rounds.append(int(e["round"]))
                 vals.append(cum)
         if rounds and cum > 0:
@@ -297,18 +360,32 @@ def curves_section(runs: Sequence[Run]) -> str:
     parts = []
     if curves or upper:
         png = figures.training_curves(curves, sites, upper, colors, best)
-        parts.append(figure("fig-curves", png, (
-            "Validation Dice per site against rounds, as measured at each validation round, for each method's reported model "
-            "(the global model, FedSM's composite, or the site's own model for local and personalized methods). "
-            "The circle marks the round whose model the results report (best validation score); centralized training is "
-            "the dashed line at its best validation Dice. All panels share one y-range.")))
+        parts.append(
+            figure(
+                "fig-curves",
+                png,
+                (
+                    "Validation Dice per site against rounds, as measured at each validation round, for each method's reported model "
+                    "(the global model, FedSM's composite, or the site's own model for local and personalized methods). "
+                    "The circle marks the round whose model the results report (best validation score); centralized training is "
+                    "the dashed line at its best validation Dice. All panels share one y-range."
+                ),
+            )
+        )
     else:
         parts.append(note("no validation Dice in the runs' histories (eval.every larger than the rounds?)"))
     if loss or traffic:
         png = figures.history_figure(loss, traffic, colors)
-        parts.append(figure("fig-history", png, (
-            "Left: training loss per round, mean over sites of each site's mean local training loss (for FedSM the global "
-            "model's loss). Right: cumulative tensor traffic of training (sent + received by all sites), in MB.")))
+        parts.append(
+            figure(
+                "fig-history",
+                png,
+                (
+                    "Left: training loss per round, mean over sites of each site's mean local training loss (for FedSM the global "
+                    "model's loss). Right: cumulative tensor traffic of training (sent + received by all sites), in MB."
+                ),
+            )
+        )
     return "\n".join(parts)
 
 
@@ -316,9 +393,12 @@ def alpha_section(runs: Sequence[Run]) -> str | None:
     hist = {r.label: r.results["history"] for r in runs if any(e.get("alpha") for e in r.results.get("history", []))}
     if not hist:
         return None
-    return figure("fig-alpha", figures.alpha_figure(hist),
-                  "Auto-FedAvg's aggregation weight α of each site per round (Auto-FedAvg Fig. 3a); grey lines mark rounds "
-                  "in which α was learned. Equal weights would be 1/K each.")
+    return figure(
+        "fig-alpha",
+        figures.alpha_figure(hist),
+        "Auto-FedAvg's aggregation weight α of each site per round (Auto-FedAvg Fig. 3a); grey lines mark rounds "
+        "in which α was learned. Equal weights would be 1/K each.",
+    )
 
 
 # ------------------------------------------------------------------ FedSM
@@ -327,7 +407,9 @@ def gamma_of(run: Run, routing: Mapping[str, Any] | None) -> tuple[Any, Any]:
     default when not given) and the value in its routing report or ``checkpoints/best.json``."""
     import json
 
-    setting = method_settings(run).get("gamma", (run.results.get("config") or {}).get("fedsm", {}).get("gamma", "default"))
+    setting = method_settings(run).get(
+        "gamma", (run.results.get("config") or {}).get("fedsm", {}).get("gamma", "default")
+    )
     used = (routing or {}).get("gamma")
     if used is None:
         try:
@@ -337,7 +419,9 @@ def gamma_of(run: Run, routing: Mapping[str, Any] | None) -> tuple[Any, Any]:
     return setting, used
 
 
-def fedsm_section(runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] | None], notes: Mapping[str, str] | None = None) -> str | None:
+def fedsm_section(
+    runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] | None], notes: Mapping[str, str] | None = None
+) -> str | None:
     """Every FedSM-family run: selector curves, γ, composite vs global vs personalized models, routing matrix, findings.
 
     ``routings``: ``{run label: routing report on test}`` (``results["fedsm"]``, or computed
@@ -348,51 +432,91 @@ def fedsm_section(runs: Sequence[Run], routings: Mapping[str, Mapping[str, Any] 
     if not fs:
         return None
     notes = notes or {}
-    parts = [para("FedSM routes each test image through its model selector: to a site's personalized model (PM) when the "
-                  "selector's top probability exceeds γ, otherwise to the global model (GM) (FedSM Alg. 2; FedSM-extra takes "
-                  "the argmax over GM and PMs, the ensemble mixes all models by the selector's probabilities).")]
-    hist = {r.label: r.results.get("history", []) for r in fs
-            if any(e.get("routing_acc") or e.get("selector_loss") for e in r.results.get("history", []))}
+    parts = [
+        para(
+            "FedSM routes each test image through its model selector: to a site's personalized model (PM) when the "
+            "selector's top probability exceeds γ, otherwise to the global model (GM) (FedSM Alg. 2; FedSM-extra takes "
+            "the argmax over GM and PMs, the ensemble mixes all models by the selector's probabilities)."
+        )
+    ]
+    hist = {
+        r.label: r.results.get("history", [])
+        for r in fs
+        if any(e.get("routing_acc") or e.get("selector_loss") for e in r.results.get("history", []))
+    }
     if hist:
-        parts.append(figure("fig-fedsm-history", figures.fedsm_history_figure(hist), (
-            "Model selector during training, per site: routing accuracy (share of the site's validation images the selector, "
-            "as received at the start of the round, assigns to that site) and the selector's training loss, against rounds.")))
+        parts.append(
+            figure(
+                "fig-fedsm-history",
+                figures.fedsm_history_figure(hist),
+                (
+                    "Model selector during training, per site: routing accuracy (share of the site's validation images the selector, "
+                    "as received at the start of the round, assigns to that site) and the selector's training loss, against rounds."
+                ),
+            )
+        )
     for r in fs:
         routing = routings.get(r.label)
         summ = fedsm_summary(r.results, routing)
         setting, used = gamma_of(r, routing)
         mode = (routing or {}).get("mode")
         parts.append(f"<h3>{html.escape(r.label)}</h3>")
-        gtxt = f"γ setting: {setting}; γ used at test: {used if not isinstance(used, float) else f'{used:g}'}" if mode in (None, "gate") else f"selection mode: {mode} (γ not used)"
+        gtxt = (
+            f"γ setting: {setting}; γ used at test: {used if not isinstance(used, float) else f'{used:g}'}"
+            if mode in (None, "gate")
+            else f"selection mode: {mode} (γ not used)"
+        )
         parts.append(para(f"{gtxt}; reported model from round {best_round(r.results)}."))
         models = summ["models"]
         head = ["Site", "test cases", "composite", *[model_short(m) for m in models]]
         rows = []
         for s in summ["sites"]:
             d = summ["dice"][s]
-            rows.append([s, fmt(r.results.get("num_cases", {}).get(s)), fmt(d.get("fedsm")), *[fmt(d.get(m)) for m in models]])
+            rows.append(
+                [s, fmt(r.results.get("num_cases", {}).get(s)), fmt(d.get("fedsm")), *[fmt(d.get(m)) for m in models]]
+            )
         if summ["inside"]:
             parts.append(para("Test Dice per site of the composite (the reported model) and of each model inside it."))
         else:
-            parts.append(para("Test Dice per site of the composite (the reported model), and of the global and personalized "
-                              "models from the results rows: each at its own best validation round, which need not be the "
-                              "composite's round (the models inside the composite are scored when the routing is computed)."))
+            parts.append(
+                para(
+                    "Test Dice per site of the composite (the reported model), and of the global and personalized "
+                    "models from the results rows: each at its own best validation round, which need not be the "
+                    "composite's round (the models inside the composite are scored when the routing is computed)."
+                )
+            )
         parts.append(table(head, rows))
         if summ["selection"]:
             sel_rows = []
             for s, sel in summ["selection"].items():
                 acc = (summ["routing_acc"] or {}).get(s)
-                sel_rows.append([s, fmt(acc, 2), *[("–" if sel.get(m) is None else f"{100 * sel[m]:.0f} %") for m in models]])
-            what = "argmax of the selector" if mode in ("argmax", "mix") else f"at γ = {used:g}" if isinstance(used, float) else f"at γ = {used}"
-            parts.append(para(f"Routing on test ({what}): share of each site's test images sent to each model; routing acc = "
-                              "share the selector assigns to the site itself."))
+                sel_rows.append(
+                    [s, fmt(acc, 2), *[("–" if sel.get(m) is None else f"{100 * sel[m]:.0f} %") for m in models]]
+                )
+            what = (
+                "argmax of the selector"
+                if mode in ("argmax", "mix")
+                else f"at γ = {used:g}"
+                if isinstance(used, float)
+                else f"at γ = {used}"
+            )
+            parts.append(
+                para(
+                    f"Routing on test ({what}): share of each site's test images sent to each model; routing acc = "
+                    "share the selector assigns to the site itself."
+                )
+            )
             parts.append(table(["Site", "routing acc", *[model_short(m) for m in models]], sel_rows))
         elif r.label in notes:
             parts.append(note(notes[r.label]))
         same = _equal_to_fedavg(r, runs)
         if same:
-            parts.append(para(f"Its composite's test Dice equals {same}'s (same seed) on every site: FedSM's global model is "
-                              "trained as FedAvg, and the composite is that global model wherever the selector sends the images to it."))
+            parts.append(
+                para(
+                    f"Its composite's test Dice equals {same}'s (same seed) on every site: FedSM's global model is "
+                    "trained as FedAvg, and the composite is that global model wherever the selector sends the images to it."
+                )
+            )
         findings = fedsm_findings(summ)
         if findings:
             parts.append('<ul class="finding">' + "".join(f"<li>{html.escape(f)}</li>" for f in findings) + "</ul>")
@@ -416,11 +540,22 @@ def bookkeeping_runs(runs: Sequence[Run], base: Path) -> str:
     rows = []
     for r in runs:
         res = r.results
-        rows.append([r.label, r.method, fmt(res.get("seed")), len(res.get("history", [])), ", ".join(res["sites"]),
-                     fmt(res.get("client_avg_dice")), fmt(res.get("global_dice")),
-                     "–" if res.get("wall_time_s") is None else f"{res['wall_time_s']:.0f} s", _rel(r.path, root)])
-    return (para(f"Run folders below {root} (relative to the report: {_rel(root, base)}).")
-            + table(["Run", "Method", "Seed", "Rounds", "Sites", "Client Avg Dice", "Global Dice", "Wall time", "Folder"], rows))
+        rows.append(
+            [
+                r.label,
+                r.method,
+                fmt(res.get("seed")),
+                len(res.get("history", [])),
+                ", ".join(res["sites"]),
+                fmt(res.get("client_avg_dice")),
+                fmt(res.get("global_dice")),
+                "–" if res.get("wall_time_s") is None else f"{res['wall_time_s']:.0f} s",
+                _rel(r.path, root),
+            ]
+        )
+    return para(f"Run folders below {root} (relative to the report: {_rel(root, base)}).") + table(
+        ["Run", "Method", "Seed", "Rounds", "Sites", "Client Avg Dice", "Global Dice", "Wall time", "Folder"], rows
+    )
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -437,15 +572,49 @@ def bookkeeping_config(runs: Sequence[Run], base: Path) -> str:
     for r in runs:
         c = r.results.get("config") or {}
         m, t, e = c.get("model") or {}, c.get("train") or {}, c.get("eval") or {}
-        work = f"{t.get('local_epochs')} epoch(s)" if t.get("local_epochs") is not None else f"{t.get('local_steps')} steps"
+        work = (
+            f"{t.get('local_epochs')} epoch(s)"
+            if t.get("local_epochs") is not None
+            else f"{t.get('local_steps')} steps"
+        )
         extra = ", ".join(f"{k}={v}" for k, v in method_settings(r).items())
         cfg_file = r.path / "config.toml"
-        link = (f'<a href="{html.escape(Path(_rel(cfg_file, base)).as_posix())}">config.toml</a>' if cfg_file.is_file() else "–")
-        cells = [r.label, Path(str(c.get("federation", "–"))).name, c.get("rounds", "–"),
-                 f"U-Net {m.get('channels')} strides {m.get('strides')}", f"{t.get('optimizer')} lr {t.get('lr')}",
-                 t.get("batch_size", "–"), work, t.get("loss", "–"), e.get("every", "–"), extra or "–"]
-        rows.append([html.escape(str(x)) for x in cells[:-1]] + [f'<span class="small">{html.escape(str(cells[-1]))}</span>', link])
+        link = (
+            f'<a href="{html.escape(Path(_rel(cfg_file, base)).as_posix())}">config.toml</a>'
+            if cfg_file.is_file()
+            else "–"
+        )
+        cells = [
+            r.label,
+            Path(str(c.get("federation", "–"))).name,
+            c.get("rounds", "–"),
+            f"U-Net {m.get('channels')} strides {m.get('strides')}",
+            f"{t.get('optimizer')} lr {t.get('lr')}",
+            t.get("batch_size", "–"),
+            work,
+            t.get("loss", "–"),
+            e.get("every", "–"),
+            extra or "–",
+        ]
+        rows.append(
+            [html.escape(str(x)) for x in cells[:-1]]
+            + [f'<span class="small">{html.escape(str(cells[-1]))}</span>', link]
+        )
         text = cfg_file.read_text() if cfg_file.is_file() else "(no config.toml)"
-        details.append(f"<details><summary>{html.escape(r.label)}: config.toml</summary><pre>{html.escape(text)}</pre></details>")
-    head = ["Run", "Federation", "Rounds", "Model", "Optimizer", "Batch", "Local work", "Loss", "Validate every", "Method settings", "File"]
+        details.append(
+            f"<details><summary>{html.escape(r.label)}: config.toml</summary><pre>{html.escape(text)}</pre></details>"
+        )
+    head = [
+        "Run",
+        "Federation",
+        "Rounds",
+        "Model",
+        "Optimizer",
+        "Batch",
+        "Local work",
+        "Loss",
+        "Validate every",
+        "Method settings",
+        "File",
+    ]
     return table(head, rows, cls="config", raw=True) + "\n" + "\n".join(details)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 
 __all__ = ["TensorBoardLogger", "round_scalars", "tensorboard_available"]
 
@@ -85,7 +85,7 @@ def tensorboard_available() -> bool:
 class TensorBoardLogger:
     """``on_round`` callback that writes each history entry's scalars to ``logdir``.
 
-    Raises :class:`fedseg.errors.ConfigError` with the install command when
+    Raises :class:`fedseg.core.errors.ConfigError` with the install command when
     tensorboard is missing.  Use as ``run(..., on_round=TensorBoardLogger(dir))`` and
     call :meth:`close` at the end (or use it as a context manager).
     """

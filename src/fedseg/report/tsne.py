@@ -41,7 +41,7 @@ def selector_features(
     features, sites
         ``(N, F)`` float64 array and the site of each row.
     """
-    from fedseg.site import batch_of, dataset_len
+    from fedseg.core.site import batch_of, dataset_len
 
     if not hasattr(selector, "embed"):
         raise TypeError(f"{type(selector).__name__} has no embed(x); pass a fedseg.models.Selector")

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from fedseg.arrays import nbytes
-from fedseg.site import Reply, Task
+from fedseg.core.arrays import nbytes
+from fedseg.core.messages import Reply, Task
 
 
 @dataclass
@@ -24,7 +24,10 @@ class Traffic:
 
     def take(self) -> dict[str, dict[str, int]]:
         """Per-site ``{"sent": bytes, "received": bytes}`` since the previous call, then reset."""
-        out = {s: {"sent": self.sent.get(s, 0), "received": self.received.get(s, 0)} for s in sorted(set(self.sent) | set(self.received))}
+        out = {
+            s: {"sent": self.sent.get(s, 0), "received": self.received.get(s, 0)}
+            for s in sorted(set(self.sent) | set(self.received))
+        }
         self.sent, self.received = {}, {}
         return out
 

@@ -1,17 +1,18 @@
-"""Simulation: every site in this process, called one after another (or vectorized: :mod:`fedseg.vectorize`)."""
+"""Simulation: every site in this process, called one after another (or vectorized: :mod:`fedseg.simulation.vectorize`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedseg.arrays import clone
-from fedseg.errors import PayloadError
-from fedseg.site import Reply, Site, Task
+from fedseg.core.arrays import clone
+from fedseg.core.errors import PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 from fedseg.transport.base import Traffic
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.vectorize import VectorizedExecutor
+    from fedseg.simulation.vectorize import VectorizedExecutor
 
 
 class InProcessTransport:
@@ -28,11 +29,13 @@ class InProcessTransport:
         Sites addressable by name but not part of the federation (the pooled
         data of centralized training).
     vectorized
-        A :class:`fedseg.vectorize.VectorizedExecutor` (``simulation.vectorize``): the handlers
+        A :class:`fedseg.simulation.vectorize.VectorizedExecutor` (``simulation.vectorize``): the handlers
         of an ask's tasks then run so that their local training is one vectorized computation.
     """
 
-    def __init__(self, sites: list[Site], extra: list[Site] | None = None, vectorized: VectorizedExecutor | None = None):
+    def __init__(
+        self, sites: list[Site], extra: list[Site] | None = None, vectorized: VectorizedExecutor | None = None
+    ):
         self._sites = {s.name: s for s in [*sites, *(extra or [])]}
         self.sites = tuple(s.name for s in sites)
         self.traffic = Traffic()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 
 __all__ = [
     "EvalConfig",
@@ -53,7 +53,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.name not in ("unet",):
-            raise ConfigError(f"model.name = {self.name!r} is not known; use 'unet' (or pass your own nn.Module from Python)")
+            raise ConfigError(
+                f"model.name = {self.name!r} is not known; use 'unet' (or pass your own nn.Module from Python)"
+            )
         if len(self.strides) != len(self.channels) - 1:
             raise ConfigError(
                 f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
@@ -121,8 +123,10 @@ class TrainConfig:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"train.precision = {self.precision!r}; use 'fp32', 'bf16' or 'fp16'")
         if self.precision != "fp32" and self.dtype != "float32":
-            raise ConfigError(f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
-                              "mixed precision runs float32 weights")
+            raise ConfigError(
+                f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
+                "mixed precision runs float32 weights"
+            )
         if self.data not in ("auto", "device", "stream"):
             raise ConfigError(f"train.data = {self.data!r}; use 'auto', 'device' or 'stream'")
 
@@ -151,9 +155,13 @@ class EvalConfig:
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
         if not 0.0 <= self.empty_dice <= 1.0:
-            raise ConfigError(f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)")
+            raise ConfigError(
+                f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)"
+            )
         if self.best_criterion not in ("cases", "sites"):
-            raise ConfigError(f"eval.best_criterion = {self.best_criterion!r}; use 'cases' (mean over pooled validation cases) or 'sites' (mean of per-site means)")
+            raise ConfigError(
+                f"eval.best_criterion = {self.best_criterion!r}; use 'cases' (mean over pooled validation cases) or 'sites' (mean of per-site means)"
+            )
 
 
 @dataclass(frozen=True)
@@ -162,7 +170,7 @@ class SimulationConfig:
 
     vectorize
         'on': the sites' local steps of a round run as one vectorized computation
-        (:mod:`fedseg.vectorize`; equal to the sequential run to rounding, not bitwise);
+        (:mod:`fedseg.simulation.vectorize`; equal to the sequential run to rounding, not bitwise);
         'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA,
         off on the CPU.
     vectorize_group
@@ -175,9 +183,13 @@ class SimulationConfig:
 
     def validate(self) -> None:
         if self.vectorize not in ("auto", "on", "off"):
-            raise ConfigError(f"simulation.vectorize = {self.vectorize!r}; use 'auto', 'on' or 'off' (e.g. --set simulation.vectorize=on)")
+            raise ConfigError(
+                f"simulation.vectorize = {self.vectorize!r}; use 'auto', 'on' or 'off' (e.g. --set simulation.vectorize=on)"
+            )
         if self.vectorize_group < 0:
-            raise ConfigError(f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}")
+            raise ConfigError(
+                f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,7 +209,7 @@ class RunConfig:
     checkpoint_background: bool = True
     """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
     device: str = "auto"
-    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.device`."""
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.core.device`."""
     deterministic: bool = True
     """On CUDA: deterministic kernels (same seed → bitwise the same weights); false lets cuDNN pick
     the fastest kernels.  No effect on the CPU."""
@@ -214,11 +226,17 @@ class RunConfig:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         d = str(self.device).lower()
         if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
-            raise ConfigError(f"device = {self.device!r} is not known; use 'auto', 'cpu', 'cuda' or 'cuda:N' (e.g. --device cuda:1)")
+            raise ConfigError(
+                f"device = {self.device!r} is not known; use 'auto', 'cpu', 'cuda' or 'cuda:N' (e.g. --device cuda:1)"
+            )
         self.model.validate()
         self.train.validate()
         self.eval.validate()
         self.simulation.validate()
+
+    def is_eval_round(self, rnd: int) -> bool:
+        """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""
+        return rnd % self.eval.every == 0 or rnd == self.rounds
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -256,7 +274,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if len(args) != len(value):
             raise ConfigError(f"{where}: expected {len(args)} values, got {list(value)}")
         return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict or tp is dict or origin is typing.Literal:
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return value
+        raise ConfigError(f"{where} = {value!r} is not allowed; use one of {', '.join(repr(a) for a in allowed)}")
+    if origin is dict or tp is dict:
         return value
     if tp is bool:
         if isinstance(value, bool):
@@ -374,7 +397,7 @@ def load_run_config(
             raw[k] = v
     raw = apply_overrides(raw, overrides or [])
     if "federation" not in raw:
-        raise ConfigError("the config names no federation; add federation = \"path/to/federation.toml\"")
+        raise ConfigError('the config names no federation; add federation = "path/to/federation.toml"')
     top = {f.name for f in dataclasses.fields(RunConfig)} - {"params", *_SECTIONS}
     kwargs: dict[str, Any] = {}
     params: dict[str, dict[str, Any]] = {}

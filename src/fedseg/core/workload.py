@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedseg.config import ModelConfig, TrainConfig
+from fedseg.core.config import ModelConfig, TrainConfig
 
 __all__ = ["Workload", "accuracy_metric", "dice_metric", "make_loss", "segmentation_workload"]
 
@@ -52,7 +52,9 @@ class Workload:
     metric: Metric
     metric_names: Sequence[str] = ("score",)
     infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-    train_transform: Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None
+    train_transform: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
     spatial_dims: int = 2
     in_channels: int = 1
 
@@ -148,7 +150,9 @@ def segmentation_workload(
             raise ValueError(f"model.roi_size {roi} must have {spatial_dims} entries")
 
         def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return sliding_window_inference(x, roi_size=tuple(roi), sw_batch_size=sw_batch_size, predictor=m, overlap=0.25)
+            return sliding_window_inference(
+                x, roi_size=tuple(roi), sw_batch_size=sw_batch_size, predictor=m, overlap=0.25
+            )
 
         transform = _random_crop(roi)
     return Workload(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedseg.errors import ConfigError
+from fedseg.core.errors import ConfigError
 
 __all__ = [
     "PRECISIONS",
@@ -53,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"device = {name!r}, but CUDA is not available on this machine (torch {torch.__version__}); "
-                "run on the CPU with --device cpu (or --set device=cpu), or leave device = \"auto\""
+                'run on the CPU with --device cpu (or --set device=cpu), or leave device = "auto"'
             )
         dev = torch.device(text)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -113,9 +113,11 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | 
 def fp16_refusal(what: str) -> str:
     """The error of a run that asks fp16 of a method whose site work ``what`` uses raw gradients outside
     an optimizer step (:meth:`fedseg.algorithms.base.Algorithm.fp16_unsupported`)."""
-    return (f"train.precision = 'fp16' is not supported by {what}: fp16's loss scaling can unscale gradients and skip "
-            "an overflowed step only inside an optimizer step; use --set train.precision=bf16 (float32's exponent range, "
-            "no loss scaling needed) or fp32")
+    return (
+        f"train.precision = 'fp16' is not supported by {what}: fp16's loss scaling can unscale gradients and skip "
+        "an overflowed step only inside an optimizer step; use --set train.precision=bf16 (float32's exponent range, "
+        "no loss scaling needed) or fp32"
+    )
 
 
 def to_host(arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,4 +137,3 @@ def fits_on_device(nbytes: int, device: torch.device, fraction: float = 0.5) -> 
         return True
     free, _ = torch.cuda.mem_get_info(device)
     return nbytes <= fraction * free
-

@@ -39,15 +39,16 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.arrays import Arrays, clone, layout_of, prefixed, strip_prefix
-from fedseg.config import RunConfig
-from fedseg.device import configure_determinism, describe, resolve_device, to_device
-from fedseg.errors import ConfigError
+from fedseg.core.arrays import Arrays, clone, layout_of, prefixed, strip_prefix
+from fedseg.core.config import RunConfig
+from fedseg.core.device import configure_determinism, describe, resolve_device, to_device
+from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Task
+from fedseg.core.seeding import derive_seed
+from fedseg.core.site import load_checked
+from fedseg.core.workload import Workload
 from fedseg.evaluation.summary import summarize
-from fedseg.seeding import derive_seed
-from fedseg.site import Task, load_checked
 from fedseg.transport.base import Transport
-from fedseg.workload import Workload
 
 __all__ = ["Best", "CheckpointWriter", "Engine"]
 
@@ -75,7 +76,6 @@ def _save_json(data: Any, path: Path) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,14 @@ class Engine:
         self.log = log
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
-        self.ctx = ServerContext(transport=transport, sites=tuple(transport.sites), cfg=cfg, init_arrays=self.init_arrays, log=log, device=self.device)
+        self.ctx = ServerContext(
+            transport=transport,
+            sites=tuple(transport.sites),
+            cfg=cfg,
+            init_arrays=self.init_arrays,
+            log=log,
+            device=self.device,
+        )
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}
         self.state: Arrays = {}
@@ -237,14 +244,19 @@ class Engine:
             torch.manual_seed(derive_seed(self.cfg.seed, "init", role))
             model = (factory or self.workload.build_model)()
         dtype = {"float32": torch.float32, "float64": torch.float64}[self.cfg.train.dtype]
-        return {k: (v.to(dtype) if v.is_floating_point() else v).detach().to(self.device, copy=True) for k, v in model.state_dict().items()}
+        return {
+            k: (v.to(dtype) if v.is_floating_point() else v).detach().to(self.device, copy=True)
+            for k, v in model.state_dict().items()
+        }
 
     @property
     def ckpt_dir(self) -> Path | None:
         return None if self.out is None else self.out / "checkpoints"
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, candidates: list[Candidate], split: str, sites_of: Callable[[Candidate], tuple[str, ...]]) -> dict[str, dict[str, list[list[float]]]]:
+    def evaluate(
+        self, candidates: list[Candidate], split: str, sites_of: Callable[[Candidate], tuple[str, ...]]
+    ) -> dict[str, dict[str, list[list[float]]]]:
         """Ask sites to score candidates on a split; returns ``{candidate: {site: per-case (N, C)}}``."""
         tasks: dict[str, Task] = {}
         for s in self.ctx.sites:
@@ -277,11 +289,18 @@ class Engine:
                 score = sum(site_means) / len(site_means)
             else:  # "cases": mean over the pooled validation cases
                 score = sum(case_means) / len(case_means)
-            record["val_dice"][c.name] = {s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None) for s, cases in per_site.items()}
+            record["val_dice"][c.name] = {
+                s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None)
+                for s, cases in per_site.items()
+            }
             record["val_score"][c.name] = score
             prev = self.best.get(c.name)
             if prev is None or score > prev.score:
-                self.best[c.name] = Best(score, rnd, Candidate(c.name, clone(c.arrays), c.predictor, c.val_sites, c.home_site, dict(c.config)))
+                self.best[c.name] = Best(
+                    score,
+                    rnd,
+                    Candidate(c.name, clone(c.arrays), c.predictor, c.val_sites, c.home_site, dict(c.config)),
+                )
         return record
 
     def test(self) -> dict[str, dict[str, list[list[float]]]]:
@@ -313,7 +332,14 @@ class Engine:
         best_meta = {}
         for name, b in self.best.items():
             c = b.candidate
-            best_meta[name] = {"score": b.score, "round": b.round, "predictor": c.predictor, "val_sites": c.val_sites, "home_site": c.home_site, "config": c.config}
+            best_meta[name] = {
+                "score": b.score,
+                "round": b.round,
+                "predictor": c.predictor,
+                "val_sites": c.val_sites,
+                "home_site": c.home_site,
+                "config": c.config,
+            }
         best_arrays: Arrays = {}
         for name, b in self.best.items():
             best_arrays.update(prefixed(name, b.candidate.arrays))
@@ -356,7 +382,9 @@ class Engine:
         self.transport.restore_sites(d / "sites")
 
     # ------------------------------------------------------------------ loop
-    def run(self, resume: bool = False, stop_after: int | None = None, stop_requested: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+    def run(
+        self, resume: bool = False, stop_after: int | None = None, stop_requested: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | None:
         """Run all rounds, then test; returns the results (see ``docs/results-format.md``).
 
         ``stop_after`` ends the run after that round, checkpointed, as an
@@ -375,14 +403,21 @@ class Engine:
             self.state = self.algorithm.init_state(self.ctx)
             self.round = 0
         self.transport.traffic.take()
-        bar = tqdm(total=cfg.rounds, initial=self.round, desc=self.algorithm.name, unit="round", disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.rounds,
+            initial=self.round,
+            desc=self.algorithm.name,
+            unit="round",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         try:
             while self.round < cfg.rounds:
                 rnd = self.round + 1
                 t0 = time.perf_counter()
                 self.state, metrics = self.algorithm.server_round(self.ctx, self.state, rnd)
                 entry: dict[str, Any] = {"round": rnd, **metrics, "bytes": self.transport.traffic.take()}
-                if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
+                if cfg.is_eval_round(rnd):
                     entry.update(self._validate(rnd))
                     entry["eval_bytes"] = self.transport.traffic.take()
                 entry["time_s"] = time.perf_counter() - t0
@@ -390,7 +425,9 @@ class Engine:
                 self.round = rnd
                 if self.on_round is not None:
                     self.on_round(entry)
-                stop = rnd < cfg.rounds and ((stop_after is not None and rnd >= stop_after) or (stop_requested is not None and stop_requested()))
+                stop = rnd < cfg.rounds and (
+                    (stop_after is not None and rnd >= stop_after) or (stop_requested is not None and stop_requested())
+                )
                 if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds or stop:
                     self.save_checkpoint()
                 bar.update(1)
@@ -400,7 +437,12 @@ class Engine:
         finally:
             bar.close()
             self.writer.wait()  # every checkpoint is committed before the run returns
-        final = self.algorithm.final_candidates(self.state, {n: b.candidate for n, b in self.best.items()}, {n: b.round for n, b in self.best.items()}, self.ctx)
+        final = self.algorithm.final_candidates(
+            self.state,
+            {n: b.candidate for n, b in self.best.items()},
+            {n: b.round for n, b in self.best.items()},
+            self.ctx,
+        )
         if final:
             # e.g. FedSM's composite assembled from its best parts: test (and keep) that one
             for name, cand in final.items():

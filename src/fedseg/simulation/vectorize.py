@@ -50,8 +50,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedseg.device import autocast
-from fedseg.site import Reply, Site, Task, _fit_hook
+from fedseg.core.device import autocast
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site, _fit_hook
 
 __all__ = ["FitCall", "VectorizedExecutor", "resolve_vectorize", "vectorize_reason"]
 
@@ -116,7 +117,17 @@ class _Worker:
             self.done = True
             self._yielded.set()
 
-    def _park(self, site: Site, role: str, rnd: int, stream: str, optimizer: Any, extra_loss: Any, after_backward: Any, steps: int | None) -> dict[str, float]:
+    def _park(
+        self,
+        site: Site,
+        role: str,
+        rnd: int,
+        stream: str,
+        optimizer: Any,
+        extra_loss: Any,
+        after_backward: Any,
+        steps: int | None,
+    ) -> dict[str, float]:
         self.fitted = True
         self.call = FitCall(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
         self._yielded.set()
@@ -186,7 +197,14 @@ def _optimizer_reason(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]
         if all(states) and len({float(s["step"]) for s in states}) != 1:  # type: ignore[index]
             return "its Adam step counts differ between parameters", ()
         return None, ("adam", float(g["lr"]), tuple(g["betas"]), float(g["eps"]), float(g["weight_decay"]))
-    return None, ("sgd", float(g["lr"]), float(g["momentum"]), float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
+    return None, (
+        "sgd",
+        float(g["lr"]),
+        float(g["momentum"]),
+        float(g["dampening"]),
+        float(g["weight_decay"]),
+        bool(g["nesterov"]),
+    )
 
 
 class _Layout:
@@ -198,7 +216,7 @@ class _Layout:
         self.k = k
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
-        self.starts = [k * o for o in itertools.accumulate([0] + self.sizes[:-1])]
+        self.starts = [k * o for o in itertools.accumulate([0, *self.sizes[:-1]])]
         self.numel = k * sum(self.sizes)
         self._reps = torch.tensor([n for n in self.sizes for _ in range(k)], device=params[0].device)
 
@@ -208,7 +226,9 @@ class _Layout:
 
     def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The ``K × shape`` view of every parameter."""
-        return [flat[a:a + self.k * n].view(self.k, *shape) for a, n, shape in zip(self.starts, self.sizes, self.shapes)]
+        return [
+            flat[a : a + self.k * n].view(self.k, *shape) for a, n, shape in zip(self.starts, self.sizes, self.shapes)
+        ]
 
     def per_element(self, per_site: torch.Tensor) -> torch.Tensor:
         """A per-site value (``K``) for every element of a flat buffer."""
@@ -222,14 +242,22 @@ class _StackedOptimizer:
     whatever the number of parameter tensors.  The arithmetic is ``torch.optim``'s single-tensor
     implementation, site by site (its bias corrections computed in Python floats as torch does)."""
 
-    def __init__(self, opts: Sequence[torch.optim.Optimizer], plist: Sequence[Sequence[torch.Tensor]], flat: torch.Tensor, layout: _Layout):
+    def __init__(
+        self,
+        opts: Sequence[torch.optim.Optimizer],
+        plist: Sequence[Sequence[torch.Tensor]],
+        flat: torch.Tensor,
+        layout: _Layout,
+    ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
         self.adam = type(opts[0]) is torch.optim.Adam
         self.g = dict(g)
 
         def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
-            return layout.pack([[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)])
+            return layout.pack(
+                [[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)]
+            )
 
         self.scratch = torch.empty_like(flat)  # reused every step: no K·P-sized allocation per step
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
@@ -239,7 +267,10 @@ class _StackedOptimizer:
                 self.s = [float(o.state[ps[0]]["step"]) if h else 0.0 for o, ps, h in zip(opts, plist, present)]
                 self.m, self.v = stacked("exp_avg", present), stacked("exp_avg_sq", present)
             else:
-                self.has = [bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None for o, ps in zip(opts, plist)]
+                self.has = [
+                    bool(o.state.get(ps[0])) and o.state[ps[0]].get("momentum_buffer") is not None
+                    for o, ps in zip(opts, plist)
+                ]
                 self.buf = stacked("momentum_buffer", self.has)
         self.taken = [0] * len(opts)
 
@@ -251,7 +282,9 @@ class _StackedOptimizer:
         if key not in self._factors:
             if len(self._factors) > 4:
                 self._factors.clear()
-            self._factors[key] = self.layout.per_element(torch.tensor(values, dtype=torch.float64, device=self.flat.device)).to(self.flat.dtype)
+            self._factors[key] = self.layout.per_element(
+                torch.tensor(values, dtype=torch.float64, device=self.flat.device)
+            ).to(self.flat.dtype)
         return self._factors[key]
 
     @torch.no_grad()
@@ -260,7 +293,11 @@ class _StackedOptimizer:
         for i in active:
             self.taken[i] += 1
         full = len(active) == k  # every site steps: in place, no masking
-        mask = None if full else self.layout.per_element(torch.tensor([i in active for i in range(k)], device=self.flat.device))
+        mask = (
+            None
+            if full
+            else self.layout.per_element(torch.tensor([i in active for i in range(k)], device=self.flat.device))
+        )
         g, p = self.g, self.flat
         wd = g["weight_decay"]
         if wd != 0:
@@ -269,8 +306,8 @@ class _StackedOptimizer:
             b1, b2 = g["betas"]
             s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
             s_eff = [max(si, 1.0) for si in s]
-            step_size = self._factor([-(g["lr"] / (1 - b1 ** si)) for si in s_eff])
-            bc2_sqrt = self._factor([(1 - b2 ** si) ** 0.5 for si in s_eff])
+            step_size = self._factor([-(g["lr"] / (1 - b1**si)) for si in s_eff])
+            bc2_sqrt = self._factor([(1 - b2**si) ** 0.5 for si in s_eff])
             if full:  # in place, into preallocated memory (torch's own single-tensor sequence)
                 # on the CPU in cache-sized chunks (one pass per op over a K·P buffer would stream it
                 # from memory seven times); on CUDA in one piece
@@ -281,7 +318,11 @@ class _StackedOptimizer:
                     m, v = self.m[sl], self.v[sl]
                     m.lerp_(grad[sl], 1 - b1)
                     v.mul_(b2).addcmul_(grad[sl], grad[sl], value=1 - b2)
-                    denom = torch.sqrt(v, out=self.scratch[sl]).div_(bc2_sqrt if isinstance(bc2_sqrt, float) else bc2_sqrt[sl]).add_(float(g["eps"]))
+                    denom = (
+                        torch.sqrt(v, out=self.scratch[sl])
+                        .div_(bc2_sqrt if isinstance(bc2_sqrt, float) else bc2_sqrt[sl])
+                        .add_(float(g["eps"]))
+                    )
                     if isinstance(step_size, float):
                         p[sl].addcdiv_(m, denom, value=step_size)
                     else:
@@ -317,8 +358,11 @@ class _StackedOptimizer:
         """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
         from torch.optim.optimizer import _get_scalar_dtype
 
-        blocks = {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))} if self.adam else (
-            {"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
+        blocks = (
+            {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))}
+            if self.adam
+            else ({"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
+        )
         for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
             if self.taken[i] == 0:
                 continue
@@ -397,7 +441,9 @@ class VectorizedExecutor:
                 unfitted.setdefault(w.task.kind, []).append(w.site.name)
         for kind, names in unfitted.items():
             method = workers[0].site.algorithm.name
-            self._say(f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit")
+            self._say(
+                f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit"
+            )
         return [w.reply for w in workers]  # type: ignore[misc]
 
     # -------------------------------------------------------------- planning
@@ -426,7 +472,13 @@ class VectorizedExecutor:
     @staticmethod
     def _key(item: _Item) -> tuple:
         site = item.call.site
-        return (item.call.role, _model_signature(item.model), _optimizer_reason(item.opt, list(item.model.parameters()))[1], str(site.device), site.precision)
+        return (
+            item.call.role,
+            _model_signature(item.model),
+            _optimizer_reason(item.opt, list(item.model.parameters()))[1],
+            str(site.device),
+            site.precision,
+        )
 
     def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
         """Train the calls that can be stacked; the others get ``_SEQUENTIAL`` (their thread trains them)."""
@@ -447,12 +499,16 @@ class VectorizedExecutor:
         for _, members in groups:
             if len(members) == 1:
                 c = members[0].call
-                self._say(f"role {c.role!r} of site {c.site.name} trains sequentially: no other site's training of the same model meets it")
+                self._say(
+                    f"role {c.role!r} of site {c.site.name} trains sequentially: no other site's training of the same model meets it"
+                )
                 continue
-            self._say(f"role {members[0].call.role!r} of {_names([m.call.site.name for m in members])} trains as one vectorized computation")
+            self._say(
+                f"role {members[0].call.role!r} of {_names([m.call.site.name for m in members])} trains as one vectorized computation"
+            )
             size = self.group_size or len(members)
             for start in range(0, len(members), size):
-                for item, out in zip(members[start:start + size], self._train(members[start:start + size])):
+                for item, out in zip(members[start : start + size], self._train(members[start : start + size])):
                     results[item.index] = out
         return results
 
@@ -464,10 +520,14 @@ class VectorizedExecutor:
         except _FirstStepFailed as e:
             if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
                 half = len(items) // 2
-                self._say(f"a group of {len(items)} sites does not fit in memory; training groups of at most {half} (set simulation.vectorize_group)")
+                self._say(
+                    f"a group of {len(items)} sites does not fit in memory; training groups of at most {half} (set simulation.vectorize_group)"
+                )
                 return self._train(items[:half]) + self._train(items[half:])
             names = _names([it.call.site.name for it in items])
-            self._say(f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})")
+            self._say(
+                f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})"
+            )
             return [_SEQUENTIAL] * len(items)
 
     def _train_group(self, items: list[_Item]) -> list[dict[str, float]]:
@@ -496,7 +556,9 @@ class VectorizedExecutor:
         totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
         counts = [0] * k
 
-        def site_loss(params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def site_loss(
+            params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+        ) -> torch.Tensor:
             with autocast(dev, precision):
                 return loss_fn(functional_call(template, (params, bufs), (x,)), y)
 
@@ -516,8 +578,10 @@ class VectorizedExecutor:
                 if not batch:
                     break
                 try:
-                    grads, losses = self._gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf)
-                except Exception as e:  # noqa: BLE001 - decided by the caller (split, or train sequentially)
+                    grads, losses = self._gradients(
+                        batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf
+                    )
+                except Exception as e:
                     if first:
                         raise _FirstStepFailed(e) from e
                     raise

@@ -39,7 +39,7 @@ def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
     the method's config section (``fedsm-extra`` uses ``[fedsm]``).
     """
     from fedseg.algorithms import REGISTRY
-    from fedseg.errors import ConfigError
+    from fedseg.core.errors import ConfigError
 
     method, _, settings = entry.partition(":")
     method = method.strip()
@@ -74,7 +74,7 @@ def compare(
     Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
     ``out/comparison.json``; returns the runs' results and the table.
     """
-    from fedseg.runner import run
+    from fedseg.simulation.runner import run
 
     out = Path(out)
     entries = [parse_method_entry(m) for m in methods]
@@ -88,8 +88,19 @@ def compare(
                 res = json.loads(done.read_text())
             else:
                 t0 = time.perf_counter()
-                res = run(config, out=folder, overrides=[*overrides, *own], progress=progress, log=log, method=method, seed=seed, rounds=rounds)
-                log(f"{label} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s")
+                res = run(
+                    config,
+                    out=folder,
+                    overrides=[*overrides, *own],
+                    progress=progress,
+                    log=log,
+                    method=method,
+                    seed=seed,
+                    rounds=rounds,
+                )
+                log(
+                    f"{label} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s"
+                )
             if own:
                 res["label"] = label
             runs.append(res)
@@ -101,7 +112,15 @@ def compare(
     return runs, table
 
 
-def demo(out: str | Path = "runs/demo", rounds: int = 40, scale: float = 0.15, size: int = 64, seed: int = 0, progress: bool = True, log: Callable[[str], None] = print) -> tuple[str, Path]:
+def demo(
+    out: str | Path = "runs/demo",
+    rounds: int = 40,
+    scale: float = 0.15,
+    size: int = 64,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[str, Path]:
     """Synthesize a small fundus-like federation (6 sites), compare local, centralized, FedAvg and FedSM
     (default settings), and write the HTML report of the runs.
 
@@ -115,15 +134,25 @@ def demo(out: str | Path = "runs/demo", rounds: int = 40, scale: float = 0.15, s
     log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
     spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
     overrides = ["train.batch_size=4", "eval.every=1", "checkpoint_every=10"]
-    runs, table = compare(spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log)
+    _runs, table = compare(
+        spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log
+    )
     # tables, curves and FedSM's routing only: the model sections (loss surface, t-SNE) take
     # minutes on a CPU — `fedseg report runs/demo` builds them
-    report = build_report([out / m / f"seed{seed}" for m in DEMO_METHODS], out / "report.html", options=ReportOptions(models=False),
-                          progress=progress, log=log, title="fedseg demo: local, centralized, FedAvg and FedSM on a synthetic fundus federation")
+    report = build_report(
+        [out / m / f"seed{seed}" for m in DEMO_METHODS],
+        out / "report.html",
+        options=ReportOptions(models=False),
+        progress=progress,
+        log=log,
+        title="fedseg demo: local, centralized, FedAvg and FedSM on a synthetic fundus federation",
+    )
     return table, report
 
 
-def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, split: str = "testing", progress: bool = True) -> dict[str, Any]:
+def evaluate_run(
+    run_dir: str | Path, federation: str | Path | None = None, split: str = "testing", progress: bool = True
+) -> dict[str, Any]:
     """Score a finished run's best models on a federation's split (its own federation by default).
 
     Returns ``{"rows": [...], "table": markdown}``; rows follow ``results.json``'s ``rows``.
@@ -132,12 +161,12 @@ def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, spli
 
     from fedseg.algorithms import get_algorithm, known_sections
     from fedseg.algorithms.base import Candidate
-    from fedseg.config import load_run_config
-    from fedseg.engine import Engine
-    from fedseg.errors import ConfigError
+    from fedseg.core.config import load_run_config
+    from fedseg.core.engine import Engine
+    from fedseg.core.errors import ConfigError
+    from fedseg.core.workload import segmentation_workload
     from fedseg.evaluation.summary import row_from_cases
-    from fedseg.runner import build_transport, load_federation_data
-    from fedseg.workload import segmentation_workload
+    from fedseg.simulation.runner import build_transport, load_federation_data
 
     run_dir = Path(run_dir)
     ckpt = run_dir / "checkpoints"
@@ -145,7 +174,15 @@ def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, spli
         raise ConfigError(f"{run_dir} has no checkpoints/best.json; evaluate needs the folder of a finished fedseg run")
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
     fed, data = load_federation_data(federation or cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+    workload = segmentation_workload(
+        fed.spatial_dims,
+        fed.in_channels,
+        list(fed.labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
     algorithm = get_algorithm(cfg)
     transport = build_transport(cfg, workload, data, algorithm)
     engine = Engine(cfg, algorithm, transport, workload, progress=False)
@@ -153,7 +190,7 @@ def evaluate_run(run_dir: str | Path, federation: str | Path | None = None, spli
     rows = []
     names = list(fed.labels)
     for name, m in json.loads((ckpt / "best.json").read_text()).items():
-        arrays = {k[len(name) + 1:]: v for k, v in best.items() if k.startswith(name + "/")}
+        arrays = {k[len(name) + 1 :]: v for k, v in best.items() if k.startswith(name + "/")}
         cand = Candidate(name, arrays, m["predictor"], None, m["home_site"], m["config"])
         per_case = engine.evaluate([cand], split, lambda c: transport.sites)[name]
         rows.append({"name": name, **row_from_cases(per_case, list(transport.sites), names)})

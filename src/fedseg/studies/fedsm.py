@@ -22,12 +22,12 @@ from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
-from fedseg.config import RunConfig, dump_toml, load_run_config
-from fedseg.engine import Engine
-from fedseg.errors import ConfigError
-from fedseg.site import Site, SiteData
+from fedseg.core.config import RunConfig, dump_toml, load_run_config
+from fedseg.core.engine import Engine
+from fedseg.core.errors import ConfigError
+from fedseg.core.site import Site, SiteData
+from fedseg.core.workload import Workload
 from fedseg.transport.inprocess import InProcessTransport
-from fedseg.workload import Workload
 
 __all__ = ["load_spec", "routing_report", "run_fedsm", "sweep", "table5", "table7", "unseen", "with_fedsm"]
 
@@ -37,18 +37,38 @@ def with_fedsm(cfg: RunConfig, **settings: Any) -> RunConfig:
     return dataclasses.replace(cfg, params={**cfg.params, "fedsm": {**cfg.params.get("fedsm", {}), **settings}})
 
 
-def load_spec(config: str | Path | RunConfig, overrides: Sequence[str] = (), progress: bool = False, **fields: Any) -> tuple[RunConfig, Workload, dict[str, SiteData]]:
+def load_spec(
+    config: str | Path | RunConfig, overrides: Sequence[str] = (), progress: bool = False, **fields: Any
+) -> tuple[RunConfig, Workload, dict[str, SiteData]]:
     """Config, segmentation workload and in-memory site data of a run config / federation spec (as ``fedseg run``)."""
-    from fedseg.runner import load_federation_data
-    from fedseg.workload import segmentation_workload
+    from fedseg.core.workload import segmentation_workload
+    from fedseg.simulation.runner import load_federation_data
 
-    cfg = config if isinstance(config, RunConfig) else load_run_config(config, list(overrides), known_sections(), **fields)
+    cfg = (
+        config
+        if isinstance(config, RunConfig)
+        else load_run_config(config, list(overrides), known_sections(), **fields)
+    )
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
+    workload = segmentation_workload(
+        fed.spatial_dims,
+        fed.in_channels,
+        list(fed.labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
     return cfg, workload, data
 
 
-def routing_report(engine: Engine, transport: InProcessTransport, sites: Sequence[str], gammas: Sequence[float] | None = None, split: str = "testing") -> dict[str, Any]:
+def routing_report(
+    engine: Engine,
+    transport: InProcessTransport,
+    sites: Sequence[str],
+    gammas: Sequence[float] | None = None,
+    split: str = "testing",
+) -> dict[str, Any]:
     """Routing statistics of the best ``"fedsm"`` candidate on ``sites`` (federation sites and/or held-out ones).
 
     Returns ``{"gamma", "mode", "models", "per_site": {site: {n, routing_acc, selection
@@ -68,14 +88,22 @@ def routing_report(engine: Engine, transport: InProcessTransport, sites: Sequenc
     for s, m in replies.items():
         n = m["n"]
         sels = m["selections"]
-        at = next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0]) if mode == "gate" else sels[0]
+        at = (
+            next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0]) if mode == "gate" else sels[0]
+        )
         per_site[s] = {
             "n": n,
             "routing_acc": m["routing_acc"],
             "selection": {name: (c / n if n else None) for name, c in zip(models, at["counts"])},
             "dice": at["dice_sum"] / n if n else None,
-            "dice_by_gamma": {str(x["gamma"]): (x["dice_sum"] / n if n else None) for x in sels} if mode == "gate" else {},
-            "selection_by_gamma": {str(x["gamma"]): {name: (c / n if n else None) for name, c in zip(models, x["counts"])} for x in sels} if mode == "gate" else {},
+            "dice_by_gamma": {str(x["gamma"]): (x["dice_sum"] / n if n else None) for x in sels}
+            if mode == "gate"
+            else {},
+            "selection_by_gamma": {
+                str(x["gamma"]): {name: (c / n if n else None) for name, c in zip(models, x["counts"])} for x in sels
+            }
+            if mode == "gate"
+            else {},
             "dice_per_model": {name: (d / n if n else None) for name, d in zip(models, m["dice_sum_per_model"])},
         }
     fed = [s for s in replies if s in cand.config["sites"]]
@@ -84,7 +112,14 @@ def routing_report(engine: Engine, transport: InProcessTransport, sites: Sequenc
     if mode == "gate" and total:
         for i, g in enumerate(grid):
             by_gamma[str(g)] = sum(replies[s]["selections"][i]["dice_sum"] for s in fed) / total
-    return {"gamma": cand.config["gamma"], "mode": mode, "models": models, "best_round": engine.best["fedsm"].round, "per_site": per_site, "dice_by_gamma": by_gamma}
+    return {
+        "gamma": cand.config["gamma"],
+        "mode": mode,
+        "models": models,
+        "best_round": engine.best["fedsm"].round,
+        "per_site": per_site,
+        "dice_by_gamma": by_gamma,
+    }
 
 
 def run_fedsm(
@@ -105,7 +140,7 @@ def run_fedsm(
         A site left out of training (Table 5): it is addressable for testing only and
         gets ``results["fedsm"]["per_site"][heldout]``.
     """
-    from fedseg.runner import write_results
+    from fedseg.simulation.runner import write_results
 
     algorithm = get_algorithm(cfg)
     if not isinstance(algorithm, FedSM):
@@ -145,7 +180,9 @@ def routing_markdown(results: Mapping[str, Any]) -> str:
         acc = "–" if r["routing_acc"] is None else f"{r['routing_acc']:.2f}"
         cells = [s, acc, *[f"{r['selection'][m]:.2f}" for m in models], f"{r['dice']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return f"Selector routing on test ({results['method']}, best round {rep['best_round']}):\n\n" + "\n".join(lines) + "\n"
+    return (
+        f"Selector routing on test ({results['method']}, best round {rep['best_round']}):\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 # ------------------------------------------------------------------- Table 5
@@ -173,19 +210,23 @@ def unseen(
     rows = []
     for k in sites or list(data):
         t0 = time.perf_counter()
-        res = run_fedsm(cfg, workload, data, out=out / f"unseen-{k}", heldout=k, gammas=grid, progress=progress, log=log)
+        res = run_fedsm(
+            cfg, workload, data, out=out / f"unseen-{k}", heldout=k, gammas=grid, progress=progress, log=log
+        )
         r = res["fedsm"]["per_site"][k]
         dbg = {float(g): d for g, d in r["dice_by_gamma"].items()}
         best_g = max(sorted(dbg), key=lambda g: dbg[g])
-        rows.append({
-            "site": k,
-            "selection_at_0": r["selection_by_gamma"][str(0.0)],
-            "dice_at_0": dbg[0.0],
-            "best_gamma": best_g,
-            "best_dice": dbg[best_g],
-            "dice_by_gamma": dbg,
-            "wall_time_s": time.perf_counter() - t0,
-        })
+        rows.append(
+            {
+                "site": k,
+                "selection_at_0": r["selection_by_gamma"][str(0.0)],
+                "dice_at_0": dbg[0.0],
+                "best_gamma": best_g,
+                "best_dice": dbg[best_g],
+                "dice_by_gamma": dbg,
+                "wall_time_s": time.perf_counter() - t0,
+            }
+        )
         log(f"unseen {k}: Dice at γ=0 {dbg[0.0]:.4f}, best γ {best_g} → {dbg[best_g]:.4f}")
     table = table5(rows, list(data))
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +245,10 @@ def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:
         cells += ["N/A" if s == r["site"] else f"{sel.get(f'personal/{s}', 0.0):.2f}" for s in sites]
         cells += [f"{r['dice_at_0']:.4f}", f"{r['best_gamma']:g}, {r['best_dice']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0; best γ over the grid on the unseen site's test set (as the paper reports it).\n"
+    return (
+        "\n".join(lines)
+        + "\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0; best γ over the grid on the unseen site's test set (as the paper reports it).\n"
+    )
 
 
 # ------------------------------------------------------------------- Table 7
@@ -234,9 +278,25 @@ def sweep(
             rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [0, 1]"})
             log(f"λ = {lam}: skipped, outside [0, 1]")
             continue
-        res = run_fedsm(with_fedsm(cfg, lam=float(lam)), workload, data, out=out / f"lam{lam:g}", gammas=gammas, progress=progress, log=log)
-        rows.append({"lam": lam, "client_avg_dice": res["client_avg_dice"], "global_dice": res["global_dice"], "gamma": res["fedsm"]["gamma"],
-                     "dice_by_gamma": res["fedsm"]["dice_by_gamma"], "wall_time_s": res.get("wall_time_s")})
+        res = run_fedsm(
+            with_fedsm(cfg, lam=float(lam)),
+            workload,
+            data,
+            out=out / f"lam{lam:g}",
+            gammas=gammas,
+            progress=progress,
+            log=log,
+        )
+        rows.append(
+            {
+                "lam": lam,
+                "client_avg_dice": res["client_avg_dice"],
+                "global_dice": res["global_dice"],
+                "gamma": res["fedsm"]["gamma"],
+                "dice_by_gamma": res["fedsm"]["dice_by_gamma"],
+                "wall_time_s": res.get("wall_time_s"),
+            }
+        )
         log(f"λ = {lam}: client avg Dice {res['client_avg_dice']:.4f}, global {res['global_dice']:.4f}")
     table = table7(rows)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,15 +310,23 @@ def table7(rows: Sequence[Mapping[str, Any]]) -> str:
     head = ["λ", *[f"{r['lam']:g}" for r in rows]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, key in (("Client Avg", "client_avg_dice"), ("Global", "global_dice")):
-        lines.append("| " + " | ".join([label, *["rejected" if "rejected" in r else f"{r[key]:.4f}" for r in rows]]) + " |")
+        lines.append(
+            "| " + " | ".join([label, *["rejected" if "rejected" in r else f"{r[key]:.4f}" for r in rows]]) + " |"
+        )
     text = "\n".join(lines) + "\n"
     ran = [r for r in rows if "rejected" not in r and r.get("dice_by_gamma")]
     if ran:
         gs = sorted({g for r in ran for g in r["dice_by_gamma"]}, key=float)
         lines = ["| γ \\ λ | " + " | ".join(f"{r['lam']:g}" for r in ran) + " |", "|" + "---|" * (len(ran) + 1)]
         for g in gs:
-            lines.append(f"| {float(g):g} | " + " | ".join(f"{r['dice_by_gamma'].get(g, float('nan')):.4f}" for r in ran) + " |")
-        text += "\nTest Dice (pooled over all sites' test cases) of the FedSM composite per threshold γ:\n\n" + "\n".join(lines) + "\n"
+            lines.append(
+                f"| {float(g):g} | " + " | ".join(f"{r['dice_by_gamma'].get(g, float('nan')):.4f}" for r in ran) + " |"
+            )
+        text += (
+            "\nTest Dice (pooled over all sites' test cases) of the FedSM composite per threshold γ:\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
     notes = [r["rejected"] for r in rows if "rejected" in r]
     if notes:
         text += "\nRejected: " + "; ".join(notes) + " (SoftPull's range, FedSM Eq. 11).\n"

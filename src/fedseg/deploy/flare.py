@@ -10,7 +10,7 @@
   paths from ``<site kit>/local/fedseg_site.json`` — they never travel.
 * :func:`make_job` builds the job folder.  fedseg must be installed at every
   participant, and each site's ``class_allow_list`` admits
-  ``fedseg.transport.nvflare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
+  ``fedseg.deploy.flare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
   copies the components' package (fedseg's source, ~0.3 MB) into ``app_*/custom``.
 * :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (FLARE API
   session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
@@ -33,7 +33,7 @@ __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", 
 
 log = logging.getLogger("fedseg.deploy")
 ADMIN_USER = "admin@fedseg.org"
-ALLOW_PREFIXES = ("fedseg.transport.nvflare.", "nvflare.collab.")
+ALLOW_PREFIXES = ("fedseg.deploy.flare.", "nvflare.collab.")
 
 
 class FedsegServer:
@@ -74,7 +74,11 @@ class FedsegSite:
 
     def _rt(self) -> SiteRuntime:
         if self._runtime is None:
-            path = self.config or os.environ.get("FEDSEG_SITE_CONFIG") or str(Path(collab.workspace.get_root_dir()) / "local" / SITE_CONFIG_NAME)
+            path = (
+                self.config
+                or os.environ.get("FEDSEG_SITE_CONFIG")
+                or str(Path(collab.workspace.get_root_dir()) / "local" / SITE_CONFIG_NAME)
+            )
             threads = os.environ.get("FEDSEG_TORCH_THREADS")
             if threads:
                 import torch
@@ -88,13 +92,21 @@ class FedsegSite:
         ctx = collab.context  # FLARE's call context: the caller is the authenticated origin of the request
         server = getattr(ctx.server, "name", None) or "server"
         if ctx.caller != server:
-            name = self._runtime.name if self._runtime is not None else getattr(getattr(ctx, "app", None), "name", "this site")
+            name = (
+                self._runtime.name
+                if self._runtime is not None
+                else getattr(getattr(ctx, "app", None), "name", "this site")
+            )
             log.warning("site %s refused '%s' from %s: only the server calls a site", name, op, ctx.caller)
-            raise PermissionError(f"site {name}: refused '{op}' from {ctx.caller!r}; only the server ({server!r}) may call a site")
+            raise PermissionError(
+                f"site {name}: refused '{op}' from {ctx.caller!r}; only the server ({server!r}) may call a site"
+            )
         return self._rt().call(op, payload)
 
 
-def make_job(job_root: str | Path, run_dir: str | Path, sites: list[str], name: str = "fedseg", sync_timeout: float = 120.0) -> Path:
+def make_job(
+    job_root: str | Path, run_dir: str | Path, sites: list[str], name: str = "fedseg", sync_timeout: float = 120.0
+) -> Path:
     """Write the job folder for the run prepared in ``run_dir`` (path on the server) and return it."""
     from nvflare.collab.runtime.controller import CollabController
     from nvflare.collab.runtime.executor import CollabExecutor
@@ -102,7 +114,10 @@ def make_job(job_root: str | Path, run_dir: str | Path, sites: list[str], name: 
 
     job = FedJob(name=name, min_clients=len(sites))
     sid = job.to_server(FedsegServer(str(Path(run_dir).resolve())), "_server")
-    job.to_server(CollabController(server_obj_id=sid, collab_obj_ids=[], sync_task_timeout=sync_timeout, props={}), id="controller")
+    job.to_server(
+        CollabController(server_obj_id=sid, collab_obj_ids=[], sync_task_timeout=sync_timeout, props={}),
+        id="controller",
+    )
     for s in sites:
         cid = job.to(FedsegSite(), s, id="_client")
         job.to(CollabExecutor(client_obj_id=cid, collab_obj_ids=[], props={}), s, id="executor", tasks=["*"])
@@ -111,7 +126,9 @@ def make_job(job_root: str | Path, run_dir: str | Path, sites: list[str], name: 
     return job_root / name
 
 
-def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, admin_port: int, project: str = "fedseg") -> dict[str, Path]:
+def provision_kits(
+    out: str | Path, sites: list[str], host: str, fl_port: int, admin_port: int, project: str = "fedseg"
+) -> dict[str, Path]:
     """Root CA + server, site and admin startup kits (mutual TLS) under ``out``; returns ``{participant: kit}``.
 
     Each kit's ``local/resources.json`` extends the class allow-list with fedseg's
@@ -122,11 +139,16 @@ def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, a
     import sys
 
     out = Path(out).resolve()
-    participants = [{"name": host, "type": "server", "org": "fedseg", "fed_learn_port": fl_port, "admin_port": admin_port}]
+    participants = [
+        {"name": host, "type": "server", "org": "fedseg", "fed_learn_port": fl_port, "admin_port": admin_port}
+    ]
     participants += [{"name": s, "type": "client", "org": "fedseg"} for s in sites]
     participants.append({"name": ADMIN_USER, "type": "admin", "org": "fedseg", "role": "project_admin"})
     project_dict = {
-        "api_version": 3, "name": project, "description": "fedseg deployment", "participants": participants,
+        "api_version": 3,
+        "name": project,
+        "description": "fedseg deployment",
+        "participants": participants,
         "builders": [
             {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder"},
             {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
@@ -139,8 +161,14 @@ def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, a
     ws.chmod(0o700)  # before anything is written into it: no window in which others can reach the CA key
     (ws / "project.yml").write_text(json.dumps(project_dict, indent=1))  # JSON is YAML
     env = {**os.environ, "HOME": str(ws)}
-    proc = subprocess.run([sys.executable, "-m", "nvflare.cli", "provision", "-p", str(ws / "project.yml"), "-w", str(ws), "--force"],
-                          cwd=ws, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nvflare.cli", "provision", "-p", str(ws / "project.yml"), "-w", str(ws), "--force"],
+        cwd=ws,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"nvflare provision failed ({proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
     prods = sorted((ws / project).glob("prod_*"))
@@ -160,7 +188,12 @@ def provision_kits(out: str | Path, sites: list[str], host: str, fl_port: int, a
             res["class_allow_list"] = allow + [a for a in ALLOW_PREFIXES if a not in allow]
             (dest / "local" / "resources.json").write_text(json.dumps(res, indent=1))
         kits[role] = dest
-    (out / "kits.json").write_text(json.dumps({"server": f"{host}:{fl_port}", "admin_port": admin_port, "sites": sites, "admin_user": ADMIN_USER}, indent=1))
+    (out / "kits.json").write_text(
+        json.dumps(
+            {"server": f"{host}:{fl_port}", "admin_port": admin_port, "sites": sites, "admin_user": ADMIN_USER},
+            indent=1,
+        )
+    )
     restrict(ws, everything=True)
     for kit in kits.values():
         restrict(kit)
@@ -189,16 +222,41 @@ def server_command(kit: str | Path) -> list[str]:
     """The command that starts the FLARE server from its kit (what the kit's start.sh runs)."""
     import sys
 
-    return [sys.executable, "-u", "-m", "nvflare.private.fed.app.server.server_train", "-m", str(Path(kit).resolve()), "-s", "fed_server.json",
-            "--set", "secure_train=true", "org=fedseg", "config_folder=config"]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "nvflare.private.fed.app.server.server_train",
+        "-m",
+        str(Path(kit).resolve()),
+        "-s",
+        "fed_server.json",
+        "--set",
+        "secure_train=true",
+        "org=fedseg",
+        "config_folder=config",
+    ]
 
 
 def site_command(kit: str | Path, name: str) -> list[str]:
     """The command that starts a FLARE site from its kit (what the kit's start.sh runs)."""
     import sys
 
-    return [sys.executable, "-u", "-m", "nvflare.private.fed.app.client.client_train", "-m", str(Path(kit).resolve()), "-s", "fed_client.json",
-            "--set", "secure_train=true", f"uid={name}", "org=fedseg", "config_folder=config"]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "nvflare.private.fed.app.client.client_train",
+        "-m",
+        str(Path(kit).resolve()),
+        "-s",
+        "fed_client.json",
+        "--set",
+        "secure_train=true",
+        f"uid={name}",
+        "org=fedseg",
+        "config_folder=config",
+    ]
 
 
 class Admin:
@@ -211,7 +269,9 @@ class Admin:
         last: Exception | None = None
         while time.monotonic() < end:
             try:
-                self.sess = new_secure_session(ADMIN_USER, str(Path(admin_kit).resolve()), timeout=max(5.0, end - time.monotonic()))
+                self.sess = new_secure_session(
+                    ADMIN_USER, str(Path(admin_kit).resolve()), timeout=max(5.0, end - time.monotonic())
+                )
                 return
             except Exception as e:  # server still starting
                 last = e
@@ -243,7 +303,9 @@ class Admin:
             if set(sites) <= have:
                 return
             time.sleep(0.5)
-        raise ConnectionError(f"sites {sorted(set(sites) - set(self.connected_sites()))} did not connect within {timeout:g} s; start them with `fedseg deploy site`")
+        raise ConnectionError(
+            f"sites {sorted(set(sites) - set(self.connected_sites()))} did not connect within {timeout:g} s; start them with `fedseg deploy site`"
+        )
 
     def submit(self, job_folder: str | Path) -> str:
         return self.sess.submit_job(str(job_folder))
@@ -263,17 +325,17 @@ class Admin:
     def abort(self, job_id: str) -> None:
         try:
             self.sess.abort_job(job_id)
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:
             pass
 
     def shutdown_all(self) -> None:
         try:
             self.sess.api.do_command("shutdown client")  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def close(self) -> None:
         try:
             self.sess.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass

@@ -39,13 +39,12 @@ from typing import Any
 
 import torch
 
-from fedseg.arrays import Arrays, is_float
-from fedseg.errors import FedsegError, PayloadError
-from fedseg.site import Reply, Task
-from fedseg.transport.base import Traffic
-
+from fedseg.core.arrays import Arrays, is_float
+from fedseg.core.errors import FedsegError, PayloadError
+from fedseg.core.messages import Reply, Task
 from fedseg.deploy.params import DeployParams
-from fedseg.deploy.wire import parse_json_object, check_reply, decode_reply, encode_task
+from fedseg.deploy.wire import check_reply, decode_reply, encode_task, parse_json_object
+from fedseg.transport.base import Traffic
 
 __all__ = ["Call", "DeployError", "LoopbackChannel", "RemoteTransport"]
 
@@ -56,7 +55,14 @@ class DeployError(FedsegError):
     """A deployed exchange could not complete (too few sites answered)."""
 
 
-_SPLITS = {"training": "training", "train": "training", "validation": "validation", "val": "validation", "testing": "testing", "test": "testing"}
+_SPLITS = {
+    "training": "training",
+    "train": "training",
+    "validation": "validation",
+    "val": "validation",
+    "testing": "testing",
+    "test": "testing",
+}
 
 
 def _declared_counts(summary: dict[str, Any]) -> dict[str, int]:
@@ -98,7 +104,11 @@ def _metrics_mismatch(expected: dict[str, str], got: tuple[tuple[str, str], ...]
     missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     if missing or extra:
         return f"keys differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})"
-    wrong = [f"{k} is a {have[k]}, expected a {v}" for k, v in expected.items() if "null" not in (v, have[k]) and v != have[k]]
+    wrong = [
+        f"{k} is a {have[k]}, expected a {v}"
+        for k, v in expected.items()
+        if "null" not in (v, have[k]) and v != have[k]
+    ]
     return "; ".join(wrong[:3])
 
 
@@ -123,12 +133,14 @@ def _parallel(fns: dict[str, Callable[[], Any]], timeout: float) -> dict[str, tu
     def runner(key: str, fn: Callable[[], Any]) -> None:
         try:
             res = (True, fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
+        except BaseException as e:
             res = (False, e)
         with lock:
             out[key] = res
 
-    threads = {k: threading.Thread(target=runner, args=(k, f), daemon=True, name=f"fedseg-ask-{k}") for k, f in fns.items()}
+    threads = {
+        k: threading.Thread(target=runner, args=(k, f), daemon=True, name=f"fedseg-ask-{k}") for k, f in fns.items()
+    }
     for t in threads.values():
         t.start()
     end = time.monotonic() + timeout + min(5.0, 0.1 * timeout)
@@ -161,8 +173,15 @@ class RemoteTransport:
         Scores per case in an evaluation reply (the workload's metric count); None: not checked.
     """
 
-    def __init__(self, sites: list[str] | tuple[str, ...], call: Call, params: DeployParams, log: Callable[[str], None] = print,
-                 record: Path | None = None, num_metrics: int | None = None):
+    def __init__(
+        self,
+        sites: list[str] | tuple[str, ...],
+        call: Call,
+        params: DeployParams,
+        log: Callable[[str], None] = print,
+        record: Path | None = None,
+        num_metrics: int | None = None,
+    ):
         self.record = record
         self.sites = tuple(sites)
         self.call = call
@@ -177,10 +196,14 @@ class RemoteTransport:
         self.num_metrics = num_metrics
         self.declared: dict[str, dict[str, int]] = {}  # each site's case counts, from its setup reply
         self._exact: dict[tuple[str, str], bool] = {}  # (site, task key): its replies claim exactly the declared count
-        self._names: dict[str, tuple[frozenset[str], tuple]] = {}  # expected reply layout (names, metric kinds) per task key
+        self._names: dict[
+            str, tuple[frozenset[str], tuple]
+        ] = {}  # expected reply layout (names, metric kinds) per task key
 
     # ---------------------------------------------------------------- control
-    def _control(self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None) -> dict[str, Any]:
+    def _control(
+        self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None
+    ) -> dict[str, Any]:
         """Send a JSON control operation to every site; ``{site: reply dict}`` of those that answered."""
         payload = json.dumps(body).encode()
 
@@ -195,7 +218,7 @@ class RemoteTransport:
                 self._down.discard(s)
                 try:
                     out[s] = parse_json_object(res, f"reply of site {s} to '{op}'")
-                except Exception as e:  # noqa: BLE001 - a malformed control reply is a rejection
+                except Exception as e:
                     self._drop(s, op, f"rejected: {type(e).__name__}: {e}")
             else:
                 self._down.add(s)
@@ -208,12 +231,14 @@ class RemoteTransport:
         for site, summary in list(out.items()):
             try:
                 self.declared[site] = _declared_counts(summary)
-            except Exception as e:  # noqa: BLE001 - a malformed summary leaves the site out of the run
+            except Exception as e:
                 del out[site]
                 self._drop(site, "setup", f"rejected: setup summary {str(summary)[:200]}: {type(e).__name__}: {e}")
         need = min(self.params.min_sites, len(self.sites))
         if len(out) < need:
-            raise DeployError(f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = {self.params.min_sites}; check the sites' logs")
+            raise DeployError(
+                f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = {self.params.min_sites}; check the sites' logs"
+            )
         return out
 
     def _send(self, site: str, blob: bytes, deadline: float) -> bytes:
@@ -228,8 +253,10 @@ class RemoteTransport:
         probe = min(self.params.probe_timeout_s, timeout)
         try:
             self.call(site, "ping", b"{}", probe)
-        except Exception as e:  # noqa: BLE001 - reported as the reason of the dropout
-            raise ConnectionError(f"still unreachable (no answer to a ping within {probe:g} s: {type(e).__name__}: {e})") from e
+        except Exception as e:
+            raise ConnectionError(
+                f"still unreachable (no answer to a ping within {probe:g} s: {type(e).__name__}: {e})"
+            ) from e
 
     def _drop(self, site: str, kind: str, reason: str) -> None:
         rnd = self.round_source()
@@ -269,7 +296,7 @@ class RemoteTransport:
                 self._check_samples(s, task, reply, what)
                 if task.kind == "evaluate":
                     self._check_scores(s, task, reply, what)
-            except Exception as e:  # noqa: BLE001 - hostile bytes may raise anything; all of it is a rejection
+            except Exception as e:
                 self._reject(s, task, e)
                 continue
             decoded[s] = reply
@@ -280,7 +307,9 @@ class RemoteTransport:
             key = (s, tasks[s].kind)
             # remember the layout only (zero-stride views take no memory)
             known = self._schema.setdefault(key, {})
-            known.update({k: torch.empty((), dtype=v.dtype).expand(v.shape) for k, v in reply.arrays.items() if k not in known})
+            known.update(
+                {k: torch.empty((), dtype=v.dtype).expand(v.shape) for k, v in reply.arrays.items() if k not in known}
+            )
             self.traffic.record(s, tasks[s], reply)
             replies[s] = reply
         need = min(self.params.min_sites, len(tasks))
@@ -293,7 +322,11 @@ class RemoteTransport:
 
     # ------------------------------------------------------------- validation
     def _reject(self, site: str, task: Task, error: BaseException | str) -> None:
-        reason = error if isinstance(error, str) else (str(error) if isinstance(error, PayloadError) else f"{type(error).__name__}: {error}")
+        reason = (
+            error
+            if isinstance(error, str)
+            else (str(error) if isinstance(error, PayloadError) else f"{type(error).__name__}: {error}")
+        )
         self.traffic.record(site, task, None)
         self._drop(site, task.kind, f"rejected: {reason[:500]}")
 
@@ -320,7 +353,9 @@ class RemoteTransport:
             raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup")
         exact = self._exact.setdefault((site, _task_key(task)), n == n_train)
         if exact and n != n_train:
-            raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup (and claimed them before)")
+            raise PayloadError(
+                f"{what}: claims {n} training samples, but the site declared {n_train} at setup (and claimed them before)"
+            )
 
     def _check_scores(self, site: str, task: Task, reply: Reply, what: str) -> None:
         """Evaluation metrics: exactly the candidates asked for, the site's declared number of cases of the
@@ -336,10 +371,18 @@ class RemoteTransport:
             if not isinstance(cases, list):
                 raise PayloadError(f"{what}: scores of {name!r} are a {type(cases).__name__}, not a list of cases")
             if want is not None and len(cases) != want:
-                raise PayloadError(f"{what}: {len(cases)} {split} cases scored for {name!r}, but the site declared {want} at setup")
+                raise PayloadError(
+                    f"{what}: {len(cases)} {split} cases scored for {name!r}, but the site declared {want} at setup"
+                )
             for case in cases:
-                if not isinstance(case, list) or not case or (self.num_metrics is not None and len(case) != self.num_metrics):
-                    raise PayloadError(f"{what}: a case of {name!r} is {str(case)[:80]}, not a list of {self.num_metrics or 'the'} metric scores")
+                if (
+                    not isinstance(case, list)
+                    or not case
+                    or (self.num_metrics is not None and len(case) != self.num_metrics)
+                ):
+                    raise PayloadError(
+                        f"{what}: a case of {name!r} is {str(case)[:80]}, not a list of {self.num_metrics or 'the'} metric scores"
+                    )
                 if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0 for x in case):
                     raise PayloadError(f"{what}: a score of {name!r} is outside [0, 1]: {str(case)[:80]}")
 
@@ -366,7 +409,11 @@ class RemoteTransport:
                 what = f"reply of site {s} to '{tasks[s].kind}'"
                 if got != names:
                     missing, extra = sorted(names - got), sorted(got - names)
-                    self._reject(s, tasks[s], f"{what}: tensor names differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})")
+                    self._reject(
+                        s,
+                        tasks[s],
+                        f"{what}: tensor names differ from the expected set (missing {missing[:5]}, unexpected {extra[:5]})",
+                    )
                     del decoded[s]
                     continue
                 bad = _metrics_mismatch(dict(kinds), _metric_kinds(decoded[s].metrics))
@@ -386,8 +433,12 @@ class RemoteTransport:
         for s, n in norms.items():
             med = statistics.median(v for k, v in norms.items() if k != s)
             if med > 0 and n > ratio * med:
-                self._reject(s, tasks[s], f"reply of site {s} to '{tasks[s].kind}': update norm {n:.4g} is {n / med:.3g}x the median "
-                                          f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})")
+                self._reject(
+                    s,
+                    tasks[s],
+                    f"reply of site {s} to '{tasks[s].kind}': update norm {n:.4g} is {n / med:.3g}x the median "
+                    f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})",
+                )
                 del decoded[s]
 
     def save_sites(self, folder: Path) -> None:

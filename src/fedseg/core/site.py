@@ -8,7 +8,7 @@ variates — lives here and is saved with :meth:`Site.save` as safetensors + JSO
 a restarted site resumes exactly.
 
 Random draws (batch order, crops) come from generators seeded by
-(run seed, site index, round, stream name): see :mod:`fedseg.seeding`.
+(run seed, site index, round, stream name): see :mod:`fedseg.core.seeding`.
 """
 
 from __future__ import annotations
@@ -19,54 +19,47 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.arrays import Arrays, check_compatible, check_layout, nonfinite, strip_prefix
-from fedseg.config import RunConfig
-from fedseg.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
-from fedseg.errors import ConfigError, PayloadError
-from fedseg.seeding import generator
-from fedseg.workload import Workload
+from fedseg.core.arrays import Arrays, check_compatible, check_layout, nonfinite, strip_prefix
+from fedseg.core.config import RunConfig
+from fedseg.core.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.seeding import generator
+from fedseg.core.workload import Workload
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.algorithms.base import Algorithm
 
-__all__ = ["LossSums", "Reply", "Site", "SiteData", "Task", "batch_of", "dataset_len"]
+class SiteHalf(Protocol):
+    """What a :class:`Site` needs from the run's algorithm: its site half (see
+    :class:`fedseg.algorithms.base.Algorithm`, which implements it).  The site layer does not import
+    the algorithms; the algorithms build on the site."""
+
+    name: str
+
+    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]: ...
+
+    def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]: ...
+
+    def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None: ...
+
+    def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]: ...
+
+
+__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len", "load_checked"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 _fit_hook = threading.local()
-"""``_fit_hook.call``: set by :mod:`fedseg.vectorize` in the threads that run sites' handlers, so that
+"""``_fit_hook.call``: set by :mod:`fedseg.simulation.vectorize` in the threads that run sites' handlers, so that
 their :meth:`Site.fit` calls meet and run as one vectorized computation (None: train here)."""
-
-
-@dataclass
-class Task:
-    """What the server asks a site to do.
-
-    ``kind`` selects the handler; ``arrays`` carries tensors (models, gradients);
-    ``config`` carries small JSON-able settings (round number, step counts…).
-    """
-
-    kind: str
-    arrays: Arrays = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Reply:
-    """What a site sends back: tensors, JSON-able metrics and its sample count (FedAvg's n_k)."""
-
-    arrays: Arrays = field(default_factory=dict)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    num_samples: int = 0
 
 
 @dataclass
@@ -78,7 +71,14 @@ class SiteData:
     test: Dataset | None = None
 
     def split(self, name: str) -> Dataset | None:
-        return {"train": self.train, "training": self.train, "val": self.val, "validation": self.val, "test": self.test, "testing": self.test}[name]
+        return {
+            "train": self.train,
+            "training": self.train,
+            "val": self.val,
+            "validation": self.val,
+            "test": self.test,
+            "testing": self.test,
+        }[name]
 
 
 def dataset_len(ds: Dataset | None) -> int:
@@ -125,7 +125,7 @@ def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
     fix = f"restore {path.name} from a backup, or start the run again without --resume"
     try:
         arrays = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - missing, truncated or not safetensors
+    except Exception as e:
         raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
     try:
         if layout is not None:
@@ -186,13 +186,16 @@ class Site:
         The run's algorithm; its site half answers tasks.
     """
 
-    def __init__(self, name: str, index: int, data: SiteData, workload: Workload, cfg: RunConfig, algorithm: Algorithm):
+    def __init__(self, name: str, index: int, data: SiteData, workload: Workload, cfg: RunConfig, algorithm: SiteHalf):
         self.name = name
         self.index = index
         self.data = data
         self.workload = workload
         self.cfg = cfg
         self.algorithm = algorithm
+        self.scratch: dict[str, Any] = {}
+        """Working state of the site half that is *not* saved with the site (caches, cursors rebuilt on
+        demand, e.g. FGA's batch cursor); what must survive a restart belongs in :attr:`store`."""
         self.dtype = _DTYPES[cfg.train.dtype]
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
@@ -215,7 +218,7 @@ class Site:
         if handler is None:
             raise PayloadError(
                 f"site {self.name}: task kind {task.kind!r} is not handled by method {self.algorithm.name!r} "
-                f"(known: {sorted(self._handlers) + ['evaluate']}); server and site must run the same method"
+                f"(known: {[*sorted(self._handlers), 'evaluate']}); server and site must run the same method"
             )
         return handler(self, task)
 
@@ -231,7 +234,11 @@ class Site:
             template = self._workload_models.get("any") if factory is None else None
             # another instance of the workload model: copy it (its weights are replaced
             # on load) instead of building and randomly initializing a new one
-            m = copy.deepcopy(template) if template is not None else (factory or self.workload.build_model)().to(device=self.device, dtype=self.dtype)
+            m = (
+                copy.deepcopy(template)
+                if template is not None
+                else (factory or self.workload.build_model)().to(device=self.device, dtype=self.dtype)
+            )
             if factory is None and "any" not in self._workload_models:
                 self._workload_models["any"] = m
                 self._template_role = role
@@ -254,7 +261,9 @@ class Site:
                 return set(model.state_dict()) - bn
         return None
 
-    def load(self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None) -> nn.Module:
+    def load(
+        self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None
+    ) -> nn.Module:
         """Copy ``arrays`` into the role's model (validated: names, shapes, dtypes) and return the model.
 
         With ``train.bn_policy = "local"`` the arrays carry no batch-norm running statistics;
@@ -285,7 +294,9 @@ class Site:
         shared = self._shared_names(model)
         return {k: v.detach().clone() for k, v in model.state_dict().items() if shared is None or k in shared}
 
-    def optimizer(self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None) -> torch.optim.Optimizer:
+    def optimizer(
+        self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None
+    ) -> torch.optim.Optimizer:
         """The role's optimizer, created on first use (Adam by default) and kept across rounds unless ``reset``."""
         opt = self.optimizers.get(role)
         if opt is None or reset:
@@ -307,17 +318,34 @@ class Site:
         ds = self.data.split(split)
         if ds is None:
             return ds
-        key = {"train": "train", "training": "train", "val": "val", "validation": "val", "test": "test", "testing": "test"}[split]
+        key = {
+            "train": "train",
+            "training": "train",
+            "val": "val",
+            "validation": "val",
+            "test": "test",
+            "testing": "test",
+        }[split]
         if key not in self._placed:
-            pair = (ds.images, ds.labels) if hasattr(ds, "images") and hasattr(ds, "labels") else getattr(ds, "tensors", None)
+            pair = (
+                (ds.images, ds.labels)
+                if hasattr(ds, "images") and hasattr(ds, "labels")
+                else getattr(ds, "tensors", None)
+            )
             if pair is None or len(pair) != 2:
                 self._placed[key] = ds  # a generic dataset: each batch is copied to the device as it is used
             else:
                 mode = self.cfg.train.data
                 if mode == "auto":
-                    mode = "device" if fits_on_device(sum(t.numel() * t.element_size() for t in pair), self.device) else "stream"
+                    mode = (
+                        "device"
+                        if fits_on_device(sum(t.numel() * t.element_size() for t in pair), self.device)
+                        else "stream"
+                    )
                 # "stream": the host tensors; each batch is pinned and copied without blocking
-                self._placed[key] = _Placed(pair[0].to(self.device), pair[1].to(self.device)) if mode == "device" else ds
+                self._placed[key] = (
+                    _Placed(pair[0].to(self.device), pair[1].to(self.device)) if mode == "device" else ds
+                )
         return self._placed[key]
 
     def _to_device(self, t: torch.Tensor, cast: bool) -> torch.Tensor:
@@ -336,7 +364,14 @@ class Site:
         n = dataset_len(self.data.split(split))
         return max(1, round(t.local_epochs * math.ceil(n / t.batch_size)))
 
-    def batches(self, rnd: int, stream: str = "train", steps: int | None = None, split: str = "train", batch_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self,
+        rnd: int,
+        stream: str = "train",
+        steps: int | None = None,
+        split: str = "train",
+        batch_size: int | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Training batches of one round: successive seeded permutations cut into batches.
 
         Each pass over the data is a permutation drawn from the generator of
@@ -352,13 +387,15 @@ class Site:
         g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
         done, epoch = 0, 0
         while done < steps:
-            perm = torch.randperm(n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch))  # drawn on the CPU on every device
+            perm = torch.randperm(
+                n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch)
+            )  # drawn on the CPU on every device
             if isinstance(ds, _Placed):
                 perm = perm.to(self.device)  # one copy per pass, not one per batch
             for start in range(0, n, bs):
                 if done >= steps:
                     break
-                x, y = batch_of(ds, perm[start:start + bs])
+                x, y = batch_of(ds, perm[start : start + bs])
                 x = self._to_device(x, cast=True)
                 y = self._to_device(y, cast=y.is_floating_point())
                 if tf is not None:
@@ -388,7 +425,7 @@ class Site:
         round, so no step waits for the host.
 
         In a vectorized simulation (``simulation.vectorize``) the call is handed to
-        :mod:`fedseg.vectorize`, which trains the sites that meet here together, or calls
+        :mod:`fedseg.simulation.vectorize`, which trains the sites that meet here together, or calls
         this method again for a site it cannot vectorize.
         """
         call = getattr(_fit_hook, "call", None)
@@ -398,8 +435,10 @@ class Site:
         opt = optimizer or self.optimizer(role)
         scaler = self.scaler(role)
         if scaler is not None and not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"train.precision = 'fp16' needs a plain torch optimizer, but {self.algorithm.name!r} steps "
-                              f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)")
+            raise ConfigError(
+                f"train.precision = 'fp16' needs a plain torch optimizer, but {self.algorithm.name!r} steps "
+                f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)"
+            )
         model.train()
         sums = LossSums(self.device)
         for x, y in self.batches(rnd, stream, steps):
@@ -418,8 +457,14 @@ class Site:
         forward pass of every local loop runs under it."""
         return autocast(self.device, self.precision)
 
-    def step(self, role: str, opt: torch.optim.Optimizer, loss: torch.Tensor, model: nn.Module | None = None,
-             after_backward: Callable[[nn.Module], None] | None = None) -> None:
+    def step(
+        self,
+        role: str,
+        opt: torch.optim.Optimizer,
+        loss: torch.Tensor,
+        model: nn.Module | None = None,
+        after_backward: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         """``loss.backward()`` and one step of ``opt``; under fp16 through the role's gradient
         scaler (scaled backward, unscaled gradients for ``after_backward(model)``, a step skipped
         and the scale backed off when a gradient overflowed).  fp32 and bf16: the plain step."""
@@ -463,7 +508,9 @@ class Site:
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
 
-    def model_predictor(self, arrays: Arrays, role: str = "eval", bn_from: str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def model_predictor(
+        self, arrays: Arrays, role: str = "eval", bn_from: str | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A predictor that runs the workload model with ``arrays`` (the default ``"model"`` predictor).
 
         ``bn_from``: the role whose batch-norm running statistics it uses under
@@ -494,7 +541,12 @@ class Site:
         (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
         take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach())
         arrays: Arrays = {}
-        meta: dict[str, Any] = {"site": self.name, "models": sorted(self.models), "optimizers": {}, "template_role": self._template_role}
+        meta: dict[str, Any] = {
+            "site": self.name,
+            "models": sorted(self.models),
+            "optimizers": {},
+            "template_role": self._template_role,
+        }
         if self.scalers:
             meta["scalers"] = {role: sc.state_dict() for role, sc in self.scalers.items()}
         for role, m in self.models.items():
@@ -527,7 +579,9 @@ class Site:
             for k, v in strip_prefix(f"optim/{role}", arrays).items():
                 idx, key = k.split("/", 1)
                 state.setdefault(int(idx), {})[key] = v
-            opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})  # moves moments to the params' device
+            opt.load_state_dict(
+                {"state": state, "param_groups": info["param_groups"]}
+            )  # moves moments to the params' device
         for role, sd in meta.get("scalers", {}).items():
             sc = self.scaler(role)
             if sc is not None:
@@ -553,6 +607,14 @@ class Site:
         try:
             meta = json.loads(path.with_suffix(".json").read_text())
             self.load_state_arrays(arrays, meta)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # unreadable JSON, state that does not fit the models
-            raise ConfigError(f"site state {path} does not fit this run's site {self.name!r} ({type(e).__name__}: {str(e)[:300]}); {fix}") from None
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            RuntimeError,
+        ) as e:  # unreadable JSON, state that does not fit the models
+            raise ConfigError(
+                f"site state {path} does not fit this run's site {self.name!r} ({type(e).__name__}: {str(e)[:300]}); {fix}"
+            ) from None
         return True

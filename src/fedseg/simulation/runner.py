@@ -13,15 +13,15 @@ from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.centralized import POOLED
-from fedseg.config import RunConfig, dump_toml, load_run_config
-from fedseg.device import describe, resolve_device
-from fedseg.engine import Engine, _save_json
-from fedseg.errors import ConfigError
+from fedseg.core.config import RunConfig, dump_toml, load_run_config
+from fedseg.core.device import describe, resolve_device
+from fedseg.core.engine import Engine, _save_json
+from fedseg.core.errors import ConfigError
+from fedseg.core.site import Site, SiteData
+from fedseg.core.workload import Workload, segmentation_workload
 from fedseg.evaluation.tables import table3
-from fedseg.site import Site, SiteData
+from fedseg.simulation.vectorize import VectorizedExecutor, resolve_vectorize
 from fedseg.transport.inprocess import InProcessTransport
-from fedseg.vectorize import VectorizedExecutor, resolve_vectorize
-from fedseg.workload import Workload, segmentation_workload
 
 __all__ = ["load_federation_data", "run", "simulate", "write_results"]
 
@@ -33,13 +33,21 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     if all(hasattr(t, "images") for t in trains):
         import torch
 
-        return SiteData(train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains])))
+        return SiteData(
+            train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
+        )
     return SiteData(train=ConcatDataset(trains))
 
 
-def build_transport(cfg: RunConfig, workload: Workload, site_data: Mapping[str, SiteData], algorithm=None, log: Callable[[str], None] = print) -> InProcessTransport:
+def build_transport(
+    cfg: RunConfig,
+    workload: Workload,
+    site_data: Mapping[str, SiteData],
+    algorithm=None,
+    log: Callable[[str], None] = print,
+) -> InProcessTransport:
     """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed),
-    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.vectorize`)."""
+    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.simulation.vectorize`)."""
     algorithm = algorithm or get_algorithm(cfg)
     sites = [Site(name, i, data, workload, cfg, algorithm) for i, (name, data) in enumerate(site_data.items())]
     extra = []
@@ -48,7 +56,9 @@ def build_transport(cfg: RunConfig, workload: Workload, site_data: Mapping[str, 
     vectorized = None
     if resolve_vectorize(cfg.simulation.vectorize, resolve_device(cfg.device)):
         vectorized = VectorizedExecutor(cfg.simulation.vectorize_group, log)
-        log(f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)")
+        log(
+            f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
+        )
     return InProcessTransport(sites, extra, vectorized)
 
 
@@ -70,7 +80,7 @@ def simulate(
     cfg
         Run configuration (``cfg.federation`` is only recorded).
     workload
-        Model factory, loss, metric (any task; see :mod:`fedseg.workload`).
+        Model factory, loss, metric (any task; see :mod:`fedseg.core.workload`).
     site_data
         ``{site name: SiteData}`` in federation order.
     out
@@ -80,7 +90,7 @@ def simulate(
     stop_after
         Stop (checkpointed) after this round, as an interruption would.
     on_round
-        Called with each round's history entry (see :class:`fedseg.engine.Engine`).
+        Called with each round's history entry (see :class:`fedseg.core.engine.Engine`).
     """
     if not site_data:
         raise ConfigError("no sites given; a federation needs at least one site")
@@ -109,11 +119,11 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
 
 def load_federation_data(federation: str | Path, progress: bool = False) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory."""
+    from tqdm.auto import tqdm
+
     from fedseg.data.loading import load_split
     from fedseg.data.spec import load_federation
     from fedseg.data.validate import raise_if_invalid
-
-    from tqdm.auto import tqdm
 
     raise_if_invalid(federation)
     fed = load_federation(federation)
@@ -151,5 +161,23 @@ def run(
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold, empty_dice=cfg.eval.empty_dice)
-    return simulate(cfg, workload, data, out=out, progress=progress, resume=resume, stop_after=stop_after, log=log, on_round=on_round)
+    workload = segmentation_workload(
+        fed.spatial_dims,
+        fed.in_channels,
+        list(fed.labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
+    return simulate(
+        cfg,
+        workload,
+        data,
+        out=out,
+        progress=progress,
+        resume=resume,
+        stop_after=stop_after,
+        log=log,
+        on_round=on_round,
+    )

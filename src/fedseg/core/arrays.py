@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedseg.errors import PayloadError
+from fedseg.core.errors import PayloadError
 
 Arrays = dict[str, torch.Tensor]
 
@@ -24,16 +24,16 @@ __all__ = [
     "add",
     "aggregate",
     "check_aggregation",
-    "check_layout",
-    "layout_of",
-    "nonfinite",
     "check_compatible",
+    "check_layout",
     "clone",
     "dot",
     "flatten",
     "is_float",
+    "layout_of",
     "lerp",
     "nbytes",
+    "nonfinite",
     "normalize_weights",
     "prefixed",
     "scale",
@@ -49,7 +49,9 @@ def is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def check_compatible(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], what: str = "arrays") -> None:
+def check_compatible(
+    reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], what: str = "arrays"
+) -> None:
     """Raise :class:`PayloadError` unless ``other`` has the names, shapes and dtypes of ``reference``."""
     missing = sorted(set(reference) - set(other))
     extra = sorted(set(other) - set(reference))
@@ -124,16 +126,25 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
 
 def check_aggregation(rule: str, trim: float, section: str) -> None:
-    """Raise :class:`~fedseg.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
-    from fedseg.errors import ConfigError
+    """Raise :class:`~fedseg.core.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
+    from fedseg.core.errors import ConfigError
 
     if rule not in AGGREGATIONS:
-        raise ConfigError(f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)")
+        raise ConfigError(
+            f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)"
+        )
     if not 0.0 <= trim < 0.5:
-        raise ConfigError(f"{section}.trim = {trim}; it must be in [0, 0.5): the fraction of sites dropped at each end by 'trimmed_mean'")
+        raise ConfigError(
+            f"{section}.trim = {trim}; it must be in [0, 0.5): the fraction of sites dropped at each end by 'trimmed_mean'"
+        )
 
 
-def aggregate(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None, rule: str = "mean", trim: float = 0.1) -> Arrays:
+def aggregate(
+    items: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float] | None = None,
+    rule: str = "mean",
+    trim: float = 0.1,
+) -> Arrays:
     """Aggregate K arrays by ``rule``; a drop-in for :func:`weighted_mean` (``rule="mean"`` *is* it, bitwise).
 
     ``"trimmed_mean"``
@@ -172,8 +183,8 @@ def aggregate(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[flo
             mid = vals[(k - 1) // 2] if k % 2 else 0.5 * (vals[k // 2 - 1] + vals[k // 2])
             out[name] = mid.to(ref.dtype)
             continue
-        w = p[order][cut:k - cut]
-        out[name] = ((vals[cut:k - cut] * w).sum(dim=0) / w.sum(dim=0)).to(ref.dtype)
+        w = p[order][cut : k - cut]
+        out[name] = ((vals[cut : k - cut] * w).sum(dim=0) / w.sum(dim=0)).to(ref.dtype)
     return out
 
 
@@ -238,13 +249,12 @@ def prefixed(prefix: str, a: Mapping[str, torch.Tensor]) -> Arrays:
 def strip_prefix(prefix: str, a: Mapping[str, torch.Tensor]) -> Arrays:
     """The entries named ``prefix/...``, with the prefix removed."""
     head = prefix + "/"
-    return {k[len(head):]: v for k, v in a.items() if k.startswith(head)}
+    return {k[len(head) :]: v for k, v in a.items() if k.startswith(head)}
 
 
 def nonfinite(a: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of floating tensors that hold a NaN or an infinity (empty when all finite)."""
     return [k for k, v in a.items() if is_float(v) and not bool(torch.isfinite(v).all())]
-
 
 
 def layout_of(a: Mapping[str, torch.Tensor]) -> dict[str, list]:
@@ -260,4 +270,6 @@ def check_layout(a: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence]) 
     for k, (shape, dtype) in layout.items():
         v = a[k]
         if list(v.shape) != list(shape) or str(v.dtype).removeprefix("torch.") != dtype:
-            raise PayloadError(f"'{k}' has shape {list(v.shape)} {str(v.dtype).removeprefix('torch.')}, expected {list(shape)} {dtype}")
+            raise PayloadError(
+                f"'{k}' has shape {list(v.shape)} {str(v.dtype).removeprefix('torch.')}, expected {list(shape)} {dtype}"
+            )

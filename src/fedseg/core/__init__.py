@@ -1,0 +1,1 @@
+"""The core: messages, arrays, config, seeding, errors, device, workload, site, engine, checkpoints."""

@@ -1,0 +1,1 @@
+"""One-machine simulation: every site in this process (``run``, ``simulate``), optionally vectorized."""

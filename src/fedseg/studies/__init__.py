@@ -1,0 +1,1 @@
+"""Studies built on runs: method comparisons over seeds, re-evaluation, the FedSM studies."""

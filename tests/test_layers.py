@@ -1,0 +1,246 @@
+"""The package's layers, checked on its import graph (every import statement of every module
+under ``src/fedseg``, at the top of a file, inside a function or under ``TYPE_CHECKING``).
+
+The layers, lowest first (``docs/architecture.md`` draws them):
+
+0. foundation: ``core.errors``, ``core.seeding``, ``core.arrays``, ``core.messages``,
+   ``core.config``, ``core.device`` — torch and the standard library only;
+1. ``models``, ``data``, ``evaluation`` — networks, datasets and metrics, knowing no run;
+2. ``core.workload``, ``core.site``, ``core.checkpoint`` — one site's runtime and the files;
+3. the two seams: ``algorithms.base`` (server half + site half), ``transport.base``;
+4. ``algorithms`` — the methods;
+5. ``core.engine``, ``transport`` (with the vectorized executor of in-process sites,
+   ``simulation.vectorize``), and the remote transport (``deploy.params``, ``deploy.wire``,
+   ``deploy.remote``);
+6. ``simulation``;
+7. ``studies``, ``report``, ``deploy``;
+8. ``cli``.
+
+A module imports only modules of its own layer or below, and never in a cycle.  An algorithm
+imports torch, the standard library, the foundation, the site and other algorithms, nothing
+else (no MONAI, no file formats, no engine).  Imports sit at the top of a file except those of a
+heavy optional dependency deferred on purpose (:data:`DEFERRED`).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+LAYERS: list[tuple[str, ...]] = [
+    (
+        "fedseg.core.errors",
+        "fedseg.core.seeding",
+        "fedseg.core.arrays",
+        "fedseg.core.messages",
+        "fedseg.core.config",
+        "fedseg.core.device",
+    ),
+    ("fedseg.models", "fedseg.data", "fedseg.evaluation"),
+    ("fedseg.core.workload", "fedseg.core.site", "fedseg.core.checkpoint"),
+    ("fedseg.algorithms.base", "fedseg.transport.base"),
+    ("fedseg.algorithms",),
+    (
+        "fedseg.core.engine",
+        "fedseg.transport",
+        "fedseg.simulation.vectorize",
+        "fedseg.deploy.params",
+        "fedseg.deploy.wire",
+        "fedseg.deploy.remote",
+    ),
+    ("fedseg.simulation",),
+    ("fedseg.studies", "fedseg.report", "fedseg.deploy"),
+    ("fedseg.cli", "fedseg.core", "fedseg"),
+]
+
+ALGORITHM_MAY_IMPORT = (
+    "fedseg.core.errors",
+    "fedseg.core.seeding",
+    "fedseg.core.arrays",
+    "fedseg.core.messages",
+    "fedseg.core.config",
+    "fedseg.core.device",
+    "fedseg.core.site",
+    "fedseg.transport.base",  # the Transport protocol, for ServerContext
+    "fedseg.algorithms",
+)
+ALGORITHM_THIRD_PARTY = ("torch",)
+
+DEFERRED = (
+    "nvflare",
+    "fedseg.deploy.flare",  # imports nvflare
+    "matplotlib",
+    "PIL",
+    "sklearn",
+    "scipy",
+    "tensorboard",
+    "torch.utils.tensorboard",
+    "psutil",
+    "monai",
+    "fedseg.models",  # imports MONAI's networks
+)
+"""Heavy optional dependencies a function may import when it needs them (a CLI command that
+does not plot never pays for matplotlib)."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / "fedseg").rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(name: str, node: ast.ImportFrom | ast.Import, alias: ast.alias) -> str:
+    if isinstance(node, ast.Import):
+        return alias.name
+    base = node.module or ""
+    if node.level:
+        pkg = name.split(".") if MODULES[name].name == "__init__.py" else name.split(".")[:-1]
+        base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+    full = f"{base}.{alias.name}"
+    return full if full in MODULES else base
+
+
+def _imports() -> dict[str, list[tuple[str, int, bool]]]:
+    """``{module: [(imported module, line, at top level)]}``."""
+    out: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        nested: set[int] = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                nested.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    out[name].append((_target(name, node, alias), node.lineno, id(node) not in nested))
+    return out
+
+
+IMPORTS = _imports()
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if _within(module, p) and len(p) > best:
+                best, rank = len(p), i
+    assert rank >= 0, f"{module} is in no layer of tests/test_layers.py: add it"
+    return rank
+
+
+def _internal(target: str) -> str | None:
+    """The fedseg module an import names (``from fedseg.x import y`` where y is a name → fedseg.x)."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        layer_of(m)
+
+
+def test_no_import_cycles():
+    graph = {m: {u for t, *_ in IMPORTS[m] if (u := _internal(t)) and u != m} for m in MODULES}
+    # a package's __init__ re-exporting its modules is not a cycle of the design
+    graph = {m: {t for t in ts if not _within(m, t) or m == t} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in graph:
+        if m not in index:
+            visit(m)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_imports_go_down_the_layers():
+    bad = []
+    for m, items in IMPORTS.items():
+        for target, line, _ in items:
+            t = _internal(target)
+            if t is None or _within(m, t) or _within(t, m):
+                continue
+            if layer_of(t) > layer_of(m):
+                bad.append(f"{MODULES[m].relative_to(SRC)}:{line} imports {t} (layer {layer_of(t)} > {layer_of(m)})")
+    assert not bad, "imports that go up a layer:\n" + "\n".join(bad)
+
+
+def test_algorithms_import_only_torch_and_the_site_facing_core():
+    stdlib = sys.stdlib_module_names
+    bad = []
+    for m, items in IMPORTS.items():
+        if not _within(m, "fedseg.algorithms"):
+            continue
+        for target, line, _ in items:
+            top = target.split(".")[0]
+            if top == "fedseg":
+                ok = any(_within(target, p) for p in ALGORITHM_MAY_IMPORT)
+            else:
+                ok = top in stdlib or top == "__future__" or top in ALGORITHM_THIRD_PARTY
+            if not ok:
+                bad.append(f"{MODULES[m].relative_to(SRC)}:{line} imports {target}")
+    assert not bad, "algorithms reach past the site-facing core:\n" + "\n".join(bad)
+
+
+def test_imports_are_at_the_top_unless_deferred_on_purpose():
+    bad = []
+    for m, items in IMPORTS.items():
+        for target, line, top in items:
+            if not top and not any(_within(target, d) for d in DEFERRED):
+                bad.append(f"{MODULES[m].relative_to(SRC)}:{line} imports {target} inside a function")
+    assert not bad, (
+        "move these imports to the top of their files (or add a heavy dependency to DEFERRED):\n" + "\n".join(bad)
+    )
+
+
+@pytest.mark.parametrize("module", ["fedseg.core.site", "fedseg.algorithms.base"])
+def test_the_layer_checker_sees_a_violation(module, monkeypatch):
+    """The checker is not vacuous: an upward import added to a low module is reported."""
+    fake = [*IMPORTS[module], ("fedseg.core.engine", 1, True)]
+    monkeypatch.setitem(IMPORTS, module, fake)
+    with pytest.raises(AssertionError, match="go up a layer"):
+        test_imports_go_down_the_layers()
