@@ -66,6 +66,7 @@ ALGORITHM_MAY_IMPORT = (
     "fedseg.core.messages",
     "fedseg.core.config",
     "fedseg.core.device",
+    "fedseg.core.workload",  # the task's networks, e.g. Workload.selector
     "fedseg.core.site",
     "fedseg.transport.base",  # the Transport protocol, for ServerContext
     "fedseg.algorithms",

@@ -45,6 +45,11 @@ class Workload:
         patch crops for 3D); every draw comes from the given seeded generator.
     spatial_dims, in_channels
         Input layout, for builders of auxiliary models.
+    build_selector
+        ``build_selector(num_classes, width, hidden) -> nn.Module``: a classifier of this task's
+        inputs into ``num_classes`` classes (FedSM's model selector); the default is the papers'
+        VGG-11-style :class:`fedseg.models.Selector` for ``spatial_dims``/``in_channels``.  Methods
+        get auxiliary networks from the workload, so no algorithm imports a network library.
     """
 
     build_model: Callable[[], nn.Module]
@@ -57,6 +62,15 @@ class Workload:
     ) = None
     spatial_dims: int = 2
     in_channels: int = 1
+    build_selector: Callable[[int, float, int], nn.Module] | None = None
+
+    def selector(self, num_classes: int, width: float = 0.25, hidden: int = 128) -> nn.Module:
+        """A freshly initialized selector network (``build_selector``, or the papers' VGG-11 layout)."""
+        if self.build_selector is not None:
+            return self.build_selector(num_classes, width, hidden)
+        from fedseg.models import Selector  # MONAI-free, but models/ imports MONAI's U-Net
+
+        return Selector(self.spatial_dims, self.in_channels, num_classes, width=width, hidden=hidden)
 
     def predict(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Model output for evaluation, through ``infer`` when set."""
