@@ -103,7 +103,7 @@ class ServerContext:
 
 
 class Algorithm:
-    """Base class; subclasses set ``name``, ``section``, ``Params`` and implement the hooks."""
+    """Base class; subclasses set ``name``, ``title``, ``section``, ``Params`` and implement the hooks."""
 
     name: ClassVar[str] = ""
     section: ClassVar[str] = ""
