@@ -286,6 +286,28 @@ def test_site_refuses_a_weight_step_without_peer_models(workload):
         site.handle(task)
 
 
+def test_peer_models_and_beta_optimizer_live_in_site_scratch_for_one_phase(workload):
+    """A learning phase's working state is ``site.scratch`` (never saved): the peers' models after
+    'autofedavg-peers', the β optimizer after a step, nothing after the phase's last step; the site's
+    saved state (``store``, ``optimizers``) never holds any of it."""
+    # Prepare
+    cfg = _cfg()
+    site = Site("site1", 0, tiny_sites()["site1"], workload, cfg, get_algorithm(cfg))
+    site.model("global")  # the workload's model, as a site that has trained has it
+    own = site.arrays("global")
+    names = ["site1", "site2", "site3"]
+    peers = {f"{s}/{k}": v.clone() for s in names[1:] for k, v in own.items()}
+    beta = {f"beta/{NETWORK}": torch.full((3,), 6.0, dtype=torch.float64)}
+    # Execute / Assert
+    site.handle(Task("autofedavg-peers", peers, {"round": 1, "sites": names}))
+    assert set(site.scratch) == {"autofedavg/peers"} and sorted(site.scratch["autofedavg/peers"]) == names
+    site.handle(Task("autofedavg-step", beta, {"round": 1, "step": 0, "sites": names, "last": False}))
+    assert set(site.scratch) == {"autofedavg/peers", "autofedavg/beta"}
+    reply = site.handle(Task("autofedavg-step", beta, {"round": 1, "step": 1, "sites": names, "last": True}))
+    assert site.scratch == {} and set(reply.arrays) == set(beta)
+    assert not site.store and "autofedavg/beta" not in site.optimizers
+
+
 # --------------------------------------------------------------- end to end
 def test_first_aggregation_equals_fedavg_even(sites, workload):
     """Round 1 with t0 = 2 aggregates with α(β0) = 1/K: the global model is bitwise FedAvg-even's."""
@@ -364,6 +386,7 @@ def test_autofedavg_is_deterministic_and_resumes_bitwise(tmp_path, sites, worklo
     cfg = _cfg(4, interval=2, steps=2, granularity="layer", lr=0.1)
     # Execute
     full = simulate(cfg, workload, sites, out=tmp_path / "full", progress=False)
+    assert full["label"] == "Auto-FedAvg-L-Dirichlet" and full["primary"] == "global"  # the algorithm's own label
     assert simulate(cfg, workload, sites, out=tmp_path / "part", progress=False, stop_after=3) is None
     resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
     # Assert

@@ -60,7 +60,8 @@ def test_run_resume_evaluate_compare(spec, tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     for key in ("method", "sites", "seed", "per_site_dice", "client_avg_dice", "global_dice", "history", "config"):
         assert key in res
-    assert (out / "results.md").read_text().count("| fedavg |") == 1
+    assert res["label"] == "FedAvg" and res["primary"] == "global"
+    assert (out / "results.md").read_text().count("| FedAvg |") == 1  # rows carry the algorithm's label
     assert (out / "checkpoints" / "best.safetensors").is_file()
     # resume with more rounds continues from round 2
     assert main(["run", "--resume", str(out), "--rounds", "3"]) == 0
@@ -86,7 +87,7 @@ def test_run_resume_evaluate_compare(spec, tmp_path, capsys):
         == 0
     )
     table = (tmp_path / "cmp" / "comparison.md").read_text()
-    assert "| fedavg-even |" in table and "±" in table
+    assert "| FedAvg - even |" in table and "±" in table
 
 
 def test_bad_override_is_one_clear_error(spec, tmp_path, capsys):

@@ -1,9 +1,11 @@
 """Config loading, overrides and validation errors."""
 
+import re
+
 import pytest
 
-from fedseg.algorithms import known_sections
-from fedseg.core.config import dump_toml, load_run_config
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.core.config import TrainConfig, dump_toml, load_run_config
 from fedseg.core.errors import ConfigError
 
 
@@ -53,3 +55,34 @@ def test_bad_configs_get_one_clear_error(tmp_path, text, overrides, match):
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config("/nonexistent/run.toml")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "train.precision=fp8",
+            "train.precision = 'fp8'; use 'fp32', 'bf16' or 'fp16' (e.g. --set train.precision=fp32)",
+        ),
+        ("train.precision=16", "train.precision = 16; use 'fp32', 'bf16' or 'fp16'"),
+        ("model.norm=layer", "model.norm = 'layer'; use 'instance', 'batch' or 'none'"),
+        ("eval.best_criterion=median", "eval.best_criterion = 'median'; use 'cases' or 'sites'"),
+        ("simulation.vectorize=yes", "simulation.vectorize = 'yes'; use 'auto', 'on' or 'off'"),
+        (
+            "fedavg.weighting=median",
+            "fedavg.weighting = 'median'; use 'samples' or 'even' (e.g. --set fedavg.weighting=samples)",
+        ),
+        ("fedavg.aggregation=avg", "fedavg.aggregation = 'avg'; use 'mean', 'trimmed_mean' or 'median'"),
+    ],
+)
+def test_a_word_outside_its_literal_is_refused_naming_the_key_and_the_allowed_words(tmp_path, override, message):
+    """Options typed ``Literal[...]`` are checked by the loader, for run settings and methods' ``Params`` alike."""
+    path = _write(tmp_path, 'federation = "f"\nmethod = "fedavg"\n')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        get_algorithm(load_run_config(path, [override], known_sections()))
+
+
+def test_a_config_built_in_python_gets_the_loaders_message():
+    with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'dice', 'dicece' or 'bce'")):
+        TrainConfig(loss="l1").validate()
+    TrainConfig(loss="dicece", precision="bf16", data="stream").validate()

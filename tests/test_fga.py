@@ -27,6 +27,7 @@ from fedseg.algorithms.fga import (
 )
 from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
 from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Task
 from fedseg.core.seeding import derive_seed
 from fedseg.core.site import Site, SiteData
 from fedseg.core.workload import Workload, accuracy_metric, segmentation_workload
@@ -423,6 +424,26 @@ def test_fga_warns_on_batch_reduced_dice_loss():
     # Execute / Assert
     with pytest.warns(FGAEquivalenceWarning, match=r"reduces over the batch.*DiceLoss\(batch=False\)"):
         simulate(cfg, wl, tiny_sites(2, n_train=2, size=8), progress=False)
+
+
+def test_fga_site_state_is_the_sites_scratch_and_a_restarted_site_reads_the_same_batch():
+    """The batch cursor and the equivalence check live in ``site.scratch`` (per site, not saved): a site
+    built afresh mid-round (a restart) computes at step 1 the gradient of the same batch, at the same
+    weights, as the site that kept its cursor from step 0."""
+    # Prepare
+    cfg, wl, data = config(rounds=1), mlp_workload(), class_sites([8, 8])
+    algo = get_algorithm(cfg)
+    init = {f"global/{k}": v for k, v in init_model(cfg, wl).state_dict().items()}
+    kept = Site("site1", 0, data["site1"], wl, cfg, algo)
+    # Execute
+    kept.handle(Task("fga_step", init, {"round": 1, "step": 0}))
+    assert set(kept.scratch) == {"fga/cursor", "fga/checked"} and kept.scratch["fga/checked"] == {"global"}
+    a = kept.handle(Task("fga_step", {}, {"round": 1, "step": 1}))  # no averaged gradient: the weights stay
+    fresh = Site("site1", 0, data["site1"], wl, cfg, algo)
+    b = fresh.handle(Task("fga_step", init, {"round": 1, "step": 1}))
+    # Assert
+    assert a.arrays.keys() == b.arrays.keys() and all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    assert a.num_samples == b.num_samples == 4
 
 
 def test_fga_does_not_warn_for_a_clean_model():

@@ -415,6 +415,33 @@ def test_variant_labels_name_the_settings_that_differ():
     assert variant_labels([{"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}}]) == ["FedSM"]
 
 
+def test_results_without_a_stored_label_are_labelled_by_their_algorithm():
+    """Runs store their algorithm's label; older results get the same label from the registry
+    (``Algorithm.label_for`` their settings), so a report mixing both shows one label per variant."""
+    from fedseg.report.runs import run_label, variant_labels
+
+    softmax = {"autofedavg": {"granularity": "layer", "param": "softmax"}}
+    assert run_label({"method": "autofedavg", "config": softmax}) == "Auto-FedAvg-L-Softmax"
+    assert run_label({"method": "fedavg-even"}) == "FedAvg - even"
+    assert run_label({"method": "pfedme"}) == "pFedMe"
+    assert run_label({"method": "fedsm", "label": "FedSM", "fedsm": {"heldout": "site6"}}) == "FedSM (unseen site6)"
+    assert run_label({"method": "not-registered"}) == "not-registered"
+    old = {"method": "autofedavg", "config": {"autofedavg": {"reinit": True}}}
+    assert variant_labels([old, {**old, "label": "Auto-FedAvg-N-Dirichlet*"}]) == ["Auto-FedAvg-N-Dirichlet*"] * 2
+
+
+def test_table2_rows_are_the_methods_reported_by_a_global_model_or_by_the_sites_models():
+    """Table 2's rows follow each method's ``primary`` candidate in the registry, not a list of names."""
+    from fedseg.report.sections import _table2_row
+
+    tested = {"per_case_dice": {"global": {"a": [0.5]}}}
+    for method in ("fedavg", "fedavg-even", "fedprox", "centralized", "autofedavg", "scaffold", "fga"):
+        assert _table2_row({"method": method, **tested}), method
+    assert _table2_row({"method": "local"}) and _table2_row({"method": "ditto", **tested})
+    assert not _table2_row({"method": "fedsm", **tested})  # reported by its composite, not the global model
+    assert not _table2_row({"method": "fedavg"})  # no per-case Dice of the global model: no paired test
+
+
 def test_fedsm_findings_say_where_the_images_went():
     """Sentences generated from the numbers: a site that lost because 40 % of its images went to another
     site's personalized model; a site whose images all went to its own model; all-to-GM summarised first."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fedseg.algorithms import REGISTRY
+from fedseg.algorithms.autofedavg import AutoFedAvg, AutoFedAvgParams
 from fedseg.evaluation.plots import alpha_trajectory, plot_alpha_trajectory, plot_interval_effect
 from fedseg.evaluation.stats import (
     compare_runs,
@@ -19,7 +21,9 @@ SITES = ["A", "B"]
 
 
 def _run(method, seed, global_cases, matrix=None, config=None, home_rows=True):
-    """A minimal results.json: per-case Dice of the global model per site, optional site-selected rows."""
+    """A minimal results.json: per-case Dice of the global model per site, optional site-selected rows;
+    ``label`` and ``primary`` as the engine writes them (the algorithm's label with default settings)."""
+    cls = REGISTRY[method]
     per_site = {s: sum(c) / len(c) for s, c in global_cases.items()}
     rows = [{"name": "global", "home_site": None, "per_site_dice": per_site}]
     if matrix is not None and home_rows:
@@ -29,6 +33,8 @@ def _run(method, seed, global_cases, matrix=None, config=None, home_rows=True):
         ]
     return {
         "method": method,
+        "label": cls.label_for(cls.Params()),
+        "primary": cls.primary,
         "seed": seed,
         "sites": SITES,
         "per_site_dice": per_site,
@@ -91,15 +97,22 @@ def test_compare_runs_pairs_by_seed_and_pools_sites():
         compare_runs(cand, base, candidate="personal")
 
 
-def test_default_labels_follow_the_paper():
-    assert default_label({"method": "fedavg-even"}) == "FedAvg - even"
-    assert default_label({"method": "autofedavg", "config": {}}) == "Auto-FedAvg-N-Dirichlet"
-    cfg = {"autofedavg": {"granularity": "layer", "param": "softmax"}}
-    assert default_label({"method": "autofedavg", "config": cfg}) == "Auto-FedAvg-L-Softmax"
-    assert (
-        default_label({"method": "autofedavg", "config": {"autofedavg": {"reinit": True}}})
-        == "Auto-FedAvg-N-Dirichlet*"
-    )
+def test_labels_follow_the_paper_and_come_from_the_algorithms():
+    """The algorithms name their rows as the Auto-FedAvg paper's Table 2 does; stats only reads
+    ``results["label"]`` (the method's name for results without one)."""
+    assert REGISTRY["fedavg-even"].label_for(None) == "FedAvg - even"
+    assert REGISTRY["local"].label_for(None) == "Local only"
+    assert AutoFedAvg.label_for(AutoFedAvgParams()) == "Auto-FedAvg-N-Dirichlet"
+    assert AutoFedAvg.label_for(AutoFedAvgParams(granularity="layer", param="softmax")) == "Auto-FedAvg-L-Softmax"
+    assert AutoFedAvg.label_for(AutoFedAvgParams(reinit=True)) == "Auto-FedAvg-N-Dirichlet*"
+    assert default_label({"method": "fedavg-even", "label": "FedAvg - even"}) == "FedAvg - even"
+    assert default_label({"method": "fedavg-even"}) == "fedavg-even"
+
+
+def test_every_method_has_a_title():
+    assert all(cls.title for cls in REGISTRY.values()), [n for n, c in REGISTRY.items() if not c.title]
+    titles = [cls.title for cls in REGISTRY.values()]
+    assert len(set(titles)) == len(titles)
 
 
 def test_table2_layout_mean_sd_and_significance_mark():

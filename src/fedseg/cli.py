@@ -1,4 +1,9 @@
-"""``fedseg <verb>``: thin wrappers over library functions (no logic here)."""
+"""``fedseg <verb>``: thin wrappers over library functions (no logic here).
+
+Every import is at the top: the modules it names defer their heavy dependencies (MONAI,
+matplotlib, scipy, scikit-learn, TensorBoard, NVFlare) into the functions that use them,
+so ``fedseg --help`` and ``fedseg validate`` load none of matplotlib, NVFlare or TensorBoard.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedseg.algorithms import REGISTRY
 from fedseg.core.errors import FedsegError
+from fedseg.data.synth import synthesize
+from fedseg.data.validate import validate_federation
+from fedseg.deploy import run as dep
+from fedseg.report import ReportOptions, build_report
+from fedseg.report.tensorboard import TensorBoardLogger
+from fedseg.simulation.runner import run
+from fedseg.studies.compare import compare, demo, evaluate_run, split_method_entries
+from fedseg.studies.fedsm import sweep, unseen
 
 
 def _csv(text: str) -> list[str]:
@@ -14,8 +28,6 @@ def _csv(text: str) -> list[str]:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from fedseg.studies.compare import demo
-
     table, report = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed)
     print("\n" + table)
     print(f"results, resolved configs and checkpoints: {Path(a.out).resolve()}")
@@ -24,16 +36,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
-    from fedseg.data.synth import synthesize
-
     spec = synthesize(a.preset, a.out, seed=a.seed, scale=a.scale, size=a.size, progress=True)
     print(f"wrote {spec}")
     return 0
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
-    from fedseg.data.validate import validate_federation
-
     problems = validate_federation(a.spec)
     for p in problems:
         print(p)
@@ -45,15 +53,11 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from fedseg.simulation.runner import run
-
     if a.resume is None and a.config is None:
         raise FedsegError("give a run config or federation spec, or --resume OUT to continue a run")
     out = a.resume or a.out
     logger = None
     if getattr(a, "tensorboard", False):
-        from fedseg.report.tensorboard import TensorBoardLogger
-
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
         print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
     try:
@@ -79,8 +83,6 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from fedseg.report import ReportOptions, build_report
-
     opts = ReportOptions(
         models=not a.no_models,
         loss_site=a.loss_site,
@@ -99,16 +101,12 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(a: argparse.Namespace) -> int:
-    from fedseg.studies.compare import evaluate_run
-
     res = evaluate_run(a.run, federation=a.spec, split=a.split)
     print(res["table"])
     return 0
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from fedseg.studies.compare import compare, split_method_entries
-
     overrides = a.set + ([f"device={a.device}"] if a.device else [])
     _, table = compare(
         a.config,
@@ -124,8 +122,6 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 
 def cmd_fedsm(a: argparse.Namespace) -> int:
-    from fedseg.studies.fedsm import sweep, unseen
-
     gammas = [float(g) for g in _csv(a.gamma)] if a.gamma else None
     fields = {k: v for k, v in (("rounds", a.rounds), ("seed", a.seed)) if v is not None}
     if a.fedsm_verb == "unseen":
@@ -150,8 +146,6 @@ def cmd_fedsm(a: argparse.Namespace) -> int:
 
 
 def cmd_deploy(a: argparse.Namespace) -> int:
-    from fedseg.deploy import run as dep
-
     if a.deploy_verb == "provision":
         kits = dep.provision(_csv(a.sites), a.server, a.out)
         for name, path in kits.items():
@@ -206,8 +200,6 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedseg.algorithms import REGISTRY
-
     p = argparse.ArgumentParser(
         prog="fedseg", description="Cross-silo federated learning of medical image segmentation."
     )

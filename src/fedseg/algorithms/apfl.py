@@ -191,6 +191,7 @@ def _outputs_predictor(site: Site, arrays: Arrays, config: dict):
 
 class APFL(Algorithm):
     name = "apfl"
+    title = "APFL"
     section = "apfl"
     Params = APFLParams
     primary = None

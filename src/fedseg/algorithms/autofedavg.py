@@ -49,9 +49,10 @@ Not given by the paper (our defaults, documented in docs/algorithms.md):
 the number of weight-learning steps S (``steps = 10``), the β optimizer (Adam,
 ``lr = 0.01``, torch's default betas), the batch (``train.batch_size``).
 
-Site-side scratch (the peer models in ``site.store['autofedavg/peers/...']`` and
-the β optimizer in ``site.optimizers['autofedavg/beta']``) lives only within a
-learning phase, which never spans a checkpoint, and is removed on its last step.
+Site-side scratch of a learning phase lives in ``site.scratch`` (never saved with the
+site): ``site.scratch["autofedavg/peers"]`` holds ``{site: its trained model}`` (the
+others' models and a copy of its own), ``site.scratch["autofedavg/beta"]`` the β
+optimizer.  A phase never spans a checkpoint; both are removed on its last step.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.func import functional_call
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.algorithms.fedavg import aggregation_weights, train_global
+from fedseg.algorithms.fedavg import Weighting, aggregation_weights, train_global
 from fedseg.core.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
 from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply, Task
@@ -131,23 +132,19 @@ class AutoFedAvgParams:
         (candidates ``global@<site>``): the "best local models" of Table 2 (local avg / local gen).
     """
 
-    param: str = "dirichlet"
-    granularity: str = "network"
+    param: Literal["dirichlet", "softmax"] = "dirichlet"
+    granularity: Literal["network", "layer"] = "network"
     interval: int = 10
     steps: int = 10
     lr: float = 0.01
     concentration: float = 6.0
     min_concentration: float = 1.001
-    softmax_init: str = "zeros"
+    softmax_init: Literal["zeros", "log_samples"] = "zeros"
     reinit: bool = False
-    beta_weighting: str = "even"
+    beta_weighting: Weighting = "even"
     site_selection: bool = True
 
     def validate(self) -> None:
-        if self.param not in ("softmax", "dirichlet"):
-            raise ConfigError(f"autofedavg.param = {self.param!r}; use 'softmax' or 'dirichlet'")
-        if self.granularity not in ("network", "layer"):
-            raise ConfigError(f"autofedavg.granularity = {self.granularity!r}; use 'network' or 'layer'")
         if self.interval < 1:
             raise ConfigError(f"autofedavg.interval must be >= 1 (learn every t0 rounds), got {self.interval}")
         if self.steps < 1:
@@ -163,10 +160,6 @@ class AutoFedAvgParams:
                 f"autofedavg.concentration = {self.concentration} is below autofedavg.min_concentration = "
                 f"{self.min_concentration}; use a value > 1 (the paper uses 6.0)"
             )
-        if self.softmax_init not in ("zeros", "log_samples"):
-            raise ConfigError(f"autofedavg.softmax_init = {self.softmax_init!r}; use 'zeros' or 'log_samples'")
-        if self.beta_weighting not in ("even", "samples"):
-            raise ConfigError(f"autofedavg.beta_weighting = {self.beta_weighting!r}; use 'even' or 'samples'")
 
 
 # ------------------------------------------------------------- pure functions
@@ -339,15 +332,16 @@ def describe(site: Site, task: Task) -> Reply:
 
 
 def receive_peers(site: Site, task: Task) -> Reply:
-    """Keep the other sites' models (and a copy of its own trained model) for the learning phase."""
+    """Keep the other sites' models (and a copy of its own trained model) for the learning phase,
+    in ``site.scratch`` (not saved with the site)."""
     sites = task.config["sites"]
     own = site.arrays("global")
-    store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}
+    peers: dict[str, Arrays] = {}
     for s in sites:
         arrays = own if s == site.name else strip_prefix(s, task.arrays)
         check_compatible(own, arrays, what=f"site {site.name}: peer model of {s}")
-        store.update(prefixed(f"{_SCRATCH}/{s}", arrays))
-    site.store = store
+        peers[s] = arrays
+    site.scratch[_SCRATCH] = peers
     return Reply(num_samples=site.num_train)
 
 
@@ -358,21 +352,22 @@ def beta_step(site: Site, task: Task) -> Reply:
     rnd, step, sites = cfg["round"], cfg["step"], cfg["sites"]
     beta_in = strip_prefix("beta", task.arrays)
     layers = sorted(beta_in)
-    missing = [s for s in sites if not any(k.startswith(f"{_SCRATCH}/{s}/") for k in site.store)]
+    peers: dict[str, Arrays] = site.scratch.get(_SCRATCH, {})
+    missing = [s for s in sites if s not in peers]
     if missing:
         raise PayloadError(
             f"site {site.name}: no models of {missing} for the weight-learning step; the server must send '{PEERS}' first"
         )
-    opt = site.optimizers.get(_OPT) if step > 0 else None
+    opt = site.scratch.get(_OPT) if step > 0 else None
     if opt is None:
         leaves = [beta_in[n].detach().clone().requires_grad_(True) for n in layers]
         opt = torch.optim.Adam(leaves, lr=p.lr)
-        site.optimizers[_OPT] = opt
+        site.scratch[_OPT] = opt
     leaves = opt.param_groups[0]["params"]
     with torch.no_grad():
         for leaf, n in zip(leaves, layers):
             leaf.copy_(beta_in[n])
-    models = [strip_prefix(f"{_SCRATCH}/{s}", site.store) for s in sites]
+    models = [peers[s] for s in sites]
     model = site.model("global")
     full = {
         k: v.detach().clone() for k, v in model.state_dict().items()
@@ -399,17 +394,25 @@ def beta_step(site: Site, task: Task) -> Reply:
         num_samples=site.num_train,
     )  # one read per task (one step)
     if cfg.get("last", False):
-        site.optimizers.pop(_OPT, None)
-        site.store = {k: v for k, v in site.store.items() if not k.startswith(_SCRATCH + "/")}
+        site.scratch.pop(_OPT, None)
+        site.scratch.pop(_SCRATCH, None)
     return reply
 
 
 # --------------------------------------------------------------- server half
 class AutoFedAvg(Algorithm):
     name = "autofedavg"
+    title = "Auto-FedAvg"
     section = "autofedavg"
     Params = AutoFedAvgParams
     summary = "Auto-FedAvg: FedAvg with aggregation weights learned at the sites every t0 rounds"
+
+    @classmethod
+    def label_for(cls, params: AutoFedAvgParams) -> str:
+        """The paper's row names (Table 2): "Auto-FedAvg-N-Dirichlet" (N: network-wise, L: layer-wise;
+        Dirichlet or Softmax), with ``*`` when β is re-initialized before each phase (``reinit``)."""
+        gran = "N" if params.granularity == "network" else "L"
+        return f"{cls.title}-{gran}-{params.param.capitalize()}{'*' if params.reinit else ''}"
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         state = prefixed("global", ctx.init_arrays("global"))

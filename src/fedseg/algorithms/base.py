@@ -103,7 +103,7 @@ class ServerContext:
 
 
 class Algorithm:
-    """Base class; subclasses set ``name``, ``section``, ``Params`` and implement the hooks."""
+    """Base class; subclasses set ``name``, ``title``, ``section``, ``Params`` and implement the hooks."""
 
     name: ClassVar[str] = ""
     section: ClassVar[str] = ""
@@ -115,7 +115,8 @@ class Algorithm:
     """Candidate reported as the method's row; None = each site's own (home) model."""
     summary: ClassVar[str] = ""
     title: ClassVar[str] = ""
-    """Display name in tables and reports ("FedAvg", "FedSM"); the registry name when empty."""
+    """Display name in tables and reports ("FedAvg", "FedSM"); the registry name when empty.  The one
+    source of the methods' display names: results carry it (``results.json["label"]``, :meth:`label`)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -141,7 +142,14 @@ class Algorithm:
     def label(self) -> str:
         """This run's row label in tables: :attr:`title`, plus what its settings make of it (e.g.
         "FedAvg - even", "Auto-FedAvg-N-Dirichlet"); written to ``results.json["label"]``."""
-        return self.title or self.name
+        return self.label_for(self.params)
+
+    @classmethod
+    def label_for(cls, params: Any) -> str:
+        """The row label of a run of this method with settings ``params`` (its ``Params``); a method
+        whose settings change its name overrides this (Auto-FedAvg).  Also labels results written
+        before runs stored their label (:func:`fedseg.report.runs.run_label`)."""
+        return cls.title or cls.name
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **dataclasses.asdict(self.params)}

@@ -22,6 +22,7 @@ POOLED = "pooled"
 
 class Centralized(Algorithm):
     name = "centralized"
+    title = "Centralized"
     section = "centralized"
     needs_pooled_site = True
     summary = "Centralized: one model trained on all sites' data pooled (upper bound, simulation only)"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,11 +56,9 @@ class CWTParams:
 
     order: tuple[str, ...] | str | None = None
     end: str | None = None
-    optimizer: str = "keep"
+    optimizer: Literal["keep", "reset", "transfer"] = "keep"
 
     def validate(self) -> None:
-        if self.optimizer not in ("keep", "reset", "transfer"):
-            raise ConfigError(f"cwt.optimizer = {self.optimizer!r}; use 'keep', 'reset' or 'transfer'")
         if self.order is not None and not _names(self.order):
             raise ConfigError("cwt.order is empty; list the sites in visiting order, e.g. --set cwt.order=siteB,siteA")
 
@@ -132,7 +130,8 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, arrays: Arrays) -> None:
 
 def train_cwt(site: Site, task: Task) -> Reply:
     """One visit: load the previous site's weights (and moments with ``transfer``), train, pass them on."""
-    mode = task.config["optimizer"]
+    params: CWTParams = site.algorithm.params
+    mode = params.optimizer
     site.load(ROLE, strip_prefix(ROLE, task.arrays))
     opt = site.optimizer(ROLE, reset=mode != "keep")
     moments = strip_prefix("optim", task.arrays)
@@ -147,6 +146,7 @@ def train_cwt(site: Site, task: Task) -> Reply:
 
 class CWT(Algorithm):
     name = "cwt"
+    title = "CWT"
     section = "cwt"
     Params = CWTParams
     summary = "CWT: the model visits the sites in turn (cwt.order / cwt.end), trained locally at each"
@@ -162,7 +162,7 @@ class CWT(Algorithm):
         cur = dict(state)
         losses = {}
         for s in self.cycle(ctx):
-            reply = ctx.ask({s: Task("train", cur, {"round": rnd, "optimizer": self.params.optimizer})})[s]
+            reply = ctx.ask({s: Task("train", cur, {"round": rnd})})[s]
             cur.update(reply.arrays)
             losses[s] = reply.metrics.get("loss")
         return cur, {"train_loss": losses, "order": list(self.cycle(ctx))}

@@ -110,6 +110,7 @@ def train_ditto(site: Site, task: Task) -> Reply:
 
 class Ditto(Algorithm):
     name = "ditto"
+    title = "Ditto"
     section = "ditto"
     Params = DittoParams
     primary = None

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.core.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
-from fedseg.core.config import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
+
+Weighting = Literal["samples", "even"]
+"""FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
+Aggregation = Literal["mean", "trimmed_mean", "median"]
+"""The aggregation rule (:func:`fedseg.core.arrays.aggregate`): 'mean' is the papers' FedAvg."""
 
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:
@@ -51,13 +55,11 @@ class FedAvgParams:
         Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5).
     """
 
-    weighting: str = "samples"
-    aggregation: str = "mean"
+    weighting: Weighting = "samples"
+    aggregation: Aggregation = "mean"
     trim: float = 0.1
 
     def validate(self) -> None:
-        if self.weighting not in ("samples", "even"):
-            raise ConfigError(f"fedavg.weighting = {self.weighting!r}; use 'samples' or 'even'")
         check_aggregation(self.aggregation, self.trim, "fedavg")
 
 
@@ -71,6 +73,7 @@ def train_global(site: Site, task: Task, role: str = "global") -> Reply:
 
 class FedAvg(Algorithm):
     name = "fedavg"
+    title = "FedAvg"
     section = "fedavg"
     Params = FedAvgParams
     summary = "FedAvg: average the sites' locally trained models, weighted by n_k/n"
@@ -78,12 +81,8 @@ class FedAvg(Algorithm):
     def weighting(self) -> str:
         return self.params.weighting
 
-    def round_config(self, rnd: int) -> dict[str, Any]:
-        """The train task's settings (subclasses add theirs, e.g. FedProx's μ)."""
-        return {"round": rnd}
-
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        task = Task("train", state, self.round_config(rnd))
+        task = Task("train", state, {"round": rnd})
         replies = ctx.ask({s: task for s in ctx.sites})
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
@@ -104,6 +103,7 @@ class FedAvg(Algorithm):
 
 class FedAvgEven(FedAvg):
     name = "fedavg-even"
+    title = "FedAvg - even"
     summary = "FedAvg with uniform weights 1/K"
 
     def weighting(self) -> str:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from fedseg.algorithms.fedavg import FedAvg
+from fedseg.algorithms.fedavg import Aggregation, FedAvg, Weighting
 from fedseg.core.arrays import check_aggregation, prefixed, strip_prefix
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
@@ -83,8 +82,8 @@ class FedProxParams:
     """
 
     mu: float = 0.01
-    weighting: str = "samples"
-    aggregation: str = "mean"
+    weighting: Weighting = "samples"
+    aggregation: Aggregation = "mean"
     trim: float = 0.1
 
     def validate(self) -> None:
@@ -92,14 +91,14 @@ class FedProxParams:
             raise ConfigError(
                 f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)"
             )
-        if self.weighting not in ("samples", "even"):
-            raise ConfigError(f"fedprox.weighting = {self.weighting!r}; use 'samples' or 'even'")
         check_aggregation(self.aggregation, self.trim, "fedprox")
 
 
 def train_prox(site: Site, task: Task) -> Reply:
-    """Site half: load w_r, train one round on F_k(w) + μ/2 ||w − w_r||², send w back."""
-    mu = float(task.config["mu"])
+    """Site half: load w_r, train one round on F_k(w) + μ/2 ||w − w_r||², send w back (μ from the
+    site's own parse of the run config, ``site.algorithm.params``)."""
+    params: FedProxParams = site.algorithm.params
+    mu = float(params.mu)
     model = site.load("global", strip_prefix("global", task.arrays))
     anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
@@ -116,12 +115,10 @@ def train_prox(site: Site, task: Task) -> Reply:
 
 class FedProx(FedAvg):
     name = "fedprox"
+    title = "FedProx"
     section = "fedprox"
     Params = FedProxParams
     summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_r||^2 in every site's local loss"
-
-    def round_config(self, rnd: int) -> dict[str, Any]:
-        return {"round": rnd, "mu": self.params.mu}
 
     def site_handlers(self):
         return {"train": train_prox}

@@ -419,6 +419,7 @@ class FedSM(Algorithm):
     """FedSM: global + SoftPull personalized models + model selector (Alg. 1, Alg. 2)."""
 
     name = "fedsm"
+    title = "FedSM"
     section = "fedsm"
     Params = FedSMParams
     primary = "fedsm"
@@ -1062,6 +1063,7 @@ class FedSMExtra(FedSM):
     """FedSM-extra (Section 3.1.2): selector trained in extra rounds with Eq. 1 labels."""
 
     name = "fedsm-extra"
+    title = "FedSM-extra"
     summary = "FedSM-extra: global + SoftPull models, then extra rounds training a K+1-class selector on Eq. 1 labels"
     labels = "oracle"
     mode = "argmax"
@@ -1072,6 +1074,7 @@ class FedSMEnsemble(FedSM):
     """FedSM ensemble (Section 3.1.1): selector trained through the softmax-weighted output mix."""
 
     name = "fedsm-ensemble"
+    title = "FedSM-ensemble"
     summary = "FedSM ensemble: selector trained through the loss of the softmax-weighted mix of all models' outputs"
     labels = "mix"
     mode = "mix"

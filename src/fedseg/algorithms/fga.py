@@ -38,6 +38,13 @@ sites send a SHA-256 digest of their parameters and optimizer state, and the
 server warns if they are not all identical (``fga.check_sync``).  Buffers are
 not synchronized: with batch norm each site keeps its own running statistics and
 the server's copy holds the first site's.
+
+Site-side working state lives in ``site.scratch`` and is not saved with the site:
+``site.scratch["fga/cursor"]`` is the site's position in the round's batches (rebuilt
+from the seeded permutations when it does not match the step asked for, e.g. after a
+restart mid-round, so a restart never changes a batch), and
+``site.scratch["fga/checked"]`` holds the roles whose model and loss were already
+checked by :func:`equivalence_problems` (a restarted site warns once more).
 """
 
 from __future__ import annotations
@@ -46,17 +53,17 @@ import hashlib
 import itertools
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.fedavg import Weighting
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.errors import PayloadError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
 
@@ -99,19 +106,9 @@ class FGAParams:
         state; warn if they differ (they are bitwise equal on identical hardware).
     """
 
-    weighting: str = "samples"
-    steps: str = "max"
+    weighting: Weighting = "samples"
+    steps: Literal["max", "min"] = "max"
     check_sync: bool = True
-
-    def validate(self) -> None:
-        if self.weighting not in ("samples", "even"):
-            raise ConfigError(
-                f"fga.weighting = {self.weighting!r}; use 'samples' (pooled-batch gradient) or 'even' (Alg. 1's 1/S mean)"
-            )
-        if self.steps not in ("max", "min"):
-            raise ConfigError(
-                f"fga.steps = {self.steps!r}; use 'max' (smaller sites cycle their data) or 'min' (stop with the smallest site)"
-            )
 
 
 # ---------------------------------------------------------------------------- maths
@@ -256,19 +253,18 @@ class _Cursor:
     it: Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
-# Per-site iterator over the round's batches (rebuilt when a site restarts mid-round),
-# and the sites whose model/loss were already checked for equivalence problems.
-_CURSORS: weakref.WeakKeyDictionary[Site, _Cursor] = weakref.WeakKeyDictionary()
-_CHECKED: weakref.WeakKeyDictionary[Site, set[str]] = weakref.WeakKeyDictionary()
+_CURSOR = "fga/cursor"
+_CHECKED = "fga/checked"
+"""Keys of the site's working state in ``site.scratch`` (module docstring)."""
 
 
 def _batch(site: Site, rnd: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``step`` (0-based) of round ``rnd``: ``site.batches`` cycles permutations as long as asked."""
-    cur = _CURSORS.get(site)
+    cur: _Cursor | None = site.scratch.get(_CURSOR)
     if cur is None or cur.rnd != rnd or cur.next_step != step:
         it = site.batches(rnd, STREAM, steps=sys.maxsize)
         cur = _Cursor(rnd, step, itertools.islice(it, step, None))
-        _CURSORS[site] = cur
+        site.scratch[_CURSOR] = cur
     cur.next_step += 1
     return next(cur.it)
 
@@ -310,7 +306,7 @@ def gradient_step(
     metrics: dict[str, Any] = {}
     num = 0
     if step is not None:
-        checked = _CHECKED.setdefault(site, set())
+        checked: set[str] = site.scratch.setdefault(_CHECKED, set())
         if role not in checked:
             checked.add(role)
             for problem in equivalence_problems(model, site.workload.loss if check_loss is None else check_loss):
@@ -404,6 +400,7 @@ def lockstep_round(
 # ---------------------------------------------------------------------- server half
 class FGA(Algorithm):
     name = "fga"
+    title = "FGA"
     section = "fga"
     Params = FGAParams
     summary = (

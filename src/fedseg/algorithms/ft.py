@@ -84,6 +84,7 @@ personalize_ft = personalize_handler(FTParams, personal_step)
 
 class FT(Algorithm):
     name = "ft"
+    title = "FT"
     section = "ft"
     Params = FTParams
     primary = None

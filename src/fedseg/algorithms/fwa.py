@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedseg.algorithms.fedavg import FedAvg
+from fedseg.algorithms.fedavg import FedAvg, Weighting
 from fedseg.core.arrays import prefixed, strip_prefix
-from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
 
@@ -36,12 +35,8 @@ class FWAParams:
         (MNIST script); None: ``train.reset_optimizer``.
     """
 
-    weighting: str = "samples"
+    weighting: Weighting = "samples"
     reset_optimizer: bool | None = None
-
-    def validate(self) -> None:
-        if self.weighting not in ("samples", "even"):
-            raise ConfigError(f"fwa.weighting = {self.weighting!r}; use 'samples' or 'even'")
 
 
 def train_fwa(site: Site, task: Task) -> Reply:
@@ -56,6 +51,7 @@ def train_fwa(site: Site, task: Task) -> Reply:
 
 class FWA(FedAvg):
     name = "fwa"
+    title = "FWA"
     section = "fwa"
     Params = FWAParams
     summary = (

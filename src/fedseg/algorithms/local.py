@@ -25,6 +25,7 @@ def train_local(site: Site, task: Task) -> Reply:
 
 class Local(Algorithm):
     name = "local"
+    title = "Local only"
     section = "local"
     primary = None
     summary = "Local: each site trains alone; every local model is tested on every site"

@@ -211,6 +211,7 @@ personalize_perfedavg = personalize_handler(PerFedAvgParams, personal_step)
 
 class PerFedAvg(Algorithm):
     name = "perfedavg"
+    title = "Per-FedAvg"
     section = "perfedavg"
     Params = PerFedAvgParams
     primary = None

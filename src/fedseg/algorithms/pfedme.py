@@ -158,6 +158,7 @@ def train_pfedme(site: Site, task: Task) -> Reply:
 
 class PFedMe(Algorithm):
     name = "pfedme"
+    title = "pFedMe"
     section = "pfedme"
     Params = PFedMeParams
     primary = None

@@ -39,15 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.algorithms.personal import check_positive, check_weighting
+from fedseg.algorithms.fedavg import Weighting, aggregation_weights
+from fedseg.algorithms.personal import check_positive
 from fedseg.core.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
-from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
 
@@ -117,16 +116,11 @@ class ScaffoldParams:
     """
 
     server_lr: float = 1.0
-    weighting: str = "samples"
-    correction: str = "step"
+    weighting: Weighting = "samples"
+    correction: Literal["step", "gradient"] = "step"
 
     def validate(self) -> None:
         check_positive("scaffold", "server_lr", self.server_lr)
-        if self.correction not in ("step", "gradient"):
-            raise ConfigError(
-                f"scaffold.correction = {self.correction!r}; use 'step' (after the optimizer step) or 'gradient' (added to the gradient)"
-            )
-        check_weighting("scaffold", self.weighting)
 
 
 class _CorrectedStep:
@@ -160,7 +154,8 @@ def train_scaffold(site: Site, task: Task) -> Reply:
 
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
     lr = opt.param_groups[0]["lr"]
-    mode = task.config.get("correction", "step")
+    params: ScaffoldParams = site.algorithm.params
+    mode = params.correction
 
     def after_backward(m: torch.nn.Module) -> None:
         for k, p in m.named_parameters():
@@ -190,14 +185,13 @@ def train_scaffold(site: Site, task: Task) -> Reply:
 
 class Scaffold(Algorithm):
     name = "scaffold"
+    title = "Scaffold"
     section = "scaffold"
     Params = ScaffoldParams
     summary = "SCAFFOLD: local gradients corrected by control variates c - c_i (option II), server step size eta_g"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        replies = ctx.ask(
-            {s: Task("train", state, {"round": rnd, "correction": self.params.correction}) for s in ctx.sites}
-        )
+        replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.params.weighting)
         x = strip_prefix("global", state)

@@ -4,6 +4,12 @@ A run is fully described by one TOML file plus ``--set key=value`` overrides; th
 resolved configuration is written beside the results (``config.toml`` and inside
 ``results.json``) so that ``fedseg run OUT/config.toml`` reproduces it.
 
+Every option that takes one of a few words is typed ``Literal[...]``: the loader
+(:func:`dataclass_from_dict`) and each section's ``validate`` (:func:`check_literals`)
+refuse any other value with one message naming the key and the allowed values
+(``train.precision = 'fp8'; use 'fp32', 'bf16' or 'fp16' (e.g. --set train.precision=fp32)``).
+Algorithms' ``Params`` and ``[deploy]`` are read by the same loader.
+
 Defaults follow the FedSM paper and its reference code (Section 4: Adam with
 betas (0.9, 0.999), Dice loss, 1 local epoch, 2D U-Net) unless noted.
 """
@@ -15,9 +21,10 @@ import json
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fedseg.core.errors import ConfigError
 
@@ -28,6 +35,7 @@ __all__ = [
     "SimulationConfig",
     "TrainConfig",
     "apply_overrides",
+    "check_literals",
     "dataclass_from_dict",
     "dump_toml",
     "load_run_config",
@@ -42,27 +50,23 @@ class ModelConfig:
     strides 2, 2 residual units, instance norm.
     """
 
-    name: str = "unet"
+    name: Literal["unet"] = "unet"
+    """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
     strides: tuple[int, ...] = (2, 2, 2, 2)
     num_res_units: int = 2
-    norm: str = "instance"
+    norm: Literal["instance", "batch", "none"] = "instance"
     dropout: float = 0.0
     roi_size: tuple[int, ...] | None = None
     """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
 
     def validate(self) -> None:
-        if self.name not in ("unet",):
-            raise ConfigError(
-                f"model.name = {self.name!r} is not known; use 'unet' (or pass your own nn.Module from Python)"
-            )
+        check_literals(self, "model")
         if len(self.strides) != len(self.channels) - 1:
             raise ConfigError(
                 f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
                 "give one stride fewer than channels"
             )
-        if self.norm not in ("instance", "batch", "none"):
-            raise ConfigError(f"model.norm = {self.norm!r}; use 'instance', 'batch' or 'none'")
 
 
 @dataclass(frozen=True)
@@ -78,26 +82,27 @@ class TrainConfig:
     batch_size: int = 8
     local_epochs: float | None = 1.0
     local_steps: int | None = None
-    optimizer: str = "adam"
+    optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.9
     weight_decay: float = 0.0
     reset_optimizer: bool = False
-    bn_policy: str = "average"
+    bn_policy: Literal["average", "local"] = "average"
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
-    loss: str = "dice"
-    dtype: str = "float32"
-    precision: str = "fp32"
+    loss: Literal["dice", "dicece", "bce"] = "dice"
+    dtype: Literal["float32", "float64"] = "float32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
     scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
     that use raw gradients outside an optimizer step (APFL, pFedMe, Per-FedAvg, FGA, FedSM's 'fga'
     selector) refuse 'fp16' when the run starts and name bf16 (docs/architecture.md)."""
-    data: str = "auto"
+    data: Literal["auto", "device", "stream"] = "auto"
     """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
     each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""
 
     def validate(self) -> None:
+        check_literals(self, "train")
         if (self.local_epochs is None) == (self.local_steps is None):
             raise ConfigError(
                 "set exactly one of train.local_epochs and train.local_steps "
@@ -110,25 +115,13 @@ class TrainConfig:
             raise ConfigError(f"train.local_steps must be >= 1, got {self.local_steps}")
         if self.batch_size < 1:
             raise ConfigError(f"train.batch_size must be >= 1, got {self.batch_size}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"train.optimizer = {self.optimizer!r}; use 'adam' or 'sgd'")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.bn_policy not in ("average", "local"):
-            raise ConfigError(f"train.bn_policy = {self.bn_policy!r}; use 'average' or 'local'")
-        if self.loss not in ("dice", "dicece", "bce"):
-            raise ConfigError(f"train.loss = {self.loss!r}; use 'dice', 'dicece' or 'bce'")
-        if self.dtype not in ("float32", "float64"):
-            raise ConfigError(f"train.dtype = {self.dtype!r}; use 'float32' or 'float64'")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"train.precision = {self.precision!r}; use 'fp32', 'bf16' or 'fp16'")
         if self.precision != "fp32" and self.dtype != "float32":
             raise ConfigError(
                 f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
                 "mixed precision runs float32 weights"
             )
-        if self.data not in ("auto", "device", "stream"):
-            raise ConfigError(f"train.data = {self.data!r}; use 'auto', 'device' or 'stream'")
 
 
 @dataclass(frozen=True)
@@ -144,12 +137,13 @@ class EvalConfig:
     """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
     "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
     cases instead; that is not offered, as every per-case mean would then need to skip them.)"""
-    best_criterion: str = "cases"
+    best_criterion: Literal["cases", "sites"] = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
     client average)."""
 
     def validate(self) -> None:
+        check_literals(self, "eval")
         if self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
@@ -157,10 +151,6 @@ class EvalConfig:
         if not 0.0 <= self.empty_dice <= 1.0:
             raise ConfigError(
                 f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)"
-            )
-        if self.best_criterion not in ("cases", "sites"):
-            raise ConfigError(
-                f"eval.best_criterion = {self.best_criterion!r}; use 'cases' (mean over pooled validation cases) or 'sites' (mean of per-site means)"
             )
 
 
@@ -178,14 +168,11 @@ class SimulationConfig:
         not fit in memory at its first step is split in halves).
     """
 
-    vectorize: str = "auto"
+    vectorize: Literal["auto", "on", "off"] = "auto"
     vectorize_group: int = 0
 
     def validate(self) -> None:
-        if self.vectorize not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"simulation.vectorize = {self.vectorize!r}; use 'auto', 'on' or 'off' (e.g. --set simulation.vectorize=on)"
-            )
+        check_literals(self, "simulation")
         if self.vectorize_group < 0:
             raise ConfigError(
                 f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}"
@@ -248,6 +235,33 @@ class RunConfig:
 _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig, "simulation": SimulationConfig}
 
 
+def _choices(allowed: Sequence[Any]) -> str:
+    """``'a', 'b' or 'c'``: the allowed values of a ``Literal`` setting, for error messages."""
+    names = [repr(a) for a in allowed]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _literal_type(tp: Any) -> Any:
+    """``tp`` if it is a ``Literal[...]``, or a union holding one (``Literal[...] | None``); else None."""
+    if typing.get_origin(tp) is typing.Literal:
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and any(
+        typing.get_origin(a) is typing.Literal for a in typing.get_args(tp)
+    ):
+        return tp
+    return None
+
+
+def check_literals(obj: Any, where: str) -> None:
+    """Check every ``Literal``-typed field of the dataclass instance ``obj`` (as the loader does), so that a
+    config built in Python gets the same error as one read from TOML: ``<where>.<key> = 'x'; use 'a' or 'b'``."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = _literal_type(hints[f.name])
+        if tp is not None:
+            _coerce(getattr(obj, f.name), tp, f"{where}.{f.name}")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Coerce a TOML value to the annotated type ``tp`` or raise ConfigError naming ``where``."""
     origin = typing.get_origin(tp)
@@ -278,7 +292,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         allowed = typing.get_args(tp)
         if value in allowed and type(value) in {type(a) for a in allowed}:
             return value
-        raise ConfigError(f"{where} = {value!r} is not allowed; use one of {', '.join(repr(a) for a in allowed)}")
+        raise ConfigError(f"{where} = {value!r}; use {_choices(allowed)} (e.g. --set {where}={allowed[0]})")
     if origin is dict or tp is dict:
         return value
     if tp is bool:

@@ -459,6 +459,7 @@ class Engine:
             primary=self.algorithm.primary,
             metric_names=list(self.workload.metric_names),
             history=self.history,
+            label=self.algorithm.label(),
         )
         results["wall_time_s"] = time.perf_counter() - t_start
         results["device"] = describe(self.device)

@@ -20,8 +20,6 @@ import json
 import os
 from pathlib import Path
 
-from monai.data import load_decathlon_datalist
-
 from fedseg.core.errors import DataError
 
 SPLITS = ("training", "validation", "testing")
@@ -87,7 +85,10 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
                     f"{where}: {key}[{i}] must be an object with string 'image' and "
                     f"'label' paths, got {e!r} -> add the missing path(s)"
                 )
-        # MONAI resolves the paths relative to base_dir exactly as MSD/nnU-Net do.
+        # MONAI resolves the paths relative to base_dir exactly as MSD/nnU-Net do (imported here:
+        # importing MONAI costs seconds and pulls in matplotlib).
+        from monai.data import load_decathlon_datalist
+
         items = (
             load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=key, base_dir=str(path.parent))
             if entries

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from monai.transforms import Resize
 from tqdm.auto import tqdm
 
 from fedseg.core.errors import ConfigError, DataError
@@ -82,6 +81,8 @@ def resize_pair(image: np.ndarray, label: np.ndarray, size: tuple[int, ...]) -> 
         return image, label
     shrink = all(t <= s for t, s in zip(size, image.shape[1:]))
     mode = "area" if shrink else ("bilinear" if len(size) == 2 else "trilinear")
+    from monai.transforms import Resize  # deferred: importing MONAI costs seconds
+
     img = Resize(size, mode=mode, anti_aliasing=False)(torch.from_numpy(image))
     lab = Resize(size, mode="nearest")(torch.from_numpy(label[None].astype(np.float32)))
     return np.asarray(img, dtype=np.float32), np.rint(np.asarray(lab[0])).astype(np.int64)

@@ -20,12 +20,14 @@ import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from monai.data import NibabelReader, PILReader
-from monai.transforms import LoadImage
 
 from fedseg.data.spec import FederationSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from monai.transforms import LoadImage
 
 PIL_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -59,6 +61,10 @@ class Case:
 
 @cache
 def _loader(kind: str) -> LoadImage:
+    # MONAI is imported when a file is first read (importing it costs seconds and pulls in matplotlib)
+    from monai.data import NibabelReader, PILReader
+    from monai.transforms import LoadImage
+
     reader = PILReader(reverse_indexing=False) if kind == "pil" else NibabelReader()
     return LoadImage(image_only=True, reader=reader, dtype=None)
 

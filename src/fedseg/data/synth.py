@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from PIL import Image
-from scipy.ndimage import gaussian_filter
 from tqdm.auto import tqdm
 
 from fedseg.core.errors import ConfigError
@@ -216,9 +215,16 @@ def _ellipse(y, x, cy, cx, ry, rx, angle=0.0):
     return np.sqrt((u / rx) ** 2 + (v / ry) ** 2)
 
 
+def _gaussian_filter(image: np.ndarray, sigma: Any, **kwargs: Any) -> np.ndarray:
+    """:func:`scipy.ndimage.gaussian_filter`, imported when first used (``fedseg --help`` never loads scipy)."""
+    from scipy.ndimage import gaussian_filter as scipy_gaussian_filter
+
+    return scipy_gaussian_filter(image, sigma=sigma, **kwargs)
+
+
 def _smooth_noise(rng, size: int, sigma_frac: float) -> np.ndarray:
     """Low-frequency noise (size, size), zero mean, unit std."""
-    n = gaussian_filter(rng.standard_normal((size, size)), sigma=max(sigma_frac * size, 0.5), mode="wrap")
+    n = _gaussian_filter(rng.standard_normal((size, size)), sigma=max(sigma_frac * size, 0.5), mode="wrap")
     return (n - n.mean()) / (n.std() + 1e-8)
 
 
@@ -280,7 +286,7 @@ def fundus_case(site: FundusSite, rng: np.random.Generator, size: int) -> tuple[
     img = img * fov + 0.02 * (1 - fov)  # dark outside the field of view
     sigma = site.blur * size / 64
     if sigma > 0:
-        img = gaussian_filter(img, sigma=(sigma, sigma, 0))
+        img = _gaussian_filter(img, sigma=(sigma, sigma, 0))
     img = img + rng.normal(0.0, site.noise, img.shape)
     image = np.clip(np.rint(img * 255), 0, 255).astype(np.uint8)
 
@@ -335,7 +341,7 @@ def prostate_case(site: ProstateSite, rng: np.random.Generator, size: int) -> tu
     img = np.clip(img * site.gain + site.offset, 0, 1) ** site.gamma
     sigma = site.blur * size / 64
     if sigma > 0:
-        img = gaussian_filter(img, sigma)
+        img = _gaussian_filter(img, sigma)
     img = img + rng.normal(0.0, site.noise, img.shape)
     image = np.clip(np.rint(img * 255), 0, 255).astype(np.uint8)
     return image, (e_pro < 1).astype(np.uint8)
@@ -397,6 +403,8 @@ def synthesize(
         raise ConfigError(
             f"synth: need scale > 0 and size >= 8, got scale={scale}, size={size} -> pass e.g. scale=0.1, size=64"
         )
+    from PIL import Image  # deferred: only writing the files needs it
+
     out = Path(out).expanduser().resolve()
     sites = FUNDUS_SITES if preset == "fundus" else PROSTATE_SITES
     draw = fundus_case if preset == "fundus" else prostate_case

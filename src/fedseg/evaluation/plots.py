@@ -6,6 +6,7 @@ backend switch), written as PNG.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,6 @@ def plot_interval_effect(
     title: str | None = None,
 ) -> Path:
     """Mean ± sd (over seeds) of a score against the learning interval t0 (Fig. 4)."""
-    import statistics
-
     from matplotlib.figure import Figure
 
     t0s = sorted(values)

@@ -18,6 +18,11 @@ Definitions (Xia et al., "Auto-FedAvg", Section 4.2, Table 2):
 
 Several seeds of one method are merged into mean ± sd; the Wilcoxon test then pools
 the paired cases of all seeds (seed s of the candidate paired with seed s of the baseline).
+
+Rows are labelled by ``results["label"]`` (the algorithm's own label, e.g.
+"Auto-FedAvg-N-Dirichlet", written by the engine; :meth:`fedseg.algorithms.base.Algorithm.label`),
+or the method's name for results that have none: this module knows no algorithm
+(:func:`fedseg.report.runs.run_label` labels older results from the registry).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+
+from fedseg.core.seeding import derive_seed
 
 __all__ = [
     "bootstrap_ci",
@@ -38,14 +47,6 @@ __all__ = [
     "table2_rows",
     "wilcoxon_signed_rank",
 ]
-
-_LABELS = {
-    "local": "Local only",
-    "fedavg": "FedAvg",
-    "fedavg-even": "FedAvg - even",
-    "fedprox": "FedProx",
-    "centralized": "Centralized",
-}
 
 
 def wilcoxon_signed_rank(candidate: Sequence[float], baseline: Sequence[float]) -> dict[str, float]:
@@ -102,10 +103,6 @@ def bootstrap_ci(
 
     Returns ``{"client_avg": (lo, hi), "global": (lo, hi)}``.
     """
-    import numpy as np
-
-    from fedseg.core.seeding import derive_seed
-
     if not 0.0 < level < 1.0:
         raise ValueError(f"bootstrap level = {level}; give a coverage in (0, 1), e.g. 0.95")
     sites = [s for s in per_site if len(per_site[s])]
@@ -205,34 +202,32 @@ def local_avg_gen(matrix: Sequence[Sequence[float]]) -> tuple[float, float]:
 
 
 def default_label(results: Mapping[str, Any]) -> str:
-    """A paper-style row label: "FedAvg", "FedAvg - even", "Auto-FedAvg-N-Dirichlet" (``*`` = re-init)…"""
-    if results.get("label"):
-        return str(results["label"])
-    method = results["method"]
-    if method == "autofedavg":
-        from fedseg.algorithms.autofedavg import AutoFedAvgParams
+    """The run's row label: ``results["label"]`` (the algorithm's, e.g. "FedAvg - even",
+    "Auto-FedAvg-N-Dirichlet"), else the method's name."""
+    return str(results.get("label") or results["method"])
 
-        given = (results.get("config") or {}).get("autofedavg") or {}
-        d = AutoFedAvgParams()
-        gran = given.get("granularity", d.granularity)
-        param = given.get("param", d.param)
-        star = "*" if given.get("reinit", d.reinit) else ""
-        return f"Auto-FedAvg-{'N' if gran == 'network' else 'L'}-{param.capitalize()}{star}"
-    return _LABELS.get(method, method)
+
+def _site_models(results: Mapping[str, Any]) -> bool:
+    """Whether the run's reported models belong to the sites (``primary`` None: local, personalized).
+    Results written before ``primary`` was stored: a run without a global model."""
+    if "primary" in results:
+        return results["primary"] is None
+    return "global" not in (results.get("per_case_dice") or {})
 
 
 def table2_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Table 2 rows of one run.
 
-    ``local``: one row per local model (its Dice on every site and their mean), each
-    carrying the matrix's local avg / local gen.  Other methods: one row, the global
-    model's per-site Dice and "global test avg", plus local avg / gen from the
-    per-site-selected global models when the run has them (else None).
+    A run whose models belong to the sites (local training): one row per site's model
+    (its Dice on every site and their mean), each carrying the matrix's local avg /
+    local gen.  Other methods: one row, the global model's per-site Dice and "global
+    test avg", plus local avg / gen from the per-site-selected global models when the
+    run has them (else None).
     """
     label = default_label(results)
     sites, m = model_site_matrix(results)
     avg, gen = local_avg_gen(m) if m else (None, None)
-    if results["method"] == "local":
+    if _site_models(results) and m:
         rows = []
         for k, s in enumerate(sites):
             per_site = dict(zip(sites, m[k]))
@@ -289,7 +284,7 @@ def table2(runs: Sequence[Mapping[str, Any]], baseline: str = "FedAvg", alpha: f
     tests: dict[str, dict[str, dict[str, float]]] = {}
     if baseline in runs_of:
         for label, rs in runs_of.items():
-            if label != baseline and rs[0]["method"] != "local":
+            if label != baseline and not _site_models(rs[0]):
                 tests[label] = compare_runs(rs, runs_of[baseline], sites=sites)
     header = ["Method", *sites, "global test avg", "local avg", "local gen"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

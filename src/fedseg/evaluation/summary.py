@@ -81,13 +81,15 @@ def summarize(
     primary: str | None,
     metric_names: list[str],
     history: list[dict[str, Any]],
+    label: str | None = None,
 ) -> dict[str, Any]:
     """The ``results.json`` document of a run (schema in ``docs/results-format.md``).
 
     ``rows`` has one entry per candidate (e.g. each local model tested on every
     site: the model × site matrix).  The top-level numbers are the method's row:
     the ``primary`` candidate, or — for methods whose models belong to sites
-    (local, personalized) — each site's own model on its own test set.
+    (local, personalized) — each site's own model on its own test set.  ``label`` is
+    the run's row label in tables (the algorithm's ``label()``; default: ``method``).
     """
     rows = []
     for name, cases in per_case.items():
@@ -107,6 +109,8 @@ def summarize(
     per_case_dice = {name: {s: [_mean(c) for c in cs] for s, cs in cases.items()} for name, cases in per_case.items()}
     return {
         "method": method,
+        "label": label or method,
+        "primary": primary,
         "sites": sites,
         "seed": cfg.seed,
         "metric_names": metric_names,

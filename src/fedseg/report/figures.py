@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from fedseg.evaluation.plots import alpha_trajectory
+
 __all__ = [
     "alpha_figure",
     "best_so_far",
@@ -325,8 +327,6 @@ def alpha_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
 
     ``runs``: ``{label: history}``; entries with an ``alpha`` dict ``{site: α}`` are used.
     """
-    from fedseg.evaluation.plots import alpha_trajectory
-
     fig, axes = _grid(len(runs), ncols=2, w=4.2, h=3.0)
     for ax, (label, history) in zip(axes, runs.items()):
         rounds, alpha, learned = alpha_trajectory(history)

@@ -42,9 +42,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from fedseg.core.errors import ConfigError
 from fedseg.report import model_sections, sections
 from fedseg.report.markup import Doc, figure, markdown_html, note
+from fedseg.report.numbers import is_fedsm
 from fedseg.report.runs import DataCache, Run, RunModels, load_runs, variants_of
 
 __all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
@@ -152,8 +155,6 @@ def build_report(
     options
         Settings of the model sections (:class:`ReportOptions`).
     """
-    from tqdm.auto import tqdm
-
     opts = options or ReportOptions()
     runs = load_runs(paths)
     out = Path(html_path)
@@ -232,8 +233,6 @@ def _routings(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """FedSM routing on test per run: from ``results["fedsm"]`` when recorded, else computed from the run's
     checkpoint (every seed; ``cache`` None = models off)."""
-    from fedseg.report.numbers import is_fedsm
-
     opened = {m.run.label: m for m in models}
     routings: dict[str, Any] = {}
     notes: dict[str, str] = {}

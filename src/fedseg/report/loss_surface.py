@@ -42,9 +42,11 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
 from fedseg.core.arrays import Arrays, flatten
 from fedseg.core.seeding import generator
+from fedseg.core.site import batch_of, dataset_len
 
 __all__ = ["LossSurface", "dataset_loss", "loss_surface", "perturbed", "random_directions", "trainable_arrays"]
 
@@ -118,8 +120,6 @@ def _set(model: nn.Module, arrays: Arrays) -> None:
 
 
 def _batches(dataset: Dataset, batch_size: int, max_cases: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from fedseg.core.site import batch_of, dataset_len
-
     n = dataset_len(dataset)
     if max_cases is not None:
         n = min(n, max_cases)
@@ -202,8 +202,6 @@ def loss_surface(
     LossSurface
         ``alphas`` (S,), ``losses`` (directions, S), ``center`` = L(θ).
     """
-    from tqdm.auto import tqdm
-
     if steps < 3 or steps % 2 == 0:
         raise ValueError(f"steps = {steps}: use an odd number >= 3 so that α = 0 (the trained model) is on the grid")
     if not radius > 0:

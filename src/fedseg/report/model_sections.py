@@ -13,12 +13,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from fedseg.algorithms.softpull import route
 from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Task
+from fedseg.core.site import batch_of, dataset_len
 from fedseg.report import figures
+from fedseg.report.loss_surface import loss_surface, trainable_arrays
 from fedseg.report.markup import figure, note, table
 from fedseg.report.numbers import is_fedsm, model_short
 from fedseg.report.runs import DataCache, Run, RunModels
+from fedseg.report.tsne import selector_features, tsne_embed
 
 __all__ = [
     "loss_surface_section",
@@ -46,8 +52,6 @@ def open_models(runs: Sequence[Run], cache: DataCache) -> tuple[list[RunModels],
 
 
 def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool, colors_for: Mapping[str, Any]) -> str:
-    from fedseg.report.loss_surface import loss_surface, trainable_arrays
-
     if not models:
         return note("no run's models could be loaded")
     data = models[0].data
@@ -116,8 +120,6 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
 
 
 def tsne_section(models: Sequence[RunModels], opts: Any) -> str | None:
-    from fedseg.report.tsne import selector_features, tsne_embed
-
     with_sel = [(m, m.selector()) for m in models]
     with_sel = [(m, s) for m, s in with_sel if s is not None]
     if not with_sel:
@@ -148,10 +150,6 @@ def _slice(arr: np.ndarray, spatial_dims: int, index: int | None) -> np.ndarray:
 
 @torch.no_grad()
 def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) -> str:
-    from tqdm.auto import tqdm
-
-    from fedseg.core.site import batch_of, dataset_len
-
     data = models[0].data
     wl0 = models[0].workload
     same = [m for m in models if m.data is data]  # runs on the first run's federation (one figure, one set of cases)
@@ -228,8 +226,6 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
     "dice_per_model" {model: Dice}}}}``.  None if the run has no composite.
     ``gamma`` overrides the saved γ (γ-gated composites only).
     """
-    from fedseg.core.messages import Task
-
     meta = m.meta.get("fedsm")
     if meta is None or not is_fedsm(m.run.method):
         return None
@@ -266,8 +262,6 @@ def routed_models(m: RunModels, x: torch.Tensor, gamma: float | None = None) -> 
     The same rule as the composite's predictor: γ-gated routing (Alg. 2), the argmax
     for FedSM-extra; for the ensemble (which mixes all models) the selector's top choice.
     """
-    from fedseg.algorithms.softpull import route
-
     meta = m.meta.get("fedsm")
     sel = m.selector() if meta is not None else None
     if sel is None:

@@ -17,6 +17,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fedseg.algorithms import REGISTRY
+from fedseg.algorithms.fedsm import FedSM
+from fedseg.evaluation.stats import bootstrap_ci
+from fedseg.report.runs import primary_of
+
 __all__ = [
     "best_round",
     "fedsm_findings",
@@ -30,8 +35,6 @@ __all__ = [
 
 
 def _primary(method: str) -> str | None:
-    from fedseg.report.runs import primary_of
-
     return primary_of(method)
 
 
@@ -83,8 +86,6 @@ def _delta(
     runs: Sequence[Mapping[str, Any]], refs: Sequence[Mapping[str, Any]], key: str, boot: int, seed: int
 ) -> dict[str, Any]:
     """Difference ``key`` (client_avg_dice / global_dice) of a variant to a reference variant, with its uncertainty."""
-    from fedseg.evaluation.stats import bootstrap_ci
-
     if any(list(r["sites"]) != list(refs[0]["sites"]) for r in [*runs, *refs]):
         return {"value": None}  # Client Avg / Global Dice over different sites are not comparable
     by_seed = {r.get("seed"): r for r in refs}
@@ -120,8 +121,6 @@ def headline(
     Δ's uncertainty: sd over seeds paired by seed, or a paired bootstrap over the
     same test cases when each side has one run.
     """
-    from fedseg.evaluation.stats import bootstrap_ci
-
     refs = {"FedAvg": reference_variant(variants, "fedavg"), "centralized": reference_variant(variants, "centralized")}
     rows = []
     for label, runs in variants.items():
@@ -155,9 +154,6 @@ def headline(
 # ------------------------------------------------------------------ FedSM
 def is_fedsm(method: str) -> bool:
     """Whether ``method`` is a FedSM-family algorithm (fedsm, fedsm-extra, fedsm-ensemble, or a registered subclass)."""
-    from fedseg.algorithms import REGISTRY
-    from fedseg.algorithms.fedsm import FedSM
-
     cls = REGISTRY.get(method)
     return cls is not None and issubclass(cls, FedSM)
 

@@ -11,6 +11,7 @@ from those arrays and the data from the run's federation spec, as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.config import dataclass_from_dict, load_run_config
 from fedseg.core.errors import ConfigError
+from fedseg.core.site import Site
+from fedseg.simulation.runner import load_federation_data
 
 __all__ = [
     "DataCache",
@@ -90,28 +95,24 @@ def find_run_dirs(paths: Iterable[str | Path], max_depth: int = 3) -> list[Path]
     return out
 
 
-_NAMES = {
-    "fedsm": "FedSM",
-    "fedsm-extra": "FedSM-extra",
-    "fedsm-ensemble": "FedSM-ensemble",
-    "scaffold": "Scaffold",
-    "ditto": "Ditto",
-    "apfl": "APFL",
-    "perfedavg": "Per-FedAvg",
-    "pfedme": "pFedMe",
-    "ft": "FT",
-}
+def _registry_label(results: dict[str, Any]) -> str:
+    """The label a run's algorithm gives it (``Algorithm.label_for`` its settings in ``results["config"]``),
+    for results written before runs stored their label; the method's name for a method not registered."""
+    cls = REGISTRY.get(str(results.get("method")))
+    if cls is None:
+        return str(results["method"])
+    try:
+        params = dataclass_from_dict(cls.Params, given_settings(results), cls.section or cls.name)
+    except ConfigError:  # settings of another version: the label of the defaults
+        params = cls.Params()
+    return cls.label_for(params)
 
 
 def run_label(results: dict[str, Any]) -> str:
-    """Display label of the method: the papers' names where known (Auto-FedAvg-N-Dirichlet…), else the method."""
-    try:
-        from fedseg.evaluation.stats import default_label
-
-        label = default_label(results)
-    except Exception:  # stats not available, or a method it does not know
-        label = str(results.get("label") or results["method"])
-    label = _NAMES.get(label, label)
+    """Display label of the run: ``results["label"]`` (the algorithm's, e.g. "Auto-FedAvg-N-Dirichlet", or a
+    study's variant label), else the one its algorithm gives it (older results); `` (unseen <site>)`` added
+    for a FedSM run with a held-out site."""
+    label = str(results.get("label") or _registry_label(results))
     rep = results.get("fedsm")
     if isinstance(rep, dict) and rep.get("heldout"):
         label += f" (unseen {rep['heldout']})"
@@ -120,8 +121,6 @@ def run_label(results: dict[str, Any]) -> str:
 
 def given_settings(results: dict[str, Any]) -> dict[str, Any]:
     """The settings a run was given in its method's own config section (``[fedsm]`` for every FedSM variant), from ``results["config"]``."""
-    from fedseg.algorithms import REGISTRY
-
     cls = REGISTRY.get(str(results.get("method")))
     section = getattr(cls, "section", None) or str(results.get("method"))
     given = (results.get("config") or {}).get(section)
@@ -137,20 +136,17 @@ def _setting(v: Any) -> str:
 def variant_labels(results: Sequence[dict[str, Any]]) -> list[str]:
     """One label per run naming its method **and** variant, as ``fedseg compare`` does: ``FedSM (gamma=auto)``.
 
-    The variant is the settings of the method's own section that differ between runs of
-    the same method (a setting absent from a run is not printed for it), so two runs
-    with different settings never share a label, and a method run in one variant keeps
-    its plain name.  A label stored in the results (``results["label"]``) wins.  Seeds
-    are not part of the label: runs with the same label are seeds of one variant.
+    The variant is the settings of the method's own section that differ between runs
+    with the same :func:`run_label` (a setting absent from a run is not printed for it),
+    so two runs with different settings never share a label, and a method run in one
+    variant keeps its plain label.  Seeds are not part of the label: runs with the same
+    label are seeds of one variant.
     """
     base = [run_label(r) for r in results]
     given = [given_settings(r) for r in results]
     out = []
-    for i, r in enumerate(results):
-        if r.get("label"):
-            out.append(_NAMES.get(str(r["label"]), str(r["label"])))
-            continue
-        same = [j for j in range(len(results)) if base[j] == base[i] and not results[j].get("label")]
+    for i in range(len(results)):
+        same = [j for j in range(len(results)) if base[j] == base[i]]
         keys = sorted({k for j in same for k in given[j]})
         differ = [k for k in keys if len({repr(given[j].get(k, "\0absent")) for j in same}) > 1]
         pairs = [f"{k}={_setting(given[i][k])}" for k in differ if k in given[i]]
@@ -209,11 +205,6 @@ def variants_of(runs: Sequence[Run]) -> dict[str, list[Run]]:
 
 def method_settings(run: Run) -> dict[str, Any]:
     """The method's effective settings (its ``Params`` with defaults filled in), from the run's config.toml; {} if unknown."""
-    import dataclasses
-
-    from fedseg.algorithms import get_algorithm, known_sections
-    from fedseg.core.config import load_run_config
-
     try:
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         params = get_algorithm(cfg).params
@@ -224,8 +215,6 @@ def method_settings(run: Run) -> dict[str, Any]:
 
 def primary_of(method: str) -> str | None:
     """The method's primary candidate (``"global"``, ``"fedsm"``…), None for site-owned models; ``"global"`` if unknown."""
-    from fedseg.algorithms import REGISTRY
-
     cls = REGISTRY.get(method)
     return cls.primary if cls is not None else "global"
 
@@ -238,8 +227,6 @@ class DataCache:
         self._cache: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def get(self, federation: str | Path) -> tuple[Any, dict[str, Any]]:
-        from fedseg.simulation.runner import load_federation_data
-
         key = str(Path(federation).resolve())
         if key not in self._cache:
             if not Path(key).is_file():
@@ -341,8 +328,6 @@ class RunModels:
     # ----------------------------------------------------------- prediction
     def site(self, name: str):
         """A :class:`fedseg.core.site.Site` holding ``name``'s data (to run the algorithm's predictors)."""
-        from fedseg.core.site import Site
-
         if name not in self._sites:
             index = list(self.data).index(name)
             self._sites[name] = Site(name, index, self.data[name], self.workload, self.cfg, self.algorithm)

@@ -9,12 +9,15 @@ variant are aggregated, variants never.
 from __future__ import annotations
 
 import html
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedseg.evaluation.stats import table2, wilcoxon_signed_rank
+from fedseg.evaluation.tables import table3
 from fedseg.report import figures
 from fedseg.report.markup import figure, markdown_html, note, para, table
 from fedseg.report.numbers import (
@@ -28,6 +31,7 @@ from fedseg.report.numbers import (
     reference_variant,
 )
 from fedseg.report.runs import Run, method_settings, primary_of, sites_of, variants_of
+from fedseg.studies.fedsm import table5
 
 __all__ = [
     "alpha_section",
@@ -167,8 +171,6 @@ def _docs(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 
 def table3_section(runs: Sequence[Run]) -> str:
-    from fedseg.evaluation.tables import table3
-
     intro = para(
         "Test Dice of each method's reported model (best validation round) on every site's test set. "
         "For local training, one row per site's model tested on every site."
@@ -176,27 +178,22 @@ def table3_section(runs: Sequence[Run]) -> str:
     return intro + markdown_html(table3(_docs(runs), sites_of(runs)))
 
 
-#: Methods of the Auto-FedAvg paper's Table 2 (rows: local models, FedAvg variants, FedProx, centralized, Auto-FedAvg).
-_TABLE2_METHODS = {"local", "fedavg", "fedavg-even", "fedprox", "centralized", "autofedavg"}
+def _table2_row(doc: Mapping[str, Any]) -> bool:
+    """Whether a run has a row in the Auto-FedAvg paper's Table 2 layout (local models, FedAvg variants,
+    FedProx, centralized, Auto-FedAvg…), from its method's ``primary`` candidate in the registry: a method
+    reported by one global model (tested as ``global``), or by the sites' own models (one row per model)."""
+    primary = primary_of(str(doc["method"]))
+    return primary is None or (primary == "global" and "global" in (doc.get("per_case_dice") or {}))
 
 
 def table2_section(runs: Sequence[Run]) -> str | None:
     methods = {r.method for r in runs}
     if not ({"autofedavg", "fedavg"} <= methods):
         return None
-    try:
-        from fedseg.evaluation.stats import table2
-    except ImportError:
-        return note("Table 2 needs fedseg.evaluation.stats, which this installation lacks.")
     sites = runs[[r.method for r in runs].index("fedavg")].results["sites"]
     base = reference_variant({r.variant: [r.results] for r in runs}, "fedavg")
-    chosen = [
-        d
-        for d in _docs(runs)
-        if d["method"] in _TABLE2_METHODS
-        and d["sites"] == sites
-        and (d["method"] == "local" or "global" in (d.get("per_case_dice") or {}))
-    ]
+    # the registry's primary also for results written before they stored it
+    chosen = [{**d, "primary": primary_of(d["method"])} for d in _docs(runs) if d["sites"] == sites and _table2_row(d)]
     try:
         md = table2(chosen, baseline=base or "FedAvg")
     except Exception as e:  # a run without the paired per-case scores
@@ -213,8 +210,6 @@ def table5_section(runs: Sequence[Run]) -> str | None:
     held = [r for r in runs if r.heldout]
     if not held:
         return None
-    from fedseg.studies.fedsm import table5
-
     rows, notes = [], []
     for r in held:
         k = r.heldout
@@ -244,8 +239,6 @@ def table5_section(runs: Sequence[Run]) -> str | None:
 # ------------------------------------------------------------------ distributions
 def distributions_section(runs: Sequence[Run]) -> tuple[str, bytes | None]:
     """(HTML, PNG): per-case test Dice per site and variant (seeds pooled), and Wilcoxon tests against FedAvg."""
-    from fedseg.evaluation.stats import wilcoxon_signed_rank
-
     variants = variants_of(runs)
     sites = sites_of(runs)
     data: dict[str, dict[str, list[float]]] = {s: {} for s in sites}
@@ -405,8 +398,6 @@ def alpha_section(runs: Sequence[Run]) -> str | None:
 def gamma_of(run: Run, routing: Mapping[str, Any] | None) -> tuple[Any, Any]:
     """(γ setting, γ used at test) of a FedSM run: the setting from its config (``auto`` or a number; the
     default when not given) and the value in its routing report or ``checkpoints/best.json``."""
-    import json
-
     setting = method_settings(run).get(
         "gamma", (run.results.get("config") or {}).get("fedsm", {}).get("gamma", "default")
     )

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from fedseg.core.site import batch_of, dataset_len
+
 __all__ = ["selector_features", "tsne_embed"]
 
 
@@ -41,8 +43,6 @@ def selector_features(
     features, sites
         ``(N, F)`` float64 array and the site of each row.
     """
-    from fedseg.core.site import batch_of, dataset_len
-
     if not hasattr(selector, "embed"):
         raise TypeError(f"{type(selector).__name__} has no embed(x); pass a fedseg.models.Selector")
     selector.eval()
