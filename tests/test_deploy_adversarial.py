@@ -385,19 +385,19 @@ def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
 def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
     """deploy.json, supervisor.json and results.json go through a temp file + fsync + rename: a crash
     before the rename leaves the previous file whole."""
-    from fedseg.core.engine import _save_json
+    from fedseg.core.checkpoint import save_json
     from fedseg.deploy import supervise
     from fedseg.simulation.runner import write_results
 
     for name in ("deploy.json", "supervisor.json", "results.json"):
-        _save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
+        save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
 
     def crash(fd):
         raise OSError("disk full (simulated crash before the rename)")
 
     monkeypatch.setattr("os.fsync", crash)
     with pytest.raises(OSError):
-        _save_json({"run_id": "run-1", "v": 2}, tmp_path / "deploy.json")
+        save_json({"run_id": "run-1", "v": 2}, tmp_path / "deploy.json")
     with pytest.raises(OSError):
         supervise.Supervisor(None, tmp_path, ["site1"], None, _params())._save_record()
     with pytest.raises(OSError):

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.cli import main
+from fedseg.core.checkpoint import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.core.config import RunConfig, TrainConfig, load_run_config
 from fedseg.core.device import autocast, resolve_device, to_host
-from fedseg.core.engine import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.core.errors import ConfigError
 from fedseg.simulation.runner import build_transport, simulate
 from test_engine import _strip_times

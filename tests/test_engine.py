@@ -132,7 +132,7 @@ def test_site_rejects_model_of_another_shape(sites, workload):
 def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp_path):
     """A save interrupted before its commit record leaves the previous checkpoint in force (staged files are
     dropped); one interrupted after the record is finished on the next load (staged files moved into place)."""
-    from fedseg.core.engine import commit_checkpoint
+    from fedseg.core.checkpoint import commit_checkpoint
 
     # Prepare: round 1 committed; round 2 staged without a record
     d = tmp_path / "checkpoints"

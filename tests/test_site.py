@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_config
 from fedseg.algorithms import get_algorithm
+from fedseg.core.checkpoint import restore_site, save_site
 from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.core.site import Site
 from fedseg.core.workload import segmentation_workload
@@ -54,16 +55,16 @@ def test_save_and_restore_roundtrip(tmp_path, sites, workload):
     s.model("global")
     s.fit("global", 1)
     s.store["c"] = torch.arange(3.0)
-    s.save(tmp_path)
+    save_site(s, tmp_path)
     fresh = _site(sites, workload)
-    assert fresh.restore(tmp_path)
+    assert restore_site(fresh, tmp_path)
     for k, v in s.models["global"].state_dict().items():
         assert torch.equal(v, fresh.models["global"].state_dict()[k])
     a, b = s.optimizers["global"].state_dict(), fresh.optimizers["global"].state_dict()
     for i in a["state"]:
         assert torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"])
     assert torch.equal(fresh.store["c"], torch.arange(3.0))
-    assert not _site(sites, workload).restore(tmp_path / "empty")
+    assert not restore_site(_site(sites, workload), tmp_path / "empty")
 
 
 def _bn_stats(model) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedseg.core.errors import PayloadError
+from fedseg.core.errors import ConfigError, PayloadError
 
 Arrays = dict[str, torch.Tensor]
 
@@ -127,8 +127,6 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
 def check_aggregation(rule: str, trim: float, section: str) -> None:
     """Raise :class:`~fedseg.core.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
-    from fedseg.core.errors import ConfigError
-
     if rule not in AGGREGATIONS:
         raise ConfigError(
             f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)"
