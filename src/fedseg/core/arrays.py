@@ -256,8 +256,9 @@ def nonfinite(a: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def layout_of(a: Mapping[str, torch.Tensor]) -> dict[str, list]:
-    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, to check what is loaded later against it."""
-    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sorted(a.items())}
+    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, in their order, to check what is loaded later
+    against it (and to give it back that order: a file holds its tensors sorted by name)."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in a.items()}
 
 
 def check_layout(a: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence]) -> None:

@@ -97,7 +97,11 @@ def save_json(data: Any, path: Path) -> None:
 def load_checked(path: Path, layout: dict[str, Any] | None, fix: str | None = None) -> Arrays:
     """Load a safetensors file fedseg wrote: readable, the names/shapes/dtypes recorded when it was saved
     (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming
-    the file and ``fix`` (default: restore it or start the run again without ``--resume``)."""
+    the file and ``fix`` (default: restore it or start the run again without ``--resume``).
+
+    With a layout the arrays come back in its order, the order they had when saved (a file keeps its
+    tensors sorted by name), so a resumed run iterates over its state as the uninterrupted run does and
+    every sum over it (a diagnostic norm) is bitwise the same."""
     fix = fix or _RESUME_FIX.format(name=path.name)
     try:
         arrays = load_file(str(path))
@@ -106,6 +110,7 @@ def load_checked(path: Path, layout: dict[str, Any] | None, fix: str | None = No
     try:
         if layout is not None:
             check_layout(arrays, layout)
+            arrays = {k: arrays[k] for k in layout}
         bad = nonfinite(arrays)
         if bad:
             raise PayloadError(f"non-finite values in {bad[:5]}")

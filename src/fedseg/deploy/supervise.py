@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fedseg.core.checkpoint import save_json
+from fedseg.core.checkpoint import PROGRESS, save_json
 from fedseg.deploy.params import DeployParams
 from fedseg.deploy.remote import DeployError
 from fedseg.deploy.server import CONTROL_RESTART, read_deploy_json
@@ -64,7 +64,7 @@ class JobAdmin(Protocol):
 
 def completed_round(run_dir: Path) -> int:
     """The last round the server checkpointed (0 before the first)."""
-    p = Path(run_dir) / "checkpoints" / "progress.json"
+    p = Path(run_dir) / "checkpoints" / PROGRESS
     try:
         return int(json.loads(p.read_text())["round"])
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
