@@ -9,8 +9,8 @@ The layers, lowest first (``docs/architecture.md`` draws them):
 2. ``core.workload``, ``core.site`` — one site's runtime (it does no file I/O);
 3. the two seams: ``algorithms.base`` (server half + site half), ``transport.base``; and beside them
    ``core.checkpoint``, the run's files (atomic writes, the commit protocol, best models, site
-   state files): it sits here, not with the site, because the best-model records it reads and
-   writes are ``algorithms.base.Candidate``\ s (and the site state it saves is a ``core.site.Site``'s);
+   state files): it sits here, not with the site, because each best-model record it reads and
+   writes is an ``algorithms.base.Candidate`` (and the site state it saves is a ``core.site.Site``'s);
    no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
 4. ``algorithms`` — the methods;
 5. ``core.engine``, ``transport`` (with the vectorized executor of in-process sites,
@@ -240,6 +240,18 @@ def test_imports_are_at_the_top_unless_deferred_on_purpose():
     assert not bad, (
         "move these imports to the top of their files (or add a heavy dependency to DEFERRED):\n" + "\n".join(bad)
     )
+
+
+def test_files_are_the_checkpoint_modules_not_the_sites_or_the_engines():
+    """The site and the engine hand arrays + JSON to ``core.checkpoint``; neither writes a file format itself."""
+    file_io = ("safetensors", "json", "os", "shutil", "pickle")
+    bad = [
+        f"{MODULES[m].relative_to(SRC)}:{line} imports {target}"
+        for m in ("fedseg.core.site", "fedseg.core.engine", "fedseg.transport.inprocess")
+        for target, line, _ in IMPORTS[m]
+        if target.split(".")[0] in file_io
+    ]
+    assert not bad, "file I/O outside fedseg.core.checkpoint:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", ["fedseg.core.site", "fedseg.algorithms.base"])

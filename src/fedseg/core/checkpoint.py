@@ -23,8 +23,8 @@ background thread.  Every tensor on disk is a host (CPU) tensor, so a run checkp
 GPU resumes on the CPU and back.
 
 Layer: this module sits beside :mod:`fedseg.algorithms.base` (``tests/test_layers.py``),
-above :mod:`fedseg.core.site`, because the best-model records it reads and writes are the
-server half's :class:`~fedseg.algorithms.base.Candidate`\\ s and the site state it saves is a
+above :mod:`fedseg.core.site`, because each best-model record it reads and writes is a
+:class:`~fedseg.algorithms.base.Candidate` of the server half and the site state it saves is a
 :class:`~fedseg.core.site.Site`'s; the site itself does no file I/O, and no algorithm imports
 this module.
 """
@@ -62,6 +62,7 @@ __all__ = [
     "commit_checkpoint",
     "load_best",
     "load_checked",
+    "read_progress",
     "restore_site",
     "save_arrays",
     "save_json",
@@ -204,6 +205,25 @@ def restore_site(site: Site, folder: str | Path) -> bool:
 
 
 # ------------------------------------------------------------------ commit protocol
+def read_progress(d: str | Path) -> dict[str, Any] | None:
+    """``progress.json`` of the last committed checkpoint in ``d`` (round, history, layout), None when there
+    is none yet; a damaged record is one error naming the file.  Reads only (a supervisor may poll it while
+    the server writes): :func:`commit_checkpoint` first to finish an interrupted commit."""
+    path = Path(d) / PROGRESS
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        progress = json.loads(text)
+        int(progress["round"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{path} is damaged ({type(e).__name__}: {e}); {_RESUME_FIX.format(name=path.name)}"
+        ) from None
+    return progress
+
+
 @dataclass(frozen=True)
 class JsonDoc:
     """A JSON file of a staged checkpoint (a snapshot: nothing the round loop changes later)."""

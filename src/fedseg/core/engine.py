@@ -18,7 +18,6 @@ while the next round trains.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +41,7 @@ from fedseg.core.checkpoint import (
     commit_checkpoint,
     load_best,
     load_checked,
+    read_progress,
 )
 from fedseg.core.config import RunConfig
 from fedseg.core.device import configure_determinism, describe, resolve_device, to_device
@@ -233,9 +233,9 @@ class Engine:
         d = self.ckpt_dir
         if d is not None:
             commit_checkpoint(d)  # finish a checkpoint interrupted after its commit record
-        if d is None or not (d / PROGRESS).is_file():
+        progress = read_progress(d) if d is not None else None
+        if progress is None:
             raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
-        progress = json.loads((d / PROGRESS).read_text())
         self.round = int(progress["round"])
         self.history = progress["history"]
         layout = progress.get("layout") or {}

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from fedseg.core.arrays import Arrays, is_float
-from fedseg.core.checkpoint import PROGRESS
+from fedseg.core.checkpoint import read_progress
 from fedseg.core.errors import FedsegError, PayloadError
 from fedseg.core.messages import SPLITS, Reply, Task
 from fedseg.deploy.params import DeployParams
@@ -438,8 +438,8 @@ class RemoteTransport:
 
     def restore_sites(self, folder: Path) -> None:
         """Ask every site to reload its checkpoint of the round the server resumes from."""
-        progress = Path(folder).parent / PROGRESS
-        rnd = int(json.loads(progress.read_text())["round"]) if progress.is_file() else self.round_source()
+        progress = read_progress(Path(folder).parent)
+        rnd = int(progress["round"]) if progress is not None else self.round_source()
         out = self._control("restore", {"round": rnd}, self.params.setup_timeout_s)
         for s, r in sorted(out.items()):
             self.log(f"[deploy] site {s} restored its checkpoint of round {r.get('restored')}")

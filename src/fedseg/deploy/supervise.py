@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fedseg.core.checkpoint import PROGRESS, save_json
+from fedseg.core.checkpoint import read_progress, save_json
+from fedseg.core.errors import ConfigError
 from fedseg.deploy.params import DeployParams
 from fedseg.deploy.remote import DeployError
 from fedseg.deploy.server import CONTROL_RESTART, read_deploy_json
@@ -64,11 +65,11 @@ class JobAdmin(Protocol):
 
 def completed_round(run_dir: Path) -> int:
     """The last round the server checkpointed (0 before the first)."""
-    p = Path(run_dir) / "checkpoints" / PROGRESS
     try:
-        return int(json.loads(p.read_text())["round"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        progress = read_progress(Path(run_dir) / "checkpoints")
+    except ConfigError:  # a damaged record: no round completed that the supervisor can count on
         return 0
+    return 0 if progress is None else int(progress["round"])
 
 
 class Supervisor:
