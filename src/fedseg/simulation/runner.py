@@ -2,7 +2,9 @@
 
 ``run(cfg, out)`` loads the federation named by the config (validating every file
 first), builds the segmentation workload and runs the method; ``simulate(...)``
-does the same for a user-supplied workload and in-memory site datasets.
+does the same for a user-supplied workload and in-memory site datasets.  Both build the
+run through :func:`build_engine`, the one place where sites, the in-process transport and
+the engine are put together (the FedSM studies and ``fedseg evaluate`` use it too).
 """
 
 from __future__ import annotations
