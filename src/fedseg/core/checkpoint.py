@@ -62,6 +62,7 @@ __all__ = [
     "commit_checkpoint",
     "load_best",
     "load_checked",
+    "read_best_meta",
     "read_progress",
     "restore_site",
     "save_arrays",
@@ -149,28 +150,42 @@ def best_files(best: Mapping[str, Best]) -> tuple[Arrays, dict[str, Any]]:
     return arrays, meta
 
 
+_BEST_KEYS = ("score", "round", "predictor", "val_sites", "home_site", "config")
+
+
+def read_best_meta(folder: str | Path, fix: str | None = None) -> dict[str, dict[str, Any]]:
+    """``best.json`` of the checkpoint folder ``folder``: ``{candidate: {score, round, predictor, val_sites,
+    home_site, config}}`` (what :func:`best_files` wrote), without loading the arrays; one error naming the
+    file when it is missing or damaged."""
+    path = Path(folder) / BEST_META
+    if not path.is_file() or not (Path(folder) / BEST_ARRAYS).is_file():
+        raise ConfigError(
+            f"{path.parent.parent} has no {path.parent.name}/{BEST_META} + {BEST_ARRAYS} (the best models of a "
+            "finished fedseg run); give the folder of a finished run"
+        )
+    try:
+        meta = json.loads(path.read_text())
+        bad = [n for n, m in meta.items() if not isinstance(m, dict) or any(k not in m for k in _BEST_KEYS)]
+    except (ValueError, AttributeError) as e:
+        bad, meta = [f"{type(e).__name__}: {e}"], None
+    if bad or not isinstance(meta, dict):
+        raise ConfigError(
+            f"{path} is damaged (entries {bad[:3]} lack {list(_BEST_KEYS)}); "
+            f"{fix or _RESUME_FIX.format(name=path.name)}"
+        )
+    return meta
+
+
 def load_best(folder: str | Path, layout: dict[str, Any] | None = None, fix: str | None = None) -> dict[str, Best]:
     """``{candidate: Best}`` from ``folder/best.safetensors`` + ``best.json`` (host tensors), checked as
-    :func:`load_checked`; one error naming the folder when either file is missing or unreadable."""
-    folder = Path(folder)
-    meta_path, arrays_path = folder / BEST_META, folder / BEST_ARRAYS
-    if not meta_path.is_file() or not arrays_path.is_file():
-        raise ConfigError(
-            f"{folder.parent} has no {folder.name}/{BEST_META} + {BEST_ARRAYS} (the best models of a finished "
-            "fedseg run); give the folder of a finished run"
-        )
-    arrays = load_checked(arrays_path, layout, fix)
-    try:
-        meta = json.loads(meta_path.read_text())
-        out = {}
-        for name, m in meta.items():
-            vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
-            cand = Candidate(name, strip_prefix(name, arrays), m["predictor"], vs, m["home_site"], m["config"])
-            out[name] = Best(m["score"], m["round"], cand)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(
-            f"{meta_path} is damaged ({type(e).__name__}: {e}); {fix or _RESUME_FIX.format(name=meta_path.name)}"
-        ) from None
+    :func:`load_checked` and :func:`read_best_meta`."""
+    meta = read_best_meta(folder, fix)
+    arrays = load_checked(Path(folder) / BEST_ARRAYS, layout, fix)
+    out = {}
+    for name, m in meta.items():
+        vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
+        cand = Candidate(name, strip_prefix(name, arrays), m["predictor"], vs, m["home_site"], m["config"])
+        out[name] = Best(m["score"], m["round"], cand)
     return out
 
 
