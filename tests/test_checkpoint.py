@@ -62,7 +62,7 @@ def test_best_models_round_trip_through_their_two_files(tmp_path):
 
 
 def test_a_loaded_state_keeps_the_order_it_was_saved_in(tmp_path):
-    """A file stores tensors sorted by name; the layout recorded at save time gives the order back, so a resumed
+    """A file gives its tensors back in its own order; the layout recorded at save time restores theirs, so a resumed
     run iterates over its state (and sums over it) as the uninterrupted run does."""
     state = {"b": torch.zeros(1), "a": torch.ones(1), "c": torch.full((2,), 2.0)}
     save_arrays(state, tmp_path / "s.safetensors")

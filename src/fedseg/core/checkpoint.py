@@ -101,9 +101,9 @@ def load_checked(path: Path, layout: dict[str, Any] | None, fix: str | None = No
     (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming
     the file and ``fix`` (default: restore it or start the run again without ``--resume``).
 
-    With a layout the arrays come back in its order, the order they had when saved (a file keeps its
-    tensors sorted by name), so a resumed run iterates over its state as the uninterrupted run does and
-    every sum over it (a diagnostic norm) is bitwise the same."""
+    With a layout the arrays come back in its order, the order they had when saved (a safetensors file
+    gives them back in an order of its own, by dtype and name), so a resumed run iterates over its state
+    as the uninterrupted run does and every sum over it (a diagnostic norm) is bitwise the same."""
     fix = fix or _RESUME_FIX.format(name=path.name)
     try:
         arrays = load_file(str(path))
