@@ -32,6 +32,7 @@ from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Task
 from fedseg.core.site import Site
 from fedseg.simulation.runner import simulate
+from helpers import assert_same_checkpoints
 
 
 def _cfg(rounds: int = 2, method: str = "autofedavg", **params):
@@ -390,9 +391,7 @@ def test_autofedavg_is_deterministic_and_resumes_bitwise(tmp_path, sites, worklo
     assert simulate(cfg, workload, sites, out=tmp_path / "part", progress=False, stop_after=3) is None
     resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
     # Assert
-    a = load_file(str(tmp_path / "full/checkpoints/server.safetensors"))
-    b = load_file(str(tmp_path / "part/checkpoints/server.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_checkpoints(tmp_path / "full", tmp_path / "part")
     assert [e["alpha"] for e in full["history"]] == [e["alpha"] for e in resumed["history"]]
     assert full["per_case_dice"] == resumed["per_case_dice"]
     # the site scratch of the learning phase is gone from the checkpoint

@@ -12,6 +12,7 @@ from fedseg.algorithms.cwt import load_optimizer_arrays, optimizer_arrays, visit
 from fedseg.core.errors import ConfigError
 from fedseg.core.site import Site
 from fedseg.simulation.runner import simulate
+from helpers import assert_same_checkpoints
 from test_fga import class_sites, config, init_model, mlp_workload, server_weights
 
 # ------------------------------------------------------------------- pure parts
@@ -164,6 +165,4 @@ def test_cwt_resume_is_bitwise(tmp_path):
     assert simulate(cfg, mlp_workload(), data, out=tmp_path / "part", progress=False, stop_after=2) is None
     simulate(cfg, mlp_workload(), class_sites([6, 4]), out=tmp_path / "part", progress=False, resume=True)
     # Assert
-    a = load_file(str(tmp_path / "full/checkpoints/server.safetensors"))
-    b = load_file(str(tmp_path / "part/checkpoints/server.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_checkpoints(tmp_path / "full", tmp_path / "part")

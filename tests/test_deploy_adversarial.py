@@ -29,7 +29,8 @@ from fedseg.core.messages import Reply
 from fedseg.deploy.remote import DeployError, LoopbackChannel
 from fedseg.deploy.server import serve
 from fedseg.deploy.wire import decode_reply, encode_reply
-from test_deploy import _equal, _prepare, _runtimes, _weights
+from helpers import same_arrays, server_state
+from test_deploy import _prepare, _runtimes
 
 
 def _cfg(**deploy):
@@ -55,7 +56,7 @@ def reference(tmp_path_factory):
         if kind not in cache:
             out = tmp_path_factory.mktemp(kind)
             res = _serve(out, {} if kind == "honest" else {kind: "die"})
-            cache[kind] = (res, _weights(out))
+            cache[kind] = (res, server_state(out))
         return cache[kind]
 
     return get
@@ -148,8 +149,8 @@ def test_training_attack_has_no_influence(tmp_path, reference, attacker, rewrite
     res = _serve(tmp_path / "run", {attacker: _training(rewrite)})
     # Assert
     _, w_without = reference(attacker)
-    w = _weights(tmp_path / "run")
-    assert _equal(w, w_without)
+    w = server_state(tmp_path / "run")
+    assert same_arrays(w, w_without)
     assert all(torch.isfinite(v).all() and v.abs().max() < 1e6 for v in w.values() if v.is_floating_point())
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
     assert [(d["round"], d["site"]) for d in drops] == [(0, attacker), (1, attacker)]
@@ -194,7 +195,7 @@ def test_evaluation_attack_inflates_nothing(tmp_path, reference, rewrite, reason
     res = _serve(tmp_path / "run", {"site2": _evaluation(rewrite)})
     # Assert
     _honest, w_honest = reference("honest")
-    assert _equal(_weights(tmp_path / "run"), w_honest)
+    assert same_arrays(server_state(tmp_path / "run"), w_honest)
     assert res["num_cases"] == {"site1": 3, "site2": 0}
     assert res["global_dice"] == pytest.approx(res["per_site_dice"]["site1"]) and res["global_dice"] < 0.99
     for entry in res["history"]:
@@ -249,7 +250,7 @@ def test_resume_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, damage, m
     # Prepare
     _stopped_run(tmp_path)
     path = tmp_path / "checkpoints" / "server.safetensors"
-    save_file({k: v.contiguous() for k, v in damage(_weights(tmp_path)).items()}, str(path))
+    save_file({k: v.contiguous() for k, v in damage(server_state(tmp_path)).items()}, str(path))
     # Execute / Assert
     with pytest.raises(
         ConfigError, match=f"checkpoint file {re.escape(str(path))} is not the one this run saved: .*{message}"
@@ -385,19 +386,19 @@ def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
 def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
     """deploy.json, supervisor.json and results.json go through a temp file + fsync + rename: a crash
     before the rename leaves the previous file whole."""
-    from fedseg.core.engine import _save_json
+    from fedseg.core.checkpoint import save_json
     from fedseg.deploy import supervise
     from fedseg.simulation.runner import write_results
 
     for name in ("deploy.json", "supervisor.json", "results.json"):
-        _save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
+        save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
 
     def crash(fd):
         raise OSError("disk full (simulated crash before the rename)")
 
     monkeypatch.setattr("os.fsync", crash)
     with pytest.raises(OSError):
-        _save_json({"run_id": "run-1", "v": 2}, tmp_path / "deploy.json")
+        save_json({"run_id": "run-1", "v": 2}, tmp_path / "deploy.json")
     with pytest.raises(OSError):
         supervise.Supervisor(None, tmp_path, ["site1"], None, _params())._save_record()
     with pytest.raises(OSError):
@@ -503,6 +504,6 @@ def test_training_metrics_with_another_layout_are_rejected(tmp_path, reference, 
         tmp_path / "run",
         {"site2": _training(lambda r, blob: encode_reply(Reply(r.arrays, rewrite(r.metrics), r.num_samples)))},
     )
-    assert _equal(_weights(tmp_path / "run"), reference("site2")[1])
+    assert same_arrays(server_state(tmp_path / "run"), reference("site2")[1])
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
     assert len(drops) == 2 and all(re.search(reason, d["reason"]) for d in drops), drops

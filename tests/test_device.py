@@ -17,24 +17,16 @@ from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.cli import main
+from fedseg.core.checkpoint import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.core.config import RunConfig, TrainConfig, load_run_config
 from fedseg.core.device import autocast, resolve_device, to_host
-from fedseg.core.engine import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.core.errors import ConfigError
 from fedseg.simulation.runner import build_transport, simulate
-from test_engine import _strip_times
+from helpers import assert_same_arrays, assert_same_checkpoints, same_arrays, server_state, strip_times
 
 
 def _no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "checkpoints" / "server.safetensors"))
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ------------------------------------------------------------------ settings
@@ -125,7 +117,7 @@ def test_explicit_cpu_and_auto_give_the_same_run_and_record_the_device(tmp_path,
     assert json.loads((tmp_path / "cpu" / "results.json").read_text())["device"] == "cpu"
     assert any("device cpu, precision fp32" in m for m in logs)
     assert (tmp_path / "auto" / "config.toml").read_text().startswith("# ran on device cpu, precision fp32\n")
-    assert _same(_weights(tmp_path / "cpu"), _weights(tmp_path / "auto"))
+    assert_same_arrays(server_state(tmp_path / "cpu"), server_state(tmp_path / "auto"))
     # the recorded config.toml still loads (the comment is ignored) and keeps the requested "auto"
     assert load_run_config(tmp_path / "auto" / "config.toml").device == "auto"
 
@@ -148,10 +140,10 @@ def test_mixed_precision_runs_are_finite_and_keep_float32_weights(tmp_path, work
         progress=False,
         log=lambda m: None,
     )
-    w, w32 = _weights(tmp_path / precision), _weights(tmp_path / "fp32")
+    w, w32 = server_state(tmp_path / precision), server_state(tmp_path / "fp32")
     assert all(torch.isfinite(v).all() for v in w.values())
     assert all(v.dtype == w32[k].dtype for k, v in w.items())  # fp32 master weights, float32 aggregate
-    assert not _same(w, w32)  # autocast really ran the forward pass in low precision
+    assert not same_arrays(w, w32)  # autocast really ran the forward pass in low precision
     losses = [v for e in mixed["history"] for v in e["train_loss"].values()]
     assert all(torch.isfinite(torch.tensor(losses))) and mixed["precision"] == precision
     assert (
@@ -180,7 +172,7 @@ def test_fp16_scaler_state_is_checkpointed_and_resume_is_bitwise(tmp_path, workl
     meta = json.loads((tmp_path / "part" / "checkpoints" / "sites" / "site1.json").read_text())
     assert meta["scalers"]["global"]["scale"] > 0
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True, log=lambda m: None)
-    assert _same(_weights(tmp_path / "full"), _weights(tmp_path / "part"))
+    assert_same_checkpoints(tmp_path / "full", tmp_path / "part")
 
 
 def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
@@ -192,9 +184,10 @@ def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     huge = lambda m: 1e36 * sum(p.sum() for p in m.parameters())  # noqa: E731 - gradient 1e36 × scale overflows
     site.fit("global", 1, extra_loss=huge)
-    assert _same(before, dict(model.state_dict())) and site.scalers["global"].get_scale() == 32768.0
+    assert_same_arrays(before, dict(model.state_dict()))
+    assert site.scalers["global"].get_scale() == 32768.0
     site.fit("global", 2)
-    assert not _same(before, dict(model.state_dict()))
+    assert not same_arrays(before, dict(model.state_dict()))
 
 
 def test_cuda_determinism_settings(monkeypatch):
@@ -281,8 +274,8 @@ def test_data_placement_on_the_cpu_copies_nothing_and_changes_no_number(tmp_path
             progress=False,
             log=lambda m: None,
         )
-        weights[mode] = _weights(tmp_path / mode)
-    assert _same(weights["device"], weights["stream"])
+        weights[mode] = server_state(tmp_path / mode)
+    assert_same_arrays(weights["device"], weights["stream"])
 
 
 def test_site_state_is_host_tensors(workload):
@@ -313,14 +306,14 @@ def test_background_writer_writes_the_same_files_as_the_synchronous_one(tmp_path
     assert a.keys() == b.keys() and "progress.json" in a and not any(k.endswith((".next", ".tmp")) for k in a)
     for name in a:
         if name == "progress.json":  # holds the per-round wall times
-            assert _strip_times(json.loads(a[name])) == _strip_times(json.loads(b[name]))
+            assert strip_times(json.loads(a[name])) == strip_times(json.loads(b[name]))
         else:
             assert a[name] == b[name], name
     # and the checkpoint the background writer left resumes bitwise into an uninterrupted run
     cfg = tiny_config("scaffold", rounds=3)
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "bgTrue", progress=False, resume=True, log=lambda m: None)
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "full", progress=False, log=lambda m: None)
-    assert _same(_weights(tmp_path / "bgTrue"), _weights(tmp_path / "full"))
+    assert_same_checkpoints(tmp_path / "bgTrue", tmp_path / "full")
 
 
 def test_writer_commits_in_order_and_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
@@ -380,7 +373,7 @@ def test_gpu_run_matches_cpu_run_within_tolerance(tmp_path, workload):
     simulate(dataclasses.replace(cfg, device="cpu"), workload, tiny_sites(), out=tmp_path / "cpu", progress=False)
     res = simulate(_cuda(cfg), workload, tiny_sites(), out=tmp_path / "gpu", progress=False)
     assert res["device"].startswith("cuda")
-    a, b = _weights(tmp_path / "cpu"), _weights(tmp_path / "gpu")
+    a, b = server_state(tmp_path / "cpu"), server_state(tmp_path / "gpu")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
 
@@ -391,7 +384,7 @@ def test_gpu_same_seed_twice_is_bitwise(tmp_path, workload, data):
     cfg = _cuda(tiny_config("fedavg", rounds=2, data=data))
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "a", progress=False)
     simulate(cfg, workload, tiny_sites(), out=tmp_path / "b", progress=False)
-    assert _same(_weights(tmp_path / "a"), _weights(tmp_path / "b"))
+    assert_same_arrays(server_state(tmp_path / "a"), server_state(tmp_path / "b"))
 
 
 @pytest.mark.gpu
@@ -404,7 +397,7 @@ def test_gpu_data_on_device_equals_streamed(tmp_path, workload):
             out=tmp_path / data,
             progress=False,
         )
-    assert _same(_weights(tmp_path / "device"), _weights(tmp_path / "stream"))
+    assert_same_arrays(server_state(tmp_path / "device"), server_state(tmp_path / "stream"))
 
 
 @pytest.mark.gpu
@@ -417,7 +410,7 @@ def test_gpu_mixed_precision_is_finite(tmp_path, workload, precision):
         out=tmp_path,
         progress=False,
     )
-    assert all(torch.isfinite(v).all() for v in _weights(tmp_path).values())
+    assert all(torch.isfinite(v).all() for v in server_state(tmp_path).values())
     assert all(torch.isfinite(torch.tensor(list(e["train_loss"].values()))).all() for e in res["history"])
 
 
@@ -435,7 +428,7 @@ def test_checkpoint_on_gpu_resumes_on_cpu(tmp_path, workload):
     )
     assert res["device"] == "cpu"
     simulate(_cuda(cfg), workload, tiny_sites(), out=tmp_path / "gpu", progress=False)
-    a, b = _weights(tmp_path / "run"), _weights(tmp_path / "gpu")
+    a, b = server_state(tmp_path / "run"), server_state(tmp_path / "gpu")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
 
@@ -501,4 +494,4 @@ def test_each_deployed_site_trains_on_its_own_device(tmp_path):
     serve(tmp_path / "dep", LoopbackChannel(runtimes), log=lambda m: None)
     assert all(r.site.cfg.device == "cpu" and r.site.device == torch.device("cpu") for r in runtimes.values())
     simulate(cfg, _workload(cfg), tiny_sites(2), out=tmp_path / "sim", progress=False, log=lambda m: None)
-    assert _same(_weights(tmp_path / "dep"), _weights(tmp_path / "sim"))
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))

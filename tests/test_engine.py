@@ -1,4 +1,5 @@
-"""Engine properties: determinism, resume, FedAvg(K=1) = local, evaluation layout."""
+"""Engine properties: determinism, FedAvg(K=1) = local, evaluation layout, the checkpoint commit, damaged
+checkpoints (resume = uninterrupted run for every method: ``tests/test_resume.py``)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,7 @@ from safetensors.torch import load_file
 from conftest import tiny_config, tiny_sites
 from fedseg.core.errors import PayloadError
 from fedseg.simulation.runner import simulate
-
-
-def _strip_times(obj):
-    if isinstance(obj, dict):
-        return {k: _strip_times(v) for k, v in obj.items() if k not in ("time_s", "wall_time_s")}
-    if isinstance(obj, list):
-        return [_strip_times(v) for v in obj]
-    return obj
-
-
-def _assert_same_arrays(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+from helpers import assert_same_arrays, assert_same_checkpoints, server_state, strip_times
 
 
 def test_same_seed_gives_bitwise_identical_runs(tmp_path, sites, workload):
@@ -40,45 +28,21 @@ def test_same_seed_gives_bitwise_identical_runs(tmp_path, sites, workload):
         progress=False,
     )
     # Assert: weights and results identical except timings; another seed differs
-    a = load_file(str(tmp_path / "a/checkpoints/server.safetensors"))
-    _assert_same_arrays(a, load_file(str(tmp_path / "b/checkpoints/server.safetensors")))
-    assert _strip_times(r1) == _strip_times(r2)
-    assert _strip_times(json.loads((tmp_path / "a/results.json").read_text())) == _strip_times(
+    assert_same_checkpoints(tmp_path / "a", tmp_path / "b")
+    assert strip_times(r1) == strip_times(r2)
+    assert strip_times(json.loads((tmp_path / "a/results.json").read_text())) == strip_times(
         json.loads((tmp_path / "b/results.json").read_text())
     )
-    c = load_file(str(tmp_path / "c/checkpoints/server.safetensors"))
+    a, c = server_state(tmp_path / "a"), server_state(tmp_path / "c")
     assert any(not torch.equal(a[k], c[k]) for k in a)
-
-
-@pytest.mark.parametrize("method", ["fedavg", "local", "centralized"])
-def test_resume_equals_uninterrupted(tmp_path, sites, workload, method):
-    # Prepare: 4 rounds straight vs 2 rounds, "crash", resume for the rest
-    cfg = tiny_config(method, rounds=4)
-    full = simulate(cfg, workload, sites, out=tmp_path / "full", progress=False)
-    assert simulate(cfg, workload, sites, out=tmp_path / "part", progress=False, stop_after=2) is None
-    assert json.loads((tmp_path / "part/checkpoints/progress.json").read_text())["round"] == 2
-    # Execute: a fresh process state (new sites) resumes from the checkpoint
-    resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
-    # Assert: bitwise equal server state, site states and results
-    _assert_same_arrays(
-        load_file(str(tmp_path / "full/checkpoints/server.safetensors")),
-        load_file(str(tmp_path / "part/checkpoints/server.safetensors")),
-    )
-    for s in sites:
-        _assert_same_arrays(
-            load_file(str(tmp_path / f"full/checkpoints/sites/{s}.safetensors")),
-            load_file(str(tmp_path / f"part/checkpoints/sites/{s}.safetensors")),
-        )
-    assert _strip_times(full) == _strip_times(resumed)
 
 
 def test_fedavg_with_one_site_equals_local_training(tmp_path, workload):
     one = dict(list(tiny_sites().items())[:1])
     fa = simulate(tiny_config("fedavg", rounds=3), workload, one, out=tmp_path / "fa", progress=False)
     lo = simulate(tiny_config("local", rounds=3), workload, one, out=tmp_path / "lo", progress=False)
-    w_fa = load_file(str(tmp_path / "fa/checkpoints/server.safetensors"))
-    w_lo = load_file(str(tmp_path / "lo/checkpoints/server.safetensors"))
-    _assert_same_arrays(
+    w_fa, w_lo = server_state(tmp_path / "fa"), server_state(tmp_path / "lo")
+    assert_same_arrays(
         {k.removeprefix("global/"): v for k, v in w_fa.items()},
         {k.removeprefix("local/site1/"): v for k, v in w_lo.items()},
     )
@@ -132,7 +96,7 @@ def test_site_rejects_model_of_another_shape(sites, workload):
 def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp_path):
     """A save interrupted before its commit record leaves the previous checkpoint in force (staged files are
     dropped); one interrupted after the record is finished on the next load (staged files moved into place)."""
-    from fedseg.core.engine import commit_checkpoint
+    from fedseg.core.checkpoint import commit_checkpoint
 
     # Prepare: round 1 committed; round 2 staged without a record
     d = tmp_path / "checkpoints"

@@ -72,25 +72,6 @@ def test_fedsm_with_lambda_one_over_k_makes_personalized_models_equal(sites, wor
             torch.testing.assert_close(v, server[k.replace("site1", "site3")])
 
 
-@pytest.mark.parametrize("method", ["fedsm", "fedsm-extra"])
-def test_resume_equals_uninterrupted(tmp_path, sites, workload, method):
-    """fedsm-extra stops at the end of its model rounds and resumes into the selector round."""
-    cfg = (
-        _with(tiny_config(method, rounds=3), selector_rounds=1) if method != "fedsm" else tiny_config(method, rounds=3)
-    )
-    full = simulate(cfg, workload, sites, out=tmp_path / "full", progress=False)
-    assert simulate(cfg, workload, sites, out=tmp_path / "part", progress=False, stop_after=2) is None
-    resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
-    a = load_file(str(tmp_path / "full/checkpoints/server.safetensors"))
-    b = load_file(str(tmp_path / "part/checkpoints/server.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for s in sites:
-        a = load_file(str(tmp_path / f"full/checkpoints/sites/{s}.safetensors"))
-        b = load_file(str(tmp_path / f"part/checkpoints/sites/{s}.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _strip_times(full) == _strip_times(resumed)
-
-
 def test_gamma_auto_picks_a_grid_value_from_federated_validation(tmp_path, sites, workload):
     cfg = _with(tiny_config("fedsm", rounds=2), gamma="auto", gamma_grid=[0.0, 0.5, 1.0])
     res = simulate(cfg, workload, sites, out=tmp_path, progress=False)

@@ -17,6 +17,7 @@ from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import PERSONALIZATIONS
 from fedseg.core.errors import ConfigError
 from fedseg.simulation.runner import simulate
+from helpers import assert_same_checkpoints
 
 METHODS = [p for p in PERSONALIZATIONS if p != "softpull"]
 
@@ -158,8 +159,7 @@ def test_ditto_resume_equals_uninterrupted(tmp_path, sites, workload):
     # Execute
     resumed = simulate(cfg, workload, tiny_sites(), out=tmp_path / "part", progress=False, resume=True)
     # Assert
-    a, b = _server(tmp_path / "full"), _server(tmp_path / "part")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_checkpoints(tmp_path / "full", tmp_path / "part")
     assert full["client_avg_dice"] == resumed["client_avg_dice"]
 
 

@@ -384,20 +384,6 @@ def test_fga_bytes_per_round_are_one_gradient_each_way_per_step(tmp_path):
     assert r1["site1"]["sent"] == r1["site2"]["sent"] == 3 * p_bytes
 
 
-def test_fga_resume_is_bitwise(tmp_path):
-    # Prepare
-    data = class_sites([8, 6])
-    cfg = config(rounds=4, dtype="float32")
-    # Execute: straight vs. interrupted after round 2 and resumed with fresh sites
-    full = simulate(cfg, mlp_workload(), data, out=tmp_path / "full", progress=False)
-    assert simulate(cfg, mlp_workload(), data, out=tmp_path / "part", progress=False, stop_after=2) is None
-    resumed = simulate(cfg, mlp_workload(), class_sites([8, 6]), out=tmp_path / "part", progress=False, resume=True)
-    # Assert
-    a, b = server_weights(tmp_path / "full"), server_weights(tmp_path / "part")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert full["per_site_dice"] == resumed["per_site_dice"]
-
-
 # -------------------------------------------------------------------- warnings
 
 

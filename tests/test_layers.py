@@ -1,4 +1,4 @@
-"""The package's layers, checked on its import graph (every import statement of every module
+r"""The package's layers, checked on its import graph (every import statement of every module
 under ``src/fedseg``, at the top of a file, inside a function or under ``TYPE_CHECKING``).
 
 The layers, lowest first (``docs/architecture.md`` draws them):
@@ -6,8 +6,12 @@ The layers, lowest first (``docs/architecture.md`` draws them):
 0. foundation: ``core.errors``, ``core.seeding``, ``core.arrays``, ``core.messages``,
    ``core.config``, ``core.device`` — torch and the standard library only;
 1. ``models``, ``data``, ``evaluation`` — networks, datasets and metrics, knowing no run;
-2. ``core.workload``, ``core.site``, ``core.checkpoint`` — one site's runtime and the files;
-3. the two seams: ``algorithms.base`` (server half + site half), ``transport.base``;
+2. ``core.workload``, ``core.site`` — one site's runtime (it does no file I/O);
+3. the two seams: ``algorithms.base`` (server half + site half), ``transport.base``; and beside them
+   ``core.checkpoint``, the run's files (atomic writes, the commit protocol, best models, site
+   state files): it sits here, not with the site, because each best-model record it reads and
+   writes is an ``algorithms.base.Candidate`` (and the site state it saves is a ``core.site.Site``'s);
+   no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
 4. ``algorithms`` — the methods;
 5. ``core.engine``, ``transport`` (with the vectorized executor of in-process sites,
    ``simulation.vectorize``), and the remote transport (``deploy.params``, ``deploy.wire``,
@@ -43,8 +47,8 @@ LAYERS: list[tuple[str, ...]] = [
         "fedseg.core.device",
     ),
     ("fedseg.models", "fedseg.data", "fedseg.evaluation"),
-    ("fedseg.core.workload", "fedseg.core.site", "fedseg.core.checkpoint"),
-    ("fedseg.algorithms.base", "fedseg.transport.base"),
+    ("fedseg.core.workload", "fedseg.core.site"),
+    ("fedseg.algorithms.base", "fedseg.transport.base", "fedseg.core.checkpoint"),
     ("fedseg.algorithms",),
     (
         "fedseg.core.engine",
@@ -236,6 +240,18 @@ def test_imports_are_at_the_top_unless_deferred_on_purpose():
     assert not bad, (
         "move these imports to the top of their files (or add a heavy dependency to DEFERRED):\n" + "\n".join(bad)
     )
+
+
+def test_files_are_the_checkpoint_modules_not_the_sites_or_the_engines():
+    """The site and the engine hand arrays + JSON to ``core.checkpoint``; neither writes a file format itself."""
+    file_io = ("safetensors", "json", "os", "shutil", "pickle")
+    bad = [
+        f"{MODULES[m].relative_to(SRC)}:{line} imports {target}"
+        for m in ("fedseg.core.site", "fedseg.core.engine", "fedseg.transport.inprocess")
+        for target, line, _ in IMPORTS[m]
+        if target.split(".")[0] in file_io
+    ]
+    assert not bad, "file I/O outside fedseg.core.checkpoint:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", ["fedseg.core.site", "fedseg.algorithms.base"])

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import tiny_config
 from fedseg.algorithms import get_algorithm
+from fedseg.core.checkpoint import restore_site, save_site
 from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.core.errors import PayloadError
 from fedseg.core.site import Site
-from fedseg.core.workload import segmentation_workload
+from fedseg.core.workload import segmentation_workload, workload_for
 
 
 def _site(sites, workload, cfg=None, name="site1"):
@@ -54,16 +58,16 @@ def test_save_and_restore_roundtrip(tmp_path, sites, workload):
     s.model("global")
     s.fit("global", 1)
     s.store["c"] = torch.arange(3.0)
-    s.save(tmp_path)
+    save_site(s, tmp_path)
     fresh = _site(sites, workload)
-    assert fresh.restore(tmp_path)
+    assert restore_site(fresh, tmp_path)
     for k, v in s.models["global"].state_dict().items():
         assert torch.equal(v, fresh.models["global"].state_dict()[k])
     a, b = s.optimizers["global"].state_dict(), fresh.optimizers["global"].state_dict()
     for i in a["state"]:
         assert torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"])
     assert torch.equal(fresh.store["c"], torch.arange(3.0))
-    assert not _site(sites, workload).restore(tmp_path / "empty")
+    assert not restore_site(_site(sites, workload), tmp_path / "empty")
 
 
 def _bn_stats(model) -> dict[str, torch.Tensor]:
@@ -132,3 +136,30 @@ def test_local_batch_norm_fedsm_composite_uses_the_sites_own_statistics(sites, t
     assert g and all(torch.equal(cg[k], g[k]) for k in g)
     assert all(torch.equal(cp[k], p[k]) for k in p)
     assert any(not torch.equal(g[k], p[k]) for k in g)
+
+
+def test_split_names_have_one_table(sites):
+    """Every alias of a split names the same dataset; an unknown name is one error listing the allowed ones."""
+    d = sites["site1"]
+    assert d.split("train") is d.split("training") is d.train
+    assert d.split("val") is d.split("validation") is d.val
+    assert d.split("test") is d.split("testing") is d.test
+    with pytest.raises(PayloadError, match=r"unknown data split 'valid'; a split is one of \['test', 'testing'"):
+        d.split("valid")
+
+
+def test_workload_for_a_spec_or_its_data_header_is_the_same_workload():
+    """The server of a deployment knows only the data header; it builds the workload a simulation builds."""
+    cfg = tiny_config()
+    header = {"spatial_dims": 2, "in_channels": 3, "labels": {"disc": [1], "cup": [2]}}
+    spec = SimpleNamespace(**header)
+    a, b = workload_for(header, cfg), workload_for(spec, cfg)
+    assert a.metric_names == b.metric_names == ("disc", "cup")
+    assert (a.spatial_dims, a.in_channels) == (b.spatial_dims, b.in_channels) == (2, 3)
+    x = torch.rand(1, 3, 16, 16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ya = a.build_model()(x)
+        torch.manual_seed(0)
+        yb = b.build_model()(x)
+    assert ya.shape == (1, 2, 16, 16) and torch.equal(ya, yb)

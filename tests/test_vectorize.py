@@ -27,6 +27,7 @@ from fedseg.core.workload import segmentation_workload
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.runner import build_transport, simulate
 from fedseg.simulation.vectorize import FitCall, VectorizedExecutor, resolve_vectorize
+from helpers import assert_same_checkpoints
 
 PLAIN = dataclasses.replace(TINY_MODEL, norm="none")
 
@@ -342,6 +343,5 @@ def test_a_vectorized_run_resumes_exactly(tmp_path):
         simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, stop_after=1) is None
     )
     resumed = simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, resume=True)
-    a, b = _states(tmp_path / "full"), _states(tmp_path / "cut")
-    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+    assert_same_checkpoints(tmp_path / "full", tmp_path / "cut")
     assert [e["train_loss"] for e in full["history"]] == [e["train_loss"] for e in resumed["history"]]

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedseg.core.errors import PayloadError
+from fedseg.core.errors import ConfigError, PayloadError
 
 Arrays = dict[str, torch.Tensor]
 
@@ -127,8 +127,6 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
 def check_aggregation(rule: str, trim: float, section: str) -> None:
     """Raise :class:`~fedseg.core.errors.ConfigError` naming ``<section>.aggregation`` / ``.trim`` unless they are valid."""
-    from fedseg.core.errors import ConfigError
-
     if rule not in AGGREGATIONS:
         raise ConfigError(
             f"{section}.aggregation = {rule!r}; use one of {list(AGGREGATIONS)} ('mean' is the paper's FedAvg)"
@@ -258,8 +256,9 @@ def nonfinite(a: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def layout_of(a: Mapping[str, torch.Tensor]) -> dict[str, list]:
-    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, to check what is loaded later against it."""
-    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sorted(a.items())}
+    """``{name: [shape, dtype]}`` (JSON-able) of named tensors, in their order, to check what is loaded later
+    against it (and to give it back that order: a file holds its tensors sorted by name)."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in a.items()}
 
 
 def check_layout(a: Mapping[str, torch.Tensor], layout: Mapping[str, Sequence]) -> None:

@@ -7,172 +7,52 @@ during training).  After the last round every best candidate is tested on every
 site.  All of it goes through the transport, so simulation and deployment share
 this code.
 
-Checkpoint layout (``OUT/checkpoints/``), safetensors + JSON, no pickle:
-
-* ``server.safetensors`` — the algorithm's server state;
-* ``best.safetensors`` + ``best.json`` — best arrays and scores per candidate;
-* ``sites/<site>.safetensors`` + ``.json`` — each site's models, optimizer moments,
-  algorithm state (written by the transport; deployed sites write their own);
-* ``progress.json`` — the last completed round and the history, written last, so
-  a crash mid-checkpoint leaves the previous checkpoint valid.
-
-Every tensor is a host (CPU) tensor on disk, so a run checkpointed on a GPU resumes on
-the CPU and back.  :class:`CheckpointWriter` takes a synchronous snapshot to host memory
-and writes the files in a background thread while the next round trains.
+Checkpoints (``OUT/checkpoints/``: server state, best candidates, every site's state, the
+progress record) are written after every ``checkpoint_every`` rounds as one unit and read
+back on ``--resume``; their files and the commit protocol are :mod:`fedseg.core.checkpoint`'s.
+The engine takes a synchronous snapshot to host memory and hands it to a
+:class:`~fedseg.core.checkpoint.CheckpointWriter`, which writes it in a background thread
+while the next round trains.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.core.arrays import Arrays, clone, layout_of, prefixed, strip_prefix
+from fedseg.core.arrays import Arrays, clone, layout_of, prefixed
+from fedseg.core.checkpoint import (
+    BEST_ARRAYS,
+    BEST_META,
+    PROGRESS,
+    SERVER,
+    SITES,
+    Best,
+    CheckpointWriter,
+    JsonDoc,
+    best_files,
+    commit_checkpoint,
+    load_best,
+    load_checked,
+    read_progress,
+)
 from fedseg.core.config import RunConfig
 from fedseg.core.device import configure_determinism, describe, resolve_device, to_device
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Task
 from fedseg.core.seeding import derive_seed
-from fedseg.core.site import load_checked
 from fedseg.core.workload import Workload
 from fedseg.evaluation.summary import summarize
 from fedseg.transport.base import Transport
 
-__all__ = ["Best", "CheckpointWriter", "Engine"]
-
-
-@dataclass
-class Best:
-    """Best validation result of one candidate so far."""
-
-    score: float
-    round: int
-    candidate: Candidate
-
-
-def _save_arrays(arrays: Arrays, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
-def _save_json(data: Any, path: Path) -> None:
-    """Write JSON atomically: a temp file, fsync, rename (a crash leaves the old file or the new one, never half)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(data, indent=1))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-@dataclass(frozen=True)
-class JsonDoc:
-    """A JSON file of a staged checkpoint (a snapshot: nothing the round loop changes later)."""
-
-    data: Any
-
-
-def commit_checkpoint(d: Path) -> None:
-    """Move a staged checkpoint into place if its commit record ``progress.json.next`` exists (idempotent:
-    safe to repeat after a crash half-way); otherwise drop staged leftovers of an unfinished save."""
-    record = d / "progress.json.next"
-    if record.is_file():
-        for name in json.loads(record.read_text()).get("staged", []):
-            if (d / (name + ".next")).is_file():
-                os.replace(d / (name + ".next"), d / name)
-        if (d / "sites.next").is_dir():
-            (d / "sites").mkdir(exist_ok=True)
-            for f in (d / "sites.next").iterdir():
-                os.replace(f, d / "sites" / f.name)
-            (d / "sites.next").rmdir()
-        os.replace(record, d / "progress.json")
-        return
-    for f in d.glob("*.next"):
-        if f.is_dir():
-            shutil.rmtree(f)
-        else:
-            f.unlink()
-
-
-class CheckpointWriter:
-    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
-
-    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
-    commit record ``progress.json.next``; the files are written one after another and the
-    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
-    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
-    committed and re-raises a failed write.  The engine waits before it stages the next
-    checkpoint and before the run returns, so at most one checkpoint is in flight and the
-    commit protocol (staged ``.next`` files, then the record) is unchanged.
-    """
-
-    def __init__(self, background: bool = True):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
-        self._pending: Future | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.write_s = 0.0
-        """Seconds spent writing (in the worker thread when in the background)."""
-
-    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
-        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
-        when the source is on a GPU, so the copies run without blocking until one final
-        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
-        page-faulting a checkpoint's worth of memory each time; they are free again once
-        :meth:`wait` has returned, which every caller does before copying."""
-        out: Arrays = {}
-        for k, v in arrays.items():
-            name = f"{group}/{k}"
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-                self._buffers[name] = buf
-            buf.copy_(v.detach(), non_blocking=v.is_cuda)
-            out[k] = buf
-        return out
-
-    @staticmethod
-    def copies_done() -> None:
-        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
-        self.wait()
-        if self._pool is None:
-            self._write(folder, files)
-        else:
-            self._pending = self._pool.submit(self._write, folder, files)
-
-    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
-        t0 = time.perf_counter()
-        for rel, content in files.items():
-            path = folder / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, JsonDoc):
-                _save_json(content.data, path)
-            else:
-                _save_arrays(content, path)
-        commit_checkpoint(folder)
-        self.write_s += time.perf_counter() - t0
-
-    def wait(self) -> None:
-        """Block until the checkpoint in flight is committed (re-raises its error)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -327,38 +207,24 @@ class Engine:
         t0 = time.perf_counter()
         self.writer.wait()  # the previous checkpoint is committed before this one is staged
         d.mkdir(parents=True, exist_ok=True)
-        staged = ["server.safetensors"]
-        files: dict[str, Arrays | JsonDoc] = {"server.safetensors.next": self.writer.host_copy("server", self.state)}
-        best_meta = {}
-        for name, b in self.best.items():
-            c = b.candidate
-            best_meta[name] = {
-                "score": b.score,
-                "round": b.round,
-                "predictor": c.predictor,
-                "val_sites": c.val_sites,
-                "home_site": c.home_site,
-                "config": c.config,
-            }
-        best_arrays: Arrays = {}
-        for name, b in self.best.items():
-            best_arrays.update(prefixed(name, b.candidate.arrays))
-        layout = {"server.safetensors": layout_of(self.state), "best.safetensors": layout_of(best_arrays)}
-        if best_meta != self._saved_best or not (d / "best.safetensors").is_file():
-            best_arrays = self.writer.host_copy("best", best_arrays)
-            files["best.safetensors.next"] = best_arrays
-            files["best.json.next"] = JsonDoc(copy.deepcopy(best_meta))
-            staged += ["best.safetensors", "best.json"]
+        staged = [SERVER]
+        files: dict[str, Arrays | JsonDoc] = {f"{SERVER}.next": self.writer.host_copy("server", self.state)}
+        best_arrays, best_meta = best_files(self.best)
+        layout = {SERVER: layout_of(self.state), BEST_ARRAYS: layout_of(best_arrays)}
+        if best_meta != self._saved_best or not (d / BEST_ARRAYS).is_file():
+            files[f"{BEST_ARRAYS}.next"] = self.writer.host_copy("best", best_arrays)
+            files[f"{BEST_META}.next"] = JsonDoc(copy.deepcopy(best_meta))
+            staged += [BEST_ARRAYS, BEST_META]
             self._saved_best = best_meta
         snapshot = getattr(self.transport, "snapshot_sites", None)
         if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
-            self.transport.save_sites(d / "sites.next")
+            self.transport.save_sites(d / f"{SITES}.next")
         else:
             for name, (arrays, meta) in snapshot().items():
-                files[f"sites.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
-                files[f"sites.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
+                files[f"{SITES}.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
+                files[f"{SITES}.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
         progress = {"round": self.round, "history": self.history, "staged": staged, "layout": layout}
-        files["progress.json.next"] = JsonDoc(copy.deepcopy(progress))
+        files[f"{PROGRESS}.next"] = JsonDoc(copy.deepcopy(progress))
         self.writer.copies_done()
         self.writer.submit(d, files)
         self.checkpoint_s += time.perf_counter() - t0
@@ -367,19 +233,17 @@ class Engine:
         d = self.ckpt_dir
         if d is not None:
             commit_checkpoint(d)  # finish a checkpoint interrupted after its commit record
-        if d is None or not (d / "progress.json").is_file():
+        progress = read_progress(d) if d is not None else None
+        if progress is None:
             raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
-        progress = json.loads((d / "progress.json").read_text())
         self.round = int(progress["round"])
         self.history = progress["history"]
         layout = progress.get("layout") or {}
-        self.state = to_device(load_checked(d / "server.safetensors", layout.get("server.safetensors")), self.device)
-        best_arrays = to_device(load_checked(d / "best.safetensors", layout.get("best.safetensors")), self.device)
-        for name, m in json.loads((d / "best.json").read_text()).items():
-            vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
-            cand = Candidate(name, strip_prefix(name, best_arrays), m["predictor"], vs, m["home_site"], m["config"])
-            self.best[name] = Best(m["score"], m["round"], cand)
-        self.transport.restore_sites(d / "sites")
+        self.state = to_device(load_checked(d / SERVER, layout.get(SERVER)), self.device)
+        for name, b in load_best(d, layout.get(BEST_ARRAYS)).items():
+            b.candidate.arrays = to_device(b.candidate.arrays, self.device)
+            self.best[name] = b
+        self.transport.restore_sites(d / SITES)
 
     # ------------------------------------------------------------------ loop
     def run(

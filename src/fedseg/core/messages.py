@@ -11,8 +11,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedseg.core.arrays import Arrays
+from fedseg.core.errors import PayloadError
 
-__all__ = ["Reply", "Task"]
+__all__ = ["SPLITS", "Reply", "Task", "split_name"]
+
+SPLITS = {
+    "training": "training",
+    "train": "training",
+    "validation": "validation",
+    "val": "validation",
+    "testing": "testing",
+    "test": "testing",
+}
+"""Every name a task may give a data split (``task.config["split"]``) → its canonical name (the
+datalist's key: ``training``, ``validation``, ``testing``)."""
+
+
+def split_name(name: str) -> str:
+    """The canonical name of a split (``"val"`` → ``"validation"``); one error naming the allowed names."""
+    canonical = SPLITS.get(name) if isinstance(name, str) else None
+    if canonical is None:
+        raise PayloadError(f"unknown data split {name!r}; a split is one of {sorted(SPLITS)}")
+    return canonical
 
 
 @dataclass

@@ -4,8 +4,9 @@ A :class:`Site` answers tasks (``site.handle(task) -> reply``).  It dispatches t
 task to the site half of the run's algorithm (``algorithm.site_handlers()``), or to
 the built-in ``"evaluate"`` handler.  Everything a site must remember between
 rounds — its models, optimizer moments, algorithm state such as control
-variates — lives here and is saved with :meth:`Site.save` as safetensors + JSON, so
-a restarted site resumes exactly.
+variates — lives here; :meth:`Site.state_arrays` / :meth:`Site.load_state_arrays` turn it
+into flat host arrays + JSON and back, and :mod:`fedseg.core.checkpoint` writes and reads
+them (safetensors + JSON), so a restarted site resumes exactly.  The site does no file I/O.
 
 Random draws (batch order, crops) come from generators seeded by
 (run seed, site index, round, stream name): see :mod:`fedseg.core.seeding`.
@@ -14,25 +15,21 @@ Random draws (batch order, crops) come from generators seeded by
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.core.arrays import Arrays, check_compatible, check_layout, nonfinite, strip_prefix
+from fedseg.core.arrays import Arrays, check_compatible, strip_prefix
 from fedseg.core.config import RunConfig
 from fedseg.core.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
 from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
+from fedseg.core.messages import Reply, Task, split_name
 from fedseg.core.seeding import generator
 from fedseg.core.workload import Workload
 
@@ -53,7 +50,7 @@ class SiteHalf(Protocol):
     def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]: ...
 
 
-__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len", "load_checked"]
+__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -71,14 +68,8 @@ class SiteData:
     test: Dataset | None = None
 
     def split(self, name: str) -> Dataset | None:
-        return {
-            "train": self.train,
-            "training": self.train,
-            "val": self.val,
-            "validation": self.val,
-            "test": self.test,
-            "testing": self.test,
-        }[name]
+        """The split named ``name`` (any name of :data:`fedseg.core.messages.SPLITS`: ``"val"`` or ``"validation"``)."""
+        return {"training": self.train, "validation": self.val, "testing": self.test}[split_name(name)]
 
 
 def dataset_len(ds: Dataset | None) -> int:
@@ -107,35 +98,6 @@ class _Placed(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[i], self.labels[i]
-
-
-def _atomic_save(arrays: Arrays, path: Path, metadata: dict[str, Any] | None = None) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
-    os.replace(tmp, path)
-    if metadata is not None:
-        jtmp = path.with_suffix(".json.tmp")
-        jtmp.write_text(json.dumps(metadata, indent=1))
-        os.replace(jtmp, path.with_suffix(".json"))
-
-
-def load_checked(path: Path, layout: dict[str, Any] | None) -> Arrays:
-    """Load a checkpoint file for ``--resume``: readable, the names/shapes/dtypes recorded when it was saved
-    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming the file."""
-    fix = f"restore {path.name} from a backup, or start the run again without --resume"
-    try:
-        arrays = load_file(str(path))
-    except Exception as e:
-        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
-    try:
-        if layout is not None:
-            check_layout(arrays, layout)
-        bad = nonfinite(arrays)
-        if bad:
-            raise PayloadError(f"non-finite values in {bad[:5]}")
-    except PayloadError as e:
-        raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
-    return arrays
 
 
 class LossSums:
@@ -318,14 +280,7 @@ class Site:
         ds = self.data.split(split)
         if ds is None:
             return ds
-        key = {
-            "train": "train",
-            "training": "train",
-            "val": "val",
-            "validation": "val",
-            "test": "test",
-            "testing": "test",
-        }[split]
+        key = split_name(split)
         if key not in self._placed:
             pair = (
                 (ds.images, ds.labels)
@@ -587,34 +542,3 @@ class Site:
             if sc is not None:
                 sc.load_state_dict(sd)
         self.store = to_device(strip_prefix("store", arrays), self.device)
-
-    def save(self, folder: str | Path) -> Path:
-        """Write the site's state to ``folder/<site>.safetensors`` (+ ``.json``)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        arrays, meta = self.state_arrays()
-        path = folder / f"{self.name}.safetensors"
-        _atomic_save(arrays, path, meta)
-        return path
-
-    def restore(self, folder: str | Path) -> bool:
-        """Load the state written by :meth:`save`; False when there is none."""
-        path = Path(folder) / f"{self.name}.safetensors"
-        if not path.is_file():
-            return False
-        arrays = load_checked(path, None)
-        fix = f"restore {path.name} and its .json from a backup, or start the run again without --resume"
-        try:
-            meta = json.loads(path.with_suffix(".json").read_text())
-            self.load_state_arrays(arrays, meta)
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            RuntimeError,
-        ) as e:  # unreadable JSON, state that does not fit the models
-            raise ConfigError(
-                f"site state {path} does not fit this run's site {self.name!r} ({type(e).__name__}: {str(e)[:300]}); {fix}"
-            ) from None
-        return True

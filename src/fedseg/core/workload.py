@@ -8,15 +8,24 @@ see ``docs/python-api.md``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fedseg.core.config import ModelConfig, TrainConfig
+from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
 
-__all__ = ["Workload", "accuracy_metric", "dice_metric", "make_loss", "segmentation_workload"]
+__all__ = [
+    "DataLayout",
+    "Workload",
+    "accuracy_metric",
+    "dice_metric",
+    "make_loss",
+    "segmentation_workload",
+    "workload_for",
+]
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -178,4 +187,35 @@ def segmentation_workload(
         train_transform=transform,
         spatial_dims=spatial_dims,
         in_channels=in_channels,
+    )
+
+
+class DataLayout(Protocol):
+    """What a workload needs to know of a federation's data (a :class:`fedseg.data.spec.FederationSpec` has it)."""
+
+    spatial_dims: int
+    in_channels: int
+    labels: Mapping[str, Any]
+
+
+def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
+    """The segmentation workload of a run: its federation's data layout and the run's model, loss,
+    threshold and ``eval.empty_dice`` — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
+    and both halves of a deployment build.
+
+    ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
+    ``in_channels``, ``labels``: what a deployed server receives, :func:`fedseg.deploy.site.data_header`).
+    """
+    if isinstance(layout, Mapping):
+        spatial_dims, in_channels, labels = layout["spatial_dims"], layout["in_channels"], layout["labels"]
+    else:
+        spatial_dims, in_channels, labels = layout.spatial_dims, layout.in_channels, layout.labels
+    return segmentation_workload(
+        int(spatial_dims),
+        int(in_channels),
+        list(labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
     )

@@ -21,12 +21,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from nvflare.collab import collab
 
+from fedseg.deploy.server import serve
 from fedseg.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
 
 __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
@@ -44,8 +49,6 @@ class FedsegServer:
 
     @collab.main
     def main(self):
-        from fedseg.deploy.server import serve
-
         proxies = {p.name: p for p in collab.clients}
 
         def call(site: str, op: str, payload: bytes, timeout: float) -> bytes:
@@ -81,8 +84,6 @@ class FedsegSite:
             )
             threads = os.environ.get("FEDSEG_TORCH_THREADS")
             if threads:
-                import torch
-
                 torch.set_num_threads(int(threads))
             self._runtime = SiteRuntime(read_site_config(path))
         return self._runtime
@@ -134,10 +135,6 @@ def provision_kits(
     Each kit's ``local/resources.json`` extends the class allow-list with fedseg's
     components, so jobs run without bring-your-own-code rights.
     """
-    import shutil
-    import subprocess
-    import sys
-
     out = Path(out).resolve()
     participants = [
         {"name": host, "type": "server", "org": "fedseg", "fed_learn_port": fl_port, "admin_port": admin_port}
@@ -220,8 +217,6 @@ def restrict(folder: Path, everything: bool = False) -> None:
 
 def server_command(kit: str | Path) -> list[str]:
     """The command that starts the FLARE server from its kit (what the kit's start.sh runs)."""
-    import sys
-
     return [
         sys.executable,
         "-u",
@@ -240,8 +235,6 @@ def server_command(kit: str | Path) -> list[str]:
 
 def site_command(kit: str | Path, name: str) -> list[str]:
     """The command that starts a FLARE site from its kit (what the kit's start.sh runs)."""
-    import sys
-
     return [
         sys.executable,
         "-u",

@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from fedseg.core.arrays import Arrays, is_float
+from fedseg.core.checkpoint import read_progress
 from fedseg.core.errors import FedsegError, PayloadError
-from fedseg.core.messages import Reply, Task
+from fedseg.core.messages import SPLITS, Reply, Task
 from fedseg.deploy.params import DeployParams
 from fedseg.deploy.wire import check_reply, decode_reply, encode_task, parse_json_object
 from fedseg.transport.base import Traffic
@@ -53,16 +54,6 @@ Call = Callable[[str, str, bytes, float], bytes]
 
 class DeployError(FedsegError):
     """A deployed exchange could not complete (too few sites answered)."""
-
-
-_SPLITS = {
-    "training": "training",
-    "train": "training",
-    "validation": "validation",
-    "val": "validation",
-    "testing": "testing",
-    "test": "testing",
-}
 
 
 def _declared_counts(summary: dict[str, Any]) -> dict[str, int]:
@@ -343,8 +334,8 @@ class RemoteTransport:
             return
         n = reply.num_samples
         split = task.config.get("split")
-        if isinstance(split, str) and _SPLITS.get(split) in counts:
-            want = counts[_SPLITS[split]]
+        if isinstance(split, str) and SPLITS.get(split) in counts:
+            want = counts[SPLITS[split]]
             if n != want:
                 raise PayloadError(f"{what}: claims {n} {split} cases, but the site declared {want} at setup")
             return
@@ -366,7 +357,7 @@ class RemoteTransport:
             got = sorted(per_case)[:5] if isinstance(per_case, dict) else type(per_case).__name__
             raise PayloadError(f"{what}: scores {got}, but was asked for the candidates {asked}")
         split = task.config.get("split")
-        want = (self.declared.get(site) or {}).get(_SPLITS.get(split, ""))
+        want = (self.declared.get(site) or {}).get(SPLITS.get(split, ""))
         for name, cases in per_case.items():
             if not isinstance(cases, list):
                 raise PayloadError(f"{what}: scores of {name!r} are a {type(cases).__name__}, not a list of cases")
@@ -447,8 +438,8 @@ class RemoteTransport:
 
     def restore_sites(self, folder: Path) -> None:
         """Ask every site to reload its checkpoint of the round the server resumes from."""
-        progress = Path(folder).parent / "progress.json"
-        rnd = int(json.loads(progress.read_text())["round"]) if progress.is_file() else self.round_source()
+        progress = read_progress(Path(folder).parent)
+        rnd = int(progress["round"]) if progress is not None else self.round_source()
         out = self._control("restore", {"round": rnd}, self.params.setup_timeout_s)
         for s, r in sorted(out.items()):
             self.log(f"[deploy] site {s} restored its checkpoint of round {r.get('restored')}")

@@ -14,15 +14,21 @@ import signal
 import socket
 import subprocess
 import threading
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedseg.core.engine import _save_json
+from fedseg.core.checkpoint import save_json
+from fedseg.core.config import _toml_value
+from fedseg.core.device import resolve_device
 from fedseg.core.errors import ConfigError
+from fedseg.data.spec import load_federation
+from fedseg.deploy.params import deploy_params
 from fedseg.deploy.server import load_deploy_config, prepare_run
 from fedseg.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
+from fedseg.deploy.supervise import Supervisor
 
 __all__ = [
     "LocalCluster",
@@ -57,7 +63,6 @@ def configure_site(
     kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None, device: str = "auto"
 ) -> Path:
     """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder and device (never sent anywhere)."""
-    from fedseg.core.device import resolve_device
 
     resolve_device(device)  # --device cuda on a machine without CUDA stops here
     kit = Path(kit).resolve()
@@ -191,8 +196,6 @@ def submit_run(
     """Submit the run prepared in ``run_dir`` and supervise it until it has results (automatic re-submission
     after an aborted job, rejoin of restarted sites: :mod:`fedseg.deploy.supervise`); returns the last job's record."""
     from fedseg.deploy.flare import Admin, make_job
-    from fedseg.deploy.params import deploy_params
-    from fedseg.deploy.supervise import Supervisor
 
     run_dir = Path(run_dir).resolve()
     root = Path(job_root or run_dir / "job")
@@ -282,8 +285,6 @@ def rehearse(
 ) -> dict[str, Any] | None:
     """Run ``config`` deployed on this machine: the first ``sites`` sites of its federation, each in its own
     process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation."""
-    from fedseg.data.spec import load_federation
-
     cfg = load_deploy_config(config, overrides, **fields)
     fed = load_federation(cfg.federation)
     if not 1 <= sites <= len(fed.sites):
@@ -294,7 +295,7 @@ def rehearse(
     desc["transport"] = "nvflare-rehearsal"
     if stop_after is not None:
         desc["stop_after"] = stop_after
-    _save_json(desc, out / "deploy.json")
+    save_json(desc, out / "deploy.json")
     with (
         terminate_as_interrupt(),
         LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster,
@@ -306,11 +307,6 @@ def rehearse(
 
 def subset_spec(spec: str | Path, names: list[str], out: str | Path) -> Path:
     """A copy of federation ``spec`` with only ``names`` (absolute datalist paths): the simulation twin of a rehearsal."""
-    import tomllib
-
-    from fedseg.core.config import _toml_value
-    from fedseg.data.spec import load_federation
-
     fed = load_federation(spec)
     raw = tomllib.loads(Path(spec).read_text())
     lines = [f"name = {_toml_value(str(raw.get('name', fed.name)) + '-subset')}", "", "[data]"]

@@ -18,13 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.core.arrays import Arrays, is_float, nonfinite
+from fedseg.core.checkpoint import PROGRESS, save_json
 from fedseg.core.config import RunConfig, dump_toml, load_run_config
-from fedseg.core.engine import _save_json
+from fedseg.core.engine import Engine
 from fedseg.core.errors import ConfigError
+from fedseg.core.workload import workload_for
+from fedseg.data.spec import load_federation
 from fedseg.deploy.params import deploy_params
 from fedseg.deploy.remote import Call, DeployError, RemoteTransport
 from fedseg.deploy.site import data_header, is_plain_name
+from fedseg.simulation.runner import write_results
 
 __all__ = [
     "CONTROL_RESTART",
@@ -94,8 +99,6 @@ def read_dropouts(path: Path, log: Callable[[str], None] = print) -> list[dict[s
 
 def load_deploy_config(path: str | Path, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
     """A run config that may carry a ``[deploy]`` section."""
-    from fedseg.algorithms import known_sections
-
     cfg = load_run_config(path, overrides, known_sections(), **fields)
     deploy_params(cfg)
     return cfg
@@ -110,17 +113,14 @@ def prepare_run(
     order); by default all of them.  With ``resume`` the existing description is
     kept (same run id, so sites find their checkpoints) and marked for resuming.
     """
-    from fedseg.algorithms import get_algorithm
-    from fedseg.data.spec import load_federation
-
     out = Path(out)
     desc_path = out / "deploy.json"
     if resume:
         desc = read_deploy_json(out)
-        if not (out / "checkpoints" / "progress.json").is_file():
+        if not (out / "checkpoints" / PROGRESS).is_file():
             raise ConfigError(f"{out} has no checkpoint yet (no round completed); start the run again without --resume")
         desc["resume"] = True
-        _save_json(desc, desc_path)
+        save_json(desc, desc_path)
         return desc
     algorithm = get_algorithm(cfg)
     if algorithm.needs_pooled_site:
@@ -144,7 +144,7 @@ def prepare_run(
         "data": data_header(fed),
         "resume": False,
     }
-    _save_json(desc, desc_path)
+    save_json(desc, desc_path)
     return desc
 
 
@@ -154,11 +154,6 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     Writes ``results.json`` / ``results.md`` (plus a ``deploy`` record: dropouts,
     bytes on the wire, timing) when the run finishes.
     """
-    from fedseg.algorithms import get_algorithm
-    from fedseg.core.engine import Engine
-    from fedseg.core.workload import segmentation_workload
-    from fedseg.simulation.runner import write_results
-
     t0 = time.perf_counter()
     out = Path(out)
     desc = read_deploy_json(out)
@@ -166,15 +161,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     params = deploy_params(cfg)
     algorithm = get_algorithm(cfg)
     h = desc["data"]
-    workload = segmentation_workload(
-        int(h["spatial_dims"]),
-        int(h["in_channels"]),
-        list(h["labels"]),
-        cfg.model,
-        cfg.train,
-        cfg.eval.threshold,
-        empty_dice=cfg.eval.empty_dice,
-    )
+    workload = workload_for(h, cfg)
     resume = bool(desc.get("resume"))
     record = out / "dropouts.jsonl"
     if not resume:

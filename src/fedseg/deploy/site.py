@@ -30,9 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.core.checkpoint import restore_site, save_site
+from fedseg.core.config import load_run_config
 from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload
+from fedseg.core.site import Site, SiteData, dataset_len
+from fedseg.core.workload import Workload, workload_for
+from fedseg.data.loading import load_split
+from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.deploy.wire import check_arrays, decode_task, encode_reply, parse_json_object
 
 __all__ = [
@@ -102,10 +107,6 @@ def data_header(fed: Any) -> dict[str, Any]:
 
 def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:
     """Load this site's splits from its own datalist, laid out as the server's header says."""
-    from fedseg.core.workload import segmentation_workload
-    from fedseg.data.loading import load_split
-    from fedseg.data.spec import FederationSpec, SiteSpec
-
     dl = Path(datalist).resolve()
     fed = FederationSpec(
         name=f"{name}-local",
@@ -119,16 +120,7 @@ def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg:
         foreground_only=bool(header.get("foreground_only", False)),
     )
     data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
-    workload = segmentation_workload(
-        fed.spatial_dims,
-        fed.in_channels,
-        list(fed.labels),
-        cfg.model,
-        cfg.train,
-        cfg.eval.threshold,
-        empty_dice=cfg.eval.empty_dice,
-    )
-    return data, workload
+    return data, workload_for(fed, cfg)
 
 
 class SiteRuntime:
@@ -188,9 +180,6 @@ class SiteRuntime:
         return rnd
 
     def _setup(self, desc: dict[str, Any]) -> dict[str, Any]:
-        from fedseg.algorithms import get_algorithm, known_sections
-        from fedseg.core.config import load_run_config
-
         sites = list(desc["sites"])
         if self.name not in sites:
             raise ConfigError(
@@ -226,8 +215,6 @@ class SiteRuntime:
 
     def _summary(self) -> dict[str, Any]:
         assert self.site is not None
-        from fedseg.core.site import dataset_len
-
         d = self.site.data
         return {
             "site": self.name,
@@ -249,7 +236,7 @@ class SiteRuntime:
         if self.site is None:
             raise PayloadError(f"site {self.name}: checkpoint before setup")
         folder = self.run_dir() / f"round-{rnd:06d}"
-        self.site.save(folder)
+        save_site(self.site, folder)
         (folder / "DONE").write_text(str(rnd))
         for old in self._checkpoints()[:-_KEEP]:
             shutil.rmtree(old[1], ignore_errors=True)
@@ -270,7 +257,7 @@ class SiteRuntime:
         if not usable:
             return {"site": self.name, "restored": None}
         r, d = usable[-1]
-        self.site.restore(d)
+        restore_site(self.site, d)
         if r != rnd:
             log.warning(
                 "site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r

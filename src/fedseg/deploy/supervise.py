@@ -31,11 +31,15 @@ from __future__ import annotations
 import json
 import os
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedseg.core.engine import _save_json
+from tqdm.auto import tqdm
+
+from fedseg.core.checkpoint import read_progress, save_json
+from fedseg.core.errors import ConfigError
 from fedseg.deploy.params import DeployParams
 from fedseg.deploy.remote import DeployError
 from fedseg.deploy.server import CONTROL_RESTART, read_deploy_json
@@ -61,11 +65,11 @@ class JobAdmin(Protocol):
 
 def completed_round(run_dir: Path) -> int:
     """The last round the server checkpointed (0 before the first)."""
-    p = Path(run_dir) / "checkpoints" / "progress.json"
     try:
-        return int(json.loads(p.read_text())["round"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        progress = read_progress(Path(run_dir) / "checkpoints")
+    except ConfigError:  # a damaged record: no round completed that the supervisor can count on
         return 0
+    return 0 if progress is None else int(progress["round"])
 
 
 class Supervisor:
@@ -151,20 +155,20 @@ class Supervisor:
     def _request_restart(self, reason: str) -> None:
         p = self.run_dir / CONTROL_RESTART
         p.parent.mkdir(parents=True, exist_ok=True)
-        _save_json({"reason": reason, "time": time.time()}, p)
+        save_json({"reason": reason, "time": time.time()}, p)
 
     def _clear_restart(self) -> None:
         (self.run_dir / CONTROL_RESTART).unlink(missing_ok=True)
 
     def _save_record(self, results: bool = False) -> None:
         """Write ``OUT/supervisor.json``; with ``results`` also the run's finished ``results.json``."""
-        _save_json({"recoveries": self.recoveries, "jobs": self.jobs}, self.run_dir / RECORD)
+        save_json({"recoveries": self.recoveries, "jobs": self.jobs}, self.run_dir / RECORD)
         res = self.run_dir / "results.json"
         if results and res.is_file():
             data = json.loads(res.read_text())
             data.setdefault("deploy", {})["recoveries"] = self.recoveries
             data["deploy"]["jobs"] = self.jobs
-            _save_json(data, res)
+            save_json(data, res)
 
     # ------------------------------------------------------------------- loop
     def run(self, timeout: float = 0.0) -> dict[str, Any]:
@@ -178,8 +182,6 @@ class Supervisor:
                 f"(deploy.min_sites = {self.params.min_sites}); start the sites with `fedseg deploy site`"
             )
         self._first_job = len(self.jobs)
-        from tqdm.auto import tqdm
-
         bar = tqdm(
             total=self._rounds(),
             initial=completed_round(self.run_dir),
@@ -194,8 +196,6 @@ class Supervisor:
             bar.close()
 
     def _rounds(self) -> int | None:
-        import tomllib
-
         try:
             return int(tomllib.loads((self.run_dir / "config.toml").read_text())["rounds"])
         except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
@@ -316,5 +316,5 @@ class Supervisor:
             if rnd > 0:
                 desc = self._desc()
                 desc["resume"] = True
-                _save_json(desc, self.run_dir / "deploy.json")
+                save_json(desc, self.run_dir / "deploy.json")
             pending = {"after_job": job_id, "reason": reason, "from_round": rnd, "sites": job_sites, "_t0": t_end}

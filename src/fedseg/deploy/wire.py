@@ -147,10 +147,13 @@ def parse_json_object(text: str | bytes, what: str) -> dict[str, Any]:
 def _unpack(data: bytes, max_bytes: int) -> tuple[Arrays, dict[str, Any]]:
     _, meta = read_header(data, max_bytes)
     try:
-        arrays = st_load(bytes(data))
+        loaded = st_load(bytes(data))
     except Exception as e:  # safetensors raises its own error types
         raise PayloadError(f"payload tensors cannot be read ({e})") from None
-    return arrays, meta
+    # safetensors' ``load`` returns the tensors in an order that changes from call to call; a fixed
+    # order (by name, as ``load_file`` reads a checkpoint) keeps every sum over a payload's tensors,
+    # e.g. SCAFFOLD's correction norm, the same in two equal runs
+    return {k: loaded[k] for k in sorted(loaded)}, meta
 
 
 def encode_task(task: Task) -> bytes:

@@ -23,9 +23,11 @@ from torch import nn
 
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.checkpoint import best_files, load_best
 from fedseg.core.config import dataclass_from_dict, load_run_config
 from fedseg.core.errors import ConfigError
 from fedseg.core.site import Site
+from fedseg.core.workload import workload_for
 from fedseg.simulation.runner import load_federation_data
 
 __all__ = [
@@ -251,32 +253,14 @@ class RunModels:
 
     @classmethod
     def open(cls, run: Run, cache: DataCache) -> RunModels:
-        from safetensors.torch import load_file
-
-        from fedseg.algorithms import get_algorithm, known_sections
-        from fedseg.core.config import load_run_config
-        from fedseg.core.workload import segmentation_workload
-
-        ckpt = run.path / "checkpoints"
-        if not (ckpt / "best.json").is_file() or not (ckpt / "best.safetensors").is_file():
-            raise ConfigError(
-                f"{run.path} has no checkpoints/best.json + best.safetensors (the best models of a finished run)"
-            )
+        fix = "the model sections need the checkpoints of a finished run: restore them or run it again"
+        saved = load_best(run.path / "checkpoints", fix=fix)
         if not (run.path / "config.toml").is_file():
             raise ConfigError(f"{run.path} has no config.toml")
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         fed, data = cache.get(cfg.federation)
-        workload = segmentation_workload(
-            fed.spatial_dims,
-            fed.in_channels,
-            list(fed.labels),
-            cfg.model,
-            cfg.train,
-            cfg.eval.threshold,
-            empty_dice=cfg.eval.empty_dice,
-        )
-        meta = json.loads((ckpt / "best.json").read_text())
-        return cls(run, cfg, fed, data, workload, get_algorithm(cfg), load_file(str(ckpt / "best.safetensors")), meta)
+        best, meta = best_files(saved)
+        return cls(run, cfg, fed, data, workload_for(fed, cfg), get_algorithm(cfg), best, meta)
 
     # ------------------------------------------------------------ candidates
     def arrays(self, name: str) -> Arrays:

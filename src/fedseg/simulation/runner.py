@@ -2,7 +2,9 @@
 
 ``run(cfg, out)`` loads the federation named by the config (validating every file
 first), builds the segmentation workload and runs the method; ``simulate(...)``
-does the same for a user-supplied workload and in-memory site datasets.
+does the same for a user-supplied workload and in-memory site datasets.  Both build the
+run through :func:`build_engine`, the one place where sites, the in-process transport and
+the engine are put together (the FedSM studies and ``fedseg evaluate`` use it too).
 """
 
 from __future__ import annotations
@@ -11,28 +13,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.utils.data import ConcatDataset, TensorDataset
+from tqdm.auto import tqdm
+
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.algorithms.base import Algorithm
 from fedseg.algorithms.centralized import POOLED
+from fedseg.core.checkpoint import save_json
 from fedseg.core.config import RunConfig, dump_toml, load_run_config
 from fedseg.core.device import describe, resolve_device
-from fedseg.core.engine import Engine, _save_json
+from fedseg.core.engine import Engine
 from fedseg.core.errors import ConfigError
 from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload, segmentation_workload
+from fedseg.core.workload import Workload, workload_for
+from fedseg.data.loading import load_split
+from fedseg.data.spec import load_federation
+from fedseg.data.validate import raise_if_invalid
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.vectorize import VectorizedExecutor, resolve_vectorize
 from fedseg.transport.inprocess import InProcessTransport
 
-__all__ = ["load_federation_data", "run", "simulate", "write_results"]
+__all__ = ["build_engine", "build_transport", "load_federation_data", "run", "simulate", "write_results"]
 
 
 def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
-    from torch.utils.data import ConcatDataset, TensorDataset
-
     trains = [d.train for d in site_data.values()]
     if all(hasattr(t, "images") for t in trains):
-        import torch
-
         return SiteData(
             train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
         )
@@ -43,16 +50,22 @@ def build_transport(
     cfg: RunConfig,
     workload: Workload,
     site_data: Mapping[str, SiteData],
-    algorithm=None,
+    algorithm: Algorithm | None = None,
     log: Callable[[str], None] = print,
+    heldout: Mapping[str, SiteData] | None = None,
 ) -> InProcessTransport:
     """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed),
-    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.simulation.vectorize`)."""
+    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.simulation.vectorize`).
+
+    ``heldout``: sites addressable by name for evaluation but not part of the federation (FedSM's
+    unseen-site study); their indices follow the federation's (and the pooled site's)."""
     algorithm = algorithm or get_algorithm(cfg)
     sites = [Site(name, i, data, workload, cfg, algorithm) for i, (name, data) in enumerate(site_data.items())]
     extra = []
     if algorithm.needs_pooled_site:
         extra.append(Site(POOLED, len(sites), _pooled(site_data), workload, cfg, algorithm))
+    for name, data in (heldout or {}).items():
+        extra.append(Site(name, len(sites) + len(extra), data, workload, cfg, algorithm))
     vectorized = None
     if resolve_vectorize(cfg.simulation.vectorize, resolve_device(cfg.device)):
         vectorized = VectorizedExecutor(cfg.simulation.vectorize_group, log)
@@ -60,6 +73,33 @@ def build_transport(
             f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
         )
     return InProcessTransport(sites, extra, vectorized)
+
+
+def build_engine(
+    cfg: RunConfig,
+    workload: Workload,
+    site_data: Mapping[str, SiteData],
+    out: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    algorithm: Algorithm | None = None,
+    heldout: Mapping[str, SiteData] | None = None,
+) -> Engine:
+    """The one way a simulation is put together: the method with its settings resolved (defaults filled
+    in), one :class:`Site` per entry of ``site_data`` over an in-process transport (:func:`build_transport`;
+    ``heldout`` sites are addressable but not trained), the engine, and ``out/config.toml`` (the settings
+    as used, the device in its first line).  ``engine.transport`` is the transport."""
+    if not site_data:
+        raise ConfigError("no sites given; a federation needs at least one site")
+    algorithm = algorithm or get_algorithm(cfg)
+    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
+    transport = build_transport(cfg, workload, site_data, algorithm, log=log, heldout=heldout)
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        used = f"# ran on device {describe(resolve_device(cfg.device))}, precision {cfg.train.precision}\n"
+        (Path(out) / "config.toml").write_text(used + dump_toml(cfg.to_dict()))
+    return Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log, on_round=on_round)
 
 
 def simulate(
@@ -92,16 +132,7 @@ def simulate(
     on_round
         Called with each round's history entry (see :class:`fedseg.core.engine.Engine`).
     """
-    if not site_data:
-        raise ConfigError("no sites given; a federation needs at least one site")
-    algorithm = get_algorithm(cfg)
-    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
-    transport = build_transport(cfg, workload, site_data, algorithm, log=log)
-    if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        used = f"# ran on device {describe(resolve_device(cfg.device))}, precision {cfg.train.precision}\n"
-        (Path(out) / "config.toml").write_text(used + dump_toml(cfg.to_dict()))
-    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log, on_round=on_round)
+    engine = build_engine(cfg, workload, site_data, out=out, progress=progress, log=log, on_round=on_round)
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
         write_results(results, out)
@@ -112,19 +143,13 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
     """Write ``results.json`` and ``results.md`` (Table 3 layout) to ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
+    save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
     md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
     (out / "results.md").write_text("\n".join(md))
 
 
 def load_federation_data(federation: str | Path, progress: bool = False) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory."""
-    from tqdm.auto import tqdm
-
-    from fedseg.data.loading import load_split
-    from fedseg.data.spec import load_federation
-    from fedseg.data.validate import raise_if_invalid
-
     raise_if_invalid(federation)
     fed = load_federation(federation)
     data = {}
@@ -161,18 +186,9 @@ def run(
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(
-        fed.spatial_dims,
-        fed.in_channels,
-        list(fed.labels),
-        cfg.model,
-        cfg.train,
-        cfg.eval.threshold,
-        empty_dice=cfg.eval.empty_dice,
-    )
     return simulate(
         cfg,
-        workload,
+        workload_for(fed, cfg),
         data,
         out=out,
         progress=progress,

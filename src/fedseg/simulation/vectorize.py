@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.optim.optimizer import _get_scalar_dtype
 
 from fedseg.core.device import autocast
 from fedseg.core.messages import Reply, Task
@@ -356,8 +357,6 @@ class _StackedOptimizer:
     @torch.no_grad()
     def write_back(self) -> None:
         """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
-        from torch.optim.optimizer import _get_scalar_dtype
-
         blocks = (
             {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))}
             if self.adam

@@ -8,7 +8,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedseg.algorithms import REGISTRY, known_sections
+from fedseg.core.checkpoint import load_best
+from fedseg.core.config import load_run_config
+from fedseg.core.errors import ConfigError
+from fedseg.core.workload import workload_for
+from fedseg.data.synth import synthesize
+from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
+from fedseg.report import ReportOptions, build_report
+from fedseg.simulation.runner import build_engine, load_federation_data, run
 
 __all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
 
@@ -38,9 +47,6 @@ def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
     A plain name (``"fedavg"``) has no overrides and is its own label.  The section is
     the method's config section (``fedsm-extra`` uses ``[fedsm]``).
     """
-    from fedseg.algorithms import REGISTRY
-    from fedseg.core.errors import ConfigError
-
     method, _, settings = entry.partition(":")
     method = method.strip()
     cls = REGISTRY.get(method)
@@ -74,8 +80,6 @@ def compare(
     Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
     ``out/comparison.json``; returns the runs' results and the table.
     """
-    from fedseg.simulation.runner import run
-
     out = Path(out)
     entries = [parse_method_entry(m) for m in methods]
     runs = []
@@ -127,9 +131,6 @@ def demo(
     Returns the Table 3-layout table (also written to ``out/comparison.md``) and the report's path
     (``out/report.html``).
     """
-    from fedseg.data.synth import synthesize
-    from fedseg.report import ReportOptions, build_report
-
     out = Path(out)
     log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
     spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
@@ -157,42 +158,16 @@ def evaluate_run(
 
     Returns ``{"rows": [...], "table": markdown}``; rows follow ``results.json``'s ``rows``.
     """
-    from safetensors.torch import load_file
-
-    from fedseg.algorithms import get_algorithm, known_sections
-    from fedseg.algorithms.base import Candidate
-    from fedseg.core.config import load_run_config
-    from fedseg.core.engine import Engine
-    from fedseg.core.errors import ConfigError
-    from fedseg.core.workload import segmentation_workload
-    from fedseg.evaluation.summary import row_from_cases
-    from fedseg.simulation.runner import build_transport, load_federation_data
-
     run_dir = Path(run_dir)
-    ckpt = run_dir / "checkpoints"
-    if not (ckpt / "best.json").is_file():
-        raise ConfigError(f"{run_dir} has no checkpoints/best.json; evaluate needs the folder of a finished fedseg run")
+    fix = "evaluate needs the checkpoints of a finished fedseg run: restore them from a backup or run it again"
+    best = load_best(run_dir / "checkpoints", fix=fix)
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
     fed, data = load_federation_data(federation or cfg.federation, progress=progress)
-    workload = segmentation_workload(
-        fed.spatial_dims,
-        fed.in_channels,
-        list(fed.labels),
-        cfg.model,
-        cfg.train,
-        cfg.eval.threshold,
-        empty_dice=cfg.eval.empty_dice,
-    )
-    algorithm = get_algorithm(cfg)
-    transport = build_transport(cfg, workload, data, algorithm)
-    engine = Engine(cfg, algorithm, transport, workload, progress=False)
-    best = load_file(str(ckpt / "best.safetensors"))
+    engine = build_engine(cfg, workload_for(fed, cfg), data, progress=False)
+    sites = list(engine.transport.sites)
     rows = []
-    names = list(fed.labels)
-    for name, m in json.loads((ckpt / "best.json").read_text()).items():
-        arrays = {k[len(name) + 1 :]: v for k, v in best.items() if k.startswith(name + "/")}
-        cand = Candidate(name, arrays, m["predictor"], None, m["home_site"], m["config"])
-        per_case = engine.evaluate([cand], split, lambda c: transport.sites)[name]
-        rows.append({"name": name, **row_from_cases(per_case, list(transport.sites), names)})
-    runs = [{"method": r["name"], "seed": cfg.seed, "sites": list(transport.sites), "rows": [], **r} for r in rows]
+    for name, b in best.items():
+        per_case = engine.evaluate([b.candidate], split, lambda c: engine.transport.sites)[name]
+        rows.append({"name": name, **row_from_cases(per_case, sites, list(fed.labels))})
+    runs = [{"method": r["name"], "seed": cfg.seed, "sites": sites, "rows": [], **r} for r in rows]
     return {"rows": rows, "table": table3(runs)}

@@ -22,12 +22,13 @@ from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
-from fedseg.core.config import RunConfig, dump_toml, load_run_config
+from fedseg.core.config import RunConfig, load_run_config
 from fedseg.core.engine import Engine
 from fedseg.core.errors import ConfigError
-from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload
-from fedseg.transport.inprocess import InProcessTransport
+from fedseg.core.site import SiteData
+from fedseg.core.workload import Workload, workload_for
+from fedseg.simulation.runner import build_engine, load_federation_data, write_results
+from fedseg.transport.base import Transport
 
 __all__ = ["load_spec", "routing_report", "run_fedsm", "sweep", "table5", "table7", "unseen", "with_fedsm"]
 
@@ -41,30 +42,18 @@ def load_spec(
     config: str | Path | RunConfig, overrides: Sequence[str] = (), progress: bool = False, **fields: Any
 ) -> tuple[RunConfig, Workload, dict[str, SiteData]]:
     """Config, segmentation workload and in-memory site data of a run config / federation spec (as ``fedseg run``)."""
-    from fedseg.core.workload import segmentation_workload
-    from fedseg.simulation.runner import load_federation_data
-
     cfg = (
         config
         if isinstance(config, RunConfig)
         else load_run_config(config, list(overrides), known_sections(), **fields)
     )
     fed, data = load_federation_data(cfg.federation, progress=progress)
-    workload = segmentation_workload(
-        fed.spatial_dims,
-        fed.in_channels,
-        list(fed.labels),
-        cfg.model,
-        cfg.train,
-        cfg.eval.threshold,
-        empty_dice=cfg.eval.empty_dice,
-    )
-    return cfg, workload, data
+    return cfg, workload_for(fed, cfg), data
 
 
 def routing_report(
     engine: Engine,
-    transport: InProcessTransport,
+    transport: Transport,
     sites: Sequence[str],
     gammas: Sequence[float] | None = None,
     split: str = "testing",
@@ -140,26 +129,26 @@ def run_fedsm(
         A site left out of training (Table 5): it is addressable for testing only and
         gets ``results["fedsm"]["per_site"][heldout]``.
     """
-    from fedseg.simulation.runner import write_results
-
     algorithm = get_algorithm(cfg)
     if not isinstance(algorithm, FedSM):
         raise ConfigError(f"run_fedsm runs fedsm, fedsm-extra or fedsm-ensemble, not {cfg.method!r}")
-    cfg = algorithm.cfg = algorithm.resolved_config()  # write down the settings as used (defaults filled in)
     if heldout is not None and heldout not in site_data:
         raise ConfigError(f"held-out site {heldout!r} is not in the federation; sites: {list(site_data)}")
-    train = [(s, d) for s, d in site_data.items() if s != heldout]
-    sites = [Site(name, i, d, workload, cfg, algorithm) for i, (name, d) in enumerate(train)]
-    extra = [Site(heldout, len(sites), site_data[heldout], workload, cfg, algorithm)] if heldout is not None else []
-    transport = InProcessTransport(sites, extra)
-    if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "config.toml").write_text(dump_toml(cfg.to_dict()))
-    engine = Engine(cfg, algorithm, transport, workload, out=out, progress=progress, log=log)
+    train = {s: d for s, d in site_data.items() if s != heldout}
+    engine = build_engine(
+        cfg,
+        workload,
+        train,
+        out=out,
+        progress=progress,
+        log=log,
+        algorithm=algorithm,
+        heldout={heldout: site_data[heldout]} if heldout is not None else None,
+    )
     results = engine.run()
     assert results is not None
-    report_sites = [s for s, _ in train] + ([heldout] if heldout is not None else [])
-    results["fedsm"] = routing_report(engine, transport, report_sites, gammas)
+    report_sites = [*train, *([heldout] if heldout is not None else [])]
+    results["fedsm"] = routing_report(engine, engine.transport, report_sites, gammas)
     if heldout is not None:
         results["fedsm"]["heldout"] = heldout
     if out is not None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedseg.core.arrays import clone
+from fedseg.core.checkpoint import restore_site, save_site
 from fedseg.core.errors import PayloadError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
@@ -77,11 +78,11 @@ class InProcessTransport:
 
     def save_sites(self, folder: Path) -> None:
         for s in self._sites.values():
-            s.save(folder)
+            save_site(s, folder)
 
     def restore_sites(self, folder: Path) -> None:
         for s in self._sites.values():
-            s.restore(folder)
+            restore_site(s, folder)
 
     def close(self) -> None:
         pass
