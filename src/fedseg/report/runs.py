@@ -332,8 +332,6 @@ class RunModels:
     # -------------------------------------------------------------- selector
     def selector(self) -> nn.Module | None:
         """FedSM's trained model selector (from the composite's ``selector/`` arrays), or None."""
-        from fedseg.models import Selector
-
         for name, m in self.meta.items():
             arrays = strip_prefix("selector", self.arrays(name))
             if not arrays:
@@ -344,7 +342,7 @@ class RunModels:
             if num_classes is None:
                 last = [v for k, v in arrays.items() if k.endswith("weight")][-1]
                 num_classes = int(last.shape[0])
-            sel = Selector(self.fed.spatial_dims, self.fed.in_channels, num_classes, width=width, hidden=hidden)
+            sel = self.workload.selector(num_classes, width=width, hidden=hidden)
             sel.load_state_dict(arrays)
             sel.eval()
             return sel
