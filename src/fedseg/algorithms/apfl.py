@@ -40,9 +40,10 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.personal import (
     PersonalizationBase,
+    PersonalizedAlgorithm,
     PersonalStep,
     aggregate_global,
     check_positive,
@@ -218,29 +219,26 @@ def _outputs_predictor(site: Site, arrays: Arrays, config: dict):
     return lambda x: mix_outputs(site.workload.predict(v, x), site.workload.predict(w, x), alpha)
 
 
-class APFL(Algorithm):
+class APFL(PersonalizedAlgorithm):
     name = "apfl"
     title = "APFL"
     section = "apfl"
+    Personal = AdaptiveMixture
     Params = APFLParams
     primary = None
     summary = "APFL: per-site mixture alpha*v + (1-alpha)*w of a local and the global model, alpha learned in [0, 1]"
-
-    def __init__(self, cfg: RunConfig):
-        super().__init__(cfg)
-        self.personal = AdaptiveMixture(self.params)
 
     @classmethod
     def personalization(cls, cfg: RunConfig) -> AdaptiveMixture:
         """APFL's personalization as one model per site, with the settings of ``[apfl]`` (inside FedSM,
         Table 6: the selector routes to one personalized model per site, so ``apfl.mix = "parameters"``)."""
-        params = cls.parse_params(cfg)
-        if params.mix != "parameters":
+        personal = super().personalization(cfg)
+        if personal.params.mix != "parameters":
             raise ConfigError(
-                f"apfl.mix = {params.mix!r} cannot be used inside FedSM: the selector routes to one "
+                f"apfl.mix = {personal.params.mix!r} cannot be used inside FedSM: the selector routes to one "
                 "personalized model per site; use apfl.mix = 'parameters' (alpha*v + (1-alpha)*w)"
             )
-        return AdaptiveMixture(params)
+        return personal
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params

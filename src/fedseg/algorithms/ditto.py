@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.algorithms.personal import (
     PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
@@ -39,7 +40,6 @@ from fedseg.algorithms.personal import (
     train_handler,
 )
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.config import RunConfig
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Task
 from fedseg.core.site import Site
@@ -102,22 +102,14 @@ class DittoPersonalization(PersonalizationBase):
         )
 
 
-class Ditto(Algorithm):
+class Ditto(PersonalizedAlgorithm):
     name = "ditto"
     title = "Ditto"
     section = "ditto"
+    Personal = DittoPersonalization
     Params = DittoParams
     primary = None
     summary = "Ditto: FedAvg global model + per-site personal models pulled towards it by lambda/2 ||v - w||^2"
-
-    def __init__(self, cfg: RunConfig):
-        super().__init__(cfg)
-        self.personal = DittoPersonalization(self.params)
-
-    @classmethod
-    def personalization(cls, cfg: RunConfig) -> DittoPersonalization:
-        """Ditto's personalization with the settings of ``[ditto]`` (e.g. inside FedSM, Table 6)."""
-        return DittoPersonalization(cls.parse_params(cfg))
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         conf = {"round": rnd, "report_personal": ctx.is_eval_round(rnd)}

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import train_global
 from fedseg.algorithms.personal import (
     PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
@@ -36,7 +37,6 @@ from fedseg.algorithms.personal import (
     store_personal,
 )
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.config import RunConfig
 from fedseg.core.messages import Task
 from fedseg.core.site import Site
 
@@ -85,22 +85,14 @@ class FineTuning(PersonalizationBase):
         )
 
 
-class FT(Algorithm):
+class FT(PersonalizedAlgorithm):
     name = "ft"
     title = "FT"
     section = "ft"
+    Personal = FineTuning
     Params = FTParams
     primary = None
     summary = "FT: FedAvg, then each site fine-tunes the global model on its own data"
-
-    def __init__(self, cfg: RunConfig):
-        super().__init__(cfg)
-        self.personal = FineTuning(self.params)
-
-    @classmethod
-    def personalization(cls, cfg: RunConfig) -> FineTuning:
-        """FT's personalization with the settings of ``[ft]`` (e.g. inside FedSM, Table 6)."""
-        return FineTuning(cls.parse_params(cfg))
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})

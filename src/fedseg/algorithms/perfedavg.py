@@ -38,9 +38,10 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.personal import (
     PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
@@ -50,7 +51,6 @@ from fedseg.algorithms.personal import (
     store_personal,
 )
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.config import RunConfig
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import LossSums, Site
 
@@ -222,22 +222,14 @@ class MetaAdaptation(PersonalizationBase):
         )
 
 
-class PerFedAvg(Algorithm):
+class PerFedAvg(PersonalizedAlgorithm):
     name = "perfedavg"
     title = "Per-FedAvg"
     section = "perfedavg"
+    Personal = MetaAdaptation
     Params = PerFedAvgParams
     primary = None
     summary = "Per-FedAvg: MAML-style global model (FO or HF), personalized by alpha-steps of local adaptation"
-
-    def __init__(self, cfg: RunConfig):
-        super().__init__(cfg)
-        self.personal = MetaAdaptation(self.params)
-
-    @classmethod
-    def personalization(cls, cfg: RunConfig) -> MetaAdaptation:
-        """Per-FedAvg's personalization with the settings of ``[perfedavg]`` (e.g. inside FedSM, Table 6)."""
-        return MetaAdaptation(cls.parse_params(cfg))
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         conf = {"round": rnd}

@@ -36,9 +36,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from fedseg.algorithms.base import Candidate, ServerContext
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.core.config import RunConfig
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
@@ -48,6 +49,7 @@ __all__ = [
     "PersonalStep",
     "Personalization",
     "PersonalizationBase",
+    "PersonalizedAlgorithm",
     "aggregate_global",
     "check_nonneg_int",
     "check_positive",
@@ -204,6 +206,22 @@ class PersonalizationBase:
 
     def fp16_unsupported(self) -> str | None:
         return self.fp16_unsupported_by
+
+
+class PersonalizedAlgorithm(Algorithm):
+    """A stand-alone personalization method: :attr:`personal` is its :class:`Personalization`
+    (class :attr:`Personal`) over its parsed settings, whose pieces its site half runs."""
+
+    Personal: ClassVar[type[PersonalizationBase]] = PersonalizationBase
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.personal = self.Personal(self.params)
+
+    @classmethod
+    def personalization(cls, cfg: RunConfig) -> PersonalizationBase:
+        """This method's personalization with the settings of its own section (e.g. inside FedSM, Table 6)."""
+        return cls.Personal(cls.parse_params(cfg))
 
 
 def check_weighting(section: str, weighting: str) -> None:

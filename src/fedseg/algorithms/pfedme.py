@@ -35,11 +35,12 @@ from typing import Any, Literal
 
 import torch
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import (
     Combine,
     PersonalizationBase,
+    PersonalizedAlgorithm,
     PersonalStep,
     check_positive,
     personal_candidates,
@@ -47,7 +48,6 @@ from fedseg.algorithms.personal import (
     train_handler,
 )
 from fedseg.core.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
-from fedseg.core.config import RunConfig
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Task
 from fedseg.core.site import LossSums, Site
@@ -180,22 +180,14 @@ class MoreauEnvelope(PersonalizationBase):
         return server_update(strip_prefix("global", state), models, weights, self.params.beta)
 
 
-class PFedMe(Algorithm):
+class PFedMe(PersonalizedAlgorithm):
     name = "pfedme"
     title = "pFedMe"
     section = "pfedme"
+    Personal = MoreauEnvelope
     Params = PFedMeParams
     primary = None
     summary = "pFedMe: personal models from a Moreau-envelope inner problem, global model mixed with beta"
-
-    def __init__(self, cfg: RunConfig):
-        super().__init__(cfg)
-        self.personal = MoreauEnvelope(self.params)
-
-    @classmethod
-    def personalization(cls, cfg: RunConfig) -> MoreauEnvelope:
-        """pFedMe's personalization with the settings of ``[pfedme]`` (e.g. inside FedSM, Table 6)."""
-        return MoreauEnvelope(cls.parse_params(cfg))
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
