@@ -47,7 +47,7 @@ SoftPull, and the selector routes to it exactly as to a SoftPull model:
   (``apfl.mix = "parameters"`` only: an output mixture is not one model;
   :class:`fedseg.algorithms.apfl.AdaptiveMixture`).
 
-Modules: :mod:`.method` (settings, server half, site half), :mod:`.selection` (Alg. 2 routing,
+Modules: :mod:`.params` (settings, profiles), :mod:`.method` (server half, site half), :mod:`.selection` (Alg. 2 routing,
 composite inference, routing statistics, γ choice, selector roles and moments), :mod:`.selector`
 (selector training); the maths is in :mod:`fedseg.algorithms.softpull`.
 
@@ -55,15 +55,8 @@ Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/
 ``selector_optim/<param>/<exp_avg|exp_avg_sq|step>``.
 """
 
-from fedseg.algorithms.fedsm.method import (
-    DEFAULT_GAMMA_GRID,
-    PERSONALIZATIONS,
-    PROFILE_DEFAULTS,
-    FedSM,
-    FedSMEnsemble,
-    FedSMExtra,
-    FedSMParams,
-)
+from fedseg.algorithms.fedsm.method import PERSONALIZATIONS, FedSM, FedSMEnsemble, FedSMExtra
+from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_GRID, PROFILE_DEFAULTS, FedSMParams
 from fedseg.algorithms.fedsm.selection import (
     optimizer_moments,
     oracle_accuracy,
