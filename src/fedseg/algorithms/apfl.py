@@ -183,11 +183,6 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     }
 
 
-FP16_UNSUPPORTED = (
-    "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
-)
-
-
 class AdaptiveMixture(PersonalizationBase):
     """APFL's personalization (:class:`fedseg.algorithms.personal.Personalization`): the site step is
     one APFL round (:func:`local_round`: w's FedAvg step, v_k and α_k); it sends α_k as the extra
@@ -198,7 +193,9 @@ class AdaptiveMixture(PersonalizationBase):
     name = "apfl"
     title = "APFL"
     section = "apfl"
-    fp16_unsupported_by = FP16_UNSUPPORTED
+    fp16_unsupported_by = (
+        "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
+    )
 
     def site_step(self, site: Site, task: Task) -> PersonalStep:
         m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
@@ -278,9 +275,6 @@ class APFL(PersonalizedAlgorithm):
     def site_handlers(self):
         # one APFL round (the site step); sends w, and v_i, α_i on evaluation rounds
         return {"train": train_handler(self.personal)}
-
-    def fp16_unsupported(self) -> str | None:
-        return FP16_UNSUPPORTED
 
     def predictors(self):
         return {**super().predictors(), "apfl_outputs": _outputs_predictor}

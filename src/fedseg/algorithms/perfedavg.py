@@ -192,11 +192,6 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
     return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
-FP16_UNSUPPORTED = (
-    "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"
-)
-
-
 class MetaAdaptation(PersonalizationBase):
     """Per-FedAvg's personalization (:class:`fedseg.algorithms.personal.Personalization`): the global
     model takes Per-FedAvg's meta step (:func:`local_round`); the personalized model is the global
@@ -205,7 +200,9 @@ class MetaAdaptation(PersonalizationBase):
     name = "perfedavg"
     title = "Per-FedAvg"
     section = "perfedavg"
-    fp16_unsupported_by = FP16_UNSUPPORTED
+    fp16_unsupported_by = (
+        "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"
+    )
 
     def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> dict[str, Any]:
         return local_round(site, global_arrays, rnd, self.params)
@@ -255,6 +252,3 @@ class PerFedAvg(PersonalizedAlgorithm):
         """Site half: one round of Per-FedAvg's meta steps on the sent global model."""
         metrics = self.personal.global_step(site, strip_prefix("global", task.arrays), task.config["round"], None)
         return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
-
-    def fp16_unsupported(self) -> str | None:
-        return FP16_UNSUPPORTED

@@ -223,6 +223,9 @@ class PersonalizedAlgorithm(Algorithm):
         """This method's personalization with the settings of its own section (e.g. inside FedSM, Table 6)."""
         return cls.Personal(cls.parse_params(cfg))
 
+    def fp16_unsupported(self) -> str | None:
+        return self.Personal.fp16_unsupported_by
+
 
 def check_weighting(section: str, weighting: str) -> None:
     """Raise ConfigError unless ``weighting`` is 'samples' or 'even'."""

@@ -156,9 +156,6 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
     return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
-FP16_UNSUPPORTED = "pFedMe, whose inner solve steps θ with raw gradients"
-
-
 class MoreauEnvelope(PersonalizationBase):
     """pFedMe's personalization (:class:`fedseg.algorithms.personal.Personalization`): the site step
     is pFedMe's Moreau-envelope local round (:func:`local_round`: w_{i,R} and θ̂ of the round's last
@@ -168,7 +165,7 @@ class MoreauEnvelope(PersonalizationBase):
     name = "pfedme"
     title = "pFedMe"
     section = "pfedme"
-    fp16_unsupported_by = FP16_UNSUPPORTED
+    fp16_unsupported_by = "pFedMe, whose inner solve steps θ with raw gradients"
 
     def site_step(self, site: Site, task: Task) -> PersonalStep:
         m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
@@ -211,6 +208,3 @@ class PFedMe(PersonalizedAlgorithm):
     def site_handlers(self):
         # one round of the site step; θ̂ is sent on evaluation rounds
         return {"train": train_handler(self.personal)}
-
-    def fp16_unsupported(self) -> str | None:
-        return FP16_UNSUPPORTED
