@@ -225,14 +225,14 @@ def test_keep_best_selector_keeps_the_selector_with_the_best_mean_routing_accura
     """Round r reports the accuracies of the selector held at its start (after round r − 1):
     means 0.5 (r0), 0.75 (r1), 0.6 (r2) → the kept selector is r1's, score 0.75, round 1;
     a None/NaN site is left out of the mean."""
-    from fedseg.algorithms.fedsm import _keep_best_selector
+    from fedseg.algorithms.fedsm import keep_best_selector
 
     state: dict[str, torch.Tensor] = {}
     for rnd, (sel, accs) in enumerate(
         [(0.0, {"a": 0.5, "b": 0.5}), (1.0, {"a": 1.0, "b": 0.5, "c": None}), (2.0, {"a": 0.6, "b": float("nan")})],
         start=1,
     ):
-        _keep_best_selector(state, {"selector/w": torch.tensor([sel])}, accs, rnd - 1)
+        keep_best_selector(state, {"selector/w": torch.tensor([sel])}, accs, rnd - 1)
     assert state["best_selector/w"].item() == 1.0
     assert state["best_selector_score"].item() == pytest.approx(0.75)
     assert int(state["best_selector_round"]) == 1

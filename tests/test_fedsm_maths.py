@@ -17,6 +17,7 @@ from fedseg.algorithms.softpull import (
     soft_pull,
     soft_pull_matrix,
 )
+from fedseg.core.config import dataclass_from_dict
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply
 
@@ -138,13 +139,14 @@ def test_check_lambda_rejects_one_site_and_lambda_outside_zero_one_and_warns_bel
         ({"selector_weighting": "size"}, "fedsm.selector_weighting"),
         ({"selector_steps": 0}, "fedsm.selector_steps = 0; give an integer >= 1 or 'all'"),
         ({"selector_steps": "some"}, "fedsm.selector_steps = 'some'"),
-        ({"selector_training": "fedprox"}, "fedsm.selector_training = 'fedprox'; use 'fga'"),
-        ({"profile": "paper"}, "fedsm.profile = 'paper'; use 'default'"),
+        ({"selector_training": "fedprox"}, "fedsm.selector_training = 'fedprox' is not allowed; use one of 'fga'"),
+        ({"profile": "paper"}, "fedsm.profile = 'paper' is not allowed; use one of 'default', 'reference'"),
     ],
 )
 def test_params_reject_bad_settings_naming_the_key(settings, message):
+    """Through the config loader (string options are ``Literal``s it checks) and ``validate`` (ranges)."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        FedSMParams(**settings).validate()
+        dataclass_from_dict(FedSMParams, settings, "fedsm").validate()
 
 
 def test_extra_rejects_selector_rounds_that_leave_no_model_rounds():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import typing
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.fedsm import PERSONALIZATIONS
+from fedseg.algorithms.base import ServerContext
+from fedseg.algorithms.fedsm import PERSONALIZATIONS, FedSMParams
+from fedseg.algorithms.personal import Personalization, PersonalizationBase
 from fedseg.core.errors import ConfigError
+from fedseg.core.messages import Reply
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_checkpoints
 
@@ -94,7 +98,8 @@ def test_bad_personalization_and_incompatible_settings_are_rejected():
     from its own section; APFL's output mixture is no single model for the selector."""
     # Execute / Assert
     with pytest.raises(
-        ConfigError, match=r"fedsm.personalization = 'fedprox'.*softpull, ft, apfl, perfedavg, pfedme, ditto"
+        ConfigError,
+        match=r"fedsm.personalization = 'fedprox'.*'softpull', 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto'",
     ):
         get_algorithm(_cfg(fedsm={"personalization": "fedprox"}))
     with pytest.raises(ConfigError, match=r"ditto.lam = -1"):
@@ -108,7 +113,7 @@ def test_method_settings_come_from_their_own_section():
     # Execute
     alg = get_algorithm(_cfg(fedsm={"personalization": "ditto"}, ditto={"lam": 0.5, "steps": 2}))
     # Assert
-    assert alg.personal_params.lam == 0.5 and alg.personal_params.steps == 2
+    assert alg.personal.params.lam == 0.5 and alg.personal.params.steps == 2
     assert alg.describe()["personalization"] == "ditto" and alg.describe()["ditto"]["lam"] == 0.5
 
 
@@ -175,3 +180,101 @@ def test_fedsm_extra_trains_the_selector_on_the_methods_models(tmp_path, sites, 
     assert [e["phase"] for e in res["history"]] == ["models", "selector"]
     assert "selector_loss" not in res["history"][0] and set(res["history"][1]["selector_loss"]) == set(sites)
     assert set(res["history"][0]["personal_loss"]) == set(sites)
+
+
+# ------------------------------------------------------- the Personalization protocol
+class _Transport:
+    """Answers FedSM's 'train' tasks with canned replies, keeping what was sent."""
+
+    def __init__(self, replies):
+        self.replies, self.sent = replies, {}
+
+    def ask(self, tasks, optional=False):
+        self.sent = tasks
+        return {s: self.replies[s] for s in tasks}
+
+
+def _round(algo, extra=None):
+    """One server round of ``algo`` over sites a (n = 1) and b (n = 3): they send global 0 and 4,
+    personal 10 and 20, selector 8 and 4 (and ``extra[s]``); the state holds w_r = 1, personal 0."""
+    sent = {"a": (0.0, 10.0, 8.0, 1), "b": (4.0, 20.0, 4.0, 3)}
+    replies = {
+        s: Reply(
+            arrays={
+                "global/w": torch.tensor([g]),
+                f"personal/{s}/w": torch.tensor([p]),
+                "selector/w": torch.tensor([sel]),
+                **(extra or {}).get(s, {}),
+            },
+            metrics={"loss": 0.5, "personal_loss": 0.25},
+            num_samples=n,
+        )
+        for s, (g, p, sel, n) in sent.items()
+    }
+    state = {"global/w": torch.tensor([1.0]), "selector/w": torch.tensor([0.0])}
+    state.update({f"personal/{s}/w": torch.tensor([0.0]) for s in "ab"})
+    tr = _Transport(replies)
+    ctx = ServerContext(transport=tr, sites=("a", "b"), cfg=algo.cfg, init_arrays=None)
+    new, metrics = algo.server_round(ctx, state, 1)
+    return new, metrics, tr
+
+
+@pytest.mark.parametrize("personalization", list(PERSONALIZATIONS))
+def test_fedsm_takes_every_personalization_through_the_protocol(personalization):
+    """Every ``fedsm.personalization`` is a :class:`Personalization` built with its own section's
+    settings, and FedSM's server round hands the replies to its server step (no name dispatch).
+    Sites a, b with n = (1, 3), global models 0 and 4, personalized 10 and 20, w_r = 1:
+
+    * global: n_k/n mean 0.25·0 + 0.75·4 = 3; pFedMe with β = 0.5: (1 − β) w_r + β·3 = 2;
+    * personalized: SoftPull (λ = 0.7, Eq. 11) 0.7·10 + 0.3·20 = 13 and 0.7·20 + 0.3·10 = 17;
+      APFL (α = 0.25, 0.5) α v + (1 − α) w_{r+1}: 0.25·10 + 0.75·3 = 4.75 and 0.5·20 + 0.5·3 = 11.5;
+      FT, Per-FedAvg, pFedMe, Ditto: as sent, 10 and 20.
+
+    Only SoftPull's server holds the personalized models and sends each site its own."""
+    # Prepare
+    cfg = _cfg(fedsm={"personalization": personalization, "selector_training": "fedavg"}, pfedme={"beta": 0.5})
+    algo = get_algorithm(cfg)
+    extra = {"a": {"alpha": torch.tensor([0.25], dtype=torch.float64)}, "b": {"alpha": torch.tensor([0.5])}}
+    # Execute
+    new, metrics, tr = _round(algo, extra if personalization == "apfl" else None)
+    # Assert
+    assert isinstance(algo.personal, Personalization) and algo.personal.name == personalization
+    expect = {
+        "softpull": (3.0, 13.0, 17.0),
+        "apfl": (3.0, 4.75, 11.5),
+        "pfedme": (2.0, 10.0, 20.0),
+    }.get(personalization, (3.0, 10.0, 20.0))
+    got = (new["global/w"].item(), new["personal/a/w"].item(), new["personal/b/w"].item())
+    assert got == pytest.approx(expect)
+    assert ("personal/a/w" in tr.sent["a"].arrays) == (personalization == "softpull")
+    assert "personal/b/w" not in tr.sent["a"].arrays
+    assert metrics["personal_loss"] == {"a": 0.25, "b": 0.25}
+    assert algo.label() == ("FedSM" if personalization == "softpull" else f"FedSM ({algo.personal.title})")
+
+
+def test_the_choices_of_fedsm_personalization_are_the_mapping_of_implementations():
+    """The ``Literal`` the config loader checks lists exactly the implementations FedSM can build."""
+    assert typing.get_args(typing.get_type_hints(FedSMParams)["personalization"]) == tuple(PERSONALIZATIONS)
+
+
+def test_fedsm_takes_a_personalization_outside_the_mapping():
+    """Any object with a site step and a server step serves FedSM: here one whose server step stores
+    twice the global mean as every personalized model (3 → 6)."""
+
+    class Doubled(PersonalizationBase):
+        name = "doubled"
+        title = "Doubled"
+
+        def personal_model(self, own, new_global, reply):
+            return {k: 2 * v for k, v in new_global.items()}
+
+    # Prepare
+    algo = get_algorithm(_cfg(fedsm={"selector_training": "fedavg"}))
+    algo.personal = Doubled(None)
+    # Execute
+    new, _, _ = _round(algo)
+    # Assert
+    assert isinstance(algo.personal, Personalization)
+    assert new["global/w"].item() == pytest.approx(3.0)
+    assert new["personal/a/w"].item() == pytest.approx(6.0) and new["personal/b/w"].item() == pytest.approx(6.0)
+    assert algo.label() == "FedSM (Doubled)"

@@ -112,7 +112,7 @@ LOOPS = {
     "fedsm-fedavg-selector": (
         "fedsm",
         {"fedsm": {**FEDSM_FEDAVG["fedsm"], "personalization": "ft"}},
-        "fedseg/algorithms/fedsm.py",
+        "fedseg/algorithms/fedsm/selector.py",
     ),
 }
 

@@ -35,19 +35,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.algorithms.personal import aggregate_global, check_positive, check_weighting, is_eval_round
+from fedseg.algorithms.base import Candidate, ServerContext
+from fedseg.algorithms.personal import (
+    PersonalizationBase,
+    PersonalizedAlgorithm,
+    PersonalStep,
+    aggregate_global,
+    check_positive,
+    train_handler,
+)
 from fedseg.core.arrays import Arrays, dot, prefixed, strip_prefix, sub
+from fedseg.core.config import RunConfig
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import LossSums, Site
 
-__all__ = ["APFL", "APFLParams", "alpha_gradient", "alpha_step", "local_round", "mix_outputs", "mix_parameters"]
+__all__ = [
+    "APFL",
+    "APFLParams",
+    "AdaptiveMixture",
+    "alpha_gradient",
+    "alpha_step",
+    "local_round",
+    "mix_outputs",
+    "mix_parameters",
+]
 
 
 def mix_parameters(v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], alpha: float) -> Arrays:
@@ -95,16 +112,13 @@ class APFLParams:
     alpha: float = 0.5
     learn_alpha: bool = True
     alpha_lr: float | None = None
-    mix: str = "parameters"
-    weighting: str = "samples"
+    mix: Literal["parameters", "outputs"] = "parameters"
+    weighting: Literal["samples", "even"] = "samples"
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"apfl.alpha = {self.alpha}; the mixing weight must lie in [0, 1]")
         check_positive("apfl", "alpha_lr", self.alpha_lr, allow_none=True)
-        if self.mix not in ("parameters", "outputs"):
-            raise ConfigError(f"apfl.mix = {self.mix!r}; use 'parameters' or 'outputs'")
-        check_weighting("apfl", self.weighting)
 
 
 def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams) -> dict[str, Any]:
@@ -169,15 +183,28 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     }
 
 
-def train_apfl(site: Site, task: Task) -> Reply:
-    """Site half: one APFL round; sends w (and v_i, α_i on evaluation rounds)."""
-    params = APFLParams(**task.config["params"])
-    metrics = local_round(site, strip_prefix("global", task.arrays), task.config["round"], params)
-    arrays = prefixed("global", site.arrays("global"))
-    if task.config.get("report_personal"):
-        arrays.update(prefixed("personal", site.arrays("personal")))
-        arrays["alpha"] = site.store["apfl/alpha"].clone()
-    return Reply(arrays=arrays, metrics=metrics, num_samples=site.num_train)
+class AdaptiveMixture(PersonalizationBase):
+    """APFL's personalization (:class:`fedseg.algorithms.personal.Personalization`): the site step is
+    one APFL round (:func:`local_round`: w's FedAvg step, v_k and α_k); it sends α_k as the extra
+    array ``alpha``.  The server step stores the mixture α_k v_k + (1 − α_k) w_{r+1} with the new
+    global model — one model per site, so ``apfl.mix = "parameters"`` only (an output mixture is
+    not one model; :meth:`APFL.personalization` refuses it)."""
+
+    name = "apfl"
+    title = "APFL"
+    section = "apfl"
+    fp16_unsupported_by = (
+        "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
+    )
+
+    def site_step(self, site: Site, task: Task) -> PersonalStep:
+        m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
+        alpha = site.store["apfl/alpha"]
+        metrics = {"loss": m["loss"], "personal_loss": m["personal_loss"], "steps": m["steps"], "alpha": m["alpha"]}
+        return PersonalStep(metrics, extra={"alpha": alpha.clone()})
+
+    def personal_model(self, own: Arrays, new_global: Arrays, reply: Reply) -> Arrays:
+        return mix_parameters(own, new_global, float(reply.arrays["alpha"]))
 
 
 def _outputs_predictor(site: Site, arrays: Arrays, config: dict):
@@ -189,27 +216,30 @@ def _outputs_predictor(site: Site, arrays: Arrays, config: dict):
     return lambda x: mix_outputs(site.workload.predict(v, x), site.workload.predict(w, x), alpha)
 
 
-class APFL(Algorithm):
+class APFL(PersonalizedAlgorithm):
     name = "apfl"
     title = "APFL"
     section = "apfl"
+    Personal = AdaptiveMixture
     Params = APFLParams
     primary = None
     summary = "APFL: per-site mixture alpha*v + (1-alpha)*w of a local and the global model, alpha learned in [0, 1]"
 
+    @classmethod
+    def personalization(cls, cfg: RunConfig) -> AdaptiveMixture:
+        """APFL's personalization as one model per site, with the settings of ``[apfl]`` (inside FedSM,
+        Table 6: the selector routes to one personalized model per site, so ``apfl.mix = "parameters"``)."""
+        personal = super().personalization(cfg)
+        if personal.params.mix != "parameters":
+            raise ConfigError(
+                f"apfl.mix = {personal.params.mix!r} cannot be used inside FedSM: the selector routes to one "
+                "personalized model per site; use apfl.mix = 'parameters' (alpha*v + (1-alpha)*w)"
+            )
+        return personal
+
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
-        conf = {
-            "round": rnd,
-            "report_personal": is_eval_round(ctx.cfg, rnd),
-            "params": {
-                "alpha": p.alpha,
-                "learn_alpha": p.learn_alpha,
-                "alpha_lr": p.alpha_lr,
-                "mix": p.mix,
-                "weighting": p.weighting,
-            },
-        }
+        conf = {"round": rnd, "report_personal": ctx.is_eval_round(rnd)}
         replies = ctx.ask(
             {s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites}
         )
@@ -243,10 +273,8 @@ class APFL(Algorithm):
         return out
 
     def site_handlers(self):
-        return {"train": train_apfl}
-
-    def fp16_unsupported(self) -> str | None:
-        return "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
+        # one APFL round (the site step); sends w, and v_i, α_i on evaluation rounds
+        return {"train": train_handler(self.personal)}
 
     def predictors(self):
         return {**super().predictors(), "apfl_outputs": _outputs_predictor}

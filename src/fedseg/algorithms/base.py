@@ -31,6 +31,7 @@ from fedseg.core.device import fp16_refusal, to_device
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
+from fedseg.core.workload import Workload
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedseg.transport.base import Transport
@@ -89,6 +90,9 @@ class ServerContext:
     log: Callable[[str], None] = print
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """The run's device: replies are moved onto it (a deployment's replies arrive as host tensors)."""
+    workload: Workload | None = None
+    """The run's task, for the networks a server half builds besides the model (FedSM's selector:
+    ``workload.selector``), the same ones its sites build."""
 
     def is_eval_round(self, rnd: int) -> bool:
         """True on the rounds the engine validates after (``RunConfig.is_eval_round``)."""

@@ -24,27 +24,27 @@ per round = one round of local work (the paper's s local epochs = the global's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.algorithms.fedavg import train_global
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.algorithms.personal import (
+    PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
-    check_weighting,
-    is_eval_round,
     local_work,
     personal_candidates,
     store_personal,
+    train_handler,
 )
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix
 from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
+from fedseg.core.messages import Task
 from fedseg.core.site import Site
 
-__all__ = ["Ditto", "DittoParams", "personal_step"]
+__all__ = ["Ditto", "DittoParams", "DittoPersonalization"]
 
 
 @dataclass(frozen=True)
@@ -64,70 +64,60 @@ class DittoParams:
     lam: float = 0.1
     steps: int | None = None
     lr: float | None = None
-    weighting: str = "samples"
+    weighting: Literal["samples", "even"] = "samples"
 
     def validate(self) -> None:
         if not (self.lam >= 0.0 and self.lam < float("inf")):
             raise ConfigError(f"ditto.lam = {self.lam}; it must be a finite number >= 0 (0 = pure local training)")
         check_nonneg_int("ditto", "steps", self.steps)
         check_positive("ditto", "lr", self.lr, allow_none=True)
-        check_weighting("ditto", self.weighting)
 
 
-def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: DittoParams) -> dict[str, Any]:
-    """One round of Ditto's personal update at ``site`` towards ``global_arrays`` (w_r).
+class DittoPersonalization(PersonalizationBase):
+    """Ditto's personalization (:class:`fedseg.algorithms.personal.Personalization`): the global
+    model takes FedAvg's step; the site's persistent v_k is trained on F_k(v) + λ/2 ||v − w_r||²."""
 
-    Trains ``site.models["personal"]`` (created from ``global_arrays`` on first use)
-    on F_k(v) + λ/2 ||v − w_r||² for ``params.steps`` steps; returns ``{"loss", "steps"}``.
-    Usable by any method that has a global model and wants Ditto personal models.
-    """
-    if "personal" not in site.models:
-        site.load("personal", global_arrays)
-    model = site.models["personal"]
-    anchor = {k: global_arrays[k] for k, _ in model.named_parameters()}
-    opt = site.optimizer("personal", lr=params.lr)
-    return site.fit(
-        "personal",
-        rnd,
-        stream="personal",
-        optimizer=opt,
-        extra_loss=proximal_loss(anchor, params.lam),
-        steps=local_work(site, params.steps),
-    )
-
-
-def train_ditto(site: Site, task: Task) -> Reply:
-    """Site half: FedAvg's local work on w_r, then the personal update; v_k is sent on evaluation rounds."""
-    w_r = strip_prefix("global", task.arrays)
-    reply = train_global(site, task)
-    params = DittoParams(**task.config["params"])
-    pm = personal_step(site, w_r, task.config["round"], params)
-    reply.metrics["personal_loss"] = pm["loss"]
-    if task.config.get("report_personal"):
-        reply.arrays.update(prefixed("personal", site.arrays("personal")))
-    return reply
-
-
-class Ditto(Algorithm):
     name = "ditto"
     title = "Ditto"
     section = "ditto"
+
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
+        """One round of Ditto's personal update at ``site`` towards ``global_arrays`` (w_r).
+
+        Trains ``site.models["personal"]`` (created from ``global_arrays`` on first use)
+        on F_k(v) + λ/2 ||v − w_r||² for ``ditto.steps`` steps; returns ``{"loss", "steps"}``.
+        """
+        if "personal" not in site.models:
+            site.load("personal", global_arrays)
+        model = site.models["personal"]
+        anchor = {k: global_arrays[k] for k, _ in model.named_parameters()}
+        opt = site.optimizer("personal", lr=self.params.lr)
+        return site.fit(
+            "personal",
+            rnd,
+            stream="personal",
+            optimizer=opt,
+            extra_loss=proximal_loss(anchor, self.params.lam),
+            steps=local_work(site, self.params.steps),
+        )
+
+
+class Ditto(PersonalizedAlgorithm):
+    name = "ditto"
+    title = "Ditto"
+    section = "ditto"
+    Personal = DittoPersonalization
     Params = DittoParams
     primary = None
     summary = "Ditto: FedAvg global model + per-site personal models pulled towards it by lambda/2 ||v - w||^2"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        p = self.params
-        conf = {
-            "round": rnd,
-            "report_personal": is_eval_round(ctx.cfg, rnd),
-            "params": {"lam": p.lam, "steps": p.steps, "lr": p.lr},
-        }
+        conf = {"round": rnd, "report_personal": ctx.is_eval_round(rnd)}
         replies = ctx.ask(
             {s: Task("train", prefixed("global", strip_prefix("global", state)), conf) for s in ctx.sites}
         )
         new = dict(state)
-        new.update(aggregate_global(replies, p.weighting))
+        new.update(aggregate_global(replies, self.params.weighting))
         store_personal(new, replies)
         return new, {
             "train_loss": {s: r.metrics.get("loss") for s, r in replies.items()},
@@ -138,4 +128,5 @@ class Ditto(Algorithm):
         return personal_candidates(state, ctx)
 
     def site_handlers(self):
-        return {"train": train_ditto}
+        # one round of the site step; v_k is sent on evaluation rounds
+        return {"train": train_handler(self.personal)}

@@ -20,17 +20,17 @@ FedSM's ablation says only that every method was "tuned for best results"
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import train_global
 from fedseg.algorithms.personal import (
+    PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
-    check_weighting,
     finetune,
-    is_eval_round,
     local_work,
     personal_candidates,
     personalize_handler,
@@ -40,7 +40,7 @@ from fedseg.core.arrays import Arrays, prefixed, strip_prefix
 from fedseg.core.messages import Task
 from fedseg.core.site import Site
 
-__all__ = ["FT", "FTParams", "personal_step"]
+__all__ = ["FT", "FTParams", "FineTuning"]
 
 
 @dataclass(frozen=True)
@@ -57,35 +57,39 @@ class FTParams:
 
     steps: int | None = None
     lr: float | None = None
-    weighting: str = "samples"
+    weighting: Literal["samples", "even"] = "samples"
 
     def validate(self) -> None:
         check_nonneg_int("ft", "steps", self.steps)
         check_positive("ft", "lr", self.lr, allow_none=True)
-        check_weighting("ft", self.weighting)
 
 
-def personal_step(site: Site, global_arrays: Arrays, rnd: int, params: FTParams) -> tuple[Arrays, dict[str, Any]]:
-    """FT's personalization of ``global_arrays`` at ``site`` (reusable outside this algorithm)."""
-    return finetune(
-        site,
-        global_arrays,
-        rnd,
-        steps=local_work(site, params.steps),
-        lr=params.lr,
-        optimizer="train",
-        stream="finetune",
-    )
+class FineTuning(PersonalizationBase):
+    """FT's personalization (:class:`fedseg.algorithms.personal.Personalization`): the global model
+    takes FedAvg's step; the personalized model is w_r fine-tuned ``ft.steps`` steps with a fresh
+    optimizer (stream ``"finetune"``)."""
 
-
-# Site half of the ``personalize`` task: fine-tune the sent global model, send θ_k back.
-personalize_ft = personalize_handler(FTParams, personal_step)
-
-
-class FT(Algorithm):
     name = "ft"
     title = "FT"
     section = "ft"
+
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
+        return finetune(
+            site,
+            global_arrays,
+            rnd,
+            steps=local_work(site, self.params.steps),
+            lr=self.params.lr,
+            optimizer="train",
+            stream="finetune",
+        )
+
+
+class FT(PersonalizedAlgorithm):
+    name = "ft"
+    title = "FT"
+    section = "ft"
+    Personal = FineTuning
     Params = FTParams
     primary = None
     summary = "FT: FedAvg, then each site fine-tunes the global model on its own data"
@@ -95,10 +99,9 @@ class FT(Algorithm):
         new = dict(state)
         new.update(aggregate_global(replies, self.params.weighting))
         metrics: dict[str, Any] = {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
-        if is_eval_round(ctx.cfg, rnd):
+        if ctx.is_eval_round(rnd):
             glob = prefixed("global", strip_prefix("global", new))
-            conf = {"round": rnd, "params": {"steps": self.params.steps, "lr": self.params.lr}}
-            personal = ctx.ask({s: Task("personalize", glob, conf) for s in ctx.sites})
+            personal = ctx.ask({s: Task("personalize", glob, {"round": rnd}) for s in ctx.sites})
             store_personal(new, personal)
             metrics["finetune_loss"] = {s: r.metrics.get("loss") for s, r in personal.items()}
         return new, metrics
@@ -107,4 +110,5 @@ class FT(Algorithm):
         return personal_candidates(state, ctx)
 
     def site_handlers(self):
-        return {"train": train_global, "personalize": personalize_ft}
+        # train: FedAvg's site half; personalize: fine-tune the sent global model, send θ_k back
+        return {"train": train_global, "personalize": personalize_handler(self.personal)}

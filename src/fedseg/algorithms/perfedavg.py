@@ -31,32 +31,38 @@ the paper's experiments use; FedSM's Table 6 gives no values).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.personal import (
+    PersonalizationBase,
+    PersonalizedAlgorithm,
     aggregate_global,
     check_nonneg_int,
     check_positive,
-    check_weighting,
     finetune,
-    is_eval_round,
     personal_candidates,
     personalize_handler,
     store_personal,
 )
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import LossSums, Site
 
-__all__ = ["PerFedAvg", "PerFedAvgParams", "hvp_autograd", "hvp_finite_difference", "meta_gradient", "personal_step"]
+__all__ = [
+    "MetaAdaptation",
+    "PerFedAvg",
+    "PerFedAvgParams",
+    "hvp_autograd",
+    "hvp_finite_difference",
+    "local_round",
+    "meta_gradient",
+]
 
 Params_ = dict[str, torch.Tensor]
 
@@ -128,22 +134,17 @@ class PerFedAvgParams:
         FedAvg weights of the global model: 'samples' or 'even'.
     """
 
-    variant: str = "fo"
+    variant: Literal["fo", "hf"] = "fo"
     alpha: float = 0.01
-    hvp: str = "autograd"
+    hvp: Literal["autograd", "finite_difference"] = "autograd"
     delta: float = 1e-3
     personal_steps: int = 1
-    weighting: str = "samples"
+    weighting: Literal["samples", "even"] = "samples"
 
     def validate(self) -> None:
-        if self.variant not in ("fo", "hf"):
-            raise ConfigError(f"perfedavg.variant = {self.variant!r}; use 'fo' (first order) or 'hf' (Hessian-free)")
         check_positive("perfedavg", "alpha", self.alpha)
-        if self.hvp not in ("autograd", "finite_difference"):
-            raise ConfigError(f"perfedavg.hvp = {self.hvp!r}; use 'autograd' or 'finite_difference'")
         check_positive("perfedavg", "delta", self.delta)
         check_nonneg_int("perfedavg", "personal_steps", self.personal_steps, allow_none=False)
-        check_weighting("perfedavg", self.weighting)
 
 
 def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> dict[str, Any]:
@@ -191,40 +192,50 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
     return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
-def personal_step(
-    site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams
-) -> tuple[Arrays, dict[str, Any]]:
-    """Per-FedAvg's personalization: ``personal_steps`` gradient steps of size α from the global model."""
-    return finetune(
-        site, global_arrays, rnd, steps=params.personal_steps, lr=params.alpha, optimizer="sgd", stream="adapt"
-    )
+class MetaAdaptation(PersonalizationBase):
+    """Per-FedAvg's personalization (:class:`fedseg.algorithms.personal.Personalization`): the global
+    model takes Per-FedAvg's meta step (:func:`local_round`); the personalized model is the global
+    model adapted by ``perfedavg.personal_steps`` plain gradient steps of size α (stream ``"adapt"``)."""
 
-
-def train_perfedavg(site: Site, task: Task) -> Reply:
-    params = PerFedAvgParams(**task.config["params"])
-    metrics = local_round(site, strip_prefix("global", task.arrays), task.config["round"], params)
-    return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
-
-
-personalize_perfedavg = personalize_handler(PerFedAvgParams, personal_step)
-
-
-class PerFedAvg(Algorithm):
     name = "perfedavg"
     title = "Per-FedAvg"
     section = "perfedavg"
+    fp16_unsupported_by = (
+        "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"
+    )
+
+    def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> dict[str, Any]:
+        return local_round(site, global_arrays, rnd, self.params)
+
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
+        return finetune(
+            site,
+            global_arrays,
+            rnd,
+            steps=self.params.personal_steps,
+            lr=self.params.alpha,
+            optimizer="sgd",
+            stream="adapt",
+        )
+
+
+class PerFedAvg(PersonalizedAlgorithm):
+    name = "perfedavg"
+    title = "Per-FedAvg"
+    section = "perfedavg"
+    Personal = MetaAdaptation
     Params = PerFedAvgParams
     primary = None
     summary = "Per-FedAvg: MAML-style global model (FO or HF), personalized by alpha-steps of local adaptation"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        conf = {"round": rnd, "params": dataclasses.asdict(self.params)}
+        conf = {"round": rnd}
         glob = prefixed("global", strip_prefix("global", state))
         replies = ctx.ask({s: Task("train", glob, conf) for s in ctx.sites})
         new = dict(state)
         new.update(aggregate_global(replies, self.params.weighting))
         metrics: dict[str, Any] = {"train_loss": {s: r.metrics.get("loss") for s, r in replies.items()}}
-        if is_eval_round(ctx.cfg, rnd):
+        if ctx.is_eval_round(rnd):
             personal = ctx.ask(
                 {s: Task("personalize", prefixed("global", strip_prefix("global", new)), conf) for s in ctx.sites}
             )
@@ -235,7 +246,9 @@ class PerFedAvg(Algorithm):
         return personal_candidates(state, ctx)
 
     def site_handlers(self):
-        return {"train": train_perfedavg, "personalize": personalize_perfedavg}
+        return {"train": self._train, "personalize": personalize_handler(self.personal)}
 
-    def fp16_unsupported(self) -> str | None:
-        return "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"
+    def _train(self, site: Site, task: Task) -> Reply:
+        """Site half: one round of Per-FedAvg's meta steps on the sent global model."""
+        metrics = self.personal.global_step(site, strip_prefix("global", task.arrays), task.config["round"], None)
+        return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)

@@ -31,25 +31,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import (
+    Combine,
+    PersonalizationBase,
+    PersonalizedAlgorithm,
+    PersonalStep,
     check_positive,
-    check_weighting,
-    is_eval_round,
     personal_candidates,
     store_personal,
+    train_handler,
 )
 from fedseg.core.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
 from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
+from fedseg.core.messages import Task
 from fedseg.core.site import LossSums, Site
 
-__all__ = ["PFedMe", "PFedMeParams", "inner_update", "local_round", "moreau_gradient", "server_update"]
+__all__ = [
+    "MoreauEnvelope",
+    "PFedMe",
+    "PFedMeParams",
+    "inner_update",
+    "local_round",
+    "moreau_gradient",
+    "server_update",
+]
 
 
 def inner_update(
@@ -95,7 +106,7 @@ class PFedMeParams:
     inner_steps: int = 5
     personal_lr: float = 0.09
     beta: float = 1.0
-    weighting: str = "samples"
+    weighting: Literal["samples", "even"] = "samples"
 
     def validate(self) -> None:
         check_positive("pfedme", "lam", self.lam)
@@ -106,7 +117,6 @@ class PFedMeParams:
             raise ConfigError(
                 f"pfedme.beta = {self.beta}; it must be > 0 (beta = 0 freezes the global model; 1 = plain average)"
             )
-        check_weighting("pfedme", self.weighting)
 
 
 def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParams) -> dict[str, Any]:
@@ -146,37 +156,39 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
     return {"loss": sums.means().get("loss", 0.0), "steps": sums.count("loss")}
 
 
-def train_pfedme(site: Site, task: Task) -> Reply:
-    """Site half: one pFedMe round; sends w_{i,R} (and θ̂ on evaluation rounds)."""
-    params = PFedMeParams(**task.config["params"])
-    metrics = local_round(site, strip_prefix("global", task.arrays), task.config["round"], params)
-    arrays = prefixed("global", site.arrays("global"))
-    if task.config.get("report_personal"):
-        arrays.update(prefixed("personal", site.arrays("personal")))
-    return Reply(arrays=arrays, metrics=metrics, num_samples=site.num_train)
+class MoreauEnvelope(PersonalizationBase):
+    """pFedMe's personalization (:class:`fedseg.algorithms.personal.Personalization`): the site step
+    is pFedMe's Moreau-envelope local round (:func:`local_round`: w_{i,R} and θ̂ of the round's last
+    batch); the server step mixes the global model as pFedMe does, ``(1 − β) w + β Σ p_k w_k``
+    (:func:`server_update`, its own rule: a robust ``combine`` of FedSM is not applied to it)."""
 
-
-class PFedMe(Algorithm):
     name = "pfedme"
     title = "pFedMe"
     section = "pfedme"
+    fp16_unsupported_by = "pFedMe, whose inner solve steps θ with raw gradients"
+
+    def site_step(self, site: Site, task: Task) -> PersonalStep:
+        m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
+        return PersonalStep({"loss": m["loss"], "personal_loss": m["loss"], "steps": m["steps"]})
+
+    def combine_global(
+        self, state: Arrays, models: Sequence[Arrays], weights: Sequence[float], combine: Combine
+    ) -> Arrays:
+        return server_update(strip_prefix("global", state), models, weights, self.params.beta)
+
+
+class PFedMe(PersonalizedAlgorithm):
+    name = "pfedme"
+    title = "pFedMe"
+    section = "pfedme"
+    Personal = MoreauEnvelope
     Params = PFedMeParams
     primary = None
     summary = "pFedMe: personal models from a Moreau-envelope inner problem, global model mixed with beta"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
-        conf = {
-            "round": rnd,
-            "report_personal": is_eval_round(ctx.cfg, rnd),
-            "params": {
-                "lam": p.lam,
-                "inner_steps": p.inner_steps,
-                "personal_lr": p.personal_lr,
-                "beta": p.beta,
-                "weighting": p.weighting,
-            },
-        }
+        conf = {"round": rnd, "report_personal": ctx.is_eval_round(rnd)}
         w = strip_prefix("global", state)
         replies = ctx.ask({s: Task("train", prefixed("global", w), conf) for s in ctx.sites})
         names = list(replies)
@@ -194,7 +206,5 @@ class PFedMe(Algorithm):
         return personal_candidates(state, ctx)
 
     def site_handlers(self):
-        return {"train": train_pfedme}
-
-    def fp16_unsupported(self) -> str | None:
-        return "pFedMe, whose inner solve steps θ with raw gradients"
+        # one round of the site step; θ̂ is sent on evaluation rounds
+        return {"train": train_handler(self.personal)}

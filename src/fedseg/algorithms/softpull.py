@@ -1,6 +1,7 @@
-"""FedSM's pure maths (Xu et al., CVPR 2022): SoftPull, selector labels, routing.
+"""FedSM's pure maths (Xu et al., CVPR 2022): SoftPull, selector labels, routing — and SoftPull as a
+:class:`fedseg.algorithms.personal.Personalization` (:class:`SoftPull`, FedSM's default).
 
-Everything here works on plain tensors / ``dict[str, Tensor]`` and is tested on
+The functions work on plain tensors / ``dict[str, Tensor]`` and are tested on
 hand-computed values without the engine (``tests/test_fedsm_maths.py``).
 
 Model-index convention (the paper's h_0, h_1, …, h_K): index 0 is the global
@@ -14,10 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from fedseg.core.arrays import Arrays, clone, weighted_mean
+from fedseg.algorithms.personal import Combine, PersonalizationBase, PersonalStep
+from fedseg.core.arrays import Arrays, clone, prefixed, strip_prefix, weighted_mean
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
 
 __all__ = [
     "LambdaBelowOneOverKWarning",
+    "SoftPull",
     "check_lambda",
     "ensemble_mix",
     "oracle_labels",
@@ -201,3 +206,49 @@ def ensemble_mix(weights: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torc
     stacked = torch.stack(list(outputs), dim=1)  # (B, K+1, C, ...)
     w = weights.reshape(*weights.shape, *([1] * (stacked.dim() - 2)))
     return (w * stacked).sum(dim=1)
+
+
+class SoftPull(PersonalizationBase):
+    """FedSM's personalization (Alg. 1): each site trains the global model (FedAvg's step) and its
+    personalized model w_{p,k} — which the server holds and sends it every round, its Adam moments
+    kept at the site — on the same seeded batches; the server averages the global models and applies
+    SoftPull (Eq. 11, :func:`soft_pull`) to the personalized models of the sites that replied.
+
+    ``params`` is λ (``fedsm.lam``, FedSM's own section).
+    """
+
+    name = "softpull"
+    title = "SoftPull"
+    server_holds_personal = True
+
+    def site_step(self, site: Site, task: Task) -> PersonalStep:
+        rnd, steps = task.config["round"], task.config.get("steps")
+        g = site.load("global", strip_prefix("global", task.arrays))
+        opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+        pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
+        opt_p = site.optimizer("personal")
+        g.train()
+        pm.train()
+        # the two models are independent within a round: each runs the generic loop over the round's
+        # seeded batches (a vectorized simulation then trains every site's global and personal models
+        # together: fedseg.simulation.vectorize)
+        fit_g = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)
+        fit_p = site.fit("personal", rnd, stream="train", optimizer=opt_p, steps=steps)
+        return PersonalStep({"loss": fit_g["loss"], "personal_loss": fit_p["loss"], "steps": fit_g["steps"]})
+
+    def server_step(
+        self,
+        state: Arrays,
+        replies: Mapping[str, Reply],
+        sites: Sequence[str],
+        weights: Sequence[float],
+        combine: Combine,
+    ) -> Arrays:
+        names = list(replies)
+        out = prefixed("global", combine([strip_prefix("global", replies[s].arrays) for s in names], weights))
+        personal = {s: strip_prefix(f"personal/{s}", state) for s in sites}
+        for s in names:
+            personal[s] = strip_prefix(f"personal/{s}", replies[s].arrays)
+        for s, a in soft_pull(personal, self.params, replied=names).items():
+            out.update(prefixed(f"personal/{s}", a))
+        return out

@@ -106,6 +106,7 @@ class Engine:
             init_arrays=self.init_arrays,
             log=log,
             device=self.device,
+            workload=workload,
         )
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}

@@ -1,0 +1,398 @@
+"""FedSM the method: its server half and its site half, for FedSM, FedSM-extra and the ensemble
+(the overview: :mod:`fedseg.algorithms.fedsm`; the settings: :mod:`.params`).
+
+The personalized models are made by a :class:`~fedseg.algorithms.personal.Personalization`
+(``fedsm.personalization``: SoftPull, the paper's, or a Table 6 method, :data:`PERSONALIZATIONS`);
+the selector is trained by :mod:`fedseg.algorithms.fedsm.selector` and routes by
+:mod:`fedseg.algorithms.fedsm.selection`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedseg.algorithms.apfl import APFL
+from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
+from fedseg.algorithms.ditto import Ditto
+from fedseg.algorithms.fedavg import aggregation_weights
+from fedseg.algorithms.fedsm import selector as sel_training
+from fedseg.algorithms.fedsm.params import FedSMParams
+from fedseg.algorithms.fedsm.selection import (
+    classes_of,
+    composite_predict,
+    load_composite,
+    mean_routing,
+    pick_gamma,
+    route_stats,
+    route_task,
+)
+from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING
+from fedseg.algorithms.ft import FT
+from fedseg.algorithms.perfedavg import PerFedAvg
+from fedseg.algorithms.personal import Personalization
+from fedseg.algorithms.pfedme import PFedMe
+from fedseg.algorithms.softpull import SoftPull, check_lambda
+from fedseg.core.arrays import Arrays, aggregate, clone, prefixed, strip_prefix
+from fedseg.core.config import RunConfig
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site
+
+__all__ = ["PERSONALIZATIONS", "FedSM", "FedSMEnsemble", "FedSMExtra"]
+
+#: ``fedsm.personalization`` → the :class:`~fedseg.algorithms.personal.Personalization` that makes
+#: the personalized models, built from the run config (a method's settings come from its own
+#: section, e.g. ``ditto.lam``; SoftPull's λ is ``fedsm.lam``).
+PERSONALIZATIONS: dict[str, Callable[[RunConfig, FedSMParams], Personalization]] = {
+    "softpull": lambda cfg, params: SoftPull(params.lam),
+    "ft": lambda cfg, params: FT.personalization(cfg),
+    "apfl": lambda cfg, params: APFL.personalization(cfg),
+    "perfedavg": lambda cfg, params: PerFedAvg.personalization(cfg),
+    "pfedme": lambda cfg, params: PFedMe.personalization(cfg),
+    "ditto": lambda cfg, params: Ditto.personalization(cfg),
+}
+
+
+class FedSM(Algorithm):
+    """FedSM: global + SoftPull personalized models + model selector (Alg. 1, Alg. 2)."""
+
+    name = "fedsm"
+    title = "FedSM"
+    section = "fedsm"
+    Params = FedSMParams
+    primary = "fedsm"
+    summary = "FedSM: global model + SoftPull personalized models + model selector (γ-gated routing)"
+    labels = "site"  # Eq. 2
+    mode = "gate"  # Alg. 2
+    two_phase = False
+
+    @classmethod
+    def parse_params(cls, cfg) -> FedSMParams:
+        """``[fedsm]`` validated, with the settings left unset filled in from ``fedsm.profile``."""
+        return super().parse_params(cfg).resolved()
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.selector_rounds = 0
+        if self.two_phase:
+            if cfg.rounds < 2:
+                raise ConfigError(
+                    f"{self.name} needs rounds >= 2 (model rounds, then selector rounds); got rounds = {cfg.rounds}"
+                )
+            s = self.params.selector_rounds if self.params.selector_rounds is not None else math.ceil(cfg.rounds / 3)
+            if not 1 <= s < cfg.rounds:
+                raise ConfigError(
+                    f"fedsm.selector_rounds = {s} must be between 1 and rounds - 1 = {cfg.rounds - 1}: "
+                    "the first rounds train the global and personalized models, the last ones the selector"
+                )
+            self.selector_rounds = s
+        self.personal: Personalization = PERSONALIZATIONS[self.params.personalization](cfg, self.params)
+        """How the personalized models are made (SoftPull, or a Table 6 method's personalization)."""
+        self.selector_factory = sel_training.selector_factory(self.params.selector_width, self.params.selector_hidden)
+
+    def label(self) -> str:
+        """ "FedSM" (…-extra, …-ensemble), with the personalization in brackets when it is not SoftPull
+        (Table 6: "FedSM (Ditto)")."""
+        return self.title if isinstance(self.personal, SoftPull) else f"{self.title} ({self.personal.title})"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), **self.personal.settings()}
+
+    def resolved_params(self) -> dict[str, dict[str, Any]]:
+        return {**super().resolved_params(), **self.personal.settings()}
+
+    # ------------------------------------------------------------ helpers
+    def num_classes(self, k: int) -> int:
+        """Selector outputs: K sites (Eq. 2), or K + 1 with the global model as class 0 (Eq. 1 / ensemble)."""
+        return k if self.labels == "site" else k + 1
+
+    def model_factory(self, site: Site, role: str) -> Callable[[], nn.Module] | None:
+        c = classes_of(role)
+        return None if c is None else self.selector_factory(site, c)
+
+    def _gamma(self) -> float:
+        return 0.9 if isinstance(self.params.gamma, str) else float(self.params.gamma)
+
+    # --------------------------------------------------------- server half
+    def init_state(self, ctx: ServerContext) -> Arrays:
+        try:
+            if isinstance(self.personal, SoftPull):
+                check_lambda(self.params.lam, len(ctx.sites))
+        except ValueError as e:
+            raise ConfigError(f"{self.name}: {e}") from None
+        init = ctx.init_arrays("global")
+        state = prefixed("global", init)
+        for s in ctx.sites:
+            # own copies: tensors the sites never send back (batch-norm statistics under
+            # train.bn_policy = "local") must not be shared between entries of the checkpoint
+            state.update(prefixed(f"personal/{s}", clone(init)))
+        if not self.two_phase:
+            state.update(self._init_selector(ctx))
+        return state
+
+    def _init_selector(self, ctx: ServerContext) -> Arrays:
+        c = self.num_classes(len(ctx.sites))
+        return sel_training.init_selector(ctx, c, self.params.selector_width, self.params.selector_hidden)
+
+    def phase(self, rnd: int) -> str:
+        if not self.two_phase:
+            return "joint"
+        return "models" if rnd <= self.cfg.rounds - self.selector_rounds else "selector"
+
+    def first_selector_round(self) -> int:
+        """The first round that trains the selector (1, or the first round of the selector phase)."""
+        return self.cfg.rounds - self.selector_rounds + 1 if self.two_phase else 1
+
+    def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
+        phase = self.phase(rnd)
+        new = dict(state)
+        if phase == "selector" and not any(k.startswith("selector/") for k in state):
+            new.update(self._init_selector(ctx))
+        by_fga = self.params.selector_training == "fga"
+        train_models = phase in ("joint", "models")
+        train_selector = phase in ("joint", "selector")
+        before = {k: v for k, v in new.items() if k.startswith("selector/")}
+        metrics: dict[str, Any] = {"phase": phase}
+        if train_models or (train_selector and not by_fga):
+            metrics.update(self._train_round(ctx, state, new, rnd, phase, train_selector and not by_fga))
+        if train_selector and by_fga:
+            sites = list(ctx.sites)
+            config = {"phase": phase, "sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode}
+            metrics.update(
+                sel_training.fga_round(
+                    ctx, new, rnd, config, rnd == self.first_selector_round(), self.params.max_selector_steps
+                )
+            )
+        if train_selector:
+            sel_training.keep_best_selector(new, before, metrics.get("routing_acc"), rnd - 1)
+        return new, metrics
+
+    def _train_round(
+        self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int, phase: str, train_selector: bool
+    ) -> dict[str, Any]:
+        """One ``"train"`` task per site (models and/or the locally trained selector), aggregated into ``new``."""
+        sites = list(ctx.sites)
+        train_models = phase in ("joint", "models")
+        base = {
+            "round": rnd,
+            "phase": phase,
+            "sites": sites,
+            "num_classes": self.num_classes(len(sites)),
+            "mode": self.mode,
+            "train_selector": train_selector,
+        }
+        shared: Arrays = {}
+        if train_models:
+            shared.update({k: v for k, v in new.items() if k.startswith("global/")})
+        if train_selector:
+            shared.update({k: v for k, v in new.items() if k.startswith(("selector/", "selector_optim/"))})
+            if phase == "selector":
+                shared.update({k: v for k, v in new.items() if k.startswith(("global/", "personal/"))})
+        tasks = {}
+        for s in sites:
+            arrays = dict(shared)
+            if train_models and self.personal.server_holds_personal:
+                # SoftPull: each site trains the personalized model the server holds for it (the other
+                # personalizations keep their state at the site, or start from w_r)
+                arrays.update({k: v for k, v in new.items() if k.startswith(f"personal/{s}/")})
+            tasks[s] = Task("train", arrays, dict(base))
+        replies = ctx.ask(tasks)
+        names = [s for s in sites if s in replies]
+        if not names:
+            raise PayloadError(f"{self.name}: no site replied in round {rnd}")
+        replied = {s: replies[s] for s in names}
+        counts = [replies[s].num_samples for s in names]
+        if train_models:
+            p = aggregation_weights(counts, self.params.weighting)
+            new.update(self.personal.server_step(state, replied, sites, p, self._combine))
+        if train_selector:
+            new.update(
+                sel_training.average_selector(
+                    replied, counts, self.params.selector_weighting, self.params.share_selector_moments
+                )
+            )
+        metrics: dict[str, Any] = {}
+        for key, mkey in (
+            ("train_loss", "loss"),
+            ("personal_loss", "personal_loss"),
+            ("selector_loss", "selector_loss"),
+            ("routing_acc", "routing_acc"),
+            ("alpha", "alpha"),
+        ):
+            vals = {s: replies[s].metrics.get(mkey) for s in names}
+            if any(v is not None for v in vals.values()):
+                metrics[key] = vals
+        return metrics
+
+    def _combine(self, models: list[Arrays], weights: list[float]) -> Arrays:
+        """How the global model is combined: ``fedsm.aggregation`` (mean, trimmed mean, median)."""
+        return aggregate(models, weights, self.params.aggregation, self.params.trim)
+
+    def composite(self, state: Arrays, ctx: ServerContext, gamma: float | None = None) -> Candidate:
+        """The "fedsm" candidate: global + selector + personalized models, routed by the ``"fedsm"`` predictor."""
+        sites = list(ctx.sites)
+        arrays = {k: v for k, v in state.items() if k.startswith(("global/", "selector/", "personal/"))}
+        config = {
+            "sites": sites,
+            "num_classes": self.num_classes(len(sites)),
+            "mode": self.mode,
+            "gamma": self._gamma() if gamma is None else gamma,
+        }
+        return Candidate("fedsm", arrays, predictor="fedsm", config=config)
+
+    def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        have_selector = any(k.startswith("selector/") for k in state)
+        out = []
+        if have_selector:
+            cand = self.composite(state, ctx)
+            if self.params.gamma == "auto" and self.mode == "gate":
+                replies = route_task(ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid)
+                cand.config["gamma"] = pick_gamma(replies, self.params.gamma_grid)[0]
+            out.append(cand)
+        if not (self.two_phase and have_selector):
+            out.append(Candidate("global", strip_prefix("global", state)))
+            out += [
+                Candidate(
+                    f"personal/{s}",
+                    strip_prefix(f"personal/{s}", state),
+                    val_sites=(s,),
+                    home_site=s,
+                    config={"bn_role": "personal"},
+                )
+                for s in ctx.sites
+            ]
+        return out
+
+    def final_candidates(
+        self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Candidate]:
+        """The composite to test, assembled from the best parts as the reference code keeps them.
+
+        Global model: the best-validation ``global`` candidate; personalized models: each
+        site's best-validation ``personal/<site>`` (for fedsm-extra / ensemble these are only
+        validated in the model phase, so they are the model phase's best); selector: the
+        final one or the best earlier one (``best_selector/…``, kept by the server), whichever
+        has the higher mean validation routing accuracy over the sites (Eq. 2; Eq. 1's oracle
+        labels for K + 1 classes).  With ``gamma = "auto"`` γ is picked again on validation
+        for the assembled composite.  ``config["assembled"]`` records the rounds of the parts.
+        """
+        comp = best.get("fedsm")
+        if comp is None:
+            return {}
+        sites = list(ctx.sites)
+        arrays: Arrays = {}
+        rounds: dict[str, Any] = {}
+        for name in ["global", *(f"personal/{s}" for s in sites)]:
+            part = best.get(name)
+            arrays.update(prefixed(name, part.arrays if part is not None else strip_prefix(name, comp.arrays)))
+        gate_auto = self.params.gamma == "auto" and self.mode == "gate"
+        grid = self.params.gamma_grid
+        options = [("final", strip_prefix("selector", state), None)]
+        if "best_selector_score" in state:
+            options.append(("best", strip_prefix("best_selector", state), float(state["best_selector_score"])))
+        chosen = None
+        for label, sel, known in options:
+            cand = self.composite({**arrays, **prefixed("selector", sel)}, ctx)
+            replies = route_task(ctx.transport, cand, sites, "validation", grid) if known is None or gate_auto else None
+            score = known if known is not None else mean_routing({s: r["routing_acc"] for s, r in replies.items()})
+            if chosen is None or (score is not None and (chosen[1] is None or score > chosen[1])):
+                chosen = (cand, score, replies, label)
+        assert chosen is not None
+        cand, score, replies, label = chosen
+        if gate_auto and replies is not None and sum(r["n"] for r in replies.values()):
+            cand.config["gamma"] = pick_gamma(replies, grid)[0]
+        rounds["selector"] = int(state["best_selector_round"]) if label == "best" else self.cfg.rounds
+        rounds["selector_val_routing_acc"] = score
+        for name in ["global", *(f"personal/{s}" for s in sites)]:
+            rounds[name] = best_rounds.get(name, best_rounds["fedsm"])
+        cand.config["assembled"] = rounds
+        cand.arrays = clone(cand.arrays)  # its own tensors (the best candidates keep theirs)
+        return {"fedsm": cand}
+
+    # ----------------------------------------------------------- site half
+    def site_handlers(self):
+        return {"train": self._train, "route": self._route, "selector_step": self._selector_step}
+
+    def fp16_unsupported(self) -> str | None:
+        if self.params.selector_training == "fga":
+            return (
+                FP16_GRADIENT_AVERAGING
+                + ", used by FedSM's selector (fp16 runs with --set fedsm.selector_training=fedavg)"
+            )
+        # called while Algorithm.__init__ runs, before self.personal is set
+        return PERSONALIZATIONS[self.params.personalization](self.cfg, self.params).fp16_unsupported()
+
+    def predictors(self):
+        def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+            sel, models = load_composite(site, arrays, config, self.selector_factory, "fedsm-eval/")
+            return composite_predict(site, sel, models, config.get("mode", "gate"), float(config.get("gamma", 0.9)))
+
+        return {**super().predictors(), "fedsm": make}
+
+    def _train(self, site: Site, task: Task) -> Reply:
+        """Site half of a round: the personalization's site step (global and personalized models) and/or
+        the selector's local steps (``selector_training = "fedavg"``), on the round's seeded batches."""
+        cfg = task.config
+        phase, sites = cfg["phase"], list(cfg["sites"])
+        if site.name not in sites:
+            raise PayloadError(f"site {site.name}: asked to train FedSM but not among the sites {sites}")
+        metrics: dict[str, Any] = {}
+        out: Arrays = {}
+        steps = 0
+        if phase in ("joint", "models"):
+            step = self.personal.site_step(site, task)
+            out.update(prefixed("global", site.arrays("global")))
+            out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
+            out.update(step.extra)
+            metrics.update(step.metrics)
+            steps = step.metrics["steps"]
+        if phase in ("joint", "selector") and cfg.get("train_selector", True):
+            arrays, sel_metrics, batches = sel_training.train_locally(
+                site,
+                task,
+                self.selector_factory,
+                self.labels,
+                self.params.selector_lr,
+                self.params.max_selector_steps,
+                self.params.share_selector_moments,
+            )
+            out.update(arrays)
+            metrics.update(sel_metrics)
+            steps = steps if phase == "joint" else batches
+        metrics["steps"] = steps
+        return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
+
+    def _selector_step(self, site: Site, task: Task) -> Reply:
+        """One lockstep exchange of the selector's gradient averaging (:func:`.selector.fga_step`)."""
+        return sel_training.fga_step(site, task, self.selector_factory, self.labels, self.params.selector_lr)
+
+    def _route(self, site: Site, task: Task) -> Reply:
+        """Routing statistics of a composite on one split (:func:`.selection.route_stats`)."""
+        return route_stats(site, task, self.selector_factory)
+
+
+class FedSMExtra(FedSM):
+    """FedSM-extra (Section 3.1.2): selector trained in extra rounds with Eq. 1 labels."""
+
+    name = "fedsm-extra"
+    title = "FedSM-extra"
+    summary = "FedSM-extra: global + SoftPull models, then extra rounds training a K+1-class selector on Eq. 1 labels"
+    labels = "oracle"
+    mode = "argmax"
+    two_phase = True
+
+
+class FedSMEnsemble(FedSM):
+    """FedSM ensemble (Section 3.1.1): selector trained through the softmax-weighted output mix."""
+
+    name = "fedsm-ensemble"
+    title = "FedSM-ensemble"
+    summary = "FedSM ensemble: selector trained through the loss of the softmax-weighted mix of all models' outputs"
+    labels = "mix"
+    mode = "mix"
+    two_phase = True

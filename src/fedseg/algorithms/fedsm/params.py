@@ -1,0 +1,152 @@
+"""FedSM's settings (config section ``[fedsm]``, shared by FedSM, FedSM-extra and the ensemble):
+:class:`FedSMParams` and the two profiles that fill in the settings left unset."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fedseg.core.arrays import check_aggregation
+from fedseg.core.errors import ConfigError
+
+__all__ = ["DEFAULT_GAMMA_GRID", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
+
+DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+PersonalizationName = Literal["softpull", "ft", "apfl", "perfedavg", "pfedme", "ditto"]
+"""``fedsm.personalization`` choices (FedSM Table 6 rows); the keys of :data:`fedseg.algorithms.fedsm.PERSONALIZATIONS`."""
+
+#: What each profile fills in for the settings left unset (None).  "default": settings
+#: that learn on the synthetic benchmark (docs/results.md); "reference": the reference
+#: code's literal ones (γ 0.9, n_k/n weights, every local step, averaged selector).
+PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "default": {"gamma": "auto", "selector_training": "fga", "selector_weighting": "even"},
+    "reference": {
+        "gamma": 0.9,
+        "selector_training": "fedavg",
+        "selector_weighting": "samples",
+        "selector_steps": "all",
+    },
+}
+
+
+@dataclass(frozen=True)
+class FedSMParams:
+    """Settings of FedSM and its variants (config section ``[fedsm]``).
+
+    Settings left unset (None) are filled in by ``profile`` (:meth:`resolved`); a run's
+    ``config.toml`` and ``results.json["config"]`` hold the resolved values.
+
+    profile
+        ``"default"``: settings that learn out of the box (γ = auto, selector trained by
+        federated gradient averaging); ``"reference"``: the reference code's literal
+        settings (γ = 0.9, selector averaged with n_k/n weights after every local step).
+    lam
+        SoftPull's λ (Eq. 11) in [0, 1]; 0.7 is the paper's best on the low-similarity
+        retinal task (Table 7) and the reference code's default.  Below 1/K a site's
+        own model weighs less than each other site's (warned, allowed: Table 7 has 0.1).
+    gamma
+        Alg. 2's confidence threshold γ: a number in [0, 1] (0.9: reference code), or
+        ``"auto"`` (default profile): at each validation the sites report their validation
+        Dice summed per γ of ``gamma_grid`` and the γ with the best sample-weighted Dice is used.
+    gamma_grid
+        Candidate γ values for ``gamma = "auto"`` and the routing reports.
+    selector_width, selector_hidden
+        Size of the selector (the workload's, ``Workload.selector``; by default the papers'
+        VGG-11 layout × width).  The reference's VGG-11 has 129 M parameters (80× the U-Net).
+    selector_lr
+        Selector learning rate η_s (Alg. 1); None = ``train.lr``.
+    selector_training
+        ``"fga"`` (default profile): every selector step is a lockstep exchange of
+        federated gradient averaging (:func:`fedseg.algorithms.fga.lockstep_round`): the
+        sites send the gradient of their batch, the server returns the sample-weighted
+        mean (= the pooled batch's gradient) and every site applies it with its own,
+        identical Adam — centralized training of the selector, so no site's single class
+        (Eq. 2) dominates.  ``"fedavg"`` (reference): local selector steps, then the
+        server averages the selector and its Adam moments (Alg. 1 line 15).
+    share_selector_moments
+        ``fedavg`` selector only: average the selector's Adam moments (exp_avg,
+        exp_avg_sq, step) with the weights of its parameters, as the reference code does.
+    selector_rounds
+        fedsm-extra / fedsm-ensemble only: how many of the run's ``rounds`` are the
+        extra selector rounds that follow global + personalized training (the paper:
+        50 after 100); None = ⌈rounds / 3⌉.  Ignored by fedsm, whose selector trains in
+        every round.
+    selector_steps
+        Selector optimizer steps per round, on the first batches of the round's local
+        work: an integer, or ``"all"`` (every local step, Alg. 1).  Unset: ``"all"``,
+        except with ``selector_training = "fedavg"`` under the default profile, where it
+        is 1 (measured, ``docs/results.md``: with 5 local steps per round the averaged
+        selector collapses to one class, with 1 it learns slowly).
+    weighting
+        Weights of the global-model average: 'samples' (n_k/n, Alg. 1 line 15) or 'even'.
+    selector_weighting
+        ``fedavg`` selector only: weights of the selector (and its moments) average.
+        Default profile 'even' (1/K), a departure from Alg. 1's n_k/n (reference
+        profile): every site holds exactly one selector class (Eq. 2), and with n_k/n the
+        averaged selector collapsed to the largest site's class on the synthetic fundus
+        preset (``docs/results.md``).
+    personalization
+        How the personalized models are made (Section 4.3, Table 6): 'softpull' (the
+        paper's FedSM, Eq. 11) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto'
+        (that method's :class:`~fedseg.algorithms.personal.Personalization`, its settings from
+        its own section; no SoftPull).
+    aggregation, trim
+        How the global model is combined (:func:`fedseg.core.arrays.aggregate`): 'mean'
+        (Alg. 1, the paper), 'trimmed_mean' (``trim`` of the sites dropped at each end per
+        coordinate) or 'median' — the latter two bound one site's influence (deployment).
+    """
+
+    profile: Literal["default", "reference"] = "default"
+    lam: float = 0.7
+    gamma: Literal["auto"] | float | None = None
+    gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
+    selector_width: float = 0.125
+    selector_hidden: int = 128
+    selector_lr: float | None = None
+    selector_training: Literal["fga", "fedavg"] | None = None
+    share_selector_moments: bool = True
+    selector_rounds: int | None = None
+    selector_steps: Literal["all"] | int | None = None
+    weighting: Literal["samples", "even"] = "samples"
+    selector_weighting: Literal["samples", "even"] | None = None
+    personalization: PersonalizationName = "softpull"
+    aggregation: Literal["mean", "trimmed_mean", "median"] = "mean"
+    trim: float = 0.1
+
+    def resolved(self) -> FedSMParams:
+        """These settings with every unset one filled in from ``profile``."""
+        fill = dict(PROFILE_DEFAULTS[self.profile])
+        training = self.selector_training if self.selector_training is not None else fill["selector_training"]
+        fill.setdefault("selector_steps", 1 if training == "fedavg" else "all")
+        return dataclasses.replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
+
+    @property
+    def max_selector_steps(self) -> int | None:
+        """Cap on selector steps per round (None: every local step)."""
+        return None if self.selector_steps in (None, "all") else int(self.selector_steps)
+
+    def validate(self) -> None:
+        """The ranges of the numeric settings (the string options are ``Literal``s, checked by the
+        config loader with the allowed values in the message)."""
+        if not (0.0 <= self.lam <= 1.0):
+            raise ConfigError(f"fedsm.lam = {self.lam} must be in [0, 1] (FedSM Eq. 11); e.g. --set fedsm.lam=0.7")
+        if not isinstance(self.gamma, str) and self.gamma is not None and not (0.0 <= self.gamma <= 1.0):
+            raise ConfigError(f"fedsm.gamma = {self.gamma} must be in [0, 1] (or 'auto'); the reference uses 0.9")
+        if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
+            raise ConfigError(
+                f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"
+            )
+        if not self.selector_width > 0:
+            raise ConfigError(f"fedsm.selector_width must be > 0, got {self.selector_width}")
+        if self.selector_hidden < 1:
+            raise ConfigError(f"fedsm.selector_hidden must be >= 1, got {self.selector_hidden}")
+        if self.selector_lr is not None and not self.selector_lr > 0:
+            raise ConfigError(f"fedsm.selector_lr must be > 0 (or none for train.lr), got {self.selector_lr}")
+        if self.selector_rounds is not None and self.selector_rounds < 1:
+            raise ConfigError(f"fedsm.selector_rounds must be >= 1 (or none for rounds/3), got {self.selector_rounds}")
+        steps = self.selector_steps
+        if isinstance(steps, int) and steps < 1:
+            raise ConfigError(f"fedsm.selector_steps = {steps!r}; give an integer >= 1 or 'all' (every local step)")
+        check_aggregation(self.aggregation, self.trim, "fedsm")

@@ -1,0 +1,257 @@
+"""FedSM's model selection (Alg. 2) at the sites and on the server: the selector's roles and its
+optimizer moments as arrays, composite inference (γ-gated routing, argmax, the ensemble mix),
+routing statistics of a composite (only sums and counts leave a site), and the choice of γ.
+
+The maths (``route``, ``routing_accuracy``, ``oracle_labels``, ``ensemble_mix``) is in
+:mod:`fedseg.algorithms.softpull`; this module applies it to a site's data and models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedseg.algorithms.base import Candidate
+from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route, routing_accuracy
+from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site, batch_of, dataset_len
+from fedseg.transport.base import Transport
+
+__all__ = [
+    "SelectorFactory",
+    "classes_of",
+    "composite_predict",
+    "load_composite",
+    "mean_routing",
+    "optimizer_moments",
+    "oracle_accuracy",
+    "pick_gamma",
+    "route_stats",
+    "route_task",
+    "selector_probs",
+    "selector_role",
+    "set_optimizer_moments",
+]
+
+SelectorFactory = Callable[[Site, int], Callable[[], nn.Module]]
+"""``factory(site, num_classes)``: the site's builder of a fresh selector with ``num_classes`` outputs."""
+
+
+# --------------------------------------------------------------- selector roles
+def selector_role(num_classes: int, prefix: str = "") -> str:
+    """Role name of a selector with ``num_classes`` outputs (the count is part of the
+    name so that a restarted site can rebuild the right shape before loading weights)."""
+    return f"{prefix}selector@{num_classes}"
+
+
+def classes_of(role: str) -> int | None:
+    """The output count of a selector role (:func:`selector_role`), None for any other role."""
+    head, sep, tail = role.rpartition("@")
+    if sep and head.endswith("selector") and tail.isdigit():
+        return int(tail)
+    return None
+
+
+# ---------------------------------------------------------- optimizer moments
+def optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module) -> Arrays:
+    """An optimizer's per-parameter state as arrays ``<param name>/<key>`` (Adam: exp_avg, exp_avg_sq, step)."""
+    out: Arrays = {}
+    for name, p in model.named_parameters():
+        for key, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                out[f"{name}/{key}"] = v.detach().clone()
+    return out
+
+
+def set_optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module, moments: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite the optimizer's per-parameter state with ``moments`` (from :func:`optimizer_moments`)."""
+    for name, p in model.named_parameters():
+        entry = strip_prefix(name, {k: v for k, v in moments.items() if k.rpartition("/")[0] == name})
+        if entry:
+            opt.state[p] = {k: v.detach().clone() for k, v in entry.items()}
+
+
+# ------------------------------------------------------------------ at a site
+@torch.no_grad()
+def selector_probs(site: Site, selector: nn.Module, split: str) -> torch.Tensor:
+    """(N, C) float64 softmax of ``selector`` over a split's images (eval mode)."""
+    ds = site.data.split(split)
+    n = dataset_len(ds)
+    selector.eval()
+    out = []
+    bs = site.cfg.eval.batch_size
+    for start in range(0, n, bs):
+        x, _ = batch_of(ds, torch.arange(start, min(n, start + bs)))
+        out.append(torch.softmax(selector(x.to(site.dtype)).double(), dim=1))
+    return torch.cat(out) if out else torch.zeros(0, 1, dtype=torch.float64)
+
+
+@torch.no_grad()
+def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module], split: str) -> float:
+    """Fraction of a split's images whose selector argmax is Eq. 1's label (the model of ``models`` —
+    global first, then the personalized ones — with the lowest workload loss on the image); NaN if empty."""
+    ds = site.data.split(split)
+    n = dataset_len(ds)
+    if n == 0:
+        return float("nan")
+    was = selector.training
+    selector.eval()
+    hits = 0
+    bs = site.cfg.eval.batch_size
+    for start in range(0, n, bs):
+        x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
+        x = x.to(site.dtype)
+        y = y.to(site.dtype) if y.is_floating_point() else y
+        labels = oracle_labels([m(x) for m in models], y, site.workload.loss)
+        hits += int((selector(x).argmax(dim=1) == labels).sum())
+    selector.train(was)
+    return hits / n
+
+
+def load_composite(
+    site: Site, arrays: Arrays, config: Mapping[str, Any], factory: SelectorFactory, prefix: str
+) -> tuple[nn.Module, list[nn.Module]]:
+    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site."""
+    c = int(config["num_classes"])
+    role = selector_role(c, prefix)
+    sel = site.load(role, strip_prefix("selector", arrays), factory(site, c))
+    # under train.bn_policy = "local": the site's own running statistics — those of its
+    # personalized model for its own, those of its global model for the others
+    models = [site.load(f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
+    for j, s in enumerate(config["sites"]):
+        models.append(
+            site.load(
+                f"{prefix}p{j}",
+                strip_prefix(f"personal/{s}", arrays),
+                bn_from="personal" if s == site.name else "global",
+            )
+        )
+    sel.eval()
+    for m in models:
+        m.eval()
+    return sel, models
+
+
+def composite_predict(
+    site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The composite's prediction (Alg. 2): per image, the model the selector routes to — ``"gate"``:
+    the personalized model of the top class when its probability exceeds γ, else the global model;
+    ``"argmax"``: the top class (K + 1 classes, FedSM-extra) — or ``"mix"``: the ensemble's
+    softmax-weighted mix of every model's output."""
+    wl = site.workload
+
+    @torch.no_grad()
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(sel(x), dim=1)
+        if mode == "mix":
+            return ensemble_mix(probs, [wl.predict(m, x) for m in models])
+        idx = route(probs, gamma) if mode == "gate" else probs.argmax(dim=1)
+        out: torch.Tensor | None = None
+        for j in idx.unique().tolist():
+            mask = idx == j
+            o = wl.predict(models[j], x[mask])
+            if out is None:
+                out = o.new_zeros((x.shape[0], *o.shape[1:]))
+            out[mask] = o
+        assert out is not None
+        return out
+
+    return predict
+
+
+def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
+    """Site half of a ``route`` task: aggregate routing statistics of a composite on one split (only
+    sums and counts leave the site).
+
+    Config: ``split``, ``sites``, ``num_classes``, ``mode``, ``gammas``.  Metrics:
+    ``n`` cases, ``routing_acc`` (Eq. 2 selector: fraction routed to the site's own
+    model, None for a site outside the federation; K + 1-class selector: fraction
+    whose argmax is Eq. 1's oracle label),
+    ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), and
+    ``selections``: one entry per γ (gate) or one entry (argmax / mix) with
+    ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models).
+    """
+    cfg = task.config
+    split, sites, mode = cfg["split"], list(cfg["sites"]), cfg.get("mode", "gate")
+    sel, models = load_composite(site, task.arrays, cfg, factory, "fedsm-eval/")
+    probs = selector_probs(site, sel, split)
+    n = probs.shape[0]
+    per_model = (
+        torch.stack([site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1)
+        if n
+        else torch.zeros(0, len(models), dtype=torch.float64)
+    )
+    if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
+        acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
+    else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
+        acc = oracle_accuracy(site, sel, models, split) if n else None
+    selections = []
+    if mode == "gate":
+        for gamma in cfg.get("gammas", [0.9]):
+            idx = route(probs, float(gamma))
+            dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            selections.append(
+                {
+                    "gamma": float(gamma),
+                    "dice_sum": float(dice.sum()),
+                    "counts": torch.bincount(idx, minlength=len(models)).tolist(),
+                }
+            )
+    else:
+        idx = probs.argmax(dim=1)
+        if mode == "mix":
+            dice = site.score(composite_predict(site, sel, models, "mix", 0.0), split).mean(dim=1)
+        else:
+            dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+        selections.append(
+            {
+                "gamma": None,
+                "dice_sum": float(dice.sum()),
+                "counts": torch.bincount(idx, minlength=len(models)).tolist(),
+            }
+        )
+    return Reply(
+        metrics={
+            "n": n,
+            "routing_acc": acc,
+            "dice_sum_per_model": per_model.sum(dim=0).tolist(),
+            "selections": selections,
+        },
+        num_samples=n,
+    )
+
+
+# ----------------------------------------------------------------- on the server
+def mean_routing(accs: Mapping[str, Any] | None) -> float | None:
+    """Mean over sites of the per-site routing accuracies (None / NaN left out); None if there is none."""
+    vals = [float(v) for v in (accs or {}).values() if v is not None and not math.isnan(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def route_task(
+    transport: Transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]
+) -> dict[str, dict[str, Any]]:
+    """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``."""
+    config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
+    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})
+    return {s: r.metrics for s, r in replies.items()}
+
+
+def pick_gamma(replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float]) -> tuple[float, float]:
+    """γ with the best sample-weighted Dice Σ_sites dice_sum / Σ_sites n (first of ties); returns (γ, Dice)."""
+    total_n = sum(r["n"] for r in replies.values())
+    if total_n == 0:
+        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
+    best: tuple[float, float] | None = None
+    for i, g in enumerate(gammas):
+        dice = sum(r["selections"][i]["dice_sum"] for r in replies.values()) / total_n
+        if best is None or dice > best[1]:
+            best = (float(g), dice)
+    assert best is not None
+    return best

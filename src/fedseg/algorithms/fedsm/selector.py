@@ -1,0 +1,301 @@
+"""Training FedSM's model selector, at the sites and on the server.
+
+Two ways (``fedsm.selector_training``):
+
+* ``"fedavg"`` (reference, Alg. 1): local selector steps on the round's first batches
+  (:func:`train_locally`), then the server averages the selector — and its Adam moments — with
+  weights n_k / n or 1 / K (:func:`average_selector`);
+* ``"fga"`` (default profile): every selector step is a lockstep exchange of federated gradient
+  averaging (:func:`fga_round` on the server, :func:`fga_step` at the sites).
+
+Labels: Eq. 2 (the site's own position, joint phase of FedSM), Eq. 1 (the model with the lowest
+loss on the image, FedSM-extra), or the loss of the softmax-weighted output mix (the ensemble);
+:func:`selector_loss`.  The frozen global and personalized models of a selector-phase round are
+loaded at the site by :func:`load_frozen`.  The server keeps the selector with the best validation
+routing accuracy so far (:func:`keep_best_selector`).  The selector network comes from the
+workload (``Workload.selector``), on the server (:func:`init_selector`) as at the sites
+(:func:`selector_factory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedseg.algorithms.base import ServerContext
+from fedseg.algorithms.fedavg import aggregation_weights
+from fedseg.algorithms.fedsm.selection import (
+    SelectorFactory,
+    mean_routing,
+    optimizer_moments,
+    oracle_accuracy,
+    selector_probs,
+    selector_role,
+    set_optimizer_moments,
+)
+from fedseg.algorithms.fga import gradient_step, lockstep_round
+from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, routing_accuracy
+from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.core.messages import Reply, Task
+from fedseg.core.site import Site, dataset_len
+
+__all__ = [
+    "average_selector",
+    "fga_round",
+    "fga_step",
+    "frozen_roles",
+    "init_selector",
+    "keep_best_selector",
+    "load_frozen",
+    "routing_accuracy_at",
+    "selector_factory",
+    "selector_loss",
+    "train_locally",
+]
+
+
+def selector_factory(width: float, hidden: int) -> SelectorFactory:
+    """``factory(site, num_classes)``: the site's workload selector (``Workload.selector``) of this size."""
+
+    def factory(site: Site, num_classes: int) -> Callable[[], nn.Module]:
+        return lambda: site.workload.selector(num_classes, width=width, hidden=hidden)
+
+    return factory
+
+
+def init_selector(ctx: ServerContext, num_classes: int, width: float, hidden: int) -> Arrays:
+    """The seeded initial selector ``selector/…`` (the run's workload selector, as the sites build it)."""
+    workload = ctx.workload
+    if workload is None:
+        raise ConfigError(
+            "fedsm: the server context has no workload to build the selector from (ServerContext.workload)"
+        )
+    role = selector_role(num_classes)
+    return prefixed("selector", ctx.init_arrays(role, factory=lambda: workload.selector(num_classes, width, hidden)))
+
+
+# ------------------------------------------------------------------ at a site
+def frozen_roles(sites: Sequence[str]) -> list[str]:
+    return ["frozen/global", *(f"frozen/p{j}" for j in range(len(sites)))]
+
+
+def load_frozen(site: Site, arrays: Arrays, sites: Sequence[str]) -> list[nn.Module]:
+    """The frozen global and personalized models of a selector-phase round, loaded at the site (eval mode)."""
+    names = ["global", *(f"personal/{s}" for s in sites)]
+    bn = [
+        "global",
+        *("personal" if s == site.name else "global" for s in sites),
+    ]  # train.bn_policy = "local": the site's own statistics
+    frozen = [
+        site.load(role, strip_prefix(name, arrays), bn_from=b) for role, name, b in zip(frozen_roles(sites), names, bn)
+    ]
+    for m in frozen:
+        m.eval()
+    return frozen
+
+
+def selector_loss(
+    site: Site,
+    sel: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    phase: str,
+    own: int,
+    frozen: Sequence[nn.Module],
+    labels: str,
+) -> torch.Tensor:
+    """The selector's mean loss on a batch: Eq. 2 cross-entropy (joint phase), Eq. 1 cross-entropy
+    (``labels = "oracle"``, fedsm-extra) or the workload loss of the softmax-weighted output mix
+    (``labels = "mix"``, ensemble)."""
+    logits = sel(x)
+    if phase == "joint":
+        return F.cross_entropy(logits, torch.full((x.shape[0],), own, dtype=torch.long, device=logits.device))
+    with torch.no_grad():
+        outputs = [m(x) for m in frozen]
+    if labels == "oracle":
+        return F.cross_entropy(logits, oracle_labels(outputs, y, site.workload.loss))
+    return site.workload.loss(ensemble_mix(torch.softmax(logits, dim=1), outputs), y)
+
+
+def routing_accuracy_at(site: Site, sel: nn.Module, sites: Sequence[str], phase: str, labels: str) -> float:
+    """Validation routing accuracy of ``sel`` at this site: for FedSM's Eq. 2 selector, the fraction of
+    images whose argmax is the site itself; for the K + 1-class selectors of the selector phase, the
+    fraction whose argmax is Eq. 1's oracle label (the model with the lowest loss on the image; the
+    frozen models must be loaded)."""
+    if phase == "selector":
+        return oracle_accuracy(site, sel, [site.models[r] for r in frozen_roles(sites)], "validation")
+    return routing_accuracy(
+        selector_probs(site, sel, "validation"), sites.index(site.name), 0 if labels == "site" else 1
+    )
+
+
+def train_locally(
+    site: Site,
+    task: Task,
+    factory: SelectorFactory,
+    labels: str,
+    lr: float | None,
+    max_steps: int | None,
+    share_moments: bool,
+) -> tuple[Arrays, dict[str, Any], int]:
+    """The site's selector steps of a ``"fedavg"`` selector round, on the first ``max_steps`` batches of
+    the round's local work (None: all).
+
+    Config: ``round``, ``phase``, ``sites``, ``num_classes`` (and ``steps``); arrays: ``selector/…``,
+    ``selector_optim/…`` (the averaged moments), and in the selector phase the frozen models.
+    Returns the reply arrays (``selector/…`` and, with ``share_moments``, ``selector_optim/…``), metrics
+    (``selector_loss``; ``routing_acc`` of the selector as received, on validation) and the number of
+    batches of the round.
+    """
+    cfg = task.config
+    rnd, phase, sites = cfg["round"], cfg["phase"], list(cfg["sites"])
+    own, c = sites.index(site.name), int(cfg["num_classes"])
+    metrics: dict[str, Any] = {}
+    role = selector_role(c)
+    sel = site.load(role, strip_prefix("selector", task.arrays), factory(site, c))
+    opt_s = site.optimizer(role, params=list(sel.parameters()), lr=lr)
+    moments = strip_prefix("selector_optim", task.arrays)
+    if moments:
+        set_optimizer_moments(opt_s, sel, moments)
+    frozen = load_frozen(site, task.arrays, sites) if phase == "selector" else []
+    if dataset_len(site.data.val) > 0:
+        # routing accuracy of the selector as received (last round's average), on validation
+        metrics["routing_acc"] = routing_accuracy_at(site, sel, sites, phase, labels)
+    sel.train()
+    total = 0.0
+    batches = steps = 0
+    for x, y in site.batches(rnd, "train", cfg.get("steps")):
+        batches += 1
+        if max_steps is None or steps < max_steps:
+            steps += 1
+            opt_s.zero_grad(set_to_none=True)
+            with site.autocast():
+                loss = selector_loss(site, sel, x, y, phase, own, frozen, labels)
+            site.step(role, opt_s, loss)
+            total += loss.detach().double()  # summed on the device, read once below
+    out = prefixed("selector", site.arrays(role))
+    if share_moments:
+        out.update(prefixed("selector_optim", optimizer_moments(opt_s, sel)))
+    metrics["selector_loss"] = float(total) / max(steps, 1)
+    return out, metrics, batches
+
+
+def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: float | None) -> Reply:
+    """Site half of one lockstep exchange of the selector's gradient averaging (``selector_training = "fga"``).
+
+    Config: as :func:`fedseg.algorithms.fga.gradient_step` plus ``phase``, ``sites``,
+    ``num_classes``.  Step 0 also reports the routing accuracy of the selector as
+    the site holds it at the round's start (validation split) and, in the selector
+    phase, loads the frozen global and personalized models sent with it.
+    """
+    cfg = task.config
+    sites, phase, c = list(cfg["sites"]), cfg["phase"], int(cfg["num_classes"])
+    if site.name not in sites:
+        raise PayloadError(f"site {site.name}: asked to train FedSM's selector but not among the sites {sites}")
+    own = sites.index(site.name)
+    role = selector_role(c)
+    build = factory(site, c)
+    arrays = task.arrays
+    routing = None
+    if cfg.get("step") == 0:
+        init = strip_prefix("selector", arrays)
+        sel = site.load(role, init, build) if init else site.model(role, build)
+        arrays = {k: v for k, v in arrays.items() if not k.startswith("selector/")}
+        if phase == "selector":
+            load_frozen(site, arrays, sites)
+        if dataset_len(site.data.val) > 0:
+            routing = routing_accuracy_at(site, sel, sites, phase, labels)
+    frozen = [site.models[r] for r in frozen_roles(sites)] if phase == "selector" else []
+    reply = gradient_step(
+        site,
+        Task(task.kind, arrays, cfg),
+        role=role,
+        prefix="selector",
+        factory=build,
+        lr=lr,
+        loss=lambda model, x, y: selector_loss(site, model, x, y, phase, own, frozen, labels),
+        check_loss=F.cross_entropy if labels != "mix" or phase == "joint" else None,
+    )
+    if routing is not None:
+        reply.metrics["routing_acc"] = routing
+    return reply
+
+
+# ----------------------------------------------------------------- on the server
+def average_selector(
+    replies: Mapping[str, Reply], counts: Sequence[int], weighting: str, share_moments: bool
+) -> Arrays:
+    """The ``"fedavg"`` selector's average over the replies (Alg. 1 line 15): ``selector/…`` and, with
+    ``share_moments``, its Adam moments ``selector_optim/…`` with the weights of its parameters."""
+    names = list(replies)
+    p_sel = aggregation_weights(counts, weighting)
+    out = prefixed("selector", weighted_mean([strip_prefix("selector", replies[s].arrays) for s in names], p_sel))
+    moments = [strip_prefix("selector_optim", replies[s].arrays) for s in names]
+    if share_moments and all(moments):
+        # the moments are averaged with the weights of the selector's parameters
+        out.update(prefixed("selector_optim", weighted_mean(moments, p_sel)))
+    return out
+
+
+def fga_round(
+    ctx: ServerContext,
+    new: Arrays,
+    rnd: int,
+    config: dict[str, Any],
+    send_selector: bool,
+    max_steps: int | None,
+) -> dict[str, Any]:
+    """The selector's round by federated gradient averaging (``selector_training = "fga"``), into ``new``.
+
+    Lockstep ``"selector_step"`` exchanges (:func:`fedseg.algorithms.fga.lockstep_round`):
+    the initial selector goes to the sites on the first selector round only (``send_selector``; then
+    every site holds the same weights and Adam state), the frozen global and
+    personalized models with step 0 of every selector-phase round; the server keeps
+    the selector that site 1 returns after the last step.  ``config``: ``phase``, ``sites``,
+    ``num_classes``, ``mode``.
+    """
+    sites = list(ctx.sites)
+    first: Arrays = {}
+    if send_selector:
+        first.update({k: v for k, v in new.items() if k.startswith("selector/")})
+    if config["phase"] == "selector":
+        first.update({k: v for k, v in new.items() if k.startswith(("global/", "personal/"))})
+    weights, m, start = lockstep_round(
+        ctx,
+        rnd,
+        kind="selector_step",
+        first=first,
+        config=config,
+        prefix="selector",
+        max_steps=max_steps,
+    )
+    new.update(weights)
+    out: dict[str, Any] = {"selector_loss": m["train_loss"], "selector_steps": m["steps"]}
+    if "in_sync" in m:
+        out["selector_in_sync"] = m["in_sync"]
+    routing = {s: start[s].get("routing_acc") for s in sites}
+    if any(v is not None for v in routing.values()):
+        out["routing_acc"] = routing
+    return out
+
+
+def keep_best_selector(new: Arrays, before: Arrays, accs: Mapping[str, Any] | None, measured_round: int) -> None:
+    """Keep in ``new`` the selector with the best mean validation routing accuracy so far.
+
+    ``accs`` are the sites' routing accuracies of ``before`` — the selector the sites held at the
+    start of this round, i.e. after round ``measured_round`` — so the best is kept one round late;
+    the final selector is compared at the end (:meth:`FedSM.final_candidates`).
+    """
+    score = mean_routing(accs)
+    if score is None or not before:
+        return
+    if "best_selector_score" in new and float(new["best_selector_score"]) >= score:
+        return
+    new.update(prefixed("best_selector", {k.removeprefix("selector/"): v.clone() for k, v in before.items()}))
+    new["best_selector_score"] = torch.tensor(score, dtype=torch.float64)
+    new["best_selector_round"] = torch.tensor(measured_round, dtype=torch.int64)
