@@ -41,6 +41,7 @@ import torch
 from torch.func import functional_call
 
 from fedseg.algorithms.base import Candidate, ServerContext
+from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -113,7 +114,7 @@ class APFLParams:
     learn_alpha: bool = True
     alpha_lr: float | None = None
     mix: Literal["parameters", "outputs"] = "parameters"
-    weighting: Literal["samples", "even"] = "samples"
+    weighting: Weighting = "samples"
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

@@ -24,9 +24,10 @@ per round = one round of local work (the paper's s local epochs = the global's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fedseg.algorithms.base import Candidate, ServerContext
+from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.algorithms.personal import (
     PersonalizationBase,
@@ -64,7 +65,7 @@ class DittoParams:
     lam: float = 0.1
     steps: int | None = None
     lr: float | None = None
-    weighting: Literal["samples", "even"] = "samples"
+    weighting: Weighting = "samples"
 
     def validate(self) -> None:
         if not (self.lam >= 0.0 and self.lam < float("inf")):

@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.core.arrays import Arrays, aggregate, check_aggregation, prefixed, strip_prefix
+from fedseg.core.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site
 
 Weighting = Literal["samples", "even"]
 """FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
-Aggregation = Literal["mean", "trimmed_mean", "median"]
-"""The aggregation rule (:func:`fedseg.core.arrays.aggregate`): 'mean' is the papers' FedAvg."""
 
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedseg.algorithms.fedavg import Aggregation, FedAvg, Weighting
-from fedseg.core.arrays import check_aggregation, prefixed, strip_prefix
+from fedseg.algorithms.fedavg import FedAvg, Weighting
+from fedseg.core.arrays import Aggregation, check_aggregation, prefixed, strip_prefix
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site

@@ -20,10 +20,10 @@ FedSM's ablation says only that every method was "tuned for best results"
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fedseg.algorithms.base import Candidate, ServerContext
-from fedseg.algorithms.fedavg import train_global
+from fedseg.algorithms.fedavg import Weighting, train_global
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -57,7 +57,7 @@ class FTParams:
 
     steps: int | None = None
     lr: float | None = None
-    weighting: Literal["samples", "even"] = "samples"
+    weighting: Weighting = "samples"
 
     def validate(self) -> None:
         check_nonneg_int("ft", "steps", self.steps)

@@ -39,6 +39,7 @@ import torch
 from torch.func import functional_call
 
 from fedseg.algorithms.base import Candidate, ServerContext
+from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -139,7 +140,7 @@ class PerFedAvgParams:
     hvp: Literal["autograd", "finite_difference"] = "autograd"
     delta: float = 1e-3
     personal_steps: int = 1
-    weighting: Literal["samples", "even"] = "samples"
+    weighting: Weighting = "samples"
 
     def validate(self) -> None:
         check_positive("perfedavg", "alpha", self.alpha)

@@ -53,7 +53,6 @@ __all__ = [
     "aggregate_global",
     "check_nonneg_int",
     "check_positive",
-    "check_weighting",
     "finetune",
     "local_work",
     "personal_candidates",
@@ -225,12 +224,6 @@ class PersonalizedAlgorithm(Algorithm):
 
     def fp16_unsupported(self) -> str | None:
         return self.Personal.fp16_unsupported_by
-
-
-def check_weighting(section: str, weighting: str) -> None:
-    """Raise ConfigError unless ``weighting`` is 'samples' or 'even'."""
-    if weighting not in ("samples", "even"):
-        raise ConfigError(f"{section}.weighting = {weighting!r}; use 'samples' (n_k / n) or 'even' (1 / K)")
 
 
 def aggregate_global(replies: Mapping[str, Reply], weighting: str, prefix: str = "global") -> Arrays:

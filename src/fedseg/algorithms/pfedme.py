@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from fedseg.algorithms.base import Candidate, ServerContext
-from fedseg.algorithms.fedavg import aggregation_weights
+from fedseg.algorithms.fedavg import Weighting, aggregation_weights
 from fedseg.algorithms.personal import (
     Combine,
     PersonalizationBase,
@@ -106,7 +106,7 @@ class PFedMeParams:
     inner_steps: int = 5
     personal_lr: float = 0.09
     beta: float = 1.0
-    weighting: Literal["samples", "even"] = "samples"
+    weighting: Weighting = "samples"
 
     def validate(self) -> None:
         check_positive("pfedme", "lam", self.lam)

@@ -11,6 +11,7 @@ floats: aggregation functions take them from the first input unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 
@@ -123,6 +124,10 @@ def weighted_mean(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 """Rules of :func:`aggregate`: ``mean`` is the papers' FedAvg; the other two bound one site's influence."""
+
+
+Aggregation = Literal["mean", "trimmed_mean", "median"]
+"""The aggregation rule of :func:`aggregate` (the ``aggregation`` setting): 'mean' is the papers' FedAvg."""
 
 
 def check_aggregation(rule: str, trim: float, section: str) -> None:

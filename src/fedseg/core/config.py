@@ -241,6 +241,16 @@ def _choices(allowed: Sequence[Any]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
+def _describe(tp: Any) -> str:
+    """What a value of type ``tp`` looks like, for an error message ("'auto'", "a number", "none")."""
+    if typing.get_origin(tp) is typing.Literal:
+        return _choices(typing.get_args(tp))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
+    if tp in names:
+        return names[tp]
+    return "a list" if typing.get_origin(tp) is tuple else getattr(tp, "__name__", str(tp))
+
+
 def _literal_type(tp: Any) -> Any:
     """``tp`` if it is a ``Literal[...]``, or a union holding one (``Literal[...] | None``); else None."""
     if typing.get_origin(tp) is typing.Literal:
@@ -278,7 +288,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        kinds = " or ".join(_describe(a) for a in args)
+        raise ConfigError(f"{where} = {value!r}; expected {kinds}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fedseg.core.arrays import check_aggregation
+from fedseg.algorithms.fedavg import Weighting
+from fedseg.core.arrays import Aggregation, check_aggregation
 from fedseg.core.errors import ConfigError
 
 __all__ = ["DEFAULT_GAMMA_GRID", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
@@ -109,10 +110,10 @@ class FedSMParams:
     share_selector_moments: bool = True
     selector_rounds: int | None = None
     selector_steps: Literal["all"] | int | None = None
-    weighting: Literal["samples", "even"] = "samples"
-    selector_weighting: Literal["samples", "even"] | None = None
+    weighting: Weighting = "samples"
+    selector_weighting: Weighting | None = None
     personalization: PersonalizationName = "softpull"
-    aggregation: Literal["mean", "trimmed_mean", "median"] = "mean"
+    aggregation: Aggregation = "mean"
     trim: float = 0.1
 
     def resolved(self) -> FedSMParams:
