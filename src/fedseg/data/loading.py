@@ -15,11 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from fedseg.core.errors import ConfigError, DataError
+from fedseg.core.messages import SPLITS as SPLIT_NAMES
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
-
-_SPLIT_ALIASES = {"train": "training", "val": "validation", "test": "testing"}
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
@@ -140,9 +139,10 @@ def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *, progres
         Unknown site or split name.
     """
     site = fed.site(site) if isinstance(site, str) else site
-    split = _SPLIT_ALIASES.get(split, split)
-    if split not in SPLITS:
-        raise ConfigError(f"{site.name}: unknown split {split!r} -> use one of {list(SPLITS)}")
+    canonical = SPLIT_NAMES.get(split) if isinstance(split, str) else None
+    if canonical is None or canonical not in SPLITS:
+        raise ConfigError(f"{site.name}: unknown split {split!r} -> use one of {sorted(SPLIT_NAMES)}")
+    split = canonical
     entries = load_datalist(site.datalist, site=site.name)[split]
     root = site.datalist.parent
     images, labels, ids = [], [], []

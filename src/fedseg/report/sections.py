@@ -9,13 +9,14 @@ variant are aggregated, variants never.
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedseg.core.checkpoint import read_best_meta
+from fedseg.core.errors import ConfigError
 from fedseg.evaluation.stats import table2, wilcoxon_signed_rank
 from fedseg.evaluation.tables import table3
 from fedseg.report import figures
@@ -404,8 +405,8 @@ def gamma_of(run: Run, routing: Mapping[str, Any] | None) -> tuple[Any, Any]:
     used = (routing or {}).get("gamma")
     if used is None:
         try:
-            used = json.loads((run.path / "checkpoints" / "best.json").read_text())["fedsm"]["config"]["gamma"]
-        except (OSError, KeyError, ValueError, TypeError):
+            used = read_best_meta(run.path / "checkpoints")["fedsm"]["config"]["gamma"]
+        except (ConfigError, KeyError, TypeError):
             used = None
     return setting, used
 
