@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from fedseg.core.errors import ConfigError
 from fedseg.report import model_sections, sections
+from fedseg.report.fedsm_section import fedsm_section
 from fedseg.report.markup import Doc, figure, markdown_html, note
 from fedseg.report.numbers import is_fedsm
 from fedseg.report.runs import DataCache, Run, RunModels, load_runs, variants_of
@@ -199,7 +200,7 @@ def build_report(
                 log(n)
         elif step == "FedSM":
             routings, notes = _routings(runs, models, cache if opts.models else None)
-            got["fedsm"] = sections.fedsm_section(runs, routings, notes)
+            got["fedsm"] = fedsm_section(runs, routings, notes)
         elif not models:
             if step == "loss surface":
                 got["loss-surface"] = "".join(note(n) for n in model_notes) or note("no models to load")
