@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -432,9 +433,9 @@ class VectorizedExecutor:
         self.vectorized_gradients = 0
         """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
         self._met: set[str] = set()  # task kinds whose handlers met in fit or gradient
-        self._no_vmap: list[
-            tuple[tuple, Any]
-        ] = []  # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
+        # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
+        self._no_vmap: list[tuple[tuple, Any]] = []
+        self._structures: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
 
     def _say(self, msg: str) -> None:
         if msg not in self._said:
@@ -698,19 +699,27 @@ class VectorizedExecutor:
         return grads, losses
 
     # ----------------------------------------------------- lockstep gradients
-    def _gradient_reason(self, call: GradientCall) -> tuple[nn.Module, str | None]:
+    def _structure(self, model: nn.Module) -> tuple[tuple, str | None]:
+        """``(_model_signature, vectorize_reason)`` of a model, walked once per model object (a lockstep
+        round asks for them at every step; a site's model keeps its architecture, loads are in place)."""
+        known = self._structures.get(model)
+        if known is None:
+            known = self._structures[model] = (_model_signature(model), vectorize_reason(model))
+        return known
+
+    def _gradient_reason(self, call: GradientCall) -> tuple[tuple, str | None]:
         site = call.site
         model = site.model(call.role)
+        signature, reason = self._structure(model)
         if site.precision == "fp16":
-            return model, "fp16 loss scaling (a GradScaler per site)"
+            return signature, "fp16 loss scaling (a GradScaler per site)"
         if not _is_tree(call.x) or not _is_tree(call.target):
-            return model, "its batch or target is not a tensor or a tuple/list of tensors"
-        reason = vectorize_reason(model)
+            return signature, "its batch or target is not a tensor or a tuple/list of tensors"
         if reason is None and len({p.dtype for p in model.parameters()}) > 1:
             reason = "its parameters have several dtypes"
         if reason is None and not all(p.requires_grad for p in model.parameters()):
             reason = "the model has frozen parameters"
-        return model, reason
+        return signature, reason
 
     def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
         """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
@@ -719,11 +728,11 @@ class VectorizedExecutor:
         results: list[Any] = [_SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, Any, list[int]]] = []
         for i, c in enumerate(calls):
-            model, reason = self._gradient_reason(c)
+            signature, reason = self._gradient_reason(c)
             if reason is not None:
                 self._say(f"the gradient of role {c.role!r} of site {c.site.name} is computed sequentially: {reason}")
                 continue
-            key = (c.role, _model_signature(model), str(c.site.device), c.site.precision)
+            key = (c.role, signature, str(c.site.device), c.site.precision)
             loss = c.site.workload.loss if c.loss is None else c.loss
             for gkey, gloss, members in groups:
                 if gkey == key and gloss == loss:
