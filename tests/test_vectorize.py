@@ -124,6 +124,7 @@ METHODS = [
     ("fga", {}),
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
     ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector by the loss of the output mix
+    ("pfedme", {}),  # its inner steps' gradients at θ (Site.gradient)
 ]
 
 
@@ -148,7 +149,14 @@ def test_float64_equals_sequential(tmp_path, method, params):
 
 @pytest.mark.parametrize(
     "method,params",
-    [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {}), ("fga", {})],
+    [
+        ("fedavg", {}),
+        ("fedprox", {"fedprox": {"mu": 0.5}}),
+        ("scaffold", {}),
+        ("fedsm", {}),
+        ("fga", {}),
+        ("pfedme", {}),
+    ],
 )
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
     """Weights and moments to rtol 1e-4, the same best rounds.  SCAFFOLD's control variates

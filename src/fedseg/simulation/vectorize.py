@@ -433,6 +433,7 @@ class VectorizedExecutor:
         self.vectorized_gradients = 0
         """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
         self._met: set[str] = set()  # task kinds whose handlers met in fit or gradient
+        self._stacked_roles: set[str] = set()  # roles whose gradients were stacked at least once
         # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
         self._no_vmap: list[tuple[tuple, Any]] = []
         self._structures: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
@@ -743,13 +744,15 @@ class VectorizedExecutor:
         for key, loss, members in groups:
             role, names = calls[members[0]].role, _names([calls[i].site.name for i in members])
             if len(members) == 1:
-                self._say(
-                    f"the gradient of role {role!r} of {names} is computed sequentially: no other site's gradient of the same model and loss meets it"
-                )
+                if role not in self._stacked_roles:  # not merely the last site of a loop the others have left
+                    self._say(
+                        f"the gradient of role {role!r} of {names} is computed sequentially: no other site's gradient of the same model and loss meets it"
+                    )
                 continue
             if any(k == key and lo == loss for k, lo in self._no_vmap):
                 continue
             self._say(f"the gradients of role {role!r} of {names} are computed as one vectorized computation")
+            self._stacked_roles.add(role)
             size = self.group_size or len(members)
             for start in range(0, len(members), size):
                 chunk = members[start : start + size]
