@@ -363,10 +363,12 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
 
-def test_bf16_autocast_runs_vectorized(tmp_path):
-    """train.precision = bf16: the vmapped loss runs under the same autocast; losses agree to bf16 rounding."""
-    seq, _ = _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
-    vec, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
+@pytest.mark.parametrize("method", ["fedavg", "fga"])
+def test_bf16_autocast_runs_vectorized(tmp_path, method):
+    """train.precision = bf16: the vmapped loss (FedAvg's fit, FGA's lockstep gradient) runs under the
+    same autocast; losses agree to bf16 rounding."""
+    seq, _ = _run(tmp_path, _cfg(method, "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
+    vec, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
     assert _vectorized(logs)
     for a, b in zip(seq["history"], vec["history"]):
         for s, loss in a["train_loss"].items():
