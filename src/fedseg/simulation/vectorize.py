@@ -30,12 +30,19 @@ At the end the rows are copied back into each site's own model and the moments i
 site's own ``torch.optim`` optimizer state, so checkpoints, resume and results are those of a
 sequential run (equal to rounding: the arithmetic is the same but not bitwise the same kernels).
 
+Lockstep gradient averaging (FGA, FedSM's ``"fga"`` selector) and pFedMe's inner steps take batch
+gradients without a step through :meth:`Site.gradient`; its threads park there the same way, and
+:meth:`VectorizedExecutor.gradients_together` computes the parked calls of sites with the same
+model and loss as one ``vmap`` of ``loss(functional_call(model, …)(x), target)`` over their stacked
+weights, one ``autograd.grad`` of the summed losses giving each site's gradient as its row.  What
+the handler does with it (FGA: reply; pFedMe: its inner update) runs in its thread, site by site.
+
 A ``fit`` call that cannot be stacked runs sequentially, in its own thread, and the reason is
 logged once: fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's
 parameters, batch norm with running statistics (its in-place buffer updates do not vectorize),
 dropout (it draws from the global random stream), a site whose model differs from the others'
 (architecture, dtype, optimizer settings), or a site alone in its group.  A handler that trains
-without :meth:`Site.fit` (its own loop) runs sequentially as well.
+without :meth:`Site.fit` or :meth:`Site.gradient` (its own loop) runs sequentially as well.
 """
 
 from __future__ import annotations
