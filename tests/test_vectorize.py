@@ -125,6 +125,8 @@ METHODS = [
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
     ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector by the loss of the output mix
     ("pfedme", {}),  # its inner steps' gradients at θ (Site.gradient)
+    ("perfedavg", {}),  # FO: gradients at w and at w̃ = w − α∇f (Site.gradient(at=...))
+    ("perfedavg", {"perfedavg": {"variant": "hf"}}),  # + the Hessian-vector product, per site
 ]
 
 

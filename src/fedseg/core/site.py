@@ -17,12 +17,13 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from fedseg.core.arrays import Arrays, check_compatible, strip_prefix
@@ -414,12 +415,15 @@ class Site:
         x: torch.Tensor,
         target: Any,
         loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        at: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The gradient of ``loss(model(x), target)`` (default: the workload loss) at the role's current
-        weights, in training mode, without a step; returns ``({name: gradient}, loss)`` (parameters the
-        loss does not reach are left out; the loss detached, not read).  The forward pass and the loss run
-        under ``train.precision``'s autocast.  ``target`` is a tensor or a tuple/list of tensors (anything
-        ``loss`` needs besides the output, e.g. labels computed from frozen models).
+        weights — or at the weights ``at`` (every parameter's name → tensor; the model's buffers), e.g.
+        Per-FedAvg's adapted w̃ — in training mode, without a step; returns ``({name: gradient}, loss)``
+        (parameters the loss does not reach are left out; the loss detached, not read).  The forward
+        pass and the loss run under ``train.precision``'s autocast.  ``target`` is a tensor or a
+        tuple/list of tensors (anything ``loss`` needs besides the output, e.g. labels computed from
+        frozen models).
 
         Lockstep gradient averaging (:func:`fedseg.algorithms.fga.gradient_step`) calls this once per
         step.  In a vectorized simulation the call is handed to :mod:`fedseg.simulation.vectorize`, which
@@ -428,9 +432,15 @@ class Site:
         """
         call = getattr(_fit_hook, "gradient", None)
         if call is not None:
-            return call(self, role, x, target, loss)
+            return call(self, role, x, target, loss, at)
         model = self.model(role)
         model.train()
+        if at is not None:  # leaves of their own: the model's parameters and .grad are not touched
+            p = {k: t.detach().requires_grad_(True) for k, t in at.items()}
+            with self.autocast():
+                value = (self.workload.loss if loss is None else loss)(functional_call(model, p, (x,)), target)
+            gs = torch.autograd.grad(value, list(p.values()), allow_unused=True)
+            return {k: g for k, g in zip(p, gs) if g is not None}, value.detach()
         model.zero_grad(set_to_none=True)
         with self.autocast():
             value = (self.workload.loss if loss is None else loss)(model(x), target)

@@ -30,12 +30,13 @@ At the end the rows are copied back into each site's own model and the moments i
 site's own ``torch.optim`` optimizer state, so checkpoints, resume and results are those of a
 sequential run (equal to rounding: the arithmetic is the same but not bitwise the same kernels).
 
-Lockstep gradient averaging (FGA, FedSM's ``"fga"`` selector) and pFedMe's inner steps take batch
-gradients without a step through :meth:`Site.gradient`; its threads park there the same way, and
+Lockstep gradient averaging (FGA, FedSM's ``"fga"`` selector), pFedMe's inner steps and Per-FedAvg's
+meta step (at w̃, ``at=``) take batch gradients without a step through :meth:`Site.gradient`; its threads park there the same way, and
 :meth:`VectorizedExecutor.gradients_together` computes the parked calls of sites with the same
 model and loss as one ``vmap`` of ``loss(functional_call(model, …)(x), target)`` over their stacked
-weights, one ``autograd.grad`` of the summed losses giving each site's gradient as its row.  What
-the handler does with it (FGA: reply; pFedMe: its inner update) runs in its thread, site by site.
+weights (or the weights each call asks at), one ``autograd.grad`` of the summed losses giving each
+site's gradient as its row.  What the handler does with it (FGA: reply; pFedMe: its inner update;
+Per-FedAvg: its meta step) runs in its thread, site by site.
 
 A ``fit`` call that cannot be stacked runs sequentially, in its own thread, and the reason is
 logged once: fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's
@@ -97,6 +98,7 @@ class GradientCall:
     x: torch.Tensor
     target: Any
     loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
+    at: Any = None  # the weights to differentiate at (name → tensor), None: the model's own
 
 
 _SEQUENTIAL = object()
@@ -158,13 +160,13 @@ class _Worker:
         return result
 
     def _park_gradient(
-        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any
+        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any, at: Any = None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        result = self._wait(GradientCall(site, role, x, target, loss))
+        result = self._wait(GradientCall(site, role, x, target, loss, at))
         if result is _SEQUENTIAL:
             _fit_hook.gradient = None
             try:
-                return site.gradient(role, x, target, loss)
+                return site.gradient(role, x, target, loss, at)
             finally:
                 _fit_hook.gradient = self._park_gradient
         return result
@@ -727,6 +729,12 @@ class VectorizedExecutor:
             reason = "its parameters have several dtypes"
         if reason is None and not all(p.requires_grad for p in model.parameters()):
             reason = "the model has frozen parameters"
+        if reason is None and call.at is not None:
+            names = [n for n, _ in model.named_parameters()]
+            if not isinstance(call.at, dict) or sorted(call.at) != sorted(names):
+                reason = "the weights it is asked at do not name exactly the model's parameters"
+            elif any(call.at[n].shape != p.shape for n, p in model.named_parameters()):
+                reason = "the weights it is asked at do not have the model's shapes"
         return signature, reason
 
     def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
@@ -740,7 +748,7 @@ class VectorizedExecutor:
             if reason is not None:
                 self._say(f"the gradient of role {c.role!r} of site {c.site.name} is computed sequentially: {reason}")
                 continue
-            key = (c.role, signature, str(c.site.device), c.site.precision)
+            key = (c.role, signature, str(c.site.device), c.site.precision, c.at is None)
             loss = c.site.workload.loss if c.loss is None else c.loss
             for gkey, gloss, members in groups:
                 if gkey == key and gloss == loss:
@@ -799,9 +807,11 @@ class VectorizedExecutor:
         pnames = [n for n, _ in template.named_parameters()]
         plist = [list(m.parameters()) for m in models]
         blist = [dict(m.named_buffers()) for m in models]
+        own = calls[0].at is None  # at the models' own weights (else at each call's ``at``, as a group)
         for m in models:
             m.train()
-            m.zero_grad(set_to_none=True)
+            if own:
+                m.zero_grad(set_to_none=True)
 
         def site_loss(params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, t: Any):
             with autocast(dev, precision):
@@ -814,7 +824,9 @@ class VectorizedExecutor:
         results: list[Any] = [None] * len(calls)
         for idx in by_shape.values():
             with torch.no_grad():
-                weights = [torch.stack([plist[i][j] for i in idx]) for j in range(len(pnames))]
+                weights = [
+                    torch.stack([plist[i][j] if own else calls[i].at[n] for i in idx]) for j, n in enumerate(pnames)
+                ]
                 bufs = {n: torch.stack([blist[i][n] for i in idx]) for n in blist[0]}
             for w in weights:
                 w.requires_grad_(True)
