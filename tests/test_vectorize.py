@@ -158,6 +158,7 @@ def test_float64_equals_sequential(tmp_path, method, params):
         ("fedsm", {}),
         ("fga", {}),
         ("pfedme", {}),
+        ("perfedavg", {}),
     ],
 )
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
