@@ -48,6 +48,7 @@ from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site, dataset_len
 
 __all__ = [
+    "MixLoss",
     "average_selector",
     "fga_round",
     "fga_step",
