@@ -2,7 +2,8 @@
 
 K in-memory sites of random images (``--cases`` training cases each, 3 channels, 2 labels), the
 MONAI U-Net (``--channels``, default the FedSM reference's 16…256), Adam, batch ``--batch-size``,
-``--local-steps`` local steps per round, validation only after the last round.  Each run —
+``--local-steps`` local steps per round (FGA: lockstep steps; FedSM's default ``fga`` selector: as many
+selector steps), validation only after the last round.  Each run —
 (size, method, K, simulation.vectorize) — is a fresh subprocess, so that its peak memory is its
 own: peak resident memory of the process on the CPU (``ru_maxrss``, which includes the Python
 interpreter and torch, ~0.3–0.5 GB), ``torch.cuda.max_memory_allocated`` on CUDA.
@@ -106,7 +107,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--sizes", default="32,64")
     ap.add_argument("--sites", default="2,6,12,24")
-    ap.add_argument("--methods", default="fedavg,fedsm")
+    ap.add_argument("--methods", default="fedavg,fedsm,fga")
     ap.add_argument("--channels", help="U-Net channels, e.g. 8,16,32,64 (default: the FedSM reference's 16…256)")
     ap.add_argument("--rounds", type=int, default=4, help=">= 3: warm-up, measured rounds, last with validation")
     ap.add_argument("--local-steps", type=int, default=5)

@@ -21,12 +21,13 @@ from safetensors.torch import load_file
 from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.core.config import RunConfig, SimulationConfig, load_run_config
+from fedseg.core.engine import Engine
 from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.workload import segmentation_workload
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.runner import build_transport, simulate
-from fedseg.simulation.vectorize import FitCall, VectorizedExecutor, resolve_vectorize
+from fedseg.simulation.vectorize import FitCall, GradientCall, VectorizedExecutor, resolve_vectorize
 from helpers import assert_same_checkpoints
 
 PLAIN = dataclasses.replace(TINY_MODEL, norm="none")
@@ -77,7 +78,9 @@ def _assert_close(a, b, rtol: float, atol: float, control_atol: float | None = N
 
 
 def _vectorized(logs: list[str]) -> bool:
-    return any("trains as one vectorized computation" in m for m in logs)
+    return any(
+        "trains as one vectorized computation" in m or "are computed as one vectorized computation" in m for m in logs
+    )
 
 
 # ------------------------------------------------------------------ settings
@@ -118,6 +121,12 @@ METHODS = [
     ("ditto", {}),
     ("ft", {}),
     ("fedsm", {}),
+    ("fga", {}),
+    ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
+    ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector by the loss of the output mix
+    ("pfedme", {}),  # its inner steps' gradients at θ (Site.gradient)
+    ("perfedavg", {}),  # FO: gradients at w and at w̃ = w − α∇f (Site.gradient(at=...))
+    ("perfedavg", {"perfedavg": {"variant": "hf"}}),  # + the Hessian-vector product, per site
 ]
 
 
@@ -134,21 +143,55 @@ def test_float64_equals_sequential(tmp_path, method, params):
     assert _vectorized(logs), logs
     _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-10, atol=1e-10)
     for a, b in zip(seq["history"], vec["history"]):
-        for s, loss in a["train_loss"].items():
-            assert b["train_loss"][s] == pytest.approx(loss, rel=1e-10)
+        for key in ("train_loss", "selector_loss"):
+            assert (key in a) == (key in b)
+            for s, loss in a.get(key, {}).items():
+                assert b[key][s] == pytest.approx(loss, rel=1e-10)
 
 
 @pytest.mark.parametrize(
-    "method,params", [("fedavg", {}), ("fedprox", {"fedprox": {"mu": 0.5}}), ("scaffold", {}), ("fedsm", {})]
+    "method,params",
+    [
+        ("fedavg", {}),
+        ("fedprox", {"fedprox": {"mu": 0.5}}),
+        ("scaffold", {}),
+        ("fedsm", {}),
+        ("fga", {}),
+        ("pfedme", {}),
+        ("perfedavg", {}),
+    ],
 )
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
-    """Weights and moments to rtol 1e-4.  SCAFFOLD's control variates c_i = c_i − c + (x − y)/(K η_l)
-    divide a difference of two nearly equal float32 weights by K η_l = 2e-3: one ulp of a weight
-    (6e-8 at |w| ≈ 0.5) becomes 3e-5, in any implementation — that is their absolute tolerance."""
-    _run(tmp_path, _cfg(method, "off", dtype="float32", params=params, rounds=3), "seq")
-    _, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", params=params, rounds=3), "vec")
+    """Weights and moments to rtol 1e-4, the same best rounds.  SCAFFOLD's control variates
+    c_i = c_i − c + (x − y)/(K η_l) divide a difference of two nearly equal float32 weights by
+    K η_l = 2e-3: one ulp of a weight (6e-8 at |w| ≈ 0.5) becomes 3e-5, in any implementation —
+    that is their absolute tolerance."""
+    seq, _ = _run(tmp_path, _cfg(method, "off", dtype="float32", params=params, rounds=3), "seq")
+    vec, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", params=params, rounds=3), "vec")
     assert _vectorized(logs)
     _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-4, atol=1e-6, control_atol=5e-5)
+    assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in vec["rows"]]
+
+
+# ------------------------------------------------------ lockstep gradients (FGA)
+@pytest.mark.parametrize("method,role", [("fga", "global"), ("fedsm", "selector@3")])
+def test_lockstep_gradients_of_all_sites_are_one_call(tmp_path, method, role):
+    """FGA's step and FedSM's default (``selector_training = "fga"``) selector step: every exchange's
+    gradients of the three sites are one vmapped call (2 rounds × (3 steps of the epoch + none in the
+    apply-only last exchange) × 3 sites), every site stays bitwise in sync with the others, and no
+    task of the method is said to run in its own loop but FedSM's routing."""
+    cfg = _cfg(method, "on")
+    wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+    logs: list[str] = []
+    transport = build_transport(cfg, wl, tiny_sites(), log=logs.append)
+    res = Engine(cfg, transport.site("site1").algorithm, transport, wl, out=None, progress=False, log=logs.append).run()
+    assert (
+        f"vectorize: the gradients of role {role!r} of sites site1, site2, site3 are computed as one vectorized computation"
+        in logs
+    )
+    assert not any("computes it in its own loop" in m and "'route'" not in m for m in logs), logs
+    assert transport.vectorized.vectorized_gradients == 2 * 3 * 3
+    assert all(e.get("in_sync", e.get("selector_in_sync")) for e in res["history"])
 
 
 def test_sgd_with_momentum_equals_sequential(tmp_path):
@@ -257,7 +300,7 @@ def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
     _run(tmp_path, _cfg("apfl", "off", rounds=1), "seq")
     _, logs = _run(tmp_path, _cfg("apfl", "on", rounds=1), "vec")
     assert (
-        "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit"
+        "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit or Site.gradient"
         in logs
     )
     a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
@@ -323,10 +366,12 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
 
-def test_bf16_autocast_runs_vectorized(tmp_path):
-    """train.precision = bf16: the vmapped loss runs under the same autocast; losses agree to bf16 rounding."""
-    seq, _ = _run(tmp_path, _cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
-    vec, logs = _run(tmp_path, _cfg("fedavg", "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
+@pytest.mark.parametrize("method", ["fedavg", "fga"])
+def test_bf16_autocast_runs_vectorized(tmp_path, method):
+    """train.precision = bf16: the vmapped loss (FedAvg's fit, FGA's lockstep gradient) runs under the
+    same autocast; losses agree to bf16 rounding."""
+    seq, _ = _run(tmp_path, _cfg(method, "off", dtype="float32", model=TINY_MODEL, precision="bf16"), "seq")
+    vec, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", model=TINY_MODEL, precision="bf16"), "vec")
     assert _vectorized(logs)
     for a, b in zip(seq["history"], vec["history"]):
         for s, loss in a["train_loss"].items():
@@ -345,3 +390,86 @@ def test_a_vectorized_run_resumes_exactly(tmp_path):
     resumed = simulate(cfg, wl, tiny_sites(), out=tmp_path / "cut", progress=False, log=lambda m: None, resume=True)
     assert_same_checkpoints(tmp_path / "full", tmp_path / "cut")
     assert [e["train_loss"] for e in full["history"]] == [e["train_loss"] for e in resumed["history"]]
+
+
+def test_vectorized_fga_equals_centralized_training_in_float64(tmp_path):
+    """FGA's property (Remedios et al. 2020; hand derivation in tests/test_fga.py) holds vectorized:
+    3 sites of 8, 12 and 6 samples, batch 4 → T = max(2, 3, 2) = 3 lockstep steps per round, site 3's
+    second batch has 2 samples (a separate vmap), sites 1 and 3 cycle into their next permutation.
+    The sample-weighted mean of the per-site gradients is the pooled batch's gradient, so after 4
+    rounds (12 Adam steps) the weights equal one model trained centrally on the concatenated batches,
+    to float64 rounding, and every site holds bitwise the same weights and Adam moments."""
+    from test_fga import centralized_reference, class_sites, config, mlp_workload, rel_diff, server_weights
+
+    data, wl = class_sites([8, 12, 6]), mlp_workload()
+    cfg = dataclasses.replace(config(rounds=4), simulation=SimulationConfig(vectorize="on"))
+    logs: list[str] = []
+    res = simulate(cfg, wl, data, out=tmp_path, progress=False, log=logs.append)
+    assert _vectorized(logs), logs
+    assert [h["steps"] for h in res["history"]] == [3] * 4 and all(h["in_sync"] for h in res["history"])
+    assert rel_diff(server_weights(tmp_path), centralized_reference(cfg, wl, data, steps=3)) <= 1e-9
+
+
+def test_lockstep_gradients_of_a_batch_norm_model_fall_back_with_the_reason_logged(tmp_path):
+    """Batch norm with running statistics: each site's gradient is computed by Site.gradient, one site
+    after another (bitwise the sequential run), and the log says why, once per site."""
+    from test_fga import class_sites, config, mlp_workload
+
+    data, wl = class_sites([8, 4]), mlp_workload(batch_norm=True)
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = dataclasses.replace(config(rounds=2), simulation=SimulationConfig(vectorize=mode))
+        logs: list[str] = []
+        with pytest.warns(UserWarning, match="batch-norm"):  # FGA's own warning: no longer centralized training
+            simulate(cfg, wl, data, out=tmp_path / mode, progress=False, log=logs.append)
+        runs[mode] = _states(tmp_path / mode)
+    assert [m for m in logs if m.startswith("vectorize:")] == [
+        f"vectorize: the gradient of role 'global' of site {s} is computed sequentially: batch norm with running "
+        "statistics (2: its in-place buffer updates do not vectorize)"
+        for s in ("site1", "site2")
+    ]
+    a, b = runs["off"], runs["on"]
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
+def test_a_loss_that_fails_under_vmap_computes_the_gradients_sequentially(tmp_path, monkeypatch):
+    """Any error of the vmapped gradient falls back to the sites' own Site.gradient (nothing at a site
+    changes while a gradient is computed), is logged once and is not tried again."""
+    tries = {"n": 0}
+
+    def unsupported(self, calls, loss):
+        tries["n"] += 1
+        raise RuntimeError("vmap: an op without a batching rule (simulated)")
+
+    _run(tmp_path, _cfg("fga", "off"), "seq")
+    monkeypatch.setattr(VectorizedExecutor, "_gradient_group", unsupported)
+    _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
+    assert [m for m in logs if m.startswith("vectorize:")] == [
+        "vectorize: the gradients of role 'global' of sites site1, site2, site3 are computed as one vectorized computation",
+        "vectorize: the gradients of role 'global' of sites site1, site2, site3 are computed sequentially: the loss does "
+        "not run under torch.func.vmap (RuntimeError: vmap: an op without a batching rule (simulated))",
+    ]
+    assert tries["n"] == 1
+    a, b = _states(tmp_path / "seq"), _states(tmp_path / "vec")
+    assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
+def test_gradients_together_equal_each_sites_own_gradient_at_different_weights():
+    """Site.gradient vectorized does not rely on the sites holding the same weights (lockstep keeps them
+    equal, but the stacked rows are the sites' own): two sites with different weights and different
+    batch sizes get exactly the gradients and losses their own Site.gradient computes."""
+    calls = _fit_calls([1, 1])
+    with torch.no_grad():
+        for p in calls[1].site.model("global").parameters():
+            p.mul_(0.5).add_(0.01)
+    batches = [next(c.site.batches(1, "train", 1, batch_size=b)) for c, b in zip(calls, (4, 3))]
+    grads = [GradientCall(c.site, "global", x, y, None) for c, (x, y) in zip(calls, batches)]
+    ex = VectorizedExecutor(log=lambda m: None)
+    vec = ex.gradients_together(grads)
+    assert ex.vectorized_gradients == 2
+    for c, (x, y), (g_vec, loss_vec) in zip(calls, batches, vec):
+        g_seq, loss_seq = c.site.gradient("global", x, y)
+        assert g_vec.keys() == g_seq.keys() and len(g_seq) == len(list(c.site.model("global").parameters()))
+        torch.testing.assert_close(loss_vec, loss_seq, rtol=1e-12, atol=0)
+        for n in g_seq:
+            torch.testing.assert_close(g_vec[n], g_seq[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")

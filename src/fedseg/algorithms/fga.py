@@ -274,14 +274,18 @@ def gradient_step(
     task: Task,
     role: str = ROLE,
     prefix: str = ROLE,
-    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
     factory: Callable[[], nn.Module] | None = None,
     lr: float | None = None,
     check_loss: Any = None,
+    target: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> Reply:
     """Site half of one lockstep exchange for the model of ``role`` (FGA's, or any other model trained
     by gradient averaging, e.g. FedSM's selector): apply the previous averaged gradient, then compute
-    the gradient of ``loss(model, x, y)`` (default: the workload loss) on this step's batch.
+    the gradient of ``loss(model(x), target(x, y))`` (default: the workload loss of the output and
+    ``y``) on this step's batch, by :meth:`Site.gradient` (one vmapped computation for all sites in a
+    vectorized simulation).  ``target`` runs under the run's autocast, without gradients needed
+    (e.g. labels from frozen models); ``loss`` must depend on the site only through the target.
 
     ``task.config``: ``round``; ``step`` (batch index to compute, or None to only
     apply); ``send_weights`` (return Θ); ``digest`` (return the state digest).
@@ -312,12 +316,11 @@ def gradient_step(
             for problem in equivalence_problems(model, site.workload.loss if check_loss is None else check_loss):
                 warnings.warn(f"FGA at site {site.name}: {problem}", FGAEquivalenceWarning, stacklevel=2)
         x, y = _batch(site, rnd, int(step))
-        model.train()
-        model.zero_grad(set_to_none=True)
-        with site.autocast():
-            value = site.workload.loss(model(x), y) if loss is None else loss(model, x, y)
-        value.backward()
-        arrays = {f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if target is not None:
+            with site.autocast(), torch.no_grad():
+                y = target(x, y)
+        grads, value = site.gradient(role, x, y, loss)
+        arrays = {f"grad/{n}": g for n, g in grads.items()}
         num = int(x.shape[0])
         metrics["loss"] = float(value.detach())  # one read per task: the reply's only scalar
         if step == 0:

@@ -170,12 +170,14 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
 
             return f
 
-        g1 = grad_of(loss_on(batches[0]), w)
+        def grad_at(batch, at):
+            # ∇f at ``at`` (Site.gradient: one vmapped call for all sites in a vectorized simulation)
+            g, value = site.gradient("global", batch[0], batch[1], at=at)
+            return {k: g[k] if k in g else torch.zeros_like(t) for k, t in at.items()}, value
+
+        g1, _ = grad_at(batches[0], w)
         w_tilde = {k: w[k] - params.alpha * g1[k] for k in w}
-        outer = loss_on(batches[1])
-        p2 = {k: t.requires_grad_(True) for k, t in w_tilde.items()}
-        loss2 = outer(p2)
-        g2 = dict(zip(p2, (g.detach() for g in torch.autograd.grad(loss2, list(p2.values())))))
+        g2, loss2 = grad_at(batches[1], w_tilde)
         hv = None
         if params.variant == "hf":
             hess = loss_on(batches[2])

@@ -134,13 +134,12 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
     for x, y in site.batches(rnd, "train"):
         w_now = {k: p.detach().clone() for k, p in w_model.named_parameters()}
         for _ in range(params.inner_steps):
-            with site.autocast():
-                loss = site.workload.loss(theta(x), y)
-            grads = torch.autograd.grad(loss, list(t_params.values()))
+            # ∇f_i(θ) on the batch (Site.gradient: one vmapped call for all sites in a vectorized simulation)
+            grads, loss = site.gradient("personal", x, y)
             with torch.no_grad():
                 new = inner_update(
                     {k: p.detach() for k, p in t_params.items()},
-                    dict(zip(t_params, grads)),
+                    {k: grads[k] for k in t_params},
                     w_now,
                     params.lam,
                     params.personal_lr,

@@ -17,12 +17,13 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from fedseg.core.arrays import Arrays, check_compatible, strip_prefix
@@ -55,8 +56,9 @@ __all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 _fit_hook = threading.local()
-"""``_fit_hook.call``: set by :mod:`fedseg.simulation.vectorize` in the threads that run sites' handlers, so that
-their :meth:`Site.fit` calls meet and run as one vectorized computation (None: train here)."""
+"""``_fit_hook.call`` and ``_fit_hook.gradient``: set by :mod:`fedseg.simulation.vectorize` in the threads that run
+sites' handlers, so that their :meth:`Site.fit` (and :meth:`Site.gradient`) calls meet and run as one vectorized
+computation (None: compute here)."""
 
 
 @dataclass
@@ -406,6 +408,45 @@ class Site:
             sums.add("loss", loss)
         means = sums.means()
         return {"loss": means.get("loss", 0.0), "steps": sums.count("loss")}
+
+    def gradient(
+        self,
+        role: str,
+        x: torch.Tensor,
+        target: Any,
+        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        at: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The gradient of ``loss(model(x), target)`` (default: the workload loss) at the role's current
+        weights — or at the weights ``at`` (every parameter's name → tensor; the model's buffers), e.g.
+        Per-FedAvg's adapted w̃ — in training mode, without a step; returns ``({name: gradient}, loss)``
+        (parameters the loss does not reach are left out; the loss detached, not read).  The forward
+        pass and the loss run under ``train.precision``'s autocast.  ``target`` is a tensor or a
+        tuple/list of tensors (anything ``loss`` needs besides the output, e.g. labels computed from
+        frozen models).
+
+        Lockstep gradient averaging (:func:`fedseg.algorithms.fga.gradient_step`) calls this once per
+        step.  In a vectorized simulation the call is handed to :mod:`fedseg.simulation.vectorize`, which
+        computes the gradients of all sites that meet here in one vmapped computation, or calls this
+        method again for a site it cannot vectorize.
+        """
+        call = getattr(_fit_hook, "gradient", None)
+        if call is not None:
+            return call(self, role, x, target, loss, at)
+        model = self.model(role)
+        model.train()
+        if at is not None:  # leaves of their own: the model's parameters and .grad are not touched
+            p = {k: t.detach().requires_grad_(True) for k, t in at.items()}
+            with self.autocast():
+                value = (self.workload.loss if loss is None else loss)(functional_call(model, p, (x,)), target)
+            gs = torch.autograd.grad(value, list(p.values()), allow_unused=True)
+            return {k: g for k, g in zip(p, gs) if g is not None}, value.detach()
+        model.zero_grad(set_to_none=True)
+        with self.autocast():
+            value = (self.workload.loss if loss is None else loss)(model(x), target)
+        value.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return grads, value.detach()
 
     def autocast(self):
         """``train.precision``'s autocast on the site's device (a no-op context for fp32): the

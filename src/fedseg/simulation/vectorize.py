@@ -30,18 +30,27 @@ At the end the rows are copied back into each site's own model and the moments i
 site's own ``torch.optim`` optimizer state, so checkpoints, resume and results are those of a
 sequential run (equal to rounding: the arithmetic is the same but not bitwise the same kernels).
 
+Lockstep gradient averaging (FGA, FedSM's ``"fga"`` selector), pFedMe's inner steps and Per-FedAvg's
+meta step (at w̃, ``at=``) take batch gradients without a step through :meth:`Site.gradient`; its threads park there the same way, and
+:meth:`VectorizedExecutor.gradients_together` computes the parked calls of sites with the same
+model and loss as one ``vmap`` of ``loss(functional_call(model, …)(x), target)`` over their stacked
+weights (or the weights each call asks at), one ``autograd.grad`` of the summed losses giving each
+site's gradient as its row.  What the handler does with it (FGA: reply; pFedMe: its inner update;
+Per-FedAvg: its meta step) runs in its thread, site by site.
+
 A ``fit`` call that cannot be stacked runs sequentially, in its own thread, and the reason is
 logged once: fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's
 parameters, batch norm with running statistics (its in-place buffer updates do not vectorize),
 dropout (it draws from the global random stream), a site whose model differs from the others'
 (architecture, dtype, optimizer settings), or a site alone in its group.  A handler that trains
-without :meth:`Site.fit` (its own loop) runs sequentially as well.
+without :meth:`Site.fit` or :meth:`Site.gradient` (its own loop) runs sequentially as well.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +64,7 @@ from fedseg.core.device import autocast
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site, _fit_hook
 
-__all__ = ["FitCall", "VectorizedExecutor", "resolve_vectorize", "vectorize_reason"]
+__all__ = ["FitCall", "GradientCall", "VectorizedExecutor", "resolve_vectorize", "vectorize_reason"]
 
 
 def resolve_vectorize(setting: str, device: torch.device) -> bool:
@@ -78,6 +87,18 @@ class FitCall:
     extra_loss: Callable[[nn.Module], torch.Tensor] | None
     after_backward: Callable[[nn.Module], None] | None
     steps: int | None
+
+
+@dataclass
+class GradientCall:
+    """The arguments of one site's :meth:`Site.gradient` call (a lockstep gradient-averaging step)."""
+
+    site: Site
+    role: str
+    x: torch.Tensor
+    target: Any
+    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
+    at: Any = None  # the weights to differentiate at (name → tensor), None: the model's own
 
 
 _SEQUENTIAL = object()
@@ -107,14 +128,14 @@ class _Worker:
         try:
             if self.abort:
                 raise _Aborted
-            _fit_hook.call = self._park
+            _fit_hook.call, _fit_hook.gradient = self._park, self._park_gradient
             self.reply = self.site.handle(self.task)
         except _Aborted:
             pass
         except BaseException as e:  # handed to the main thread, re-raised there
             self.error = e
         finally:
-            _fit_hook.call = None
+            _fit_hook.call = _fit_hook.gradient = None
             self.done = True
             self._yielded.set()
 
@@ -129,8 +150,31 @@ class _Worker:
         after_backward: Any,
         steps: int | None,
     ) -> dict[str, float]:
+        result = self._wait(FitCall(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps))
+        if result is _SEQUENTIAL:
+            _fit_hook.call = None
+            try:
+                return site.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+            finally:
+                _fit_hook.call = self._park
+        return result
+
+    def _park_gradient(
+        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any, at: Any = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        result = self._wait(GradientCall(site, role, x, target, loss, at))
+        if result is _SEQUENTIAL:
+            _fit_hook.gradient = None
+            try:
+                return site.gradient(role, x, target, loss, at)
+            finally:
+                _fit_hook.gradient = self._park_gradient
+        return result
+
+    def _wait(self, call: FitCall | GradientCall) -> Any:
+        """Park this thread with ``call`` until the main thread hands it a result (or aborts the ask)."""
         self.fitted = True
-        self.call = FitCall(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+        self.call = call
         self._yielded.set()
         self._go.wait()
         self._go.clear()
@@ -138,12 +182,6 @@ class _Worker:
         if self.abort:
             raise _Aborted
         result, self.result = self.result, None
-        if result is _SEQUENTIAL:
-            _fit_hook.call = None
-            try:
-                return site.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-            finally:
-                _fit_hook.call = self._park
         return result
 
     def resume(self) -> None:
@@ -401,6 +439,13 @@ class VectorizedExecutor:
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
+        self.vectorized_gradients = 0
+        """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
+        self._met: set[str] = set()  # task kinds whose handlers met in fit or gradient
+        self._stacked_roles: set[str] = set()  # roles whose gradients were stacked at least once
+        # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
+        self._no_vmap: list[tuple[tuple, Any]] = []
+        self._structures: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
 
     def _say(self, msg: str) -> None:
         if msg not in self._said:
@@ -421,9 +466,12 @@ class VectorizedExecutor:
                 live = [w for w in workers if not w.done]
                 if not live:
                     break
-                results = self.fit_together([w.call for w in live])  # type: ignore[misc]
-                for w, r in zip(live, results):
-                    w.result = r
+                fits = [w for w in live if isinstance(w.call, FitCall)]
+                grads = [w for w in live if isinstance(w.call, GradientCall)]
+                for group, together in ((fits, self.fit_together), (grads, self.gradients_together)):
+                    if group:
+                        for w, r in zip(group, together([w.call for w in group])):  # type: ignore[arg-type]
+                            w.result = r
         except BaseException:
             for w in workers:
                 if not w.done:
@@ -436,12 +484,16 @@ class VectorizedExecutor:
                     w.thread.join()
         unfitted: dict[str, list[str]] = {}
         for w in workers:
-            if not w.fitted:
+            if w.fitted:
+                self._met.add(w.task.kind)
+            else:
                 unfitted.setdefault(w.task.kind, []).append(w.site.name)
         for kind, names in unfitted.items():
+            if kind in self._met:  # e.g. the last, apply-only exchange of a lockstep round
+                continue
             method = workers[0].site.algorithm.name
             self._say(
-                f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit"
+                f"task {kind!r} of {_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit or Site.gradient"
             )
         return [w.reply for w in workers]  # type: ignore[misc]
 
@@ -655,6 +707,157 @@ class VectorizedExecutor:
                             view.copy_(p.grad)
                         p.grad = None
         return grads, losses
+
+    # ----------------------------------------------------- lockstep gradients
+    def _structure(self, model: nn.Module) -> tuple[tuple, str | None]:
+        """``(_model_signature, vectorize_reason)`` of a model, walked once per model object (a lockstep
+        round asks for them at every step; a site's model keeps its architecture, loads are in place)."""
+        known = self._structures.get(model)
+        if known is None:
+            known = self._structures[model] = (_model_signature(model), vectorize_reason(model))
+        return known
+
+    def _gradient_reason(self, call: GradientCall) -> tuple[tuple, str | None]:
+        site = call.site
+        model = site.model(call.role)
+        signature, reason = self._structure(model)
+        if site.precision == "fp16":
+            return signature, "fp16 loss scaling (a GradScaler per site)"
+        if not _is_tree(call.x) or not _is_tree(call.target):
+            return signature, "its batch or target is not a tensor or a tuple/list of tensors"
+        if reason is None and len({p.dtype for p in model.parameters()}) > 1:
+            reason = "its parameters have several dtypes"
+        if reason is None and not all(p.requires_grad for p in model.parameters()):
+            reason = "the model has frozen parameters"
+        if reason is None and call.at is not None:
+            names = [n for n, _ in model.named_parameters()]
+            if not isinstance(call.at, dict) or sorted(call.at) != sorted(names):
+                reason = "the weights it is asked at do not name exactly the model's parameters"
+            elif any(call.at[n].shape != p.shape for n, p in model.named_parameters()):
+                reason = "the weights it is asked at do not have the model's shapes"
+        return signature, reason
+
+    def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
+        """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
+        group of sites with the same model and loss; the others get ``_SEQUENTIAL`` (their thread computes
+        them).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
+        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, Any, list[int]]] = []
+        for i, c in enumerate(calls):
+            signature, reason = self._gradient_reason(c)
+            if reason is not None:
+                self._say(f"the gradient of role {c.role!r} of site {c.site.name} is computed sequentially: {reason}")
+                continue
+            key = (c.role, signature, str(c.site.device), c.site.precision, c.at is None)
+            loss = c.site.workload.loss if c.loss is None else c.loss
+            for gkey, gloss, members in groups:
+                if gkey == key and gloss == loss:
+                    members.append(i)
+                    break
+            else:
+                groups.append((key, loss, [i]))
+        for key, loss, members in groups:
+            role, names = calls[members[0]].role, _names([calls[i].site.name for i in members])
+            if len(members) == 1:
+                if role not in self._stacked_roles:  # not merely the last site of a loop the others have left
+                    self._say(
+                        f"the gradient of role {role!r} of {names} is computed sequentially: no other site's gradient of the same model and loss meets it"
+                    )
+                continue
+            if any(k == key and lo == loss for k, lo in self._no_vmap):
+                continue
+            self._say(f"the gradients of role {role!r} of {names} are computed as one vectorized computation")
+            self._stacked_roles.add(role)
+            size = self.group_size or len(members)
+            for start in range(0, len(members), size):
+                chunk = members[start : start + size]
+                for i, out in zip(chunk, self._gradients_split([calls[i] for i in chunk], loss, key)):
+                    results[i] = out
+        return results
+
+    def _gradients_split(self, calls: list[GradientCall], loss: Any, key: tuple) -> list[Any]:
+        """:meth:`_gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
+        try:
+            return self._gradient_group(calls, loss)
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError) and len(calls) > 1:
+                half = len(calls) // 2
+                self._say(
+                    f"a group of {len(calls)} sites' gradients does not fit in memory; computing groups of at most {half} (set simulation.vectorize_group)"
+                )
+                return self._gradients_split(calls[:half], loss, key) + self._gradients_split(calls[half:], loss, key)
+            self._no_vmap.append((key, loss))
+            self._say(
+                f"the gradients of role {calls[0].role!r} of {_names([c.site.name for c in calls])} are computed sequentially: "
+                f"the loss does not run under torch.func.vmap ({type(e).__name__}: {e})"
+            )
+            return [_SEQUENTIAL] * len(calls)
+
+    def _gradient_group(
+        self, calls: list[GradientCall], loss: Any
+    ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """The gradients of K sites' losses in one ``vmap`` over their stacked weights (the sites of a lockstep
+        round hold the same weights, but nothing here relies on it): each site's loss depends only on its
+        row, so the gradient of their sum with respect to the stacked ``K × shape`` weights is, row by row,
+        each site's own gradient.  Parameters the loss does not reach get no gradient, as sequentially."""
+        site0 = calls[0].site
+        dev, precision = site0.device, site0.precision
+        models = [c.site.model(c.role) for c in calls]
+        template = models[0]
+        pnames = [n for n, _ in template.named_parameters()]
+        plist = [list(m.parameters()) for m in models]
+        blist = [dict(m.named_buffers()) for m in models]
+        own = calls[0].at is None  # at the models' own weights (else at each call's ``at``, as a group)
+        for m in models:
+            m.train()
+            if own:
+                m.zero_grad(set_to_none=True)
+
+        def site_loss(params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, t: Any):
+            with autocast(dev, precision):
+                return loss(functional_call(template, (params, bufs), (x,)), t)
+
+        losses_of = vmap(site_loss, randomness="error")
+        by_shape: dict[tuple, list[int]] = {}  # the last, smaller batch of an epoch: its own vmap
+        for i, c in enumerate(calls):
+            by_shape.setdefault((_tree_key(c.x), _tree_key(c.target)), []).append(i)
+        results: list[Any] = [None] * len(calls)
+        for idx in by_shape.values():
+            with torch.no_grad():
+                weights = [
+                    torch.stack([plist[i][j] if own else calls[i].at[n] for i in idx]) for j, n in enumerate(pnames)
+                ]
+                bufs = {n: torch.stack([blist[i][n] for i in idx]) for n in blist[0]}
+            for w in weights:
+                w.requires_grad_(True)
+            out = losses_of(
+                dict(zip(pnames, weights)),
+                bufs,
+                torch.stack([calls[i].x for i in idx]),
+                _stack_tree([calls[i].target for i in idx]),
+            )
+            gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
+            for j, i in enumerate(idx):
+                results[i] = ({n: g[j].clone() for n, g in zip(pnames, gs) if g is not None}, out[j].detach())
+        self.vectorized_gradients += len(calls)
+        return results
+
+
+def _is_tree(t: Any) -> bool:
+    return torch.is_tensor(t) or (isinstance(t, (tuple, list)) and all(_is_tree(e) for e in t))
+
+
+def _tree_key(t: Any) -> tuple:
+    if torch.is_tensor(t):
+        return (tuple(t.shape), t.dtype)
+    return (type(t).__name__, *(_tree_key(e) for e in t))
+
+
+def _stack_tree(items: Sequence[Any]) -> Any:
+    """Stack K same-shaped trees (tensors, tuples/lists of them) leaf by leaf along a new first dimension."""
+    if torch.is_tensor(items[0]):
+        return torch.stack(list(items))
+    return type(items[0])(_stack_tree([it[j] for it in items]) for j in range(len(items[0])))
 
 
 class _FirstStepFailed(Exception):

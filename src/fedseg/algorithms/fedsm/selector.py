@@ -10,8 +10,10 @@ Two ways (``fedsm.selector_training``):
 
 Labels: Eq. 2 (the site's own position, joint phase of FedSM), Eq. 1 (the model with the lowest
 loss on the image, FedSM-extra), or the loss of the softmax-weighted output mix (the ensemble);
-:func:`selector_loss`.  The frozen global and personalized models of a selector-phase round are
-loaded at the site by :func:`load_frozen`.  The server keeps the selector with the best validation
+:func:`selector_loss` (:func:`selector_target` + :func:`selector_objective`, kept apart by lockstep
+gradient averaging so that a vectorized simulation computes all sites' gradients in one call).
+The frozen global and personalized models of a selector-phase round are loaded at the site by
+:func:`load_frozen`.  The server keeps the selector with the best validation
 routing accuracy so far (:func:`keep_best_selector`).  The selector network comes from the
 workload (``Workload.selector``), on the server (:func:`init_selector`) as at the sites
 (:func:`selector_factory`).
@@ -20,6 +22,7 @@ workload (``Workload.selector``), on the server (:func:`init_selector`) as at th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site, dataset_len
 
 __all__ = [
+    "MixLoss",
     "average_selector",
     "fga_round",
     "fga_step",
@@ -55,6 +59,8 @@ __all__ = [
     "routing_accuracy_at",
     "selector_factory",
     "selector_loss",
+    "selector_objective",
+    "selector_target",
     "train_locally",
 ]
 
@@ -99,6 +105,42 @@ def load_frozen(site: Site, arrays: Arrays, sites: Sequence[str]) -> list[nn.Mod
     return frozen
 
 
+def selector_target(
+    site: Site, x: torch.Tensor, y: torch.Tensor, phase: str, own: int, frozen: Sequence[nn.Module], labels: str
+) -> Any:
+    """What the selector is trained against on a batch (no gradient flows through it): the site's own
+    position (Eq. 2, joint phase), Eq. 1's oracle labels (``labels = "oracle"``) or, for the ensemble's
+    ``"mix"``, the frozen models' outputs with the ground truth."""
+    if phase == "joint":
+        return torch.full((x.shape[0],), own, dtype=torch.long, device=x.device)
+    with torch.no_grad():
+        outputs = [m(x) for m in frozen]
+    if labels == "oracle":
+        return oracle_labels(outputs, y, site.workload.loss)
+    return (outputs, y)
+
+
+@dataclass(frozen=True)
+class MixLoss:
+    """The ensemble's selector loss: the workload loss of the softmax-weighted mix of the frozen models'
+    outputs (target ``(outputs, y)``).  A value (equal for equal workload losses), so that the sites'
+    gradients can be computed together in a vectorized simulation."""
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, logits: torch.Tensor, target: tuple[Sequence[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        outputs, y = target
+        return self.loss(ensemble_mix(torch.softmax(logits, dim=1), outputs), y)
+
+
+def selector_objective(site: Site, phase: str, labels: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """The selector's mean loss of its logits and a :func:`selector_target`: cross-entropy (Eq. 2 or Eq. 1
+    labels) or :class:`MixLoss`; the same function at every site."""
+    if phase == "joint" or labels == "oracle":
+        return F.cross_entropy
+    return MixLoss(site.workload.loss)
+
+
 def selector_loss(
     site: Site,
     sel: nn.Module,
@@ -111,15 +153,9 @@ def selector_loss(
 ) -> torch.Tensor:
     """The selector's mean loss on a batch: Eq. 2 cross-entropy (joint phase), Eq. 1 cross-entropy
     (``labels = "oracle"``, fedsm-extra) or the workload loss of the softmax-weighted output mix
-    (``labels = "mix"``, ensemble)."""
+    (``labels = "mix"``, ensemble); :func:`selector_objective` of :func:`selector_target`."""
     logits = sel(x)
-    if phase == "joint":
-        return F.cross_entropy(logits, torch.full((x.shape[0],), own, dtype=torch.long, device=logits.device))
-    with torch.no_grad():
-        outputs = [m(x) for m in frozen]
-    if labels == "oracle":
-        return F.cross_entropy(logits, oracle_labels(outputs, y, site.workload.loss))
-    return site.workload.loss(ensemble_mix(torch.softmax(logits, dim=1), outputs), y)
+    return selector_objective(site, phase, labels)(logits, selector_target(site, x, y, phase, own, frozen, labels))
 
 
 def routing_accuracy_at(site: Site, sel: nn.Module, sites: Sequence[str], phase: str, labels: str) -> float:
@@ -218,7 +254,8 @@ def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: 
         prefix="selector",
         factory=build,
         lr=lr,
-        loss=lambda model, x, y: selector_loss(site, model, x, y, phase, own, frozen, labels),
+        loss=selector_objective(site, phase, labels),
+        target=lambda x, y: selector_target(site, x, y, phase, own, frozen, labels),
         check_loss=F.cross_entropy if labels != "mix" or phase == "joint" else None,
     )
     if routing is not None:
