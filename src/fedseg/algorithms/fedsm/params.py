@@ -50,7 +50,8 @@ class FedSMParams:
     gamma
         Alg. 2's confidence threshold γ: a number in [0, 1] (0.9: reference code), or
         ``"auto"`` (default profile): at each validation the sites report their validation
-        Dice summed per γ of ``gamma_grid`` and the γ with the best sample-weighted Dice is used.
+        Dice summed per γ of ``gamma_grid`` and the γ with the best Dice by the run's
+        ``eval.best_criterion`` (pooled cases, or the mean of per-site means) is used.
     gamma_grid
         Candidate γ values for ``gamma = "auto"`` and the routing reports.
     selector_width, selector_hidden
