@@ -341,7 +341,7 @@ class FedSM(Algorithm):
 
     def _train(self, site: Site, task: Task) -> Reply:
         """Site half of a round: the personalization's site step (global and personalized models) and/or
-        the selector's local steps (``selector_training = "fedavg"``), on the round's seeded batches."""
+        the selector's local steps (``selector_training = "fedavg"`` or ``"fedrs"``), on the round's seeded batches."""
         cfg = task.config
         phase, sites = cfg["phase"], list(cfg["sites"])
         if site.name not in sites:
@@ -365,6 +365,7 @@ class FedSM(Algorithm):
                 self.params.selector_lr,
                 self.params.max_selector_steps,
                 self.params.share_selector_moments,
+                self.params.fedrs_alpha if self.params.selector_training == "fedrs" else None,
             )
             out.update(arrays)
             metrics.update(sel_metrics)
