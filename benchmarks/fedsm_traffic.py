@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/fedsm-traffic")
     ap.add_argument("--md", default=None, help="write the Markdown fragment here")
     ap.add_argument("--unets", default="benchmark,default")
-    ap.add_argument("--trainings", default="fga,fedavg", help="fedsm.selector_training values")
+    ap.add_argument("--trainings", default="fga,fedavg,fedrs", help="fedsm.selector_training values")
     ap.add_argument("--steps", default="1,5,15", help="local steps per round (train.local_steps)")
     ap.add_argument("--sites", type=int, default=6)
     ap.add_argument("--size", type=int, default=32)
