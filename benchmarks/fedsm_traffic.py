@@ -4,7 +4,7 @@ selector (``fedsm.selector_training``), with the benchmark's U-Net and the defau
 Bytes do not depend on the image size, only on the arrays exchanged and how many selector
 steps a round has, so each configuration runs 2 rounds of the real code paths (engine,
 in-process transport, its byte counters) on a tiny in-memory federation of 6 sites with
-32×32 images; the number reported is the mean over sites of the bytes sent + received in
+32×32 images of 3 channels and 2 labels (the fundus preset's: disc, cup); the number reported is the mean over sites of the bytes sent + received in
 round 2 (round 1 also carries the initial selector to the sites with ``fga``).
 
     .venv/bin/python benchmarks/fedsm_traffic.py --md runs/fedsm-traffic.md
@@ -35,12 +35,12 @@ UNETS = {
 }
 
 
-def federation(num_sites: int, n_train: int, size: int) -> dict[str, SiteData]:
+def federation(num_sites: int, n_train: int, size: int, channels: int, labels: int) -> dict[str, SiteData]:
     g = torch.Generator().manual_seed(0)
 
     def split(n: int) -> TensorDataset:
-        x = torch.rand(n, 1, size, size, generator=g)
-        return TensorDataset(x, (x > 0.5).float())
+        x = torch.rand(n, channels, size, size, generator=g)
+        return TensorDataset(x, (x[:, :1] > torch.linspace(0.3, 0.7, labels).view(1, labels, 1, 1)).float())
 
     return {f"site{k + 1}": SiteData(split(n_train), split(2), split(2)) for k in range(num_sites)}
 
@@ -60,16 +60,18 @@ def main() -> None:
     ap.add_argument("--steps", default="1,5,15", help="local steps per round (train.local_steps)")
     ap.add_argument("--sites", type=int, default=6)
     ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--in-channels", type=int, default=3, help="image channels (fundus preset: 3)")
+    ap.add_argument("--labels", type=int, default=2, help="label channels (fundus preset: 2)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
-    data = federation(args.sites, 4, args.size)
+    data = federation(args.sites, 4, args.size, args.in_channels, args.labels)
     trainings = [t for t in args.trainings.split(",") if t]
     rows = []
     for unet in args.unets.split(","):
         model, width = UNETS[unet]
-        workload = segmentation_workload(2, 1, ["fg"], model)
+        workload = segmentation_workload(2, args.in_channels, [f"label{i}" for i in range(args.labels)], model)
         w_g = sum(p.numel() for p in workload.build_model().parameters())
         w_s = sum(p.numel() for p in workload.selector(args.sites, width=width, hidden=128).parameters())
         for steps in (int(s) for s in args.steps.split(",")):
