@@ -103,7 +103,7 @@ def load_frozen(site: Site, arrays: Arrays, sites: Sequence[str]) -> list[nn.Mod
 
 
 def restricted_logits(logits: torch.Tensor, present: Sequence[int], alpha: float) -> torch.Tensor:
-    """FedRS's restricted softmax (Li & Zhan, KDD 2021, Eq. 5): the logits of the classes not in
+    """FedRS's restricted softmax (Li & Zhan, KDD 2021): the logits of the classes not in
     ``present`` (those the site holds no sample of) scaled by ``alpha``; the others unchanged."""
     scale = torch.full((logits.shape[-1],), float(alpha), dtype=logits.dtype, device=logits.device)
     scale[list(present)] = 1.0
