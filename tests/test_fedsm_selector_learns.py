@@ -50,7 +50,8 @@ def _cfg(method: str, training: str):
     # of this size needs ~30 Adam steps at lr 0.01 to separate the two intensities)
     cfg = tiny_config(method, rounds=20, lr=0.01, local_steps=5, local_epochs=None)
     fedsm = {**SEL, "lam": 1.0, "selector_rounds": 12, "selector_training": training, "selector_steps": "all"}
-    return dataclasses.replace(cfg, params={"fedsm": fedsm})
+    # validated once, after the last round (the routing accuracy read here is the training history's)
+    return dataclasses.replace(cfg, params={"fedsm": fedsm}, eval=dataclasses.replace(cfg.eval, every=20))
 
 
 def _server_models(out, workload, data):
