@@ -329,7 +329,7 @@ def main() -> None:
                 f"- {res.get('label', res['method'])} (seed {res['seed']}): {curve(res, every)} — last-quarter gain {gain:+.3f} ({flag})"
             )
         md.append(
-            "\nRouting accuracy of the averaged selector on each site's validation split, per round (from history):\n"
+            "\nRouting accuracy of the selector (mean over sites) on each site's validation split, per round (from history):\n"
         )
         for res in extras:
             pts = []

@@ -3,6 +3,8 @@ the ensemble mix, selector-moment averaging and the server round — no engine."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -139,7 +141,7 @@ def test_check_lambda_rejects_one_site_and_lambda_outside_zero_one_and_warns_bel
         ({"selector_weighting": "size"}, "fedsm.selector_weighting"),
         ({"selector_steps": 0}, "fedsm.selector_steps = 0; give an integer >= 1 or 'all'"),
         ({"selector_steps": "some"}, "fedsm.selector_steps = 'some'"),
-        ({"selector_training": "fedprox"}, "fedsm.selector_training = 'fedprox'; use 'fga' or 'fedavg'"),
+        ({"selector_training": "fedprox"}, "fedsm.selector_training = 'fedprox'; use 'fga', 'fedavg' or 'fedrs'"),
         ({"profile": "paper"}, "fedsm.profile = 'paper'; use 'default' or 'reference'"),
     ],
 )
@@ -200,6 +202,31 @@ def test_pick_gamma_maximizes_the_sample_weighted_dice():
     }
     g, d = pick_gamma(replies, [0.0, 0.9])
     assert g == 0.9 and d == pytest.approx(0.575)
+
+
+def test_gamma_auto_follows_the_runs_best_criterion():
+    """Site a: 10 cases, mean Dice 0.9 at γ = 0 and 0.5 at γ = 0.9; site b: 30 cases, 0.4 and 0.6.
+    Pooled cases: γ = 0 → (9 + 12)/40 = 0.525, γ = 0.9 → (5 + 18)/40 = 0.575 → 0.9.
+    Mean of per-site means: γ = 0 → (0.9 + 0.4)/2 = 0.65, γ = 0.9 → (0.5 + 0.6)/2 = 0.55 → 0.
+    FedSM's γ = auto takes the criterion of ``eval.best_criterion``."""
+    # Prepare
+    replies = {
+        "a": {"n": 10, "selections": [{"dice_sum": 9.0}, {"dice_sum": 5.0}]},
+        "b": {"n": 30, "selections": [{"dice_sum": 12.0}, {"dice_sum": 18.0}]},
+        "empty": {"n": 0, "selections": [{"dice_sum": 0.0}, {"dice_sum": 0.0}]},
+    }
+    # Execute / Assert: the function
+    assert pick_gamma(replies, [0.0, 0.9], "cases") == (0.9, pytest.approx(0.575))
+    assert pick_gamma(replies, [0.0, 0.9], "sites") == (0.0, pytest.approx(0.65))
+    # Execute / Assert: the method, by the run's eval.best_criterion
+    for criterion, expected in (("cases", 0.9), ("sites", 0.0)):
+        cfg = tiny_config("fedsm", rounds=1)
+        cfg = dataclasses.replace(
+            cfg,
+            eval=dataclasses.replace(cfg.eval, best_criterion=criterion),
+            params={"fedsm": {"gamma_grid": [0.0, 0.9]}},
+        )
+        assert FedSM(cfg).pick_gamma(replies) == expected
 
 
 def test_optimizer_moments_round_trip():

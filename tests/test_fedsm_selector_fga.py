@@ -167,3 +167,53 @@ def test_selector_bytes_per_round(workload, training):
     else:
         n = sum(1 for _ in sel.parameters())
         assert b["site2"]["sent"] == b["site2"]["received"] == 2 * w_g + 3 * w_s + n * 4
+
+
+# ---------------------------------------------------------------- FedRS (restricted softmax)
+def test_fedrs_restricted_softmax_gradient_follows_the_hand_derivation():
+    """FedRS (Li & Zhan 2021): at a site that holds only class o (Eq. 2: its own position), the
+    logits z_j of the other classes are scaled by α: z'_o = z_o, z'_j = α z_j.  The cross-entropy
+    L = −z'_o + log Σ_k exp(z'_k) has, with p' = softmax(z'),
+
+        ∂L/∂z_o = p'_o − 1,        ∂L/∂z_j = α p'_j   (j ≠ o, chain rule through z'_j = α z_j).
+
+    α = 0: p'_o = e^{z_o} / (e^{z_o} + K − 1) and the gradient w.r.t. every other class's logit is
+    zero — a site's local steps no longer push the other sites' classes down.  α = 1: plain
+    softmax, ∂L/∂z_j = p_j."""
+    from fedseg.algorithms.fedsm.selector import restricted_logits
+
+    z = torch.tensor([[0.3, -1.2, 2.0, 0.5]], dtype=torch.float64)
+    o = 2
+    for alpha in (0.0, 0.5, 1.0):
+        zz = z.clone().requires_grad_(True)
+        F.cross_entropy(restricted_logits(zz, [o], alpha), torch.tensor([o])).backward()
+        zp = torch.where(torch.arange(4) == o, z, alpha * z)
+        p = torch.softmax(zp, dim=1)
+        expected = alpha * p
+        expected[0, o] = p[0, o] - 1
+        torch.testing.assert_close(zz.grad, expected)
+        if alpha == 0.0:
+            assert zz.grad[0, [0, 1, 3]].abs().max() == 0
+            torch.testing.assert_close(zz.grad[0, o], torch.exp(z[0, o]) / (torch.exp(z[0, o]) + 3) - 1)
+
+
+def test_fedrs_selector_with_alpha_one_is_the_averaged_selector_and_differs_below(tmp_path, workload):
+    """α = 1 leaves the softmax unrestricted, so ``fedrs`` is ``fedavg`` (same local steps, same
+    averaging) bitwise; α = 0.5 changes the local loss and so the selector."""
+    data = tiny_sites(2, n_train=8)
+    runs = {}
+    for name, training, alpha in (("avg", "fedavg", 0.5), ("rs1", "fedrs", 1.0), ("rs05", "fedrs", 0.5)):
+        cfg = _cfg("fedsm", rounds=2, selector_training=training, selector_steps="all", fedrs_alpha=alpha)
+        simulate(cfg, workload, data, out=tmp_path / name, progress=False)
+        runs[name] = _server_selector(tmp_path / name)
+    for k in runs["avg"]:
+        assert torch.equal(runs["rs1"][k], runs["avg"][k]), k
+    assert _rel_diff(runs["rs05"], runs["avg"]) > 1e-3
+
+
+def test_fedrs_alpha_is_checked():
+    from fedseg.algorithms.fedsm import FedSMParams
+    from fedseg.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"fedsm.fedrs_alpha = 1.5 must be in \[0, 1\]"):
+        FedSMParams(selector_training="fedrs", fedrs_alpha=1.5).validate()

@@ -115,6 +115,11 @@ class FedSM(Algorithm):
         c = classes_of(role)
         return None if c is None else self.selector_factory(site, c)
 
+    def pick_gamma(self, replies: dict[str, dict[str, Any]]) -> float:
+        """γ of ``fedsm.gamma_grid`` with the best validation Dice in the sites' routing ``replies``, by the
+        run's best-round criterion (``eval.best_criterion``: pooled cases or the mean of per-site means)."""
+        return pick_gamma(replies, self.params.gamma_grid, self.cfg.eval.best_criterion)[0]
+
     def _gamma(self) -> float:
         return 0.9 if isinstance(self.params.gamma, str) else float(self.params.gamma)
 
@@ -252,7 +257,7 @@ class FedSM(Algorithm):
             cand = self.composite(state, ctx)
             if self.params.gamma == "auto" and self.mode == "gate":
                 replies = route_task(ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid)
-                cand.config["gamma"] = pick_gamma(replies, self.params.gamma_grid)[0]
+                cand.config["gamma"] = self.pick_gamma(replies)
             out.append(cand)
         if not (self.two_phase and have_selector):
             out.append(Candidate("global", strip_prefix("global", state)))
@@ -305,7 +310,7 @@ class FedSM(Algorithm):
         assert chosen is not None
         cand, score, replies, label = chosen
         if gate_auto and replies is not None and sum(r["n"] for r in replies.values()):
-            cand.config["gamma"] = pick_gamma(replies, grid)[0]
+            cand.config["gamma"] = self.pick_gamma(replies)
         rounds["selector"] = int(state["best_selector_round"]) if label == "best" else self.cfg.rounds
         rounds["selector_val_routing_acc"] = score
         for name in ["global", *(f"personal/{s}" for s in sites)]:
@@ -336,7 +341,7 @@ class FedSM(Algorithm):
 
     def _train(self, site: Site, task: Task) -> Reply:
         """Site half of a round: the personalization's site step (global and personalized models) and/or
-        the selector's local steps (``selector_training = "fedavg"``), on the round's seeded batches."""
+        the selector's local steps (``selector_training = "fedavg"`` or ``"fedrs"``), on the round's seeded batches."""
         cfg = task.config
         phase, sites = cfg["phase"], list(cfg["sites"])
         if site.name not in sites:
@@ -360,6 +365,7 @@ class FedSM(Algorithm):
                 self.params.selector_lr,
                 self.params.max_selector_steps,
                 self.params.share_selector_moments,
+                self.params.fedrs_alpha if self.params.selector_training == "fedrs" else None,
             )
             out.update(arrays)
             metrics.update(sel_metrics)

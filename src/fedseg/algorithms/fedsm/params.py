@@ -50,7 +50,8 @@ class FedSMParams:
     gamma
         Alg. 2's confidence threshold γ: a number in [0, 1] (0.9: reference code), or
         ``"auto"`` (default profile): at each validation the sites report their validation
-        Dice summed per γ of ``gamma_grid`` and the γ with the best sample-weighted Dice is used.
+        Dice summed per γ of ``gamma_grid`` and the γ with the best Dice by the run's
+        ``eval.best_criterion`` (pooled cases, or the mean of per-site means) is used.
     gamma_grid
         Candidate γ values for ``gamma = "auto"`` and the routing reports.
     selector_width, selector_hidden
@@ -65,7 +66,16 @@ class FedSMParams:
         mean (= the pooled batch's gradient) and every site applies it with its own,
         identical Adam — centralized training of the selector, so no site's single class
         (Eq. 2) dominates.  ``"fedavg"`` (reference): local selector steps, then the
-        server averages the selector and its Adam moments (Alg. 1 line 15).
+        server averages the selector and its Adam moments (Alg. 1 line 15).  ``"fedrs"``:
+        as ``"fedavg"``, but the local loss is FedRS's restricted softmax (Li & Zhan, KDD
+        2021): the logits of the classes a site does not hold (Eq. 2: every class but its
+        own) are scaled by ``fedrs_alpha``, so local steps stop pushing the other sites'
+        classes down; FedSM-extra's / the ensemble's selector phase (no fixed class per
+        site) trains as ``"fedavg"``.
+    fedrs_alpha
+        FedRS's α in [0, 1] (``selector_training = "fedrs"`` only): 1 = plain softmax
+        (``"fedavg"``), 0 = the other classes' logits do not enter the local loss.  0.5,
+        the FedRS paper's default.
     share_selector_moments
         ``fedavg`` selector only: average the selector's Adam moments (exp_avg,
         exp_avg_sq, step) with the weights of its parameters, as the reference code does.
@@ -78,7 +88,7 @@ class FedSMParams:
         Selector optimizer steps per round, on the first batches of the round's local
         work: an integer, or ``"all"`` (every local step, Alg. 1).  Unset: ``"all"``,
         except with ``selector_training = "fedavg"`` under the default profile, where it
-        is 1 (measured, ``docs/results.md``: with 5 local steps per round the averaged
+        is 1 (``"fedrs"``: every local step, the point of the restricted softmax) (measured, ``docs/results.md``: with 5 local steps per round the averaged
         selector collapses to one class, with 1 it learns slowly).
     weighting
         Weights of the global-model average: 'samples' (n_k/n, Alg. 1 line 15) or 'even'.
@@ -106,7 +116,8 @@ class FedSMParams:
     selector_width: float = 0.125
     selector_hidden: int = 128
     selector_lr: float | None = None
-    selector_training: Literal["fga", "fedavg"] | None = None
+    selector_training: Literal["fga", "fedavg", "fedrs"] | None = None
+    fedrs_alpha: float = 0.5
     share_selector_moments: bool = True
     selector_rounds: int | None = None
     selector_steps: Literal["all"] | int | None = None
@@ -138,6 +149,10 @@ class FedSMParams:
         if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
             raise ConfigError(
                 f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"
+            )
+        if not (0.0 <= self.fedrs_alpha <= 1.0):
+            raise ConfigError(
+                f"fedsm.fedrs_alpha = {self.fedrs_alpha} must be in [0, 1] (FedRS's restriction; the paper's 0.5)"
             )
         if not self.selector_width > 0:
             raise ConfigError(f"fedsm.selector_width must be > 0, got {self.selector_width}")

@@ -243,14 +243,26 @@ def route_task(
     return {s: r.metrics for s, r in replies.items()}
 
 
-def pick_gamma(replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float]) -> tuple[float, float]:
-    """γ with the best sample-weighted Dice Σ_sites dice_sum / Σ_sites n (first of ties); returns (γ, Dice)."""
-    total_n = sum(r["n"] for r in replies.values())
-    if total_n == 0:
+def pick_gamma(
+    replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float], criterion: str = "cases"
+) -> tuple[float, float]:
+    """γ with the best validation Dice (first of ties); returns (γ, Dice).
+
+    ``criterion`` is the run's ``eval.best_criterion``: ``"cases"``, the mean over the pooled
+    cases Σ_sites dice_sum / Σ_sites n; ``"sites"``, the mean over the sites with cases of their
+    mean dice_sum / n (the papers' client average)."""
+    if criterion not in ("cases", "sites"):
+        raise ValueError(f"criterion = {criterion!r}; use 'cases' or 'sites' (eval.best_criterion)")
+    with_cases = [r for r in replies.values() if r["n"]]
+    if not with_cases:
         raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
+    total_n = sum(r["n"] for r in with_cases)
     best: tuple[float, float] | None = None
     for i, g in enumerate(gammas):
-        dice = sum(r["selections"][i]["dice_sum"] for r in replies.values()) / total_n
+        if criterion == "sites":
+            dice = sum(r["selections"][i]["dice_sum"] / r["n"] for r in with_cases) / len(with_cases)
+        else:
+            dice = sum(r["selections"][i]["dice_sum"] for r in with_cases) / total_n
         if best is None or dice > best[1]:
             best = (float(g), dice)
     assert best is not None

@@ -7,6 +7,8 @@ Two ways (``fedsm.selector_training``):
   weights n_k / n or 1 / K (:func:`average_selector`);
 * ``"fga"`` (default profile): every selector step is a lockstep exchange of federated gradient
   averaging (:func:`fga_round` on the server, :func:`fga_step` at the sites).
+* ``"fedrs"``: as ``"fedavg"``, with FedRS's restricted softmax in the local loss of Eq. 2's
+  labels (:func:`restricted_logits`).
 
 Labels: Eq. 2 (the site's own position, joint phase of FedSM), Eq. 1 (the model with the lowest
 loss on the image, FedSM-extra), or the loss of the softmax-weighted output mix (the ensemble);
@@ -56,6 +58,7 @@ __all__ = [
     "init_selector",
     "keep_best_selector",
     "load_frozen",
+    "restricted_logits",
     "routing_accuracy_at",
     "selector_factory",
     "selector_loss",
@@ -141,6 +144,14 @@ def selector_objective(site: Site, phase: str, labels: str) -> Callable[[torch.T
     return MixLoss(site.workload.loss)
 
 
+def restricted_logits(logits: torch.Tensor, present: Sequence[int], alpha: float) -> torch.Tensor:
+    """FedRS's restricted softmax (Li & Zhan, KDD 2021): the logits of the classes not in
+    ``present`` (those the site holds no sample of) scaled by ``alpha``; the others unchanged."""
+    scale = torch.full((logits.shape[-1],), float(alpha), dtype=logits.dtype, device=logits.device)
+    scale[list(present)] = 1.0
+    return logits * scale
+
+
 def selector_loss(
     site: Site,
     sel: nn.Module,
@@ -150,11 +161,15 @@ def selector_loss(
     own: int,
     frozen: Sequence[nn.Module],
     labels: str,
+    restrict: float | None = None,
 ) -> torch.Tensor:
-    """The selector's mean loss on a batch: Eq. 2 cross-entropy (joint phase), Eq. 1 cross-entropy
-    (``labels = "oracle"``, fedsm-extra) or the workload loss of the softmax-weighted output mix
-    (``labels = "mix"``, ensemble); :func:`selector_objective` of :func:`selector_target`."""
+    """The selector's mean loss on a batch: Eq. 2 cross-entropy (joint phase; with ``restrict`` = α,
+    FedRS's restricted softmax: every class but the site's own is absent, its logit scaled by α), Eq. 1
+    cross-entropy (``labels = "oracle"``, fedsm-extra) or the workload loss of the softmax-weighted output
+    mix (``labels = "mix"``, ensemble); :func:`selector_objective` of :func:`selector_target`."""
     logits = sel(x)
+    if phase == "joint" and restrict is not None:
+        logits = restricted_logits(logits, [own], restrict)
     return selector_objective(site, phase, labels)(logits, selector_target(site, x, y, phase, own, frozen, labels))
 
 
@@ -178,9 +193,10 @@ def train_locally(
     lr: float | None,
     max_steps: int | None,
     share_moments: bool,
+    restrict: float | None = None,
 ) -> tuple[Arrays, dict[str, Any], int]:
-    """The site's selector steps of a ``"fedavg"`` selector round, on the first ``max_steps`` batches of
-    the round's local work (None: all).
+    """The site's selector steps of a ``"fedavg"`` (or ``"fedrs"``: ``restrict`` = α) selector round, on
+    the first ``max_steps`` batches of the round's local work (None: all).
 
     Config: ``round``, ``phase``, ``sites``, ``num_classes`` (and ``steps``); arrays: ``selector/…``,
     ``selector_optim/…`` (the averaged moments), and in the selector phase the frozen models.
@@ -211,7 +227,7 @@ def train_locally(
             steps += 1
             opt_s.zero_grad(set_to_none=True)
             with site.autocast():
-                loss = selector_loss(site, sel, x, y, phase, own, frozen, labels)
+                loss = selector_loss(site, sel, x, y, phase, own, frozen, labels, restrict)
             site.step(role, opt_s, loss)
             total += loss.detach().double()  # summed on the device, read once below
     out = prefixed("selector", site.arrays(role))
