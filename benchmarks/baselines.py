@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from _report import emit
+from _report import emit, unet_overrides
 
 from fedseg.algorithms import known_sections
 from fedseg.core.config import load_run_config
@@ -102,15 +102,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
     common = [
-        f"train.local_steps={args.steps}",
-        "train.local_epochs=none",
-        f"train.batch_size={args.batch}",
-        f"train.lr={args.lr}",
-        f"model.channels={chans}",
-        f"model.strides={[2] * (len(chans) - 1)}",
-        "model.num_res_units=1",
-        f"eval.every={args.eval_every}",
-        f"checkpoint_every={args.rounds}",
+        *unet_overrides(chans, args.steps, args.batch, args.eval_every, args.rounds, lr=args.lr),
         *args.set,
     ]
     methods = args.methods.split(",")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _report import emit
+from _report import emit, unet_overrides
 
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
@@ -202,14 +202,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
     common = [
-        f"train.local_steps={args.steps}",
-        "train.local_epochs=none",
-        f"train.batch_size={args.batch}",
-        f"model.channels={chans}",
-        f"model.strides={[2] * (len(chans) - 1)}",
-        "model.num_res_units=1",
-        f"eval.every={args.eval_every}",
-        f"checkpoint_every={args.rounds}",
+        *unet_overrides(chans, args.steps, args.batch, args.eval_every, args.rounds),
         f"fedsm.selector_width={args.selector_width}",
     ]
     for key in ("selector_steps", "selector_training", "profile"):
