@@ -85,6 +85,19 @@ def _make_job(root: Path):
     return make
 
 
+def _supervisor(admin, tmp_path: Path, params=None, log=lambda m: None, poll_s: float = 0.05) -> Supervisor:
+    """The supervisor of the two-site run in ``tmp_path / "run"``, submitting jobs made in ``tmp_path / "jobs"``."""
+    return Supervisor(
+        admin,
+        tmp_path / "run",
+        ["site1", "site2"],
+        _make_job(tmp_path / "jobs"),
+        params or PARAMS,
+        log=log,
+        poll_s=poll_s,
+    )
+
+
 PARAMS = DeployParams(round_deadline_s=30.0, setup_timeout_s=5.0, rejoin_wait_s=0.0, max_restarts=2)
 
 
@@ -100,15 +113,7 @@ def test_aborted_job_is_resubmitted_from_its_last_checkpoint_and_ends_bitwise_as
     admin = FakeAdmin(
         tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)), abort_at=(5, 0)
     )  # 5th task (train + evaluate per round): round 2
-    sup = Supervisor(
-        admin,
-        tmp_path / "run",
-        ["site1", "site2"],
-        _make_job(tmp_path / "jobs"),
-        PARAMS,
-        log=lambda m: None,
-        poll_s=0.05,
-    )
+    sup = _supervisor(admin, tmp_path, poll_s=0.05)
     # Execute
     last = sup.run(timeout=120)
     # Assert
@@ -132,9 +137,7 @@ def test_restarted_site_rejoins_through_a_new_job_at_a_round_boundary(tmp_path):
     _prepare(tmp_path / "run", cfg, ["site1", "site2"])
     admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)))
     logs: list[str] = []
-    sup = Supervisor(
-        admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), PARAMS, log=logs.append, poll_s=0.05
-    )
+    sup = _supervisor(admin, tmp_path, log=logs.append, poll_s=0.05)
     original = admin.status
 
     def status(job_id):  # site2 restarts once the first job has completed a round
@@ -168,15 +171,7 @@ def test_restarts_are_bounded_and_the_error_names_the_resume_command(tmp_path):
         return job_id
 
     admin.submit = failing_submit
-    sup = Supervisor(
-        admin,
-        tmp_path / "run",
-        ["site1", "site2"],
-        _make_job(tmp_path / "jobs"),
-        PARAMS,
-        log=lambda m: None,
-        poll_s=0.01,
-    )
+    sup = _supervisor(admin, tmp_path, poll_s=0.01)
     # Execute / Assert
     with pytest.raises(DeployError, match=r"two jobs in a row completed no round.*fedseg deploy run --resume"):
         sup.run(timeout=60)
@@ -196,15 +191,7 @@ def test_restarts_are_bounded_by_max_restarts_when_jobs_progress(tmp_path):
         return real_submit(folder)
 
     admin.submit = submit
-    sup = Supervisor(
-        admin,
-        tmp_path / "run",
-        ["site1", "site2"],
-        _make_job(tmp_path / "jobs"),
-        PARAMS,
-        log=lambda m: None,
-        poll_s=0.02,
-    )
+    sup = _supervisor(admin, tmp_path, poll_s=0.02)
     # Execute / Assert
     with pytest.raises(DeployError, match=r"max_restarts = 2 automatic restarts are used up"):
         sup.run(timeout=60)
@@ -225,9 +212,7 @@ def test_command_returns_after_the_results_even_if_the_job_never_ends(tmp_path):
     admin.abort = aborted.append
     logs: list[str] = []
     params = DeployParams(round_deadline_s=30.0, setup_timeout_s=5.0, rejoin_wait_s=0.0, shutdown_grace_s=0.5)
-    sup = Supervisor(
-        admin, tmp_path / "run", ["site1", "site2"], _make_job(tmp_path / "jobs"), params, log=logs.append, poll_s=0.05
-    )
+    sup = _supervisor(admin, tmp_path, params=params, log=logs.append, poll_s=0.05)
     # Execute
     last = sup.run(timeout=60)
     done = time.time()
