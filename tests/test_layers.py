@@ -64,12 +64,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 ALGORITHM_MAY_IMPORT = (
-    "fedseg.core.errors",
-    "fedseg.core.seeding",
-    "fedseg.core.arrays",
-    "fedseg.core.messages",
-    "fedseg.core.config",
-    "fedseg.core.device",
+    *LAYERS[0],  # the foundation
     "fedseg.core.workload",  # the task's networks, e.g. Workload.selector
     "fedseg.core.site",
     "fedseg.transport.base",  # the Transport protocol, for ServerContext
