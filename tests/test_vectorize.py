@@ -412,6 +412,61 @@ def test_an_error_in_one_site_ends_the_ask_and_its_threads():
     assert threading.active_count() == before
 
 
+def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps_its_count(monkeypatch):
+    """Each site thread that enters a parallel CPU kernel gets an OpenMP team of its own; K such teams
+    on a 2-core machine made the main thread's stacked steps 1.7–2.5× slower (libgomp's workers stop
+    spinning when it manages more threads than cores).  So a site's handler runs with one intra-op thread,
+    its sequential fallback fit with the full count, and after the ask the main thread and any new thread
+    have the count they had before."""
+    from fedseg.core.site import Site
+    from fedseg.simulation import vectorize
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[tuple[str, int]] = []
+
+        def handler(site, task):
+            seen.append(("handler", torch.get_num_threads()))
+            site.fit("global", 1, "train", steps=1)
+            seen.append(("after fit", torch.get_num_threads()))
+            return Reply()
+
+        def run(ex):
+            calls = _fit_calls([1, 1, 1])
+            for c in calls:
+                c.site._handlers = {"train": handler}
+            ex.run([(c.site, Task("train")) for c in calls])
+
+        ex = VectorizedExecutor(log=lambda m: None)
+        run(ex)
+        assert ex.vectorized_fits == 3
+        assert sorted(seen) == [("after fit", 1)] * 3 + [("handler", 1)] * 3
+        assert torch.get_num_threads() == 2
+        fresh: list[int] = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [2]
+
+        # the fallback: each site thread trains itself, with the full count, and goes back to one after
+        seen.clear()
+        monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [vectorize._SEQUENTIAL] * len(calls))
+        inner = Site.fit
+
+        def spy(self, *args, **kwargs):
+            if vectorize._fit_hook.call is None:  # the fallback's own call (the hook is off while it trains)
+                seen.append(("fallback fit", torch.get_num_threads()))
+            return inner(self, *args, **kwargs)
+
+        monkeypatch.setattr(Site, "fit", spy)
+        run(VectorizedExecutor(log=lambda m: None))
+        assert sorted(seen) == [("after fit", 1)] * 3 + [("fallback fit", 2)] * 3 + [("handler", 1)] * 3
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ------------------------------------------------------------------ results
 def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
     """The default (instance-norm) tiny U-Net in float32: same best rounds, same results table."""

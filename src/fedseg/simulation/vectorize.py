@@ -130,11 +130,64 @@ class _Aborted(BaseException):
     """Raised in a parked site thread when another site's handler failed (the ask is abandoned)."""
 
 
+class _IntraOpThreads:
+    """One intra-op thread in the site threads, all of them in the main thread (which runs the stacked steps).
+
+    torch's CPU kernels parallelize with OpenMP, and every thread that enters a parallel region gets an
+    OpenMP team of its own.  With K site threads each holding a team, the process manages more OpenMP
+    threads than there are cores, and libgomp then lets the workers of *every* team (the main thread's
+    as well) spin only briefly before sleeping, so each parallel region of the stacked step waits for its
+    workers to be woken: on the 2-core development CPU a stacked U-Net step with 6 parked site threads
+    took 1.7–2.5× as long as without them (docs/results.md, "Vectorized simulation").  The handlers'
+    own work between parks is small, so their threads run with one intra-op thread (no team); a fit or
+    gradient a site thread computes itself (the sequential fallback) gets the full count back while it runs.
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP count and the process-wide default that a
+    thread takes on its first parallel call; a site thread therefore takes its own value first
+    (:func:`torch.get_num_threads`) and then sets 1, and the main thread puts the default back after it.
+    """
+
+    def __init__(self) -> None:
+        self.full = torch.get_num_threads()  # in the main thread: its count
+        self.changed = False
+
+    def site_thread(self) -> None:
+        """At the start of a site thread."""
+        if self.full > 1:
+            torch.get_num_threads()  # this thread's lazy initialization, with the process-wide default
+            torch.set_num_threads(1)
+            self.changed = True
+
+    def restore_default(self) -> None:
+        """In the main thread, after a site thread ran: the process-wide default back to the main thread's."""
+        if self.changed:
+            torch.set_num_threads(self.full)
+            self.changed = False
+
+    def full_count(self) -> _FullCount:
+        """``with``: the site thread computes with the full count (its sequential fallback)."""
+        return _FullCount(self)
+
+
+class _FullCount:
+    def __init__(self, threads: _IntraOpThreads):
+        self.threads = threads
+
+    def __enter__(self) -> None:
+        if self.threads.full > 1:
+            torch.set_num_threads(self.threads.full)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.threads.full > 1:
+            torch.set_num_threads(1)
+            self.threads.changed = True
+
+
 class _Worker:
     """One site's handler in its own thread; it runs only between :meth:`resume` and its next park."""
 
-    def __init__(self, site: Site, task: Task):
-        self.site, self.task = site, task
+    def __init__(self, site: Site, task: Task, threads: _IntraOpThreads):
+        self.site, self.task, self.threads = site, task, threads
         self._go, self._yielded = threading.Event(), threading.Event()
         self.call: FitCall | GradientCall | ApplyCall | None = None
         self.result: Any = None
@@ -149,6 +202,7 @@ class _Worker:
         try:
             if self.abort:
                 raise _Aborted
+            self.threads.site_thread()
             _fit_hook.call, _fit_hook.gradient, _fit_hook.apply = self._park, self._park_gradient, self._park_apply
             self.reply = self.site.handle(self.task)
         except _Aborted:
@@ -175,7 +229,8 @@ class _Worker:
         if result is _SEQUENTIAL:
             _fit_hook.call = None
             try:
-                return site.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+                with self.threads.full_count():
+                    return site.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
             finally:
                 _fit_hook.call = self._park
         return result
@@ -187,7 +242,8 @@ class _Worker:
         if result is _SEQUENTIAL:
             _fit_hook.gradient = None
             try:
-                return site.gradient(role, x, target, loss, at)
+                with self.threads.full_count():
+                    return site.gradient(role, x, target, loss, at)
             finally:
                 _fit_hook.gradient = self._park_gradient
         return result
@@ -216,6 +272,7 @@ class _Worker:
             self.thread.start()
         self._go.set()
         self._yielded.wait()
+        self.threads.restore_default()
 
 
 class _Structure:
@@ -558,7 +615,8 @@ class VectorizedExecutor:
     # ------------------------------------------------------------ scheduling
     def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
         """Every ``site.handle(task)``; returns the replies in order."""
-        workers = [_Worker(s, t) for s, t in calls]
+        threads = _IntraOpThreads()
+        workers = [_Worker(s, t, threads) for s, t in calls]
         try:
             live = list(workers)
             while live:
