@@ -137,8 +137,8 @@ class _IntraOpThreads:
     OpenMP team of its own.  With K site threads each holding a team, the process manages more OpenMP
     threads than there are cores, and libgomp then lets the workers of *every* team (the main thread's
     as well) spin only briefly before sleeping, so each parallel region of the stacked step waits for its
-    workers to be woken: on the 2-core development CPU a stacked U-Net step with 6 parked site threads
-    took 1.7–2.5× as long as without them (docs/results.md, "Vectorized simulation").  The handlers'
+    workers to be woken: at torch's default 2 threads on the 2-core development CPU the vectorized rounds
+    were slower than sequential ones (docs/results.md, "Vectorized simulation").  The handlers'
     own work between parks is small, so their threads run with one intra-op thread (no team); a fit or
     gradient a site thread computes itself (the sequential fallback) gets the full count back while it runs.
 
