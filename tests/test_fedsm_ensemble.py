@@ -138,6 +138,27 @@ def test_ensemble_compares_its_selectors_by_the_validation_dice_of_the_mix():
     assert fedsm.selector_score(replies, known=None) == 0.0
 
 
+def test_fedsm_extra_scores_its_selectors_by_dice_with_the_experts_objective_and_by_eq1_agreement_otherwise():
+    """FedSM-extra's final-vs-kept selector choice: with its default experts objective, the assembled
+    composite's validation Dice (the replies of the ensemble test above: pooled 0.56), since that
+    objective does not aim at Eq. 1's one-hot labels on near-ties; with Eq. 1's labels (the reference
+    profile's ``"oracle"``), agreement with them (a kept score is used as kept; else the replies' 0.0)."""
+    import dataclasses
+
+    from conftest import tiny_config
+    from fedseg.algorithms import get_algorithm
+
+    replies = _replies({"a": (1.6, 2), "b": (4.0, 8)})
+    cfg = tiny_config("fedsm-extra", rounds=3)
+    extra = get_algorithm(cfg)
+    assert extra.labels == "experts" and extra.selector_criterion == "dice"
+    assert extra.selector_score(replies, known=0.9) == pytest.approx(0.56)
+    oracle = get_algorithm(dataclasses.replace(cfg, params={"fedsm": {"extra_objective": "oracle"}}))
+    assert oracle.labels == "oracle" and oracle.selector_criterion == "routing_acc"
+    assert oracle.selector_score(replies, known=0.9) == 0.9
+    assert oracle.selector_score(replies, known=None) == 0.0
+
+
 @pytest.mark.parametrize("objective", ["experts", "mix"])
 def test_ensemble_runs_end_to_end_and_records_the_selectors_validation_dice(tmp_path, sites, workload, objective):
     """The whole method on three tiny sites (2 model rounds, 2 selector rounds, fga selector): the run's

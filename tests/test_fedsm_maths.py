@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_config
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
@@ -146,12 +147,36 @@ def test_check_lambda_rejects_one_site_and_lambda_outside_zero_one_and_warns_bel
             "fedsm.selector_training = 'fedprox'; use 'fga', 'fedavg', 'fedrs' or 'fedaws'",
         ),
         ({"profile": "paper"}, "fedsm.profile = 'paper'; use 'default' or 'reference'"),
+        ({"extra_objective": "mix"}, "fedsm.extra_objective = 'mix'; use 'experts' or 'oracle'"),
     ],
 )
 def test_params_reject_bad_settings_naming_the_key(settings, message):
     """Through the config loader (string options are ``Literal``s it checks) and ``validate`` (ranges)."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         dataclass_from_dict(FedSMParams, settings, "fedsm").validate()
+
+
+def test_profiles_fill_in_fedsm_extras_objective_and_the_method_trains_on_it():
+    """Default profile: the experts objective (τ = ensemble_tau); reference profile: Eq. 1's cross-entropy
+    (the paper's); an explicit value wins.  FedSM-extra's selector is trained on the resolved one."""
+    from fedseg.algorithms import get_algorithm
+    from fedseg.algorithms.fedsm.selector import ExpertsLoss, selector_objective
+
+    assert FedSMParams().resolved().extra_objective == "experts"
+    assert FedSMParams(profile="reference").resolved().extra_objective == "oracle"
+    assert FedSMParams(extra_objective="oracle").resolved().extra_objective == "oracle"
+    cfg = tiny_config("fedsm-extra", rounds=3)
+    for fedsm, expected in (({}, "experts"), ({"profile": "reference"}, "oracle"), ({"extra_objective": "oracle"}, "oracle")):
+        algo = get_algorithm(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": fedsm}}))
+        assert algo.labels == expected
+
+        class _S:  # what selector_objective reads of a site
+            algorithm = algo
+            workload = None
+
+        objective = selector_objective(_S(), "selector", algo.labels)
+        assert objective == (ExpertsLoss(0.001) if expected == "experts" else F.cross_entropy)
+        assert selector_objective(_S(), "joint", algo.labels) is F.cross_entropy  # FedSM's Eq. 2 phase
 
 
 def test_extra_rejects_selector_rounds_that_leave_no_model_rounds():

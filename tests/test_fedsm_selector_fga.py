@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import selector_role
-from fedseg.algorithms.softpull import oracle_labels
+from fedseg.algorithms.softpull import experts_loss, image_losses, oracle_labels
 from fedseg.core.seeding import derive_seed
 from fedseg.core.site import Site
 from fedseg.models import Selector
@@ -39,9 +39,11 @@ def _cfg(method: str, rounds: int, **fedsm):
 
 
 def _central_selector(
-    cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None
+    cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None, objective: str = "oracle"
 ) -> dict[str, torch.Tensor]:
-    """One selector (the engine's seeded init), one Adam, each step on the concatenation of the sites' batches."""
+    """One selector (the engine's seeded init), one Adam, each step on the concatenation of the sites' batches:
+    Eq. 2's site labels, or with ``frozen`` models Eq. 1's labels (``objective = "oracle"``) or the
+    mixture-of-experts objective of their per-image losses (``"experts"``, τ = the run's ``ensemble_tau``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "init", selector_role(classes)))
         sel = Selector(2, 1, classes, width=SEL["selector_width"], hidden=SEL["selector_hidden"])
@@ -60,9 +62,18 @@ def _central_selector(
                     labels.append(torch.full((x.shape[0],), k, dtype=torch.long))
                 else:
                     with torch.no_grad():
-                        labels.append(oracle_labels([m(x) for m in frozen], y, workload.loss))
+                        outputs = [m(x) for m in frozen]
+                        labels.append(
+                            oracle_labels(outputs, y, workload.loss)
+                            if objective == "oracle"
+                            else image_losses(outputs, y, workload.loss)
+                        )
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(sel(torch.cat(xs)), torch.cat(labels)).backward()
+            logits = sel(torch.cat(xs))
+            if frozen is not None and objective == "experts":
+                experts_loss(logits, torch.cat(labels), algo.params.ensemble_tau).backward()
+            else:
+                F.cross_entropy(logits, torch.cat(labels)).backward()
             opt.step()
     return {k: v.detach().clone() for k, v in sel.state_dict().items()}
 
@@ -121,14 +132,18 @@ def test_fga_selector_equals_a_centrally_trained_selector_in_float64(tmp_path, w
     assert _rel_diff(_server_selector(tmp_path / "avg"), central) > 1e-3
 
 
-def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_path, workload):
+@pytest.mark.parametrize("objective", ["oracle", "experts"])
+def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_path, workload, objective):
     """FedSM-extra, 3 rounds = 2 model rounds + 1 selector round: the K + 1-class selector's
     single FGA round equals central training on the pooled batches with Eq. 1's labels
-    computed from the frozen global and personalized models (those the server holds after
-    the model rounds; they do not change in the selector phase)."""
+    (``extra_objective = "oracle"``, the paper's) or the mixture-of-experts objective of the
+    per-image losses (``"experts"``, the default) computed from the frozen global and
+    personalized models (those the server holds after the model rounds; they do not change
+    in the selector phase).  Both are means over the images, so the pooled batch's mean
+    gradient is the mean of the sites' (equal batches)."""
     # Prepare
     data = tiny_sites()
-    cfg = _cfg("fedsm-extra", rounds=3, selector_rounds=1)
+    cfg = _cfg("fedsm-extra", rounds=3, selector_rounds=1, extra_objective=objective)
     # Execute
     res = simulate(cfg, workload, data, out=tmp_path, progress=False)
     # Assert
@@ -139,8 +154,13 @@ def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_p
         m = workload.build_model().to(torch.float64)
         m.load_state_dict({k.removeprefix(name + "/"): v for k, v in server.items() if k.startswith(name + "/")})
         frozen.append(m.eval())
-    central = _central_selector(cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen)
+    central = _central_selector(cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen, objective=objective)
+    assert res["config"]["fedsm"]["extra_objective"] == objective
     assert _rel_diff(_server_selector(tmp_path), central) <= 1e-9
+    other = _central_selector(
+        cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen, objective={"oracle": "experts"}.get(objective, "oracle")
+    )
+    assert _rel_diff(_server_selector(tmp_path), other) > 1e-6  # the objective is the one trained on
     _sites_in_sync(tmp_path, list(data), "selector@4")
     # routing accuracy of a K + 1-class selector is agreement with Eq. 1's labels, in [0, 1]
     assert all(0.0 <= v <= 1.0 for v in res["history"][-1]["routing_acc"].values())

@@ -429,6 +429,21 @@ class FedSMExtra(FedSM):
     mode = "argmax"
     two_phase = True
 
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.labels = self.params.extra_objective
+        if self.labels == "experts":
+            self.selector_criterion = "dice"
+
+    def selector_score(self, replies: dict[str, dict[str, Any]] | None, known: float | None) -> float | None:
+        """Eq. 1's labels (``extra_objective = "oracle"``): the mean routing accuracy, i.e. agreement with
+        them, as FedSM.  The experts objective does not aim at Eq. 1's one-hot labels where models' losses
+        on an image are within about τ, so agreement with them would be a noisy score: the validation Dice
+        of the assembled composite (argmax routing) instead, as the ensemble's."""
+        if self.selector_criterion == "dice":
+            return _composite_dice(replies, self.cfg.eval.best_criterion)
+        return super().selector_score(replies, known)
+
 
 class FedSMEnsemble(FedSM):
     """FedSM ensemble (Section 3.1.1): inference is the softmax-weighted mix of all models' outputs; the
@@ -454,6 +469,12 @@ class FedSMEnsemble(FedSM):
         measured on the assembled models: the output is the mix, and a selector with Eq. 1's argmax but
         flatter weights mixes in worse models (a half-trained one was kept by routing accuracy on fundus,
         0.54 of its weight on the global model: ``docs/results.md``, "Issue 16: the ensemble's selector")."""
-        if not replies or not sum(r["n"] for r in replies.values()):
-            return None
-        return pick_gamma(replies, [0.0], self.cfg.eval.best_criterion)[1]
+        return _composite_dice(replies, self.cfg.eval.best_criterion)
+
+
+def _composite_dice(replies: dict[str, dict[str, Any]] | None, criterion: str) -> float | None:
+    """The validation Dice of a composite with one selection (argmax or mix routing) from its ``"route"``
+    replies, by ``eval.best_criterion``; None without validation cases."""
+    if not replies or not sum(r["n"] for r in replies.values()):
+        return None
+    return pick_gamma(replies, [0.0], criterion)[1]
