@@ -166,7 +166,11 @@ def test_profiles_fill_in_fedsm_extras_objective_and_the_method_trains_on_it():
     assert FedSMParams(profile="reference").resolved().extra_objective == "oracle"
     assert FedSMParams(extra_objective="oracle").resolved().extra_objective == "oracle"
     cfg = tiny_config("fedsm-extra", rounds=3)
-    for fedsm, expected in (({}, "experts"), ({"profile": "reference"}, "oracle"), ({"extra_objective": "oracle"}, "oracle")):
+    for fedsm, expected in (
+        ({}, "experts"),
+        ({"profile": "reference"}, "oracle"),
+        ({"extra_objective": "oracle"}, "oracle"),
+    ):
         algo = get_algorithm(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": fedsm}}))
         assert algo.labels == expected
 

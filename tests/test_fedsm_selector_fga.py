@@ -158,7 +158,14 @@ def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_p
     assert res["config"]["fedsm"]["extra_objective"] == objective
     assert _rel_diff(_server_selector(tmp_path), central) <= 1e-9
     other = _central_selector(
-        cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen, objective={"oracle": "experts"}.get(objective, "oracle")
+        cfg,
+        workload,
+        data,
+        4,
+        range(3, 4),
+        steps=3,
+        frozen=frozen,
+        objective={"oracle": "experts"}.get(objective, "oracle"),
     )
     assert _rel_diff(_server_selector(tmp_path), other) > 1e-6  # the objective is the one trained on
     _sites_in_sync(tmp_path, list(data), "selector@4")

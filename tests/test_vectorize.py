@@ -451,7 +451,9 @@ def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps
 
         # the fallback: each site thread trains itself, with the full count, and goes back to one after
         seen.clear()
-        monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [vectorize._SEQUENTIAL] * len(calls))
+        monkeypatch.setattr(
+            VectorizedExecutor, "fit_together", lambda self, calls: [vectorize._SEQUENTIAL] * len(calls)
+        )
         inner = Site.fit
 
         def spy(self, *args, **kwargs):
