@@ -668,3 +668,31 @@ def test_lockstep_adam_steps_together_equal_each_sites_own_step():
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[2].parameters()))
     for a, b in zip(models[0].parameters(), models[2].parameters()):
         assert all(torch.equal(opts[0].state[a][k], opts[2].state[b][k]) for k in opts[0].state[a])
+
+
+def test_selector_pools_as_adaptive_average_pooling_and_runs_under_vmap_without_the_slow_fallback():
+    """FedSM's selector pools by a mean over the spatial positions: the same numbers as
+    ``AdaptiveAvgPool(1)`` + ``Flatten`` (2D and 3D), and its stacked gradients run under vmap without
+    torch's per-sample fallback (which warned "performance drop" for the adaptive pooling)."""
+    import warnings
+
+    from torch import nn
+    from torch.func import functional_call, stack_module_state, vmap
+
+    from fedseg.models import Selector
+    from fedseg.models.selector import GlobalAvgPool
+
+    g = torch.Generator().manual_seed(0)
+    x2, x3 = torch.randn(3, 2, 5, 7, generator=g), torch.randn(2, 3, 4, 5, 6, generator=g)
+    torch.testing.assert_close(GlobalAvgPool()(x2), nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())(x2))
+    torch.testing.assert_close(GlobalAvgPool()(x3), nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten())(x3))
+    sels = [Selector(2, 3, 4, width=0.0625, hidden=8) for _ in range(3)]
+    params, bufs = stack_module_state(sels)
+    xs = torch.randn(3, 2, 3, 16, 16, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback's UserWarning fails the test
+        out = vmap(lambda p, b, x: functional_call(sels[0], (p, b), (x,)))(params, bufs, xs)
+        grads = torch.autograd.grad(out.sum(), list(params.values()))
+    for k, sel in enumerate(sels):  # each row is that selector's own output
+        torch.testing.assert_close(out[k], sel(xs[k]))
+    assert all(gr.shape == p.shape for gr, p in zip(grads, params.values()))

@@ -16,6 +16,17 @@ from torch import nn
 VGG11_LAYOUT: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
+class GlobalAvgPool(nn.Module):
+    """(B, C, *spatial) → (B, C): the mean over the spatial positions.  What ``AdaptiveAvgPool(1)`` +
+    ``Flatten`` compute, written as a mean so that it runs under ``torch.func.vmap`` without its slow
+    per-sample fallback (the adaptive pooling's backward has no batching rule: torch warns
+    "performance drop … aten::as_strided_" in a vectorized simulation).  No parameters, so
+    checkpoints are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(2).mean(dim=2)
+
+
 class Selector(nn.Module):
     """Image → K site logits (K = number of candidate models or sites).
 
@@ -42,7 +53,6 @@ class Selector(nn.Module):
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         conv = nn.Conv2d if spatial_dims == 2 else nn.Conv3d
         pool = nn.MaxPool2d if spatial_dims == 2 else nn.MaxPool3d
-        gap = nn.AdaptiveAvgPool2d if spatial_dims == 2 else nn.AdaptiveAvgPool3d
         layers: list[nn.Module] = []
         c = in_channels
         for item in VGG11_LAYOUT:
@@ -52,7 +62,7 @@ class Selector(nn.Module):
                 out = max(4, round(int(item) * width))
                 layers += [conv(c, out, kernel_size=3, padding=1), nn.ReLU(inplace=True)]
                 c = out
-        self.features = nn.Sequential(*layers, gap(1), nn.Flatten())
+        self.features = nn.Sequential(*layers, GlobalAvgPool())
         self.classifier = nn.Sequential(nn.Linear(c, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
