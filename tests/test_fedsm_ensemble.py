@@ -139,10 +139,10 @@ def test_ensemble_compares_its_selectors_by_the_validation_dice_of_the_mix():
 
 
 def test_fedsm_extra_scores_its_selectors_by_dice_with_the_experts_objective_and_by_eq1_agreement_otherwise():
-    """FedSM-extra's final-vs-kept selector choice: with its default experts objective, the assembled
-    composite's validation Dice (the replies of the ensemble test above: pooled 0.56), since that
-    objective does not aim at Eq. 1's one-hot labels on near-ties; with Eq. 1's labels (the reference
-    profile's ``"oracle"``), agreement with them (a kept score is used as kept; else the replies' 0.0)."""
+    """FedSM-extra's final-vs-kept selector choice: with Eq. 1's labels (the default ``"oracle"``),
+    agreement with them (a kept score is used as kept; else the replies' 0.0); with the experts
+    objective, the assembled composite's validation Dice (the replies of the ensemble test above:
+    pooled 0.56), since that objective does not aim at Eq. 1's one-hot labels on near-ties."""
     import dataclasses
 
     from conftest import tiny_config
@@ -150,10 +150,10 @@ def test_fedsm_extra_scores_its_selectors_by_dice_with_the_experts_objective_and
 
     replies = _replies({"a": (1.6, 2), "b": (4.0, 8)})
     cfg = tiny_config("fedsm-extra", rounds=3)
-    extra = get_algorithm(cfg)
+    extra = get_algorithm(dataclasses.replace(cfg, params={"fedsm": {"extra_objective": "experts"}}))
     assert extra.labels == "experts" and extra.selector_criterion == "dice"
     assert extra.selector_score(replies, known=0.9) == pytest.approx(0.56)
-    oracle = get_algorithm(dataclasses.replace(cfg, params={"fedsm": {"extra_objective": "oracle"}}))
+    oracle = get_algorithm(cfg)
     assert oracle.labels == "oracle" and oracle.selector_criterion == "routing_acc"
     assert oracle.selector_score(replies, known=0.9) == 0.9
     assert oracle.selector_score(replies, known=None) == 0.0

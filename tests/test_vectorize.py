@@ -129,8 +129,8 @@ METHODS = [
     ("ft", {}),
     ("fedsm", {}),
     ("fga", {}),
-    ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector by the experts objective
-    ("fedsm-extra", {"fedsm": {"selector_rounds": 1, "extra_objective": "oracle"}}),  # on Eq. 1 labels
+    ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
+    ("fedsm-extra", {"fedsm": {"selector_rounds": 1, "extra_objective": "experts"}}),  # by the experts objective
     ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector by the experts objective
     ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1, "ensemble_objective": "mix"}}),  # by the output mix's loss
     ("pfedme", {}),  # its inner steps' gradients at θ (Site.gradient)
