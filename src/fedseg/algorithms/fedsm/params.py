@@ -126,12 +126,12 @@ class FedSMParams:
         target between models whose losses on the image are within about τ; its selectors are
         compared by the composite's validation Dice.  Measured on the 320-round benchmark, 3 seeds,
         both presets: the two within 0.4 points of each other, Eq. 1 slightly ahead
-        (``docs/results.md``, "FedSM-extra's objective").  Inference is the argmax either way;
+        (``docs/results.md``, "Current main result (session 6)").  Inference is the argmax either way;
         routing is measured against Eq. 1's labels.
     ensemble_tau
-        τ > 0 of the ``"experts"`` objective (``ensemble_objective``, ``extra_objective``), in units of the workload loss: per-image
-        loss gaps much larger than τ give Eq. 1's one-hot target, gaps much smaller share the
-        weight.
+        τ > 0 of the ``"experts"`` objective (``ensemble_objective``, ``extra_objective``), in units
+        of the workload loss: per-image loss gaps much larger than τ give Eq. 1's one-hot target,
+        gaps much smaller share the weight.
     weighting
         Weights of the global-model average: 'samples' (n_k/n, Alg. 1 line 15) or 'even'.
     selector_weighting
