@@ -51,9 +51,10 @@ without :meth:`Site.fit` or :meth:`Site.gradient` (its own loop) runs sequential
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,23 +165,18 @@ class _IntraOpThreads:
             torch.set_num_threads(self.full)
             self.changed = False
 
-    def full_count(self) -> _FullCount:
-        """``with``: the site thread computes with the full count (its sequential fallback)."""
-        return _FullCount(self)
-
-
-class _FullCount:
-    def __init__(self, threads: _IntraOpThreads):
-        self.threads = threads
-
-    def __enter__(self) -> None:
-        if self.threads.full > 1:
-            torch.set_num_threads(self.threads.full)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.threads.full > 1:
+    @contextlib.contextmanager
+    def full_count(self) -> Iterator[None]:
+        """``with``: the site thread computes with the full count (its sequential fallback), then one again."""
+        if self.full == 1:
+            yield
+            return
+        torch.set_num_threads(self.full)
+        try:
+            yield
+        finally:
             torch.set_num_threads(1)
-            self.threads.changed = True
+            self.changed = True
 
 
 class _Worker:

@@ -349,8 +349,14 @@ class FedSM(Algorithm):
     """How :meth:`final_candidates` compares the final and the best earlier selector (:meth:`selector_score`)."""
 
     def selector_score(self, replies: dict[str, dict[str, Any]] | None, known: float | None) -> float | None:
-        """A selector's validation score in the assembled composite: the mean routing accuracy over the
-        sites (``known``: as measured when it was kept; else from the ``"route"`` ``replies``)."""
+        """A selector's validation score in the assembled composite, by :attr:`selector_criterion`:
+        ``"routing_acc"``, the mean routing accuracy over the sites (``known``: as measured when it was
+        kept; else from the ``"route"`` ``replies``); ``"dice"``, the validation Dice of the composite with
+        one selection (argmax or mix routing) by ``eval.best_criterion``, None without validation cases."""
+        if self.selector_criterion == "dice":
+            if not replies or not sum(r["n"] for r in replies.values()):
+                return None
+            return pick_gamma(replies, [0.0], self.cfg.eval.best_criterion)[1]
         if known is not None:
             return known
         return mean_routing({s: r["routing_acc"] for s, r in (replies or {}).items()})
@@ -433,16 +439,10 @@ class FedSMExtra(FedSM):
         super().__init__(cfg)
         self.labels = self.params.extra_objective
         if self.labels == "experts":
+            # with Eq. 1's labels the selectors are compared by agreement with them (routing accuracy), as
+            # FedSM's; the experts objective does not aim at those one-hot labels where the models' losses on
+            # an image are within about τ, so that agreement would be a noisy score: the composite's Dice
             self.selector_criterion = "dice"
-
-    def selector_score(self, replies: dict[str, dict[str, Any]] | None, known: float | None) -> float | None:
-        """Eq. 1's labels (``extra_objective = "oracle"``): the mean routing accuracy, i.e. agreement with
-        them, as FedSM.  The experts objective does not aim at Eq. 1's one-hot labels where models' losses
-        on an image are within about τ, so agreement with them would be a noisy score: the validation Dice
-        of the assembled composite (argmax routing) instead, as the ensemble's."""
-        if self.selector_criterion == "dice":
-            return _composite_dice(replies, self.cfg.eval.best_criterion)
-        return super().selector_score(replies, known)
 
 
 class FedSMEnsemble(FedSM):
@@ -459,22 +459,11 @@ class FedSMEnsemble(FedSM):
     two_phase = True
 
     selector_criterion = "dice"
+    """The validation Dice of the assembled mix, always measured on the assembled models: the output is the
+    mix, and a selector with Eq. 1's argmax but flatter weights mixes in worse models (a half-trained one was
+    kept by routing accuracy on fundus, 0.54 of its weight on the global model: ``docs/results.md``,
+    "Issue 16: the ensemble's selector")."""
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)
         self.labels = self.params.ensemble_objective
-
-    def selector_score(self, replies: dict[str, dict[str, Any]] | None, known: float | None) -> float | None:
-        """The validation Dice of the assembled mix with this selector (by ``eval.best_criterion``), always
-        measured on the assembled models: the output is the mix, and a selector with Eq. 1's argmax but
-        flatter weights mixes in worse models (a half-trained one was kept by routing accuracy on fundus,
-        0.54 of its weight on the global model: ``docs/results.md``, "Issue 16: the ensemble's selector")."""
-        return _composite_dice(replies, self.cfg.eval.best_criterion)
-
-
-def _composite_dice(replies: dict[str, dict[str, Any]] | None, criterion: str) -> float | None:
-    """The validation Dice of a composite with one selection (argmax or mix routing) from its ``"route"``
-    replies, by ``eval.best_criterion``; None without validation cases."""
-    if not replies or not sum(r["n"] for r in replies.values()):
-        return None
-    return pick_gamma(replies, [0.0], criterion)[1]
