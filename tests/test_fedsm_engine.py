@@ -208,6 +208,79 @@ def test_lambda_sweep_writes_the_table7_layout_and_runs_lambda_below_one_over_k(
     assert set(rows[1]["dice_by_gamma"]) >= {"0.0", "0.9"}
 
 
+@pytest.mark.slow
+def test_a_study_over_seeds_runs_each_seed_in_its_folder_and_tabulates_them(tmp_path, tiny_spec, capsys):
+    """``--seeds 0,1``: one sweep per seed in OUT/seed<N> (each run's config holds its seed), then
+    OUT/sweep.md over both, which ``fedseg fedsm table`` reproduces from the two folders alone."""
+    from fedseg.cli import main
+
+    args = ["--lam", "0.7", "--gamma", "0", "--rounds", "1", "--out", str(tmp_path)]
+    args += [a for o in TINY_OVERRIDES for a in ("--set", o)]
+    assert main(["fedsm", "sweep", str(tiny_spec), "--seeds", "0,1", *args]) == 0
+    for seed in (0, 1):
+        res = json.loads((tmp_path / f"seed{seed}" / "lam0.7" / "results.json").read_text())
+        assert res["config"]["seed"] == seed
+    table = (tmp_path / "sweep.md").read_text()
+    assert table.splitlines()[0] == "| λ | 0.7 |" and "over 2 seed(s)" in table
+    assert (
+        main(["fedsm", "table", str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--md", str(tmp_path / "t.md")]) == 0
+    )
+    assert (tmp_path / "t.md").read_text() == table
+    # one run or one per seed, not both
+    assert main(["fedsm", "sweep", str(tiny_spec), "--seed", "0", "--seeds", "0,1", *args]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
+    """Two seeds, λ 0.1 and 0.7: Client Avg 0.6 and 0.8 → 0.7000 ± 0.1414 (sd with n − 1: √(2·0.1²/1));
+    the γ used by each seed's run is listed; the per-γ Dice is averaged the same way."""
+    from fedseg.studies.fedsm import table7_over_seeds
+
+    def row(lam, ca, gd, gamma, d0):
+        return {"lam": lam, "client_avg_dice": ca, "global_dice": gd, "gamma": gamma, "dice_by_gamma": {"0.0": d0}}
+
+    seeds = [
+        [row(0.1, 0.6, 0.5, 0.0, 0.4), row(0.7, 0.9, 0.9, 0.9, 0.8)],
+        [row(0.1, 0.8, 0.5, 1.0, 0.6), row(0.7, 0.9, 0.7, 0.0, 0.8)],
+    ]
+    lines = table7_over_seeds(seeds).splitlines()
+    assert lines[0] == "| λ | 0.1 | 0.7 |"
+    assert lines[2] == "| Client Avg | 0.7000 ± 0.1414 | 0.9000 ± 0.0000 |"
+    assert lines[3] == "| Global | 0.5000 ± 0.0000 | 0.8000 ± 0.1414 |"
+    assert lines[4] == "| γ used (per seed) | 0, 1 | 0.9, 0 |"
+    assert "| 0 | 0.5000 ± 0.1414 | 0.8000 ± 0.0000 |" in lines
+
+
+def test_table5_over_seeds_averages_the_selection_frequencies_and_the_dice():
+    """Site1 held out in two seeds: PM site2 chosen for 1.0 and 0.5 of its images → 0.75; PM site3 0 and
+    0.5 → 0.25; Dice 0.2 and 0.4 → 0.3000 ± 0.1414; the best γ of each seed listed."""
+    from fedseg.studies.fedsm import table5_over_seeds
+
+    def row(sel2, sel3, dice, best_g, best):
+        sel = {"global": 0.0, "personal/site2": sel2, "personal/site3": sel3}
+        return {"site": "site1", "selection_at_0": sel, "dice_at_0": dice, "best_gamma": best_g, "best_dice": best}
+
+    lines = table5_over_seeds([[row(1.0, 0.0, 0.2, 0.0, 0.2)], [row(0.5, 0.5, 0.4, 0.9, 0.6)]]).splitlines()
+    assert (
+        lines[0]
+        == "| Unseen site | γ | GM | PM site1 | PM site2 | PM site3 | Dice | Best γ (per seed) | Best γ's Dice |"
+    )
+    assert lines[2] == "| site1 | 0 | 0.00 | N/A | 0.75 | 0.25 | 0.3000 ± 0.1414 | 0, 0.9 | 0.4000 ± 0.2828 |"
+
+
+def test_tabulate_names_a_folder_that_holds_no_study_and_refuses_mixed_studies(tmp_path):
+    from fedseg.studies.fedsm import tabulate
+
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ConfigError, match=r"a: expected the output folder of one FedSM study .* found neither"):
+        tabulate([tmp_path / "a"])
+    (tmp_path / "a" / "sweep.json").write_text("[]")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "unseen.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"different studies \(\['sweep', 'unseen'\]\)"):
+        tabulate([tmp_path / "a", tmp_path / "b"])
+
+
 def test_selector_steps_limits_the_selector_work_per_round(tmp_path, sites, workload):
     """local_steps = 3, selector_steps = 1: the models take 3 Adam steps, the selector 1,
     so the averaged selector step count is exactly 1 and a site's personal-model count 3."""

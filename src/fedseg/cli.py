@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
-from fedseg.core.errors import FedsegError
+from fedseg.core.errors import ConfigError, FedsegError
 from fedseg.data.synth import synthesize
 from fedseg.data.validate import validate_federation
 from fedseg.deploy import run as dep
@@ -20,7 +20,7 @@ from fedseg.report import ReportOptions, build_report
 from fedseg.report.tensorboard import TensorBoardLogger
 from fedseg.simulation.runner import run
 from fedseg.studies.compare import compare, demo, evaluate_run, split_method_entries
-from fedseg.studies.fedsm import sweep, unseen
+from fedseg.studies.fedsm import over_seeds, sweep, tabulate, unseen
 
 
 def _csv(text: str) -> list[str]:
@@ -122,24 +122,28 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 
 def cmd_fedsm(a: argparse.Namespace) -> int:
+    if a.fedsm_verb == "table":
+        _, table = tabulate(a.folders, a.md)
+        print("\n" + table)
+        if a.md:
+            print(f"table: {Path(a.md).resolve()}")
+        return 0
     gammas = [float(g) for g in _csv(a.gamma)] if a.gamma else None
     fields = {k: v for k, v in (("rounds", a.rounds), ("seed", a.seed)) if v is not None}
     if a.fedsm_verb == "unseen":
-        _, table = unseen(
-            a.config,
-            a.out,
-            overrides=a.set,
-            sites=_csv(a.sites) if a.sites else None,
-            gammas=gammas,
-            progress=True,
-            **fields,
-        )
+        kwargs: dict = {"sites": _csv(a.sites) if a.sites else None}
         name = "unseen.md"
     else:
-        _, table = sweep(
-            a.config, a.out, [float(x) for x in _csv(a.lam)], overrides=a.set, gammas=gammas, progress=True, **fields
-        )
+        kwargs = {"lams": [float(x) for x in _csv(a.lam)]}
         name = "sweep.md"
+    kwargs.update(overrides=a.set, gammas=gammas, progress=True)
+    if a.seeds:
+        if a.seed is not None:
+            raise ConfigError("give --seed (one run) or --seeds (one run per seed), not both")
+        fields.pop("seed", None)
+        _, table = over_seeds(a.fedsm_verb, a.config, a.out, [int(s) for s in _csv(a.seeds)], **kwargs, **fields)
+    else:
+        _, table = (unseen if a.fedsm_verb == "unseen" else sweep)(a.config, a.out, **kwargs, **fields)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / name}")
     return 0
@@ -318,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--out", required=True)
         x.add_argument("--rounds", type=int)
         x.add_argument("--seed", type=int)
+        x.add_argument(
+            "--seeds", help="comma-separated seeds: one study per seed in OUT/seed<N>, then one table (mean ± sd)"
+        )
         x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if study == "unseen":
@@ -325,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             x.add_argument("--lam", required=True, help="comma-separated lambdas, e.g. 0.1,0.3,0.5,0.7,0.9")
         x.set_defaults(func=cmd_fedsm)
+    x = fsub.add_parser(
+        "table", help="one table (mean ± sd over seeds) from the output folders of one study run with several seeds"
+    )
+    x.add_argument("folders", nargs="+", help="output folders of 'fedseg fedsm sweep' or 'unseen', one per seed")
+    x.add_argument("--md", help="also write the table here")
+    x.set_defaults(func=cmd_fedsm)
     dp = sub.add_parser(
         "deploy", help="run across real sites on NVIDIA FLARE (mutual TLS), or rehearse it on this machine"
     )

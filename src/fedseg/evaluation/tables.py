@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["method_rows", "table3"]
+__all__ = ["mean_sd", "method_rows", "table3"]
 
 
 def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -38,7 +38,8 @@ def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _fmt(values: Sequence[float]) -> str:
+def mean_sd(values: Sequence[float | None]) -> str:
+    """``"m ± sd"`` (4 decimals) over the values that are numbers; one value alone, ``"–"`` for none."""
     vals = [v for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return "–"
@@ -64,8 +65,8 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, rows in grouped.items():
         cells = [label]
-        cells += [_fmt([r["per_site_dice"].get(s) for r in rows]) for s in sites]
-        cells += [_fmt([r["client_avg_dice"] for r in rows]), _fmt([r["global_dice"] for r in rows])]
+        cells += [mean_sd([r["per_site_dice"].get(s) for r in rows]) for s in sites]
+        cells += [mean_sd([r["client_avg_dice"] for r in rows]), mean_sd([r["global_dice"] for r in rows])]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
         f"\nDice = mean over label channels per case; {len(seeds)} seed(s): {seeds}"
