@@ -127,7 +127,9 @@ METHODS = [
     ("local", {}),
     ("ditto", {}),
     ("ft", {}),
+    ("apfl", {}),  # gradients at w and at the mixture α v + (1 − α) w (Site.gradient(at=...)), fused steps
     ("fedsm", {}),
+    ("fedsm", {"fedsm": {"personalization": "apfl"}}),
     ("fga", {}),
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1, "extra_objective": "experts"}}),  # by the experts objective
@@ -168,6 +170,7 @@ def test_float64_equals_sequential(tmp_path, method, params):
         ("fga", {}),
         ("pfedme", {}),
         ("perfedavg", {}),
+        ("apfl", {}),
     ],
 )
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
@@ -385,8 +388,9 @@ def test_batch_norm_model_falls_back_with_the_reason_logged(tmp_path):
 
 
 def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
-    _run(tmp_path, _cfg("apfl", "off", rounds=1), "seq")
-    _, logs = _run(tmp_path, _cfg("apfl", "on", rounds=1), "vec")
+    outputs = {"apfl": {"mix": "outputs"}}  # APFL's output mixture: autograd through both models' outputs
+    _run(tmp_path, _cfg("apfl", "off", rounds=1, params=outputs), "seq")
+    _, logs = _run(tmp_path, _cfg("apfl", "on", rounds=1, params=outputs), "vec")
     assert (
         "vectorize: task 'train' of sites site1, site2, site3 runs sequentially: method 'apfl' computes it in its own loop, not through Site.fit or Site.gradient"
         in logs

@@ -8,7 +8,7 @@ personalized model is the mixture (paper Eq. 3 / Alg. 1)
 Per local step, on one batch ξ (stream ``"train"``), from the same iterate:
 
     w   ← w − η ∇f_i(w; ξ)                    (the global model's local copy: FedAvg's step)
-    v_i ← v_i − η ∇_v f_i(v̄_i; ξ)             (= α_i ∇f_i(v̄_i), autograd through the mixture)
+    v_i ← v_i − η ∇_v f_i(v̄_i; ξ)             (= α_i ∇f_i(v̄_i), the chain rule through the mixture)
     α_i ← clip_[0,1](α_i − η_α ∇_α f_i(v̄_i; ξ)),  ∇_α = ⟨v_i − w, ∇f_i(v̄_i)⟩   (paper Eq. 10)
 
 and the server averages the w's like FedAvg.  Because the w step is exactly FedAvg's
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.func import functional_call
 
 from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting
@@ -54,7 +53,7 @@ from fedseg.core.arrays import Arrays, dot, prefixed, strip_prefix, sub
 from fedseg.core.config import RunConfig
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Reply, Task
-from fedseg.core.site import LossSums, Site
+from fedseg.core.site import LossSums, Site, step_with_gradient
 
 __all__ = [
     "APFL",
@@ -123,7 +122,15 @@ class APFLParams:
 
 
 def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams) -> dict[str, Any]:
-    """One round of APFL at ``site``: updates ``models["global"]`` (w), ``models["personal"]`` (v) and α."""
+    """One round of APFL at ``site``: updates ``models["global"]`` (w), ``models["personal"]`` (v) and α.
+
+    With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
+    ∇f(w) and ∇f(v̄) at the mixture v̄ = α v + (1 − α) w) and two optimizer steps
+    (:func:`fedseg.core.site.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
+    with ⟨v − w, ∇f(v̄)⟩ (:func:`alpha_gradient`; v, w before their steps).  A vectorized simulation
+    computes the K sites' gradients as one vmapped call each and takes their steps as one fused step;
+    sequentially this is the arithmetic of autograd through the mixture (α's gradient summed in float64).
+    ``mix = "outputs"`` differentiates through the output mixture in its own loop (sequential)."""
     w_model = site.load("global", global_arrays)
     if "personal" not in site.models:
         site.load("personal", global_arrays)
@@ -138,40 +145,17 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     )
     alpha = alpha.to(site.device)
     lr_a = params.alpha_lr or site.cfg.train.lr
-    loss_f = site.workload.loss
     w_model.train()
     v_model.train()
     v_params = dict(v_model.named_parameters())
     sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
-        # w: exactly FedAvg's local step (Site.fit's order)
-        opt_w.zero_grad(set_to_none=True)
-        with site.autocast():
-            out_w = w_model(x)
-            loss_w = loss_f(out_w, y)
-        loss_w.backward()
-        # v and α: gradient of f at the mixture, w held fixed
-        a = alpha.to(site.dtype).requires_grad_(params.learn_alpha)
         if params.mix == "parameters":
-            w_now = {k: p.detach() for k, p in w_model.named_parameters()}
-            mixed = {k: a * p + (1 - a) * w_now[k] for k, p in v_params.items()}
-            with site.autocast():
-                out = functional_call(v_model, mixed, (x,))
+            loss_w, loss_v, grad_a = _parameter_mixing_step(site, w_model, v_model, opt_w, opt_v, alpha, x, y)
         else:
-            with site.autocast():
-                out_v = v_model(x)
-            out = a * out_v + (1 - a) * out_w.detach()
-        with site.autocast():
-            loss_v = loss_f(out, y)
-        targets = list(v_params.values()) + ([a] if params.learn_alpha else [])
-        grads = torch.autograd.grad(loss_v, targets, allow_unused=True)
-        opt_v.zero_grad(set_to_none=True)
-        for p, g in zip(v_params.values(), grads):
-            p.grad = torch.zeros_like(p) if g is None else g
-        opt_w.step()
-        opt_v.step()
-        if params.learn_alpha and grads[-1] is not None:
-            alpha = alpha_step(alpha, grads[-1].detach().to(torch.float64), lr_a)
+            loss_w, loss_v, grad_a = _output_mixing_step(site, w_model, v_model, v_params, opt_w, opt_v, alpha, x, y)
+        if params.learn_alpha and grad_a is not None:
+            alpha = alpha_step(alpha, grad_a.detach().to(alpha.device, torch.float64), lr_a)
         sums.add("loss", loss_w)
         sums.add("personal_loss", loss_v)
     means = sums.means()
@@ -182,6 +166,45 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
         "alpha": float(alpha.detach()),
         "steps": sums.count("loss"),
     }
+
+
+def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y):
+    """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / step_with_gradient."""
+    g_w, loss_w = site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
+    a = alpha.to(site.dtype)
+    # views of the weights before this step's updates (read below before the steps change them)
+    w_now = {k: p.detach() for k, p in w_model.named_parameters()}
+    v_now = {k: p.detach() for k, p in v_model.named_parameters()}
+    mixed = {k: a * v_now[k] + (1 - a) * w_now[k] for k in v_now}
+    g_mix, loss_v = site.gradient("personal", x, y, at=mixed)
+    g_v = {k: a * g_mix[k] if k in g_mix else torch.zeros_like(v) for k, v in v_now.items()}
+    grad_a = dot(sub(v_now, w_now), {k: g_mix.get(k, torch.zeros_like(v)) for k, v in v_now.items()})
+    step_with_gradient(w_model, opt_w, g_w)
+    step_with_gradient(v_model, opt_v, g_v)
+    return loss_w, loss_v, grad_a
+
+
+def _output_mixing_step(site: Site, w_model, v_model, v_params, opt_w, opt_v, alpha, x, y):
+    """One step of w, v (and α's gradient) for the output mixture α v(x) + (1 − α) w(x), by autograd."""
+    loss_f = site.workload.loss
+    opt_w.zero_grad(set_to_none=True)
+    with site.autocast():
+        out_w = w_model(x)
+        loss_w = loss_f(out_w, y)
+    loss_w.backward()
+    a = alpha.to(site.dtype).requires_grad_(True)
+    with site.autocast():
+        out_v = v_model(x)
+    out = a * out_v + (1 - a) * out_w.detach()
+    with site.autocast():
+        loss_v = loss_f(out, y)
+    grads = torch.autograd.grad(loss_v, [*v_params.values(), a], allow_unused=True)
+    opt_v.zero_grad(set_to_none=True)
+    for p, g in zip(v_params.values(), grads):
+        p.grad = torch.zeros_like(p) if g is None else g
+    opt_w.step()
+    opt_v.step()
+    return loss_w.detach(), loss_v.detach(), grads[-1]
 
 
 class AdaptiveMixture(PersonalizationBase):
