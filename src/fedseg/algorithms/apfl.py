@@ -127,7 +127,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
     ∇f(w) and ∇f(v̄) at the mixture v̄ = α v + (1 − α) w) and two optimizer steps
     (:func:`fedseg.core.site.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
-    with ⟨v − w, ∇f(v̄)⟩ (:func:`alpha_gradient`; v, w before their steps).  A vectorized simulation
+    with ⟨v − w, ∇f(v̄)⟩ (as :func:`alpha_gradient`, kept on the device; v, w before their steps).  A vectorized simulation
     computes the K sites' gradients as one vmapped call each and takes their steps as one fused step;
     sequentially this is the arithmetic of autograd through the mixture (α's gradient summed in float64).
     ``mix = "outputs"`` differentiates through the output mixture in its own loop (sequential)."""
@@ -151,7 +151,9 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
         if params.mix == "parameters":
-            loss_w, loss_v, grad_a = _parameter_mixing_step(site, w_model, v_model, opt_w, opt_v, alpha, x, y)
+            loss_w, loss_v, grad_a = _parameter_mixing_step(
+                site, w_model, v_model, opt_w, opt_v, alpha, x, y, params.learn_alpha
+            )
         else:
             loss_w, loss_v, grad_a = _output_mixing_step(site, w_model, v_model, v_params, opt_w, opt_v, alpha, x, y)
         if params.learn_alpha and grad_a is not None:
@@ -168,7 +170,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     }
 
 
-def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y):
+def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y, learn_alpha: bool):
     """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / step_with_gradient."""
     g_w, loss_w = site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
     a = alpha.to(site.dtype)
@@ -178,7 +180,11 @@ def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x,
     mixed = {k: a * v_now[k] + (1 - a) * w_now[k] for k in v_now}
     g_mix, loss_v = site.gradient("personal", x, y, at=mixed)
     g_v = {k: a * g_mix[k] if k in g_mix else torch.zeros_like(v) for k, v in v_now.items()}
-    grad_a = dot(sub(v_now, w_now), {k: g_mix.get(k, torch.zeros_like(v)) for k, v in v_now.items()})
+    grad_a = (
+        dot(sub(v_now, w_now), {k: g_mix.get(k, torch.zeros_like(v)) for k, v in v_now.items()})
+        if learn_alpha
+        else None
+    )
     step_with_gradient(w_model, opt_w, g_w)
     step_with_gradient(v_model, opt_v, g_v)
     return loss_w, loss_v, grad_a
