@@ -12,6 +12,7 @@ exactly that on the default tiny model.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -160,19 +161,25 @@ def test_float64_equals_sequential(tmp_path, method, params):
                 assert b[key][s] == pytest.approx(loss, rel=1e-10)
 
 
-@pytest.mark.parametrize(
-    "method,params",
-    [
-        ("fedavg", {}),
-        ("fedprox", {"fedprox": {"mu": 0.5}}),
-        ("scaffold", {}),
-        ("fedsm", {}),
-        ("fga", {}),
-        ("pfedme", {}),
-        ("perfedavg", {}),
-        ("apfl", {}),
-    ],
-)
+FLOAT32 = [
+    ("fedavg", {}),
+    ("fedavg-even", {}),
+    ("fedprox", {"fedprox": {"mu": 0.5}}),
+    ("scaffold", {}),
+    ("local", {}),
+    ("ditto", {}),
+    ("ft", {}),
+    ("fedsm", {}),
+    ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),
+    ("fedsm-ensemble", {"fedsm": {"selector_rounds": 1}}),
+    ("fga", {}),
+    ("pfedme", {}),
+    ("perfedavg", {}),
+    ("apfl", {}),
+]
+
+
+@pytest.mark.parametrize("method,params", FLOAT32, ids=[m for m, _ in FLOAT32])
 def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
     """Weights and moments to rtol 1e-4, the same best rounds.  SCAFFOLD's control variates
     c_i = c_i − c + (x − y)/(K η_l) divide a difference of two nearly equal float32 weights by
@@ -700,3 +707,41 @@ def test_selector_pools_as_adaptive_average_pooling_and_runs_under_vmap_without_
     for k, sel in enumerate(sels):  # each row is that selector's own output
         torch.testing.assert_close(out[k], sel(xs[k]))
     assert all(gr.shape == p.shape for gr, p in zip(grads, params.values()))
+
+
+# ------------------------------------------------------------------- on CUDA
+def _cuda(cfg: RunConfig) -> RunConfig:
+    return dataclasses.replace(cfg, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["fedavg", "fedsm", "fga", "apfl"])
+def test_gpu_vectorized_equals_sequential_to_rounding(tmp_path, method):
+    """On CUDA as on the CPU: weights and moments to rtol 1e-4, the same best rounds; the group size
+    comes from the free GPU memory and the log says so (the CPU has no such number)."""
+    seq, _ = _run(tmp_path, _cuda(_cfg(method, "off", dtype="float32", rounds=3)), "seq")
+    vec, logs = _run(tmp_path, _cuda(_cfg(method, "on", dtype="float32", rounds=3)), "vec")
+    assert seq["device"].startswith("cuda") and _vectorized(logs), logs
+    assert any(re.search(r"MiB per site and [0-9.]+ GiB free on cuda", m) for m in logs), logs
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-4, atol=1e-6)
+    assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in vec["rows"]]
+
+
+@pytest.mark.gpu
+def test_gpu_auto_vectorizes_and_bf16_runs_vectorized(tmp_path):
+    """``simulation.vectorize = auto`` is on on CUDA; under bf16 autocast the vectorized losses agree with
+    the sequential ones to bf16 rounding and every weight stays finite."""
+    seq, _ = _run(tmp_path, _cuda(_cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16")), "seq")
+    vec, logs = _run(
+        tmp_path, _cuda(_cfg("fedavg", "auto", dtype="float32", model=TINY_MODEL, precision="bf16")), "vec"
+    )
+    assert _vectorized(logs), logs
+    assert all(
+        torch.isfinite(t).all()
+        for st in _states(tmp_path / "vec").values()
+        for t in st.values()
+        if t.is_floating_point()
+    )
+    for a, b in zip(seq["history"], vec["history"]):
+        for s, loss in a["train_loss"].items():
+            assert b["train_loss"][s] == pytest.approx(loss, abs=1e-2)
