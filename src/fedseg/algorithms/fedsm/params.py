@@ -65,6 +65,10 @@ class FedSMParams:
         VGG-11 layout × width).  The reference's VGG-11 has 129 M parameters (80× the U-Net).
     selector_lr
         Selector learning rate η_s (Alg. 1); None = ``train.lr``.
+    selector_augment
+        ``"flip"``: every image of a selector batch is flipped along each spatial axis with probability
+        1/2 (seeded by run seed, site, round and step), so that the selector learns a site's appearance
+        rather than its few training images; ``"none"`` (default): the batches as drawn.
     selector_training
         ``"fga"`` (default profile): every selector step is a lockstep exchange of
         federated gradient averaging (:func:`fedseg.algorithms.fga.lockstep_round`): the
@@ -158,6 +162,7 @@ class FedSMParams:
     selector_width: float = 0.125
     selector_hidden: int = 128
     selector_lr: float | None = None
+    selector_augment: Literal["none", "flip"] = "none"
     selector_training: Literal["fga", "fedavg", "fedrs", "fedaws"] | None = None
     fedrs_alpha: float = 0.5
     fedaws_nu: float = 2.0

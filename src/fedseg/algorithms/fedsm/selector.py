@@ -52,12 +52,15 @@ from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses,
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply, Task
+from fedseg.core.seeding import generator
 from fedseg.core.site import Site, dataset_len
 
 __all__ = [
     "ExpertsLoss",
     "MixLoss",
+    "augment_for_selector",
     "average_selector",
+    "flip_batch",
     "fga_round",
     "fga_step",
     "frozen_roles",
@@ -203,6 +206,27 @@ def selector_loss(
     return selector_objective(site, phase, labels)(logits, selector_target(site, x, y, phase, own, frozen, labels))
 
 
+def flip_batch(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Each image of ``x`` (B, C, *spatial) flipped along each spatial axis with probability 1/2, the
+    draws from ``g`` (B per axis, in axis order): a flip keeps what identifies a site (its intensities,
+    contrast, noise) and changes the image's layout."""
+    out = x
+    for d in range(2, x.dim()):
+        mask = torch.rand(x.shape[0], generator=g) < 0.5
+        if bool(mask.any()):
+            shape = (-1,) + (1,) * (x.dim() - 1)
+            out = torch.where(mask.to(x.device).reshape(shape), out.flip(d), out)
+    return out
+
+
+def augment_for_selector(site: Site, x: torch.Tensor, rnd: int, step: int) -> torch.Tensor:
+    """``fedsm.selector_augment`` on a selector batch: ``"flip"`` (:func:`flip_batch`, seeded by the run
+    seed, the site, the round and the step), ``"none"`` the batch as drawn."""
+    if site.algorithm.params.selector_augment != "flip":
+        return x
+    return flip_batch(x, generator(site.cfg.seed, site.index, rnd, "selector-flip", step))
+
+
 def routing_accuracy_at(site: Site, sel: nn.Module, sites: Sequence[str], phase: str, labels: str) -> float:
     """Validation routing accuracy of ``sel`` at this site: for FedSM's Eq. 2 selector, the fraction of
     images whose argmax is the site itself; for the K + 1-class selectors of the selector phase, the
@@ -256,6 +280,7 @@ def train_locally(
     for x, y in site.batches(rnd, "train", cfg.get("steps")):
         batches += 1
         if max_steps is None or steps < max_steps:
+            x = augment_for_selector(site, x, rnd, steps)
             steps += 1
             opt_s.zero_grad(set_to_none=True)
             with site.autocast():
@@ -304,6 +329,7 @@ def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: 
         lr=lr,
         loss=selector_objective(site, phase, labels),
         target=lambda x, y: selector_target(site, x, y, phase, own, frozen, labels),
+        transform=lambda x, rnd, step: augment_for_selector(site, x, rnd, step),
         check_loss=F.cross_entropy if labels != "mix" or phase == "joint" else None,
     )
     if routing is not None:
