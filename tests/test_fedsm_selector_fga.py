@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import selector_role
+from fedseg.algorithms.fedsm.selector import augment_for_selector, flip_batch
 from fedseg.algorithms.softpull import experts_loss, image_losses, oracle_labels
-from fedseg.core.seeding import derive_seed
+from fedseg.core.seeding import derive_seed, generator
 from fedseg.core.site import Site
 from fedseg.models import Selector
 from fedseg.simulation.runner import simulate
@@ -39,7 +40,15 @@ def _cfg(method: str, rounds: int, **fedsm):
 
 
 def _central_selector(
-    cfg, workload, data, classes: int, rounds: range, steps: int, frozen=None, objective: str = "oracle"
+    cfg,
+    workload,
+    data,
+    classes: int,
+    rounds: range,
+    steps: int,
+    frozen=None,
+    objective: str = "oracle",
+    flip: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One selector (the engine's seeded init), one Adam, each step on the concatenation of the sites' batches:
     Eq. 2's site labels, or with ``frozen`` models Eq. 1's labels (``objective = "oracle"``) or the
@@ -57,6 +66,8 @@ def _central_selector(
             xs, labels = [], []
             for k, batches in enumerate(per_site):
                 x, y = batches[t]
+                if flip:  # fedsm.selector_augment = "flip": the site's seeded flips of its batch
+                    x = flip_batch(x, generator(cfg.seed, k, rnd, "selector-flip", t))
                 xs.append(x)
                 if frozen is None:
                     labels.append(torch.full((x.shape[0],), k, dtype=torch.long))
@@ -130,6 +141,52 @@ def test_fga_selector_equals_a_centrally_trained_selector_in_float64(tmp_path, w
         progress=False,
     )
     assert _rel_diff(_server_selector(tmp_path / "avg"), central) > 1e-3
+
+
+def test_flip_batch_flips_each_image_by_its_own_seeded_draws_and_keeps_its_values():
+    """Two axes, 4 images: image i is flipped along H when the first 4 draws of the generator say
+    r_H[i] < 1/2 and along W when the next 4 say r_W[i] < 1/2 (redrawn here from the same seed); a
+    flip only moves pixels, so each image keeps the multiset of its values."""
+    x = torch.rand(4, 2, 3, 5, generator=torch.Generator().manual_seed(1))
+    out = flip_batch(x, torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    r_h, r_w = torch.rand(4, generator=g), torch.rand(4, generator=g)
+    for i in range(4):
+        want = x[i]
+        if r_h[i] < 0.5:
+            want = want.flip(1)
+        if r_w[i] < 0.5:
+            want = want.flip(2)
+        assert torch.equal(out[i], want)
+        assert torch.equal(out[i].flatten().sort().values, x[i].flatten().sort().values)
+    assert not torch.equal(out, x)  # this seed flips at least one image
+
+
+def test_fga_selector_with_flips_equals_a_central_selector_on_the_same_flipped_batches(tmp_path, workload):
+    """fedsm.selector_augment = "flip": each site flips its lockstep batch with its seeded draws
+    (run seed, site, round, step), so the selector is still the central selector of the pooled batch —
+    of the flipped batches (float64, 3 rounds × 3 steps, as the test above); without flips it is not."""
+    data = tiny_sites()
+    cfg = _cfg("fedsm", rounds=3, selector_augment="flip")
+    simulate(cfg, workload, data, out=tmp_path, progress=False)
+    flipped = _central_selector(cfg, workload, data, 3, range(1, 4), steps=3, flip=True)
+    assert _rel_diff(_server_selector(tmp_path), flipped) <= 1e-9
+    assert _rel_diff(_server_selector(tmp_path), _central_selector(cfg, workload, data, 3, range(1, 4), steps=3)) > 1e-3
+    # the averaged selector's local steps flip their batches too
+    avg = _cfg("fedsm", rounds=1, selector_training="fedavg")
+    simulate(avg, workload, data, out=tmp_path / "avg", progress=False)
+    simulate(
+        dataclasses.replace(avg, params={"fedsm": {**avg.params["fedsm"], "selector_augment": "flip"}}),
+        workload,
+        data,
+        out=tmp_path / "avgf",
+        progress=False,
+    )
+    assert _rel_diff(_server_selector(tmp_path / "avgf"), _server_selector(tmp_path / "avg")) > 1e-6
+    # "none" (the default) leaves a batch as drawn
+    site = Site("a", 0, data["site1"], workload, _cfg("fedsm", rounds=1), get_algorithm(_cfg("fedsm", rounds=1)))
+    x = torch.rand(2, 1, 4, 4)
+    assert augment_for_selector(site, x, 1, 0) is x
 
 
 @pytest.mark.parametrize("objective", ["oracle", "experts"])

@@ -131,6 +131,7 @@ METHODS = [
     ("apfl", {}),  # gradients at w and at the mixture α v + (1 − α) w (Site.gradient(at=...)), fused steps
     ("fedsm", {}),
     ("fedsm", {"fedsm": {"personalization": "apfl"}}),
+    ("fedsm", {"fedsm": {"selector_augment": "flip"}}),  # each site's seeded flips before its selector gradient
     ("fga", {}),
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1, "extra_objective": "experts"}}),  # by the experts objective
