@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.apfl import alpha_gradient, alpha_step, mix_outputs, mix_parameters
+from fedseg.algorithms.apfl import alpha_gradient, alpha_step, mix_outputs, mix_parameters, mixture_gradients
 from fedseg.algorithms.fedprox import proximal_term
 from fedseg.algorithms.pfedme import inner_update, moreau_gradient, server_update
 from fedseg.algorithms.scaffold import control_update, correction, server_control_update, server_model_update
@@ -108,6 +108,16 @@ def test_apfl_mixing_endpoints_are_exact():
         and alpha_step(0.9, -5.0, 0.1) == 1.0
         and alpha_step(0.5, 1.0, 0.1) == pytest.approx(0.4)
     )
+
+
+def test_apfl_mixture_gradients_follow_the_chain_rule_by_hand():
+    """v̄ = α v + (1 − α) w with α = 0.25, v = (1, 2), w = (5, −2), ∇f(v̄) = (4, −8):
+    ∇_v f = α ∇f(v̄) = (1, −2); ∂f/∂α = ⟨v − w, ∇f(v̄)⟩ = (−4)(4) + (4)(−8) = −48 (float64).
+    A parameter the gradient does not name (f does not reach it) gets zero and adds nothing to ∂f/∂α."""
+    v, w = {"a": t(1.0, 2.0), "u": t(3.0)}, {"a": t(5.0, -2.0), "u": t(1.0)}
+    g_v, g_a = mixture_gradients(v, w, {"a": t(4.0, -8.0)}, 0.25)
+    assert torch.equal(g_v["a"], t(1.0, -2.0)) and torch.equal(g_v["u"], t(0.0))
+    assert g_a.dtype == torch.float64 and float(g_a) == -48.0
 
 
 def test_apfl_alpha_gradient_matches_autograd_through_the_parameter_mixture():

@@ -64,6 +64,7 @@ __all__ = [
     "local_round",
     "mix_outputs",
     "mix_parameters",
+    "mixture_gradients",
 ]
 
 
@@ -80,11 +81,21 @@ def mix_outputs(out_v: torch.Tensor, out_w: torch.Tensor, alpha: float) -> torch
     return torch.lerp(out_w, out_v, float(alpha))
 
 
+def mixture_gradients(
+    v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], grad_mixed: Mapping[str, torch.Tensor], alpha
+) -> tuple[Arrays, torch.Tensor]:
+    """The chain rule through v̄ = α v + (1 − α) w, from ∇f(v̄) (a parameter it does not name: zero):
+    ∇_v f(v̄) = α ∇f(v̄), and ∂f(v̄)/∂α = ⟨v − w, ∇f(v̄)⟩ (paper Eq. 10) as a float64 scalar tensor on the
+    gradients' device (no host read).  ``alpha``: a float or a scalar tensor of the weights' dtype."""
+    g = {k: grad_mixed[k] if k in grad_mixed else torch.zeros_like(t) for k, t in v.items()}
+    return {k: alpha * gk for k, gk in g.items()}, dot(sub(dict(v), dict(w)), g)
+
+
 def alpha_gradient(
     v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], grad_mixed: Mapping[str, torch.Tensor]
 ) -> float:
-    """∂f(v̄)/∂α = ⟨v − w, ∇f(v̄)⟩ for parameter mixing (paper Eq. 10)."""
-    return float(dot(sub(dict(v), dict(w)), dict(grad_mixed)))
+    """∂f(v̄)/∂α = ⟨v − w, ∇f(v̄)⟩ for parameter mixing (paper Eq. 10), as a float (:func:`mixture_gradients`)."""
+    return float(mixture_gradients(v, w, grad_mixed, 1.0)[1])
 
 
 def alpha_step(alpha, grad, lr: float):
@@ -127,7 +138,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
     ∇f(w) and ∇f(v̄) at the mixture v̄ = α v + (1 − α) w) and two optimizer steps
     (:func:`fedseg.core.site.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
-    with ⟨v − w, ∇f(v̄)⟩ (as :func:`alpha_gradient`, kept on the device; v, w before their steps).  A vectorized simulation
+    with ⟨v − w, ∇f(v̄)⟩ (:func:`mixture_gradients`, kept on the device; v, w before their steps).  A vectorized simulation
     computes the K sites' gradients as one vmapped call each and takes their steps as one fused step;
     sequentially this is the arithmetic of autograd through the mixture (α's gradient summed in float64).
     ``mix = "outputs"`` differentiates through the output mixture in its own loop (sequential)."""
@@ -151,9 +162,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
         if params.mix == "parameters":
-            loss_w, loss_v, grad_a = _parameter_mixing_step(
-                site, w_model, v_model, opt_w, opt_v, alpha, x, y, params.learn_alpha
-            )
+            loss_w, loss_v, grad_a = _parameter_mixing_step(site, w_model, v_model, opt_w, opt_v, alpha, x, y)
         else:
             loss_w, loss_v, grad_a = _output_mixing_step(site, w_model, v_model, v_params, opt_w, opt_v, alpha, x, y)
         if params.learn_alpha and grad_a is not None:
@@ -170,7 +179,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     }
 
 
-def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y, learn_alpha: bool):
+def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y):
     """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / step_with_gradient."""
     g_w, loss_w = site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
     a = alpha.to(site.dtype)
@@ -179,12 +188,7 @@ def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x,
     v_now = {k: p.detach() for k, p in v_model.named_parameters()}
     mixed = {k: a * v_now[k] + (1 - a) * w_now[k] for k in v_now}
     g_mix, loss_v = site.gradient("personal", x, y, at=mixed)
-    g_v = {k: a * g_mix[k] if k in g_mix else torch.zeros_like(v) for k, v in v_now.items()}
-    grad_a = (
-        dot(sub(v_now, w_now), {k: g_mix.get(k, torch.zeros_like(v)) for k, v in v_now.items()})
-        if learn_alpha
-        else None
-    )
+    g_v, grad_a = mixture_gradients(v_now, w_now, g_mix, a)  # read before the steps below change v, w
     step_with_gradient(w_model, opt_w, g_w)
     step_with_gradient(v_model, opt_v, g_v)
     return loss_w, loss_v, grad_a
