@@ -383,6 +383,17 @@ def main() -> None:
                     + ", ".join(f"γ={float(g):g}: {d:.4f}" for g, d in rep["dice_by_gamma"].items())
                     + "\n"
                 )
+        by_label: dict[str, list[float]] = {}
+        for res in extras:  # test routing accuracy, mean over the sites, one number per seed
+            per_site = res["fedsm"]["per_site"].values()
+            acc = sum(v["routing_acc"] for v in per_site) / len(per_site)
+            by_label.setdefault(res.get("label", res["method"]), []).append(acc)
+        for label, accs in by_label.items():
+            md.append(
+                f"Test routing accuracy of {label} (mean over sites), seeds {seeds}: "
+                + " / ".join(f"{x:.2f}" for x in accs)
+                + f" (mean {sum(accs) / len(accs):.2f})\n"
+            )
         diag = [oracle_line(r) for r in extras]
         if any(diag):
             md.append(
