@@ -70,6 +70,7 @@ def one(args: argparse.Namespace) -> dict:
         seed=0,
         device=args.device,
         checkpoint_every=args.rounds,
+        deterministic=not args.nondeterministic,
         model=model,
         train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
         eval=EvalConfig(every=args.rounds),
@@ -106,7 +107,10 @@ def one(args: argparse.Namespace) -> dict:
     engine = Engine(cfg, algorithm, transport, workload, out=None, progress=False, log=logs.append, on_round=on_round)
     t0 = time.perf_counter()
     cpu_mark[0] = time.process_time()
-    engine.run()
+    if getattr(args, "profile", None):
+        _profiled(engine.run, device, Path(args.profile))
+    else:
+        engine.run()
     wall = time.perf_counter() - t0
     times = [e["time_s"] for e in engine.history]
 
@@ -131,6 +135,30 @@ def one(args: argparse.Namespace) -> dict:
     }
 
 
+def _profiled(run, device: torch.device, path: Path) -> None:
+    """``run()`` under torch.profiler; writes the operators by self time on the device and on the host,
+    and the device's busy time (the sum of kernel times) against the wall time, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    busy = sum(getattr(e, dev_key, 0.0) for e in ka) / 1e6 if device.type == "cuda" else float("nan")
+    lines = [
+        f"wall {wall:.3f} s under the profiler; device busy (sum of kernel self times) {busy:.3f} s",
+        ka.table(sort_by=dev_key, row_limit=30),
+        ka.table(sort_by="self_cpu_time_total", row_limit=30),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto")
@@ -146,6 +174,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
+    ap.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="deterministic = false: cuDNN autotuner, TF32 (measures what determinism costs on CUDA)",
+    )
+    ap.add_argument("--profile", default=None, help="with --one: write a torch.profiler summary of the run here")
     ap.add_argument(
         "--one", default=None, help=argparse.SUPPRESS
     )  # internal: run one configuration (JSON) and print its result
@@ -173,10 +207,15 @@ def main() -> None:
                         text=True,
                     )
                     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if proc.returncode != 0 and "ConfigError" in proc.stderr:  # e.g. FedSM with one site
+                        print(f"{size}² {method} K={k}: not run: {proc.stderr.strip().splitlines()[-1]}", flush=True)
+                        break
                     if proc.returncode != 0 or not line:
                         raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
                     res[mode] = json.loads(line[0][7:])
                     records.append({**spec, **res[mode]})
+                if len(res) < 2:
+                    continue
                 speedup = res["off"]["s_per_round"] / res["on"]["s_per_round"]
                 ask_speedup = res["off"]["ask_s_per_round"] / res["on"]["ask_s_per_round"]
                 cpu_speedup = res["off"]["cpu_s_per_round"] / res["on"]["cpu_s_per_round"]

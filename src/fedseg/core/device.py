@@ -43,10 +43,13 @@ def resolve_device(name: str) -> torch.device:
 
     ``auto`` → ``cuda`` when CUDA is available, else ``cpu``.  ``cuda``/``cuda:N`` on a
     machine without CUDA (or without GPU N) raises :class:`ConfigError` naming the fix.
+    A CUDA device always comes back with its index (``cuda`` → ``cuda:<current>``): tensors
+    report ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``, so an unindexed
+    device would make every "is it already there?" test fail (and pin a CUDA tensor).
     """
     text = str(name).strip().lower()
     if text == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cpu":
         return torch.device("cpu")
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -56,7 +59,9 @@ def resolve_device(name: str) -> torch.device:
                 'run on the CPU with --device cpu (or --set device=cpu), or leave device = "auto"'
             )
         dev = torch.device(text)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
+        if dev.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
             raise ConfigError(
                 f"device = {name!r}, but this machine has {torch.cuda.device_count()} CUDA device(s) "
                 f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}); pick one of them or --device cpu"

@@ -320,7 +320,7 @@ class Site:
 
     def _to_device(self, t: torch.Tensor, cast: bool) -> torch.Tensor:
         """A batch tensor on the run's device (through pinned memory, non-blocking, when it comes from the host)."""
-        if t.device != self.device and self.device.type == "cuda":
+        if t.device.type == "cpu" and self.device.type == "cuda":
             t = t.pin_memory().to(self.device, non_blocking=True)
         elif t.device != self.device:
             t = t.to(self.device)
@@ -501,16 +501,21 @@ class Site:
         return self.scalers[role]
 
     # ------------------------------------------------------------- evaluation
-    @torch.no_grad()
-    def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
-        """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
+    def eval_batches(self, split: str, cast_labels: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A split's cases in dataset order, ``eval.batch_size`` at a time, on the run's device: images in
+        the run's dtype, labels as stored (cast too with ``cast_labels``, when they are floating point)."""
         ds = self.split_data(split)
         n = dataset_len(ds)
-        out = []
         bs = self.cfg.eval.batch_size
         for start in range(0, n, bs):
             x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
-            x, y = self._to_device(x, cast=True), self._to_device(y, cast=False)
+            yield self._to_device(x, cast=True), self._to_device(y, cast=cast_labels and y.is_floating_point())
+
+    @torch.no_grad()
+    def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
+        """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
+        out = []
+        for x, y in self.eval_batches(split):
             with self.autocast():
                 pred = predict(x)
             out.append(self.workload.metric(pred, y).double())

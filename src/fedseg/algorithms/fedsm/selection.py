@@ -19,7 +19,7 @@ from fedseg.algorithms.base import Candidate
 from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route, routing_accuracy
 from fedseg.core.arrays import Arrays, strip_prefix
 from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site, batch_of, dataset_len
+from fedseg.core.site import Site, dataset_len
 from fedseg.transport.base import Transport
 
 __all__ = [
@@ -80,15 +80,9 @@ def set_optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module, moments:
 @torch.no_grad()
 def selector_probs(site: Site, selector: nn.Module, split: str) -> torch.Tensor:
     """(N, C) float64 softmax of ``selector`` over a split's images (eval mode)."""
-    ds = site.data.split(split)
-    n = dataset_len(ds)
     selector.eval()
-    out = []
-    bs = site.cfg.eval.batch_size
-    for start in range(0, n, bs):
-        x, _ = batch_of(ds, torch.arange(start, min(n, start + bs)))
-        out.append(torch.softmax(selector(x.to(site.dtype)).double(), dim=1))
-    return torch.cat(out) if out else torch.zeros(0, 1, dtype=torch.float64)
+    out = [torch.softmax(selector(x).double(), dim=1) for x, _ in site.eval_batches(split)]
+    return torch.cat(out).cpu() if out else torch.zeros(0, 1, dtype=torch.float64)
 
 
 @torch.no_grad()
@@ -102,11 +96,7 @@ def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module]
     was = selector.training
     selector.eval()
     hits = 0
-    bs = site.cfg.eval.batch_size
-    for start in range(0, n, bs):
-        x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
-        x = x.to(site.dtype)
-        y = y.to(site.dtype) if y.is_floating_point() else y
+    for x, y in site.eval_batches(split, cast_labels=True):
         labels = oracle_labels([m(x) for m in models], y, site.workload.loss)
         hits += int((selector(x).argmax(dim=1) == labels).sum())
     selector.train(was)
