@@ -29,6 +29,7 @@ from fedseg.core.workload import segmentation_workload
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.runner import build_transport, simulate
 from fedseg.simulation.vectorize import (
+    AUTO_MIN_SITES,
     ApplyCall,
     FitCall,
     GradientCall,
@@ -92,9 +93,29 @@ def _vectorized(logs: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------ settings
+def test_auto_on_cuda_says_why_a_small_federation_trains_sequentially(monkeypatch):
+    """On CUDA, ``auto`` vectorizes from AUTO_MIN_SITES sites and says so below (the device is faked for the
+    transport's choice alone; the sites themselves stay on the CPU)."""
+    import fedseg.simulation.runner as runner
+
+    monkeypatch.setattr(runner, "resolve_device", lambda name: torch.device("cuda", 0))
+    cfg = _cfg("fedavg", "auto")
+    wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+    for k in (AUTO_MIN_SITES - 1, AUTO_MIN_SITES):
+        logs: list[str] = []
+        transport = build_transport(cfg, wl, tiny_sites(k), log=logs.append)
+        assert (transport.vectorized is not None) == (k >= AUTO_MIN_SITES)
+        said = [m for m in logs if "train one after another" in m]
+        assert len(said) == (0 if k >= AUTO_MIN_SITES else 1), logs
+        assert all("vectorize=on" in m for m in said), logs
+
+
 def test_auto_is_off_on_the_cpu_and_on_on_cuda():
     assert resolve_vectorize("auto", torch.device("cpu")) is False
     assert resolve_vectorize("auto", torch.device("cuda", 0)) is True
+    assert resolve_vectorize("auto", torch.device("cuda", 0), AUTO_MIN_SITES) is True
+    assert resolve_vectorize("auto", torch.device("cuda", 0), AUTO_MIN_SITES - 1) is False  # no gain measured
+    assert resolve_vectorize("on", torch.device("cuda", 0), 2) is True
     assert resolve_vectorize("on", torch.device("cpu")) is True
     assert resolve_vectorize("off", torch.device("cuda", 0)) is False
     with pytest.raises(ConfigError, match="simulation.vectorize = 'yes'.*'auto', 'on' or 'off'"):
@@ -730,11 +751,14 @@ def test_gpu_vectorized_equals_sequential_to_rounding(tmp_path, method):
 
 @pytest.mark.gpu
 def test_gpu_auto_vectorizes_and_bf16_runs_vectorized(tmp_path):
-    """``simulation.vectorize = auto`` is on on CUDA; under bf16 autocast the vectorized losses agree with
-    the sequential ones to bf16 rounding and every weight stays finite."""
-    seq, _ = _run(tmp_path, _cuda(_cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16")), "seq")
+    """``simulation.vectorize = auto`` is on on CUDA from ``AUTO_MIN_SITES`` sites; under bf16 autocast the
+    vectorized losses agree with the sequential ones to bf16 rounding and every weight stays finite."""
+    sites = tiny_sites(AUTO_MIN_SITES)
+    seq, _ = _run(
+        tmp_path, _cuda(_cfg("fedavg", "off", dtype="float32", model=TINY_MODEL, precision="bf16")), "seq", sites
+    )
     vec, logs = _run(
-        tmp_path, _cuda(_cfg("fedavg", "auto", dtype="float32", model=TINY_MODEL, precision="bf16")), "vec"
+        tmp_path, _cuda(_cfg("fedavg", "auto", dtype="float32", model=TINY_MODEL, precision="bf16")), "vec", sites
     )
     assert _vectorized(logs), logs
     assert all(

@@ -161,8 +161,8 @@ class SimulationConfig:
     vectorize
         'on': the sites' local steps of a round run as one vectorized computation
         (:mod:`fedseg.simulation.vectorize`; equal to the sequential run to rounding, not bitwise);
-        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA,
-        off on the CPU.
+        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA
+        with at least 4 sites (``AUTO_MIN_SITES``; fewer gained nothing on an H100), off on the CPU.
     vectorize_group
         Most sites stacked into one computation (0 = all of them; on CUDA a group that does
         not fit in memory at its first step is split in halves).

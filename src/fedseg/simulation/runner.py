@@ -31,7 +31,7 @@ from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
 from fedseg.evaluation.tables import table3
-from fedseg.simulation.vectorize import VectorizedExecutor, resolve_vectorize
+from fedseg.simulation.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
 from fedseg.transport.inprocess import InProcessTransport
 
 __all__ = ["build_engine", "build_transport", "load_federation_data", "run", "simulate", "write_results"]
@@ -67,10 +67,16 @@ def build_transport(
     for name, data in (heldout or {}).items():
         extra.append(Site(name, len(sites) + len(extra), data, workload, cfg, algorithm))
     vectorized = None
-    if resolve_vectorize(cfg.simulation.vectorize, resolve_device(cfg.device)):
+    device = resolve_device(cfg.device)
+    if resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
         vectorized = VectorizedExecutor(cfg.simulation.vectorize_group, log)
         log(
             f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
+        )
+    elif cfg.simulation.vectorize == "auto" and resolve_vectorize("auto", device):
+        log(
+            f"simulation.vectorize = auto: {len(sites)} sites train one after another (vectorizing fewer than "
+            f"{AUTO_MIN_SITES} sites gained nothing on a GPU); --set simulation.vectorize=on to vectorize them"
         )
     return InProcessTransport(sites, extra, vectorized)
 
