@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
+from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.softpull import LambdaBelowOneOverKWarning
 from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.core.errors import ConfigError
@@ -80,6 +81,31 @@ def test_gamma_auto_picks_a_grid_value_from_federated_validation(tmp_path, sites
     assert best["fedsm"]["config"]["gamma"] in (0.0, 0.5, 1.0)
     # the γ search is evaluation traffic, not training traffic
     assert all(e["eval_bytes"][s]["sent"] > 0 for e in res["history"] for s in sites)
+
+
+def test_gamma_auto_per_model_routes_with_one_threshold_per_personalized_model(tmp_path, sites, workload):
+    """``fedsm.gamma = "auto-per-model"``: the best composite carries one grid threshold per personalized
+    model (and the one common γ, reported), and the test routing report's per-site Dice at those
+    thresholds is the composite's test Dice in the results (the predictor routes with them too)."""
+    from fedseg.studies.fedsm import run_fedsm
+
+    grid = [0.0, 0.5, 1.0]
+    cfg = _with(tiny_config("fedsm", rounds=2), gamma="auto-per-model", gamma_grid=grid)
+    res = run_fedsm(cfg, workload, sites, out=tmp_path)
+    config = json.loads((tmp_path / "checkpoints/best.json").read_text())["fedsm"]["config"]
+    per = config["gamma_per_model"]
+    assert len(per) == len(sites) and set(per) <= set(grid) and config["gamma"] in grid
+    rep = res["fedsm"]
+    assert rep["gamma_per_model"] == per
+    dice = (
+        dict(zip(res["sites"], res["per_site_dice"]))
+        if isinstance(res["per_site_dice"], list)
+        else res["per_site_dice"]
+    )
+    for s in sites:
+        assert rep["per_site"][s]["dice"] == pytest.approx(dice[s], abs=1e-6)
+    with pytest.raises(ConfigError, match="auto-per-model"):
+        get_algorithm(_with(tiny_config("fedsm", rounds=2), gamma="per-site"))
 
 
 @pytest.mark.slow

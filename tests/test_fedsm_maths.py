@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
+from fedseg.algorithms.fedsm.selection import pick_gamma_per_model
 from fedseg.algorithms.softpull import (
     check_lambda,
     ensemble_mix,
@@ -203,6 +204,18 @@ def test_route_uses_the_personalized_model_only_above_gamma():
     assert route(probs, 0.8).tolist() == [1, 0, 0]
 
 
+def test_route_with_one_threshold_per_personalized_model():
+    """γ = (0.9, 0.5): image 0's top class 0 (0.95 > 0.9) → PM 1; image 1's top class 0 (0.6 ≤ 0.9) → GM;
+    image 2's top class 1 (0.8 > 0.5) → PM 2.  With (1, 0) class 0 never routes to its PM, class 1 always.
+    A threshold list of the wrong length is refused."""
+    probs = torch.tensor([[0.95, 0.05], [0.6, 0.4], [0.2, 0.8]])
+    assert route(probs, [0.9, 0.5]).tolist() == [1, 0, 2]
+    assert route(probs, [1.0, 0.0]).tolist() == [0, 0, 2]
+    assert route(probs, [0.9, 0.9]).tolist() == route(probs, 0.9).tolist()
+    with pytest.raises(ValueError, match="3 thresholds for a selector of 2 classes"):
+        route(probs, [0.5, 0.5, 0.5])
+
+
 def test_routing_accuracy_counts_images_whose_argmax_is_the_own_site():
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.5, 0.1, 0.4]])
     assert routing_accuracy(probs, own=0) == pytest.approx(2 / 3)
@@ -259,6 +272,51 @@ def test_gamma_auto_follows_the_runs_best_criterion():
             params={"fedsm": {"gamma_grid": [0.0, 0.9]}},
         )
         assert FedSM(cfg).pick_gamma(replies) == expected
+
+
+def _by_top(dice_sum_by_top: list[float]) -> dict:
+    return {"dice_sum": sum(dice_sum_by_top), "dice_sum_by_top": dice_sum_by_top}
+
+
+def test_pick_gamma_per_model_chooses_each_models_threshold_on_its_own_cases():
+    """Two personalized models, grid (0, 1).  Summed Dice of the cases whose top class is model 0 / 1:
+    γ = 0 (to the PMs): site a (10 cases) 6 / 2, site b (30 cases) 3 / 20; γ = 1 (all to the global
+    model): a 4 / 3, b 9 / 15.  Pooled cases: model 0: γ 0 → 9/40, γ 1 → 13/40 → 1; model 1: γ 0 →
+    22/40, γ 1 → 18/40 → 0.  Dice (13 + 22)/40 = 0.875, above the best common γ: γ 0 → 31/40,
+    γ 1 → 31/40 (a tie: 0, 0.775).  Per-site means: model 0: γ 0 → (6/10 + 3/30)/2 = 0.35, γ 1 →
+    (0.4 + 0.3)/2 = 0.35 (a tie → the grid's first, 0); model 1: γ 0 → (0.2 + 20/30)/2 = 0.4333,
+    γ 1 → (0.3 + 0.5)/2 = 0.4 → 0."""
+    replies = {
+        "a": {"n": 10, "selections": [_by_top([6.0, 2.0]), _by_top([4.0, 3.0])]},
+        "b": {"n": 30, "selections": [_by_top([3.0, 20.0]), _by_top([9.0, 15.0])]},
+        "empty": {"n": 0, "selections": [_by_top([0.0, 0.0]), _by_top([0.0, 0.0])]},
+    }
+    gammas, dice = pick_gamma_per_model(replies, [0.0, 1.0], "cases")
+    assert gammas == [1.0, 0.0] and dice == pytest.approx(35 / 40)
+    assert pick_gamma(replies, [0.0, 1.0], "cases") == (0.0, pytest.approx(31 / 40))
+    gammas, dice = pick_gamma_per_model(replies, [0.0, 1.0], "sites")
+    assert gammas == [0.0, 0.0] and dice == pytest.approx(0.35 + (0.2 + 20 / 30) / 2)
+    with pytest.raises(ValueError, match="best_criterion"):
+        pick_gamma_per_model(replies, [0.0, 1.0], "median")
+
+
+def test_pick_gamma_per_model_is_never_below_one_common_gamma():
+    """Property: one common γ is one choice of the per-model vector, and the per-model choice maximizes
+    the (separable) validation Dice, so its Dice ≥ the best common γ's, on random replies, both criteria."""
+    g = torch.Generator().manual_seed(0)
+    grid = [0.0, 0.5, 0.9, 1.0]
+    for _ in range(50):
+        replies = {}
+        for s in range(3):
+            n = int(torch.randint(0, 6, (1,), generator=g))
+            replies[f"s{s}"] = {
+                "n": n,
+                "selections": [_by_top((torch.rand(4, generator=g) * n / 4).tolist()) for _ in grid],
+            }
+        if not any(r["n"] for r in replies.values()):
+            continue
+        for criterion in ("cases", "sites"):
+            assert pick_gamma_per_model(replies, grid, criterion)[1] >= pick_gamma(replies, grid, criterion)[1] - 1e-12
 
 
 def test_optimizer_moments_round_trip():

@@ -137,7 +137,7 @@ def soft_pull(
     return {s: out[s] for s in personal}
 
 
-def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
+def route(probs: torch.Tensor, gamma: float | Sequence[float]) -> torch.Tensor:
     """FedSM inference (Alg. 2): model index per image from the selector's softmax.
 
     Parameters
@@ -146,7 +146,8 @@ def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
         (B, K) selector softmax over the K personalized models (Eq. 2 labels).
     gamma
         Confidence threshold γ: ``max(ŷ_s) > γ`` → personalized model argmax + 1,
-        otherwise the global model (index 0).
+        otherwise the global model (index 0).  K values: one threshold per
+        personalized model, the top class's applies (``fedsm.gamma = "auto-per-model"``).
 
     Returns
     -------
@@ -154,6 +155,13 @@ def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
         (B,) int64 model indices in 0..K.
     """
     conf, idx = probs.max(dim=1)
+    if not isinstance(gamma, int | float):
+        per_model = torch.as_tensor(gamma, dtype=conf.dtype, device=conf.device)
+        if per_model.shape != (probs.shape[1],):
+            raise ValueError(
+                f"{per_model.numel()} thresholds for a selector of {probs.shape[1]} classes; give one per class"
+            )
+        gamma = per_model[idx]
     return torch.where(conf > gamma, idx + 1, torch.zeros_like(idx))
 
 

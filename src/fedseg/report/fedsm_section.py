@@ -32,12 +32,15 @@ def gamma_of(run: Run, routing: Mapping[str, Any] | None) -> tuple[Any, Any]:
     setting = method_settings(run).get(
         "gamma", (run.results.get("config") or {}).get("fedsm", {}).get("gamma", "default")
     )
-    used = (routing or {}).get("gamma")
+    used = (routing or {}).get("gamma_per_model") or (routing or {}).get("gamma")
     if used is None:
         try:
-            used = read_best_meta(run.path / "checkpoints")["fedsm"]["config"]["gamma"]
+            config = read_best_meta(run.path / "checkpoints")["fedsm"]["config"]
+            used = config.get("gamma_per_model") or config["gamma"]
         except (ConfigError, KeyError, TypeError):
             used = None
+    if isinstance(used, list):  # fedsm.gamma = "auto-per-model": one threshold per personalized model
+        used = "per model " + ", ".join(f"{float(g):g}" for g in used)
     return setting, used
 
 

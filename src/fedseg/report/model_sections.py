@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fedseg.algorithms.fedsm.selection import thresholds
 from fedseg.algorithms.softpull import route
 from fedseg.core.errors import ConfigError
 from fedseg.core.messages import Task
@@ -231,6 +232,9 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
         return None
     config = dict(meta.get("config") or {})
     mode = config.get("mode", "gate")
+    if gamma is not None:  # an override replaces per-model thresholds too
+        config.pop("gamma_per_model", None)
+    per_model = config.get("gamma_per_model") is not None
     gamma = config.get("gamma") if gamma is None else gamma
     models = ["global", *[f"personal/{s}" for s in config.get("sites", [])]]
     handler = m.algorithm.site_handlers()["route"]
@@ -240,9 +244,9 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
         task_cfg = {
             **config,
             "split": "testing",
-            "gammas": [float(gamma)] if mode == "gate" and gamma is not None else [],
+            "gammas": [float(gamma)] if mode == "gate" and gamma is not None and not per_model else [],
         }
-        got = handler(m.site(s), Task("route", arrays, task_cfg)).metrics
+        got = handler(m.site(s), Task("route", arrays, task_cfg)).metrics  # one selection: γ's or per-model
         n = got["n"]
         sel = got["selections"][0]
         per_site[s] = {
@@ -252,7 +256,14 @@ def routing_on_test(m: RunModels, gamma: float | None = None) -> dict[str, Any] 
             "dice": sel["dice_sum"] / n if n else None,
             "dice_per_model": {name: (d / n if n else None) for name, d in zip(models, got["dice_sum_per_model"])},
         }
-    return {"gamma": gamma, "mode": mode, "models": models, "per_site": per_site, "computed_by_report": True}
+    return {
+        "gamma": gamma,
+        "gamma_per_model": config.get("gamma_per_model"),
+        "mode": mode,
+        "models": models,
+        "per_site": per_site,
+        "computed_by_report": True,
+    }
 
 
 @torch.no_grad()
@@ -270,7 +281,6 @@ def routed_models(m: RunModels, x: torch.Tensor, gamma: float | None = None) -> 
     names = ["global", *[f"personal/{s}" for s in config.get("sites", [])]]
     probs = torch.softmax(sel(x.to(next(sel.parameters()).dtype)).double(), dim=1)
     mode = config.get("mode", "gate")
-    g = float(config.get("gamma", 0.9)) if gamma is None else float(gamma)
-    idx = route(probs, g) if mode == "gate" else probs.argmax(dim=1)
+    idx = route(probs, thresholds(config, gamma)) if mode == "gate" else probs.argmax(dim=1)
     prefix = "mix, top: " if mode == "mix" else "→ "
     return [prefix + model_short(names[int(i)]) if int(i) < len(names) else f"model {int(i)}" for i in idx]

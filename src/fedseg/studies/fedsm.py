@@ -25,6 +25,7 @@ from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
+from fedseg.algorithms.fedsm.selection import PER_MODEL
 from fedseg.core.config import RunConfig, load_run_config
 from fedseg.core.engine import Engine
 from fedseg.core.errors import ConfigError
@@ -77,8 +78,9 @@ def routing_report(
 ) -> dict[str, Any]:
     """Routing statistics of the best ``"fedsm"`` candidate on ``sites`` (federation sites and/or held-out ones).
 
-    Returns ``{"gamma", "mode", "models", "per_site": {site: {n, routing_acc, selection
-    (frequency per model at the run's γ), dice (at the run's γ), dice_by_gamma,
+    Returns ``{"gamma", "gamma_per_model" (None unless ``fedsm.gamma = "auto-per-model"``), "mode", "models",
+    "per_site": {site: {n, routing_acc, selection
+    (frequency per model at the run's γ: its per-model thresholds where it has them), dice (likewise), dice_by_gamma,
     selection_by_gamma, dice_per_model}}, "dice_by_gamma": sample-weighted over the
     federation's sites}``.
     """
@@ -91,12 +93,16 @@ def routing_report(
     replies = route_task(transport, cand, list(sites), split, grid if mode == "gate" else [None])
     models = ["global", *[f"personal/{s}" for s in cand.config["sites"]]]
     per_site: dict[str, Any] = {}
+    per_model = mode == "gate" and cand.config.get("gamma_per_model") is not None
     for s, m in replies.items():
         n = m["n"]
-        sels = m["selections"]
-        at = (
-            next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0]) if mode == "gate" else sels[0]
-        )
+        sels = [x for x in m["selections"] if x["gamma"] != PER_MODEL]  # the grid's
+        if per_model:  # the composite routes with its per-model thresholds: the last selection
+            at = m["selections"][-1]
+        elif mode == "gate":
+            at = next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0])
+        else:
+            at = sels[0]
         per_site[s] = {
             "n": n,
             "routing_acc": m["routing_acc"],
@@ -120,6 +126,7 @@ def routing_report(
             by_gamma[str(g)] = sum(replies[s]["selections"][i]["dice_sum"] for s in fed) / total
     return {
         "gamma": cand.config["gamma"],
+        "gamma_per_model": cand.config.get("gamma_per_model"),
         "mode": mode,
         "models": models,
         "best_round": engine.best["fedsm"].round,
@@ -180,7 +187,9 @@ def routing_markdown(results: Mapping[str, Any]) -> str:
     rep = results["fedsm"]
     models = rep["models"]
     short = ["GM"] + [f"PM {m.split('/', 1)[1]}" for m in models[1:]]
-    head = ["Site", "routing acc", *short, f"Dice (γ={rep['gamma']})" if rep["mode"] == "gate" else "Dice"]
+    per = rep.get("gamma_per_model")
+    at = f"γ per model {', '.join(f'{float(g):g}' for g in per)}" if per else f"γ={rep['gamma']}"
+    head = ["Site", "routing acc", *short, f"Dice ({at})" if rep["mode"] == "gate" else "Dice"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in rep["per_site"].items():
         acc = "–" if r["routing_acc"] is None else f"{r['routing_acc']:.2f}"

@@ -29,8 +29,10 @@ from fedseg.algorithms.fedsm.selection import (
     load_composite,
     mean_routing,
     pick_gamma,
+    pick_gamma_per_model,
     route_stats,
     route_task,
+    thresholds,
 )
 from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING
 from fedseg.algorithms.ft import FT
@@ -121,6 +123,21 @@ class FedSM(Algorithm):
         """γ of ``fedsm.gamma_grid`` with the best validation Dice in the sites' routing ``replies``, by the
         run's best-round criterion (``eval.best_criterion``: pooled cases or the mean of per-site means)."""
         return pick_gamma(replies, self.params.gamma_grid, self.cfg.eval.best_criterion)[0]
+
+    def set_gamma(self, cand: Candidate, replies: dict[str, dict[str, Any]]) -> None:
+        """Put the γ chosen on validation ``replies`` into the composite's config: ``gamma`` (one γ, also
+        reported under ``"auto-per-model"``) and, for ``"auto-per-model"``, ``gamma_per_model`` (one
+        threshold per personalized model, :func:`pick_gamma_per_model`), which routing then uses."""
+        cand.config["gamma"] = self.pick_gamma(replies)
+        if self.params.gamma == "auto-per-model":
+            cand.config["gamma_per_model"] = pick_gamma_per_model(
+                replies, self.params.gamma_grid, self.cfg.eval.best_criterion
+            )[0]
+
+    @property
+    def gamma_auto(self) -> bool:
+        """γ is chosen on validation (``fedsm.gamma = "auto"`` or ``"auto-per-model"``, γ-gated routing)."""
+        return isinstance(self.params.gamma, str) and self.mode == "gate"
 
     def _gamma(self) -> float:
         return 0.9 if isinstance(self.params.gamma, str) else float(self.params.gamma)
@@ -279,9 +296,9 @@ class FedSM(Algorithm):
         out = []
         if have_selector:
             cand = self.composite(state, ctx)
-            if self.params.gamma == "auto" and self.mode == "gate":
+            if self.gamma_auto:
                 replies = route_task(ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid)
-                cand.config["gamma"] = self.pick_gamma(replies)
+                self.set_gamma(cand, replies)
             out.append(cand)
         out.append(Candidate("global", strip_prefix("global", state)))
         out += [
@@ -320,7 +337,7 @@ class FedSM(Algorithm):
         for name in ["global", *(f"personal/{s}" for s in sites)]:
             part = best.get(name)
             arrays.update(prefixed(name, part.arrays if part is not None else strip_prefix(name, comp.arrays)))
-        gate_auto = self.params.gamma == "auto" and self.mode == "gate"
+        gate_auto = self.gamma_auto
         grid = self.params.gamma_grid
         options = [("final", strip_prefix("selector", state), None)]
         if "best_selector_score" in state:
@@ -336,7 +353,7 @@ class FedSM(Algorithm):
         assert chosen is not None
         cand, score, replies, label = chosen
         if gate_auto and replies is not None and sum(r["n"] for r in replies.values()):
-            cand.config["gamma"] = self.pick_gamma(replies)
+            self.set_gamma(cand, replies)
         rounds["selector"] = int(state["best_selector_round"]) if label == "best" else self.cfg.rounds
         rounds[f"selector_val_{self.selector_criterion}"] = score
         for name in ["global", *(f"personal/{s}" for s in sites)]:
@@ -377,7 +394,7 @@ class FedSM(Algorithm):
     def predictors(self):
         def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
             sel, models = load_composite(site, arrays, config, self.selector_factory, "fedsm-eval/")
-            return composite_predict(site, sel, models, config.get("mode", "gate"), float(config.get("gamma", 0.9)))
+            return composite_predict(site, sel, models, config.get("mode", "gate"), thresholds(config))
 
         return {**super().predictors(), "fedsm": make}
 

@@ -58,6 +58,9 @@ class FedSMParams:
         ``"auto"`` (default profile): at each validation the sites report their validation
         Dice summed per γ of ``gamma_grid`` and the γ with the best Dice by the run's
         ``eval.best_criterion`` (pooled cases, or the mean of per-site means) is used.
+        ``"auto-per-model"``: one threshold per personalized model, each the best of ``gamma_grid`` on
+        the validation cases whose top class is that model (γ_j = 1 sends them all to the global model:
+        a personalized model that is worse than the global model on validation is then not used).
     gamma_grid
         Candidate γ values for ``gamma = "auto"`` and the routing reports.
     selector_width, selector_hidden
@@ -157,7 +160,7 @@ class FedSMParams:
 
     profile: Literal["default", "reference"] = "default"
     lam: float = 0.7
-    gamma: Literal["auto"] | float | None = None
+    gamma: Literal["auto", "auto-per-model"] | float | None = None
     gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
     selector_width: float = 0.125
     selector_hidden: int = 128
@@ -198,7 +201,9 @@ class FedSMParams:
         if not (0.0 <= self.lam <= 1.0):
             raise ConfigError(f"fedsm.lam = {self.lam} must be in [0, 1] (FedSM Eq. 11); e.g. --set fedsm.lam=0.7")
         if not isinstance(self.gamma, str) and self.gamma is not None and not (0.0 <= self.gamma <= 1.0):
-            raise ConfigError(f"fedsm.gamma = {self.gamma} must be in [0, 1] (or 'auto'); the reference uses 0.9")
+            raise ConfigError(
+                f"fedsm.gamma = {self.gamma} must be in [0, 1] (or 'auto', 'auto-per-model'); the reference uses 0.9"
+            )
         if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
             raise ConfigError(
                 f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"

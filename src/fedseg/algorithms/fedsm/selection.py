@@ -31,12 +31,17 @@ __all__ = [
     "optimizer_moments",
     "oracle_accuracy",
     "pick_gamma",
+    "pick_gamma_per_model",
     "route_stats",
     "route_task",
     "selector_probs",
     "selector_role",
     "set_optimizer_moments",
+    "thresholds",
 ]
+
+PER_MODEL = "per-model"
+"""The ``gamma`` of a ``"route"`` selection made with the composite's per-model thresholds."""
 
 SelectorFactory = Callable[[Site, int], Callable[[], nn.Module]]
 """``factory(site, num_classes)``: the site's builder of a fresh selector with ``num_classes`` outputs."""
@@ -127,8 +132,18 @@ def load_composite(
     return sel, models
 
 
+def thresholds(config: Mapping[str, Any], gamma: float | None = None) -> float | list[float]:
+    """What a composite's ``config`` routes with (Alg. 2): its per-personalized-model thresholds
+    (``gamma_per_model``, set under ``fedsm.gamma = "auto-per-model"``) or its one γ (``gamma``, 0.9 when
+    absent); a given ``gamma`` overrides both."""
+    if gamma is not None:
+        return float(gamma)
+    per = config.get("gamma_per_model")
+    return [float(g) for g in per] if per is not None else float(config.get("gamma", 0.9))
+
+
 def composite_predict(
-    site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float
+    site: Site, sel: nn.Module, models: list[nn.Module], mode: str, gamma: float | Sequence[float]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The composite's prediction (Alg. 2): per image, the model the selector routes to — ``"gate"``:
     the personalized model of the top class when its probability exceeds γ, else the global model;
@@ -165,7 +180,10 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     whose argmax is Eq. 1's oracle label),
     ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), and
     ``selections``: one entry per γ (gate) or one entry (argmax / mix) with
-    ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models).
+    ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models); gate entries also
+    ``dice_sum_by_top`` (K sums: the routed Dice of the cases whose top class is each personalized model,
+    what :func:`pick_gamma_per_model` chooses on), and when the config has ``gamma_per_model`` one more
+    entry last, ``gamma = "per-model"``, routed with those thresholds.
     """
     cfg = task.config
     split, sites, mode = cfg["split"], list(cfg["sites"]), cfg.get("mode", "gate")
@@ -183,14 +201,20 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
         acc = oracle_accuracy(site, sel, models, split) if n else None
     selections = []
     if mode == "gate":
-        for gamma in cfg.get("gammas", [0.9]):
-            idx = route(probs, float(gamma))
+        top = probs.argmax(dim=1)
+        gates: list[tuple[Any, float | list[float]]] = [(float(g), float(g)) for g in cfg.get("gammas", [0.9])]
+        if cfg.get("gamma_per_model") is not None:
+            gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
+        for label, gamma in gates:
+            idx = route(probs, gamma)
             dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            by_top = torch.zeros(probs.shape[1], dtype=torch.float64).index_add_(0, top, dice.double())
             selections.append(
                 {
-                    "gamma": float(gamma),
+                    "gamma": label,
                     "dice_sum": float(dice.sum()),
                     "counts": torch.bincount(idx, minlength=len(models)).tolist(),
+                    "dice_sum_by_top": by_top.tolist(),
                 }
             )
     else:
@@ -257,3 +281,37 @@ def pick_gamma(
             best = (float(g), dice)
     assert best is not None
     return best
+
+
+def pick_gamma_per_model(
+    replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float], criterion: str = "cases"
+) -> tuple[list[float], float]:
+    """One γ per personalized model (``fedsm.gamma = "auto-per-model"``), each the best of ``gammas`` on
+    validation; returns (the K thresholds, the validation Dice they give).
+
+    A case's routed model depends only on the threshold of its top class j (Alg. 2 with γ_j), so the
+    validation Dice — a weighted sum over cases (``criterion`` as in :func:`pick_gamma`: weight 1/N of all
+    cases, or 1/(n_site · sites) per site's case) — splits into one term per j: the weighted sum of
+    ``dice_sum_by_top[j]`` over the sites.  Maximizing each term on its own maximizes the sum; one
+    common γ is one choice of the vector, so this Dice is never below :func:`pick_gamma`'s.  Ties keep the
+    earlier γ of the grid.  A personalized model that is no case's top class keeps the grid's first γ."""
+    if criterion not in ("cases", "sites"):
+        raise ValueError(f"criterion = {criterion!r}; use 'cases' or 'sites' (eval.best_criterion)")
+    with_cases = [r for r in replies.values() if r["n"]]
+    if not with_cases:
+        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
+    total_n = sum(r["n"] for r in with_cases)
+    weight = [1 / total_n if criterion == "cases" else 1 / (r["n"] * len(with_cases)) for r in with_cases]
+    k = len(with_cases[0]["selections"][0]["dice_sum_by_top"])
+    chosen: list[float] = []
+    total = 0.0
+    for j in range(k):
+        best: tuple[float, float] | None = None
+        for i, g in enumerate(gammas):
+            d = sum(w * r["selections"][i]["dice_sum_by_top"][j] for w, r in zip(weight, with_cases))
+            if best is None or d > best[1]:
+                best = (float(g), d)
+        assert best is not None
+        chosen.append(best[0])
+        total += best[1]
+    return chosen, total
