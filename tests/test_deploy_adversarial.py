@@ -507,3 +507,31 @@ def test_training_metrics_with_another_layout_are_rejected(tmp_path, reference, 
     assert same_arrays(server_state(tmp_path / "run"), reference("site2")[1])
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
     assert len(drops) == 2 and all(re.search(reason, d["reason"]) for d in drops), drops
+
+
+def test_forged_fedsm_routing_replies_are_rejected_and_the_run_finishes(tmp_path):
+    """FedSM's server picks γ (here one per personalized model) from the sites' ``"route"`` replies; a site
+    whose route replies lack the sums it reads (a KeyError in the server's code before the check) is
+    rejected with the reason, and the run finishes with its composite."""
+    cfg = dataclasses.replace(
+        tiny_config("fedsm", rounds=2),
+        params={"fedsm": {"selector_width": 0.0625, "gamma": "auto-per-model"}, "deploy": {"round_deadline_s": 30.0}},
+    )
+    data = tiny_sites(2)
+    _prepare(tmp_path, cfg, list(data))
+
+    def forge(op, blob):
+        r = decode_reply(blob)
+        if "selections" not in r.metrics:
+            return blob
+        return encode_reply(
+            Reply(r.arrays, {**r.metrics, "selections": [{} for _ in r.metrics["selections"]]}, r.num_samples)
+        )
+
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": forge}), log=lambda m: None)
+    assert res is not None and "fedsm" in {r["name"] for r in res["rows"]}
+    drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "route"]
+    assert drops and {d["site"] for d in drops} == {"site2"}
+    assert all("route reply: a selection's dice_sum is not in" in d["reason"] for d in drops), drops
+    best = json.loads((tmp_path / "checkpoints/best.json").read_text())["fedsm"]["config"]
+    assert len(best["gamma_per_model"]) == 2

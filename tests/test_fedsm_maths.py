@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
-from fedseg.algorithms.fedsm.selection import pick_gamma_per_model
+from fedseg.algorithms.fedsm.selection import check_route_metrics, pick_gamma_per_model
 from fedseg.algorithms.softpull import (
     check_lambda,
     ensemble_mix,
@@ -22,7 +22,7 @@ from fedseg.algorithms.softpull import (
     soft_pull_matrix,
 )
 from fedseg.core.config import dataclass_from_dict
-from fedseg.core.errors import ConfigError
+from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply
 
 
@@ -317,6 +317,32 @@ def test_pick_gamma_per_model_is_never_below_one_common_gamma():
             continue
         for criterion in ("cases", "sites"):
             assert pick_gamma_per_model(replies, grid, criterion)[1] >= pick_gamma(replies, grid, criterion)[1] - 1e-12
+
+
+def test_route_reply_check_names_what_is_malformed():
+    """A route reply of 2 sites (K = 2, 3 models), 4 cases, grid (0, 1): honest it passes; each way a
+    hostile site could break the server's γ choice or reports is refused with a PayloadError naming it."""
+    config = {"sites": ["a", "b"], "num_classes": 2, "mode": "gate", "gammas": [0.0, 1.0]}
+    sel = {"gamma": 0.0, "dice_sum": 3.0, "counts": [0, 2, 2], "dice_sum_by_top": [1.0, 2.0]}
+    honest = {"n": 4, "routing_acc": 0.5, "dice_sum_per_model": [3.0, 2.5, 1.0], "selections": [sel, sel]}
+    check_route_metrics(config, honest)
+    check_route_metrics({**config, "gamma_per_model": [0.0, 1.0]}, {**honest, "selections": [sel] * 3})
+    check_route_metrics({**config, "num_classes": 3, "mode": "argmax"}, {**honest, "selections": [{**sel}]})
+    attacks = [
+        ({**honest, "n": "4"}, "n = 4 is not a case count"),
+        ({**honest, "routing_acc": 2.0}, "routing_acc"),
+        ({**honest, "dice_sum_per_model": [3.0, 2.5]}, "dice_sum_per_model is not 3 sums"),
+        ({**honest, "dice_sum_per_model": [3.0, 2.5, float("nan")]}, "dice_sum_per_model"),
+        ({**honest, "selections": [sel]}, "1 selections, expected 2"),
+        ({**honest, "selections": [{}, {}]}, "dice_sum is not in"),
+        ({**honest, "selections": [{**sel, "dice_sum": 1e9}, sel]}, "dice_sum is not in"),
+        ({**honest, "selections": [{**sel, "counts": [0, 2, 1]}, sel]}, "counts are not 3 counts adding up to n = 4"),
+        ({**honest, "selections": [{**sel, "dice_sum_by_top": [2.0]}, sel]}, "dice_sum_by_top is not 2 sums"),
+        ({**honest, "selections": [{**sel, "dice_sum_by_top": [3.0, 3.0]}, sel]}, "adding up to its dice_sum"),
+    ]
+    for metrics, message in attacks:
+        with pytest.raises(PayloadError, match=message):
+            check_route_metrics(config, metrics)
 
 
 def test_optimizer_moments_round_trip():

@@ -188,6 +188,12 @@ class Algorithm:
         best parts).  Returns ``{name: candidate}`` for the names replaced; the default replaces none."""
         return {}
 
+    def check_reply(self, task: Task, reply: Reply) -> None:
+        """Server side, before a deployed site's reply reaches the algorithm: raise ``PayloadError`` (the
+        transport rejects the reply and logs why) when the metrics of the algorithm's own task kinds do
+        not have the layout the server's code reads.  The transport already checks tensor names, metric
+        keys and kinds, sample counts and evaluation scores; the default checks nothing more."""
+
     # ------------------------------------------------------------- site half
     def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]:
         raise NotImplementedError

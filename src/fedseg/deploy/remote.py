@@ -162,6 +162,9 @@ class RemoteTransport:
         A JSON-lines file every dropout is appended to (the run's record across jobs).
     num_metrics
         Scores per case in an evaluation reply (the workload's metric count); None: not checked.
+    reply_check
+        ``reply_check(task, reply)`` raises for a malformed reply to one of the algorithm's own task kinds
+        (``Algorithm.check_reply``, e.g. FedSM's ``"route"``); the reply is then rejected like any other.
     """
 
     def __init__(
@@ -172,7 +175,9 @@ class RemoteTransport:
         log: Callable[[str], None] = print,
         record: Path | None = None,
         num_metrics: int | None = None,
+        reply_check: Callable[[Task, Reply], None] | None = None,
     ):
+        self.reply_check = reply_check
         self.record = record
         self.sites = tuple(sites)
         self.call = call
@@ -287,6 +292,8 @@ class RemoteTransport:
                 self._check_samples(s, task, reply, what)
                 if task.kind == "evaluate":
                     self._check_scores(s, task, reply, what)
+                if self.reply_check is not None:  # the algorithm's own task kinds (Algorithm.check_reply)
+                    self.reply_check(task, reply)
             except Exception as e:
                 self._reject(s, task, e)
                 continue

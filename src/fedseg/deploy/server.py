@@ -167,7 +167,13 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     if not resume:
         record.unlink(missing_ok=True)
     transport = RemoteTransport(
-        desc["sites"], call, params, log=log, record=record, num_metrics=len(workload.metric_names)
+        desc["sites"],
+        call,
+        params,
+        log=log,
+        record=record,
+        num_metrics=len(workload.metric_names),
+        reply_check=algorithm.check_reply,
     )
     setup = transport.setup(
         {"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()}

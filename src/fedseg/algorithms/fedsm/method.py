@@ -24,6 +24,7 @@ from fedseg.algorithms.fedsm import fedaws
 from fedseg.algorithms.fedsm import selector as sel_training
 from fedseg.algorithms.fedsm.params import FedSMParams
 from fedseg.algorithms.fedsm.selection import (
+    check_route_metrics,
     classes_of,
     composite_predict,
     load_composite,
@@ -377,6 +378,12 @@ class FedSM(Algorithm):
         if known is not None:
             return known
         return mean_routing({s: r["routing_acc"] for s, r in (replies or {}).items()})
+
+    def check_reply(self, task: Task, reply: Reply) -> None:
+        """A ``"route"`` reply must have the layout :func:`pick_gamma` / :func:`pick_gamma_per_model` and the
+        routing reports read (:func:`check_route_metrics`)."""
+        if task.kind == "route":
+            check_route_metrics(task.config, reply.metrics)
 
     # ----------------------------------------------------------- site half
     def site_handlers(self):

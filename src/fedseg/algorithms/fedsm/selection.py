@@ -18,12 +18,14 @@ from torch import nn
 from fedseg.algorithms.base import Candidate
 from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route, routing_accuracy
 from fedseg.core.arrays import Arrays, strip_prefix
+from fedseg.core.errors import PayloadError
 from fedseg.core.messages import Reply, Task
 from fedseg.core.site import Site, dataset_len
 from fedseg.transport.base import Transport
 
 __all__ = [
     "SelectorFactory",
+    "check_route_metrics",
     "classes_of",
     "composite_predict",
     "load_composite",
@@ -242,6 +244,61 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
 
 
 # ----------------------------------------------------------------- on the server
+def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+    """Raise :class:`PayloadError` unless ``metrics`` is what :func:`route_stats` returns for a route task of
+    ``config``: ``n`` a count, ``routing_acc`` null or in [0, 1], ``dice_sum_per_model`` K + 1 sums in
+    [0, n], and one selection per γ asked (plus the per-model one when the config has thresholds; one
+    for argmax / mix) with ``dice_sum`` in [0, n], ``counts`` K + 1 counts adding up to n and, γ-gated,
+    ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum``.  A deployed site's reply is checked
+    before the server reads it (``Algorithm.check_reply``): a malformed one is rejected, not a crash."""
+    sites = list(config.get("sites", []))
+    k = int(config.get("num_classes", len(sites)))
+    models = len(sites) + 1
+    gate = config.get("mode", "gate") == "gate"
+    want = (len(config.get("gammas", [])) + (config.get("gamma_per_model") is not None)) if gate else 1
+    n = metrics.get("n")
+
+    def bad(what: str) -> PayloadError:
+        return PayloadError(f"route reply: {what}")
+
+    def number(x: Any, hi: float) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and -1e-9 <= x <= hi + 1e-9
+
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise bad(f"n = {str(n)[:40]} is not a case count")
+    acc = metrics.get("routing_acc")
+    if acc is not None and not number(acc, 1.0):
+        raise bad(f"routing_acc = {str(acc)[:40]} is not null or in [0, 1]")
+    per_model = metrics.get("dice_sum_per_model")
+    if not isinstance(per_model, list) or len(per_model) != models or not all(number(x, n) for x in per_model):
+        raise bad(f"dice_sum_per_model is not {models} sums in [0, {n}]")
+    sels = metrics.get("selections")
+    if not isinstance(sels, list) or len(sels) != want:
+        raise bad(f"{len(sels) if isinstance(sels, list) else 'no'} selections, expected {want}")
+    for sel in sels:
+        if not isinstance(sel, dict) or not number(sel.get("dice_sum"), n):
+            raise bad(f"a selection's dice_sum is not in [0, {n}]: {str(sel)[:80]}")
+        counts = sel.get("counts")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != models
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            or sum(counts) != n
+        ):
+            raise bad(f"a selection's counts are not {models} counts adding up to n = {n}: {str(counts)[:80]}")
+        if gate:
+            by_top = sel.get("dice_sum_by_top")
+            if (
+                not isinstance(by_top, list)
+                or len(by_top) != k
+                or not all(number(x, n) for x in by_top)
+                or abs(sum(by_top) - sel["dice_sum"]) > 1e-6 * max(1, n)
+            ):
+                raise bad(
+                    f"a selection's dice_sum_by_top is not {k} sums adding up to its dice_sum: {str(by_top)[:80]}"
+                )
+
+
 def mean_routing(accs: Mapping[str, Any] | None) -> float | None:
     """Mean over sites of the per-site routing accuracies (None / NaN left out); None if there is none."""
     vals = [float(v) for v in (accs or {}).values() if v is not None and not math.isnan(float(v))]
