@@ -314,6 +314,17 @@ def route_task(
     return {s: r.metrics for s, r in replies.items()}
 
 
+def _validation_cases(replies: Mapping[str, Mapping[str, Any]], criterion: str) -> tuple[list[Mapping[str, Any]], int]:
+    """The route replies with validation cases and their total case count, for choosing γ by ``criterion``
+    (``eval.best_criterion``: ``"cases"`` or ``"sites"``); a ValueError naming the fix otherwise."""
+    if criterion not in ("cases", "sites"):
+        raise ValueError(f"criterion = {criterion!r}; use 'cases' or 'sites' (eval.best_criterion)")
+    with_cases = [r for r in replies.values() if r["n"]]
+    if not with_cases:
+        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
+    return with_cases, sum(r["n"] for r in with_cases)
+
+
 def pick_gamma(
     replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float], criterion: str = "cases"
 ) -> tuple[float, float]:
@@ -322,12 +333,7 @@ def pick_gamma(
     ``criterion`` is the run's ``eval.best_criterion``: ``"cases"``, the mean over the pooled
     cases Σ_sites dice_sum / Σ_sites n; ``"sites"``, the mean over the sites with cases of their
     mean dice_sum / n (the papers' client average)."""
-    if criterion not in ("cases", "sites"):
-        raise ValueError(f"criterion = {criterion!r}; use 'cases' or 'sites' (eval.best_criterion)")
-    with_cases = [r for r in replies.values() if r["n"]]
-    if not with_cases:
-        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
-    total_n = sum(r["n"] for r in with_cases)
+    with_cases, total_n = _validation_cases(replies, criterion)
     best: tuple[float, float] | None = None
     for i, g in enumerate(gammas):
         if criterion == "sites":
@@ -352,12 +358,7 @@ def pick_gamma_per_model(
     ``dice_sum_by_top[j]`` over the sites.  Maximizing each term on its own maximizes the sum; one
     common γ is one choice of the vector, so this Dice is never below :func:`pick_gamma`'s.  Ties keep the
     earlier γ of the grid.  A personalized model that is no case's top class keeps the grid's first γ."""
-    if criterion not in ("cases", "sites"):
-        raise ValueError(f"criterion = {criterion!r}; use 'cases' or 'sites' (eval.best_criterion)")
-    with_cases = [r for r in replies.values() if r["n"]]
-    if not with_cases:
-        raise ValueError("no cases to choose gamma on: the sites' validation splits are empty")
-    total_n = sum(r["n"] for r in with_cases)
+    with_cases, total_n = _validation_cases(replies, criterion)
     weight = [1 / total_n if criterion == "cases" else 1 / (r["n"] * len(with_cases)) for r in with_cases]
     k = len(with_cases[0]["selections"][0]["dice_sum_by_top"])
     chosen: list[float] = []
