@@ -380,6 +380,7 @@ def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, m
                 "selector_training": "fga",
                 "selector_steps": "all",
                 "selector_weighting": "even",
+                "selector_augment": "none",
             },
         ),
         (
@@ -390,6 +391,7 @@ def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, m
                 "selector_training": "fedavg",
                 "selector_steps": "all",
                 "selector_weighting": "samples",
+                "selector_augment": "none",
             },
         ),
     ],

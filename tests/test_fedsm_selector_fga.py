@@ -66,8 +66,8 @@ def _central_selector(
             xs, labels = [], []
             for k, batches in enumerate(per_site):
                 x, y = batches[t]
-                if flip:  # fedsm.selector_augment = "flip": the site's seeded flips of its batch
-                    x = flip_batch(x, generator(cfg.seed, k, rnd, "selector-flip", t))
+                if flip:  # fedsm.selector_augment = "flip": the site's seeded flips of its batch, masks alike
+                    x, y = flip_batch(x, generator(cfg.seed, k, rnd, "selector-flip", t), y)
                 xs.append(x)
                 if frozen is None:
                     labels.append(torch.full((x.shape[0],), k, dtype=torch.long))
@@ -160,6 +160,17 @@ def test_flip_batch_flips_each_image_by_its_own_seeded_draws_and_keeps_its_value
         assert torch.equal(out[i], want)
         assert torch.equal(out[i].flatten().sort().values, x[i].flatten().sort().values)
     assert not torch.equal(out, x)  # this seed flips at least one image
+    # with masks: each mask is flipped as its image (the same draws), the images as without
+    y = torch.rand(4, 3, 3, 5, generator=torch.Generator().manual_seed(2))
+    out2, ym = flip_batch(x, torch.Generator().manual_seed(7), y)
+    assert torch.equal(out2, out)
+    for i in range(4):
+        want = y[i]
+        if r_h[i] < 0.5:
+            want = want.flip(1)
+        if r_w[i] < 0.5:
+            want = want.flip(2)
+        assert torch.equal(ym[i], want)
 
 
 def test_fga_selector_with_flips_equals_a_central_selector_on_the_same_flipped_batches(tmp_path, workload):
@@ -185,22 +196,24 @@ def test_fga_selector_with_flips_equals_a_central_selector_on_the_same_flipped_b
     assert _rel_diff(_server_selector(tmp_path / "avgf"), _server_selector(tmp_path / "avg")) > 1e-6
     # "none" (the default) leaves a batch as drawn
     site = Site("a", 0, data["site1"], workload, _cfg("fedsm", rounds=1), get_algorithm(_cfg("fedsm", rounds=1)))
-    x = torch.rand(2, 1, 4, 4)
-    assert augment_for_selector(site, x, 1, 0) is x
+    x, y = torch.rand(2, 1, 4, 4), torch.rand(2, 2, 4, 4)
+    assert all(a is b for a, b in zip(augment_for_selector(site, x, y, 1, 0), (x, y)))
 
 
-@pytest.mark.parametrize("objective", ["oracle", "experts"])
-def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_path, workload, objective):
+@pytest.mark.parametrize("objective,flip", [("oracle", False), ("experts", False), ("oracle", True)])
+def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_path, workload, objective, flip):
     """FedSM-extra, 3 rounds = 2 model rounds + 1 selector round: the K + 1-class selector's
     single FGA round equals central training on the pooled batches with Eq. 1's labels
     (``extra_objective = "oracle"``, the paper's) or the mixture-of-experts objective of the
     per-image losses (``"experts"``, the default) computed from the frozen global and
     personalized models (those the server holds after the model rounds; they do not change
     in the selector phase).  Both are means over the images, so the pooled batch's mean
-    gradient is the mean of the sites' (equal batches)."""
+    gradient is the mean of the sites' (equal batches).  With ``selector_augment = "flip"`` each
+    image is flipped together with its mask, so Eq. 1's label is that of the flipped pair."""
     # Prepare
     data = tiny_sites()
-    cfg = _cfg("fedsm-extra", rounds=3, selector_rounds=1, extra_objective=objective)
+    aug = {"selector_augment": "flip"} if flip else {}
+    cfg = _cfg("fedsm-extra", rounds=3, selector_rounds=1, extra_objective=objective, **aug)
     # Execute
     res = simulate(cfg, workload, data, out=tmp_path, progress=False)
     # Assert
@@ -211,7 +224,9 @@ def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_p
         m = workload.build_model().to(torch.float64)
         m.load_state_dict({k.removeprefix(name + "/"): v for k, v in server.items() if k.startswith(name + "/")})
         frozen.append(m.eval())
-    central = _central_selector(cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen, objective=objective)
+    central = _central_selector(
+        cfg, workload, data, 4, range(3, 4), steps=3, frozen=frozen, objective=objective, flip=flip
+    )
     assert res["config"]["fedsm"]["extra_objective"] == objective
     assert _rel_diff(_server_selector(tmp_path), central) <= 1e-9
     other = _central_selector(
@@ -223,6 +238,7 @@ def test_fga_selector_of_fedsm_extra_equals_central_training_on_eq1_labels(tmp_p
         steps=3,
         frozen=frozen,
         objective={"oracle": "experts"}.get(objective, "oracle"),
+        flip=flip,
     )
     assert _rel_diff(_server_selector(tmp_path), other) > 1e-6  # the objective is the one trained on
     _sites_in_sync(tmp_path, list(data), "selector@4")

@@ -278,7 +278,7 @@ def gradient_step(
     lr: float | None = None,
     check_loss: Any = None,
     target: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-    transform: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
+    transform: Callable[[torch.Tensor, Any, int, int], tuple[torch.Tensor, Any]] | None = None,
 ) -> Reply:
     """Site half of one lockstep exchange for the model of ``role`` (FGA's, or any other model trained
     by gradient averaging, e.g. FedSM's selector): apply the previous averaged gradient, then compute
@@ -292,8 +292,8 @@ def gradient_step(
     ``task.arrays``: ``<prefix>/…`` initial weights (first round), ``avg/…`` the
     averaged gradient to apply.  ``lr`` overrides ``train.lr`` for this role's optimizer;
     ``check_loss`` is the loss checked by :func:`equivalence_problems` (default: the workload loss);
-    ``transform(x, round, step)`` changes the batch's inputs before the target and the gradient (e.g. the
-    selector's flips).
+    ``transform(x, y, round, step)`` returns the batch ``(x, y)`` changed before the target and the gradient
+    (e.g. the selector's flips of images and masks).
     """
     cfg = task.config
     rnd, step = int(cfg["round"]), cfg.get("step")
@@ -319,7 +319,7 @@ def gradient_step(
                 warnings.warn(f"FGA at site {site.name}: {problem}", FGAEquivalenceWarning, stacklevel=2)
         x, y = _batch(site, rnd, int(step))
         if transform is not None:
-            x = transform(x, rnd, int(step))
+            x, y = transform(x, y, rnd, int(step))
         if target is not None:
             with site.autocast(), torch.no_grad():
                 y = target(x, y)

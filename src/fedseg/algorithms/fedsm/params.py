@@ -26,6 +26,7 @@ PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
         "gamma": "auto",
         "selector_training": "fga",
         "selector_weighting": "even",
+        "selector_augment": "none",
         "ensemble_objective": "experts",
     },
     "reference": {
@@ -34,6 +35,7 @@ PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
         "selector_training": "fedavg",
         "selector_weighting": "samples",
         "selector_steps": "all",
+        "selector_augment": "none",
     },
 }
 
@@ -165,7 +167,7 @@ class FedSMParams:
     selector_width: float = 0.125
     selector_hidden: int = 128
     selector_lr: float | None = None
-    selector_augment: Literal["none", "flip"] = "none"
+    selector_augment: Literal["none", "flip"] | None = None
     selector_training: Literal["fga", "fedavg", "fedrs", "fedaws"] | None = None
     fedrs_alpha: float = 0.5
     fedaws_nu: float = 2.0

@@ -206,25 +206,33 @@ def selector_loss(
     return selector_objective(site, phase, labels)(logits, selector_target(site, x, y, phase, own, frozen, labels))
 
 
-def flip_batch(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def flip_batch(x: torch.Tensor, g: torch.Generator, y: torch.Tensor | None = None) -> Any:
     """Each image of ``x`` (B, C, *spatial) flipped along each spatial axis with probability 1/2, the
     draws from ``g`` (B per axis, in axis order): a flip keeps what identifies a site (its intensities,
-    contrast, noise) and changes the image's layout."""
-    out = x
+    contrast, noise) and changes the image's layout.  With ``y`` (the batch's masks, B, C', *spatial)
+    each mask is flipped as its image and ``(x, y)`` is returned: a target computed from the segmentation
+    models' losses (Eq. 1's labels, the ensemble's objectives) stays that of the pair."""
+    out, masks = x, y
     for d in range(2, x.dim()):
         mask = torch.rand(x.shape[0], generator=g) < 0.5
         if bool(mask.any()):
-            shape = (-1,) + (1,) * (x.dim() - 1)
-            out = torch.where(mask.to(x.device).reshape(shape), out.flip(d), out)
-    return out
+            out = torch.where(mask.to(x.device).reshape((-1,) + (1,) * (x.dim() - 1)), out.flip(d), out)
+            if masks is not None:
+                masks = torch.where(
+                    mask.to(masks.device).reshape((-1,) + (1,) * (masks.dim() - 1)), masks.flip(d), masks
+                )
+    return out if y is None else (out, masks)
 
 
-def augment_for_selector(site: Site, x: torch.Tensor, rnd: int, step: int) -> torch.Tensor:
-    """``fedsm.selector_augment`` on a selector batch: ``"flip"`` (:func:`flip_batch`, seeded by the run
-    seed, the site, the round and the step), ``"none"`` the batch as drawn."""
+def augment_for_selector(
+    site: Site, x: torch.Tensor, y: torch.Tensor, rnd: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fedsm.selector_augment`` on a selector batch ``(x, y)``: ``"flip"`` (:func:`flip_batch` of the
+    images and their masks alike, seeded by the run seed, the site, the round and the step), ``"none"``
+    the batch as drawn."""
     if site.algorithm.params.selector_augment != "flip":
-        return x
-    return flip_batch(x, generator(site.cfg.seed, site.index, rnd, "selector-flip", step))
+        return x, y
+    return flip_batch(x, generator(site.cfg.seed, site.index, rnd, "selector-flip", step), y)
 
 
 def routing_accuracy_at(site: Site, sel: nn.Module, sites: Sequence[str], phase: str, labels: str) -> float:
@@ -280,7 +288,7 @@ def train_locally(
     for x, y in site.batches(rnd, "train", cfg.get("steps")):
         batches += 1
         if max_steps is None or steps < max_steps:
-            x = augment_for_selector(site, x, rnd, steps)
+            x, y = augment_for_selector(site, x, y, rnd, steps)
             steps += 1
             opt_s.zero_grad(set_to_none=True)
             with site.autocast():
@@ -329,7 +337,7 @@ def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: 
         lr=lr,
         loss=selector_objective(site, phase, labels),
         target=lambda x, y: selector_target(site, x, y, phase, own, frozen, labels),
-        transform=lambda x, rnd, step: augment_for_selector(site, x, rnd, step),
+        transform=lambda x, y, rnd, step: augment_for_selector(site, x, y, rnd, step),
         check_loss=F.cross_entropy if labels != "mix" or phase == "joint" else None,
     )
     if routing is not None:
