@@ -254,7 +254,11 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="fedsm.profile ('default' or 'reference')")
     ap.add_argument("--selector-rounds", type=int, default=None, help="fedsm-extra extra rounds (default rounds/3)")
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--gamma", default=None, help="fedsm.gamma (a number or 'auto'; default: the method's 0.9)")
+    ap.add_argument(
+        "--gamma",
+        default=None,
+        help="fedsm.gamma (a number, 'auto' or 'auto-per-model'; default: the profile's, 'auto-per-model')",
+    )
     ap.add_argument("--seeds", default="0")
     ap.add_argument(
         "--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + FEDSM + ON_TOP)

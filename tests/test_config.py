@@ -86,3 +86,21 @@ def test_a_config_built_in_python_gets_the_loaders_message():
     with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'dice', 'dicece' or 'bce'")):
         TrainConfig(loss="l1").validate()
     TrainConfig(loss="dicece", precision="bf16", data="stream").validate()
+
+
+def test_none_is_a_choice_where_a_setting_names_it_and_unset_elsewhere(tmp_path):
+    """``"none"`` stands for an unset value (None, filled in by a profile or a default) — except where the
+    setting's own choices include the word: ``fedsm.selector_augment = "none"`` (no flips) must stay "none"
+    under the default profile, whose unset value is ``"flip"``; ``fedsm.selector_lr = none`` is unset."""
+    path = _write(tmp_path, 'federation = "f"\nmethod = "fedsm"\n')
+    params = get_algorithm(
+        load_run_config(path, ["fedsm.selector_augment=none", "fedsm.selector_lr=none"], known_sections())
+    ).params
+    assert params.selector_augment == "none" and params.selector_lr is None
+    assert get_algorithm(load_run_config(path, [], known_sections())).params.selector_augment == "flip"
+    # written resolved and read back, the choice survives
+    cfg = load_run_config(path, ["fedsm.selector_augment=none"], known_sections())
+    again = load_run_config(
+        _write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections()
+    )
+    assert get_algorithm(again).params.selector_augment == "none"

@@ -227,8 +227,8 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
 
 
 def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
-    """A deployed FedSM run with no [fedsm] settings writes them resolved into OUT/config.toml (γ = auto, the
-    fga selector: the default profile), as a simulation does — the server and every site read that file."""
+    """A deployed FedSM run with no [fedsm] settings writes them resolved into OUT/config.toml (γ per personalized
+    model, the fga selector: the default profile), as a simulation does — the server and every site read that file."""
     from fedseg.algorithms import get_algorithm
     from fedseg.data.synth import synthesize
     from fedseg.deploy.server import load_deploy_config, prepare_run
@@ -241,6 +241,6 @@ def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
     prepare_run(load_deploy_config(run_toml, []), tmp_path / "out", sites=["site1", "site2"])
     # Assert
     text = (tmp_path / "out" / "config.toml").read_text()
-    assert "[fedsm]" in text and 'gamma = "auto"' in text and 'selector_training = "fga"' in text
+    assert "[fedsm]" in text and 'gamma = "auto-per-model"' in text and 'selector_training = "fga"' in text
     back = get_algorithm(load_deploy_config(tmp_path / "out" / "config.toml", []))
     assert back.params == get_algorithm(load_deploy_config(run_toml, [])).params

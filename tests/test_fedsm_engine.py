@@ -376,11 +376,11 @@ def test_composite_is_assembled_from_the_best_parts(tmp_path, sites, workload, m
             None,
             {
                 "profile": "default",
-                "gamma": "auto",
+                "gamma": "auto-per-model",
                 "selector_training": "fga",
                 "selector_steps": "all",
                 "selector_weighting": "even",
-                "selector_augment": "none",
+                "selector_augment": "flip",
             },
         ),
         (

@@ -526,7 +526,9 @@ def test_fedsm_section_computes_the_routing_of_a_run_that_did_not_record_it(runs
         progress=False,
     )
     fedsm = _section(out.read_text(encoding="utf-8"), "fedsm")
-    assert f"Routing on test (at γ = {recorded['gamma']:g})" in fedsm and "of each model inside it" in fedsm
+    per = recorded.get("gamma_per_model")  # the default profile: one threshold per personalized model
+    at = f"γ per model {', '.join(f'{float(g):g}' for g in per)}" if per else f"γ = {recorded['gamma']:g}"
+    assert f"Routing on test (at {at})" in fedsm and "of each model inside it" in fedsm
     row = fedsm.split("<td>site1</td>")[2].split("</tr>")[0]  # the routing table's row of site1
     assert row.count("%") == len(recorded["models"])
     out = build_report([run], tmp_path / "r2.html", ReportOptions(models=False), progress=False)

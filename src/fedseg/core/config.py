@@ -277,6 +277,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
+        if isinstance(value, str) and value == "none" and any("none" in typing.get_args(a) for a in args):
+            return value  # "none" is one of the setting's own choices (e.g. fedsm.selector_augment), not unset
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             if type(None) in args:
                 return None
@@ -353,9 +355,9 @@ def dataclass_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 
 
 def _parse_value(text: str) -> Any:
-    """Parse an override's value as TOML (numbers, booleans, lists, strings); bare words are strings."""
-    if text.lower() == "none":
-        return None
+    """Parse an override's value as TOML (numbers, booleans, lists, strings); bare words are strings.  The
+    word ``none`` stays a word: the typed loader (:func:`_coerce`) reads it as unset (None), or as the
+    setting's own choice where its choices name it (``fedsm.selector_augment = "none"``)."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -123,6 +123,8 @@ def fedsm_section(
                 if mode in ("argmax", "mix")
                 else f"at γ = {used:g}"
                 if isinstance(used, float)
+                else f"at γ {used}"
+                if str(used).startswith("per model")
                 else f"at γ = {used}"
             )
             parts.append(

@@ -22,7 +22,8 @@ from fedseg.simulation.runner import build_engine, load_federation_data, run
 __all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
 
 DEMO_METHODS = ("local", "centralized", "fedavg", "fedsm")
-"""The demo's methods; FedSM runs with its defaults (γ = auto, selector trained by gradient averaging)."""
+"""The demo's methods; FedSM runs with its defaults (one γ per personalized model chosen on validation, selector
+trained by gradient averaging on flipped batches)."""
 
 
 def split_method_entries(text: str) -> list[str]:

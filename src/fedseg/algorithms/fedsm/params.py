@@ -23,10 +23,10 @@ PersonalizationName = Literal["softpull", "ft", "apfl", "perfedavg", "pfedme", "
 #: code's literal ones (γ 0.9, n_k/n weights, every local step, averaged selector).
 PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
     "default": {
-        "gamma": "auto",
+        "gamma": "auto-per-model",
         "selector_training": "fga",
         "selector_weighting": "even",
-        "selector_augment": "none",
+        "selector_augment": "flip",
         "ensemble_objective": "experts",
     },
     "reference": {
@@ -48,8 +48,8 @@ class FedSMParams:
     ``config.toml`` and ``results.json["config"]`` hold the resolved values.
 
     profile
-        ``"default"``: settings that learn out of the box (γ = auto, selector trained by
-        federated gradient averaging); ``"reference"``: the reference code's literal
+        ``"default"``: settings that learn out of the box (one γ per personalized model chosen on
+        validation, selector trained by federated gradient averaging on flipped batches); ``"reference"``: the reference code's literal
         settings (γ = 0.9, selector averaged with n_k/n weights after every local step).
     lam
         SoftPull's λ (Eq. 11) in [0, 1]; 0.7 is the paper's best on the low-similarity
@@ -57,10 +57,10 @@ class FedSMParams:
         own model weighs less than each other site's (warned, allowed: Table 7 has 0.1).
     gamma
         Alg. 2's confidence threshold γ: a number in [0, 1] (0.9: reference code), or
-        ``"auto"`` (default profile): at each validation the sites report their validation
+        ``"auto"``: at each validation the sites report their validation
         Dice summed per γ of ``gamma_grid`` and the γ with the best Dice by the run's
         ``eval.best_criterion`` (pooled cases, or the mean of per-site means) is used.
-        ``"auto-per-model"``: one threshold per personalized model, each the best of ``gamma_grid`` on
+        ``"auto-per-model"`` (default profile): one threshold per personalized model, each the best of ``gamma_grid`` on
         the validation cases whose top class is that model (γ_j = 1 sends them all to the global model:
         a personalized model that is worse than the global model on validation is then not used).
     gamma_grid
@@ -73,7 +73,9 @@ class FedSMParams:
     selector_augment
         ``"flip"``: every image of a selector batch is flipped along each spatial axis with probability
         1/2 (seeded by run seed, site, round and step), so that the selector learns a site's appearance
-        rather than its few training images; ``"none"`` (default): the batches as drawn.
+        rather than its few training images (each mask flipped with its image, for the targets computed from
+        the segmentation models' losses), the default profile's; ``"none"`` (reference profile): the batches
+        as drawn.
     selector_training
         ``"fga"`` (default profile): every selector step is a lockstep exchange of
         federated gradient averaging (:func:`fedseg.algorithms.fga.lockstep_round`): the

@@ -206,13 +206,15 @@ def selector_loss(
     return selector_objective(site, phase, labels)(logits, selector_target(site, x, y, phase, own, frozen, labels))
 
 
-def flip_batch(x: torch.Tensor, g: torch.Generator, y: torch.Tensor | None = None) -> Any:
+def flip_batch(x: torch.Tensor, g: torch.Generator, y: Any = None) -> Any:
     """Each image of ``x`` (B, C, *spatial) flipped along each spatial axis with probability 1/2, the
     draws from ``g`` (B per axis, in axis order): a flip keeps what identifies a site (its intensities,
     contrast, noise) and changes the image's layout.  With ``y`` (the batch's masks, B, C', *spatial)
     each mask is flipped as its image and ``(x, y)`` is returned: a target computed from the segmentation
-    models' losses (Eq. 1's labels, the ensemble's objectives) stays that of the pair."""
-    out, masks = x, y
+    models' losses (Eq. 1's labels, the ensemble's objectives) stays that of the pair.  A ``y`` without the
+    images' spatial axes (a class label per image, e.g. a classification workload) is returned as it is."""
+    out = x
+    masks = y if isinstance(y, torch.Tensor) and y.dim() == x.dim() else None
     for d in range(2, x.dim()):
         mask = torch.rand(x.shape[0], generator=g) < 0.5
         if bool(mask.any()):
@@ -221,7 +223,7 @@ def flip_batch(x: torch.Tensor, g: torch.Generator, y: torch.Tensor | None = Non
                 masks = torch.where(
                     mask.to(masks.device).reshape((-1,) + (1,) * (masks.dim() - 1)), masks.flip(d), masks
                 )
-    return out if y is None else (out, masks)
+    return out if y is None else (out, y if masks is None else masks)
 
 
 def augment_for_selector(
