@@ -451,3 +451,25 @@ def test_server_round_with_a_dropped_site_keeps_its_personalized_model():
     assert new["personal/c/w"].item() == 7.0
     assert new["global/w"].item() == pytest.approx(3.0)
     assert new["personal/a/w"].item() == pytest.approx(13.0)
+
+
+@pytest.mark.parametrize(
+    "method,fedsm,expected",
+    [
+        ("fedsm", {}, "flip"),
+        ("fedsm-extra", {}, "none"),
+        ("fedsm-ensemble", {}, "none"),
+        ("fedsm", {"profile": "reference"}, "none"),
+        ("fedsm-extra", {"selector_augment": "flip"}, "flip"),
+        ("fedsm", {"selector_augment": "none"}, "none"),
+    ],
+)
+def test_the_default_profile_flips_the_selectors_batches_only_where_the_label_is_the_site(method, fedsm, expected):
+    """Default profile: flips for FedSM's Eq. 2 selector (a flip keeps the site); none for FedSM-extra and the
+    ensemble, whose targets (which model segments an image best) a flip can change; reference profile: none;
+    an explicit value wins everywhere."""
+    from fedseg.algorithms import get_algorithm
+
+    cfg = tiny_config(method, rounds=3)
+    algo = get_algorithm(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": fedsm}}))
+    assert algo.params.selector_augment == expected

@@ -77,8 +77,9 @@ class FedSM(Algorithm):
 
     @classmethod
     def parse_params(cls, cfg) -> FedSMParams:
-        """``[fedsm]`` validated, with the settings left unset filled in from ``fedsm.profile``."""
-        return super().parse_params(cfg).resolved()
+        """``[fedsm]`` validated, with the settings left unset filled in from ``fedsm.profile`` (for this
+        variant: its selector learns Eq. 2's site labels, or targets from the models' losses)."""
+        return super().parse_params(cfg).resolved(site_labels=cls.labels == "site")
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)

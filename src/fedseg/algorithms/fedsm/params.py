@@ -74,8 +74,9 @@ class FedSMParams:
         ``"flip"``: every image of a selector batch is flipped along each spatial axis with probability
         1/2 (seeded by run seed, site, round and step), so that the selector learns a site's appearance
         rather than its few training images (each mask flipped with its image, for the targets computed from
-        the segmentation models' losses), the default profile's; ``"none"`` (reference profile): the batches
-        as drawn.
+        the segmentation models' losses); the default profile's for FedSM.  ``"none"``: the batches as drawn;
+        the reference profile's, and the default profile's for FedSM-extra and the ensemble (their targets,
+        which model segments an image best, do not survive a flip as a site label does).
     selector_training
         ``"fga"`` (default profile): every selector step is a lockstep exchange of
         federated gradient averaging (:func:`fedseg.algorithms.fga.lockstep_round`): the
@@ -187,9 +188,14 @@ class FedSMParams:
     aggregation: Aggregation = "mean"
     trim: float = 0.1
 
-    def resolved(self) -> FedSMParams:
-        """These settings with every unset one filled in from ``profile``."""
+    def resolved(self, site_labels: bool = True) -> FedSMParams:
+        """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns
+        Eq. 2's site labels (FedSM); False for FedSM-extra and the ensemble, whose selector targets come from
+        the models' losses on the image: no flips there by default (a flip keeps an image's site, not which
+        model segments it best — fundus, 3 seeds: FedSM-extra 2.8 points lower with flips, docs/results.md)."""
         fill = dict(PROFILE_DEFAULTS[self.profile])
+        if not site_labels:
+            fill["selector_augment"] = "none"
         training = self.selector_training if self.selector_training is not None else fill["selector_training"]
         fill.setdefault("selector_steps", 1 if training == "fedavg" else "all")
         return dataclasses.replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
