@@ -152,26 +152,23 @@ def test_flip_batch_flips_each_image_by_its_own_seeded_draws_and_keeps_its_value
     out = flip_batch(x, torch.Generator().manual_seed(7))
     g = torch.Generator().manual_seed(7)
     r_h, r_w = torch.rand(4, generator=g), torch.rand(4, generator=g)
+
+    def by_hand(t: torch.Tensor, i: int) -> torch.Tensor:  # item i of t flipped as the draws say
+        t = t[i].flip(1) if r_h[i] < 0.5 else t[i]
+        return t.flip(2) if r_w[i] < 0.5 else t
+
     for i in range(4):
-        want = x[i]
-        if r_h[i] < 0.5:
-            want = want.flip(1)
-        if r_w[i] < 0.5:
-            want = want.flip(2)
-        assert torch.equal(out[i], want)
+        assert torch.equal(out[i], by_hand(x, i))
         assert torch.equal(out[i].flatten().sort().values, x[i].flatten().sort().values)
     assert not torch.equal(out, x)  # this seed flips at least one image
     # with masks: each mask is flipped as its image (the same draws), the images as without
     y = torch.rand(4, 3, 3, 5, generator=torch.Generator().manual_seed(2))
     out2, ym = flip_batch(x, torch.Generator().manual_seed(7), y)
     assert torch.equal(out2, out)
-    for i in range(4):
-        want = y[i]
-        if r_h[i] < 0.5:
-            want = want.flip(1)
-        if r_w[i] < 0.5:
-            want = want.flip(2)
-        assert torch.equal(ym[i], want)
+    assert all(torch.equal(ym[i], by_hand(y, i)) for i in range(4))
+    # a class label per image (no spatial axes) is returned as it is
+    labels = torch.arange(4)
+    assert flip_batch(x, torch.Generator().manual_seed(7), labels)[1] is labels
 
 
 def test_fga_selector_with_flips_equals_a_central_selector_on_the_same_flipped_batches(tmp_path, workload):
