@@ -49,8 +49,9 @@ class FedSMParams:
 
     profile
         ``"default"``: settings that learn out of the box (one γ per personalized model chosen on
-        validation, selector trained by federated gradient averaging on flipped batches); ``"reference"``: the reference code's literal
-        settings (γ = 0.9, selector averaged with n_k/n weights after every local step).
+        validation, selector trained by federated gradient averaging on flipped batches);
+        ``"reference"``: the reference code's literal settings (γ = 0.9, selector averaged with n_k/n
+        weights after every local step, no flips).
     lam
         SoftPull's λ (Eq. 11) in [0, 1]; 0.7 is the paper's best on the low-similarity
         retinal task (Table 7) and the reference code's default.  Below 1/K a site's
@@ -60,9 +61,10 @@ class FedSMParams:
         ``"auto"``: at each validation the sites report their validation
         Dice summed per γ of ``gamma_grid`` and the γ with the best Dice by the run's
         ``eval.best_criterion`` (pooled cases, or the mean of per-site means) is used.
-        ``"auto-per-model"`` (default profile): one threshold per personalized model, each the best of ``gamma_grid`` on
-        the validation cases whose top class is that model (γ_j = 1 sends them all to the global model:
-        a personalized model that is worse than the global model on validation is then not used).
+        ``"auto-per-model"`` (default profile): one threshold per personalized model, each the best of
+        ``gamma_grid`` on the validation cases whose top class is that model (γ_j = 1 sends them all to
+        the global model: a personalized model that is worse than the global model on validation is then
+        not used).
     gamma_grid
         Candidate γ values for ``gamma = "auto"`` and the routing reports.
     selector_width, selector_hidden
