@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_sites
+from fedseg.algorithms import REGISTRY
 from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply
 from fedseg.deploy.remote import DeployError, LoopbackChannel
@@ -535,3 +536,106 @@ def test_forged_fedsm_routing_replies_are_rejected_and_the_run_finishes(tmp_path
     assert all("route reply: a selection's dice_sum is not in" in d["reason"] for d in drops), drops
     best = json.loads((tmp_path / "checkpoints/best.json").read_text())["fedsm"]["config"]
     assert len(best["gamma_per_model"]) == 2
+
+
+def _fails_after(n_tasks: int):
+    """A site that answers its first ``n_tasks`` tasks, then sends bytes that decode to nothing (rejected)."""
+    seen = {"n": 0}
+
+    def fault(op, blob):
+        seen["n"] += 1
+        return blob if seen["n"] <= n_tasks else b"\x07not a payload"
+
+    return fault
+
+
+@pytest.mark.parametrize("start", [0, 1, 3], ids=["from-the-first-task", "after-one-task", "after-three-tasks"])
+@pytest.mark.parametrize("method", sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site))
+def test_every_method_finishes_when_a_site_goes_bad_mid_run(tmp_path, method, start):
+    """Whatever exchange a site stops answering validly in — a method's first exchange (Auto-FedAvg's
+    ``describe``, FedSM's setup), a training round, one step of a lockstep exchange (FGA, Auto-FedAvg's β
+    steps) — its later replies are rejected and every deployable method finishes with the sites that answer
+    (deploy.min_sites = 1): no KeyError in a server half reading the replies, finite weights, the site
+    recorded in ``dropouts``."""
+    cfg = dataclasses.replace(_cfg(), method=method, rounds=2)
+    if method.startswith("fedsm"):
+        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": {"selector_width": 0.0625, "selector_rounds": 1}})
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+    res = serve(
+        tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site3": _fails_after(start)}), log=lambda m: None
+    )
+    assert res is not None, "the run did not finish"
+    drops = res["deploy"]["dropouts"]
+    assert drops and {d["site"] for d in drops} == {"site3"}, drops
+    state = server_state(tmp_path)
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def _down_for(site: str, tasks: set[int], chan: LoopbackChannel):
+    """A call function: ``site`` is unreachable for its task calls numbered in ``tasks`` (1-based)."""
+    seen = {"n": 0}
+
+    def call(s, op, payload, timeout):
+        if op == "task" and s == site:
+            seen["n"] += 1
+            if seen["n"] in tasks:
+                raise ConnectionError(f"{site} restarting")
+        return chan(s, op, payload, timeout)
+
+    return call
+
+
+def test_fga_site_that_misses_a_step_is_resynced_and_back_in_sync_next_round(tmp_path):
+    """FGA keeps every site's weights and Adam state equal only if each applies every averaged gradient.
+    site3 is unreachable for its second task of round 1 (step 1): it is left out of the rest of round 1
+    (gradients averaged over site1 and site2), marked stale, and the round ends with site1's weights and
+    optimizer state kept for it; with step 0 of round 2 it receives both, and at the end of round 2 all three
+    sites' state digests are equal again (``in_sync``), site3's gradients are in the average
+    (``train_loss`` has it) and no resync entry is left in the checkpoint."""
+    cfg = dataclasses.replace(_cfg(), method="fga", rounds=2)
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+    res = serve(tmp_path, _down_for("site3", {2}, LoopbackChannel(_runtimes(tmp_path, data))), log=lambda m: None)
+    first, second = res["history"]
+    assert first["stale"] == ["site3"] and first["in_sync"]  # the two sites that finished the round agree
+    assert "stale" not in second and second["in_sync"], second
+    assert set(second["train_loss"]) == {"site1", "site2", "site3"}
+    assert [(d["round"], d["site"]) for d in res["deploy"]["dropouts"]] == [(0, "site3")]
+    assert not [k for k in server_state(tmp_path) if k.startswith("resync/")]
+
+
+def test_fga_without_the_resync_a_site_that_missed_a_step_stays_out_of_sync(tmp_path, monkeypatch):
+    """The resync is what brings site3 back: with the resync arrays dropped from its step-0 task, the same
+    run ends round 2 with different digests (the run still finishes, with the warning)."""
+    import fedseg.algorithms.fga as fga
+
+    real = fga.lockstep_round
+
+    def no_resync(*args, **kwargs):
+        kwargs["state"] = fga.without_resync(kwargs.get("state") or {}, fga.ROLE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fga, "lockstep_round", no_resync)
+    cfg = dataclasses.replace(_cfg(), method="fga", rounds=2)
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+    with pytest.warns(fga.FGAEquivalenceWarning, match="different weights or optimizer states"):
+        res = serve(tmp_path, _down_for("site3", {2}, LoopbackChannel(_runtimes(tmp_path, data))), log=lambda m: None)
+    assert res["history"][1]["in_sync"] is False
+
+
+def test_autofedavg_learns_the_weights_of_the_sites_that_answer(tmp_path):
+    """Auto-FedAvg with site3 unreachable from the start: β is learned and α used over site1 and site2
+    (α sums to 1 over them), site3's row of β keeps its initial value, and the run finishes."""
+    cfg = dataclasses.replace(_cfg(), method="autofedavg", rounds=2)
+    cfg = dataclasses.replace(cfg, params={**cfg.params, "autofedavg": {"interval": 1, "steps": 2}})
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site3": "die"}), log=lambda m: None)
+    for entry in res["history"]:
+        assert entry["alpha_learned"] and entry["left_out"] == ["site3"]
+        assert set(entry["alpha"]) == {"site1", "site2"} and abs(sum(entry["alpha"].values()) - 1) < 1e-9
+    state = server_state(tmp_path)
+    beta, beta0 = state["autofedavg/beta/*"], state["autofedavg/beta0/*"]
+    assert beta[2] == beta0[2] and not torch.equal(beta[:2], beta0[:2])

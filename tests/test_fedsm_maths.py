@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config
-from fedseg.algorithms.fedsm import FedSM, FedSMParams, optimizer_moments, pick_gamma, set_optimizer_moments
+from fedseg.algorithms.fedsm import FedSM, FedSMParams, pick_gamma
 from fedseg.algorithms.fedsm.selection import check_route_metrics, pick_gamma_per_model
+from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
 from fedseg.algorithms.softpull import (
     check_lambda,
     ensemble_mix,

@@ -417,8 +417,17 @@ class AutoFedAvg(Algorithm):
     def init_state(self, ctx: ServerContext) -> Arrays:
         state = prefixed("global", ctx.init_arrays("global"))
         replies = ctx.ask({s: Task(DESCRIBE) for s in ctx.sites})
-        n = [replies[s].num_samples for s in ctx.sites]
-        layers = [NETWORK] if self.params.granularity == "network" else replies[ctx.sites[0]].metrics["parameters"]
+        if not replies:
+            raise PayloadError("autofedavg: no site described its model; start the run again when the sites answer")
+        # a deployed site left out of this first exchange starts at the answering sites' mean count (only
+        # softmax_init = "log_samples" reads it; β is learned anyway)
+        mean_n = sum(r.num_samples for r in replies.values()) / len(replies)
+        n = [replies[s].num_samples if s in replies else max(1, round(mean_n)) for s in ctx.sites]
+        if self.params.granularity == "network":
+            layers = [NETWORK]
+        else:  # the parameter list most sites report (one site cannot choose β's layers)
+            lists = [tuple(r.metrics["parameters"]) for r in replies.values()]
+            layers = list(max(lists, key=lists.count))
         beta = init_beta(self.params, n, layers)
         state.update(prefixed("autofedavg/beta", beta))
         state.update(
@@ -436,7 +445,7 @@ class AutoFedAvg(Algorithm):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """LearnAggWeight (Alg. 1): peers once, then S rounds of β steps averaged at the server."""
         p = self.params
-        names = list(models)
+        names = list(models)  # the sites whose trained models are mixed (β's rows, in this order)
         peer_tasks = {
             s: Task(
                 PEERS,
@@ -446,18 +455,28 @@ class AutoFedAvg(Algorithm):
             for s in names
         }
         model_bytes = sum(nbytes(t.arrays) for t in peer_tasks.values())
-        ctx.ask(peer_tasks)
-        weights = aggregation_weights(num_samples, p.beta_weighting)
+        # a deployed site left out of an exchange takes no further β steps this phase (a site without the
+        # peer models cannot take one); its model stays in the mixture, and β is averaged over the sites
+        # that answered each step
+        got = ctx.ask(peer_tasks)
+        active = [s for s in names if s in got]
+        count = dict(zip(names, num_samples))
         losses, beta_bytes = [], 0
         for step in range(p.steps):
+            if not active:
+                break
             payload = prefixed("beta", beta)
             cfg = {"round": rnd, "step": step, "sites": names, "last": step == p.steps - 1}
-            replies = ctx.ask({s: Task(STEP, payload, cfg) for s in names})
-            beta_bytes += sum(nbytes(payload) + nbytes(replies[s].arrays) for s in names)
-            beta = weighted_mean([strip_prefix("beta", replies[s].arrays) for s in names], weights)
+            replies = ctx.ask({s: Task(STEP, payload, cfg) for s in active})
+            active = [s for s in active if s in replies]
+            if not active:
+                break
+            beta_bytes += sum(nbytes(payload) + nbytes(replies[s].arrays) for s in active)
+            weights = aggregation_weights([count[s] for s in active], p.beta_weighting)
+            beta = weighted_mean([strip_prefix("beta", replies[s].arrays) for s in active], weights)
             if p.param == "dirichlet":
                 beta = {k: v.clamp(min=p.min_concentration) for k, v in beta.items()}
-            losses.append(sum(replies[s].metrics["loss"] for s in names) / len(names))
+            losses.append(sum(replies[s].metrics["loss"] for s in active) / len(active))
         return beta, {"agg_loss": losses, "extra_bytes": {"models": model_bytes, "beta": beta_bytes}}
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
@@ -465,28 +484,35 @@ class AutoFedAvg(Algorithm):
         replies = ctx.ask(
             {s: Task("train", prefixed("global", strip_prefix("global", state)), {"round": rnd}) for s in ctx.sites}
         )
-        names = list(ctx.sites)
-        missing = [s for s in names if s not in replies]
-        if missing:
-            raise PayloadError(f"autofedavg: sites {missing} did not reply; learned weights need every site")
+        names = [s for s in ctx.sites if s in replies]
+        if not names:
+            raise PayloadError(f"autofedavg: no site replied in round {rnd}")
         models = {s: strip_prefix("global", replies[s].arrays) for s in names}
         n = [replies[s].num_samples for s in names]
-        beta = strip_prefix("autofedavg/beta", state)
+        full = strip_prefix("autofedavg/beta", state)
+        if p.reinit and rnd % p.interval == 0:
+            full = strip_prefix("autofedavg/beta0", state)
+        # the rows of β of the sites that answered (all of them in simulation): a deployed site left out of
+        # this round keeps its β, and α over the others is γ of their rows (for Dirichlet: the mode of the
+        # renormalized sub-vector, Dir(β_S))
+        rows = torch.tensor([ctx.sites.index(s) for s in names])
+        beta = {k: v[rows] for k, v in full.items()}
         metrics: dict[str, Any] = {
             "train_loss": {s: replies[s].metrics.get("loss") for s in names},
             "alpha_learned": False,
         }
+        if len(names) < len(ctx.sites):
+            metrics["left_out"] = [s for s in ctx.sites if s not in replies]
         if rnd % p.interval == 0:
-            if p.reinit:
-                beta = strip_prefix("autofedavg/beta0", state)
             beta, info = self.learn(ctx, rnd, models, beta, n)
             metrics.update(info, alpha_learned=True)
+        full = {k: v.clone().index_copy_(0, rows, beta[k]) for k, v in full.items()}
         alpha = alpha_eval(beta, p.param)
         first = models[names[0]]
         groups = tensor_layers([k for k, v in first.items() if is_float(v)], list(beta))
         new = dict(state)
         new.update(prefixed("global", aggregate([models[s] for s in names], alpha_per_tensor(alpha, groups))))
-        new.update(prefixed("autofedavg/beta", beta))
+        new.update(prefixed("autofedavg/beta", full))
         a, b = _mean_alpha(alpha), _mean_alpha(beta)
         metrics["alpha"] = {s: float(a[i]) for i, s in enumerate(names)}
         metrics["beta"] = {s: float(b[i]) for i, s in enumerate(names)}

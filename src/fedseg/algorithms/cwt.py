@@ -160,12 +160,20 @@ class CWT(Algorithm):
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         cur = dict(state)
-        losses = {}
+        losses, skipped = {}, []
         for s in self.cycle(ctx):
-            reply = ctx.ask({s: Task("train", cur, {"round": rnd})})[s]
+            # one site at a time: a visit without a valid reply (a deployed site left out) is skipped and the
+            # model goes on to the next site unchanged
+            reply = ctx.ask({s: Task("train", cur, {"round": rnd})}, optional=True).get(s)
+            if reply is None:
+                skipped.append(s)
+                continue
             cur.update(reply.arrays)
             losses[s] = reply.metrics.get("loss")
-        return cur, {"train_loss": losses, "order": list(self.cycle(ctx))}
+        metrics: dict[str, Any] = {"train_loss": losses, "order": list(self.cycle(ctx))}
+        if skipped:
+            metrics["skipped"] = skipped
+        return cur, metrics
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate(ROLE, strip_prefix(ROLE, state))]

@@ -69,6 +69,7 @@ from fedseg.core.site import Site, step_with_gradient
 
 __all__ = [
     "FGA",
+    "RESYNC",
     "FGAEquivalenceWarning",
     "FGAParams",
     "apply_gradient",
@@ -77,7 +78,10 @@ __all__ = [
     "federation_steps",
     "gradient_step",
     "lockstep_round",
+    "optimizer_moments",
+    "set_optimizer_moments",
     "state_digest",
+    "without_resync",
 ]
 
 ROLE = "global"
@@ -244,6 +248,25 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> s
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------- optimizer state as arrays
+def optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module) -> Arrays:
+    """An optimizer's per-parameter state as arrays ``<param name>/<key>`` (Adam: exp_avg, exp_avg_sq, step)."""
+    out: Arrays = {}
+    for name, p in model.named_parameters():
+        for key, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                out[f"{name}/{key}"] = v.detach().clone()
+    return out
+
+
+def set_optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module, moments: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite the optimizer's per-parameter state with ``moments`` (from :func:`optimizer_moments`)."""
+    for name, p in model.named_parameters():
+        entry = strip_prefix(name, {k: v for k, v in moments.items() if k.rpartition("/")[0] == name})
+        if entry:
+            opt.state[p] = {k: v.detach().clone() for k, v in entry.items()}
+
+
 # ------------------------------------------------------------------------ site half
 @dataclass
 class _Cursor:
@@ -288,9 +311,10 @@ def gradient_step(
     (e.g. labels from frozen models); ``loss`` must depend on the site only through the target.
 
     ``task.config``: ``round``; ``step`` (batch index to compute, or None to only
-    apply); ``send_weights`` (return Θ); ``digest`` (return the state digest).
-    ``task.arrays``: ``<prefix>/…`` initial weights (first round), ``avg/…`` the
-    averaged gradient to apply.  ``lr`` overrides ``train.lr`` for this role's optimizer;
+    apply); ``send_weights`` (return Θ); ``send_moments`` (return the optimizer state,
+    ``optim/…``); ``digest`` (return the state digest).
+    ``task.arrays``: ``<prefix>/…`` initial weights (first round, or a resync), ``optim/…``
+    the optimizer state of a resync, ``avg/…`` the averaged gradient to apply.  ``lr`` overrides ``train.lr`` for this role's optimizer;
     ``check_loss`` is the loss checked by :func:`equivalence_problems` (default: the workload loss);
     ``transform(x, y, round, step)`` returns the batch ``(x, y)`` changed before the target and the gradient
     (e.g. the selector's flips of images and masks).
@@ -302,9 +326,11 @@ def gradient_step(
         site.load(role, init, factory)
     model = site.model(role, factory)
     # the optimizer persists across rounds (Alg. 1 initializes m, v once) unless train.reset_optimizer
-    opt = site.optimizer(
-        role, reset=step == 0 and site.cfg.train.reset_optimizer, params=list(model.parameters()), lr=lr
-    )
+    reset = step == 0 and site.cfg.train.reset_optimizer
+    opt = site.optimizer(role, reset=reset, params=list(model.parameters()), lr=lr)
+    moments = strip_prefix("optim", task.arrays)
+    if moments and not reset:  # a resync after missed exchanges: the other sites' optimizer state
+        set_optimizer_moments(opt, model, moments)
     avg = strip_prefix("avg", task.arrays)
     if avg:
         apply_gradient(model, opt, avg)
@@ -331,6 +357,8 @@ def gradient_step(
             metrics["steps_per_round"] = site.steps_per_round()
     if cfg.get("send_weights"):
         arrays.update(prefixed(prefix, site.arrays(role)))
+    if cfg.get("send_moments"):
+        arrays.update(prefixed("optim", optimizer_moments(opt, model)))
     if cfg.get("digest"):
         metrics["digest"] = state_digest(model, opt)
     return Reply(arrays=arrays, metrics=metrics, num_samples=num)
@@ -339,6 +367,10 @@ def gradient_step(
 def fga_step(site: Site, task: Task) -> Reply:
     """Site half of FGA (:func:`gradient_step` for the global model)."""
     return gradient_step(site, task)
+
+
+RESYNC = "resync"
+"""Server-state namespace of a lockstep role's resync (``resync/<prefix>/…``, :func:`lockstep_round`)."""
 
 
 def lockstep_round(
@@ -352,47 +384,96 @@ def lockstep_round(
     check_sync: bool = True,
     prefix: str = ROLE,
     max_steps: int | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[Arrays, dict[str, Any], dict[str, dict[str, Any]]]:
     """Server half of one round of lockstep gradient averaging over ``ctx.sites`` (protocol above).
 
     ``first``: arrays sent with step 0 (initial weights on the first round, anything
     else the site needs for the round); ``config``: added to every task's config;
-    ``max_steps`` caps the round's steps.  Returns the weights site 1 sent at the end
-    (``<prefix>/…``), the metrics (``train_loss`` per site, ``steps``, ``in_sync``)
-    and each site's step-0 reply metrics.
-    """
-    sites = ctx.sites
-    base = {"round": rnd, **(config or {})}
+    ``max_steps`` caps the round's steps.  Returns the weights the reference site sent at the end
+    (``<prefix>/…``) with the resync entries (below), the metrics (``train_loss`` per site,
+    ``steps``, ``in_sync``) and each site's step-0 reply metrics.
 
-    def average(replies: Mapping[str, Reply]) -> Arrays:
+    **Sites left out** (deployment: a site that errs, times out or sends a rejected reply) take no
+    further part in the round: the gradients are averaged over the sites that answered each step, and
+    the reference site (the first that answered every exchange) sends the weights.  A left-out site
+    may have missed an averaged gradient, so its weights and optimizer state no longer match: it is
+    *stale*.  While any site is stale the round ends by asking the reference site for its weights and
+    optimizer state, kept in the server state as ``resync/<prefix>/{weights,optim}/…`` with the mask
+    ``resync/<prefix>/stale`` (one entry per site of ``ctx.sites``; read from ``state``), and a stale
+    site gets both with its next step-0 task — it is back in sync from that round on.  Without
+    left-out sites (every simulation) nothing is added and no byte more is sent.
+    """
+    sites = list(ctx.sites)
+    base = {"round": rnd, **(config or {})}
+    ns = f"{RESYNC}/{prefix}"
+    prev = dict(state or {})
+    stale_mask = prev.get(f"{ns}/stale")
+    stale = {s for i, s in enumerate(sites) if stale_mask is not None and bool(stale_mask[i])}
+    sync_w, sync_o = strip_prefix(f"{ns}/weights", prev), strip_prefix(f"{ns}/optim", prev)
+
+    def average(replies: Mapping[str, Reply], active: Sequence[str]) -> Arrays:
         return prefixed(
             "avg",
             average_gradients(
-                [strip_prefix("grad", replies[s].arrays) for s in sites],
-                [replies[s].num_samples for s in sites],
+                [strip_prefix("grad", replies[s].arrays) for s in active],
+                [replies[s].num_samples for s in active],
                 weighting,
             ),
         )
 
-    replies = ctx.ask({s: Task(kind, dict(first or {}), {**base, "step": 0}) for s in sites})
-    start = {s: dict(replies[s].metrics) for s in sites}
-    total = federation_steps([replies[s].metrics["steps_per_round"] for s in sites], steps)
+    def step0(s: str) -> Task:
+        arrays = dict(first or {})
+        if s in stale and sync_w:
+            arrays.update(prefixed(prefix, sync_w))
+            arrays.update(prefixed("optim", sync_o))
+        return Task(kind, arrays, {**base, "step": 0})
+
+    replies = ctx.ask({s: step0(s) for s in sites})
+    active = [s for s in sites if s in replies]
+    if not active:
+        raise PayloadError(f"{kind}: no site answered step 0 of round {rnd}")
+    start = {s: dict(replies[s].metrics) for s in active}
+    total = federation_steps([replies[s].metrics["steps_per_round"] for s in active], steps)
     if max_steps is not None:
         total = min(total, max_steps)
-    losses = {s: [replies[s].metrics["loss"]] for s in sites}
+    losses = {s: [replies[s].metrics["loss"]] for s in active}
     for step in range(1, total):
-        avg = average(replies)  # once per step (the transport copies it for each site)
-        replies = ctx.ask({s: Task(kind, avg, {**base, "step": step}) for s in sites})
-        for s in sites:
+        avg = average(replies, active)  # once per step (the transport copies it for each site)
+        replies = ctx.ask({s: Task(kind, avg, {**base, "step": step}) for s in active})
+        active = [s for s in active if s in replies]
+        if not active:
+            raise PayloadError(f"{kind}: no site answered step {step} of round {rnd}")
+        for s in active:
             losses[s].append(replies[s].metrics["loss"])
-    avg = average(replies)
+    avg = average(replies, active)
+    ref = active[0]
     last = ctx.ask(
-        {s: Task(kind, avg, {**base, "step": None, "send_weights": s == sites[0], "digest": check_sync}) for s in sites}
+        {s: Task(kind, avg, {**base, "step": None, "send_weights": s == ref, "digest": check_sync}) for s in active}
     )
-    weights = {k: v for k, v in last[sites[0]].arrays.items() if k.startswith(prefix + "/")}
+    done = [s for s in active if s in last]
+    stale = (stale - set(done)) | {s for s in sites if s not in done}
+    if ref not in last or stale:  # another reference, or the resync's state: ask without anything to apply
+        for cand in ([ref] if ref in last else []) + [s for s in done if s != ref]:
+            got = ctx.ask(
+                {cand: Task(kind, {}, {**base, "step": None, "send_weights": True, "send_moments": bool(stale)})},
+                optional=True,
+            )
+            if cand in got:
+                ref, last = cand, {**last, cand: got[cand]}
+                break
+        else:
+            raise PayloadError(f"{kind}: no site sent its weights at the end of round {rnd}")
+    weights = {k: v for k, v in last[ref].arrays.items() if k.startswith(prefix + "/")}
+    if stale:
+        weights.update(prefixed(f"{ns}/weights", strip_prefix(prefix, last[ref].arrays)))
+        weights.update(prefixed(f"{ns}/optim", strip_prefix("optim", last[ref].arrays)))
+        weights[f"{ns}/stale"] = torch.tensor([s in stale for s in sites], dtype=torch.int8)
     metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
+    if stale:
+        metrics["stale"] = sorted(stale, key=sites.index)
     if check_sync:
-        digests = {s: last[s].metrics["digest"] for s in sites}
+        digests = {s: last[s].metrics["digest"] for s in done if "digest" in last[s].metrics}
         in_sync = len(set(digests.values())) == 1
         metrics["in_sync"] = in_sync
         if not in_sync:
@@ -403,6 +484,13 @@ def lockstep_round(
                 stacklevel=2,
             )
     return weights, metrics, start
+
+
+def without_resync(state: Mapping[str, torch.Tensor], prefix: str) -> Arrays:
+    """``state`` without the resync entries of ``prefix`` (:func:`lockstep_round` returns them again while
+    a site is stale)."""
+    head = f"{RESYNC}/{prefix}/"
+    return {k: v for k, v in state.items() if not k.startswith(head)}
 
 
 # ---------------------------------------------------------------------- server half
@@ -424,9 +512,15 @@ class FGA(Algorithm):
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params
         weights, metrics, _ = lockstep_round(
-            ctx, rnd, first=state if rnd == 1 else {}, weighting=p.weighting, steps=p.steps, check_sync=p.check_sync
+            ctx,
+            rnd,
+            first=state if rnd == 1 else {},
+            weighting=p.weighting,
+            steps=p.steps,
+            check_sync=p.check_sync,
+            state=state,
         )
-        return {**state, **weights}, metrics
+        return {**without_resync(state, ROLE), **weights}, metrics
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate(ROLE, strip_prefix(ROLE, state))]

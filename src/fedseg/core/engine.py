@@ -326,6 +326,11 @@ class Engine:
             history=self.history,
             label=self.algorithm.label(),
         )
+        if results["sites_without_results"]:
+            self.log(
+                f"sites {results['sites_without_results']} have no test result (left out of every test exchange, "
+                "or without an own model): the client average is over the other sites"
+            )
         results["wall_time_s"] = time.perf_counter() - t_start
         results["device"] = describe(self.device)
         results["precision"] = cfg.train.precision

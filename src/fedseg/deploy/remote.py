@@ -18,7 +18,8 @@ rule:
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
-* if fewer than ``min(deploy.min_sites, sites asked)`` valid replies remain, the
+* if fewer than ``min(deploy.min_sites, sites asked)`` valid replies remain (and the
+  algorithm did not ask with ``optional=True``, e.g. CWT's one-site visits), the
   exchange fails with :class:`DeployError` (the engine's last checkpoint stays
   valid; resume with ``fedseg deploy run --resume OUT``);
 * otherwise the algorithm sees only the valid replies (FedAvg then averages over
@@ -310,7 +311,7 @@ class RemoteTransport:
             )
             self.traffic.record(s, tasks[s], reply)
             replies[s] = reply
-        need = min(self.params.min_sites, len(tasks))
+        need = 0 if optional else min(self.params.min_sites, len(tasks))  # optional: the algorithm copes with none
         if len(replies) < need:
             raise DeployError(
                 f"only {len(replies)} of {len(tasks)} sites answered '{next(iter(tasks.values())).kind}' validly "

@@ -42,7 +42,9 @@ def row_from_cases(
     -------
     dict
         ``per_site_dice``, ``per_site_channel_dice`` ({site: {channel: dice}}),
-        ``client_avg_dice``, ``global_dice``, ``num_cases``.
+        ``client_avg_dice``, ``global_dice``, ``num_cases``.  A site without cases (a deployed
+        site that answered no test exchange) has Dice NaN and 0 cases and is left out of the
+        client average, so the other sites' results stay usable.
     """
     per_site_dice: dict[str, float] = {}
     per_channel: dict[str, dict[str, float]] = {}
@@ -58,7 +60,7 @@ def row_from_cases(
     return {
         "per_site_dice": per_site_dice,
         "per_site_channel_dice": per_channel,
-        "client_avg_dice": _mean(list(per_site_dice.values())),
+        "client_avg_dice": _mean([d for s, d in per_site_dice.items() if counts[s]]),
         "global_dice": _mean(pooled),
         "num_cases": counts,
     }
@@ -100,12 +102,11 @@ def summarize(
     if primary is not None:
         top_cases = per_case[primary]
     else:
+        # a site's own model; none for a deployed site that never answered (no own model was trained)
         homes = {best[name].candidate.home_site: name for name in per_case}
-        missing = [s for s in sites if s not in homes]
-        if missing:
-            raise ValueError(f"method {method} has no own model for sites {missing}")
-        top_cases = {s: per_case[homes[s]][s] for s in sites}
+        top_cases = {s: per_case[homes[s]].get(s, []) for s in sites if s in homes}
     top = row_from_cases(top_cases, sites, metric_names)
+    top["sites_without_results"] = [s for s in sites if not top["num_cases"][s]]
     per_case_dice = {name: {s: [_mean(c) for c in cs] for s, cs in cases.items()} for name, cases in per_case.items()}
     return {
         "method": method,

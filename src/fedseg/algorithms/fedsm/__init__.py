@@ -50,7 +50,7 @@ SoftPull, and the selector routes to it exactly as to a SoftPull model:
   :class:`fedseg.algorithms.apfl.AdaptiveMixture`).
 
 Modules: :mod:`.params` (settings, profiles), :mod:`.method` (server half, site half), :mod:`.selection` (Alg. 2 routing,
-composite inference, routing statistics, γ choice, selector roles and moments), :mod:`.selector`
+composite inference, routing statistics, γ choice, selector roles), :mod:`.selector`
 (selector training); the maths is in :mod:`fedseg.algorithms.softpull`.
 
 Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/…`` and
@@ -59,14 +59,7 @@ Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/
 
 from fedseg.algorithms.fedsm.method import PERSONALIZATIONS, FedSM, FedSMEnsemble, FedSMExtra
 from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_GRID, PROFILE_DEFAULTS, FedSMParams
-from fedseg.algorithms.fedsm.selection import (
-    optimizer_moments,
-    oracle_accuracy,
-    pick_gamma,
-    route_task,
-    selector_role,
-    set_optimizer_moments,
-)
+from fedseg.algorithms.fedsm.selection import oracle_accuracy, pick_gamma, route_task, selector_role
 from fedseg.algorithms.fedsm.selector import keep_best_selector
 
 __all__ = [
@@ -78,10 +71,8 @@ __all__ = [
     "FedSMExtra",
     "FedSMParams",
     "keep_best_selector",
-    "optimizer_moments",
     "oracle_accuracy",
     "pick_gamma",
     "route_task",
     "selector_role",
-    "set_optimizer_moments",
 ]

@@ -30,7 +30,6 @@ __all__ = [
     "composite_predict",
     "load_composite",
     "mean_routing",
-    "optimizer_moments",
     "oracle_accuracy",
     "pick_gamma",
     "pick_gamma_per_model",
@@ -38,7 +37,6 @@ __all__ = [
     "route_task",
     "selector_probs",
     "selector_role",
-    "set_optimizer_moments",
     "thresholds",
 ]
 
@@ -62,25 +60,6 @@ def classes_of(role: str) -> int | None:
     if sep and head.endswith("selector") and tail.isdigit():
         return int(tail)
     return None
-
-
-# ---------------------------------------------------------- optimizer moments
-def optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module) -> Arrays:
-    """An optimizer's per-parameter state as arrays ``<param name>/<key>`` (Adam: exp_avg, exp_avg_sq, step)."""
-    out: Arrays = {}
-    for name, p in model.named_parameters():
-        for key, v in opt.state.get(p, {}).items():
-            if torch.is_tensor(v):
-                out[f"{name}/{key}"] = v.detach().clone()
-    return out
-
-
-def set_optimizer_moments(opt: torch.optim.Optimizer, model: nn.Module, moments: Mapping[str, torch.Tensor]) -> None:
-    """Overwrite the optimizer's per-parameter state with ``moments`` (from :func:`optimizer_moments`)."""
-    for name, p in model.named_parameters():
-        entry = strip_prefix(name, {k: v for k, v in moments.items() if k.rpartition("/")[0] == name})
-        if entry:
-            opt.state[p] = {k: v.detach().clone() for k, v in entry.items()}
 
 
 # ------------------------------------------------------------------ at a site

@@ -41,13 +41,11 @@ from fedseg.algorithms.fedsm import fedaws
 from fedseg.algorithms.fedsm.selection import (
     SelectorFactory,
     mean_routing,
-    optimizer_moments,
     oracle_accuracy,
     selector_probs,
     selector_role,
-    set_optimizer_moments,
 )
-from fedseg.algorithms.fga import gradient_step, lockstep_round
+from fedseg.algorithms.fga import RESYNC, gradient_step, lockstep_round, optimizer_moments, set_optimizer_moments
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses, oracle_labels, routing_accuracy
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.core.errors import ConfigError, PayloadError
@@ -394,12 +392,16 @@ def fga_round(
         config=config,
         prefix="selector",
         max_steps=max_steps,
+        state=new,
     )
+    for k in list(new):  # resync entries: only while a deployed site is stale (lockstep_round)
+        if k.startswith(f"{RESYNC}/selector/"):
+            del new[k]
     new.update(weights)
     out: dict[str, Any] = {"selector_loss": m["train_loss"], "selector_steps": m["steps"]}
     if "in_sync" in m:
         out["selector_in_sync"] = m["in_sync"]
-    routing = {s: start[s].get("routing_acc") for s in sites}
+    routing = {s: start[s].get("routing_acc") for s in sites if s in start}
     if any(v is not None for v in routing.values()):
         out["routing_acc"] = routing
     return out
