@@ -549,7 +549,7 @@ def _fails_after(n_tasks: int):
     return fault
 
 
-@pytest.mark.parametrize("start", [0, 1, 3], ids=["from-the-first-task", "after-one-task", "after-three-tasks"])
+@pytest.mark.parametrize("start", [0, 3], ids=["from-the-first-task", "after-three-tasks"])
 @pytest.mark.parametrize("method", sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site))
 def test_every_method_finishes_when_a_site_goes_bad_mid_run(tmp_path, method, start):
     """Whatever exchange a site stops answering validly in — a method's first exchange (Auto-FedAvg's
