@@ -639,3 +639,29 @@ def test_autofedavg_learns_the_weights_of_the_sites_that_answer(tmp_path):
     state = server_state(tmp_path)
     beta, beta0 = state["autofedavg/beta/*"], state["autofedavg/beta0/*"]
     assert beta[2] == beta0[2] and not torch.equal(beta[:2], beta0[:2])
+
+
+@pytest.mark.parametrize("method", ["fga", "fedsm"])
+def test_a_site_sending_a_huge_lockstep_gradient_is_rejected(tmp_path, method):
+    """A lockstep step's gradient is an update too: a site that scales its gradient by 10⁴ (finite, so no
+    NaN check catches it; averaged, it would set the direction of every Adam step of every site) is rejected
+    by the update-norm rule (‖g_k‖ against the median of the other sites'), and the run finishes in sync.
+    FedSM's default selector (``fga``) takes the same steps."""
+    cfg = dataclasses.replace(_cfg(), method=method, rounds=2)
+    if method == "fedsm":
+        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": {"selector_width": 0.0625}})
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+
+    def scale(op, blob):
+        r = decode_reply(blob)
+        if not any(k.startswith("grad/") for k in r.arrays):
+            return blob
+        arrays = {k: v * 1e4 if k.startswith("grad/") else v for k, v in r.arrays.items()}
+        return encode_reply(Reply(arrays, r.metrics, r.num_samples))
+
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": scale}), log=lambda m: None)
+    drops = res["deploy"]["dropouts"]
+    assert drops and {d["site"] for d in drops} == {"site2"}
+    assert all("update norm" in d["reason"] for d in drops), drops
+    assert all(e.get("in_sync", e.get("selector_in_sync", True)) for e in res["history"])

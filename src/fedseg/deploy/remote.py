@@ -13,8 +13,9 @@ rule:
   checks of :func:`~fedseg.deploy.wire.check_reply`; tensor names and metric
   layout other than every reply to the same task; a sample count other than the
   one the site declared at setup; evaluation scores outside the schema (asked
-  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ more
-  than ``deploy.max_update_ratio`` times the median of the other replies';
+  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ (or a
+  lockstep step's gradient ‖g_k‖) more than ``deploy.max_update_ratio`` times the
+  median of the other replies';
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
@@ -105,11 +106,15 @@ def _metrics_mismatch(expected: dict[str, str], got: tuple[tuple[str, str], ...]
 
 
 def update_norm(sent: Arrays, returned: Arrays) -> float | None:
-    """‖returned − sent‖ (float64) over the floating tensors present in both; None when they share none."""
+    """‖returned − sent‖ (float64) over the floating tensors present in both, plus ‖g‖ of the gradients a
+    lockstep reply returns (``grad/…``: a step's update direction, FGA and FedSM's ``fga`` selector);
+    None when there is neither."""
     common = [k for k, v in returned.items() if k in sent and is_float(v) and v.shape == sent[k].shape]
-    if not common:
+    grads = [k for k, v in returned.items() if k.startswith("grad/") and k not in sent and is_float(v)]
+    if not common and not grads:
         return None
-    return math.sqrt(sum(float((returned[k].double() - sent[k].double()).pow(2).sum()) for k in common))
+    total = sum(float((returned[k].double() - sent[k].double()).pow(2).sum()) for k in common)
+    return math.sqrt(total + sum(float(returned[k].double().pow(2).sum()) for k in grads))
 
 
 def _parallel(fns: dict[str, Callable[[], Any]], timeout: float) -> dict[str, tuple[bool, Any]]:
