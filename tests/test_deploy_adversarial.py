@@ -665,3 +665,24 @@ def test_a_site_sending_a_huge_lockstep_gradient_is_rejected(tmp_path, method):
     assert drops and {d["site"] for d in drops} == {"site2"}
     assert all("update norm" in d["reason"] for d in drops), drops
     assert all(e.get("in_sync", e.get("selector_in_sync", True)) for e in res["history"])
+
+
+def test_a_site_claiming_more_lockstep_steps_is_rejected(tmp_path):
+    """An FGA round lasts as many steps as its longest site claims (``fga.steps = "max"``): a site claiming
+    10⁶ steps per round would hold every site in the round for ever.  The claim follows from the run's
+    settings and the training count the site declared at setup, so another claim is rejected and the round
+    has the honest sites' steps (3: ⌈10 / 4⌉ batches of the largest honest site, one epoch)."""
+    cfg = dataclasses.replace(_cfg(), method="fga", rounds=1)
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+
+    def claim(op, blob):
+        r = decode_reply(blob)
+        if "steps_per_round" not in r.metrics:
+            return blob
+        return encode_reply(Reply(r.arrays, {**r.metrics, "steps_per_round": 10**6}, r.num_samples))
+
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site1": claim}), log=lambda m: None)
+    drops = res["deploy"]["dropouts"]
+    assert [d["site"] for d in drops] == ["site1"] and "claims 1000000 steps per round" in drops[0]["reason"]
+    assert res["history"][0]["steps"] == 3

@@ -27,7 +27,7 @@ from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from fedseg.core.arrays import Arrays, check_compatible, strip_prefix
-from fedseg.core.config import RunConfig
+from fedseg.core.config import RunConfig, TrainConfig
 from fedseg.core.device import autocast, configure_determinism, fits_on_device, grad_scaler, resolve_device, to_device
 from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply, Task, split_name
@@ -51,7 +51,7 @@ class SiteHalf(Protocol):
     def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]: ...
 
 
-__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len", "step_with_gradient"]
+__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len", "step_with_gradient", "steps_per_round"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -141,6 +141,15 @@ class LossSums:
         keys = list(self._sums)
         values = torch.stack([self._sums[k] for k in keys]).tolist()
         return {k: v / self._counts[k] for k, v in zip(keys, values)}
+
+
+def steps_per_round(train: TrainConfig, n: int) -> int:
+    """Local optimizer steps in one round of a site with ``n`` training cases: ``train.local_steps``, or
+    ``train.local_epochs`` × batches per epoch (:meth:`Site.steps_per_round`; a deployed server checks
+    the claims of lockstep sites against their declared counts with it)."""
+    if train.local_steps is not None:
+        return train.local_steps
+    return max(1, round(train.local_epochs * math.ceil(n / train.batch_size)))
 
 
 class Site:
@@ -328,11 +337,7 @@ class Site:
 
     def steps_per_round(self, split: str = "train") -> int:
         """Local optimizer steps in one round: ``local_steps``, or ``local_epochs`` × batches per epoch."""
-        t = self.cfg.train
-        if t.local_steps is not None:
-            return t.local_steps
-        n = dataset_len(self.data.split(split))
-        return max(1, round(t.local_epochs * math.ceil(n / t.batch_size)))
+        return steps_per_round(self.cfg.train, dataset_len(self.data.split(split)))
 
     def batches(
         self,

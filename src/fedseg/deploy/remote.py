@@ -43,8 +43,10 @@ import torch
 
 from fedseg.core.arrays import Arrays, is_float
 from fedseg.core.checkpoint import read_progress
+from fedseg.core.config import TrainConfig
 from fedseg.core.errors import FedsegError, PayloadError
 from fedseg.core.messages import SPLITS, Reply, Task
+from fedseg.core.site import steps_per_round
 from fedseg.deploy.params import DeployParams
 from fedseg.deploy.wire import check_reply, decode_reply, encode_task, parse_json_object
 from fedseg.transport.base import Traffic
@@ -182,8 +184,10 @@ class RemoteTransport:
         record: Path | None = None,
         num_metrics: int | None = None,
         reply_check: Callable[[Task, Reply], None] | None = None,
+        train: TrainConfig | None = None,
     ):
         self.reply_check = reply_check
+        self.train = train  # the run's training settings: a lockstep site's steps per round follow from them
         self.record = record
         self.sites = tuple(sites)
         self.call = call
@@ -335,7 +339,8 @@ class RemoteTransport:
         self._drop(site, task.kind, f"rejected: {reason[:500]}")
 
     def _check_samples(self, site: str, task: Task, reply: Reply, what: str) -> None:
-        """A site's sample counts are the ones it declared at setup, never a reply's claim.
+        """A site's sample counts are the ones it declared at setup, never a reply's claim (nor are its steps
+        per round, which a lockstep round waits for: they follow from the declared count and the run's settings).
 
         A task that names a split (evaluation) must be answered with that split's
         declared case count.  Any other reply may not claim more than the declared
@@ -353,6 +358,14 @@ class RemoteTransport:
                 raise PayloadError(f"{what}: claims {n} {split} cases, but the site declared {want} at setup")
             return
         n_train = counts["training"]
+        claim = reply.metrics.get("steps_per_round")
+        if claim is not None and self.train is not None:  # a lockstep round lasts as long as its longest site
+            want = steps_per_round(self.train, n_train)
+            if claim != want:
+                raise PayloadError(
+                    f"{what}: claims {claim} steps per round, but the run's settings give {want} for the "
+                    f"{n_train} training cases the site declared at setup"
+                )
         if n > n_train:
             raise PayloadError(f"{what}: claims {n} training samples, but the site declared {n_train} at setup")
         exact = self._exact.setdefault((site, _task_key(task)), n == n_train)

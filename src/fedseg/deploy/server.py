@@ -174,6 +174,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         record=record,
         num_metrics=len(workload.metric_names),
         reply_check=algorithm.check_reply,
+        train=cfg.train,
     )
     setup = transport.setup(
         {"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()}
