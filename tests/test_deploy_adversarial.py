@@ -641,12 +641,13 @@ def test_autofedavg_learns_the_weights_of_the_sites_that_answer(tmp_path):
     assert beta[2] == beta0[2] and not torch.equal(beta[:2], beta0[:2])
 
 
-@pytest.mark.parametrize("method", ["fga", "fedsm"])
-def test_a_site_sending_a_huge_lockstep_gradient_is_rejected(tmp_path, method):
-    """A lockstep step's gradient is an update too: a site that scales its gradient by 10⁴ (finite, so no
-    NaN check catches it; averaged, it would set the direction of every Adam step of every site) is rejected
-    by the update-norm rule (‖g_k‖ against the median of the other sites'), and the run finishes in sync.
-    FedSM's default selector (``fga``) takes the same steps."""
+@pytest.mark.parametrize("method, key", [("fga", "grad/"), ("fedsm", "grad/"), ("scaffold", "dc/")])
+def test_a_site_sending_a_huge_tensor_the_server_did_not_send_is_rejected(tmp_path, method, key):
+    """A reply's tensors that its task did not send are updates too: a lockstep step's gradient (FGA, FedSM's
+    default ``fga`` selector) and SCAFFOLD's control change ``dc`` (added to the server's control variate c,
+    which steers every site's local steps).  A site that scales them by 10⁴ (finite, so no NaN check catches
+    it) while its model update stays honest is rejected by the update-norm rule (their norm against the
+    median of the other sites'), and the run finishes (lockstep sites in sync)."""
     cfg = dataclasses.replace(_cfg(), method=method, rounds=2)
     if method == "fedsm":
         cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": {"selector_width": 0.0625}})
@@ -655,9 +656,9 @@ def test_a_site_sending_a_huge_lockstep_gradient_is_rejected(tmp_path, method):
 
     def scale(op, blob):
         r = decode_reply(blob)
-        if not any(k.startswith("grad/") for k in r.arrays):
+        if not any(k.startswith(key) for k in r.arrays):
             return blob
-        arrays = {k: v * 1e4 if k.startswith("grad/") else v for k, v in r.arrays.items()}
+        arrays = {k: v * 1e4 if k.startswith(key) else v for k, v in r.arrays.items()}
         return encode_reply(Reply(arrays, r.metrics, r.num_samples))
 
     res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": scale}), log=lambda m: None)

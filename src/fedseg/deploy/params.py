@@ -49,10 +49,11 @@ class DeployParams:
         least ``min_sites``).
     max_update_ratio
         A reply whose update ‖w_k − w‖ (the tensors it returns of those the task
-        sent; for a lockstep step, the gradient ‖g_k‖ it returns) is more than this
-        many times the median update of the exchange's other replies is rejected
-        before aggregation (a site cannot move the global model far on its own).
-        0 turns the rule off.
+        sent) is more than this many times the median update of the exchange's
+        other replies is rejected before aggregation (a site cannot move the global
+        model far on its own); so is one whose tensors the task did not send (a
+        lockstep gradient, SCAFFOLD's ``dc``) have a norm more than this many times
+        the median of the other replies'.  0 turns the rule off.
     max_abs_value
         The server refuses to checkpoint an aggregate holding a value larger in
         magnitude than this (or a NaN/infinity); the previous checkpoint stays

@@ -13,9 +13,10 @@ rule:
   checks of :func:`~fedseg.deploy.wire.check_reply`; tensor names and metric
   layout other than every reply to the same task; a sample count other than the
   one the site declared at setup; evaluation scores outside the schema (asked
-  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ (or a
-  lockstep step's gradient ‖g_k‖) more than ``deploy.max_update_ratio`` times the
-  median of the other replies';
+  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖, or the
+  norm of the tensors a reply returns that its task did not send (a lockstep step's
+  gradient, SCAFFOLD's control change), more than ``deploy.max_update_ratio`` times
+  the median of the other replies';
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
@@ -107,16 +108,19 @@ def _metrics_mismatch(expected: dict[str, str], got: tuple[tuple[str, str], ...]
     return "; ".join(wrong[:3])
 
 
-def update_norm(sent: Arrays, returned: Arrays) -> float | None:
-    """‖returned − sent‖ (float64) over the floating tensors present in both, plus ‖g‖ of the gradients a
-    lockstep reply returns (``grad/…``: a step's update direction, FGA and FedSM's ``fga`` selector);
-    None when there is neither."""
+def update_norms(sent: Arrays, returned: Arrays) -> dict[str, float]:
+    """The size of a reply's change, in two parts (float64): ``"delta"`` = ‖returned − sent‖ over the floating
+    tensors present in both (a trained model against the one sent), ``"new"`` = ‖returned‖ over the floating
+    tensors the task did not send (a lockstep step's gradient ``grad/…``, SCAFFOLD's control change ``dc/…``, a
+    personalized model the server does not hold).  A part the reply does not have is absent."""
     common = [k for k, v in returned.items() if k in sent and is_float(v) and v.shape == sent[k].shape]
-    grads = [k for k, v in returned.items() if k.startswith("grad/") and k not in sent and is_float(v)]
-    if not common and not grads:
-        return None
-    total = sum(float((returned[k].double() - sent[k].double()).pow(2).sum()) for k in common)
-    return math.sqrt(total + sum(float(returned[k].double().pow(2).sum()) for k in grads))
+    fresh = [k for k, v in returned.items() if k not in sent and is_float(v)]
+    out = {}
+    if common:
+        out["delta"] = math.sqrt(sum(float((returned[k].double() - sent[k].double()).pow(2).sum()) for k in common))
+    if fresh:
+        out["new"] = math.sqrt(sum(float(returned[k].double().pow(2).sum()) for k in fresh))
+    return out
 
 
 def _parallel(fns: dict[str, Callable[[], Any]], timeout: float) -> dict[str, tuple[bool, Any]]:
@@ -439,24 +443,28 @@ class RemoteTransport:
                     del decoded[s]
 
     def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
-        """Reject a reply whose update ‖w_k − w‖ (over the tensors it returns of those its task sent) is more
-        than ``deploy.max_update_ratio`` times the median update of the exchange's other replies."""
+        """Reject a reply whose change (each part of :func:`update_norms`: the update ‖w_k − w‖ of what the task
+        sent, the norm of what it returns new) is more than ``deploy.max_update_ratio`` times the median of the
+        same part of the exchange's other replies."""
         ratio = self.params.max_update_ratio
         if not ratio:
             return
-        norms = {s: n for s in decoded if (n := update_norm(tasks[s].arrays, decoded[s].arrays)) is not None}
-        if len(norms) < 2:
-            return
-        for s, n in norms.items():
-            med = statistics.median(v for k, v in norms.items() if k != s)
-            if med > 0 and n > ratio * med:
-                self._reject(
-                    s,
-                    tasks[s],
-                    f"reply of site {s} to '{tasks[s].kind}': update norm {n:.4g} is {n / med:.3g}x the median "
-                    f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})",
-                )
-                del decoded[s]
+        norms = {s: update_norms(tasks[s].arrays, decoded[s].arrays) for s in decoded}
+        bad: dict[str, str] = {}
+        for part, what in (("delta", "update norm"), ("new", "update norm (of the tensors it returns new)")):
+            sizes = {s: n[part] for s, n in norms.items() if part in n}
+            if len(sizes) < 2:
+                continue
+            for s, n in sizes.items():
+                med = statistics.median(v for k, v in sizes.items() if k != s)
+                if s not in bad and med > 0 and n > ratio * med:
+                    bad[s] = (
+                        f"reply of site {s} to '{tasks[s].kind}': {what} {n:.4g} is {n / med:.3g}x the median "
+                        f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})"
+                    )
+        for s, reason in bad.items():
+            self._reject(s, tasks[s], reason)
+            del decoded[s]
 
     def save_sites(self, folder: Path) -> None:
         """Ask every site to checkpoint its own state (models, optimizer moments) for the current round."""
