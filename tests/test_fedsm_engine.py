@@ -193,6 +193,13 @@ def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
     # the grid: the given γ values plus the run's own (γ = auto picks one on validation)
     assert {0.0, 0.9} <= {float(g) for g in r["dice_by_gamma"]}
     assert r["best_dice"] >= r["dice_at_0"] and r["best_gamma"] in {float(g) for g in r["dice_by_gamma"]}
+    # what the run chose on its five training sites' validation, and the unseen site's Dice with it: with one
+    # γ, the grid's Dice at that γ; with one per personalized model, five thresholds
+    assert 0.0 <= r["dice_at_chosen"] <= 1.0
+    if r["gamma_per_model"] is None:
+        assert r["dice_at_chosen"] == pytest.approx(r["dice_by_gamma"][float(r["gamma"])])
+    else:
+        assert len(r["gamma_per_model"]) == 5
     header = table.splitlines()[0]
     assert header.startswith("| Unseen site | γ | GM | PM site1 | PM site2 |") and header.endswith(
         "Dice | Best γ, Dice |"
@@ -412,3 +419,33 @@ def test_resolved_fedsm_settings_are_written_and_reload_to_the_same_run(tmp_path
     assert "[fedsm]" in text and "lam = 0.7" in text
     back = load_run_config(tmp_path / "config.toml", known_sections=known_sections())
     assert get_algorithm(back).params == get_algorithm(cfg).params
+
+
+def test_study_tables_show_the_thresholds_each_run_chose_and_the_unseen_sites_dice_with_them():
+    """With ``fedsm.gamma = "auto-per-model"`` a run's γ is one threshold per personalized model: the λ
+    table lists them per seed, and the unseen-site table adds the thresholds chosen on the training sites'
+    validation with the unseen site's Dice at them (0.5 and 0.7 → 0.6000 ± 0.1414)."""
+    from fedseg.studies.fedsm import table5_over_seeds, table7_over_seeds
+
+    def lam_row(per):
+        return {"lam": 0.7, "client_avg_dice": 0.8, "global_dice": 0.8, "gamma": 0.0, "gamma_per_model": per}
+
+    lines = table7_over_seeds([[lam_row([0, 1, 0.95])], [lam_row(None)]]).splitlines()
+    assert lines[4] == "| γ used (per seed) | (0, 1, 0.95), 0 |"
+
+    def row(per, d):
+        sel = {"global": 0.0, "personal/site2": 1.0}
+        return {
+            "site": "site1",
+            "selection_at_0": sel,
+            "dice_at_0": 0.2,
+            "best_gamma": 1.0,
+            "best_dice": 0.6,
+            "gamma": 0.0,
+            "gamma_per_model": per,
+            "dice_at_chosen": d,
+        }
+
+    lines = table5_over_seeds([[row([0, 1], 0.5)], [row([1, 0.9], 0.7)]]).splitlines()
+    assert lines[0].endswith("| γ chosen on validation (per seed) | Its Dice |")
+    assert lines[2].endswith("| (0, 1); (1, 0.9) | 0.6000 ± 0.1414 |")

@@ -215,7 +215,8 @@ def unseen(
 
     Returns the rows and the Markdown table (also ``out/unseen.md`` and ``out/unseen.json``).
     Each row: ``site``, ``selection_at_0`` ({model: frequency} at γ = 0), ``dice_at_0``,
-    ``best_gamma``, ``best_dice``, ``dice_by_gamma``.
+    ``best_gamma``, ``best_dice``, ``dice_by_gamma``, and what the run chose on the training sites'
+    validation (:func:`_chosen`: ``gamma``, ``gamma_per_model``, ``dice_at_chosen``).
     """
     cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
     if cfg.method != "fedsm":
@@ -239,6 +240,7 @@ def unseen(
                 "best_gamma": best_g,
                 "best_dice": dbg[best_g],
                 "dice_by_gamma": dbg,
+                **_chosen(res, k),
                 "wall_time_s": time.perf_counter() - t0,
             }
         )
@@ -248,6 +250,28 @@ def unseen(
     (out / "unseen.md").write_text(table)
     (out / "unseen.json").write_text(json.dumps(rows, indent=1))
     return rows, table
+
+
+def _chosen(results: Mapping[str, Any], site: str | None = None) -> dict[str, Any]:
+    """What a FedSM run chose on its validation (``gamma``; ``gamma_per_model`` under
+    ``fedsm.gamma = "auto-per-model"``, else None) and, for a held-out ``site`` (default: the one site
+    of ``results["fedsm"]["per_site"]`` that is not in the federation), its test Dice with that choice
+    (``dice_at_chosen``)."""
+    rep = results["fedsm"]
+    out = {"gamma": rep.get("gamma"), "gamma_per_model": rep.get("gamma_per_model")}
+    held = [s for s in rep.get("per_site", {}) if s not in results.get("sites", [])]
+    site = site or (held[0] if len(held) == 1 else None)
+    if site is not None:
+        out["dice_at_chosen"] = rep["per_site"][site]["dice"]
+    return out
+
+
+def _gamma_text(row: Mapping[str, Any]) -> str:
+    """The γ a run used: its per-model thresholds ``(0, 1, 0.95, …)`` or its one γ; – if unknown."""
+    per = row.get("gamma_per_model")
+    if per:
+        return "(" + ", ".join(f"{float(g):g}" for g in per) + ")"
+    return "–" if row.get("gamma") is None else f"{row['gamma']:g}"
 
 
 def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:
@@ -308,6 +332,7 @@ def sweep(
                 "client_avg_dice": res["client_avg_dice"],
                 "global_dice": res["global_dice"],
                 "gamma": res["fedsm"]["gamma"],
+                "gamma_per_model": res["fedsm"].get("gamma_per_model"),
                 "dice_by_gamma": res["fedsm"]["dice_by_gamma"],
                 "wall_time_s": res.get("wall_time_s"),
             }
@@ -393,7 +418,7 @@ def tabulate(folders: Sequence[str | Path], md: str | Path | None = None) -> tup
                 + (" and ".join(f"{k}.json" for k in found) if found else "neither")
             )
         kinds.add(found[0])
-        rows.append(json.loads((Path(f) / f"{STUDY_FILES[found[0]]}.json").read_text()))
+        rows.append(_complete(json.loads((Path(f) / f"{STUDY_FILES[found[0]]}.json").read_text()), Path(f)))
     if len(kinds) > 1:
         raise ConfigError(f"the folders hold different studies ({sorted(kinds)}); tabulate one study at a time")
     study = kinds.pop()
@@ -402,6 +427,21 @@ def tabulate(folders: Sequence[str | Path], md: str | Path | None = None) -> tup
         Path(md).parent.mkdir(parents=True, exist_ok=True)
         Path(md).write_text(table)
     return study, table
+
+
+def _complete(rows: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    """Rows of a study written before they recorded the run's choice (:func:`_chosen`): filled in from each
+    run's ``results.json`` in ``folder`` where it is there."""
+    for r in rows:
+        if "rejected" in r or "gamma_per_model" in r:
+            continue
+        run = folder / (f"unseen-{r['site']}" if "site" in r else f"lam{r['lam']:g}") / "results.json"
+        if run.is_file():
+            ch = _chosen(json.loads(run.read_text()), r.get("site"))
+            r["gamma_per_model"] = ch["gamma_per_model"]
+            if "dice_at_chosen" in ch:
+                r["dice_at_chosen"] = ch["dice_at_chosen"]
+    return rows
 
 
 def table7_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
@@ -418,11 +458,7 @@ def table7_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, key in (("Client Avg", "client_avg_dice"), ("Global", "global_dice")):
         lines.append("| " + " | ".join([label, *[mean_sd([r[key] for r in col]) for col in cols]]) + " |")
-    lines.append(
-        "| γ used (per seed) | "
-        + " | ".join(", ".join("–" if r.get("gamma") is None else f"{r['gamma']:g}" for r in col) for col in cols)
-        + " |"
-    )
+    lines.append("| γ used (per seed) | " + " | ".join(", ".join(_gamma_text(r) for r in col) for col in cols) + " |")
     text = "\n".join(lines) + "\n"
     gs = sorted({g for col in cols for r in col for g in r.get("dice_by_gamma", {})}, key=float)
     if gs:
@@ -449,7 +485,10 @@ def table5_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
                 if name not in sites:
                     sites.append(name)
     heldout = [s for s in sites if any(r["site"] == s for rows in runs for r in rows)]
+    chosen = any("dice_at_chosen" in r for rows in runs for r in rows)
     head = ["Unseen site", "γ", "GM", *[f"PM {s}" for s in sites], "Dice", "Best γ (per seed)", "Best γ's Dice"]
+    if chosen:
+        head += ["γ chosen on validation (per seed)", "Its Dice"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in heldout:
         rs = [r for rows in runs for r in rows if r["site"] == k]
@@ -464,8 +503,16 @@ def table5_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
             ", ".join(f"{r['best_gamma']:g}" for r in rs),
             mean_sd([r["best_dice"] for r in rs]),
         ]
+        if chosen:
+            cells += ["; ".join(_gamma_text(r) for r in rs), mean_sd([r.get("dice_at_chosen") for r in rs])]
         lines.append("| " + " | ".join(cells) + " |")
     return (
         "\n".join(lines)
-        + f"\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0 (mean over seeds); Dice mean ± sd over {len(runs)} seed(s); best γ over the grid on the unseen site's test set (as the paper reports it).\n"
+        + f"\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0 (mean over seeds); Dice mean ± sd over {len(runs)} seed(s); best γ over the grid on the unseen site's test set (as the paper reports it)"
+        + (
+            "; γ chosen on validation: the thresholds the run chose on its training sites' validation (per personalized model under `fedsm.gamma = \"auto-per-model\"`), and the unseen site's test Dice with them"
+            if chosen
+            else ""
+        )
+        + ".\n"
     )
