@@ -474,3 +474,20 @@ def test_the_default_profile_flips_the_selectors_batches_only_where_the_label_is
     cfg = tiny_config(method, rounds=3)
     algo = get_algorithm(cfg.__class__(**{**cfg.__dict__, "params": {"fedsm": fedsm}}))
     assert algo.params.selector_augment == expected
+
+
+def test_routing_accuracy_a_site_reports_must_be_a_fraction():
+    """The best selector is the one with the highest mean routing accuracy the sites report: a training or
+    selector-step reply whose ``routing_acc`` is not null, NaN (no validation cases) or in [0, 1] is refused
+    (a deployed transport then rejects the reply), so one site cannot choose the best selector."""
+    from fedseg.algorithms import get_algorithm
+    from fedseg.core.errors import PayloadError
+    from fedseg.core.messages import Reply, Task
+
+    algo = get_algorithm(tiny_config("fedsm"))
+    for kind in ("train", "selector_step"):
+        for ok in (None, 0.0, 0.5, 1.0, float("nan")):
+            algo.check_reply(Task(kind), Reply(metrics={"routing_acc": ok}))
+        for bad in (1e30, -0.1, 1.5, "0.9"):
+            with pytest.raises(PayloadError, match="routing_acc"):
+                algo.check_reply(Task(kind), Reply(metrics={"routing_acc": bad}))

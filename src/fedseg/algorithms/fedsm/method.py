@@ -382,9 +382,16 @@ class FedSM(Algorithm):
 
     def check_reply(self, task: Task, reply: Reply) -> None:
         """A ``"route"`` reply must have the layout :func:`pick_gamma` / :func:`pick_gamma_per_model` and the
-        routing reports read (:func:`check_route_metrics`)."""
+        routing reports read (:func:`check_route_metrics`); a training or selector-step reply's
+        ``routing_acc`` (which picks the best selector, :func:`keep_best_selector`) must be null or in [0, 1]:
+        one site reporting 10³⁰ would otherwise pin the best selector to any round it likes."""
         if task.kind == "route":
             check_route_metrics(task.config, reply.metrics)
+            return
+        acc = reply.metrics.get("routing_acc")
+        ok = acc is None or (isinstance(acc, (int, float)) and (math.isnan(acc) or 0.0 <= acc <= 1.0))
+        if not ok:  # (NaN: a site without validation cases; the mean leaves it out)
+            raise PayloadError(f"{task.kind} reply: routing_acc {acc!r} is not null or in [0, 1]")
 
     # ----------------------------------------------------------- site half
     def site_handlers(self):
