@@ -687,3 +687,25 @@ def test_a_site_claiming_more_lockstep_steps_is_rejected(tmp_path):
     drops = res["deploy"]["dropouts"]
     assert [d["site"] for d in drops] == ["site1"] and "claims 1000000 steps per round" in drops[0]["reason"]
     assert res["history"][0]["steps"] == 3
+
+
+def test_autofedavg_layers_are_not_chosen_by_a_site_naming_tensors_the_model_lacks(tmp_path):
+    """Layer-wise Auto-FedAvg learns one β row per parameter the sites report at ``describe``; site1 (first in
+    the federation, whose list was taken before) names a tensor the model does not have: its list is not
+    used, and β's layers are the model's parameters (those the honest site reports)."""
+    cfg = dataclasses.replace(_cfg(), method="autofedavg", rounds=1)
+    cfg = dataclasses.replace(cfg, params={**cfg.params, "autofedavg": {"granularity": "layer", "interval": 1}})
+    data = tiny_sites(2)
+    _prepare(tmp_path, cfg, list(data))
+
+    def forge(op, blob):
+        r = decode_reply(blob)
+        if "parameters" not in r.metrics:
+            return blob
+        return encode_reply(Reply(r.arrays, {"parameters": ["backdoor.weight"]}, r.num_samples))
+
+    serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site1": forge}), log=lambda m: None)
+    state = server_state(tmp_path)
+    layers = {k.removeprefix("autofedavg/beta/") for k in state if k.startswith("autofedavg/beta/")}
+    params = {k.removeprefix("global/") for k in state if k.startswith("global/")}
+    assert "backdoor.weight" not in layers and layers and layers <= params

@@ -425,9 +425,17 @@ class AutoFedAvg(Algorithm):
         n = [replies[s].num_samples if s in replies else max(1, round(mean_n)) for s in ctx.sites]
         if self.params.granularity == "network":
             layers = [NETWORK]
-        else:  # the parameter list most sites report (one site cannot choose β's layers)
-            lists = [tuple(r.metrics["parameters"]) for r in replies.values()]
-            layers = list(max(lists, key=lists.count))
+        else:  # the parameter list most sites report, of those naming only the model's tensors (one site
+            # cannot choose β's layers); none valid: every floating tensor is a layer
+            names = {k.removeprefix("global/") for k, v in state.items() if is_float(v)}
+            lists = [
+                tuple(ps)
+                for r in replies.values()
+                if isinstance(ps := r.metrics.get("parameters"), list)
+                and ps
+                and all(isinstance(q, str) and q in names for q in ps)
+            ]
+            layers = list(max(lists, key=lists.count)) if lists else sorted(names)
         beta = init_beta(self.params, n, layers)
         state.update(prefixed("autofedavg/beta", beta))
         state.update(
