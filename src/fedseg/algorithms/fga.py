@@ -39,6 +39,12 @@ server warns if they are not all identical (``fga.check_sync``).  Buffers are
 not synchronized: with batch norm each site keeps its own running statistics and
 the server's copy holds the first site's.
 
+Deployed, a site left out of one exchange (error, deadline, rejected reply) takes no
+further part in that round and is *stale* (it may have missed an averaged gradient);
+the round ends by asking a site that answered every exchange for its weights and
+optimizer state (:func:`optimizer_moments`), which the stale site receives with its
+next step-0 task (:func:`lockstep_round`).  A simulation never has a stale site.
+
 Site-side working state lives in ``site.scratch`` and is not saved with the site:
 ``site.scratch["fga/cursor"]`` is the site's position in the round's batches (rebuilt
 from the seeded permutations when it does not match the step asked for, e.g. after a
