@@ -92,6 +92,18 @@ def _raw(header) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def _rewrite_metric(key: str, fn):
+    """A fault that replaces the metric ``key`` of every reply that has it by ``fn(value)``."""
+
+    def fault(op, blob):
+        r = decode_reply(blob)
+        if key not in r.metrics:
+            return blob
+        return encode_reply(Reply(r.arrays, {**r.metrics, key: fn(r.metrics[key])}, r.num_samples))
+
+    return fault
+
+
 def _huge_samples(r, blob):
     return encode_reply(Reply(r.arrays, r.metrics, 10**30))
 
@@ -521,14 +533,7 @@ def test_forged_fedsm_routing_replies_are_rejected_and_the_run_finishes(tmp_path
     data = tiny_sites(2)
     _prepare(tmp_path, cfg, list(data))
 
-    def forge(op, blob):
-        r = decode_reply(blob)
-        if "selections" not in r.metrics:
-            return blob
-        return encode_reply(
-            Reply(r.arrays, {**r.metrics, "selections": [{} for _ in r.metrics["selections"]]}, r.num_samples)
-        )
-
+    forge = _rewrite_metric("selections", lambda sel: [{} for _ in sel])
     res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site2": forge}), log=lambda m: None)
     assert res is not None and "fedsm" in {r["name"] for r in res["rows"]}
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "route"]
@@ -677,12 +682,7 @@ def test_a_site_claiming_more_lockstep_steps_is_rejected(tmp_path):
     data = tiny_sites(3)
     _prepare(tmp_path, cfg, list(data))
 
-    def claim(op, blob):
-        r = decode_reply(blob)
-        if "steps_per_round" not in r.metrics:
-            return blob
-        return encode_reply(Reply(r.arrays, {**r.metrics, "steps_per_round": 10**6}, r.num_samples))
-
+    claim = _rewrite_metric("steps_per_round", lambda n: 10**6)
     res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site1": claim}), log=lambda m: None)
     drops = res["deploy"]["dropouts"]
     assert [d["site"] for d in drops] == ["site1"] and "claims 1000000 steps per round" in drops[0]["reason"]
@@ -698,12 +698,7 @@ def test_autofedavg_layers_are_not_chosen_by_a_site_naming_tensors_the_model_lac
     data = tiny_sites(2)
     _prepare(tmp_path, cfg, list(data))
 
-    def forge(op, blob):
-        r = decode_reply(blob)
-        if "parameters" not in r.metrics:
-            return blob
-        return encode_reply(Reply(r.arrays, {"parameters": ["backdoor.weight"]}, r.num_samples))
-
+    forge = _rewrite_metric("parameters", lambda names: ["backdoor.weight"])
     serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data), {"site1": forge}), log=lambda m: None)
     state = server_state(tmp_path)
     layers = {k.removeprefix("autofedavg/beta/") for k in state if k.startswith("autofedavg/beta/")}
