@@ -29,7 +29,7 @@ from fedseg.core.errors import ConfigError, PayloadError
 from fedseg.core.messages import Reply
 from fedseg.deploy.remote import DeployError, LoopbackChannel
 from fedseg.deploy.server import serve
-from fedseg.deploy.wire import decode_reply, encode_reply
+from fedseg.deploy.wire import decode_reply, decode_task, encode_reply
 from helpers import same_arrays, server_state
 from test_deploy import _prepare, _runtimes
 
@@ -704,3 +704,37 @@ def test_autofedavg_layers_are_not_chosen_by_a_site_naming_tensors_the_model_lac
     layers = {k.removeprefix("autofedavg/beta/") for k in state if k.startswith("autofedavg/beta/")}
     params = {k.removeprefix("global/") for k in state if k.startswith("global/")}
     assert "backdoor.weight" not in layers and layers and layers <= params
+
+
+def test_cwt_visit_with_a_huge_update_is_rejected_against_the_other_sites_last_visits(tmp_path):
+    """CWT asks one site at a time, so an exchange has no other reply to compare an update with: the
+    reference is then the other sites' last accepted updates of the same task kind.  site2 returns
+    w + 10⁴·(w' − w): each of its visits after site1's first is rejected and skipped (the model goes on
+    to site3 unchanged), and the run finishes with finite weights."""
+    cfg = dataclasses.replace(_cfg(), method="cwt", rounds=2)
+    data = tiny_sites(3)
+    _prepare(tmp_path, cfg, list(data))
+    sent: dict[str, torch.Tensor] = {}
+
+    def amplify(op, blob):
+        r = decode_reply(blob)
+        arrays = {
+            k: sent[k] + 1e4 * (v - sent[k]) if k in sent and v.is_floating_point() else v for k, v in r.arrays.items()
+        }
+        return encode_reply(Reply(arrays, r.metrics, r.num_samples))
+
+    chan = LoopbackChannel(_runtimes(tmp_path, data), {"site2": amplify})
+
+    def call(site, op, payload, timeout):
+        if op == "task" and site == "site2":  # remember what the server sent it, to amplify the update
+            sent.clear()
+            sent.update({k: v for k, v in decode_task(payload).arrays.items() if v.is_floating_point()})
+        return chan(site, op, payload, timeout)
+
+    res = serve(tmp_path, call, log=lambda m: None)
+    drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "train"]
+    assert len(drops) == 2 and {d["site"] for d in drops} == {"site2"}
+    assert all("update norm" in d["reason"] for d in drops), drops
+    assert all(e["skipped"] == ["site2"] for e in res["history"])
+    state = server_state(tmp_path)
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())

@@ -16,7 +16,8 @@ rule:
   candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖, or the
   norm of the tensors a reply returns that its task did not send (a lockstep step's
   gradient, SCAFFOLD's control change), more than ``deploy.max_update_ratio`` times
-  the median of the other replies';
+  the median of the other replies' (of the other sites' last accepted ones when the
+  exchange has one reply, as CWT's visits);
 * a site whose last call failed is pinged first (``deploy.probe_timeout_s``) and
   left out at once if it does not answer, so a dead site costs one deadline, not
   one per exchange; it is back as soon as it answers a ping;
@@ -209,6 +210,9 @@ class RemoteTransport:
         self._names: dict[
             str, tuple[frozenset[str], tuple]
         ] = {}  # expected reply layout (names, metric kinds) per task key
+        # the last accepted update norms per (task kind, tensor groups, part) and site: the reference of a
+        # reply with no other of its kind in its exchange (CWT's visits)
+        self._norms: dict[tuple[str, frozenset[str], str], dict[str, float]] = {}
 
     # ---------------------------------------------------------------- control
     def _control(
@@ -445,18 +449,24 @@ class RemoteTransport:
     def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
         """Reject a reply whose change (each part of :func:`update_norms`: the update ‖w_k − w‖ of what the task
         sent, the norm of what it returns new) is more than ``deploy.max_update_ratio`` times the median of the
-        same part of the exchange's other replies."""
+        same part of the exchange's other replies of the same kind (the same top-level tensor groups) — or,
+        where it has none (CWT visits one site at a time), of the other sites' last accepted ones."""
         ratio = self.params.max_update_ratio
         if not ratio:
             return
         norms = {s: update_norms(tasks[s].arrays, decoded[s].arrays) for s in decoded}
+        kinds = {
+            s: (tasks[s].kind, frozenset(k.split("/", 1)[0] for k, v in decoded[s].arrays.items() if is_float(v)))
+            for s in decoded
+        }
         bad: dict[str, str] = {}
         for part, what in (("delta", "update norm"), ("new", "update norm (of the tensors it returns new)")):
             sizes = {s: n[part] for s, n in norms.items() if part in n}
-            if len(sizes) < 2:
-                continue
             for s, n in sizes.items():
-                med = statistics.median(v for k, v in sizes.items() if k != s)
+                others = [v for k, v in sizes.items() if k != s and kinds[k] == kinds[s]] or [
+                    v for k, v in self._norms.get((*kinds[s], part), {}).items() if k != s
+                ]
+                med = statistics.median(others) if others else 0.0
                 if s not in bad and med > 0 and n > ratio * med:
                     bad[s] = (
                         f"reply of site {s} to '{tasks[s].kind}': {what} {n:.4g} is {n / med:.3g}x the median "
@@ -465,6 +475,10 @@ class RemoteTransport:
         for s, reason in bad.items():
             self._reject(s, tasks[s], reason)
             del decoded[s]
+        for s, n in norms.items():
+            if s not in bad:
+                for part, v in n.items():
+                    self._norms.setdefault((*kinds[s], part), {})[s] = v
 
     def save_sites(self, folder: Path) -> None:
         """Ask every site to checkpoint its own state (models, optimizer moments) for the current round."""
