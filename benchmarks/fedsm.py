@@ -134,9 +134,10 @@ def selector_study(
     import torch.nn.functional as F
 
     from fedseg.algorithms.fedavg import aggregation_weights
-    from fedseg.algorithms.fedsm import FedSMParams, optimizer_moments, set_optimizer_moments
+    from fedseg.algorithms.fedsm import FedSMParams
     from fedseg.algorithms.fedsm import fedaws as aws
     from fedseg.algorithms.fedsm.selector import restricted_logits
+    from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
     from fedseg.algorithms.softpull import routing_accuracy
     from fedseg.core.arrays import prefixed, strip_prefix, weighted_mean
     from fedseg.core.seeding import generator
