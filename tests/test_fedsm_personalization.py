@@ -71,6 +71,9 @@ def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload
     """``personalization = softpull`` is the default and the code path FedSM had before
     the option existed: same server state bit for bit.  The digest was recorded with
     the pre-option code (torch 2.13.0+cpu, 1 thread); other torch builds skip that check.
+    The bits also depend on the CPU's kernels: one digest per machine type the suite has run
+    on (the earlier sessions' machine; an AMD EPYC with AVX2 and no AVX-512, where the code
+    of commit 8cb1690, which passed with the first digest there, gives the second).
     The settings of that code's defaults are pinned (``profile = "reference"`` with even
     selector weights: averaged selector after every local step), since the defaults
     have changed since (issue 16: selector trained by gradient averaging)."""
@@ -90,7 +93,10 @@ def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload
     if torch.__version__ == "2.13.0+cpu":
         # the entries the pre-option code had (best_selector… was added later to the server state)
         trained = {k: v for k, v in a.items() if not k.startswith("best_selector")}
-        assert _digest(trained) == "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b"
+        assert _digest(trained) in {
+            "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b",
+            "bedc37be459de5fb84dd8fbc89325c67d38b60bb3f08ad31e261950fa61ff7fe",
+        }
 
 
 def test_bad_personalization_and_incompatible_settings_are_rejected():
