@@ -206,11 +206,16 @@ def test_float32_equals_sequential_to_rounding(tmp_path, method, params):
     """Weights and moments to rtol 1e-4, the same best rounds.  SCAFFOLD's control variates
     c_i = c_i − c + (x − y)/(K η_l) divide a difference of two nearly equal float32 weights by
     K η_l = 2e-3: one ulp of a weight (6e-8 at |w| ≈ 0.5) becomes 3e-5, in any implementation —
-    that is their absolute tolerance."""
+    that is their absolute tolerance.  Everything else: absolute 1e-5 = lr / 100.  Adam's step is
+    lr · m̂/(√v̂ + ε) whatever the gradient's size, so a weight whose gradient is at rounding level
+    (m̂/√v̂ of noise, O(1)) moves by up to about lr per step in a direction the rounding decides: on an
+    AMD EPYC (AVX2, no AVX-512) one weight of FedSM-ensemble's selector (1 of 18,432) ends 2.5e-6 =
+    0.0025 lr apart, with the code that passed at 1e-6 on the earlier machine.  The float64 test above
+    is the exactness check (1e-10)."""
     seq, _ = _run(tmp_path, _cfg(method, "off", dtype="float32", params=params, rounds=3), "seq")
     vec, logs = _run(tmp_path, _cfg(method, "on", dtype="float32", params=params, rounds=3), "vec")
     assert _vectorized(logs)
-    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-4, atol=1e-6, control_atol=5e-5)
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "vec"), rtol=1e-4, atol=1e-5, control_atol=5e-5)
     assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in vec["rows"]]
 
 
