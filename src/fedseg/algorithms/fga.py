@@ -413,7 +413,7 @@ def lockstep_round(
     sites = list(ctx.sites)
     base = {"round": rnd, **(config or {})}
     ns = f"{RESYNC}/{prefix}"
-    prev = dict(state or {})
+    prev = state or {}
     stale_mask = prev.get(f"{ns}/stale")
     stale = {s for i, s in enumerate(sites) if stale_mask is not None and bool(stale_mask[i])}
     sync_w, sync_o = strip_prefix(f"{ns}/weights", prev), strip_prefix(f"{ns}/optim", prev)

@@ -45,7 +45,13 @@ from fedseg.algorithms.fedsm.selection import (
     selector_probs,
     selector_role,
 )
-from fedseg.algorithms.fga import RESYNC, gradient_step, lockstep_round, optimizer_moments, set_optimizer_moments
+from fedseg.algorithms.fga import (
+    gradient_step,
+    lockstep_round,
+    optimizer_moments,
+    set_optimizer_moments,
+    without_resync,
+)
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses, oracle_labels, routing_accuracy
 from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.core.errors import ConfigError, PayloadError
@@ -394,9 +400,9 @@ def fga_round(
         max_steps=max_steps,
         state=new,
     )
-    for k in list(new):  # resync entries: only while a deployed site is stale (lockstep_round)
-        if k.startswith(f"{RESYNC}/selector/"):
-            del new[k]
+    kept = without_resync(new, "selector")  # resync entries: only while a deployed site is stale (lockstep_round)
+    new.clear()
+    new.update(kept)
     new.update(weights)
     out: dict[str, Any] = {"selector_loss": m["train_loss"], "selector_steps": m["steps"]}
     if "in_sync" in m:
