@@ -128,18 +128,20 @@ def test_too_few_sites_stops_the_run_with_a_reason(tmp_path):
 
 
 def test_hung_site_is_cut_off_at_the_deadline(tmp_path):
-    """A site that never answers a task is left out after deploy.round_deadline_s (0.5 s here), not waited for."""
+    """A site that never answers a task is left out after deploy.round_deadline_s (2 s here), not waited for.
+
+    (The honest site answers under the same deadline: 2 s leaves a loaded 2-core machine ~40x its idle time.)"""
     # Prepare
-    cfg, data = _cfg(rounds=1, round_deadline_s=0.5), tiny_sites(2)
+    cfg, data = _cfg(rounds=1, round_deadline_s=2.0), tiny_sites(2)
     _prepare(tmp_path / "a", cfg, list(data))
     # Execute
     t0 = time.perf_counter()
     res = serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path, data), {"site2": "hang"}), log=lambda m: None)
     took = time.perf_counter() - t0
-    # Assert: train, validate and test exchanges each wait 0.55 s at most
+    # Assert: train, validate and test exchanges each wait 2.2 s at most (site2 sleeps 32 s a task)
     assert {d["site"] for d in res["deploy"]["dropouts"]} == {"site2"}
-    assert any("deadline of 0.5 s" in d["reason"] for d in res["deploy"]["dropouts"])
-    assert took < 10
+    assert any("deadline of 2 s" in d["reason"] for d in res["deploy"]["dropouts"])
+    assert took < 3 * 2.2 + 8
 
 
 def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
@@ -147,7 +149,7 @@ def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
     each exchange only pings it (probe_timeout_s) before leaving it out, instead of waiting a deadline per
     exchange (3 rounds × train, validate, checkpoint would be ~8 deadlines)."""
     # Prepare
-    cfg, data = _cfg(rounds=3, round_deadline_s=1.0, probe_timeout_s=0.1), tiny_sites(2)
+    cfg, data = _cfg(rounds=3, round_deadline_s=3.0, probe_timeout_s=0.1), tiny_sites(2)  # 3 s: margin for site1
     _prepare(tmp_path / "a", cfg, list(data))
     # Execute
     t0 = time.perf_counter()
@@ -156,9 +158,9 @@ def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
     # Assert
     drops = res["deploy"]["dropouts"]
     assert {d["site"] for d in drops} == {"site2"} and len(drops) >= 6
-    assert "no answer within 1 s" in drops[0]["reason"]
+    assert "no answer within 3 s" in drops[0]["reason"]
     assert all("no answer to a ping within 0.1 s" in d["reason"] for d in drops[1:]), [d["reason"] for d in drops]
-    assert took < 1.1 + 0.15 * len(drops) + 5, f"{took:.1f} s for {len(drops)} dropouts"
+    assert took < 3.3 + 0.15 * len(drops) + 5, f"{took:.1f} s for {len(drops)} dropouts"  # not 3.3 s each
     assert all(set(e["train_loss"]) == {"site1"} for e in res["history"])
 
 
