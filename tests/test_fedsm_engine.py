@@ -264,6 +264,58 @@ def test_a_study_over_seeds_runs_each_seed_in_its_folder_and_tabulates_them(tmp_
     assert "not both" in capsys.readouterr().err
 
 
+def test_gamma_choice_scores_two_models_a_case_and_chooses_what_scoring_all_of_them_chooses(tmp_path, sites, workload):
+    """γ-gated routing sends a case to the global model or to its top class's personalized model (Alg. 2:
+    ``max ŷ > γ`` → PM argmax + 1, else 0), never to another, so the γ search during a run asks the sites for
+    ``per_model = False``: two forward passes a case instead of K + 1 (here 2 of 4).  Its selections (Dice
+    sums, counts, per-top sums, for every γ of the grid and the per-model thresholds) must be those of the
+    full scoring, the diagnosis' per-model Dice is left out (null) and the reply check accepts exactly that."""
+    from fedseg.algorithms.fedsm import route_task
+    from fedseg.algorithms.fedsm.selection import check_route_metrics
+    from fedseg.core.errors import PayloadError
+    from fedseg.simulation.runner import build_engine
+
+    # Prepare: a finished run whose selector routes cases to more than one model
+    grid = [0.0, 0.4, 0.6, 1.0]
+    cfg = _with(tiny_config("fedsm", rounds=2), gamma="auto-per-model", gamma_grid=grid)
+    engine = build_engine(cfg, workload, sites, out=tmp_path, progress=False, log=lambda m: None)
+    engine.run()
+    cand = engine.best["fedsm"].candidate
+    calls = []
+    model_predict = workload.predict
+
+    def counting(model, x):
+        calls.append(x.shape[0])
+        return model_predict(model, x)
+
+    workload.predict = counting  # (the sites share the workload object)
+    # Execute
+    try:
+        full = route_task(engine.transport, cand, list(sites), "validation", grid)
+        n_full, calls[:] = sum(calls), []
+        pair = route_task(engine.transport, cand, list(sites), "validation", grid, per_model=False)
+        n_pair = sum(calls)
+    finally:
+        workload.predict = model_predict
+    # Assert
+    cases = sum(r["n"] for r in full.values())
+    assert n_full == (len(sites) + 1) * cases and n_pair == 2 * cases
+    for s in sites:
+        assert pair[s]["dice_sum_per_model"] is None and full[s]["dice_sum_per_model"] is not None
+        assert len(pair[s]["selections"]) == len(grid) + 1  # the grid and the per-model thresholds
+        for a, b in zip(pair[s]["selections"], full[s]["selections"], strict=True):
+            assert a["gamma"] == b["gamma"] and a["counts"] == b["counts"]
+            assert a["dice_sum"] == pytest.approx(b["dice_sum"], abs=1e-9)
+            assert a["dice_sum_by_top"] == pytest.approx(b["dice_sum_by_top"], abs=1e-9)
+    assert len({tuple(sel["counts"]) for r in full.values() for sel in r["selections"]}) > 1  # γ changes routing
+    config = {**cand.config, "gammas": grid}
+    check_route_metrics({**config, "per_model": False}, pair["site1"])
+    with pytest.raises(PayloadError, match="must be null"):
+        check_route_metrics({**config, "per_model": False}, full["site1"])
+    with pytest.raises(PayloadError, match="dice_sum_per_model is not"):
+        check_route_metrics(config, pair["site1"])
+
+
 def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
     """Two seeds, λ 0.1 and 0.7: Client Avg 0.6 and 0.8 → 0.7000 ± 0.1414 (sd with n − 1: √(2·0.1²/1));
     the γ used by each seed's run is listed; the per-γ Dice is averaged the same way."""

@@ -299,7 +299,9 @@ class FedSM(Algorithm):
         if have_selector:
             cand = self.composite(state, ctx)
             if self.gamma_auto:
-                replies = route_task(ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid)
+                replies = route_task(
+                    ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid, per_model=False
+                )
                 self.set_gamma(cand, replies)
             out.append(cand)
         out.append(Candidate("global", strip_prefix("global", state)))
@@ -348,7 +350,7 @@ class FedSM(Algorithm):
         for label, sel, known in options:
             cand = self.composite({**arrays, **prefixed("selector", sel)}, ctx)
             ask = known is None or gate_auto or self.selector_criterion == "dice"
-            replies = route_task(ctx.transport, cand, sites, "validation", grid) if ask else None
+            replies = route_task(ctx.transport, cand, sites, "validation", grid, per_model=False) if ask else None
             score = self.selector_score(replies, known)
             if chosen is None or (score is not None and (chosen[1] is None or score > chosen[1])):
                 chosen = (cand, score, replies, label)

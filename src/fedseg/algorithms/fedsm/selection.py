@@ -137,16 +137,33 @@ def composite_predict(
         probs = torch.softmax(sel(x), dim=1)
         if mode == "mix":
             return ensemble_mix(probs, [wl.predict(m, x) for m in models])
-        idx = route(probs, gamma) if mode == "gate" else probs.argmax(dim=1)
-        out: torch.Tensor | None = None
-        for j in idx.unique().tolist():
-            mask = idx == j
-            o = wl.predict(models[j], x[mask])
-            if out is None:
-                out = o.new_zeros((x.shape[0], *o.shape[1:]))
-            out[mask] = o
-        assert out is not None
-        return out
+        return predict_routed(site, models, x, route(probs, gamma) if mode == "gate" else probs.argmax(dim=1))
+
+    return predict
+
+
+def predict_routed(site: Site, models: Sequence[nn.Module], x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Each image ``x[i]`` segmented by ``models[idx[i]]`` (one forward pass per model used)."""
+    out: torch.Tensor | None = None
+    for j in idx.unique().tolist():
+        mask = idx == j
+        o = site.workload.predict(models[j], x[mask])
+        if out is None:
+            out = o.new_zeros((x.shape[0], *o.shape[1:]))
+        out[mask] = o
+    assert out is not None
+    return out
+
+
+def _per_case(site: Site, models: Sequence[nn.Module], index: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A predictor for :meth:`Site.score` that segments the split's i-th case with ``models[index[i]]``
+    (``score`` visits a split's cases in dataset order, batch after batch)."""
+    at = [0]
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        idx = index[at[0] : at[0] + x.shape[0]].to(x.device)
+        at[0] += x.shape[0]
+        return predict_routed(site, models, x, idx)
 
     return predict
 
@@ -155,7 +172,10 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     """Site half of a ``route`` task: aggregate routing statistics of a composite on one split (only
     sums and counts leave the site).
 
-    Config: ``split``, ``sites``, ``num_classes``, ``mode``, ``gammas``.  Metrics:
+    Config: ``split``, ``sites``, ``num_classes``, ``mode``, ``gammas``, ``per_model`` (default true;
+    false — γ-gated only — scores each case with the two models a threshold can send it to, the global
+    model and its top class's, instead of all K + 1, and reports ``dice_sum_per_model`` as null: what
+    choosing γ during a run needs).  Metrics:
     ``n`` cases, ``routing_acc`` (Eq. 2 selector: fraction routed to the site's own
     model, None for a site outside the federation; K + 1-class selector: fraction
     whose argmax is Eq. 1's oracle label),
@@ -171,11 +191,27 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     sel, models = load_composite(site, task.arrays, cfg, factory, "fedsm-eval/")
     probs = selector_probs(site, sel, split)
     n = probs.shape[0]
-    per_model = (
-        torch.stack([site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1)
-        if n
-        else torch.zeros(0, len(models), dtype=torch.float64)
-    )
+    if mode == "gate" and not cfg.get("per_model", True):
+        # γ-gated routing sends a case to the global model or its top class's personalized model, never to
+        # another: score those two per case (2 forward passes a case instead of K + 1)
+        top = probs.argmax(dim=1)
+        pair = torch.stack(
+            [
+                site.score(lambda x: site.workload.predict(models[0], x), split).mean(dim=1),
+                site.score(_per_case(site, models, top + 1), split).mean(dim=1),
+            ],
+            dim=1,
+        )
+        per_model = None
+    else:
+        per_model = (
+            torch.stack(
+                [site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1
+            )
+            if n
+            else torch.zeros(0, len(models), dtype=torch.float64)
+        )
+        pair = None
     if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
         acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
     else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
@@ -188,7 +224,10 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
             gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
         for label, gamma in gates:
             idx = route(probs, gamma)
-            dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            if pair is not None:  # idx is 0 (global) or top + 1
+                dice = torch.where(idx == 0, pair[:, 0], pair[:, 1])
+            else:
+                dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
             by_top = torch.zeros(probs.shape[1], dtype=torch.float64).index_add_(0, top, dice.double())
             selections.append(
                 {
@@ -215,7 +254,7 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
         metrics={
             "n": n,
             "routing_acc": acc,
-            "dice_sum_per_model": per_model.sum(dim=0).tolist(),
+            "dice_sum_per_model": per_model.sum(dim=0).tolist() if per_model is not None else None,
             "selections": selections,
         },
         num_samples=n,
@@ -249,7 +288,10 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
     if acc is not None and not number(acc, 1.0):
         raise bad(f"routing_acc = {str(acc)[:40]} is not null or in [0, 1]")
     per_model = metrics.get("dice_sum_per_model")
-    if not isinstance(per_model, list) or len(per_model) != models or not all(number(x, n) for x in per_model):
+    if gate and not config.get("per_model", True):
+        if per_model is not None:
+            raise bad("dice_sum_per_model was not asked for (per_model = false) and must be null")
+    elif not isinstance(per_model, list) or len(per_model) != models or not all(number(x, n) for x in per_model):
         raise bad(f"dice_sum_per_model is not {models} sums in [0, {n}]")
     sels = metrics.get("selections")
     if not isinstance(sels, list) or len(sels) != want:
@@ -285,10 +327,18 @@ def mean_routing(accs: Mapping[str, Any] | None) -> float | None:
 
 
 def route_task(
-    transport: Transport, candidate: Candidate, sites: Sequence[str], split: str, gammas: Sequence[float]
+    transport: Transport,
+    candidate: Candidate,
+    sites: Sequence[str],
+    split: str,
+    gammas: Sequence[float],
+    per_model: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``."""
+    """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``.
+    ``per_model = False``: without each model's Dice (:func:`route_stats`), what choosing γ needs."""
     config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
+    if not per_model:
+        config["per_model"] = False
     replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})
     return {s: r.metrics for s, r in replies.items()}
 
