@@ -129,13 +129,23 @@ def demo(
     """Synthesize a small fundus-like federation (6 sites), compare local, centralized, FedAvg and FedSM
     (default settings), and write the HTML report of the runs.
 
+    Sized for about 5 minutes on 2 CPU cores (docs/results.md, "Demo"): a U-Net of the default's depth at
+    half its width with one residual unit (the cost of a CPU step is its number of small operations more
+    than the image size), validation every 2 rounds.
+
     Returns the Table 3-layout table (also written to ``out/comparison.md``) and the report's path
     (``out/report.html``).
     """
     out = Path(out)
     log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
     spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
-    overrides = ["train.batch_size=4", "eval.every=1", "checkpoint_every=10"]
+    overrides = [
+        "train.batch_size=4",
+        "eval.every=2",
+        "checkpoint_every=10",
+        "model.channels=[8,16,32,64,128]",
+        "model.num_res_units=1",
+    ]
     _runs, table = compare(
         spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log
     )
