@@ -738,3 +738,20 @@ def test_cwt_visit_with_a_huge_update_is_rejected_against_the_other_sites_last_v
     assert all(e["skipped"] == ["site2"] for e in res["history"])
     state = server_state(tmp_path)
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_honest_site_with_many_more_cases_is_not_rejected(tmp_path):
+    """Two honest sites in epoch mode, 4 and 400 training cases at batch 4: 1 and 100 local Adam steps a round.
+    The large site's update ‖w_k − w‖ is ~20× the small one's (measured: 1.13 against 0.055 in round 1), so a
+    plain norm rule with ratio 10 rejected the site holding 99 % of the data every round.  Compared per
+    √(local step) (steps from the declared counts, 1 and 100) the ratio is ~2: no site is left out, and each
+    round's aggregate holds both sites.  A hostile reply scaled by 1e4 is still rejected (the tests above)."""
+    # Prepare
+    data = {"site1": tiny_sites(1, n_train=4, seed=1)["site1"], "site2": tiny_sites(1, n_train=400, seed=2)["site1"]}
+    cfg = _cfg()
+    _prepare(tmp_path / "dep", cfg, list(data))
+    # Execute
+    res = serve(tmp_path / "dep", LoopbackChannel(_runtimes(tmp_path / "dep", data)), log=lambda m: None)
+    # Assert
+    assert res["deploy"]["dropouts"] == [], [d["reason"] for d in res["deploy"]["dropouts"]]
+    assert all(set(e["train_loss"]) == {"site1", "site2"} for e in res["history"])

@@ -49,7 +49,8 @@ class DeployParams:
         least ``min_sites``).
     max_update_ratio
         A reply whose update ‖w_k − w‖ (the tensors it returns of those the task
-        sent) is more than this many times the median update of the exchange's
+        sent; of a training task per √(local step), the steps following from the
+        site's declared count) is more than this many times the median update of the exchange's
         other replies is rejected before aggregation (a site cannot move the global
         model far on its own); so is one whose tensors the task did not send (a
         lockstep gradient, SCAFFOLD's ``dc``) have a norm more than this many times

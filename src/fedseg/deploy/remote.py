@@ -13,7 +13,8 @@ rule:
   checks of :func:`~fedseg.deploy.wire.check_reply`; tensor names and metric
   layout other than every reply to the same task; a sample count other than the
   one the site declared at setup; evaluation scores outside the schema (asked
-  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖, or the
+  candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ (of a
+  training task: per √(local step), the steps given by the declared count), or the
   norm of the tensors a reply returns that its task did not send (a lockstep step's
   gradient, SCAFFOLD's control change), more than ``deploy.max_update_ratio`` times
   the median of the other replies' (of the other sites' last accepted ones when the
@@ -446,15 +447,31 @@ class RemoteTransport:
                     self._reject(s, tasks[s], f"{what}: metrics {bad}")
                     del decoded[s]
 
+    def _local_steps(self, site: str, task: Task) -> int:
+        """The local optimizer steps of a ``"train"`` task at ``site``, from the run's settings and the site's
+        declared training count (1 for other task kinds, or when either is unknown)."""
+        counts = self.declared.get(site)
+        if task.kind != "train" or self.train is None or counts is None:
+            return 1
+        return steps_per_round(self.train, counts["training"])
+
     def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
         """Reject a reply whose change (each part of :func:`update_norms`: the update ‖w_k − w‖ of what the task
         sent, the norm of what it returns new) is more than ``deploy.max_update_ratio`` times the median of the
         same part of the exchange's other replies of the same kind (the same top-level tensor groups) — or,
-        where it has none (CWT visits one site at a time), of the other sites' last accepted ones."""
+        where it has none (CWT visits one site at a time), of the other sites' last accepted ones.
+
+        A training update is compared per √(local step): in epoch mode a site with 100× the cases of another
+        takes 100× its steps, and its honest update is ~20× larger (measured: 4 vs 400 training cases,
+        ``tests/test_deploy_adversarial.py::test_honest_site_with_many_more_cases_is_not_rejected``); the steps
+        follow from the site's declared count, never from its reply."""
         ratio = self.params.max_update_ratio
         if not ratio:
             return
         norms = {s: update_norms(tasks[s].arrays, decoded[s].arrays) for s in decoded}
+        for s, n in norms.items():
+            if "delta" in n:
+                n["delta"] /= math.sqrt(self._local_steps(s, tasks[s]))
         kinds = {
             s: (tasks[s].kind, frozenset(k.split("/", 1)[0] for k, v in decoded[s].arrays.items() if is_float(v)))
             for s in decoded
@@ -468,8 +485,9 @@ class RemoteTransport:
                 ]
                 med = statistics.median(others) if others else 0.0
                 if s not in bad and med > 0 and n > ratio * med:
+                    per = " per √(local step)" if part == "delta" and tasks[s].kind == "train" else ""
                     bad[s] = (
-                        f"reply of site {s} to '{tasks[s].kind}': {what} {n:.4g} is {n / med:.3g}x the median "
+                        f"reply of site {s} to '{tasks[s].kind}': {what}{per} {n:.4g} is {n / med:.3g}x the median "
                         f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})"
                     )
         for s, reason in bad.items():
