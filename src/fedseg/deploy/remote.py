@@ -447,12 +447,12 @@ class RemoteTransport:
                     self._reject(s, tasks[s], f"{what}: metrics {bad}")
                     del decoded[s]
 
-    def _local_steps(self, site: str, task: Task) -> int:
+    def _local_steps(self, site: str, task: Task) -> int | None:
         """The local optimizer steps of a ``"train"`` task at ``site``, from the run's settings and the site's
-        declared training count (1 for other task kinds, or when either is unknown)."""
+        declared training count (None for other task kinds, or when either is unknown)."""
         counts = self.declared.get(site)
         if task.kind != "train" or self.train is None or counts is None:
-            return 1
+            return None
         return steps_per_round(self.train, counts["training"])
 
     def _check_updates(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
@@ -469,9 +469,10 @@ class RemoteTransport:
         if not ratio:
             return
         norms = {s: update_norms(tasks[s].arrays, decoded[s].arrays) for s in decoded}
+        steps = {s: self._local_steps(s, tasks[s]) for s in decoded}
         for s, n in norms.items():
-            if "delta" in n:
-                n["delta"] /= math.sqrt(self._local_steps(s, tasks[s]))
+            if "delta" in n and steps[s] is not None:
+                n["delta"] /= math.sqrt(steps[s])
         kinds = {
             s: (tasks[s].kind, frozenset(k.split("/", 1)[0] for k, v in decoded[s].arrays.items() if is_float(v)))
             for s in decoded
@@ -485,7 +486,7 @@ class RemoteTransport:
                 ]
                 med = statistics.median(others) if others else 0.0
                 if s not in bad and med > 0 and n > ratio * med:
-                    per = " per √(local step)" if part == "delta" and tasks[s].kind == "train" else ""
+                    per = " per √(local step)" if part == "delta" and steps[s] is not None else ""
                     bad[s] = (
                         f"reply of site {s} to '{tasks[s].kind}': {what}{per} {n:.4g} is {n / med:.3g}x the median "
                         f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})"

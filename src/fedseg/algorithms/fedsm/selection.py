@@ -158,11 +158,12 @@ def predict_routed(site: Site, models: Sequence[nn.Module], x: torch.Tensor, idx
 def _per_case(site: Site, models: Sequence[nn.Module], index: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """A predictor for :meth:`Site.score` that segments the split's i-th case with ``models[index[i]]``
     (``score`` visits a split's cases in dataset order, batch after batch)."""
-    at = [0]
+    at = 0
 
     def predict(x: torch.Tensor) -> torch.Tensor:
-        idx = index[at[0] : at[0] + x.shape[0]].to(x.device)
-        at[0] += x.shape[0]
+        nonlocal at
+        idx = index[at : at + x.shape[0]].to(x.device)
+        at += x.shape[0]
         return predict_routed(site, models, x, idx)
 
     return predict
@@ -191,18 +192,16 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     sel, models = load_composite(site, task.arrays, cfg, factory, "fedsm-eval/")
     probs = selector_probs(site, sel, split)
     n = probs.shape[0]
+    top = probs.argmax(dim=1)
+    per_model: torch.Tensor | None = None
     if mode == "gate" and not cfg.get("per_model", True):
-        # γ-gated routing sends a case to the global model or its top class's personalized model, never to
-        # another: score those two per case (2 forward passes a case instead of K + 1)
-        top = probs.argmax(dim=1)
-        pair = torch.stack(
-            [
-                site.score(lambda x: site.workload.predict(models[0], x), split).mean(dim=1),
-                site.score(_per_case(site, models, top + 1), split).mean(dim=1),
-            ],
-            dim=1,
-        )
-        per_model = None
+        # γ-gated routing sends a case to the global model (index 0) or to its top class's personalized model
+        # (top + 1), never to another: score those two per case (2 forward passes a case instead of K + 1)
+        to_global = site.score(lambda x: site.workload.predict(models[0], x), split).mean(dim=1)
+        to_top = site.score(_per_case(site, models, top + 1), split).mean(dim=1)
+
+        def routed(idx: torch.Tensor) -> torch.Tensor:
+            return torch.where(idx == 0, to_global, to_top)
     else:
         per_model = (
             torch.stack(
@@ -211,23 +210,22 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
             if n
             else torch.zeros(0, len(models), dtype=torch.float64)
         )
-        pair = None
+
+        def routed(idx: torch.Tensor) -> torch.Tensor:
+            return per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+
     if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
         acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
     else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
         acc = oracle_accuracy(site, sel, models, split) if n else None
     selections = []
     if mode == "gate":
-        top = probs.argmax(dim=1)
         gates: list[tuple[Any, float | list[float]]] = [(float(g), float(g)) for g in cfg.get("gammas", [0.9])]
         if cfg.get("gamma_per_model") is not None:
             gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
         for label, gamma in gates:
             idx = route(probs, gamma)
-            if pair is not None:  # idx is 0 (global) or top + 1
-                dice = torch.where(idx == 0, pair[:, 0], pair[:, 1])
-            else:
-                dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            dice = routed(idx)
             by_top = torch.zeros(probs.shape[1], dtype=torch.float64).index_add_(0, top, dice.double())
             selections.append(
                 {
@@ -238,11 +236,11 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
                 }
             )
     else:
-        idx = probs.argmax(dim=1)
+        idx = top
         if mode == "mix":
             dice = site.score(composite_predict(site, sel, models, "mix", 0.0), split).mean(dim=1)
         else:
-            dice = per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
+            dice = routed(idx)
         selections.append(
             {
                 "gamma": None,
