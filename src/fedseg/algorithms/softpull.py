@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -264,8 +265,20 @@ class SoftPull(PersonalizationBase):
     title = "SoftPull"
     server_holds_personal = True
 
+    def __init__(self, params: Any, train_global: bool = True):
+        super().__init__(params)
+        self.train_global = train_global
+        """False under ``fedsm.global_training = "fga"``: the global model is trained by lockstep gradient
+        averaging outside this step (FedSM's ``"global_step"`` exchanges), so the site step trains the
+        personalized model only and the server step applies SoftPull only."""
+
     def site_step(self, site: Site, task: Task) -> PersonalStep:
         rnd, steps = task.config["round"], task.config.get("steps")
+        if not self.train_global:
+            pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
+            pm.train()
+            fit_p = site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
+            return PersonalStep({"personal_loss": fit_p["loss"], "steps": fit_p["steps"]})
         g = site.load("global", strip_prefix("global", task.arrays))
         opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
         pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
@@ -288,7 +301,9 @@ class SoftPull(PersonalizationBase):
         combine: Combine,
     ) -> Arrays:
         names = list(replies)
-        out = prefixed("global", combine([strip_prefix("global", replies[s].arrays) for s in names], weights))
+        out: Arrays = {}
+        if self.train_global:
+            out = prefixed("global", combine([strip_prefix("global", replies[s].arrays) for s in names], weights))
         personal = {s: strip_prefix(f"personal/{s}", state) for s in sites}
         for s in names:
             personal[s] = strip_prefix(f"personal/{s}", replies[s].arrays)

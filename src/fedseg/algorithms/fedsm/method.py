@@ -35,7 +35,7 @@ from fedseg.algorithms.fedsm.selection import (
     route_task,
     thresholds,
 )
-from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING
+from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING, gradient_step, lockstep_round, without_resync
 from fedseg.algorithms.ft import FT
 from fedseg.algorithms.perfedavg import PerFedAvg
 from fedseg.algorithms.personal import Personalization
@@ -53,7 +53,7 @@ __all__ = ["PERSONALIZATIONS", "FedSM", "FedSMEnsemble", "FedSMExtra"]
 #: the personalized models, built from the run config (a method's settings come from its own
 #: section, e.g. ``ditto.lam``; SoftPull's λ is ``fedsm.lam``).
 PERSONALIZATIONS: dict[str, Callable[[RunConfig, FedSMParams], Personalization]] = {
-    "softpull": lambda cfg, params: SoftPull(params.lam),
+    "softpull": lambda cfg, params: SoftPull(params.lam, train_global=params.global_training != "fga"),
     "ft": lambda cfg, params: FT.personalization(cfg),
     "apfl": lambda cfg, params: APFL.personalization(cfg),
     "perfedavg": lambda cfg, params: PerFedAvg.personalization(cfg),
@@ -186,6 +186,8 @@ class FedSM(Algorithm):
         metrics: dict[str, Any] = {"phase": phase}
         if train_models or (train_selector and not by_fga):
             metrics.update(self._train_round(ctx, state, new, rnd, phase, train_selector and not by_fga))
+        if train_models and self.global_by_fga:
+            metrics.update(self._global_fga_round(ctx, state, new, rnd))
         if train_selector and by_fga:
             sites = list(ctx.sites)
             config = {"phase": phase, "sites": sites, "num_classes": self.num_classes(len(sites)), "mode": self.mode}
@@ -197,6 +199,30 @@ class FedSM(Algorithm):
         if train_selector:
             sel_training.keep_best_selector(new, before, metrics.get("routing_acc"), rnd - 1)
         return new, metrics
+
+    @property
+    def global_by_fga(self) -> bool:
+        """The global model trains by lockstep gradient averaging (``fedsm.global_training = "fga"``)."""
+        return self.params.global_training == "fga"
+
+    def _global_fga_round(self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int) -> dict[str, Any]:
+        """One round of the global model's gradient averaging (``"global_step"`` lockstep exchanges,
+        :func:`fedseg.algorithms.fga.lockstep_round`), on the same seeded batches as the round's
+        personalized-model steps; the sites' global models and Adam moments persist across rounds (Alg. 1 of
+        the third paper), so the initial weights go out with the first round only (and to a stale site)."""
+        first = {k: v for k, v in state.items() if k.startswith("global/")} if rnd == 1 else {}
+        weights, m, _ = lockstep_round(
+            ctx, rnd, kind="global_step", first=first, weighting=self.params.weighting, prefix="global", state=state
+        )
+        for k in [k for k in new if k.startswith(("global/", "resync/global/"))]:
+            del new[k]
+        new.update(weights)
+        out: dict[str, Any] = {"train_loss": m["train_loss"], "global_steps": m["steps"]}
+        if "in_sync" in m:
+            out["global_in_sync"] = m["in_sync"]
+        if "stale" in m:
+            out["global_stale"] = m["stale"]
+        return out
 
     def _train_round(
         self, ctx: ServerContext, state: Arrays, new: Arrays, rnd: int, phase: str, train_selector: bool
@@ -213,7 +239,7 @@ class FedSM(Algorithm):
             "train_selector": train_selector,
         }
         shared: Arrays = {}
-        if train_models:
+        if train_models and not self.global_by_fga:
             shared.update({k: v for k, v in new.items() if k.startswith("global/")})
         if train_selector:
             shared.update({k: v for k, v in new.items() if k.startswith(("selector/", "selector_optim/"))})
@@ -397,9 +423,16 @@ class FedSM(Algorithm):
 
     # ----------------------------------------------------------- site half
     def site_handlers(self):
-        return {"train": self._train, "route": self._route, "selector_step": self._selector_step}
+        return {
+            "train": self._train,
+            "route": self._route,
+            "selector_step": self._selector_step,
+            "global_step": self._global_step,
+        }
 
     def fp16_unsupported(self) -> str | None:
+        if self.params.global_training == "fga":
+            return FP16_GRADIENT_AVERAGING + ", used by FedSM's global model (fedsm.global_training = 'fga')"
         if self.params.selector_training == "fga":
             return (
                 FP16_GRADIENT_AVERAGING
@@ -427,7 +460,8 @@ class FedSM(Algorithm):
         steps = 0
         if phase in ("joint", "models"):
             step = self.personal.site_step(site, task)
-            out.update(prefixed("global", site.arrays("global")))
+            if not self.global_by_fga:  # (by fga: trained in the round's "global_step" exchanges)
+                out.update(prefixed("global", site.arrays("global")))
             out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
             out.update(step.extra)
             metrics.update(step.metrics)
@@ -449,6 +483,11 @@ class FedSM(Algorithm):
             steps = steps if phase == "joint" else batches
         metrics["steps"] = steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
+
+    def _global_step(self, site: Site, task: Task) -> Reply:
+        """One lockstep exchange of the global model's gradient averaging (``fedsm.global_training = "fga"``;
+        :func:`fedseg.algorithms.fga.gradient_step` with the workload loss)."""
+        return gradient_step(site, task, role="global", prefix="global")
 
     def _selector_step(self, site: Site, task: Task) -> Reply:
         """One lockstep exchange of the selector's gradient averaging (:func:`.selector.fga_step`)."""

@@ -28,6 +28,7 @@ PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
         "selector_weighting": "even",
         "selector_augment": "flip",
         "ensemble_objective": "experts",
+        "global_training": "fedavg",
     },
     "reference": {
         "gamma": 0.9,
@@ -36,6 +37,7 @@ PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
         "selector_weighting": "samples",
         "selector_steps": "all",
         "selector_augment": "none",
+        "global_training": "fedavg",
     },
 }
 
@@ -154,6 +156,17 @@ class FedSMParams:
         profile): every site holds exactly one selector class (Eq. 2), and with n_k/n the
         averaged selector collapsed to the largest site's class on the synthetic fundus
         preset (``docs/results.md``).
+    global_training
+        How the global model is trained.  ``"fedavg"`` (both profiles; Alg. 1): local steps at every
+        site, then the server averages the sites' models (``weighting``, ``aggregation``).  ``"fga"``:
+        every local step is a lockstep exchange of federated gradient averaging (the third paper;
+        :func:`fedseg.algorithms.fga.lockstep_round`, ``"global_step"`` tasks): the server averages
+        the sites' batch gradients (``weighting = "samples"``: the pooled batch's gradient) and every
+        site applies the average with its own, identical Adam — the global model is then the one
+        centralized training on the pooled batches would give, at the cost of one gradient each way per
+        local step instead of one model per round.  SoftPull only (the other personalizations start
+        their personalized models from the averaged global model of the round); ``aggregation`` must
+        be ``"mean"``.
     personalization
         How the personalized models are made (Section 4.3, Table 6): 'softpull' (the
         paper's FedSM, Eq. 11) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto'
@@ -186,6 +199,7 @@ class FedSMParams:
     ensemble_tau: float = 0.001
     weighting: Weighting = "samples"
     selector_weighting: Weighting | None = None
+    global_training: Literal["fedavg", "fga"] | None = None
     personalization: PersonalizationName = "softpull"
     aggregation: Aggregation = "mean"
     trim: float = 0.1
@@ -248,3 +262,16 @@ class FedSMParams:
         if isinstance(steps, int) and steps < 1:
             raise ConfigError(f"fedsm.selector_steps = {steps!r}; give an integer >= 1 or 'all' (every local step)")
         check_aggregation(self.aggregation, self.trim, "fedsm")
+        if self.global_training == "fga":
+            if self.personalization != "softpull":
+                raise ConfigError(
+                    f"fedsm.global_training = 'fga' works with fedsm.personalization = 'softpull' only (got "
+                    f"{self.personalization!r}, whose personalized models start from each round's averaged global "
+                    "model); use --set fedsm.global_training=fedavg"
+                )
+            if self.aggregation != "mean":
+                raise ConfigError(
+                    f"fedsm.aggregation = {self.aggregation!r} combines the sites' global models, which "
+                    "fedsm.global_training = 'fga' does not send (it averages their gradients at every step); "
+                    "use --set fedsm.aggregation=mean or --set fedsm.global_training=fedavg"
+                )
