@@ -265,7 +265,9 @@ def main() -> None:
     )
     ap.add_argument("--seeds", default="0")
     ap.add_argument(
-        "--methods", default=",".join(BASELINES + FEDSM), help="subset of " + ",".join(BASELINES + EXTRA_BASELINES + FEDSM + ON_TOP)
+        "--methods",
+        default=",".join(BASELINES + FEDSM),
+        help="subset of " + ",".join(BASELINES + EXTRA_BASELINES + FEDSM + ON_TOP),
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(

@@ -214,9 +214,9 @@ class FedSM(Algorithm):
         weights, m, _ = lockstep_round(
             ctx, rnd, kind="global_step", first=first, weighting=self.params.weighting, prefix="global", state=state
         )
-        for k in [k for k in new if k.startswith(("global/", "resync/global/"))]:
-            del new[k]
-        new.update(weights)
+        kept = without_resync(new, "global")  # resync entries: only while a deployed site is stale
+        new.clear()
+        new.update({**kept, **weights})
         out: dict[str, Any] = {"train_loss": m["train_loss"], "global_steps": m["steps"]}
         if "in_sync" in m:
             out["global_in_sync"] = m["in_sync"]
