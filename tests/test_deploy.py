@@ -191,7 +191,7 @@ def test_site_rejoins_after_missing_a_round(tmp_path):
 DEPLOYABLE = sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site)
 
 
-@pytest.mark.parametrize("method", DEPLOYABLE)
+@pytest.mark.parametrize("method", [*DEPLOYABLE, "fedsm+global-fga"])
 def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     """Each deployable method, unchanged, over the deployed path (wire bytes both ways, long-lived site
     runtimes): 3 rounds give the simulation's weights bitwise, and a server stopped after round 1 and
@@ -201,9 +201,13 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     per-site state each method keeps (SCAFFOLD controls, personalized models, Adam moments, selectors).
     """
     # Prepare
+    method, _, variant = method.partition("+")
     cfg = dataclasses.replace(_cfg(rounds=3), method=method)
     if method.startswith("fedsm"):
-        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": {"selector_width": 0.0625, "selector_rounds": 1}})
+        fedsm = {"selector_width": 0.0625, "selector_rounds": 1}
+        if variant == "global-fga":  # the global model's lockstep exchanges, the sites' persistent global Adam
+            fedsm["global_training"] = "fga"
+        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": fedsm})
     wl = _workload(cfg)
     _prepare(tmp_path / "dep", cfg, ["site1", "site2"])
     _prepare(tmp_path / "part", cfg, ["site1", "site2"], stop_after=1)

@@ -501,3 +501,56 @@ def test_study_tables_show_the_thresholds_each_run_chose_and_the_unseen_sites_di
     lines = table5_over_seeds([[row([0, 1], 0.5)], [row([1, 0.9], 0.7)]]).splitlines()
     assert lines[0].endswith("| γ chosen on validation (per seed) | Its Dice |")
     assert lines[2].endswith("| (0, 1); (1, 0.9) | 0.6000 ± 0.1414 |")
+
+
+# ------------------------------------------------ the global model by gradient averaging
+def test_global_model_by_gradient_averaging_is_fgas_and_the_personalized_models_are_softpulls(
+    tmp_path, sites, workload
+):
+    """``fedsm.global_training = "fga"``: the global model takes one lockstep exchange per local step, on the
+    round's seeded batches from the same initial weights, each site applying the sample-weighted mean gradient
+    with its own Adam — exactly the FGA method's computation (Remedios et al.: centralized training on the pooled
+    batches), so after 3 rounds FedSM's global model equals FGA's bitwise.  SoftPull's personalized models
+    (Eq. 11) read only w_{p,k} and site k's batches, never the global model, so they equal those of a run whose
+    global model is averaged (``"fedavg"``) bitwise; the global models of the two runs differ."""
+    runs = {}
+    for name, cfg in (
+        ("fga", tiny_config("fga", rounds=3)),
+        ("by_fga", _with(tiny_config("fedsm", rounds=3), global_training="fga", selector_width=0.0625)),
+        ("by_avg", _with(tiny_config("fedsm", rounds=3), selector_width=0.0625)),
+    ):
+        res = simulate(cfg, workload, sites, out=tmp_path / name, progress=False)
+        runs[name] = (res, load_file(str(tmp_path / name / "checkpoints/server.safetensors")))
+    fga, by_fga, by_avg = (runs[n][1] for n in ("fga", "by_fga", "by_avg"))
+    glob = [k for k in fga if k.startswith("global/")]
+    personal = [k for k in by_avg if k.startswith("personal/")]
+    assert glob and personal
+    assert all(torch.equal(fga[k], by_fga[k]) for k in glob)
+    assert not all(torch.equal(by_avg[k], by_fga[k]) for k in glob)
+    assert all(torch.equal(by_avg[k], by_fga[k]) for k in personal)
+    # the round's losses are the global model's, as FGA's; the settings are written down
+    res = runs["by_fga"][0]
+    assert [e["train_loss"] for e in res["history"]] == [e["train_loss"] for e in runs["fga"][0]["history"]]
+    assert all(e["global_steps"] == 3 and e["global_in_sync"] for e in res["history"])  # epoch mode: 10 cases / 4
+    assert res["config"]["fedsm"]["global_training"] == "fga"
+    assert runs["by_avg"][0]["config"]["fedsm"]["global_training"] == "fedavg"
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"personalization": "ditto"}, "works with fedsm.personalization = 'softpull' only"),
+        ({"aggregation": "median"}, "fedsm.aggregation = 'median' combines the sites' global models"),
+    ],
+)
+def test_global_model_by_gradient_averaging_refuses_settings_it_cannot_honour(workload, settings, match):
+    cfg = _with(tiny_config("fedsm", rounds=1), global_training="fga", **settings)
+    with pytest.raises(ConfigError, match=match):
+        simulate(cfg, workload, tiny_sites(), progress=False)
+    with pytest.raises(ConfigError, match="fga"):  # fp16 loss scaling cannot average raw gradients
+        simulate(
+            _with(tiny_config("fedsm", rounds=1, precision="fp16"), global_training="fga", selector_training="fedavg"),
+            workload,
+            tiny_sites(),
+            progress=False,
+        )

@@ -153,6 +153,7 @@ METHODS = [
     ("fedsm", {}),
     ("fedsm", {"fedsm": {"personalization": "apfl"}}),
     ("fedsm", {"fedsm": {"selector_augment": "flip"}}),  # each site's seeded flips before its selector gradient
+    ("fedsm", {"fedsm": {"global_training": "fga"}}),  # the global model's lockstep gradients, the PMs' fits
     ("fga", {}),
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1}}),  # round 2: selector on Eq. 1 labels of frozen models
     ("fedsm-extra", {"fedsm": {"selector_rounds": 1, "extra_objective": "experts"}}),  # by the experts objective
