@@ -274,23 +274,19 @@ class SoftPull(PersonalizationBase):
 
     def site_step(self, site: Site, task: Task) -> PersonalStep:
         rnd, steps = task.config["round"], task.config.get("steps")
-        if not self.train_global:
-            pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
-            pm.train()
-            fit_p = site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
-            return PersonalStep({"personal_loss": fit_p["loss"], "steps": fit_p["steps"]})
-        g = site.load("global", strip_prefix("global", task.arrays))
-        opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
-        pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
-        opt_p = site.optimizer("personal")
-        g.train()
-        pm.train()
         # the two models are independent within a round: each runs the generic loop over the round's
         # seeded batches (a vectorized simulation then trains every site's global and personal models
-        # together: fedseg.simulation.vectorize)
-        fit_g = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)
-        fit_p = site.fit("personal", rnd, stream="train", optimizer=opt_p, steps=steps)
-        return PersonalStep({"loss": fit_g["loss"], "personal_loss": fit_p["loss"], "steps": fit_g["steps"]})
+        # together: fedseg.simulation.vectorize); with train_global False only the personal one
+        metrics: dict[str, Any] = {}
+        if self.train_global:
+            g = site.load("global", strip_prefix("global", task.arrays))
+            opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
+            g.train()
+            metrics["loss"] = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)["loss"]
+        pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
+        pm.train()
+        fit_p = site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
+        return PersonalStep({**metrics, "personal_loss": fit_p["loss"], "steps": fit_p["steps"]})
 
     def server_step(
         self,
