@@ -431,7 +431,7 @@ class FedSM(Algorithm):
         }
 
     def fp16_unsupported(self) -> str | None:
-        if self.params.global_training == "fga":
+        if self.global_by_fga:
             return FP16_GRADIENT_AVERAGING + ", used by FedSM's global model (fedsm.global_training = 'fga')"
         if self.params.selector_training == "fga":
             return (
