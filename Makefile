@@ -19,8 +19,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fedseg demo
 
+# one pytest worker per core (at most 4; pytest-xdist): the tests use one torch thread each, and
+# the deployment tests mostly wait on their FLARE processes
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
