@@ -83,10 +83,30 @@ def oracle_line(res: dict) -> str:
     def avg(xs):
         return sum(xs) / len(xs)
 
+    val = validation_own_vs_global(res)
+    n = len(sites)
+    on_val = "—" if val is None else f"{sum(v > 0 for v in val)}/{n}"
+    agree = "—" if val is None else f"{sum((v > 0) == (o > g) for v, o, g in zip(val, own, glob))}/{n}"
     return (
         f"| {res.get('label', res['method'])} | {res['seed']} | {avg(comp):.4f} | {avg(glob):.4f} | {avg(own):.4f} | "
-        f"{avg([max(a, b) for a, b in zip(own, glob)]):.4f} | {sum(o > g for o, g in zip(own, glob))}/{len(sites)} |"
+        f"{avg([max(a, b) for a, b in zip(own, glob)]):.4f} | {sum(o > g for o, g in zip(own, glob))}/{n} | {on_val} | {agree} |"
     )
+
+
+def validation_own_vs_global(res: dict) -> list[float] | None:
+    """Per site, own personalized model's validation Dice minus the global model's, each at the round the
+    composite took it from (its row's ``best_round``; the history's per-site ``val_dice``): what the
+    per-model thresholds (``gamma = "auto-per-model"``) choose on.  None where the history lacks them."""
+    rows = {r["name"]: r for r in res.get("rows", [])}
+    by_round = {e["round"]: e.get("val_dice", {}) for e in res.get("history", []) if e.get("val_dice")}
+    out = []
+    for s in res["sites"]:
+        g = by_round.get(rows["global"].get("best_round"), {}).get("global", {}).get(s)
+        p = by_round.get(rows[f"personal/{s}"].get("best_round"), {}).get(f"personal/{s}", {}).get(s)
+        if g is None or p is None:
+            return None
+        out.append(p - g)
+    return out
 
 
 def bytes_per_round(res: dict) -> float:
@@ -409,10 +429,13 @@ def main() -> None:
         if any(diag):
             md.append(
                 "\nWhere FedSM's Dice comes from (client-average test Dice; 'own PM' = every site's images sent to its own "
-                "personalized model, i.e. a perfect selector with γ = 0; 'best of' = per site the better of own PM and global):\n"
+                "personalized model, i.e. a perfect selector with γ = 0; 'best of' = per site the better of own PM and global; "
+                "'on validation': the same comparison on the validation cases, each model at the round the composite took it "
+                "from — what the per-model thresholds choose on; 'agree': sites where validation and test prefer the same model):\n"
             )
             md.append(
-                "| method | seed | composite | global model | own PM (perfect routing) | best of own PM / global | sites where own PM > global |\n|---|---|---|---|---|---|---|"
+                "| method | seed | composite | global model | own PM (perfect routing) | best of own PM / global | sites where own PM > global "
+                "| … on validation | sites where validation and test agree |\n|---|---|---|---|---|---|---|---|---|"
             )
             md.extend(d for d in diag if d)
         md.append("\nValidation curves (round:score of the reported candidate; best-so-far is what is reported):\n")
