@@ -308,6 +308,8 @@ def test_gamma_choice_scores_two_models_a_case_and_chooses_what_scoring_all_of_t
             assert a["dice_sum"] == pytest.approx(b["dice_sum"], abs=1e-9)
             assert a["dice_sum_by_top"] == pytest.approx(b["dice_sum_by_top"], abs=1e-9)
     assert len({tuple(sel["counts"]) for r in full.values() for sel in r["selections"]}) > 1  # γ changes routing
+    for s in sites:  # at γ = 0 every case goes to its top class's personalized model
+        assert full[s]["n_by_top"] == pair[s]["n_by_top"] == full[s]["selections"][grid.index(0.0)]["counts"][1:]
     config = {**cand.config, "gammas": grid}
     check_route_metrics({**config, "per_model": False}, pair["site1"])
     with pytest.raises(PayloadError, match="must be null"):

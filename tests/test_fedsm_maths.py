@@ -301,6 +301,44 @@ def test_pick_gamma_per_model_chooses_each_models_threshold_on_its_own_cases():
         pick_gamma_per_model(replies, [0.0, 1.0], "median")
 
 
+def test_gamma_margin_keeps_the_global_model_unless_a_personalized_model_wins_by_the_margin():
+    """The replies of the test above with the cases' top classes: site a 4 / 6 cases of top class 0 / 1,
+    site b 10 / 20, so 14 / 26 of the 40 pooled cases.  Model 1 chose γ 0 (22/40 against 18/40 at γ 1):
+    a gain of 4/40 over 26/40 cases' weight = 4/26 = 0.1538 in the mean Dice of its cases.  Margin 0.15
+    keeps γ 0 (Dice 35/40 as without a margin); margin 0.16 sets γ 1 (Dice (13 + 18)/40 = 31/40).  Model 0
+    chose γ 1 already (no margin needed).  Per-site means, margin 0.04: model 0's γ 0 ties γ 1 at 0.35
+    (gain 0 < 0.04 → 1); model 1: gain (0.4333 − 0.4) = 1/30 over the weight (6/10 + 20/30)/2 = 19/30:
+    (1/30)/(19/30) = 1/19 = 0.0526 ≥ 0.04 → keeps 0; margin 0.06 → 1."""
+    replies = {
+        "a": {"n": 10, "n_by_top": [4, 6], "selections": [_by_top([6.0, 2.0]), _by_top([4.0, 3.0])]},
+        "b": {"n": 30, "n_by_top": [10, 20], "selections": [_by_top([3.0, 20.0]), _by_top([9.0, 15.0])]},
+        "empty": {"n": 0, "n_by_top": [0, 0], "selections": [_by_top([0.0, 0.0]), _by_top([0.0, 0.0])]},
+    }
+    assert pick_gamma_per_model(replies, [0.0, 1.0], "cases", margin=0.15) == ([1.0, 0.0], pytest.approx(35 / 40))
+    assert pick_gamma_per_model(replies, [0.0, 1.0], "cases", margin=0.16) == ([1.0, 1.0], pytest.approx(31 / 40))
+    assert pick_gamma_per_model(replies, [0.0, 1.0], "sites", margin=0.04)[0] == [1.0, 0.0]
+    assert pick_gamma_per_model(replies, [0.0, 1.0], "sites", margin=0.06)[0] == [1.0, 1.0]
+    assert pick_gamma_per_model(replies, [0.0, 1.0], "sites")[0] == [0.0, 0.0]  # no margin: the tie keeps γ 0
+    with pytest.raises(ValueError, match="needs 1.0 in the γ grid"):
+        pick_gamma_per_model(replies, [0.0, 0.5], "cases", margin=0.01)
+
+
+def test_gamma_margin_is_refused_where_it_cannot_apply():
+    """``fedsm.gamma_margin`` outside [0, 1], with one γ, or with a grid without 1.0: one ConfigError naming the fix."""
+    for fedsm, message in (
+        ({"gamma_margin": -0.1}, "must be in \\[0, 1\\]"),
+        ({"gamma_margin": 0.01, "gamma": 0.9}, "applies to fedsm.gamma = 'auto-per-model'"),
+        ({"gamma_margin": 0.01, "gamma_grid": [0.0, 0.5]}, "with 1.0 in fedsm.gamma_grid"),
+    ):
+        cfg = dataclasses.replace(tiny_config("fedsm"), params={"fedsm": fedsm})
+        with pytest.raises(ConfigError, match=message):
+            FedSM(cfg)
+    assert (
+        FedSM(dataclasses.replace(tiny_config("fedsm"), params={"fedsm": {"gamma_margin": 0.01}})).params.gamma_margin
+        == 0.01
+    )
+
+
 def test_pick_gamma_per_model_is_never_below_one_common_gamma():
     """Property: one common γ is one choice of the per-model vector, and the per-model choice maximizes
     the (separable) validation Dice, so its Dice ≥ the best common γ's, on random replies, both criteria."""
@@ -325,7 +363,13 @@ def test_route_reply_check_names_what_is_malformed():
     hostile site could break the server's γ choice or reports is refused with a PayloadError naming it."""
     config = {"sites": ["a", "b"], "num_classes": 2, "mode": "gate", "gammas": [0.0, 1.0]}
     sel = {"gamma": 0.0, "dice_sum": 3.0, "counts": [0, 2, 2], "dice_sum_by_top": [1.0, 2.0]}
-    honest = {"n": 4, "routing_acc": 0.5, "dice_sum_per_model": [3.0, 2.5, 1.0], "selections": [sel, sel]}
+    honest = {
+        "n": 4,
+        "routing_acc": 0.5,
+        "dice_sum_per_model": [3.0, 2.5, 1.0],
+        "n_by_top": [2, 2],
+        "selections": [sel, sel],
+    }
     check_route_metrics(config, honest)
     check_route_metrics({**config, "gamma_per_model": [0.0, 1.0]}, {**honest, "selections": [sel] * 3})
     check_route_metrics({**config, "num_classes": 3, "mode": "argmax"}, {**honest, "selections": [{**sel}]})
@@ -334,6 +378,9 @@ def test_route_reply_check_names_what_is_malformed():
         ({**honest, "routing_acc": 2.0}, "routing_acc"),
         ({**honest, "dice_sum_per_model": [3.0, 2.5]}, "dice_sum_per_model is not 3 sums"),
         ({**honest, "dice_sum_per_model": [3.0, 2.5, float("nan")]}, "dice_sum_per_model"),
+        ({**honest, "n_by_top": [2, 1]}, "n_by_top is not 2 counts adding up to n = 4"),
+        ({**honest, "n_by_top": None}, "n_by_top is not 2 counts"),
+        ({**honest, "n_by_top": [2.0, 2.0]}, "n_by_top is not 2 counts"),
         ({**honest, "selections": [sel]}, "1 selections, expected 2"),
         ({**honest, "selections": [{}, {}]}, "dice_sum is not in"),
         ({**honest, "selections": [{**sel, "dice_sum": 1e9}, sel]}, "dice_sum is not in"),

@@ -96,6 +96,14 @@ class FedSM(Algorithm):
                     "the first rounds train the global and personalized models, the last ones the selector"
                 )
             self.selector_rounds = s
+        if self.params.gamma_margin > 0 and (
+            self.params.gamma != "auto-per-model" or 1.0 not in self.params.gamma_grid
+        ):
+            raise ConfigError(
+                f"fedsm.gamma_margin = {self.params.gamma_margin} applies to fedsm.gamma = 'auto-per-model' with 1.0 "
+                f"in fedsm.gamma_grid (got gamma = {self.params.gamma!r}, grid {list(self.params.gamma_grid)}); "
+                "set both, or fedsm.gamma_margin = 0"
+            )
         self.personal: Personalization = PERSONALIZATIONS[self.params.personalization](cfg, self.params)
         """How the personalized models are made (SoftPull, or a Table 6 method's personalization)."""
         self.selector_factory = sel_training.selector_factory(self.params.selector_width, self.params.selector_hidden)
@@ -133,7 +141,7 @@ class FedSM(Algorithm):
         cand.config["gamma"] = self.pick_gamma(replies)
         if self.params.gamma == "auto-per-model":
             cand.config["gamma_per_model"] = pick_gamma_per_model(
-                replies, self.params.gamma_grid, self.cfg.eval.best_criterion
+                replies, self.params.gamma_grid, self.cfg.eval.best_criterion, self.params.gamma_margin
             )[0]
 
     @property

@@ -69,6 +69,12 @@ class FedSMParams:
         not used).
     gamma_grid
         Candidate γ values for ``gamma = "auto"`` and the routing reports.
+    gamma_margin
+        ``gamma = "auto-per-model"`` only: a personalized model's threshold is set below 1 (some of its
+        cases sent to it instead of the global model) only where that raises the mean validation Dice of the
+        cases whose top class it is by at least this much over γ_j = 1 (all of them to the global model);
+        0 (default): the best of ``gamma_grid``, ties to the earlier γ.  A margin keeps the global model
+        where a few validation cases cannot tell the two apart; ``gamma_grid`` must hold 1.0.
     selector_width, selector_hidden
         Size of the selector (the workload's, ``Workload.selector``; by default the papers'
         VGG-11 layout × width).  The reference's VGG-11 has 129 M parameters (80× the U-Net).
@@ -182,6 +188,7 @@ class FedSMParams:
     lam: float = 0.7
     gamma: Literal["auto", "auto-per-model"] | float | None = None
     gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
+    gamma_margin: float = 0.0
     selector_width: float = 0.125
     selector_hidden: int = 128
     selector_lr: float | None = None
@@ -233,6 +240,11 @@ class FedSMParams:
         if not self.gamma_grid or any(not (0.0 <= g <= 1.0) for g in self.gamma_grid):
             raise ConfigError(
                 f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"
+            )
+        if not (0.0 <= self.gamma_margin <= 1.0):
+            raise ConfigError(
+                f"fedsm.gamma_margin = {self.gamma_margin} must be in [0, 1] (a gain in mean Dice); e.g. "
+                "--set fedsm.gamma_margin=0.01"
             )
         if not (0.0 <= self.fedrs_alpha <= 1.0):
             raise ConfigError(

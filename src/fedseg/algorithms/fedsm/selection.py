@@ -180,7 +180,8 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     ``n`` cases, ``routing_acc`` (Eq. 2 selector: fraction routed to the site's own
     model, None for a site outside the federation; K + 1-class selector: fraction
     whose argmax is Eq. 1's oracle label),
-    ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), and
+    ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), ``n_by_top`` (γ-gated: K counts,
+    the cases whose top class is each personalized model; null otherwise), and
     ``selections``: one entry per γ (gate) or one entry (argmax / mix) with
     ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models); gate entries also
     ``dice_sum_by_top`` (K sums: the routed Dice of the cases whose top class is each personalized model,
@@ -214,6 +215,7 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
         def routed(idx: torch.Tensor) -> torch.Tensor:
             return per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
 
+    n_by_top = torch.bincount(top, minlength=probs.shape[1]).tolist() if mode == "gate" else None
     if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
         acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
     else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
@@ -253,6 +255,7 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
             "n": n,
             "routing_acc": acc,
             "dice_sum_per_model": per_model.sum(dim=0).tolist() if per_model is not None else None,
+            "n_by_top": n_by_top,
             "selections": selections,
         },
         num_samples=n,
@@ -265,7 +268,7 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
     ``config``: ``n`` a count, ``routing_acc`` null or in [0, 1], ``dice_sum_per_model`` K + 1 sums in
     [0, n], and one selection per γ asked (plus the per-model one when the config has thresholds; one
     for argmax / mix) with ``dice_sum`` in [0, n], ``counts`` K + 1 counts adding up to n and, γ-gated,
-    ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum``.  A deployed site's reply is checked
+    ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum`` (and ``n_by_top``, K counts adding up to n).  A deployed site's reply is checked
     before the server reads it (``Algorithm.check_reply``): a malformed one is rejected, not a crash."""
     sites = list(config.get("sites", []))
     k = int(config.get("num_classes", len(sites)))
@@ -291,6 +294,14 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
             raise bad("dice_sum_per_model was not asked for (per_model = false) and must be null")
     elif not isinstance(per_model, list) or len(per_model) != models or not all(number(x, n) for x in per_model):
         raise bad(f"dice_sum_per_model is not {models} sums in [0, {n}]")
+    by_top_n = metrics.get("n_by_top")
+    if gate and (
+        not isinstance(by_top_n, list)
+        or len(by_top_n) != k
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in by_top_n)
+        or sum(by_top_n) != n
+    ):
+        raise bad(f"n_by_top is not {k} counts adding up to n = {n}: {str(by_top_n)[:80]}")
     sels = metrics.get("selections")
     if not isinstance(sels, list) or len(sels) != want:
         raise bad(f"{len(sels) if isinstance(sels, list) else 'no'} selections, expected {want}")
@@ -374,7 +385,7 @@ def pick_gamma(
 
 
 def pick_gamma_per_model(
-    replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float], criterion: str = "cases"
+    replies: Mapping[str, Mapping[str, Any]], gammas: Sequence[float], criterion: str = "cases", margin: float = 0.0
 ) -> tuple[list[float], float]:
     """One γ per personalized model (``fedsm.gamma = "auto-per-model"``), each the best of ``gammas`` on
     validation; returns (the K thresholds, the validation Dice they give).
@@ -384,19 +395,34 @@ def pick_gamma_per_model(
     cases, or 1/(n_site · sites) per site's case) — splits into one term per j: the weighted sum of
     ``dice_sum_by_top[j]`` over the sites.  Maximizing each term on its own maximizes the sum; one
     common γ is one choice of the vector, so this Dice is never below :func:`pick_gamma`'s.  Ties keep the
-    earlier γ of the grid.  A personalized model that is no case's top class keeps the grid's first γ."""
+    earlier γ of the grid.  A personalized model that is no case's top class keeps the grid's first γ.
+
+    ``margin`` > 0 (``fedsm.gamma_margin``; ``gammas`` must hold 1.0): model j keeps the best γ only where it
+    beats γ_j = 1 (every case of top class j to the global model) by at least ``margin`` in the mean Dice of
+    those cases — by the same weights, (d(γ) − d(1)) / Σ weight · ``n_by_top[j]`` ≥ ``margin`` — and gets 1
+    otherwise."""
     with_cases, total_n = _validation_cases(replies, criterion)
+    if margin > 0 and 1.0 not in gammas:
+        raise ValueError(f"margin = {margin} needs 1.0 in the γ grid {list(gammas)} (all to the global model)")
     weight = [1 / total_n if criterion == "cases" else 1 / (r["n"] * len(with_cases)) for r in with_cases]
     k = len(with_cases[0]["selections"][0]["dice_sum_by_top"])
     chosen: list[float] = []
     total = 0.0
     for j in range(k):
         best: tuple[float, float] | None = None
+        at_one = None
         for i, g in enumerate(gammas):
             d = sum(w * r["selections"][i]["dice_sum_by_top"][j] for w, r in zip(weight, with_cases))
             if best is None or d > best[1]:
                 best = (float(g), d)
+            if g == 1.0 and at_one is None:
+                at_one = d
         assert best is not None
+        if margin > 0 and best[0] != 1.0:
+            assert at_one is not None
+            cases = sum(w * r["n_by_top"][j] for w, r in zip(weight, with_cases))
+            if best[1] - at_one < margin * cases:
+                best = (1.0, at_one)
         chosen.append(best[0])
         total += best[1]
     return chosen, total
