@@ -268,8 +268,8 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
     ``config``: ``n`` a count, ``routing_acc`` null or in [0, 1], ``dice_sum_per_model`` K + 1 sums in
     [0, n], and one selection per γ asked (plus the per-model one when the config has thresholds; one
     for argmax / mix) with ``dice_sum`` in [0, n], ``counts`` K + 1 counts adding up to n and, γ-gated,
-    ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum`` (and ``n_by_top``, K counts adding up to n).  A deployed site's reply is checked
-    before the server reads it (``Algorithm.check_reply``): a malformed one is rejected, not a crash."""
+    ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum`` (and ``n_by_top``, K counts adding up to
+    n).  A deployed site's reply is checked before the server reads it (``Algorithm.check_reply``): a malformed one is rejected, not a crash."""
     sites = list(config.get("sites", []))
     k = int(config.get("num_classes", len(sites)))
     models = len(sites) + 1
@@ -409,20 +409,16 @@ def pick_gamma_per_model(
     chosen: list[float] = []
     total = 0.0
     for j in range(k):
-        best: tuple[float, float] | None = None
-        at_one = None
-        for i, g in enumerate(gammas):
-            d = sum(w * r["selections"][i]["dice_sum_by_top"][j] for w, r in zip(weight, with_cases))
-            if best is None or d > best[1]:
-                best = (float(g), d)
-            if g == 1.0 and at_one is None:
-                at_one = d
-        assert best is not None
-        if margin > 0 and best[0] != 1.0:
-            assert at_one is not None
+        d = [
+            sum(w * r["selections"][i]["dice_sum_by_top"][j] for w, r in zip(weight, with_cases))
+            for i in range(len(gammas))
+        ]
+        i = max(range(len(gammas)), key=d.__getitem__)  # the first of ties
+        if margin > 0 and gammas[i] != 1.0:
+            one = list(gammas).index(1.0)
             cases = sum(w * r["n_by_top"][j] for w, r in zip(weight, with_cases))
-            if best[1] - at_one < margin * cases:
-                best = (1.0, at_one)
-        chosen.append(best[0])
-        total += best[1]
+            if d[i] - d[one] < margin * cases:
+                i = one
+        chosen.append(float(gammas[i]))
+        total += d[i]
     return chosen, total
