@@ -155,6 +155,7 @@ def test_one_site_is_rejected_and_lambda_below_one_over_k_runs_with_a_warning(wo
     ):
         res = simulate(_with(tiny_config("fedsm", rounds=1), lam=0.2), workload, tiny_sites(), progress=False)
     assert res["config"]["fedsm"]["lam"] == 0.2
+    assert res["config"]["fedsm"]["gamma_margin"] == 0.01  # the resolved default is written down
     with pytest.raises(ConfigError, match=r"fedsm.lam = 1.5 must be in \[0, 1\]"):
         simulate(_with(tiny_config("fedsm", rounds=1), lam=1.5), workload, tiny_sites(), progress=False)
 

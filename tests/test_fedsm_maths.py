@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, pick_gamma
+from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_MARGIN
 from fedseg.algorithms.fedsm.selection import check_route_metrics, pick_gamma_per_model
 from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
 from fedseg.algorithms.softpull import (
@@ -337,6 +338,26 @@ def test_gamma_margin_is_refused_where_it_cannot_apply():
         FedSM(dataclasses.replace(tiny_config("fedsm"), params={"fedsm": {"gamma_margin": 0.01}})).params.gamma_margin
         == 0.01
     )
+
+
+def test_gamma_margin_default_applies_only_where_the_per_model_thresholds_do():
+    """Unset, ``fedsm.gamma_margin`` is the default profile's 0.01 with ``gamma = "auto-per-model"`` and 1.0 in
+    the grid, and 0 wherever a margin cannot apply (one γ, a grid without 1.0) or under the reference profile
+    (its literal settings know no margin); a value the user sets is kept."""
+    assert FedSMParams().resolved().gamma_margin == DEFAULT_GAMMA_MARGIN == 0.01
+    for unset_elsewhere in (
+        {"profile": "reference"},
+        {"profile": "reference", "gamma": "auto-per-model"},
+        {"gamma": 0.9},
+        {"gamma": "auto"},
+        {"gamma_grid": (0.0, 0.5, 0.9)},
+    ):
+        assert FedSMParams(**unset_elsewhere).resolved().gamma_margin == 0.0, unset_elsewhere
+    assert FedSMParams(gamma_margin=0.0).resolved().gamma_margin == 0.0
+    assert FedSMParams(gamma_margin=0.05).resolved().gamma_margin == 0.05
+    resolved = FedSM(tiny_config("fedsm")).params
+    assert resolved.gamma == "auto-per-model" and resolved.gamma_margin == 0.01
+    assert FedSM(dataclasses.replace(tiny_config("fedsm"), params={"fedsm": {"gamma": 0.9}})).params.gamma_margin == 0
 
 
 def test_pick_gamma_per_model_is_never_below_one_common_gamma():

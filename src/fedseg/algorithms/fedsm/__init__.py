@@ -58,12 +58,13 @@ Server state (flat arrays): ``global/…``, ``personal/<site>/…``, ``selector/
 """
 
 from fedseg.algorithms.fedsm.method import PERSONALIZATIONS, FedSM, FedSMEnsemble, FedSMExtra
-from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_GRID, PROFILE_DEFAULTS, FedSMParams
+from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_GRID, DEFAULT_GAMMA_MARGIN, PROFILE_DEFAULTS, FedSMParams
 from fedseg.algorithms.fedsm.selection import oracle_accuracy, pick_gamma, route_task, selector_role
 from fedseg.algorithms.fedsm.selector import keep_best_selector
 
 __all__ = [
     "DEFAULT_GAMMA_GRID",
+    "DEFAULT_GAMMA_MARGIN",
     "PERSONALIZATIONS",
     "PROFILE_DEFAULTS",
     "FedSM",

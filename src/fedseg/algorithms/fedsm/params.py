@@ -11,9 +11,13 @@ from fedseg.algorithms.fedavg import Weighting
 from fedseg.core.arrays import Aggregation, check_aggregation
 from fedseg.core.errors import ConfigError
 
-__all__ = ["DEFAULT_GAMMA_GRID", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
+__all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
 
 DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+#: ``fedsm.gamma_margin`` of the default profile where it applies (``gamma = "auto-per-model"``, 1.0 in the
+#: grid); 0 elsewhere and in the reference profile (docs/results.md, "Session 14").
+DEFAULT_GAMMA_MARGIN = 0.01
 
 PersonalizationName = Literal["softpull", "ft", "apfl", "perfedavg", "pfedme", "ditto"]
 """``fedsm.personalization`` choices (FedSM Table 6 rows); the keys of :data:`fedseg.algorithms.fedsm.PERSONALIZATIONS`."""
@@ -73,8 +77,10 @@ class FedSMParams:
         ``gamma = "auto-per-model"`` only: a personalized model's threshold is set below 1 (some of its
         cases sent to it instead of the global model) only where that raises the mean validation Dice of the
         cases whose top class it is by at least this much over γ_j = 1 (all of them to the global model);
-        0 (default): the best of ``gamma_grid``, ties to the earlier γ.  A margin keeps the global model
-        where a few validation cases cannot tell the two apart; ``gamma_grid`` must hold 1.0.
+        0: the best of ``gamma_grid``, ties to the earlier γ.  A margin keeps the global model where a few
+        validation cases cannot tell the two apart; ``gamma_grid`` must hold 1.0.  Unset: the default
+        profile's :data:`DEFAULT_GAMMA_MARGIN` (0.01) where it applies, else 0 (one γ, a grid without 1.0,
+        the reference profile).
     selector_width, selector_hidden
         Size of the selector (the workload's, ``Workload.selector``; by default the papers'
         VGG-11 layout × width).  The reference's VGG-11 has 129 M parameters (80× the U-Net).
@@ -188,7 +194,7 @@ class FedSMParams:
     lam: float = 0.7
     gamma: Literal["auto", "auto-per-model"] | float | None = None
     gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
-    gamma_margin: float = 0.0
+    gamma_margin: float | None = None
     selector_width: float = 0.125
     selector_hidden: int = 128
     selector_lr: float | None = None
@@ -221,6 +227,9 @@ class FedSMParams:
             fill["selector_augment"] = "none"
         training = self.selector_training if self.selector_training is not None else fill["selector_training"]
         fill.setdefault("selector_steps", 1 if training == "fedavg" else "all")
+        gamma = self.gamma if self.gamma is not None else fill["gamma"]
+        per_model = gamma == "auto-per-model" and 1.0 in self.gamma_grid
+        fill["gamma_margin"] = DEFAULT_GAMMA_MARGIN if self.profile == "default" and per_model else 0.0
         return dataclasses.replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
 
     @property
@@ -241,7 +250,7 @@ class FedSMParams:
             raise ConfigError(
                 f"fedsm.gamma_grid = {list(self.gamma_grid)} must be a non-empty list of values in [0, 1]"
             )
-        if not (0.0 <= self.gamma_margin <= 1.0):
+        if self.gamma_margin is not None and not (0.0 <= self.gamma_margin <= 1.0):
             raise ConfigError(
                 f"fedsm.gamma_margin = {self.gamma_margin} must be in [0, 1] (a gain in mean Dice); e.g. "
                 "--set fedsm.gamma_margin=0.01"
