@@ -74,7 +74,7 @@ def one(args: argparse.Namespace) -> dict:
         model=model,
         train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
         eval=EvalConfig(every=args.rounds),
-        simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group),
+        simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group, cuda_graphs=args.cuda_graphs),
     )
     device = resolve_device(cfg.device)
     workload = segmentation_workload(2, 3, ["a", "b"], cfg.model, cfg.train)
@@ -132,6 +132,7 @@ def one(args: argparse.Namespace) -> dict:
         "peak_gib": peak / 2**30,
         "vectorized": any("one vectorized computation" in m for m in logs),
         "plan": [m for m in logs if m.startswith("vectorize")],
+        "graphed": any("captured CUDA graph" in m for m in logs),
     }
 
 
@@ -171,6 +172,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--cases", type=int, default=8, help="training cases per site")
     ap.add_argument("--group", type=int, default=0, help="simulation.vectorize_group")
+    ap.add_argument(
+        "--cuda-graphs", default="on", choices=("on", "off"), help="simulation.cuda_graphs (CUDA, vectorized runs)"
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
@@ -222,7 +226,8 @@ def main() -> None:
                 print(
                     f"{size}² {method} K={k}: sequential {res['off']['s_per_round']:.3f} s/round, vectorized {res['on']['s_per_round']:.3f} "
                     f"({speedup:.2f}×; the sites' asks alone {ask_speedup:.2f}×; CPU time {cpu_speedup:.2f}×; "
-                    f"{'vectorized' if res['on']['vectorized'] else 'fell back'})",
+                    f"{'vectorized' if res['on']['vectorized'] else 'fell back'}"
+                    f"{', CUDA graph' if res['on'].get('graphed') else ''})",
                     flush=True,
                 )
                 rows.append(
@@ -243,7 +248,9 @@ def main() -> None:
     mem = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak RSS GiB"
     md = [
         f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
-        f"{args.rounds} rounds, group {args.group or 'all'}; {machine}",
+        f"{args.rounds} rounds, group {args.group or 'all'}"
+        + (f", CUDA graphs {args.cuda_graphs}" if device.type == "cuda" else "")
+        + f"; {machine}",
         "",
     ]
     md += md_table(

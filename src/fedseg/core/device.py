@@ -100,12 +100,13 @@ def configure_determinism(device: torch.device, deterministic: bool = True) -> N
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default; TF32 matmuls change results visibly
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32)."""
+def autocast(device: torch.device, precision: str, cache: bool = True) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32); ``cache=False`` turns
+    off autocast's cache of cast weights (required inside a CUDA graph capture; the same numbers)."""
     dtype = PRECISIONS[precision]
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:

@@ -403,9 +403,10 @@ class _Layout:
         self.numel = k * sum(self.sizes)
         self._reps = torch.tensor([n for n in self.sizes for _ in range(k)], device=params[0].device)
 
-    def pack(self, rows: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-        """``rows[i][j]`` (site i, parameter j) into a flat buffer."""
-        return torch.cat([torch.stack([r[j].reshape(-1) for r in rows]).reshape(-1) for j in range(len(self.sizes))])
+    def pack(self, rows: Sequence[Sequence[torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows[i][j]`` (site i, parameter j) into a flat buffer (``out``: into that one)."""
+        parts = [torch.stack([r[j].reshape(-1) for r in rows]).reshape(-1) for j in range(len(self.sizes))]
+        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
     def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The ``K × shape`` view of every parameter."""
@@ -433,6 +434,7 @@ class _StackedOptimizer:
         plist: Sequence[Sequence[torch.Tensor]],
         flat: torch.Tensor,
         layout: _Layout,
+        arena: _Arena | None = None,
     ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
@@ -440,11 +442,14 @@ class _StackedOptimizer:
         self.g = dict(g)
 
         def stacked(key: str, present: Sequence[bool]) -> torch.Tensor:
+            out = None if arena is None else (arena.m if key == "exp_avg" else arena.v)
             return layout.pack(
-                [[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)]
+                [[o.state[p][key] if h else torch.zeros_like(p) for p in ps] for o, ps, h in zip(opts, plist, present)],
+                out=out,
             )
 
-        self.scratch = torch.empty_like(flat)  # reused every step: no K·P-sized allocation per step
+        # reused every step: no K·P-sized allocation per step
+        self.scratch = torch.empty_like(flat) if arena is None else arena.scratch
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
         with torch.no_grad():
             if self.adam:
@@ -458,7 +463,32 @@ class _StackedOptimizer:
                 ]
                 self.buf = stacked("momentum_buffer", self.has)
         self.taken = [0] * len(opts)
-        self._step: torch.Tensor | None = None  # the fused kernel's step count (a tensor, as it asks)
+        # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
+        self._step: torch.Tensor | None = None if arena is None else arena.step
+
+    def fused_ready(self, active: Sequence[int]) -> bool:
+        """Whether the next step of ``active`` is one call of the fused Adam kernel (every site, one step count)."""
+        return self.adam and _FUSED_ADAM is not None and len(active) == len(self.opts) and len(set(self.s)) == 1
+
+    @torch.no_grad()
+    def begin_fused(self) -> None:
+        """The host side of a fused step (:meth:`fused_ready`): step counts, the kernel's step tensor set.
+        :meth:`fused_kernels` is the device side (what a CUDA graph captures)."""
+        for i in range(len(self.opts)):
+            self.taken[i] += 1
+        self.s = [si + 1.0 for si in self.s]
+        if self._step is None:
+            self._step = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        self._step.fill_(self.s[0])
+
+    @torch.no_grad()
+    def fused_kernels(self, grad: torch.Tensor) -> None:
+        """The device work of a fused Adam step of every site (after :meth:`begin_fused`); no host sync."""
+        g = self.g
+        if g["weight_decay"] != 0:
+            grad.add_(self.flat, alpha=g["weight_decay"])
+        b1, b2 = g["betas"]
+        _fused_adam([self.flat], [grad], [self.m], [self.v], [self._step], float(g["lr"]), b1, b2, float(g["eps"]), 0.0)
 
     def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
         """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
@@ -568,6 +598,53 @@ class _StackedOptimizer:
                     st[key] = bl[j][i].clone()
 
 
+GRAPH_WARMUP_STEPS = 2
+"""Eager steps a group takes (on a side stream, as CUDA graph capture asks) before its step is captured."""
+
+_MAX_ARENAS = 4
+"""Captured groups kept (each holds its stacked buffers and its graph's memory); the least recently used goes."""
+
+
+class _Arena:
+    """The static tensors of one vectorized group on CUDA, kept across rounds so that its local step can be
+    captured once as a CUDA graph and replayed: the flat weights (with their ``K × shape`` differentiable
+    views), Adam's moments, the gradient and scratch buffers, the step count, the stacked batch and the
+    per-site losses.  Each round copies the sites' weights and moments in and out, as without an arena."""
+
+    def __init__(self, layout: _Layout, flat_like: torch.Tensor, buffers: dict[str, torch.Tensor]):
+        self.flat = torch.empty(layout.numel, dtype=flat_like.dtype, device=flat_like.device)
+        self.m, self.v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+        self.gbuf, self.scratch = torch.empty_like(self.flat), torch.empty_like(self.flat)
+        self.step = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        self.weights = [b.requires_grad_(True) for b in layout.blocks(self.flat)]
+        self.buffers = {n: torch.empty_like(b) for n, b in buffers.items()}
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.warm = 0  # eager steps taken so far
+        self.failed: str | None = None  # why capture failed (then this group steps eagerly)
+
+    def load_batch(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
+        """Copy every site's batch into the static batch; False when its shape is not the captured one."""
+        if self.x is None:
+            self.x, self.y = torch.stack(list(xs)), torch.stack(list(ys))
+            return True
+        assert self.y is not None
+        if (
+            (len(xs), *xs[0].shape) != tuple(self.x.shape)
+            or (len(ys), *ys[0].shape) != tuple(self.y.shape)
+            or xs[0].dtype != self.x.dtype
+            or ys[0].dtype != self.y.dtype
+            or any(x.shape != xs[0].shape for x in xs)
+            or any(y.shape != ys[0].shape for y in ys)
+        ):
+            return False
+        torch.stack(list(xs), out=self.x)
+        torch.stack(list(ys), out=self.y)
+        return True
+
+
 @dataclass
 class _Item:
     index: int
@@ -590,11 +667,21 @@ class VectorizedExecutor:
         memory at its first step is split in halves and retried (nothing has been updated yet).
     log
         Where the plan (which roles of which sites are vectorized, and why not) is said, once.
+    cuda_graphs
+        ``simulation.cuda_graphs``: on CUDA, a group's local step — every site active, batches of one
+        shape, no per-site hook (``extra_loss``, ``after_backward``, an optimizer wrapper), a plain Adam at
+        one step count — is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then captured once as a CUDA
+        graph over static buffers kept across rounds (:class:`_Arena`) and replayed; any other step of
+        the group runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
 
-    def __init__(self, group_size: int = 0, log: Callable[[str], None] = print):
+    def __init__(self, group_size: int = 0, log: Callable[[str], None] = print, cuda_graphs: bool = True):
         self.group_size = group_size
         self.log = log
+        self.cuda_graphs = cuda_graphs
+        self._arenas: dict[tuple, _Arena] = {}  # by group key and sites, least recently used first
+        self.graph_replays = 0
+        """Number of local steps run as a CUDA graph replay so far (for tests and benchmarks)."""
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
@@ -761,6 +848,8 @@ class VectorizedExecutor:
         try:
             return self._train_group(items)
         except _FirstStepFailed as e:
+            # the group's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
+            self._arenas.pop((items[0].key, tuple(it.call.site.name for it in items)), None)
             if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
                 half = len(items) // 2
                 self._say(
@@ -786,16 +875,22 @@ class VectorizedExecutor:
         layout = _Layout(plist[0], k)
         for m in models:
             self._structure(m).train()
+        blist = [self._structure(m).buffers() for m in models]
+        arena = self._arena(items, layout, plist[0][0], {n: torch.stack([b[n] for b in blist]) for n in bnames})
         with torch.no_grad():
-            flat = layout.pack(plist)  # every site's parameters, no autograd
-            blist = [self._structure(m).buffers() for m in models]
+            flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
             buffers = {n: torch.stack([b[n] for b in blist]) for n in bnames}
-        weights = [b.requires_grad_(True) for b in layout.blocks(flat)]  # the differentiable K × shape leaves
+            if arena is not None:
+                for n, b in buffers.items():
+                    arena.buffers[n].copy_(b)
+                buffers = arena.buffers
+        # the differentiable K × shape leaves
+        weights = arena.weights if arena is not None else [b.requires_grad_(True) for b in layout.blocks(flat)]
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
             for p, w in zip(ps, weights):
                 p.data = w.detach()[i]
-        opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout)
-        gbuf = torch.empty_like(flat)
+        opt = _StackedOptimizer([it.opt for it in items], plist, flat, layout, arena)
+        gbuf = torch.empty_like(flat) if arena is None else arena.gbuf
         iters = [c.site.batches(c.rnd, c.stream, c.steps) for c in calls]
         totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in calls]
         counts = [0] * k
@@ -803,10 +898,12 @@ class VectorizedExecutor:
         def site_loss(
             params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
         ) -> torch.Tensor:
-            with autocast(dev, precision):
+            with autocast(dev, precision, cache=arena is None):
                 return loss_fn(functional_call(template, (params, bufs), (x,), tie_weights=tied), y)
 
         losses_of = vmap(site_loss, randomness="error")
+        # no per-site hook (FedProx's term, SCAFFOLD's correction): a step is one fixed computation
+        hookless = not any(c.extra_loss or c.after_backward for c in calls) and all(it.wrapper is None for it in items)
         active = list(range(k))
         first = True
         done = False
@@ -822,15 +919,26 @@ class VectorizedExecutor:
                 if not batch:
                     break
                 try:
-                    grads, losses = self._gradients(
-                        batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf
-                    )
+                    losses = None
+                    if (
+                        arena is not None
+                        and hookless
+                        and arena.failed is None
+                        and opt.fused_ready(list(batch))
+                        and arena.load_batch([batch[i][0] for i in range(k)], [batch[i][1] for i in range(k)])
+                    ):
+                        losses = self._graph_step(arena, opt, losses_of, pnames, items[0].call.role)
+                    if losses is None:
+                        grads, losses = self._gradients(
+                            batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf
+                        )
                 except Exception as e:
                     if first:
                         raise _FirstStepFailed(e) from e
                     raise
                 first = False
-                opt.step(grads, list(batch))
+                if not isinstance(losses, torch.Tensor):  # the eager step's gradients: its optimizer step
+                    opt.step(grads, list(batch))
                 for i in batch:
                     wrapper = items[i].wrapper
                     if wrapper is not None:
@@ -847,6 +955,77 @@ class VectorizedExecutor:
                 opt.write_back()
         self.vectorized_fits += k
         return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(totals, counts)]
+
+    # ------------------------------------------------------------ CUDA graphs
+    def _arena(
+        self, items: list[_Item], layout: _Layout, like: torch.Tensor, buffers: dict[str, torch.Tensor]
+    ) -> _Arena | None:
+        """The group's :class:`_Arena` on CUDA with ``cuda_graphs`` on (made at its first fit, kept across
+        rounds), None otherwise (the CPU, graphs off, an optimizer whose step is not the fused Adam kernel)."""
+        dev = items[0].call.site.device
+        if (
+            not self.cuda_graphs
+            or dev.type != "cuda"
+            or _FUSED_ADAM is None
+            or type(items[0].opt) is not torch.optim.Adam
+        ):
+            return None
+        key = (items[0].key, tuple(it.call.site.name for it in items))
+        arena = self._arenas.pop(key, None)
+        if arena is None:
+            arena = _Arena(layout, like, buffers)
+            if len(self._arenas) >= _MAX_ARENAS:  # the least recently used group's memory goes
+                self._arenas.pop(next(iter(self._arenas)))
+        self._arenas[key] = arena  # now the most recently used
+        return arena
+
+    def _graph_step(self, arena: _Arena, opt: _StackedOptimizer, losses_of: Any, pnames: list[str], role: str):
+        """One local step of every site of the group from the arena's static batch: eagerly on a side stream
+        for the first :data:`GRAPH_WARMUP_STEPS` steps, then captured once as a CUDA graph and replayed.
+        Returns the per-site losses (the arena's tensor, rewritten by the next step), or None when the capture
+        failed (nothing was computed: the caller takes the step eagerly, and the group stays eager)."""
+
+        def step() -> None:
+            out = losses_of(dict(zip(pnames, arena.weights)), arena.buffers, arena.x, arena.y)
+            gs = torch.autograd.grad(out.sum(), arena.weights, allow_unused=True)
+            parts = [(torch.zeros_like(w) if g is None else g).reshape(-1) for g, w in zip(gs, arena.weights)]
+            torch.cat(parts, out=arena.gbuf)
+            opt.fused_kernels(arena.gbuf)
+            with torch.no_grad():
+                if arena.loss is None:
+                    arena.loss = out.detach().clone()
+                else:
+                    arena.loss.copy_(out.detach())
+
+        if arena.graph is None and arena.warm >= GRAPH_WARMUP_STEPS:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                torch.cuda.synchronize(arena.flat.device)
+                with torch.cuda.graph(graph):
+                    step()
+            except Exception as e:  # e.g. an operation that synchronizes with the host: eager from now on
+                arena.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self._say(
+                    f"role {role!r}: its local step could not be captured as a CUDA graph; it runs eagerly ({arena.failed})"
+                )
+                return None
+            arena.graph = graph
+            self._say(
+                f"role {role!r}: the vectorized local step runs as a captured CUDA graph (simulation.cuda_graphs)"
+            )
+        opt.begin_fused()
+        if arena.graph is not None:
+            arena.graph.replay()
+            self.graph_replays += 1
+        else:  # warm-up, on a side stream as capture asks (lazy initializations happen on it)
+            side = torch.cuda.Stream(arena.flat.device)
+            side.wait_stream(torch.cuda.current_stream(arena.flat.device))
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream(arena.flat.device).wait_stream(side)
+            arena.warm += 1
+        assert arena.loss is not None
+        return arena.loss
 
     @staticmethod
     def _gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
