@@ -783,25 +783,74 @@ def _graphs(cfg: RunConfig, on: bool) -> RunConfig:
 
 
 def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
-    """The static batch of a captured step (``_Arena``, device-agnostic): the first batch fixes its shape;
-    later batches of that shape are copied into the same memory, any other shape (the last, smaller batch
-    of an epoch; another dtype) is refused, so that step runs eagerly."""
+    """The static batch of a captured step (``_Arena``, device-agnostic): the first batch — every site's, of one
+    shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
+    keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
+    is copied, so that step runs eagerly."""
     from fedseg.simulation.vectorize import _Arena, _Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
     arena = _Arena(_Layout(params, 2), params[0], {})
     assert arena.flat.numel() == 2 * (6 + 4) and [w.shape for w in arena.weights] == [(2, 3, 2), (2, 4)]
-    x, y = [torch.rand(4, 1, 8, 8) for _ in range(2)], [torch.rand(4, 1, 8, 8) for _ in range(2)]
-    assert arena.load_batch(x, y)
+
+    def b(n: int = 4):
+        return torch.rand(n, 1, 8, 8), torch.rand(n, 1, 8, 8)
+
+    assert not arena.load_batch({0: b()}, 2)  # not every site has a batch yet: no static batch to fill
+    assert arena.x is None
+    assert arena.load_batch({0: b(), 1: b()}, 2)
     first = arena.x.data_ptr()
-    x2, y2 = [torch.rand(4, 1, 8, 8) for _ in range(2)], [torch.rand(4, 1, 8, 8) for _ in range(2)]
-    assert arena.load_batch(x2, y2) and arena.x.data_ptr() == first  # copied into the captured memory
-    torch.testing.assert_close(arena.x, torch.stack(x2), rtol=0, atol=0)
-    torch.testing.assert_close(arena.y, torch.stack(y2), rtol=0, atol=0)
-    assert not arena.load_batch([torch.rand(2, 1, 8, 8)] * 2, y2)  # a smaller batch
-    assert not arena.load_batch([torch.rand(4, 1, 8, 8), torch.rand(2, 1, 8, 8)], y2)  # sites' shapes differ
-    assert not arena.load_batch([t.double() for t in x2], y2)  # another dtype
-    torch.testing.assert_close(arena.x, torch.stack(x2), rtol=0, atol=0)  # a refused batch wrote nothing
+    new = {0: b(), 1: b()}
+    assert arena.load_batch(new, 2) and arena.x.data_ptr() == first  # copied into the captured memory
+    torch.testing.assert_close(arena.x, torch.stack([new[0][0], new[1][0]]), rtol=0, atol=0)
+    torch.testing.assert_close(arena.y, torch.stack([new[0][1], new[1][1]]), rtol=0, atol=0)
+    only = b()
+    assert arena.load_batch({1: only}, 2)  # site 0 has finished: its row keeps its last batch
+    torch.testing.assert_close(arena.x, torch.stack([new[0][0], only[0]]), rtol=0, atol=0)
+    assert not arena.load_batch({0: b(2), 1: b()}, 2)  # a smaller batch
+    assert not arena.load_batch({0: (b()[0].double(), b()[1]), 1: b()}, 2)  # another dtype
+    torch.testing.assert_close(arena.x, torch.stack([new[0][0], only[0]]), rtol=0, atol=0)  # nothing written
+
+
+@pytest.mark.parametrize("active", [[0, 2], [0, 1, 2]])
+def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active):
+    """The masked step a CUDA graph captures (``_StackedOptimizer.begin_masked`` on the host, ``masked_kernels``
+    on the device: per-element step sizes and bias corrections, a mask) is the eager stacked Adam step of the
+    same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
+    weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
+    the active sites only."""
+    from fedseg.simulation.vectorize import _Arena, _Layout, _StackedOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    models = [torch.nn.Linear(5, 3) for _ in range(3)]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-3) for m in models]
+    for i, (m, o) in enumerate(zip(models, opts)):  # site i has taken i + 1 steps
+        for _ in range(i + 1):
+            o.zero_grad()
+            m(torch.randn(4, 5, generator=g)).square().sum().backward()
+            o.step()
+    plist = [list(m.parameters()) for m in models]
+    layout = _Layout(plist[0], 3)
+    grad = torch.randn(layout.numel, generator=g)
+
+    with torch.no_grad():
+        eager = _StackedOptimizer(opts, plist, layout.pack(plist), layout)
+        eager.step(grad.clone(), active)
+        arena = _Arena(layout, plist[0][0], {})
+        layout.pack(plist, out=arena.flat)
+        before = arena.flat.clone()
+    graphed = _StackedOptimizer(opts, plist, arena.flat, layout, arena)
+    graphed.begin_masked(active, arena)
+    graphed.masked_kernels(grad.clone(), arena)
+
+    assert graphed.s == eager.s == [s + (1.0 if i in active else 0.0) for i, s in enumerate([1.0, 2.0, 3.0])]
+    assert graphed.taken == eager.taken
+    for a, b in ((graphed.flat, eager.flat), (graphed.m, eager.m), (graphed.v, eager.v)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    for i in set(range(3)) - set(active):  # an inactive site's row is exactly what it was
+        for blk, blk0 in zip(layout.blocks(arena.flat), layout.blocks(before)):
+            assert torch.equal(blk[i], blk0[i])
+    assert not torch.equal(arena.flat, before)
 
 
 @pytest.mark.gpu
@@ -822,6 +871,23 @@ def test_gpu_cuda_graph_steps_equal_the_eager_vectorized_and_the_sequential_step
     _assert_close(_states(tmp_path / "eager"), _states(tmp_path / "graph"), rtol=1e-5, atol=1e-7)
     _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "graph"), rtol=1e-4, atol=1e-6)
     assert [(r["name"], r["best_round"]) for r in seq["rows"]] == [(r["name"], r["best_round"]) for r in graph["rows"]]
+
+
+@pytest.mark.gpu
+def test_gpu_epoch_mode_with_unequal_sites_captures_the_masked_step(tmp_path):
+    """Epoch mode with 6, 8 and 10 cases at batch 2 (3, 4 and 5 steps a round, moments kept): sites finish
+    their rounds at different steps and are at different Adam step counts from round 2 on, so besides the fused
+    step the masked one (finished sites' rows computed on their last batch and left unchanged) is captured; the
+    weights and moments equal the eager vectorized run's to rtol 1e-5 and the sequential run's to rtol 1e-4."""
+    base = _cuda(_cfg("fedavg", "on", dtype="float32", rounds=3))
+    base = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_size=2))
+    _run(tmp_path, dataclasses.replace(base, simulation=SimulationConfig(vectorize="off")), "seq")
+    _run(tmp_path, _graphs(base, False), "eager")
+    _, logs = _run(tmp_path, _graphs(base, True), "graph")
+    assert any("captured CUDA graph (every site at one step count" in m for m in logs), logs
+    assert any("captured CUDA graph (some sites finished" in m for m in logs), logs
+    _assert_close(_states(tmp_path / "eager"), _states(tmp_path / "graph"), rtol=1e-5, atol=1e-7)
+    _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "graph"), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -490,6 +490,47 @@ class _StackedOptimizer:
         b1, b2 = g["betas"]
         _fused_adam([self.flat], [grad], [self.m], [self.v], [self._step], float(g["lr"]), b1, b2, float(g["eps"]), 0.0)
 
+    @torch.no_grad()
+    def begin_masked(self, active: Sequence[int], arena: _Arena) -> None:
+        """The host side of an Adam step of ``active`` only (the others' rows, parameters and moments, stay
+        exactly as they are), for :meth:`masked_kernels`: step counts, and the arena's per-element mask,
+        step sizes and bias corrections (static tensors a CUDA graph reads) filled for this step."""
+        b1, b2 = self.g["betas"]
+        k = len(self.opts)
+        for i in active:
+            self.taken[i] += 1
+        on = [i in active for i in range(k)]
+        self.s = [si + (1.0 if a else 0.0) for si, a in zip(self.s, on)]
+        s_eff = [max(si, 1.0) for si in self.s]
+        dev = self.flat.device
+        if arena.mask is None:
+            arena.mask = torch.empty(self.flat.shape, dtype=torch.bool, device=dev)
+            arena.step_size, arena.bc2 = torch.empty_like(self.flat), torch.empty_like(self.flat)
+        assert arena.step_size is not None and arena.bc2 is not None
+        per = self.layout.per_element
+        arena.mask.copy_(per(torch.tensor(on, device=dev)))
+        step_size = [-(self.g["lr"] / (1 - b1**si)) for si in s_eff]
+        bc2 = [(1 - b2**si) ** 0.5 for si in s_eff]
+        arena.step_size.copy_(per(torch.tensor(step_size, dtype=torch.float64, device=dev)))
+        arena.bc2.copy_(per(torch.tensor(bc2, dtype=torch.float64, device=dev)))
+
+    @torch.no_grad()
+    def masked_kernels(self, grad: torch.Tensor, arena: _Arena) -> None:
+        """The device work of :meth:`begin_masked`'s step (the arithmetic of :meth:`step` for a subset of
+        sites, with per-element factors); no host sync."""
+        g = self.g
+        if g["weight_decay"] != 0:
+            grad.add_(self.flat, alpha=g["weight_decay"])
+        b1, b2 = g["betas"]
+        p, mask = self.flat, arena.mask
+        m = self.m.lerp(grad, 1 - b1)
+        v = self.v.mul(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = v.sqrt().div_(arena.bc2).add_(float(g["eps"]))
+        update = torch.div(m, denom).mul_(arena.step_size)
+        p.copy_(torch.where(mask, p + update, p))
+        self.m.copy_(torch.where(mask, m, self.m))
+        self.v.copy_(torch.where(mask, v, self.v))
+
     def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
         """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
         if len(set(values)) == 1:
@@ -621,27 +662,40 @@ class _Arena:
         self.x: torch.Tensor | None = None
         self.y: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
-        self.warm = 0  # eager steps taken so far
+        # the masked step's per-element mask, step sizes and bias corrections (made at its first use)
+        self.mask: torch.Tensor | None = None
+        self.step_size: torch.Tensor | None = None
+        self.bc2: torch.Tensor | None = None
+        self.graphs: dict[str, Any] = {}  # torch.cuda.CUDAGraph by variant ("fused", "masked") once captured
+        self.warm: dict[str, int] = {}  # eager steps taken so far, by variant
         self.failed: str | None = None  # why capture failed (then this group steps eagerly)
 
-    def load_batch(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
-        """Copy every site's batch into the static batch; False when its shape is not the captured one."""
+    def load_batch(self, batch: dict[int, tuple[torch.Tensor, torch.Tensor]], k: int) -> bool:
+        """Copy the active sites' batches (``batch``: site index → (x, y)) into their rows of the static batch;
+        a finished site's row keeps its last batch (its step is computed and masked away).  False, and nothing
+        copied, when a batch's shape or dtype is not the static one's, or before every site has filled its row."""
+        xs, ys = [b[0] for b in batch.values()], [b[1] for b in batch.values()]
         if self.x is None:
-            self.x, self.y = torch.stack(list(xs)), torch.stack(list(ys))
+            if len(batch) != k or any(x.shape != xs[0].shape for x in xs) or any(y.shape != ys[0].shape for y in ys):
+                return False
+            self.x, self.y = torch.stack(xs), torch.stack(ys)
             return True
         assert self.y is not None
-        if (
-            (len(xs), *xs[0].shape) != tuple(self.x.shape)
-            or (len(ys), *ys[0].shape) != tuple(self.y.shape)
-            or xs[0].dtype != self.x.dtype
-            or ys[0].dtype != self.y.dtype
-            or any(x.shape != xs[0].shape for x in xs)
-            or any(y.shape != ys[0].shape for y in ys)
+        if any(
+            x.shape != self.x.shape[1:]
+            or y.shape != self.y.shape[1:]
+            or x.dtype != self.x.dtype
+            or y.dtype != self.y.dtype
+            for x, y in zip(xs, ys)
         ):
             return False
-        torch.stack(list(xs), out=self.x)
-        torch.stack(list(ys), out=self.y)
+        if len(batch) == k:
+            torch.stack(xs, out=self.x)
+            torch.stack(ys, out=self.y)
+        else:
+            for i, (x, y) in batch.items():
+                self.x[i].copy_(x)
+                self.y[i].copy_(y)
         return True
 
 
@@ -920,14 +974,11 @@ class VectorizedExecutor:
                     break
                 try:
                     losses = None
-                    if (
-                        arena is not None
-                        and hookless
-                        and arena.failed is None
-                        and opt.fused_ready(list(batch))
-                        and arena.load_batch([batch[i][0] for i in range(k)], [batch[i][1] for i in range(k)])
-                    ):
-                        losses = self._graph_step(arena, opt, losses_of, pnames, items[0].call.role)
+                    if arena is not None and hookless and arena.failed is None and arena.load_batch(batch, k):
+                        variant = "fused" if opt.fused_ready(list(batch)) else "masked"
+                        losses = self._graph_step(
+                            arena, opt, losses_of, pnames, items[0].call.role, variant, list(batch)
+                        )
                     if losses is None:
                         grads, losses = self._gradients(
                             batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf
@@ -979,28 +1030,50 @@ class VectorizedExecutor:
         self._arenas[key] = arena  # now the most recently used
         return arena
 
-    def _graph_step(self, arena: _Arena, opt: _StackedOptimizer, losses_of: Any, pnames: list[str], role: str):
-        """One local step of every site of the group from the arena's static batch: eagerly on a side stream
-        for the first :data:`GRAPH_WARMUP_STEPS` steps, then captured once as a CUDA graph and replayed.
-        Returns the per-site losses (the arena's tensor, rewritten by the next step), or None when the capture
-        failed (nothing was computed: the caller takes the step eagerly, and the group stays eager)."""
+    def _graph_step(
+        self,
+        arena: _Arena,
+        opt: _StackedOptimizer,
+        losses_of: Any,
+        pnames: list[str],
+        role: str,
+        variant: str,
+        active: list[int],
+    ):
+        """One local step of the group from the arena's static batch: every site's row is computed (a finished
+        site's on its last batch) and the step is ``"fused"`` (every site active at one Adam step count: torch's
+        fused Adam kernel) or ``"masked"`` (the others: :meth:`_StackedOptimizer.masked_kernels`, inactive rows
+        unchanged).  Each variant runs eagerly on a side stream for its first :data:`GRAPH_WARMUP_STEPS` steps,
+        then is captured once as a CUDA graph and replayed.  Returns the per-site losses (the arena's tensor,
+        rewritten by the next step), or None when a capture failed (nothing was computed: the caller takes the
+        step eagerly, and the group stays eager)."""
 
         def step() -> None:
             out = losses_of(dict(zip(pnames, arena.weights)), arena.buffers, arena.x, arena.y)
             gs = torch.autograd.grad(out.sum(), arena.weights, allow_unused=True)
             parts = [(torch.zeros_like(w) if g is None else g).reshape(-1) for g, w in zip(gs, arena.weights)]
             torch.cat(parts, out=arena.gbuf)
-            opt.fused_kernels(arena.gbuf)
+            if variant == "fused":
+                opt.fused_kernels(arena.gbuf)
+            else:
+                opt.masked_kernels(arena.gbuf, arena)
             with torch.no_grad():
                 if arena.loss is None:
                     arena.loss = out.detach().clone()
                 else:
                     arena.loss.copy_(out.detach())
 
-        if arena.graph is None and arena.warm >= GRAPH_WARMUP_STEPS:
+        dev = arena.flat.device
+        graph = arena.graphs.get(variant)
+        saved = (list(opt.s), list(opt.taken))  # the host-side step counts, restored if the capture fails
+        if variant == "fused":
+            opt.begin_fused()
+        else:
+            opt.begin_masked(active, arena)
+        if graph is None and arena.warm.get(variant, 0) >= GRAPH_WARMUP_STEPS:
             graph = torch.cuda.CUDAGraph()
             try:
-                torch.cuda.synchronize(arena.flat.device)
+                torch.cuda.synchronize(dev)
                 with torch.cuda.graph(graph):
                     step()
             except Exception as e:  # e.g. an operation that synchronizes with the host: eager from now on
@@ -1008,22 +1081,25 @@ class VectorizedExecutor:
                 self._say(
                     f"role {role!r}: its local step could not be captured as a CUDA graph; it runs eagerly ({arena.failed})"
                 )
+                opt.s, opt.taken = saved
                 return None
-            arena.graph = graph
-            self._say(
-                f"role {role!r}: the vectorized local step runs as a captured CUDA graph (simulation.cuda_graphs)"
+            arena.graphs[variant] = graph
+            what = (
+                "every site at one step count" if variant == "fused" else "some sites finished or at other step counts"
             )
-        opt.begin_fused()
-        if arena.graph is not None:
-            arena.graph.replay()
+            self._say(
+                f"role {role!r}: the vectorized local step runs as a captured CUDA graph ({what}; simulation.cuda_graphs)"
+            )
+        if graph is not None:
+            graph.replay()
             self.graph_replays += 1
         else:  # warm-up, on a side stream as capture asks (lazy initializations happen on it)
-            side = torch.cuda.Stream(arena.flat.device)
-            side.wait_stream(torch.cuda.current_stream(arena.flat.device))
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 step()
-            torch.cuda.current_stream(arena.flat.device).wait_stream(side)
-            arena.warm += 1
+            torch.cuda.current_stream(dev).wait_stream(side)
+            arena.warm[variant] = arena.warm.get(variant, 0) + 1
         assert arena.loss is not None
         return arena.loss
 
