@@ -69,7 +69,9 @@ def build_transport(
     vectorized = None
     device = resolve_device(cfg.device)
     if resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
-        vectorized = VectorizedExecutor(cfg.simulation.vectorize_group, log, cuda_graphs=cfg.simulation.cuda_graphs == "on")
+        vectorized = VectorizedExecutor(
+            cfg.simulation.vectorize_group, log, cuda_graphs=cfg.simulation.cuda_graphs == "on"
+        )
         log(
             f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
         )
