@@ -41,6 +41,10 @@ Per-FedAvg: its meta step) runs in its thread, site by site.  A lockstep step wi
 :meth:`VectorizedExecutor.apply_together` takes the Adam steps of all sites as one call of torch's fused
 Adam kernel over each site's own tensors, in place (the sites of a lockstep round stay bitwise in sync).
 
+On CUDA (``simulation.cuda_graphs = "on"``, the default) a stacked fit group without per-site hooks keeps its
+buffers across rounds (:class:`_Arena`) and its local step is captured once as a CUDA graph and replayed
+(:meth:`VectorizedExecutor._graph_step`): a small U-Net's round there is bound by kernel launches, not arithmetic.
+
 A ``fit`` call that cannot be stacked runs sequentially, in its own thread, and the reason is
 logged once: fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's
 parameters, batch norm with running statistics (its in-place buffer updates do not vectorize),
@@ -722,11 +726,12 @@ class VectorizedExecutor:
     log
         Where the plan (which roles of which sites are vectorized, and why not) is said, once.
     cuda_graphs
-        ``simulation.cuda_graphs``: on CUDA, a group's local step — every site active, batches of one
-        shape, no per-site hook (``extra_loss``, ``after_backward``, an optimizer wrapper), a plain Adam at
-        one step count — is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then captured once as a CUDA
-        graph over static buffers kept across rounds (:class:`_Arena`) and replayed; any other step of
-        the group runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
+        ``simulation.cuda_graphs``: on CUDA, the local step of a group with no per-site hook (``extra_loss``,
+        ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
+        shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
+        masked step, see :meth:`_graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
+        captured once as a CUDA graph over static buffers kept across rounds (:class:`_Arena`) and replayed;
+        any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
 
     def __init__(self, group_size: int = 0, log: Callable[[str], None] = print, cuda_graphs: bool = True):
