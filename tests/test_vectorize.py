@@ -812,6 +812,33 @@ def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
     torch.testing.assert_close(arena.x, torch.stack([new[0][0], only[0]]), rtol=0, atol=0)  # nothing written
 
 
+def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign_of_its_gradient():
+    """Adam's first step, by hand: m = (1 − β₁) g, v = (1 − β₂) g², the bias corrections 1 − β₁ and √(1 − β₂)
+    cancel them, so p moves by −lr · g / (|g| + eps) (≈ −lr · sign g).  ``_masked_adam_`` does that where the
+    mask holds and leaves p, m and v bitwise unchanged elsewhere; a second step equals torch's Adam."""
+    from fedseg.simulation.vectorize import _adam_factors, _masked_adam_
+
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+    g = torch.tensor([0.5, -2.0, 1e-3, 3.0], dtype=torch.float64)
+    p0 = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])
+    sizes, bc2s = _adam_factors([0.0, 1.0], lr, b1, b2)  # a site at t = 0 gets t = 1's factors
+    assert sizes[0] == sizes[1] == pytest.approx(-lr / (1 - b1)) and bc2s[1] == pytest.approx((1 - b2) ** 0.5)
+    p, m, v = p0.clone(), torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    _masked_adam_(p, m, v, g, mask, sizes[1], bc2s[1], eps, b1, b2)
+    expected = p0 - lr * g / (g.abs() + eps)
+    torch.testing.assert_close(p[:3], expected[:3], rtol=1e-12, atol=1e-12)
+    assert p[3] == p0[3] and m[3] == 0 and v[3] == 0  # masked out: untouched
+    ref = torch.nn.Parameter(p0[:3].clone())
+    opt = torch.optim.Adam([ref], lr=lr, betas=(b1, b2), eps=eps)
+    for grad in (g[:3], -0.5 * g[:3]):
+        ref.grad = grad.clone()
+        opt.step()
+    sizes, bc2s = _adam_factors([2.0], lr, b1, b2)
+    _masked_adam_(p, m, v, -0.5 * g, mask, sizes[0], bc2s[0], eps, b1, b2)
+    torch.testing.assert_close(p[:3], ref.detach(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("active", [[0, 2], [0, 1, 2]])
 def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active):
     """The masked step a CUDA graph captures (``_StackedOptimizer.begin_masked`` on the host, ``masked_kernels``

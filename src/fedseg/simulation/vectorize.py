@@ -358,6 +358,28 @@ def _fused_adam(params, grads, m, v, steps, lr: float, b1: float, b2: float, eps
     )
 
 
+def _adam_factors(steps: Sequence[float], lr: float, b1: float, b2: float) -> tuple[list[float], list[float]]:
+    """Per site, Adam's signed step size −lr / (1 − β₁ᵗ) and √(1 − β₂ᵗ) at step count t (t ≥ 1; a site still at
+    t = 0 gets t = 1's, it is masked anyway) — ``torch.optim.Adam``'s bias corrections, in Python floats as torch
+    computes them."""
+    t = [max(s, 1.0) for s in steps]
+    return [-(lr / (1 - b1**ti)) for ti in t], [(1 - b2**ti) ** 0.5 for ti in t]
+
+
+def _masked_adam_(p, m, v, grad, mask, step_size, bc2_sqrt, eps: float, b1: float, b2: float) -> None:
+    """One Adam step, in place, of the elements where ``mask`` is true; the others' ``p``, ``m`` and ``v`` stay
+    bitwise as they are.  ``step_size`` and ``bc2_sqrt`` (:func:`_adam_factors`) are floats or per-element
+    tensors.  Where ``mask`` holds, this is torch's single-tensor Adam: m ← m + (1 − β₁)(g − m),
+    v ← β₂ v + (1 − β₂) g², p ← p + step_size · m / (√v / bc2_sqrt + eps).  No host synchronization."""
+    m_new = m.lerp(grad, 1 - b1)
+    v_new = v.mul(b2).addcmul_(grad, grad, value=1 - b2)
+    denom = (v_new.sqrt() / bc2_sqrt).add_(eps)
+    update = step_size * m_new / denom
+    p.copy_(torch.where(mask, p + update, p))
+    m.copy_(torch.where(mask, m_new, m))
+    v.copy_(torch.where(mask, v_new, v))
+
+
 _ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 _SGD_FLAGS = ("maximize", "differentiable", "fused")
 
@@ -505,7 +527,7 @@ class _StackedOptimizer:
             self.taken[i] += 1
         on = [i in active for i in range(k)]
         self.s = [si + (1.0 if a else 0.0) for si, a in zip(self.s, on)]
-        s_eff = [max(si, 1.0) for si in self.s]
+        step_size, bc2 = _adam_factors(self.s, self.g["lr"], b1, b2)
         dev = self.flat.device
         if arena.mask is None:
             arena.mask = torch.empty(self.flat.shape, dtype=torch.bool, device=dev)
@@ -513,8 +535,6 @@ class _StackedOptimizer:
         assert arena.step_size is not None and arena.bc2 is not None
         per = self.layout.per_element
         arena.mask.copy_(per(torch.tensor(on, device=dev)))
-        step_size = [-(self.g["lr"] / (1 - b1**si)) for si in s_eff]
-        bc2 = [(1 - b2**si) ** 0.5 for si in s_eff]
         arena.step_size.copy_(per(torch.tensor(step_size, dtype=torch.float64, device=dev)))
         arena.bc2.copy_(per(torch.tensor(bc2, dtype=torch.float64, device=dev)))
 
@@ -526,14 +546,7 @@ class _StackedOptimizer:
         if g["weight_decay"] != 0:
             grad.add_(self.flat, alpha=g["weight_decay"])
         b1, b2 = g["betas"]
-        p, mask = self.flat, arena.mask
-        m = self.m.lerp(grad, 1 - b1)
-        v = self.v.mul(b2).addcmul_(grad, grad, value=1 - b2)
-        denom = v.sqrt().div_(arena.bc2).add_(float(g["eps"]))
-        update = torch.div(m, denom).mul_(arena.step_size)
-        p.copy_(torch.where(mask, p + update, p))
-        self.m.copy_(torch.where(mask, m, self.m))
-        self.v.copy_(torch.where(mask, v, self.v))
+        _masked_adam_(self.flat, self.m, self.v, grad, arena.mask, arena.step_size, arena.bc2, float(g["eps"]), b1, b2)
 
     def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
         """A Python float when every site has the same value (torch's own scalar arithmetic), else per element."""
@@ -566,9 +579,8 @@ class _StackedOptimizer:
         if self.adam:
             b1, b2 = g["betas"]
             s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
-            s_eff = [max(si, 1.0) for si in s]
-            step_size = self._factor([-(g["lr"] / (1 - b1**si)) for si in s_eff])
-            bc2_sqrt = self._factor([(1 - b2**si) ** 0.5 for si in s_eff])
+            sizes, bc2s = _adam_factors(s, g["lr"], b1, b2)
+            step_size, bc2_sqrt = self._factor(sizes), self._factor(bc2s)
             if full and len(set(s)) == 1 and _FUSED_ADAM is not None:
                 # every site at the same step count: torch's fused Adam kernel (``Adam(fused=True)``'s) over
                 # the whole flat buffer, one pass over memory; ``grad`` already holds the weight decay
@@ -599,13 +611,7 @@ class _StackedOptimizer:
                         p[sl].add_(torch.div(m, denom, out=denom).mul_(step_size[sl]))
                 self.s = s
                 return
-            m = self.m.lerp(grad, 1 - b1)
-            v = self.v.clone().mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            denom = (v.sqrt() / bc2_sqrt).add_(float(g["eps"]))
-            update = step_size * m / denom
-            p.copy_(torch.where(mask, p + update, p))
-            self.m.copy_(torch.where(mask, m, self.m))
-            self.v.copy_(torch.where(mask, v, self.v))
+            _masked_adam_(p, self.m, self.v, grad, mask, step_size, bc2_sqrt, float(g["eps"]), b1, b2)
             self.s = s
         else:
             mom, damp, nesterov = g["momentum"], g["dampening"], g["nesterov"]
@@ -739,8 +745,6 @@ class VectorizedExecutor:
         self.log = log
         self.cuda_graphs = cuda_graphs
         self._arenas: dict[tuple, _Arena] = {}  # by group key and sites, least recently used first
-        self.graph_replays = 0
-        """Number of local steps run as a CUDA graph replay so far (for tests and benchmarks)."""
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
@@ -935,10 +939,11 @@ class VectorizedExecutor:
         for m in models:
             self._structure(m).train()
         blist = [self._structure(m).buffers() for m in models]
-        arena = self._arena(items, layout, plist[0][0], {n: torch.stack([b[n] for b in blist]) for n in bnames})
+        with torch.no_grad():
+            buffers = {n: torch.stack([b[n] for b in blist]) for n in bnames}
+        arena = self._arena(items, layout, plist[0][0], buffers)
         with torch.no_grad():
             flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
-            buffers = {n: torch.stack([b[n] for b in blist]) for n in bnames}
             if arena is not None:
                 for n, b in buffers.items():
                     arena.buffers[n].copy_(b)
@@ -1097,7 +1102,6 @@ class VectorizedExecutor:
             )
         if graph is not None:
             graph.replay()
-            self.graph_replays += 1
         else:  # warm-up, on a side stream as capture asks (lazy initializations happen on it)
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
