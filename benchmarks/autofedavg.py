@@ -25,12 +25,12 @@ import torch
 
 from fedseg.algorithms import REGISTRY, known_sections
 from fedseg.algorithms.autofedavg import site_selected_candidates
-from fedseg.core.config import load_run_config
-from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.plots import plot_alpha_trajectory, plot_interval_effect
 from fedseg.evaluation.stats import table2
+from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import load_federation_data, simulate, write_results
+from fedseg.site.workload import segmentation_workload
 
 VARIANTS = {
     "Auto-FedAvg-L-Softmax": ["autofedavg.param=softmax", "autofedavg.granularity=layer"],

@@ -2,7 +2,7 @@
 
 Six sites with the default U-Net (16…256 channels) and their Adam moments (one local
 step each, so every moment exists), the server state, then ``--checkpoints``
-checkpoints through :meth:`fedseg.core.engine.Engine.save_checkpoint`, separated by
+checkpoints through :meth:`fedseg.execution.engine.Engine.save_checkpoint`, separated by
 ``--gap`` seconds of sleep standing in for a round whose compute does not need the
 CPU (a GPU round).  Reports per checkpoint: the time the round loop is blocked
 (median) and the time spent writing; with the background writer the write overlaps
@@ -25,12 +25,12 @@ from _report import emit, md_table
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm
-from fedseg.core.config import RunConfig, TrainConfig
-from fedseg.core.device import describe, resolve_device
-from fedseg.core.engine import Engine
-from fedseg.core.site import SiteData
-from fedseg.core.workload import segmentation_workload
+from fedseg.execution.engine import Engine
+from fedseg.foundation.config import RunConfig, TrainConfig
+from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import build_transport
+from fedseg.site.runtime import SiteData
+from fedseg.site.workload import segmentation_workload
 
 
 def measure(background: bool, args, out: Path) -> dict:

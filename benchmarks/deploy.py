@@ -38,15 +38,15 @@ import torch
 from _report import md_table
 from safetensors.torch import load_file
 
+from fedseg.apps.deploy.run import rehearse, subset_spec
+from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
-from fedseg.deploy.run import rehearse, subset_spec
-from fedseg.deploy.server import load_deploy_config
 from fedseg.simulation.runner import run
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:
     """Channels (c, 2c, 4c, 8c) whose MONAI U-Net (1 residual unit) has float32 parameters closest to ``mb`` MB."""
-    from fedseg.core.config import ModelConfig
+    from fedseg.foundation.config import ModelConfig
     from fedseg.models.unet import build_unet
 
     best = None
@@ -145,7 +145,7 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
 
 
 def _round_reached(out: Path, rnd: int, timeout: float = 300.0) -> float:
-    from fedseg.deploy.supervise import completed_round
+    from fedseg.apps.deploy.supervise import completed_round
 
     t0 = time.monotonic()
     while completed_round(out) < rnd:
@@ -175,10 +175,10 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     """Hang, kill + rejoin, server crash + resume on one FLARE rehearsal cluster; timings to Markdown."""
     import threading
 
+    from fedseg.apps.deploy.run import LocalCluster, deploy_run, submit_run
+    from fedseg.apps.deploy.server import prepare_run
+    from fedseg.apps.deploy.supervise import completed_round
     from fedseg.data.spec import load_federation
-    from fedseg.deploy.run import LocalCluster, deploy_run, submit_run
-    from fedseg.deploy.server import prepare_run
-    from fedseg.deploy.supervise import completed_round
 
     deadline = 6.0
     ov = [
@@ -254,10 +254,10 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     and how long stopping the local cluster takes after that."""
     import threading
 
+    from fedseg.apps.deploy.run import LocalCluster, submit_run
+    from fedseg.apps.deploy.server import prepare_run
     from fedseg.data.spec import load_federation
-    from fedseg.deploy.params import deploy_params
-    from fedseg.deploy.run import LocalCluster, submit_run
-    from fedseg.deploy.server import prepare_run
+    from fedseg.execution.remote.params import deploy_params
 
     deadline = 6.0
     ov = [

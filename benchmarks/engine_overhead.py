@@ -32,11 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
-from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.core.device import describe, resolve_device
-from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
+from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.site.workload import segmentation_workload
 
 
 def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: torch.device | None = None) -> float:

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from _report import emit, unet_overrides
 
+from fedseg.apps.studies.fedsm import load_spec, routing_markdown, run_fedsm
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.runner import simulate
-from fedseg.studies.fedsm import load_spec, routing_markdown, run_fedsm
 
 BASELINES = ("centralized", "local", "fedavg")
 EXTRA_BASELINES = ("fga",)
@@ -162,11 +162,11 @@ def selector_study(
     from fedseg.algorithms.fedsm.selector import restricted_logits
     from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
     from fedseg.algorithms.softpull import routing_accuracy
-    from fedseg.core.arrays import prefixed, strip_prefix, weighted_mean
-    from fedseg.core.seeding import generator
-    from fedseg.core.site import batch_of
+    from fedseg.foundation.arrays import prefixed, strip_prefix, weighted_mean
+    from fedseg.foundation.seeding import generator
     from fedseg.models import Selector
     from fedseg.simulation.runner import load_federation_data
+    from fedseg.site.runtime import batch_of
 
     fp = FedSMParams(**(params or {}))
     fp.validate()

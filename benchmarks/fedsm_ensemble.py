@@ -30,9 +30,9 @@ from _report import emit
 from safetensors.torch import load_file
 
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses
-from fedseg.core.arrays import strip_prefix
-from fedseg.core.site import batch_of, dataset_len
-from fedseg.studies.fedsm import load_spec
+from fedseg.apps.studies.fedsm import load_spec
+from fedseg.foundation.arrays import strip_prefix
+from fedseg.site.runtime import batch_of, dataset_len
 
 
 def _frozen(run: Path, workload, sites):

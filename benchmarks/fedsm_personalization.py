@@ -30,11 +30,11 @@ import torch
 from _report import emit, unet_overrides
 
 from fedseg.algorithms import known_sections
-from fedseg.core.config import load_run_config
-from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
+from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.site.workload import segmentation_workload
 
 #: Table 6 rows, in the paper's order: (fedsm.personalization, label)
 ROWS = (

@@ -22,10 +22,10 @@ import torch
 from _report import emit, md_table
 from torch.utils.data import TensorDataset
 
-from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.core.site import SiteData
-from fedseg.core.workload import segmentation_workload
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import SiteData
+from fedseg.site.workload import segmentation_workload
 
 UNETS = {
     # benchmarks/fedsm.py's U-Net and selector width

@@ -34,11 +34,11 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm
-from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.core.seeding import derive_seed, generator
-from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload, accuracy_metric
+from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.foundation.seeding import derive_seed, generator
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site, SiteData
+from fedseg.site.workload import Workload, accuracy_metric
 
 NUM_CLASSES = 10
 

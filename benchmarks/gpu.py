@@ -32,12 +32,12 @@ import torch
 from _report import emit, md_table
 
 from fedseg.algorithms import get_algorithm
-from fedseg.core.config import EvalConfig, ModelConfig, RunConfig, TrainConfig
-from fedseg.core.device import describe, resolve_device
-from fedseg.core.engine import Engine
-from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
+from fedseg.execution.engine import Engine
+from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, TrainConfig
+from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import build_transport, load_federation_data
+from fedseg.site.workload import segmentation_workload
 
 
 def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path, rounds: int | None = None) -> dict:

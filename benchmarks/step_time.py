@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from fedseg.core.config import ModelConfig, TrainConfig
-from fedseg.core.workload import segmentation_workload
+from fedseg.foundation.config import ModelConfig, TrainConfig
+from fedseg.site.workload import segmentation_workload
 
 CONFIGS = {
     "default U-Net 16…256, 2 residual units": ModelConfig(),

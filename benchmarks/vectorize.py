@@ -43,12 +43,12 @@ def one(args: argparse.Namespace) -> dict:
     from torch.utils.data import TensorDataset
 
     from fedseg.algorithms import get_algorithm
-    from fedseg.core.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
-    from fedseg.core.device import resolve_device
-    from fedseg.core.engine import Engine
-    from fedseg.core.site import SiteData
-    from fedseg.core.workload import segmentation_workload
+    from fedseg.execution.engine import Engine
+    from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
+    from fedseg.foundation.device import resolve_device
     from fedseg.simulation.runner import build_transport
+    from fedseg.site.runtime import SiteData
+    from fedseg.site.workload import segmentation_workload
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -194,7 +194,7 @@ def main() -> None:
             setattr(args, k, v)
         print("RESULT " + json.dumps(one(args)), flush=True)
         return
-    from fedseg.core.device import describe, resolve_device
+    from fedseg.foundation.device import describe, resolve_device
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedseg-vectorize-"))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.core.site import SiteData
-from fedseg.core.workload import segmentation_workload
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.site.runtime import SiteData
+from fedseg.site.workload import segmentation_workload
 
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes them
 # crawl when another process holds the second core.
@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 
 def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
     """Count host reads of tensor values (``float(t)``, ``t.item()``, ``t.tolist()``) made directly
-    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/core/site.py"``):
+    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/site/runtime.py"``):
     each is a device synchronisation on a GPU.  Returns the live counter ``{"n": …}``."""
     calls = {"n": 0}
     ends = tuple(files) + tuple(f.replace("/", "\\") for f in files)

@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import REGISTRY
-from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.core.site import SiteData
-from fedseg.core.workload import Workload, accuracy_metric
+from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import SiteData
+from fedseg.site.workload import Workload, accuracy_metric
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 

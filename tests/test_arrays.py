@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.core import arrays as A
-from fedseg.core.arrays import aggregate, check_aggregation, weighted_mean
-from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.foundation import arrays as A
+from fedseg.foundation.arrays import aggregate, check_aggregation, weighted_mean
+from fedseg.foundation.errors import ConfigError, PayloadError
 
 
 def test_weighted_mean_hand_computed():

@@ -27,11 +27,11 @@ from fedseg.algorithms.autofedavg import (
     sample_dirichlet,
     tensor_layers,
 )
-from fedseg.core.arrays import dot, weighted_mean
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import dot, weighted_mean
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Task
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site
 from helpers import assert_same_checkpoints
 
 

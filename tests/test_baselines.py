@@ -20,11 +20,11 @@ from fedseg.algorithms.apfl import alpha_gradient, alpha_step, mix_outputs, mix_
 from fedseg.algorithms.fedprox import proximal_term
 from fedseg.algorithms.pfedme import inner_update, moreau_gradient, server_update
 from fedseg.algorithms.scaffold import control_update, correction, server_control_update, server_model_update
-from fedseg.core.arrays import strip_prefix, weighted_mean
-from fedseg.core.errors import ConfigError
-from fedseg.core.seeding import derive_seed
-from fedseg.core.site import Site, SiteData
+from fedseg.foundation.arrays import strip_prefix, weighted_mean
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.seeding import derive_seed
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site, SiteData
 from helpers import assert_same_arrays, server_state, site_state
 
 PERSONAL = ["ft", "apfl", "perfedavg", "pfedme", "ditto"]

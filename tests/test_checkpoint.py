@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from fedseg.algorithms.base import Candidate
-from fedseg.core.arrays import layout_of
-from fedseg.core.checkpoint import (
+from fedseg.foundation.arrays import layout_of
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.algorithm import Candidate
+from fedseg.seams.checkpoint import (
     Best,
     best_files,
     load_best,
@@ -23,7 +24,6 @@ from fedseg.core.checkpoint import (
     save_arrays,
     save_json,
 )
-from fedseg.core.errors import ConfigError
 from helpers import assert_same_arrays
 
 

@@ -96,8 +96,8 @@ def test_bad_override_is_one_clear_error(spec, tmp_path, capsys):
 
 
 def test_method_entries_with_settings():
-    from fedseg.core.errors import ConfigError
-    from fedseg.studies.compare import parse_method_entry, split_method_entries
+    from fedseg.apps.studies.compare import parse_method_entry, split_method_entries
+    from fedseg.foundation.errors import ConfigError
 
     assert split_method_entries("local, fedsm:personalization=ft,lam=0.5,fedavg") == [
         "local",

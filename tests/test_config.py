@@ -5,8 +5,8 @@ import re
 import pytest
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.core.config import TrainConfig, dump_toml, load_run_config
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.config import TrainConfig, dump_toml, load_run_config
+from fedseg.foundation.errors import ConfigError
 
 
 def _write(tmp_path, text, name="run.toml"):

@@ -9,9 +9,9 @@ from torch import nn
 
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.cwt import load_optimizer_arrays, optimizer_arrays, visit_order
-from fedseg.core.errors import ConfigError
-from fedseg.core.site import Site
+from fedseg.foundation.errors import ConfigError
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site
 from helpers import assert_same_checkpoints
 from test_fga import class_sites, config, init_model, mlp_workload, server_weights
 

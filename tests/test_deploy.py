@@ -1,8 +1,8 @@
 """Deployed runs over an in-process byte channel: equality with simulation, faults, resume of every method.
 
-The server half (:func:`fedseg.deploy.server.serve`), the site runtimes and the
+The server half (:func:`fedseg.apps.deploy.server.serve`), the site runtimes and the
 wire format are the ones NVFlare carries; only the channel is a function call
-(:class:`fedseg.deploy.remote.LoopbackChannel`), so these tests are fast.
+(:class:`fedseg.execution.remote.transport.LoopbackChannel`), so these tests are fast.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import torch
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import REGISTRY
-from fedseg.core.config import dump_toml
-from fedseg.core.messages import Reply
-from fedseg.core.workload import workload_for
-from fedseg.deploy.remote import DeployError, LoopbackChannel
-from fedseg.deploy.server import serve
-from fedseg.deploy.site import SiteConfig, SiteRuntime
-from fedseg.deploy.wire import decode_reply, encode_reply
+from fedseg.apps.deploy.server import serve
+from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+from fedseg.execution.remote.transport import DeployError, LoopbackChannel
+from fedseg.execution.remote.wire import decode_reply, encode_reply
+from fedseg.foundation.config import dump_toml
+from fedseg.foundation.messages import Reply
 from fedseg.simulation.runner import simulate
+from fedseg.site.workload import workload_for
 from helpers import assert_same_arrays, assert_same_checkpoints, load_arrays, same_arrays, server_state
 
 HEADER = {
@@ -236,8 +236,8 @@ def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
     """A deployed FedSM run with no [fedsm] settings writes them resolved into OUT/config.toml (γ per personalized
     model, the fga selector: the default profile), as a simulation does — the server and every site read that file."""
     from fedseg.algorithms import get_algorithm
+    from fedseg.apps.deploy.server import load_deploy_config, prepare_run
     from fedseg.data.synth import synthesize
-    from fedseg.deploy.server import load_deploy_config, prepare_run
 
     # Prepare
     spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32, progress=False)

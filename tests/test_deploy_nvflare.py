@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests")
 
+from fedseg.apps.deploy.run import LocalCluster, start_site, stop, submit_run, subset_spec
+from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.data.synth import synthesize
-from fedseg.deploy.run import LocalCluster, start_site, stop, submit_run, subset_spec
-from fedseg.deploy.server import load_deploy_config, prepare_run
 from fedseg.simulation.runner import run
 
 OVERRIDES = [
@@ -71,11 +71,11 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     intruder = None
     try:
         _provision(cluster)
-        from fedseg.deploy.flare import Admin, provision_kits
+        from fedseg.apps.deploy.flare import Admin, provision_kits
 
         port = int(json.loads((cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
         foreign = provision_kits(tmp_path / "foreign", ["intruder"], "localhost", port, port + 1)
-        from fedseg.deploy.run import configure_site
+        from fedseg.apps.deploy.run import configure_site
 
         configure_site(foreign["intruder"], fed.site("site3").datalist, tmp_path / "sites" / "intruder", "intruder")
         # Execute
@@ -106,7 +106,7 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
 def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
     """Kits for server, each site and the admin; mutual TLS in every config; fedseg's components on the allow-list."""
     # Execute
-    from fedseg.deploy.run import provision
+    from fedseg.apps.deploy.run import provision
 
     kits = provision(["siteA", "siteB"], "localhost:18002", tmp_path / "kits")
     # Assert
@@ -117,7 +117,7 @@ def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
         and client["servers"][0]["service"]["target"] == "localhost:18002"
     )
     allow = json.loads((kits["siteB"] / "local" / "resources.json").read_text())["class_allow_list"]
-    assert "fedseg.deploy.flare." in allow and "nvflare.collab." in allow
+    assert "fedseg.apps.deploy.flare." in allow and "nvflare.collab." in allow
     assert (kits["siteA"] / "startup" / "rootCA.pem").read_bytes() == (
         kits["server"] / "startup" / "rootCA.pem"
     ).read_bytes()
@@ -155,7 +155,7 @@ def test_fga_deployed_equals_simulation(tmp_path):
 
 
 def _wait_round(out, rnd: int, timeout: float) -> None:
-    from fedseg.deploy.supervise import completed_round
+    from fedseg.apps.deploy.supervise import completed_round
 
     end = time.monotonic() + timeout
     while completed_round(out) < rnd:
@@ -226,7 +226,7 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     uninterrupted simulation bitwise."""
     import threading
 
-    from fedseg.deploy.run import deploy_run
+    from fedseg.apps.deploy.run import deploy_run
 
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + [
@@ -269,9 +269,9 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
 EVIL_SITECUSTOMIZE = """
 # Loaded at interpreter start by every Python process of the hostile site (PYTHONPATH): its site runtime
 # returns its trained weights replaced by 3e38 (finite but huge), as a site running modified code would.
-import fedseg.deploy.site as _site
-from fedseg.deploy.wire import decode_reply, encode_reply
-from fedseg.core.messages import Reply
+import fedseg.apps.deploy.site as _site
+from fedseg.execution.remote.wire import decode_reply, encode_reply
+from fedseg.foundation.messages import Reply
 
 _call = _site.SiteRuntime.call
 

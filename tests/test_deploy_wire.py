@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.deploy.params import DeployParams, deploy_params
-from fedseg.deploy.wire import check_reply, decode_reply, decode_task, encode_reply, encode_task, read_header
+from fedseg.execution.remote.params import DeployParams, deploy_params
+from fedseg.execution.remote.wire import check_reply, decode_reply, decode_task, encode_reply, encode_task, read_header
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
 
 
 def _model() -> dict[str, torch.Tensor]:

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.cli import main
-from fedseg.core.checkpoint import CheckpointWriter, JsonDoc, commit_checkpoint
-from fedseg.core.config import RunConfig, TrainConfig, load_run_config
-from fedseg.core.device import autocast, resolve_device, to_host
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.config import RunConfig, TrainConfig, load_run_config
+from fedseg.foundation.device import autocast, resolve_device, to_host
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.checkpoint import CheckpointWriter, JsonDoc, commit_checkpoint
 from fedseg.simulation.runner import build_transport, simulate
 from helpers import assert_same_arrays, assert_same_checkpoints, same_arrays, server_state, strip_times
 
@@ -100,8 +100,8 @@ def test_help_documents_device_and_precision(capsys):
 
 
 def test_deploy_site_config_keeps_its_own_device(tmp_path, monkeypatch):
-    from fedseg.deploy.run import configure_site
-    from fedseg.deploy.site import SiteConfig, read_site_config, write_site_config
+    from fedseg.apps.deploy.run import configure_site
+    from fedseg.apps.deploy.site import SiteConfig, read_site_config, write_site_config
 
     path = write_site_config(tmp_path / "site.json", SiteConfig("siteA", "dl.json", str(tmp_path), "cuda:1"))
     assert read_site_config(path).device == "cuda:1"
@@ -202,7 +202,7 @@ def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
 
 def test_cuda_determinism_settings(monkeypatch):
     """The CUDA branch only sets flags, so it is checked here without a GPU (then restored)."""
-    from fedseg.core.device import configure_determinism
+    from fedseg.foundation.device import configure_determinism
 
     cudnn = torch.backends.cudnn
     saved = (
@@ -240,7 +240,7 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     cfg = tiny_config("fedavg", rounds=1, local_steps=5, local_epochs=None)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
     site.model("global")
-    calls = count_host_reads(monkeypatch, "fedseg/core/site.py")
+    calls = count_host_reads(monkeypatch, "fedseg/site/runtime.py")
     out = site.fit("global", 1)
     assert out["steps"] == 5 and calls["n"] == 1
 
@@ -491,9 +491,9 @@ def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
 def test_each_deployed_site_trains_on_its_own_device(tmp_path):
     """The run config's device is the server's; a deployed site uses the device of its own
     site config (``fedseg deploy site --device``) and still gives the simulation's weights."""
-    from fedseg.deploy.remote import LoopbackChannel
-    from fedseg.deploy.server import serve
-    from fedseg.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.apps.deploy.server import serve
+    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.execution.remote.transport import LoopbackChannel
     from test_deploy import _cfg, _prepare, _workload
 
     cfg, data = _cfg(), tiny_sites(2)

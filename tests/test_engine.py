@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
-from fedseg.core.errors import PayloadError
+from fedseg.foundation.errors import PayloadError
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_arrays, assert_same_checkpoints, server_state, strip_times
 
@@ -81,8 +81,8 @@ def test_keeping_vs_resetting_optimizer_state_differs(sites, workload):
 
 def test_site_rejects_model_of_another_shape(sites, workload):
     from fedseg.algorithms import get_algorithm
-    from fedseg.core.messages import Task
-    from fedseg.core.site import Site
+    from fedseg.foundation.messages import Task
+    from fedseg.site.runtime import Site
 
     cfg = tiny_config()
     site = Site("site1", 0, sites["site1"], workload, cfg, get_algorithm(cfg))
@@ -96,7 +96,7 @@ def test_site_rejects_model_of_another_shape(sites, workload):
 def test_checkpoint_commit_rolls_forward_after_its_record_and_back_before_it(tmp_path):
     """A save interrupted before its commit record leaves the previous checkpoint in force (staged files are
     dropped); one interrupted after the record is finished on the next load (staged files moved into place)."""
-    from fedseg.core.checkpoint import commit_checkpoint
+    from fedseg.seams.checkpoint import commit_checkpoint
 
     # Prepare: round 1 committed; round 2 staged without a record
     d = tmp_path / "checkpoints"
@@ -146,7 +146,7 @@ def test_resume_refuses_a_damaged_site_state_naming_the_file(tmp_path, sites, wo
     finite, and fitting the site's models; the error names the file instead of a traceback deep in torch."""
     from safetensors.torch import save_file
 
-    from fedseg.core.errors import ConfigError
+    from fedseg.foundation.errors import ConfigError
 
     # Prepare: a run stopped after round 1, then one site's state damaged
     cfg = tiny_config("fedavg", rounds=2)

@@ -7,10 +7,10 @@ import math
 import torch
 
 from conftest import tiny_config
-from fedseg.core.workload import dice_metric
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
 from fedseg.simulation.runner import simulate
+from fedseg.site.workload import dice_metric
 
 
 def _two_cases() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +51,8 @@ def test_empty_dice_sets_the_score_of_a_case_with_empty_mask_and_prediction():
 def test_eval_settings_are_validated():
     import pytest
 
-    from fedseg.core.config import EvalConfig
-    from fedseg.core.errors import ConfigError
+    from fedseg.foundation.config import EvalConfig
+    from fedseg.foundation.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"eval.empty_dice = 1.5; give a value in \[0, 1\]"):
         EvalConfig(empty_dice=1.5).validate()
@@ -68,7 +68,7 @@ def test_best_criterion_sites_scores_the_mean_of_per_site_means(sites, workload)
 
     from torch.utils.data import ConcatDataset
 
-    from fedseg.core.config import EvalConfig
+    from fedseg.foundation.config import EvalConfig
 
     data = dict(sites)
     data["site1"] = dataclasses.replace(data["site1"], val=ConcatDataset([data["site1"].val, data["site2"].val]))

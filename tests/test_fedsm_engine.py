@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.softpull import LambdaBelowOneOverKWarning
-from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.foundation.errors import ConfigError
 from fedseg.simulation.runner import simulate
 
 
@@ -87,7 +87,7 @@ def test_gamma_auto_per_model_routes_with_one_threshold_per_personalized_model(t
     """``fedsm.gamma = "auto-per-model"``: the best composite carries one grid threshold per personalized
     model (and the one common γ, reported), and the test routing report's per-site Dice at those
     thresholds is the composite's test Dice in the results (the predictor routes with them too)."""
-    from fedseg.studies.fedsm import run_fedsm
+    from fedseg.apps.studies.fedsm import run_fedsm
 
     grid = [0.0, 0.5, 1.0]
     cfg = _with(tiny_config("fedsm", rounds=2), gamma="auto-per-model", gamma_grid=grid)
@@ -122,7 +122,7 @@ def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload
         model=ModelConfig(),
         train=TrainConfig(batch_size=2, local_steps=1, local_epochs=None),
     )
-    from fedseg.core.workload import segmentation_workload
+    from fedseg.site.workload import segmentation_workload
 
     wl = segmentation_workload(2, 1, ["fg"], ModelConfig())
     data = tiny_sites(2, n_train=2, size=32)
@@ -181,7 +181,7 @@ TINY_OVERRIDES = [
 
 @pytest.mark.slow
 def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
-    from fedseg.studies.fedsm import unseen
+    from fedseg.apps.studies.fedsm import unseen
 
     rows, table = unseen(
         tiny_spec, tmp_path, TINY_OVERRIDES, sites=["site2"], gammas=[0.0, 0.9], rounds=1, log=lambda m: None
@@ -273,7 +273,7 @@ def test_gamma_choice_scores_two_models_a_case_and_chooses_what_scoring_all_of_t
     full scoring, the diagnosis' per-model Dice is left out (null) and the reply check accepts exactly that."""
     from fedseg.algorithms.fedsm import route_task
     from fedseg.algorithms.fedsm.selection import check_route_metrics
-    from fedseg.core.errors import PayloadError
+    from fedseg.foundation.errors import PayloadError
     from fedseg.simulation.runner import build_engine
 
     # Prepare: a finished run whose selector routes cases to more than one model
@@ -322,7 +322,7 @@ def test_gamma_choice_scores_two_models_a_case_and_chooses_what_scoring_all_of_t
 def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
     """Two seeds, λ 0.1 and 0.7: Client Avg 0.6 and 0.8 → 0.7000 ± 0.1414 (sd with n − 1: √(2·0.1²/1));
     the γ used by each seed's run is listed; the per-γ Dice is averaged the same way."""
-    from fedseg.studies.fedsm import table7_over_seeds
+    from fedseg.apps.studies.fedsm import table7_over_seeds
 
     def row(lam, ca, gd, gamma, d0):
         return {"lam": lam, "client_avg_dice": ca, "global_dice": gd, "gamma": gamma, "dice_by_gamma": {"0.0": d0}}
@@ -342,7 +342,7 @@ def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
 def test_table5_over_seeds_averages_the_selection_frequencies_and_the_dice():
     """Site1 held out in two seeds: PM site2 chosen for 1.0 and 0.5 of its images → 0.75; PM site3 0 and
     0.5 → 0.25; Dice 0.2 and 0.4 → 0.3000 ± 0.1414; the best γ of each seed listed."""
-    from fedseg.studies.fedsm import table5_over_seeds
+    from fedseg.apps.studies.fedsm import table5_over_seeds
 
     def row(sel2, sel3, dice, best_g, best):
         sel = {"global": 0.0, "personal/site2": sel2, "personal/site3": sel3}
@@ -357,7 +357,7 @@ def test_table5_over_seeds_averages_the_selection_frequencies_and_the_dice():
 
 
 def test_tabulate_names_a_folder_that_holds_no_study_and_refuses_mixed_studies(tmp_path):
-    from fedseg.studies.fedsm import tabulate
+    from fedseg.apps.studies.fedsm import tabulate
 
     (tmp_path / "a").mkdir()
     with pytest.raises(ConfigError, match=r"a: expected the output folder of one FedSM study .* found neither"):
@@ -462,7 +462,7 @@ def test_resolved_fedsm_settings_are_written_and_reload_to_the_same_run(tmp_path
     """With no [fedsm] settings (or only the profile) config.toml and results.json["config"] hold the
     resolved section (γ, λ, the selector's training…); config.toml loads back to the same settings."""
     from fedseg.algorithms import get_algorithm, known_sections
-    from fedseg.core.config import load_run_config
+    from fedseg.foundation.config import load_run_config
 
     cfg = tiny_config("fedsm", rounds=1)
     if profile is not None:
@@ -480,7 +480,7 @@ def test_study_tables_show_the_thresholds_each_run_chose_and_the_unseen_sites_di
     """With ``fedsm.gamma = "auto-per-model"`` a run's γ is one threshold per personalized model: the λ
     table lists them per seed, and the unseen-site table adds the thresholds chosen on the training sites'
     validation with the unseen site's Dice at them (0.5 and 0.7 → 0.6000 ± 0.1414)."""
-    from fedseg.studies.fedsm import table5_over_seeds, table7_over_seeds
+    from fedseg.apps.studies.fedsm import table5_over_seeds, table7_over_seeds
 
     def lam_row(per):
         return {"lam": 0.7, "client_avg_dice": 0.8, "global_dice": 0.8, "gamma": 0.0, "gamma_per_model": per}

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from fedseg.algorithms.fedsm import FedSMParams
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses
-from fedseg.core.config import dataclass_from_dict
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.config import dataclass_from_dict
+from fedseg.foundation.errors import ConfigError
 
 
 def test_experts_loss_and_gradient_by_hand():

@@ -33,7 +33,7 @@ from fedseg.algorithms.fedsm.fedaws import (
     spreadout,
     spreadout_step,
 )
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.errors import ConfigError
 from fedseg.models import Selector
 from fedseg.simulation.runner import simulate
 

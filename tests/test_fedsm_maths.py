@@ -23,9 +23,9 @@ from fedseg.algorithms.softpull import (
     soft_pull,
     soft_pull_matrix,
 )
-from fedseg.core.config import dataclass_from_dict
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply
+from fedseg.foundation.config import dataclass_from_dict
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply
 
 
 def _w(v: float, n: int = 0) -> dict[str, torch.Tensor]:
@@ -443,7 +443,7 @@ class _FakeTransport:
 
 
 def _ctx(transport, sites):
-    from fedseg.algorithms.base import ServerContext
+    from fedseg.seams.algorithm import ServerContext
 
     return ServerContext(transport=transport, sites=tuple(sites), cfg=tiny_config("fedsm"), init_arrays=None)
 
@@ -549,8 +549,8 @@ def test_routing_accuracy_a_site_reports_must_be_a_fraction():
     selector-step reply whose ``routing_acc`` is not null, NaN (no validation cases) or in [0, 1] is refused
     (a deployed transport then rejects the reply), so one site cannot choose the best selector."""
     from fedseg.algorithms import get_algorithm
-    from fedseg.core.errors import PayloadError
-    from fedseg.core.messages import Reply, Task
+    from fedseg.foundation.errors import PayloadError
+    from fedseg.foundation.messages import Reply, Task
 
     algo = get_algorithm(tiny_config("fedsm"))
     for kind in ("train", "selector_step"):

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.base import ServerContext
 from fedseg.algorithms.fedsm import PERSONALIZATIONS, FedSMParams
 from fedseg.algorithms.personal import Personalization, PersonalizationBase
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Reply
+from fedseg.seams.algorithm import ServerContext
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_checkpoints
 

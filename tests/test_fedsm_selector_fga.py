@@ -26,10 +26,10 @@ from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import selector_role
 from fedseg.algorithms.fedsm.selector import augment_for_selector, flip_batch
 from fedseg.algorithms.softpull import experts_loss, image_losses, oracle_labels
-from fedseg.core.seeding import derive_seed, generator
-from fedseg.core.site import Site
+from fedseg.foundation.seeding import derive_seed, generator
 from fedseg.models import Selector
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site
 
 # the selector as drawn (no flips): these tests follow the batches image by image
 SEL = {"selector_width": 0.0625, "selector_hidden": 8, "selector_lr": 0.01, "selector_augment": "none"}
@@ -311,7 +311,7 @@ def test_fedrs_selector_with_alpha_one_is_the_averaged_selector_and_differs_belo
 
 def test_fedrs_alpha_is_checked():
     from fedseg.algorithms.fedsm import FedSMParams
-    from fedseg.core.errors import ConfigError
+    from fedseg.foundation.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"fedsm.fedrs_alpha = 1.5 must be in \[0, 1\]"):
         FedSMParams(selector_training="fedrs", fedrs_alpha=1.5).validate()

@@ -23,9 +23,9 @@ from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import oracle_accuracy
 from fedseg.algorithms.softpull import oracle_labels
-from fedseg.core.site import Site, SiteData
 from fedseg.models import Selector
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site, SiteData
 
 # the selector as drawn (no flips): these tests follow the batches image by image
 SEL = {"selector_width": 0.0625, "selector_hidden": 8, "selector_lr": 0.01, "selector_augment": "none"}

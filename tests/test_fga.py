@@ -25,13 +25,13 @@ from fedseg.algorithms.fga import (
     federation_steps,
     state_digest,
 )
-from fedseg.core.config import EvalConfig, RunConfig, TrainConfig
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Task
-from fedseg.core.seeding import derive_seed
-from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload, accuracy_metric, segmentation_workload
+from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Task
+from fedseg.foundation.seeding import derive_seed
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import Site, SiteData
+from fedseg.site.workload import Workload, accuracy_metric, segmentation_workload
 
 # ----------------------------------------------------------------------- helpers
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.core.workload import segmentation_workload
 from fedseg.data.synth import synthesize
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.site.workload import segmentation_workload
 
 
 @pytest.mark.slow

@@ -1,26 +1,24 @@
 r"""The package's layers, checked on its import graph (every import statement of every module
 under ``src/fedseg``, at the top of a file, inside a function or under ``TYPE_CHECKING``).
 
-The layers, lowest first (``docs/architecture.md`` draws them):
+The folders of ``src/fedseg`` are the layers, lowest first (``docs/architecture.md`` draws the tree):
 
-0. foundation: ``core.errors``, ``core.seeding``, ``core.arrays``, ``core.messages``,
-   ``core.config``, ``core.device`` — torch and the standard library only;
-1. ``models``, ``data``, ``evaluation`` — networks, datasets and metrics, knowing no run;
-2. ``core.workload``, ``core.site`` — one site's runtime (it does no file I/O);
-3. the two seams: ``algorithms.base`` (server half + site half), ``transport.base``; and beside them
-   ``core.checkpoint``, the run's files (atomic writes, the commit protocol, best models, site
-   state files): it sits here, not with the site, because each best-model record it reads and
-   writes is an ``algorithms.base.Candidate`` (and the site state it saves is a ``core.site.Site``'s);
-   no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
-4. ``algorithms`` — the methods;
-5. ``core.engine``, ``transport`` (with the vectorized executor of in-process sites,
-   ``simulation.vectorize``), and the remote transport (``deploy.params``, ``deploy.wire``,
-   ``deploy.remote``);
-6. ``simulation``;
-7. ``studies``, ``report``, ``deploy``;
-8. ``cli``.
+0. ``foundation/`` — errors, seeding, arrays, messages, config, device: torch and the standard library only;
+1. ``models/``, ``data/``, ``evaluation/`` — networks, datasets and metrics, knowing no run;
+2. ``site/`` — one site's runtime (``workload``, ``runtime``; no file I/O);
+3. ``seams/`` — the algorithm base (server half + site half), the transport protocol, and the run's
+   files (``checkpoint``: atomic writes, the commit protocol, best models, site state files); the
+   checkpoint sits here because each best-model record it reads and writes is a
+   ``seams.algorithm.Candidate``; no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
+4. ``algorithms/`` — the methods;
+5. ``execution/`` — the round loop (``engine``), the in-process transport and its vectorized
+   executor, the remote transport (``remote/``: wire format, ``[deploy]`` settings, reply checks);
+6. ``simulation/`` — one way to build and run a simulated federation;
+7. ``apps/`` — ``studies/``, ``report/``, ``deploy/``;
+8. ``cli.py``.
 
-A module imports only modules of its own layer or below, and never in a cycle.  An algorithm
+A module imports only modules of its own layer or below, and never in a cycle; no two folders
+import each other, directly or round a loop, at any depth of the tree.  An algorithm
 imports torch, the standard library, the foundation, the site and other algorithms, nothing
 else (no MONAI, no file formats, no engine).  Imports sit at the top of a file except those of a
 heavy optional dependency deferred on purpose (:data:`DEFERRED`).
@@ -38,43 +36,31 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, ...]] = [
-    (
-        "fedseg.core.errors",
-        "fedseg.core.seeding",
-        "fedseg.core.arrays",
-        "fedseg.core.messages",
-        "fedseg.core.config",
-        "fedseg.core.device",
-    ),
+    ("fedseg.foundation",),
     ("fedseg.models", "fedseg.data", "fedseg.evaluation"),
-    ("fedseg.core.workload", "fedseg.core.site"),
-    ("fedseg.algorithms.base", "fedseg.transport.base", "fedseg.core.checkpoint"),
+    ("fedseg.site",),
+    ("fedseg.seams",),
     ("fedseg.algorithms",),
-    (
-        "fedseg.core.engine",
-        "fedseg.transport",
-        "fedseg.simulation.vectorize",
-        "fedseg.deploy.params",
-        "fedseg.deploy.wire",
-        "fedseg.deploy.remote",
-    ),
+    ("fedseg.execution",),
     ("fedseg.simulation",),
-    ("fedseg.studies", "fedseg.report", "fedseg.deploy"),
-    ("fedseg.cli", "fedseg.core", "fedseg"),
+    ("fedseg.apps",),
+    ("fedseg.cli", "fedseg"),
 ]
+"""One entry per layer, lowest first: the folders (and ``cli.py``) of ``src/fedseg``.  A module's layer is
+its folder's, so a new module's layer follows from where it is put."""
 
 ALGORITHM_MAY_IMPORT = (
     *LAYERS[0],  # the foundation
-    "fedseg.core.workload",  # the task's networks, e.g. Workload.selector
-    "fedseg.core.site",
-    "fedseg.transport.base",  # the Transport protocol, for ServerContext
+    *LAYERS[2],  # the site: its runtime and the task's networks (e.g. Workload.selector)
+    "fedseg.seams.algorithm",  # the Algorithm base the methods implement
+    "fedseg.seams.transport",  # the Transport protocol, for ServerContext
     "fedseg.algorithms",
 )
 ALGORITHM_THIRD_PARTY = ("torch",)
 
 DEFERRED = (
     "nvflare",
-    "fedseg.deploy.flare",  # imports nvflare
+    "fedseg.apps.deploy.flare",  # imports nvflare
     "matplotlib",
     "PIL",
     "sklearn",
@@ -252,21 +238,104 @@ def test_imports_are_at_the_top_unless_deferred_on_purpose():
 
 
 def test_files_are_the_checkpoint_modules_not_the_sites_or_the_engines():
-    """The site and the engine hand arrays + JSON to ``core.checkpoint``; neither writes a file format itself."""
+    """The site and the engine hand arrays + JSON to ``seams.checkpoint``; neither writes a file format itself."""
     file_io = ("safetensors", "json", "os", "shutil", "pickle")
     bad = [
         f"{MODULES[m].relative_to(SRC)}:{line} imports {target}"
-        for m in ("fedseg.core.site", "fedseg.core.engine", "fedseg.transport.inprocess")
+        for m in ("fedseg.site.runtime", "fedseg.execution.engine", "fedseg.execution.inprocess")
         for target, line, _ in IMPORTS[m]
         if target.split(".")[0] in file_io
     ]
-    assert not bad, "file I/O outside fedseg.core.checkpoint:\n" + "\n".join(bad)
+    assert not bad, "file I/O outside fedseg.seams.checkpoint:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["fedseg.core.site", "fedseg.algorithms.base"])
+@pytest.mark.parametrize("module", ["fedseg.site.runtime", "fedseg.seams.algorithm"])
 def test_the_layer_checker_sees_a_violation(module, monkeypatch):
     """The checker is not vacuous: an upward import added to a low module is reported."""
-    fake = [*IMPORTS[module], ("fedseg.core.engine", 1, True)]
+    fake = [*IMPORTS[module], ("fedseg.execution.engine", 1, True)]
     monkeypatch.setitem(IMPORTS, module, fake)
     with pytest.raises(AssertionError, match="go up a layer"):
         test_imports_go_down_the_layers()
+
+
+def _folder_graph(parent: str) -> dict[str, set[str]]:
+    """Import edges between the direct children of package ``parent`` (folders and modules)."""
+    depth = parent.count(".") + 2
+    children = {".".join(m.split(".")[:depth]) for m in MODULES if _within(m, parent) and m.count(".") >= depth - 1}
+    graph: dict[str, set[str]] = {c: set() for c in children}
+    for m, items in IMPORTS.items():
+        if not _within(m, parent) or m == parent:
+            continue
+        src = ".".join(m.split(".")[:depth])
+        for target, *_ in items:
+            t = _internal(target)
+            if t is None or not _within(t, parent) or t == parent:
+                continue
+            dst = ".".join(t.split(".")[:depth])
+            if dst != src:
+                graph[src].add(dst)
+    return graph
+
+
+def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Kosaraju, small graphs)."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def forward(v: str) -> None:
+        seen.add(v)
+        for w in graph[v]:
+            if w not in seen:
+                forward(w)
+        order.append(v)
+
+    for v in graph:
+        if v not in seen:
+            forward(v)
+    reverse: dict[str, set[str]] = {v: set() for v in graph}
+    for v, ws in graph.items():
+        for w in ws:
+            reverse[w].add(v)
+    assigned: set[str] = set()
+    out = []
+    for v in reversed(order):
+        if v in assigned:
+            continue
+        comp, stack = [], [v]
+        assigned.add(v)
+        while stack:
+            x = stack.pop()
+            comp.append(x)
+            for w in reverse[x]:
+                if w not in assigned:
+                    assigned.add(w)
+                    stack.append(w)
+        if len(comp) > 1:
+            out.append(sorted(comp))
+    return out
+
+
+PACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_two_folders_import_each_other(package):
+    """Inside every package, its sub-folders and modules form no loop of imports (``apps.report`` and
+    ``apps.studies`` may not use each other both ways; nor may two top-level folders)."""
+    loops = _loops(_folder_graph(package))
+    assert not loops, f"folders of {package} that import each other, directly or round a loop: {loops}"
+
+
+def test_the_folder_checker_sees_a_loop(monkeypatch):
+    """The loop check is not vacuous: an import of the site from the foundation closes a loop."""
+    fake = [*IMPORTS["fedseg.foundation.config"], ("fedseg.site.runtime", 1, True)]
+    monkeypatch.setitem(IMPORTS, "fedseg.foundation.config", fake)
+    assert any({"fedseg.foundation", "fedseg.site"} <= set(loop) for loop in _loops(_folder_graph("fedseg")))
+
+
+def test_every_folder_is_one_layer():
+    """Each top-level folder of ``src/fedseg`` is named in exactly one layer, so the tree is the layer diagram."""
+    top = {p.name for p in (SRC / "fedseg").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    named = [p.removeprefix("fedseg.") for layer in LAYERS for p in layer if p.startswith("fedseg.")]
+    assert sorted(top) == sorted(n for n in named if n != "cli"), (top, named)
+    assert len(named) == len(set(named))

@@ -4,7 +4,7 @@ APFL, pFedMe, Per-FedAvg, FGA (and FedSM's ``fga`` selector), Auto-FedAvg's weig
 step and FedSM's ``fedavg`` selector loop do not train through :meth:`Site.fit`; each runs its
 forward passes under :meth:`Site.autocast`, steps through :meth:`Site.step` (fp16: the role's
 gradient scaler) where an optimizer steps on a loss, and sums its losses on the device
-(:class:`fedseg.core.site.LossSums`).  fp16 is refused at the start of a run, with one error naming
+(:class:`fedseg.site.runtime.LossSums`).  fp16 is refused at the start of a run, with one error naming
 bf16, where a method uses raw gradients outside an optimizer step (a loss scale cannot be
 unscaled or an overflowed step skipped there) — see docs/architecture.md.
 """
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import count_host_reads, tiny_config, tiny_sites
-from fedseg.core.errors import ConfigError
-from fedseg.core.site import LossSums, Site
+from fedseg.foundation.errors import ConfigError
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import LossSums, Site
 
 FEDSM_FEDAVG = {"fedsm": {"selector_training": "fedavg", "selector_steps": "all"}}
 
@@ -125,14 +125,14 @@ def test_local_loops_read_no_loss_per_step_and_enter_autocast(tmp_path, workload
     :meth:`Site.gradient`, through which pFedMe's inner steps take their gradients).
     (FedSM with ``ft`` personalization, so that its loop trains only the selector.)"""
     method, params, module = LOOPS[case]
-    reads = count_host_reads(monkeypatch, module, "fedseg/core/site.py")
+    reads = count_host_reads(monkeypatch, module, "fedseg/site/runtime.py")
     entered = {"n": 0}
     real = Site.autocast
 
     def counting(site):
         caller = __import__("sys")._getframe(1).f_code
         if caller.co_filename.endswith(module) or (
-            caller.co_name == "gradient" and caller.co_filename.endswith("fedseg/core/site.py")
+            caller.co_name == "gradient" and caller.co_filename.endswith("fedseg/site/runtime.py")
         ):
             entered["n"] += 1
         return real(site)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedseg.apps.report import ReportOptions, build_report
 from fedseg.cli import main
-from fedseg.report import ReportOptions, build_report
 
 SMALL = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=4"]
 VOID = {"meta", "img", "br", "hr", "link", "input", "col", "source", "wbr"}
@@ -90,9 +90,9 @@ def check_html(path: Path) -> _Checker:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Tiny runs of every method family the report knows (made once, ~20 s on a loaded 2-core CPU)."""
+    from fedseg.apps.studies.fedsm import load_spec, run_fedsm
     from fedseg.data.synth import synthesize
     from fedseg.simulation.runner import run
-    from fedseg.studies.fedsm import load_spec, run_fedsm
 
     root = tmp_path_factory.mktemp("report")
     spec = synthesize("fundus", root / "data", scale=0.05, size=32)
@@ -237,7 +237,7 @@ def test_tensorboard_logger_writes_alpha(runs, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedseg.report.tensorboard import TensorBoardLogger
+    from fedseg.apps.report.tensorboard import TensorBoardLogger
 
     history = json.loads((runs / "autofedavg" / "results.json").read_text())["history"]
     with TensorBoardLogger(tmp_path / "tb") as log:
@@ -372,7 +372,7 @@ def test_two_variants_of_one_method_get_two_rows_and_seeds_of_one_variant_one(tm
 def test_headline_intervals_and_differences():
     """One seed each → bootstrap intervals; a run against an identical copy → Δ = 0 with a [0, 0] interval;
     runs on different sites → no Δ."""
-    from fedseg.report.numbers import headline
+    from fedseg.apps.report.numbers import headline
 
     base = {
         "method": "fedavg",
@@ -395,7 +395,7 @@ def test_headline_intervals_and_differences():
 
 
 def test_variant_labels_name_the_settings_that_differ():
-    from fedseg.report.runs import variant_labels
+    from fedseg.apps.report.runs import variant_labels
 
     runs = [
         {"method": "fedsm", "config": {}},
@@ -418,7 +418,7 @@ def test_variant_labels_name_the_settings_that_differ():
 def test_results_without_a_stored_label_are_labelled_by_their_algorithm():
     """Runs store their algorithm's label; older results get the same label from the registry
     (``Algorithm.label_for`` their settings), so a report mixing both shows one label per variant."""
-    from fedseg.report.runs import run_label, variant_labels
+    from fedseg.apps.report.runs import run_label, variant_labels
 
     softmax = {"autofedavg": {"granularity": "layer", "param": "softmax"}}
     assert run_label({"method": "autofedavg", "config": softmax}) == "Auto-FedAvg-L-Softmax"
@@ -432,7 +432,7 @@ def test_results_without_a_stored_label_are_labelled_by_their_algorithm():
 
 def test_table2_rows_are_the_methods_reported_by_a_global_model_or_by_the_sites_models():
     """Table 2's rows follow each method's ``primary`` candidate in the registry, not a list of names."""
-    from fedseg.report.sections import _table2_row
+    from fedseg.apps.report.sections import _table2_row
 
     tested = {"per_case_dice": {"global": {"a": [0.5]}}}
     for method in ("fedavg", "fedavg-even", "fedprox", "centralized", "autofedavg", "scaffold", "fga"):
@@ -445,7 +445,7 @@ def test_table2_rows_are_the_methods_reported_by_a_global_model_or_by_the_sites_
 def test_fedsm_findings_say_where_the_images_went():
     """Sentences generated from the numbers: a site that lost because 40 % of its images went to another
     site's personalized model; a site whose images all went to its own model; all-to-GM summarised first."""
-    from fedseg.report.numbers import fedsm_findings
+    from fedseg.apps.report.numbers import fedsm_findings
 
     summary = {
         "sites": ["s1", "s2"],
@@ -479,10 +479,10 @@ def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_traini
     checkpoints/best.* for runs that lack it. On a run that has both, the two agree: shares and Dice of every
     model on every site, at the run's γ and at γ = 0 (where the selector's argmax decides, so the images spread
     over the personalized models), and the per-image names in the predictions give the same shares."""
-    from fedseg.core.site import batch_of, dataset_len
-    from fedseg.report.model_sections import routed_models, routing_on_test
-    from fedseg.report.numbers import model_short
-    from fedseg.report.runs import DataCache, RunModels, load_runs
+    from fedseg.apps.report.model_sections import routed_models, routing_on_test
+    from fedseg.apps.report.numbers import model_short
+    from fedseg.apps.report.runs import DataCache, RunModels, load_runs
+    from fedseg.site.runtime import batch_of, dataset_len
 
     # Prepare
     (run,) = load_runs([runs / "unseen-site6"])

@@ -10,15 +10,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from conftest import TINY_MODEL, tiny_sites
-from fedseg.core.arrays import flatten
-from fedseg.core.errors import ConfigError
-from fedseg.core.workload import make_loss
+from fedseg.apps.report.figures import best_so_far, site_curve
+from fedseg.apps.report.html import ReportOptions, markdown_html
+from fedseg.apps.report.loss_surface import dataset_loss, loss_surface, random_directions, trainable_arrays
+from fedseg.apps.report.tensorboard import round_scalars
+from fedseg.apps.report.tsne import selector_features, tsne_embed
+from fedseg.foundation.arrays import flatten
+from fedseg.foundation.errors import ConfigError
 from fedseg.models import Selector, build_unet
-from fedseg.report.figures import best_so_far, site_curve
-from fedseg.report.html import ReportOptions, markdown_html
-from fedseg.report.loss_surface import dataset_loss, loss_surface, random_directions, trainable_arrays
-from fedseg.report.tensorboard import round_scalars
-from fedseg.report.tsne import selector_features, tsne_embed
+from fedseg.site.workload import make_loss
 
 
 def _unet() -> nn.Module:

@@ -10,11 +10,11 @@ import torch
 
 from conftest import tiny_config
 from fedseg.algorithms import get_algorithm
-from fedseg.core.checkpoint import restore_site, save_site
-from fedseg.core.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.core.errors import PayloadError
-from fedseg.core.site import Site
-from fedseg.core.workload import segmentation_workload, workload_for
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.foundation.errors import PayloadError
+from fedseg.seams.checkpoint import restore_site, save_site
+from fedseg.site.runtime import Site
+from fedseg.site.workload import segmentation_workload, workload_for
 
 
 def _site(sites, workload, cfg=None, name="site1"):

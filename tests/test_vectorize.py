@@ -21,14 +21,9 @@ from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.algorithms.fedprox import proximal_loss
-from fedseg.core.config import RunConfig, SimulationConfig, load_run_config
-from fedseg.core.engine import Engine
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.workload import segmentation_workload
 from fedseg.evaluation.tables import table3
-from fedseg.simulation.runner import build_transport, simulate
-from fedseg.simulation.vectorize import (
+from fedseg.execution.engine import Engine
+from fedseg.execution.vectorize import (
     AUTO_MIN_SITES,
     ApplyCall,
     FitCall,
@@ -37,6 +32,11 @@ from fedseg.simulation.vectorize import (
     group_size_for,
     resolve_vectorize,
 )
+from fedseg.foundation.config import RunConfig, SimulationConfig, load_run_config
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.simulation.runner import build_transport, simulate
+from fedseg.site.workload import segmentation_workload
 from helpers import assert_same_checkpoints
 
 PLAIN = dataclasses.replace(TINY_MODEL, norm="none")
@@ -273,7 +273,7 @@ def test_group_size_for_fills_the_free_memory_with_as_few_even_groups_as_fit():
 
 
 def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(workload):
-    from fedseg.simulation.vectorize import _activation_bytes, _free_memory
+    from fedseg.execution.vectorize import _activation_bytes, _free_memory
 
     cpu = torch.device("cpu")
     assert _free_memory(cpu) is None  # the CPU: all sites in one group unless simulation.vectorize_group says
@@ -291,7 +291,7 @@ def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(w
 def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     """On CUDA with ``vectorize_group = 0`` the group size comes from the free memory and an estimate of
     the bytes per site; here both are set (on the CPU): 1000 bytes free, 400 per site → 2 fit in 80 %."""
-    import fedseg.simulation.vectorize as vec
+    import fedseg.execution.vectorize as vec
 
     monkeypatch.setattr(vec, "_free_memory", lambda device: 1000)
     monkeypatch.setattr(vec, "_fit_site_bytes", lambda item: 400)
@@ -314,7 +314,7 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
 def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     """The same for FGA's lockstep gradients: 2 of 3 sites fit, and the log says so again only when
     the free memory changes the group size (here from the third exchange on: all 3 fit)."""
-    import fedseg.simulation.vectorize as vec
+    import fedseg.execution.vectorize as vec
 
     free = iter([1000, 1000] + [10_000] * 100)
     monkeypatch.setattr(vec, "_free_memory", lambda device: next(free))
@@ -380,7 +380,7 @@ def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
 
 def test_batches_are_the_sites_seeded_batches(monkeypatch):
     """The vectorized step draws every site's batches from Site.batches (its seeded streams)."""
-    from fedseg.core.site import Site
+    from fedseg.site.runtime import Site
 
     seen: dict[str, list[torch.Tensor]] = {}
     real = Site.batches
@@ -458,8 +458,8 @@ def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps
     manages more threads than cores; docs/results.md).  So a site's handler runs with one intra-op thread,
     its sequential fallback fit with the full count, and after the ask the main thread and any new thread
     have the count they had before."""
-    from fedseg.core.site import Site
-    from fedseg.simulation import vectorize
+    from fedseg.execution import vectorize
+    from fedseg.site.runtime import Site
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -787,7 +787,7 @@ def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
     shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
     keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
     is copied, so that step runs eagerly."""
-    from fedseg.simulation.vectorize import _Arena, _Layout
+    from fedseg.execution.vectorize import _Arena, _Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
     arena = _Arena(_Layout(params, 2), params[0], {})
@@ -816,7 +816,7 @@ def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign
     """Adam's first step, by hand: m = (1 − β₁) g, v = (1 − β₂) g², the bias corrections 1 − β₁ and √(1 − β₂)
     cancel them, so p moves by −lr · g / (|g| + eps) (≈ −lr · sign g).  ``_masked_adam_`` does that where the
     mask holds and leaves p, m and v bitwise unchanged elsewhere; a second step equals torch's Adam."""
-    from fedseg.simulation.vectorize import _adam_factors, _masked_adam_
+    from fedseg.execution.vectorize import _adam_factors, _masked_adam_
 
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
     g = torch.tensor([0.5, -2.0, 1e-3, 3.0], dtype=torch.float64)
@@ -846,7 +846,7 @@ def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active)
     same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
     weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
     the active sites only."""
-    from fedseg.simulation.vectorize import _Arena, _Layout, _StackedOptimizer
+    from fedseg.execution.vectorize import _Arena, _Layout, _StackedOptimizer
 
     g = torch.Generator().manual_seed(0)
     models = [torch.nn.Linear(5, 3) for _ in range(3)]
@@ -922,7 +922,7 @@ def test_gpu_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(tmp_path):
     """A loss that synchronizes with the host (here: reads a number back) runs under vmap but not inside a
     CUDA graph capture: the capture fails, the log names the role and the error, and the run goes on eagerly
     with the numbers of a run with ``cuda_graphs = off``."""
-    from fedseg.core.workload import make_loss
+    from fedseg.site.workload import make_loss
 
     dice = make_loss("dice")
 

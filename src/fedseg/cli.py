@@ -12,15 +12,15 @@ import sys
 from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
-from fedseg.core.errors import ConfigError, FedsegError
+from fedseg.apps.deploy import run as dep
+from fedseg.apps.report import ReportOptions, build_report
+from fedseg.apps.report.tensorboard import TensorBoardLogger
+from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
+from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
 from fedseg.data.synth import synthesize
 from fedseg.data.validate import validate_federation
-from fedseg.deploy import run as dep
-from fedseg.report import ReportOptions, build_report
-from fedseg.report.tensorboard import TensorBoardLogger
+from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.simulation.runner import run
-from fedseg.studies.compare import compare, demo, evaluate_run, split_method_entries
-from fedseg.studies.fedsm import over_seeds, sweep, tabulate, unseen
 
 
 def _csv(text: str) -> list[str]:

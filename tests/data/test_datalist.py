@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fedseg.core.errors import DataError
 from fedseg.data.datalist import load_datalist, write_datalist
+from fedseg.foundation.errors import DataError
 
 
 def test_write_then_load_gives_absolute_paths(tmp_path):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedseg.core.errors import ConfigError, DataError
 from fedseg.data.loading import SegmentationDataset, load_split
 from fedseg.data.spec import load_federation
+from fedseg.foundation.errors import ConfigError, DataError
 
 
 def test_png_split_shapes_range_and_nested_channels(png_federation):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedseg.core.errors import ConfigError
 from fedseg.data.spec import load_federation
+from fedseg.foundation.errors import ConfigError
 
 
 def test_valid_spec_loads(tmp_path, h):

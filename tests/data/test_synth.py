@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from fedseg.core.errors import ConfigError
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import FUNDUS_COUNTS, split_sizes, synthesize
 from fedseg.data.validate import validate_federation
+from fedseg.foundation.errors import ConfigError
 
 SCALE = 0.05
 

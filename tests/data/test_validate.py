@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedseg.core.errors import DataError
 from fedseg.data.validate import Problem, raise_if_invalid, validate_federation
+from fedseg.foundation.errors import DataError
 
 SPLITS = ("training", "validation", "testing")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fedseg.algorithms.apfl import APFL
 from fedseg.algorithms.autofedavg import AutoFedAvg
-from fedseg.algorithms.base import Algorithm, Candidate, NoParams, ServerContext
 from fedseg.algorithms.centralized import Centralized
 from fedseg.algorithms.cwt import CWT
 from fedseg.algorithms.ditto import Ditto
@@ -18,8 +17,9 @@ from fedseg.algorithms.local import Local
 from fedseg.algorithms.perfedavg import PerFedAvg
 from fedseg.algorithms.pfedme import PFedMe
 from fedseg.algorithms.scaffold import Scaffold
-from fedseg.core.config import RunConfig
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.config import RunConfig
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.algorithm import Algorithm, Candidate, NoParams, ServerContext
 
 REGISTRY: dict[str, type[Algorithm]] = {}
 

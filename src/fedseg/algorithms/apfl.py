@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 import torch
 
-from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
@@ -49,11 +48,12 @@ from fedseg.algorithms.personal import (
     check_positive,
     train_handler,
 )
-from fedseg.core.arrays import Arrays, dot, prefixed, strip_prefix, sub
-from fedseg.core.config import RunConfig
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import LossSums, Site, step_with_gradient
+from fedseg.foundation.arrays import Arrays, dot, prefixed, strip_prefix, sub
+from fedseg.foundation.config import RunConfig
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.runtime import LossSums, Site, step_with_gradient
 
 __all__ = [
     "APFL",
@@ -137,7 +137,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
 
     With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
     ∇f(w) and ∇f(v̄) at the mixture v̄ = α v + (1 − α) w) and two optimizer steps
-    (:func:`fedseg.core.site.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
+    (:func:`fedseg.site.runtime.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
     with ⟨v − w, ∇f(v̄)⟩ (:func:`mixture_gradients`, kept on the device; v, w before their steps).  A vectorized simulation
     computes the K sites' gradients as one vmapped call each and takes their steps as one fused step;
     sequentially this is the arithmetic of autograd through the mixture (α's gradient summed in float64).

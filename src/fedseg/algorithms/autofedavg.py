@@ -34,7 +34,7 @@ Granularity:
   parameter of its own module (``bn.running_mean`` uses the α of ``bn.weight``);
   a buffer of a module without parameters uses the mean over layers of α.
   Integer buffers are never averaged (taken from the first site, as in
-  :func:`fedseg.core.arrays.weighted_mean`).
+  :func:`fedseg.foundation.arrays.weighted_mean`).
 
 Variant ``reinit = true`` resets β to its initial value before each learning
 phase (the paper's "Auto-FedAvg-N-Dirichlet*").
@@ -65,13 +65,13 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting, aggregation_weights, train_global
-from fedseg.core.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.seeding import derive_seed
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.foundation.seeding import derive_seed
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = [
     "NETWORK",
@@ -302,7 +302,7 @@ def mix(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.
 
 
 def aggregate(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.Tensor]) -> Arrays:
-    """The new global model Σ_k α_k w_k (no gradient), per tensor through :func:`fedseg.core.arrays.weighted_mean`.
+    """The new global model Σ_k α_k w_k (no gradient), per tensor through :func:`fedseg.foundation.arrays.weighted_mean`.
 
     With α_k = 1/K for every tensor the result is bitwise FedAvg-even's (same function, same weights).
     """

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import train_global
-from fedseg.core.arrays import Arrays, strip_prefix
-from fedseg.core.messages import Task
+from fedseg.foundation.arrays import Arrays, strip_prefix
+from fedseg.foundation.messages import Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 
 POOLED = "pooled"
 

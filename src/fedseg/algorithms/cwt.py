@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 import torch
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = ["CWT", "CWTParams", "load_optimizer_arrays", "optimizer_arrays", "train_cwt", "visit_order"]
 

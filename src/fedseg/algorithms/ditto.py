@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.algorithms.personal import (
@@ -40,10 +39,11 @@ from fedseg.algorithms.personal import (
     store_personal,
     train_handler,
 )
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Task
+from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = ["Ditto", "DittoParams", "DittoPersonalization"]
 

@@ -7,7 +7,7 @@ moments persist across rounds by default (FedSM reference code); the server sets
     w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("fedavg")   or   p_k = 1/K   ("fedavg-even").
 
 ``fedavg.aggregation = "trimmed_mean" | "median"`` replaces the weighted mean by a
-coordinate-wise robust rule (:func:`fedseg.core.arrays.aggregate`); the default
+coordinate-wise robust rule (:func:`fedseg.foundation.arrays.aggregate`); the default
 ``"mean"`` is the papers' rule, bitwise.
 
 Only the sites that replied are averaged (weights renormalized over them).
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.core.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 Weighting = Literal["samples", "even"]
 """FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
@@ -48,7 +48,7 @@ class FedAvgParams:
         'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K).
     aggregation
         'mean' (Σ_k p_k w_k, the papers' FedAvg), 'trimmed_mean' or 'median'
-        (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.core.arrays.aggregate`).
+        (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.foundation.arrays.aggregate`).
     trim
         Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5).
     """

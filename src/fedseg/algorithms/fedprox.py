@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.fedavg import FedAvg, Weighting
-from fedseg.core.arrays import Aggregation, check_aggregation, prefixed, strip_prefix
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Aggregation, check_aggregation, prefixed, strip_prefix
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.site.runtime import Site
 
 __all__ = ["FedProx", "FedProxParams", "proximal_loss", "proximal_term"]
 

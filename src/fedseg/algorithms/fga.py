@@ -66,12 +66,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.core.errors import PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site, step_with_gradient
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.errors import PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site, step_with_gradient
 
 __all__ = [
     "FGA",
@@ -185,7 +185,7 @@ FP16_GRADIENT_AVERAGING = (
 def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
     """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry).
 
-    The payload is validated here; the step is :func:`fedseg.core.site.step_with_gradient` (one stacked step
+    The payload is validated here; the step is :func:`fedseg.site.runtime.step_with_gradient` (one stacked step
     of all sites in a vectorized simulation)."""
     params = dict(model.named_parameters())
     unknown = sorted(set(grad) - set(params))

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting, train_global
 from fedseg.algorithms.personal import (
     PersonalizationBase,
@@ -36,9 +35,10 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.messages import Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
+from fedseg.foundation.messages import Task
+from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = ["FT", "FTParams", "FineTuning"]
 

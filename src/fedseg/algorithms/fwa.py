@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedseg.algorithms.fedavg import FedAvg, Weighting
-from fedseg.core.arrays import prefixed, strip_prefix
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import prefixed, strip_prefix
+from fedseg.foundation.messages import Reply, Task
+from fedseg.site.runtime import Site
 
 __all__ = ["FWA", "FWAParams", "train_fwa"]
 

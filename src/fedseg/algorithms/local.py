@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 
 def train_local(site: Site, task: Task) -> Reply:

@@ -38,7 +38,6 @@ from typing import Any, Literal
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
@@ -51,9 +50,10 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import LossSums, Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
     "MetaAdaptation",

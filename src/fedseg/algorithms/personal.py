@@ -18,7 +18,7 @@ Per-FedAvg's ``personalize`` task its :meth:`PersonalizationBase.personal_step`)
 
 Each stand-alone personalization method keeps one personalized model per site (``site.models
 ["personal"]``, saved with the site) and reports it to the server only on the rounds the engine
-evaluates (:meth:`fedseg.algorithms.base.ServerContext.is_eval_round`), so that the other rounds
+evaluates (:meth:`fedseg.seams.algorithm.ServerContext.is_eval_round`), so that the other rounds
 cost no extra bytes.  The server keeps the latest personalized models in its flat state under
 ``personal/<site>/...`` and offers them as candidates with ``home_site=<site>``
 (:func:`personal_candidates`): with ``primary = None`` the method's row is each site's
@@ -36,13 +36,13 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.core.config import RunConfig
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.config import RunConfig
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = [
     "Combine",
@@ -63,7 +63,7 @@ __all__ = [
 
 Combine = Callable[[Sequence[Arrays], Sequence[float]], Arrays]
 """``combine(models, weights) -> model``: how the server combines the sites' global models (FedAvg's
-weighted mean, or a robust rule: :func:`fedseg.core.arrays.aggregate`)."""
+weighted mean, or a robust rule: :func:`fedseg.foundation.arrays.aggregate`)."""
 
 
 @dataclass

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from fedseg.algorithms.base import Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting, aggregation_weights
 from fedseg.algorithms.personal import (
     Combine,
@@ -47,10 +46,11 @@ from fedseg.algorithms.personal import (
     store_personal,
     train_handler,
 )
-from fedseg.core.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
-from fedseg.core.errors import ConfigError
-from fedseg.core.messages import Task
-from fedseg.core.site import LossSums, Site
+from fedseg.foundation.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.messages import Task
+from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
     "MoreauEnvelope",

@@ -43,12 +43,12 @@ from typing import Any, Literal
 
 import torch
 
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.fedavg import Weighting, aggregation_weights
 from fedseg.algorithms.personal import check_positive
-from fedseg.core.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = ["Scaffold", "ScaffoldParams", "control_update", "correction", "server_control_update", "server_model_update"]
 
@@ -137,7 +137,7 @@ class _CorrectedStep:
         self.after_step()
 
     def after_step(self) -> None:
-        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.simulation.vectorize` after its stacked step)."""
+        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.execution.vectorize` after its stacked step)."""
         with torch.no_grad():
             for k, p in self.model.named_parameters():
                 p.sub_(self.corr[k], alpha=self.lr)

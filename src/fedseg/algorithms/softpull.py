@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from fedseg.algorithms.personal import Combine, PersonalizationBase, PersonalStep
-from fedseg.core.arrays import Arrays, clone, prefixed, strip_prefix, weighted_mean
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, clone, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.messages import Reply, Task
+from fedseg.site.runtime import Site
 
 __all__ = [
     "LambdaBelowOneOverKWarning",
@@ -276,7 +276,7 @@ class SoftPull(PersonalizationBase):
         rnd, steps = task.config["round"], task.config.get("steps")
         # the two models are independent within a round: each runs the generic loop over the round's
         # seeded batches (a vectorized simulation then trains every site's global and personal models
-        # together: fedseg.simulation.vectorize); with train_global False only the personal one
+        # together: fedseg.execution.vectorize); with train_global False only the personal one
         metrics: dict[str, Any] = {}
         if self.train_global:
             g = site.load("global", strip_prefix("global", task.arrays))

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from fedseg.core.errors import DataError
+from fedseg.foundation.errors import DataError
 
 SPLITS = ("training", "validation", "testing")
 _ALIASES = {"testing": ("testing", "test")}

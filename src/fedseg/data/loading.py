@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fedseg.core.errors import ConfigError, DataError
-from fedseg.core.messages import SPLITS as SPLIT_NAMES
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.foundation.errors import ConfigError, DataError
+from fedseg.foundation.messages import SPLITS as SPLIT_NAMES
 
 
 class SegmentationDataset(torch.utils.data.Dataset):

@@ -17,7 +17,7 @@ A federation spec is one TOML file (format in ``docs/data.md``)::
     datalist = "site1/datalist.json"   # relative to the spec file
 
 Parsing is strict: unknown keys, wrong types and inconsistent values raise
-:class:`fedseg.core.errors.ConfigError` naming the file, the key and the fix.
+:class:`fedseg.foundation.errors.ConfigError` naming the file, the key and the fix.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.errors import ConfigError
 
 MODES = ("2d", "slices", "3d")
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from fedseg.core.errors import ConfigError
 from fedseg.data.datalist import SPLITS, write_datalist
+from fedseg.foundation.errors import ConfigError
 
 #: FedSM Table 1 (retinal): per-site (train, val, test) counts for sites 1..6.
 FUNDUS_COUNTS = ((50, 25, 26), (98, 49, 48), (47, 24, 23), (230, 115, 115), (80, 40, 39), (400, 200, 200))

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedseg.core.errors import ConfigError, DataError
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import load_federation
+from fedseg.foundation.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)

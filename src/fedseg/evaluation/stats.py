@@ -20,9 +20,9 @@ Several seeds of one method are merged into mean ± sd; the Wilcoxon test then p
 the paired cases of all seeds (seed s of the candidate paired with seed s of the baseline).
 
 Rows are labelled by ``results["label"]`` (the algorithm's own label, e.g.
-"Auto-FedAvg-N-Dirichlet", written by the engine; :meth:`fedseg.algorithms.base.Algorithm.label`),
+"Auto-FedAvg-N-Dirichlet", written by the engine; :meth:`fedseg.seams.algorithm.Algorithm.label`),
 or the method's name for results that have none: this module knows no algorithm
-(:func:`fedseg.report.runs.run_label` labels older results from the registry).
+(:func:`fedseg.apps.report.runs.run_label` labels older results from the registry).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.core.seeding import derive_seed
+from fedseg.foundation.seeding import derive_seed
 
 __all__ = [
     "bootstrap_ci",

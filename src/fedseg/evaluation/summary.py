@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.core.config import RunConfig
+    from fedseg.foundation.config import RunConfig
 
 __all__ = ["row_from_cases", "summarize"]
 
@@ -67,7 +67,7 @@ def row_from_cases(
 
 
 class BestResult(Protocol):
-    """What :func:`summarize` reads of a candidate's best validation result (``core.checkpoint.Best``)."""
+    """What :func:`summarize` reads of a candidate's best validation result (``seams.checkpoint.Best``)."""
 
     score: float
     round: int

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["mean_sd", "method_rows", "table3"]
+__all__ = ["mean_sd", "method_rows", "table3", "table5"]
 
 
 def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -74,3 +74,19 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
         + ".\n"
     )
     return "\n".join(lines) + "\n" + note
+
+
+def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:
+    """Markdown in FedSM Table 5's layout: selection frequency of GM and each PM at γ = 0, Dice, best γ and its Dice."""
+    head = ["Unseen site", "γ", "GM", *[f"PM {s}" for s in sites], "Dice", "Best γ, Dice"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        sel = r["selection_at_0"]
+        cells = [str(r["site"]), "0", f"{sel['global']:.2f}"]
+        cells += ["N/A" if s == r["site"] else f"{sel.get(f'personal/{s}', 0.0):.2f}" for s in sites]
+        cells += [f"{r['dice_at_0']:.4f}", f"{r['best_gamma']:g}, {r['best_dice']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return (
+        "\n".join(lines)
+        + "\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0; best γ over the grid on the unseen site's test set (as the paper reports it).\n"
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from monai.networks.nets import UNet
 from torch import nn
 
-from fedseg.core.config import ModelConfig
+from fedseg.foundation.config import ModelConfig
 
 _NORMS = {"instance": "INSTANCE", "batch": "BATCH", "none": None}
 

@@ -18,21 +18,21 @@ from torch.utils.data import ConcatDataset, TensorDataset
 from tqdm.auto import tqdm
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.algorithms.base import Algorithm
 from fedseg.algorithms.centralized import POOLED
-from fedseg.core.checkpoint import save_json
-from fedseg.core.config import RunConfig, dump_toml, load_run_config
-from fedseg.core.device import describe, resolve_device
-from fedseg.core.engine import Engine
-from fedseg.core.errors import ConfigError
-from fedseg.core.site import Site, SiteData
-from fedseg.core.workload import Workload, workload_for
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
 from fedseg.evaluation.tables import table3
-from fedseg.simulation.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
-from fedseg.transport.inprocess import InProcessTransport
+from fedseg.execution.engine import Engine
+from fedseg.execution.inprocess import InProcessTransport
+from fedseg.execution.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
+from fedseg.foundation.config import RunConfig, dump_toml, load_run_config
+from fedseg.foundation.device import describe, resolve_device
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.algorithm import Algorithm
+from fedseg.seams.checkpoint import save_json
+from fedseg.site.runtime import Site, SiteData
+from fedseg.site.workload import Workload, workload_for
 
 __all__ = ["build_engine", "build_transport", "load_federation_data", "run", "simulate", "write_results"]
 
@@ -55,7 +55,7 @@ def build_transport(
     heldout: Mapping[str, SiteData] | None = None,
 ) -> InProcessTransport:
     """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed),
-    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.simulation.vectorize`).
+    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.execution.vectorize`).
 
     ``heldout``: sites addressable by name for evaluation but not part of the federation (FedSM's
     unseen-site study); their indices follow the federation's (and the pooled site's)."""
@@ -128,7 +128,7 @@ def simulate(
     cfg
         Run configuration (``cfg.federation`` is only recorded).
     workload
-        Model factory, loss, metric (any task; see :mod:`fedseg.core.workload`).
+        Model factory, loss, metric (any task; see :mod:`fedseg.site.workload`).
     site_data
         ``{site name: SiteData}`` in federation order.
     out
@@ -138,7 +138,7 @@ def simulate(
     stop_after
         Stop (checkpointed) after this round, as an interruption would.
     on_round
-        Called with each round's history entry (see :class:`fedseg.core.engine.Engine`).
+        Called with each round's history entry (see :class:`fedseg.execution.engine.Engine`).
     """
     engine = build_engine(cfg, workload, site_data, out=out, progress=progress, log=log, on_round=on_round)
     results = engine.run(resume=resume, stop_after=stop_after)

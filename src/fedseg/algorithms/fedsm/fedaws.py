@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedseg.core.arrays import Arrays
-from fedseg.core.errors import ConfigError, PayloadError
+from fedseg.foundation.arrays import Arrays
+from fedseg.foundation.errors import ConfigError, PayloadError
 
 __all__ = [
     "class_head",

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.apfl import APFL
-from fedseg.algorithms.base import Algorithm, Candidate, ServerContext
 from fedseg.algorithms.ditto import Ditto
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.fedsm import fedaws
@@ -41,11 +40,12 @@ from fedseg.algorithms.perfedavg import PerFedAvg
 from fedseg.algorithms.personal import Personalization
 from fedseg.algorithms.pfedme import PFedMe
 from fedseg.algorithms.softpull import SoftPull, check_lambda
-from fedseg.core.arrays import Arrays, aggregate, clone, prefixed, strip_prefix
-from fedseg.core.config import RunConfig
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site
+from fedseg.foundation.arrays import Arrays, aggregate, clone, prefixed, strip_prefix
+from fedseg.foundation.config import RunConfig
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.runtime import Site
 
 __all__ = ["PERSONALIZATIONS", "FedSM", "FedSMEnsemble", "FedSMExtra"]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedseg.algorithms.fedavg import Weighting
-from fedseg.core.arrays import Aggregation, check_aggregation
-from fedseg.core.errors import ConfigError
+from fedseg.foundation.arrays import Aggregation, check_aggregation
+from fedseg.foundation.errors import ConfigError
 
 __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
 
@@ -185,7 +185,7 @@ class FedSMParams:
         (that method's :class:`~fedseg.algorithms.personal.Personalization`, its settings from
         its own section; no SoftPull).
     aggregation, trim
-        How the global model is combined (:func:`fedseg.core.arrays.aggregate`): 'mean'
+        How the global model is combined (:func:`fedseg.foundation.arrays.aggregate`): 'mean'
         (Alg. 1, the paper), 'trimmed_mean' (``trim`` of the sites dropped at each end per
         coordinate) or 'median' — the latter two bound one site's influence (deployment).
     """

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedseg.algorithms.base import Candidate
 from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route, routing_accuracy
-from fedseg.core.arrays import Arrays, strip_prefix
-from fedseg.core.errors import PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.site import Site, dataset_len
-from fedseg.transport.base import Transport
+from fedseg.foundation.arrays import Arrays, strip_prefix
+from fedseg.foundation.errors import PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Candidate
+from fedseg.seams.transport import Transport
+from fedseg.site.runtime import Site, dataset_len
 
 __all__ = [
     "SelectorFactory",

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedseg.algorithms.base import ServerContext
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.fedsm import fedaws
 from fedseg.algorithms.fedsm.selection import (
@@ -53,11 +52,12 @@ from fedseg.algorithms.fga import (
     without_resync,
 )
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses, oracle_labels, routing_accuracy
-from fedseg.core.arrays import Arrays, prefixed, strip_prefix, weighted_mean
-from fedseg.core.errors import ConfigError, PayloadError
-from fedseg.core.messages import Reply, Task
-from fedseg.core.seeding import generator
-from fedseg.core.site import Site, dataset_len
+from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.foundation.seeding import generator
+from fedseg.seams.algorithm import ServerContext
+from fedseg.site.runtime import Site, dataset_len
 
 __all__ = [
     "ExpertsLoss",

@@ -1,0 +1,275 @@
+"""The site half of a deployment, independent of the network library.
+
+A :class:`SiteRuntime` lives for the whole run in the site's job process.  Its data
+paths come from the site's own config file (``fedseg deploy site`` writes it into
+the site's kit): the server never learns them.  The server sends, once, the run
+description (resolved run config, data layout, site order); the runtime then
+builds a :class:`fedseg.site.runtime.Site` (models and optimizer moments stay in memory
+between tasks) and answers operations:
+
+``setup``       JSON run description -> JSON summary (site name, training cases)
+``task``        encoded :class:`Task` -> encoded :class:`Reply` (``site.handle``)
+``checkpoint``  JSON ``{"round": r}`` -> writes ``WORKDIR/<run_id>/round-<r>/`` (safetensors)
+``restore``     JSON ``{"round": r}`` -> loads the newest checkpoint at or before round r
+``ping``        -> JSON ``{"site": name}``
+
+Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.data.loading import load_split
+from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
+from fedseg.foundation.config import load_run_config
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.seams.checkpoint import restore_site, save_site
+from fedseg.site.runtime import Site, SiteData, dataset_len
+from fedseg.site.workload import Workload, workload_for
+
+__all__ = [
+    "SITE_CONFIG_NAME",
+    "SiteConfig",
+    "SiteRuntime",
+    "data_header",
+    "is_plain_name",
+    "read_site_config",
+    "write_site_config",
+]
+
+SITE_CONFIG_NAME = "fedseg_site.json"
+"""File name of a site's config inside its kit's ``local/`` folder."""
+
+log = logging.getLogger("fedseg.apps.deploy.site")
+_KEEP = 2
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """What only the site knows: its name in the federation, its datalist, its working folder, its device."""
+
+    name: str
+    datalist: str
+    workdir: str
+    device: str = "auto"
+    """Where this site trains ('auto', 'cpu', 'cuda', 'cuda:N'); replaces the run config's device at this site."""
+
+
+def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device},
+            indent=1,
+        )
+    )
+    return path
+
+
+def read_site_config(path: str | Path) -> SiteConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"site config {path} does not exist; run `fedseg deploy site --kit KIT --datalist ... --workdir ...` on this machine first"
+        )
+    raw = json.loads(path.read_text())
+    missing = [k for k in ("name", "datalist", "workdir") if not raw.get(k)]
+    if missing:
+        raise ConfigError(f"site config {path} lacks {missing}; rewrite it with `fedseg deploy site`")
+    return SiteConfig(raw["name"], raw["datalist"], raw["workdir"], str(raw.get("device", "auto")))
+
+
+def data_header(fed: Any) -> dict[str, Any]:
+    """The data layout of a federation spec without any site or path (what the server may send)."""
+    return {
+        "mode": fed.mode,
+        "spatial_dims": fed.spatial_dims,
+        "in_channels": fed.in_channels,
+        "labels": {k: list(v) for k, v in fed.labels.items()},
+        "image_size": list(fed.image_size) if fed.image_size is not None else None,
+        "foreground_only": fed.foreground_only,
+    }
+
+
+def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:
+    """Load this site's splits from its own datalist, laid out as the server's header says."""
+    dl = Path(datalist).resolve()
+    fed = FederationSpec(
+        name=f"{name}-local",
+        path=dl,
+        sites=(SiteSpec(name, dl),),
+        spatial_dims=int(header["spatial_dims"]),
+        in_channels=int(header["in_channels"]),
+        labels={k: tuple(v) for k, v in header["labels"].items()},
+        mode=header["mode"],
+        image_size=tuple(header["image_size"]) if header.get("image_size") else None,
+        foreground_only=bool(header.get("foreground_only", False)),
+    )
+    data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
+    return data, workload_for(fed, cfg)
+
+
+class SiteRuntime:
+    """One site's long-lived runtime.
+
+    Parameters
+    ----------
+    config
+        The site's own config (name, datalist, workdir).
+    loader
+        ``loader(name, datalist, header, cfg) -> (SiteData, Workload)``; defaults to
+        :func:`load_site_data` (tests pass in-memory data).
+    """
+
+    def __init__(self, config: SiteConfig, loader: Callable[..., tuple[SiteData, Workload]] | None = None):
+        self.config = config
+        self.loader = loader or load_site_data
+        self.site: Site | None = None
+        self.run_id: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def run_dir(self) -> Path:
+        if self.run_id is None:
+            raise PayloadError(f"site {self.name}: no run set up yet; the server must send 'setup' first")
+        return Path(self.config.workdir) / self.run_id
+
+    # ------------------------------------------------------------- operations
+    def call(self, op: str, payload: bytes) -> bytes:
+        """Dispatch one operation (thread-safe: one at a time)."""
+        with self._lock:
+            if op == "task":
+                return self._task(payload)
+            if op == "setup":
+                return _json(self._setup(parse_json_object(payload, f"site {self.name}: setup")))
+            if op == "checkpoint":
+                return _json(self._checkpoint(self._round(payload, op)))
+            if op == "restore":
+                return _json(self._restore(self._round(payload, op)))
+            if op == "ping":
+                return _json({"site": self.name, "ready": self.site is not None})
+            raise PayloadError(
+                f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
+            )
+
+    def _round(self, payload: bytes, op: str) -> int:
+        """The round of a checkpoint/restore request: an integer in 0..rounds of the run set up."""
+        rnd = parse_json_object(payload, f"site {self.name}: {op}").get("round")
+        top = self.site.cfg.rounds if self.site is not None else None
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0 or (top is not None and rnd > top):
+            raise PayloadError(
+                f"site {self.name}: {op} of round {rnd!r} refused; a round is an integer in 0..{top if top is not None else 'rounds'}"
+            )
+        return rnd
+
+    def _setup(self, desc: dict[str, Any]) -> dict[str, Any]:
+        sites = list(desc["sites"])
+        if self.name not in sites:
+            raise ConfigError(
+                f"site {self.name}: not among the run's sites {sites}; check the name in {SITE_CONFIG_NAME}"
+            )
+        run_id = desc.get("run_id")
+        if not is_plain_name(run_id):
+            raise PayloadError(
+                f"site {self.name}: run id {run_id!r} is not a plain name (letters, digits, '_', '.', '-'; "
+                "starting with a letter or digit; at most 128 characters)"
+            )
+        if self.site is not None and self.run_id == run_id:
+            return self._summary()
+        self.run_id = run_id
+        self.run_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            p = Path(tmp) / "config.toml"
+            p.write_text(desc["config_toml"])
+            cfg = load_run_config(p, known_sections=known_sections() | {"deploy"})
+        cfg = dataclasses.replace(cfg, device=self.config.device)  # each site trains on its own device
+        (self.run_dir() / "config.toml").write_text(desc["config_toml"])
+        algorithm = get_algorithm(cfg)
+        data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
+        self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
+        log.info(
+            "site %s set up for run %s (index %d, %d training cases)",
+            self.name,
+            run_id,
+            sites.index(self.name),
+            self.site.num_train,
+        )
+        return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
+        assert self.site is not None
+        d = self.site.data
+        return {
+            "site": self.name,
+            "index": self.site.index,
+            "num_train": self.site.num_train,
+            "num_validation": dataset_len(d.val),
+            "num_testing": dataset_len(d.test),
+        }
+
+    def _task(self, payload: bytes) -> bytes:
+        if self.site is None:
+            raise PayloadError(f"site {self.name}: received a task before setup")
+        task = decode_task(payload)
+        check_arrays(task.arrays, f"site {self.name}: task {task.kind!r} from the server")
+        reply = self.site.handle(task)
+        return encode_reply(reply)
+
+    def _checkpoint(self, rnd: int) -> dict[str, Any]:
+        if self.site is None:
+            raise PayloadError(f"site {self.name}: checkpoint before setup")
+        folder = self.run_dir() / f"round-{rnd:06d}"
+        save_site(self.site, folder)
+        (folder / "DONE").write_text(str(rnd))
+        for old in self._checkpoints()[:-_KEEP]:
+            shutil.rmtree(old[1], ignore_errors=True)
+        return {"site": self.name, "round": rnd}
+
+    def _checkpoints(self) -> list[tuple[int, Path]]:
+        out = []
+        for d in self.run_dir().glob("round-*"):
+            m = re.fullmatch(r"round-(\d+)", d.name)
+            if m and (d / "DONE").is_file():  # anything else in the folder is not ours: ignored
+                out.append((int(m.group(1)), d))
+        return sorted(out)
+
+    def _restore(self, rnd: int) -> dict[str, Any]:
+        if self.site is None:
+            raise PayloadError(f"site {self.name}: restore before setup")
+        usable = [(r, d) for r, d in self._checkpoints() if r <= rnd]
+        if not usable:
+            return {"site": self.name, "restored": None}
+        r, d = usable[-1]
+        restore_site(self.site, d)
+        if r != rnd:
+            log.warning(
+                "site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r
+            )
+        return {"site": self.name, "restored": r}
+
+
+def is_plain_name(name: Any) -> bool:
+    """A run id or folder name that stays inside its parent: letters, digits, ``_.-``, starting with a letter
+    or digit (so never ``.``, ``..`` or a path), at most 128 characters."""
+    return isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name) is not None
+
+
+def _json(x: Any) -> bytes:
+    return json.dumps(x).encode()

@@ -1,0 +1,184 @@
+"""Several runs at once: method comparisons over seeds, the demo, re-evaluation of a finished run."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import REGISTRY, known_sections
+from fedseg.apps.report import ReportOptions, build_report
+from fedseg.data.synth import synthesize
+from fedseg.evaluation.summary import row_from_cases
+from fedseg.evaluation.tables import table3
+from fedseg.foundation.config import load_run_config
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.checkpoint import load_best
+from fedseg.simulation.runner import build_engine, load_federation_data, run
+from fedseg.site.workload import workload_for
+
+__all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
+
+DEMO_METHODS = ("local", "centralized", "fedavg", "fedsm")
+"""The demo's methods; FedSM runs with its defaults (one γ per personalized model chosen on validation, selector
+trained by gradient averaging on flipped batches)."""
+
+
+def split_method_entries(text: str) -> list[str]:
+    """Split ``"local,fedsm:personalization=ft,lam=0.5,fedavg"`` into method entries.
+
+    Comma-separated; a ``key=value`` token without ``:`` continues the previous entry.
+    """
+    entries: list[str] = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        if "=" in token and ":" not in token and entries:
+            entries[-1] += "," + token
+        else:
+            entries.append(token)
+    return entries
+
+
+def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
+    """``"fedsm:personalization=ft,lam=0.5"`` → (method, overrides in the method's section, label).
+
+    A plain name (``"fedavg"``) has no overrides and is its own label.  The section is
+    the method's config section (``fedsm-extra`` uses ``[fedsm]``).
+    """
+    method, _, settings = entry.partition(":")
+    method = method.strip()
+    cls = REGISTRY.get(method)
+    if cls is None:
+        raise ConfigError(f"unknown method {method!r} in {entry!r}; known methods: {', '.join(sorted(REGISTRY))}")
+    pairs = [p.strip() for p in settings.split(",") if p.strip()]
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ConfigError(f"{entry!r}: settings must be key=value (e.g. fedsm:personalization=ft), got {bad}")
+    overrides = [f"{cls.section}.{p}" for p in pairs]
+    label = f"{method} ({', '.join(pairs)})" if pairs else method
+    return method, overrides, label
+
+
+def compare(
+    config: str | Path,
+    methods: Sequence[str],
+    out: str | Path,
+    seeds: Sequence[int] = (0,),
+    rounds: int | None = None,
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict[str, Any]], str]:
+    """Run every method with every seed into ``out/<entry>/seed<k>`` and tabulate them.
+
+    An entry is a method name, optionally with settings of its own section
+    (``fedsm:personalization=ft``), so variants of one method get their own rows
+    (e.g. the FedSM paper's Table 6).  Runs whose ``results.json`` already exists are
+    read instead of re-run, so an interrupted comparison continues where it stopped.
+    Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
+    ``out/comparison.json``; returns the runs' results and the table.
+    """
+    out = Path(out)
+    entries = [parse_method_entry(m) for m in methods]
+    runs = []
+    for (method, own, label), entry in zip(entries, methods):
+        for seed in seeds:
+            folder = out / entry.replace(":", "-").replace(",", "-").replace(" ", "") / f"seed{seed}"
+            done = folder / "results.json"
+            if done.is_file():
+                log(f"{label} seed {seed}: already done ({done})")
+                res = json.loads(done.read_text())
+            else:
+                t0 = time.perf_counter()
+                res = run(
+                    config,
+                    out=folder,
+                    overrides=[*overrides, *own],
+                    progress=progress,
+                    log=log,
+                    method=method,
+                    seed=seed,
+                    rounds=rounds,
+                )
+                log(
+                    f"{label} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s"
+                )
+            if own:
+                res["label"] = label
+            runs.append(res)
+    table = table3(runs)
+    (out / "comparison.md").write_text(table)
+    keys = ("method", "label", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s")
+    summary = [{k: r[k] for k in keys if k in r} for r in runs]
+    (out / "comparison.json").write_text(json.dumps(summary, indent=1))
+    return runs, table
+
+
+def demo(
+    out: str | Path = "runs/demo",
+    rounds: int = 40,
+    scale: float = 0.15,
+    size: int = 64,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[str, Path]:
+    """Synthesize a small fundus-like federation (6 sites), compare local, centralized, FedAvg and FedSM
+    (default settings), and write the HTML report of the runs.
+
+    Sized for about 5 minutes on 2 CPU cores (docs/results.md, "Demo"): a U-Net of the default's depth at
+    half its width with one residual unit (the cost of a CPU step is its number of small operations more
+    than the image size), validation every 2 rounds.
+
+    Returns the Table 3-layout table (also written to ``out/comparison.md``) and the report's path
+    (``out/report.html``).
+    """
+    out = Path(out)
+    log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
+    spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
+    overrides = [
+        "train.batch_size=4",
+        "eval.every=2",
+        "checkpoint_every=10",
+        "model.channels=[8,16,32,64,128]",
+        "model.num_res_units=1",
+    ]
+    _runs, table = compare(
+        spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log
+    )
+    # tables, curves and FedSM's routing only: the model sections (loss surface, t-SNE) take
+    # minutes on a CPU — `fedseg report runs/demo` builds them
+    report = build_report(
+        [out / m / f"seed{seed}" for m in DEMO_METHODS],
+        out / "report.html",
+        options=ReportOptions(models=False),
+        progress=progress,
+        log=log,
+        title="fedseg demo: local, centralized, FedAvg and FedSM on a synthetic fundus federation",
+    )
+    return table, report
+
+
+def evaluate_run(
+    run_dir: str | Path, federation: str | Path | None = None, split: str = "testing", progress: bool = True
+) -> dict[str, Any]:
+    """Score a finished run's best models on a federation's split (its own federation by default).
+
+    Returns ``{"rows": [...], "table": markdown}``; rows follow ``results.json``'s ``rows``.
+    """
+    run_dir = Path(run_dir)
+    fix = "evaluate needs the checkpoints of a finished fedseg run: restore them from a backup or run it again"
+    best = load_best(run_dir / "checkpoints", fix=fix)
+    cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
+    fed, data = load_federation_data(federation or cfg.federation, progress=progress)
+    engine = build_engine(cfg, workload_for(fed, cfg), data, progress=False)
+    sites = list(engine.transport.sites)
+    rows = []
+    for name, b in best.items():
+        per_case = engine.evaluate([b.candidate], split, lambda c: engine.transport.sites)[name]
+        rows.append({"name": name, **row_from_cases(per_case, sites, list(fed.labels))})
+    runs = [{"method": r["name"], "seed": cfg.seed, "sites": sites, "rows": [], **r} for r in rows]
+    return {"rows": rows, "table": table3(runs)}

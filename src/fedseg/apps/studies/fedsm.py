@@ -1,0 +1,501 @@
+"""FedSM experiments: runs with a routing report, the unseen-site study (Table 5) and the λ/γ sweep (Table 7).
+
+* :func:`run_fedsm` runs fedsm / fedsm-extra / fedsm-ensemble in simulation and adds
+  ``results["fedsm"]``: the selector's routing accuracy and selection frequencies on
+  every site's **test** split, and the test Dice of the composite for every γ of the
+  grid — computed at the sites by the ``"route"`` task, only sums and counts return.
+* :func:`unseen` leaves each site out in turn, trains on the others and tests the
+  composite on the held-out site (FedSM Table 5: GM/PM selection frequency at γ = 0,
+  Dice, best γ and its Dice).
+* :func:`sweep` runs one FedSM per λ (Table 7: Client Avg and Global Dice per λ) and
+  reports the test Dice per γ.
+* :func:`over_seeds` runs either study once per seed (``out/seed<N>``) and :func:`tabulate`
+  puts the seeds' studies into one table (mean ± sd over seeds), from their ``sweep.json`` or
+  ``unseen.json`` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.algorithms.fedsm import FedSM, route_task
+from fedseg.algorithms.fedsm.selection import PER_MODEL
+from fedseg.evaluation.tables import mean_sd, table5
+from fedseg.execution.engine import Engine
+from fedseg.foundation.config import RunConfig, load_run_config
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.transport import Transport
+from fedseg.simulation.runner import build_engine, load_federation_data, write_results
+from fedseg.site.runtime import SiteData
+from fedseg.site.workload import Workload, workload_for
+
+__all__ = [
+    "load_spec",
+    "over_seeds",
+    "routing_report",
+    "run_fedsm",
+    "sweep",
+    "table5_over_seeds",
+    "table7",
+    "table7_over_seeds",
+    "tabulate",
+    "unseen",
+    "with_fedsm",
+]
+
+
+def with_fedsm(cfg: RunConfig, **settings: Any) -> RunConfig:
+    """``cfg`` with ``[fedsm]`` settings replaced."""
+    return dataclasses.replace(cfg, params={**cfg.params, "fedsm": {**cfg.params.get("fedsm", {}), **settings}})
+
+
+def load_spec(
+    config: str | Path | RunConfig, overrides: Sequence[str] = (), progress: bool = False, **fields: Any
+) -> tuple[RunConfig, Workload, dict[str, SiteData]]:
+    """Config, segmentation workload and in-memory site data of a run config / federation spec (as ``fedseg run``)."""
+    cfg = (
+        config
+        if isinstance(config, RunConfig)
+        else load_run_config(config, list(overrides), known_sections(), **fields)
+    )
+    fed, data = load_federation_data(cfg.federation, progress=progress)
+    return cfg, workload_for(fed, cfg), data
+
+
+def routing_report(
+    engine: Engine,
+    transport: Transport,
+    sites: Sequence[str],
+    gammas: Sequence[float] | None = None,
+    split: str = "testing",
+) -> dict[str, Any]:
+    """Routing statistics of the best ``"fedsm"`` candidate on ``sites`` (federation sites and/or held-out ones).
+
+    Returns ``{"gamma", "gamma_per_model" (None unless ``fedsm.gamma = "auto-per-model"``), "mode", "models",
+    "per_site": {site: {n, routing_acc, selection
+    (frequency per model at the run's γ: its per-model thresholds where it has them), dice (likewise), dice_by_gamma,
+    selection_by_gamma, dice_per_model}}, "dice_by_gamma": sample-weighted over the
+    federation's sites}``.
+    """
+    algo = engine.algorithm
+    if not isinstance(algo, FedSM) or "fedsm" not in engine.best:
+        raise ConfigError("routing_report needs a finished fedsm / fedsm-extra / fedsm-ensemble run")
+    cand = engine.best["fedsm"].candidate
+    mode = cand.config["mode"]
+    grid = sorted({*(gammas if gammas is not None else algo.params.gamma_grid), float(cand.config["gamma"])})
+    replies = route_task(transport, cand, list(sites), split, grid if mode == "gate" else [None])
+    models = ["global", *[f"personal/{s}" for s in cand.config["sites"]]]
+    per_site: dict[str, Any] = {}
+    per_model = mode == "gate" and cand.config.get("gamma_per_model") is not None
+    for s, m in replies.items():
+        n = m["n"]
+        sels = [x for x in m["selections"] if x["gamma"] != PER_MODEL]  # the grid's
+        if per_model:  # the composite routes with its per-model thresholds: the last selection
+            at = m["selections"][-1]
+        elif mode == "gate":
+            at = next((x for x in sels if x["gamma"] == float(cand.config["gamma"])), sels[0])
+        else:
+            at = sels[0]
+        per_site[s] = {
+            "n": n,
+            "routing_acc": m["routing_acc"],
+            "selection": {name: (c / n if n else None) for name, c in zip(models, at["counts"])},
+            "dice": at["dice_sum"] / n if n else None,
+            "dice_by_gamma": {str(x["gamma"]): (x["dice_sum"] / n if n else None) for x in sels}
+            if mode == "gate"
+            else {},
+            "selection_by_gamma": {
+                str(x["gamma"]): {name: (c / n if n else None) for name, c in zip(models, x["counts"])} for x in sels
+            }
+            if mode == "gate"
+            else {},
+            "dice_per_model": {name: (d / n if n else None) for name, d in zip(models, m["dice_sum_per_model"])},
+        }
+    fed = [s for s in replies if s in cand.config["sites"]]
+    total = sum(replies[s]["n"] for s in fed)
+    by_gamma = {}
+    if mode == "gate" and total:
+        for i, g in enumerate(grid):
+            by_gamma[str(g)] = sum(replies[s]["selections"][i]["dice_sum"] for s in fed) / total
+    return {
+        "gamma": cand.config["gamma"],
+        "gamma_per_model": cand.config.get("gamma_per_model"),
+        "mode": mode,
+        "models": models,
+        "best_round": engine.best["fedsm"].round,
+        "per_site": per_site,
+        "dice_by_gamma": by_gamma,
+    }
+
+
+def run_fedsm(
+    cfg: RunConfig,
+    workload: Workload,
+    site_data: Mapping[str, SiteData],
+    out: str | Path | None = None,
+    heldout: str | None = None,
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run a FedSM variant in simulation and add ``results["fedsm"]`` (:func:`routing_report` on test).
+
+    Parameters
+    ----------
+    heldout
+        A site left out of training (Table 5): it is addressable for testing only and
+        gets ``results["fedsm"]["per_site"][heldout]``.
+    """
+    algorithm = get_algorithm(cfg)
+    if not isinstance(algorithm, FedSM):
+        raise ConfigError(f"run_fedsm runs fedsm, fedsm-extra or fedsm-ensemble, not {cfg.method!r}")
+    if heldout is not None and heldout not in site_data:
+        raise ConfigError(f"held-out site {heldout!r} is not in the federation; sites: {list(site_data)}")
+    train = {s: d for s, d in site_data.items() if s != heldout}
+    engine = build_engine(
+        cfg,
+        workload,
+        train,
+        out=out,
+        progress=progress,
+        log=log,
+        algorithm=algorithm,
+        heldout={heldout: site_data[heldout]} if heldout is not None else None,
+    )
+    results = engine.run()
+    assert results is not None
+    report_sites = [*train, *([heldout] if heldout is not None else [])]
+    results["fedsm"] = routing_report(engine, engine.transport, report_sites, gammas)
+    if heldout is not None:
+        results["fedsm"]["heldout"] = heldout
+    if out is not None:
+        write_results(results, out)
+        with open(Path(out) / "results.md", "a") as f:
+            f.write("\n" + routing_markdown(results) + "\n")
+    return results
+
+
+def routing_markdown(results: Mapping[str, Any]) -> str:
+    """Per-site routing accuracy and selection frequencies of a :func:`run_fedsm` result."""
+    rep = results["fedsm"]
+    models = rep["models"]
+    short = ["GM"] + [f"PM {m.split('/', 1)[1]}" for m in models[1:]]
+    per = rep.get("gamma_per_model")
+    at = f"γ per model {', '.join(f'{float(g):g}' for g in per)}" if per else f"γ={rep['gamma']}"
+    head = ["Site", "routing acc", *short, f"Dice ({at})" if rep["mode"] == "gate" else "Dice"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s, r in rep["per_site"].items():
+        acc = "–" if r["routing_acc"] is None else f"{r['routing_acc']:.2f}"
+        cells = [s, acc, *[f"{r['selection'][m]:.2f}" for m in models], f"{r['dice']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return (
+        f"Selector routing on test ({results['method']}, best round {rep['best_round']}):\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+# ------------------------------------------------------------------- Table 5
+def unseen(
+    config: str | Path | RunConfig,
+    out: str | Path,
+    overrides: Sequence[str] = (),
+    sites: Sequence[str] | None = None,
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    **fields: Any,
+) -> tuple[list[dict[str, Any]], str]:
+    """FedSM Table 5: for each held-out site k, train on the others, test the composite on k.
+
+    Returns the rows and the Markdown table (also ``out/unseen.md`` and ``out/unseen.json``).
+    Each row: ``site``, ``selection_at_0`` ({model: frequency} at γ = 0), ``dice_at_0``,
+    ``best_gamma``, ``best_dice``, ``dice_by_gamma``, and what the run chose on the training sites'
+    validation (:func:`_chosen`: ``gamma``, ``gamma_per_model``, ``dice_at_chosen``).
+    """
+    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    if cfg.method != "fedsm":
+        cfg = dataclasses.replace(cfg, method="fedsm")
+    grid = sorted({0.0, *(gammas if gammas is not None else get_algorithm(cfg).params.gamma_grid)})
+    out = Path(out)
+    rows = []
+    for k in sites or list(data):
+        t0 = time.perf_counter()
+        res = run_fedsm(
+            cfg, workload, data, out=out / f"unseen-{k}", heldout=k, gammas=grid, progress=progress, log=log
+        )
+        r = res["fedsm"]["per_site"][k]
+        dbg = {float(g): d for g, d in r["dice_by_gamma"].items()}
+        best_g = max(sorted(dbg), key=lambda g: dbg[g])
+        rows.append(
+            {
+                "site": k,
+                "selection_at_0": r["selection_by_gamma"][str(0.0)],
+                "dice_at_0": dbg[0.0],
+                "best_gamma": best_g,
+                "best_dice": dbg[best_g],
+                "dice_by_gamma": dbg,
+                **_chosen(res, k),
+                "wall_time_s": time.perf_counter() - t0,
+            }
+        )
+        log(f"unseen {k}: Dice at γ=0 {dbg[0.0]:.4f}, best γ {best_g} → {dbg[best_g]:.4f}")
+    table = table5(rows, list(data))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unseen.md").write_text(table)
+    (out / "unseen.json").write_text(json.dumps(rows, indent=1))
+    return rows, table
+
+
+def _chosen(results: Mapping[str, Any], site: str | None = None) -> dict[str, Any]:
+    """What a FedSM run chose on its validation (``gamma``; ``gamma_per_model`` under
+    ``fedsm.gamma = "auto-per-model"``, else None) and, for a held-out ``site`` (default: the one site
+    of ``results["fedsm"]["per_site"]`` that is not in the federation), its test Dice with that choice
+    (``dice_at_chosen``)."""
+    rep = results["fedsm"]
+    out = {"gamma": rep.get("gamma"), "gamma_per_model": rep.get("gamma_per_model")}
+    held = [s for s in rep.get("per_site", {}) if s not in results.get("sites", [])]
+    site = site or (held[0] if len(held) == 1 else None)
+    if site is not None:
+        out["dice_at_chosen"] = rep["per_site"][site]["dice"]
+    return out
+
+
+def _gamma_text(row: Mapping[str, Any]) -> str:
+    """The γ a run used: its per-model thresholds ``(0, 1, 0.95, …)`` or its one γ; – if unknown."""
+    per = row.get("gamma_per_model")
+    if per:
+        return "(" + ", ".join(f"{float(g):g}" for g in per) + ")"
+    return "–" if row.get("gamma") is None else f"{row['gamma']:g}"
+
+
+# ------------------------------------------------------------------- Table 7
+def sweep(
+    config: str | Path | RunConfig,
+    out: str | Path,
+    lams: Sequence[float],
+    overrides: Sequence[str] = (),
+    gammas: Sequence[float] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    **fields: Any,
+) -> tuple[list[dict[str, Any]], str]:
+    """FedSM Table 7: one FedSM run per λ (Client Avg and Global Dice), plus test Dice per γ.
+
+    Every λ in [0, 1] runs (the paper's Table 7 includes λ = 0.1 < 1/K = 1/6; below 1/K a
+    warning says that a site's own model then weighs less than each other site's); a λ
+    outside [0, 1] is reported as rejected rather than run.
+    """
+    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    if cfg.method != "fedsm":
+        cfg = dataclasses.replace(cfg, method="fedsm")
+    out = Path(out)
+    rows = []
+    for lam in lams:
+        if not 0.0 <= lam <= 1.0:
+            rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [0, 1]"})
+            log(f"λ = {lam}: skipped, outside [0, 1]")
+            continue
+        res = run_fedsm(
+            with_fedsm(cfg, lam=float(lam)),
+            workload,
+            data,
+            out=out / f"lam{lam:g}",
+            gammas=gammas,
+            progress=progress,
+            log=log,
+        )
+        rows.append(
+            {
+                "lam": lam,
+                "client_avg_dice": res["client_avg_dice"],
+                "global_dice": res["global_dice"],
+                "gamma": res["fedsm"]["gamma"],
+                "gamma_per_model": res["fedsm"].get("gamma_per_model"),
+                "dice_by_gamma": res["fedsm"]["dice_by_gamma"],
+                "wall_time_s": res.get("wall_time_s"),
+            }
+        )
+        log(f"λ = {lam}: client avg Dice {res['client_avg_dice']:.4f}, global {res['global_dice']:.4f}")
+    table = table7(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text(table)
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    return rows, table
+
+
+def table7(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown in FedSM Table 7's layout (columns λ; rows Client Avg, Global), then test Dice per γ per λ."""
+    head = ["λ", *[f"{r['lam']:g}" for r in rows]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, key in (("Client Avg", "client_avg_dice"), ("Global", "global_dice")):
+        lines.append(
+            "| " + " | ".join([label, *["rejected" if "rejected" in r else f"{r[key]:.4f}" for r in rows]]) + " |"
+        )
+    text = "\n".join(lines) + "\n"
+    ran = [r for r in rows if "rejected" not in r and r.get("dice_by_gamma")]
+    if ran:
+        gs = sorted({g for r in ran for g in r["dice_by_gamma"]}, key=float)
+        lines = ["| γ \\ λ | " + " | ".join(f"{r['lam']:g}" for r in ran) + " |", "|" + "---|" * (len(ran) + 1)]
+        for g in gs:
+            lines.append(
+                f"| {float(g):g} | " + " | ".join(f"{r['dice_by_gamma'].get(g, float('nan')):.4f}" for r in ran) + " |"
+            )
+        text += (
+            "\nTest Dice (pooled over all sites' test cases) of the FedSM composite per threshold γ:\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
+    notes = [r["rejected"] for r in rows if "rejected" in r]
+    if notes:
+        text += "\nRejected: " + "; ".join(notes) + " (SoftPull's range, FedSM Eq. 11).\n"
+    return text
+
+
+# ------------------------------------------------------------ several seeds
+STUDY_FILES = {"sweep": "sweep", "unseen": "unseen"}
+"""The two studies and the stem of the files each writes in its output folder (``<stem>.json`` / ``.md``)."""
+
+
+def over_seeds(
+    study: str,
+    config: str | Path | RunConfig,
+    out: str | Path,
+    seeds: Sequence[int],
+    log: Callable[[str], None] = print,
+    **kwargs: Any,
+) -> tuple[dict[int, list[dict[str, Any]]], str]:
+    """Run ``study`` (``"sweep"`` or ``"unseen"``, with :func:`sweep`'s / :func:`unseen`'s arguments)
+    once per seed into ``out/seed<N>``, then write their table over seeds (:func:`tabulate`) to
+    ``out/<study>.md``. Returns the rows by seed and that table."""
+    if study not in STUDY_FILES:
+        raise ConfigError(f"unknown FedSM study {study!r}; use 'sweep' or 'unseen'")
+    if not seeds:
+        raise ConfigError("over_seeds needs at least one seed, e.g. --seeds 0,1,2")
+    fn = sweep if study == "sweep" else unseen
+    out = Path(out)
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for seed in seeds:
+        rows[seed], _ = fn(config, out / f"seed{seed}", log=log, seed=seed, **kwargs)
+    _, table = tabulate([out / f"seed{s}" for s in seeds], out / f"{STUDY_FILES[study]}.md")
+    return rows, table
+
+
+def tabulate(folders: Sequence[str | Path], md: str | Path | None = None) -> tuple[str, str]:
+    """One table over the seeds of a study from its per-seed output folders (each with the
+    ``sweep.json`` or ``unseen.json`` that :func:`sweep` / :func:`unseen` wrote; all folders the
+    same study). Returns ``(study, markdown)`` and writes the Markdown to ``md`` if given."""
+    if not folders:
+        raise ConfigError("tabulate needs at least one study folder")
+    kinds, rows = set(), []
+    for f in folders:
+        found = [k for k, stem in STUDY_FILES.items() if (Path(f) / f"{stem}.json").is_file()]
+        if len(found) != 1:
+            raise ConfigError(
+                f"{f}: expected the output folder of one FedSM study (a sweep.json or an unseen.json written by "
+                "'fedseg fedsm sweep' or 'fedseg fedsm unseen'), found "
+                + (" and ".join(f"{k}.json" for k in found) if found else "neither")
+            )
+        kinds.add(found[0])
+        rows.append(_complete(json.loads((Path(f) / f"{STUDY_FILES[found[0]]}.json").read_text()), Path(f)))
+    if len(kinds) > 1:
+        raise ConfigError(f"the folders hold different studies ({sorted(kinds)}); tabulate one study at a time")
+    study = kinds.pop()
+    table = table7_over_seeds(rows) if study == "sweep" else table5_over_seeds(rows)
+    if md is not None:
+        Path(md).parent.mkdir(parents=True, exist_ok=True)
+        Path(md).write_text(table)
+    return study, table
+
+
+def _complete(rows: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    """Rows of a study written before they recorded the run's choice (:func:`_chosen`): filled in from each
+    run's ``results.json`` in ``folder`` where it is there."""
+    for r in rows:
+        if "rejected" in r or "gamma_per_model" in r:
+            continue
+        run = folder / (f"unseen-{r['site']}" if "site" in r else f"lam{r['lam']:g}") / "results.json"
+        if run.is_file():
+            ch = _chosen(json.loads(run.read_text()), r.get("site"))
+            r["gamma_per_model"] = ch["gamma_per_model"]
+            if "dice_at_chosen" in ch:
+                r["dice_at_chosen"] = ch["dice_at_chosen"]
+    return rows
+
+
+def table7_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
+    """Table 7 over seeds: per λ, Client Avg and Global Dice as mean ± sd over the runs (one list of
+    :func:`sweep` rows per seed), the γ each seed's run used, then the test Dice per γ (mean over seeds)."""
+    lams: list[float] = []
+    for rows in runs:
+        for r in rows:
+            if "rejected" not in r and r["lam"] not in lams:
+                lams.append(r["lam"])
+    by = [{r["lam"]: r for r in rows if "rejected" not in r} for rows in runs]
+    cols = [[b[lam] for b in by if lam in b] for lam in lams]
+    head = ["λ", *[f"{lam:g}" for lam in lams]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, key in (("Client Avg", "client_avg_dice"), ("Global", "global_dice")):
+        lines.append("| " + " | ".join([label, *[mean_sd([r[key] for r in col]) for col in cols]]) + " |")
+    lines.append("| γ used (per seed) | " + " | ".join(", ".join(_gamma_text(r) for r in col) for col in cols) + " |")
+    text = "\n".join(lines) + "\n"
+    gs = sorted({g for col in cols for r in col for g in r.get("dice_by_gamma", {})}, key=float)
+    if gs:
+        lines = ["| γ \\ λ | " + " | ".join(f"{lam:g}" for lam in lams) + " |", "|" + "---|" * (len(lams) + 1)]
+        for g in gs:
+            cells = [mean_sd([r["dice_by_gamma"].get(g) for r in col]) for col in cols]
+            lines.append(f"| {float(g):g} | " + " | ".join(cells) + " |")
+        text += (
+            "\nTest Dice (pooled over all sites' test cases) of the FedSM composite per threshold γ:\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
+    return text + f"\nmean ± sd over {len(runs)} seed(s).\n"
+
+
+def table5_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
+    """Table 5 over seeds: per unseen site, the selection frequency of the global model and of each
+    personalized model at γ = 0 (mean over seeds), the Dice at γ = 0 and the best γ's Dice (mean ± sd)
+    and the best γ of each seed (one list of :func:`unseen` rows per seed)."""
+    sites: list[str] = []
+    for rows in runs:
+        for r in rows:
+            for name in [r["site"], *(m.split("/", 1)[1] for m in r["selection_at_0"] if m.startswith("personal/"))]:
+                if name not in sites:
+                    sites.append(name)
+    heldout = [s for s in sites if any(r["site"] == s for rows in runs for r in rows)]
+    chosen = any("dice_at_chosen" in r for rows in runs for r in rows)
+    head = ["Unseen site", "γ", "GM", *[f"PM {s}" for s in sites], "Dice", "Best γ (per seed)", "Best γ's Dice"]
+    if chosen:
+        head += ["γ chosen on validation (per seed)", "Its Dice"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in heldout:
+        rs = [r for rows in runs for r in rows if r["site"] == k]
+        freq = {
+            m: sum(r["selection_at_0"].get(m, 0.0) for r in rs) / len(rs)
+            for m in ["global", *(f"personal/{s}" for s in sites)]
+        }
+        cells = [k, "0", f"{freq['global']:.2f}"]
+        cells += ["N/A" if s == k else f"{freq[f'personal/{s}']:.2f}" for s in sites]
+        cells += [
+            mean_sd([r["dice_at_0"] for r in rs]),
+            ", ".join(f"{r['best_gamma']:g}" for r in rs),
+            mean_sd([r["best_dice"] for r in rs]),
+        ]
+        if chosen:
+            cells += ["; ".join(_gamma_text(r) for r in rs), mean_sd([r.get("dice_at_chosen") for r in rs])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return (
+        "\n".join(lines)
+        + f"\n\nGM = global model, PM = personalized model; frequencies of the selector's choice on the unseen site's test cases at γ = 0 (mean over seeds); Dice mean ± sd over {len(runs)} seed(s); best γ over the grid on the unseen site's test set (as the paper reports it)"
+        + (
+            "; γ chosen on validation: the thresholds the run chose on its training sites' validation (per personalized model under `fedsm.gamma = \"auto-per-model\"`), and the unseen site's test Dice with them"
+            if chosen
+            else ""
+        )
+        + ".\n"
+    )

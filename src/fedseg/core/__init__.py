@@ -1,1 +1,0 @@
-"""The core: messages, arrays, config, seeding, errors, device, workload, site, engine, checkpoints."""

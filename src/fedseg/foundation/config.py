@@ -1,0 +1,484 @@
+"""Run configuration: frozen dataclasses, TOML loading, dotted overrides, validation.
+
+A run is fully described by one TOML file plus ``--set key=value`` overrides; the
+resolved configuration is written beside the results (``config.toml`` and inside
+``results.json``) so that ``fedseg run OUT/config.toml`` reproduces it.
+
+Every option that takes one of a few words is typed ``Literal[...]``: the loader
+(:func:`dataclass_from_dict`) and each section's ``validate`` (:func:`check_literals`)
+refuse any other value with one message naming the key and the allowed values
+(``train.precision = 'fp8'; use 'fp32', 'bf16' or 'fp16' (e.g. --set train.precision=fp32)``).
+Algorithms' ``Params`` and ``[deploy]`` are read by the same loader.
+
+Defaults follow the FedSM paper and its reference code (Section 4: Adam with
+betas (0.9, 0.999), Dice loss, 1 local epoch, 2D U-Net) unless noted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fedseg.foundation.errors import ConfigError
+
+__all__ = [
+    "EvalConfig",
+    "ModelConfig",
+    "RunConfig",
+    "SimulationConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "check_literals",
+    "dataclass_from_dict",
+    "dump_toml",
+    "load_run_config",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Segmentation network (MONAI ``UNet``).
+
+    Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
+    strides 2, 2 residual units, instance norm.
+    """
+
+    name: Literal["unet"] = "unet"
+    """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
+    channels: tuple[int, ...] = (16, 32, 64, 128, 256)
+    strides: tuple[int, ...] = (2, 2, 2, 2)
+    num_res_units: int = 2
+    norm: Literal["instance", "batch", "none"] = "instance"
+    dropout: float = 0.0
+    roi_size: tuple[int, ...] | None = None
+    """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
+
+    def validate(self) -> None:
+        check_literals(self, "model")
+        if len(self.strides) != len(self.channels) - 1:
+            raise ConfigError(
+                f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
+                "give one stride fewer than channels"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training at every site.
+
+    Local work is counted in epochs (``local_epochs``, the paper's E = 1) or in
+    optimizer steps (``local_steps``); set exactly one.  The optimizer state of a
+    site's training of a shared model persists across rounds unless
+    ``reset_optimizer`` (the FedSM reference keeps the Adam moments).
+    """
+
+    batch_size: int = 8
+    local_epochs: float | None = 1.0
+    local_steps: int | None = None
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    reset_optimizer: bool = False
+    bn_policy: Literal["average", "local"] = "average"
+    """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
+    loss: Literal["dice", "dicece", "bce"] = "dice"
+    dtype: Literal["float32", "float64"] = "float32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
+    scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
+    that use raw gradients outside an optimizer step (APFL, pFedMe, Per-FedAvg, FGA, FedSM's 'fga'
+    selector) refuse 'fp16' when the run starts and name bf16 (docs/architecture.md)."""
+    data: Literal["auto", "device", "stream"] = "auto"
+    """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
+    each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""
+
+    def validate(self) -> None:
+        check_literals(self, "train")
+        if (self.local_epochs is None) == (self.local_steps is None):
+            raise ConfigError(
+                "set exactly one of train.local_epochs and train.local_steps "
+                f"(got local_epochs={self.local_epochs}, local_steps={self.local_steps}); "
+                "e.g. --set train.local_steps=20 --set train.local_epochs=none"
+            )
+        if self.local_epochs is not None and not self.local_epochs > 0:
+            raise ConfigError(f"train.local_epochs must be > 0, got {self.local_epochs}")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ConfigError(f"train.local_steps must be >= 1, got {self.local_steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"train.batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ConfigError(
+                f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
+                "mixed precision runs float32 weights"
+            )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation schedule and Dice computation."""
+
+    every: int = 1
+    """Validate every this many rounds (and always after the last round)."""
+    threshold: float = 0.5
+    """Sigmoid output above this is foreground."""
+    batch_size: int = 16
+    empty_dice: float = 1.0
+    """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
+    "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
+    cases instead; that is not offered, as every per-case mean would then need to skip them.)"""
+    best_criterion: Literal["cases", "sites"] = "cases"
+    """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
+    pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
+    client average)."""
+
+    def validate(self) -> None:
+        check_literals(self, "eval")
+        if self.every < 1:
+            raise ConfigError(f"eval.every must be >= 1, got {self.every}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
+        if not 0.0 <= self.empty_dice <= 1.0:
+            raise ConfigError(
+                f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)"
+            )
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """How a one-machine simulation executes the sites' local work (never changes what a site computes).
+
+    vectorize
+        'on': the sites' local steps of a round run as one vectorized computation
+        (:mod:`fedseg.execution.vectorize`; equal to the sequential run to rounding, not bitwise);
+        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA
+        with at least 4 sites (``AUTO_MIN_SITES``; fewer gained nothing on an H100), off on the CPU.
+    vectorize_group
+        Most sites stacked into one computation (0 = all of them; on CUDA a group that does
+        not fit in memory at its first step is split in halves).
+    cuda_graphs
+        'on' (default): on CUDA, a vectorized group's local step (stacked forward, backward and Adam
+        step) is captured once as a CUDA graph and replayed, which removes the per-kernel launch cost
+        that bounds small-image rounds (equal to the eager vectorized step; where a step cannot be
+        captured it runs eagerly and the log says why); 'off': every step eagerly.  No effect on
+        the CPU or on sequential runs.
+    """
+
+    vectorize: Literal["auto", "on", "off"] = "auto"
+    vectorize_group: int = 0
+    cuda_graphs: Literal["on", "off"] = "on"
+
+    def validate(self) -> None:
+        check_literals(self, "simulation")
+        if self.vectorize_group < 0:
+            raise ConfigError(
+                f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}"
+            )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines one run.
+
+    ``params`` holds the method-specific sections (``[fedavg]``, ``[fedsm]``…) as
+    plain tables; each algorithm turns its own section into its frozen
+    ``Params`` dataclass and rejects unknown keys.
+    """
+
+    federation: str
+    method: str = "fedavg"
+    rounds: int = 20
+    seed: int = 0
+    checkpoint_every: int = 1
+    checkpoint_background: bool = True
+    """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.foundation.device`."""
+    deterministic: bool = True
+    """On CUDA: deterministic kernels (same seed → bitwise the same weights); false lets cuDNN pick
+    the fastest kernels.  No effect on the CPU."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        d = str(self.device).lower()
+        if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(
+                f"device = {self.device!r} is not known; use 'auto', 'cpu', 'cuda' or 'cuda:N' (e.g. --device cuda:1)"
+            )
+        self.model.validate()
+        self.train.validate()
+        self.eval.validate()
+        self.simulation.validate()
+
+    def is_eval_round(self, rnd: int) -> bool:
+        """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""
+        return rnd % self.eval.every == 0 or rnd == self.rounds
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        params = d.pop("params")
+        d.update(params)
+        return d
+
+
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig, "simulation": SimulationConfig}
+
+
+def _choices(allowed: Sequence[Any]) -> str:
+    """``'a', 'b' or 'c'``: the allowed values of a ``Literal`` setting, for error messages."""
+    names = [repr(a) for a in allowed]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _describe(tp: Any) -> str:
+    """What a value of type ``tp`` looks like, for an error message ("'auto'", "a number", "none")."""
+    if typing.get_origin(tp) is typing.Literal:
+        return _choices(typing.get_args(tp))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
+    if tp in names:
+        return names[tp]
+    return "a list" if typing.get_origin(tp) is tuple else getattr(tp, "__name__", str(tp))
+
+
+def _literal_type(tp: Any) -> Any:
+    """``tp`` if it is a ``Literal[...]``, or a union holding one (``Literal[...] | None``); else None."""
+    if typing.get_origin(tp) is typing.Literal:
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and any(
+        typing.get_origin(a) is typing.Literal for a in typing.get_args(tp)
+    ):
+        return tp
+    return None
+
+
+def check_literals(obj: Any, where: str) -> None:
+    """Check every ``Literal``-typed field of the dataclass instance ``obj`` (as the loader does), so that a
+    config built in Python gets the same error as one read from TOML: ``<where>.<key> = 'x'; use 'a' or 'b'``."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = _literal_type(hints[f.name])
+        if tp is not None:
+            _coerce(getattr(obj, f.name), tp, f"{where}.{f.name}")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a TOML value to the annotated type ``tp`` or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if isinstance(value, str) and value == "none" and any("none" in typing.get_args(a) for a in args):
+            return value  # "none" is one of the setting's own choices (e.g. fedsm.selector_augment), not unset
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        kinds = " or ".join(_describe(a) for a in args)
+        raise ConfigError(f"{where} = {value!r}; expected {kinds}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected {len(args)} values, got {list(value)}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) in {type(a) for a in allowed}:
+            return value
+        raise ConfigError(f"{where} = {value!r}; use {_choices(allowed)} (e.g. --set {where}={allowed[0]})")
+    if origin is dict or tp is dict:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def dataclass_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build the frozen dataclass ``cls`` from a TOML table, rejecting unknown keys.
+
+    Parameters
+    ----------
+    cls
+        A dataclass type.
+    data
+        Its TOML table.
+    where
+        The table's name, used in error messages (e.g. ``"train"``).
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"[{where}] has unknown key(s) {unknown}; known keys: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override's value as TOML (numbers, booleans, lists, strings); bare words are strings.  The
+    word ``none`` stays a word: the typed loader (:func:`_coerce`) reads it as unset (None), or as the
+    setting's own choice where its choices name it (``fedsm.selector_augment = "none"``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy)."""
+    out = json.loads(json.dumps(raw, default=list))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a table")
+        node[parts[-1]] = _parse_value(text.strip())
+    return out
+
+
+def _is_federation_spec(raw: dict[str, Any]) -> bool:
+    return "sites" in raw
+
+
+def load_run_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    known_sections: set[str] | None = None,
+    **fields: Any,
+) -> RunConfig:
+    """Load a run config from TOML (or a federation spec), apply overrides and validate.
+
+    Parameters
+    ----------
+    path
+        A run config (with ``federation = "..."``) or a federation spec (with
+        ``[[sites]]``; then the run uses it with default settings).
+    overrides
+        ``key=value`` strings, dotted for sections (``train.lr=1e-4``, ``fedsm.lam=0.7``).
+    known_sections
+        Method sections that may appear (from the algorithm registry); others are rejected.
+    **fields
+        Top-level values that take precedence (``method``, ``rounds``, ``seed`` from the CLI).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass a run config TOML or a federation spec")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        if _is_federation_spec(raw):
+            raw = {"federation": str(p.resolve())}
+        elif "federation" in raw:
+            fed = Path(raw["federation"])
+            raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
+    for k, v in fields.items():
+        if v is not None:
+            raw[k] = v
+    raw = apply_overrides(raw, overrides or [])
+    if "federation" not in raw:
+        raise ConfigError('the config names no federation; add federation = "path/to/federation.toml"')
+    top = {f.name for f in dataclasses.fields(RunConfig)} - {"params", *_SECTIONS}
+    kwargs: dict[str, Any] = {}
+    params: dict[str, dict[str, Any]] = {}
+    hints = typing.get_type_hints(RunConfig)
+    for k, v in raw.items():
+        if k in _SECTIONS:
+            kwargs[k] = dataclass_from_dict(_SECTIONS[k], v, k)
+        elif k in top:
+            kwargs[k] = _coerce(v, hints[k], k)
+        elif isinstance(v, dict) and (known_sections is None or k in known_sections):
+            params[k] = v
+        else:
+            known = sorted(top | set(_SECTIONS) | (known_sections or set()))
+            raise ConfigError(f"unknown config key {k!r}; known keys and sections: {known}")
+    cfg = RunConfig(params=params, **kwargs)
+    cfg.validate()
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a two-level table (scalars, then one section per nested table) as TOML.
+
+    ``None`` values are written as the string ``"none"``, which the loader reads back as None.
+    """
+    lines: list[str] = []
+    tables = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        for k, v in table.items():
+            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,336 @@
+"""Checkpoint files: atomic writes, the commit protocol, best models and site state — safetensors + JSON, no pickle.
+
+Every file fedseg writes for a run and reads back goes through this module, so the format
+is spelled out once.  Layout of a run folder's ``checkpoints/``:
+
+* ``server.safetensors`` — the algorithm's server state (one flat ``dict[str, Tensor]``);
+* ``best.safetensors`` + ``best.json`` — the best arrays of every candidate, each prefixed by
+  its name (``global/…``, ``local/site1/…``, ``fedsm/selector/…``), and per candidate its
+  validation score, round, predictor kind, validation sites, home site and predictor config
+  (:func:`best_files` writes them, :func:`load_best` reads them back as :class:`Best`);
+* ``sites/<site>.safetensors`` + ``<site>.json`` — each site's models, optimizer moments,
+  fp16 scalers and ``store`` (:meth:`fedseg.site.runtime.Site.state_arrays`;
+  :func:`save_site` / :func:`restore_site`; deployed sites write the same two files into
+  their own work folder);
+* ``progress.json`` — the last completed round, the history, the names/shapes/dtypes of the
+  server and best arrays (``layout``) and the staged file names: the commit record.
+
+A checkpoint is written as one unit: every file first as ``<name>.next`` (sites to
+``sites.next/``), then ``progress.json.next`` (the record), then everything is moved into
+place (:func:`commit_checkpoint`), so a crash never pairs one round's server state with
+another round's progress.  :class:`CheckpointWriter` does this from host copies, in a
+background thread.  Every tensor on disk is a host (CPU) tensor, so a run checkpointed on a
+GPU resumes on the CPU and back.
+
+Layer: this module sits beside :mod:`fedseg.seams.algorithm` (``tests/test_layers.py``),
+above :mod:`fedseg.site.runtime`, because each best-model record it reads and writes is a
+:class:`~fedseg.seams.algorithm.Candidate` of the server half and the site state it saves is a
+:class:`~fedseg.site.runtime.Site`'s; the site itself does no file I/O, and no algorithm imports
+this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedseg.foundation.arrays import Arrays, check_layout, nonfinite, prefixed, strip_prefix
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.seams.algorithm import Candidate
+from fedseg.site.runtime import Site
+
+__all__ = [
+    "BEST_ARRAYS",
+    "BEST_META",
+    "PROGRESS",
+    "SERVER",
+    "SITES",
+    "Best",
+    "CheckpointWriter",
+    "JsonDoc",
+    "best_files",
+    "commit_checkpoint",
+    "load_best",
+    "load_checked",
+    "read_best_meta",
+    "read_progress",
+    "restore_site",
+    "save_arrays",
+    "save_json",
+    "save_site",
+]
+
+SERVER = "server.safetensors"
+BEST_ARRAYS = "best.safetensors"
+BEST_META = "best.json"
+PROGRESS = "progress.json"
+SITES = "sites"
+_RESUME_FIX = "restore {name} from a backup, or start the run again without --resume"
+
+
+# ------------------------------------------------------------------ atomic writes
+def save_arrays(arrays: Arrays, path: Path) -> None:
+    """Write safetensors atomically: a temp file, then a rename (a crash leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in arrays.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def save_json(data: Any, path: Path) -> None:
+    """Write JSON atomically: a temp file, fsync, rename (a crash leaves the old file or the new one, never half)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def load_checked(path: Path, layout: dict[str, Any] | None, fix: str | None = None) -> Arrays:
+    """Load a safetensors file fedseg wrote: readable, the names/shapes/dtypes recorded when it was saved
+    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming
+    the file and ``fix`` (default: restore it or start the run again without ``--resume``).
+
+    With a layout the arrays come back in its order, the order they had when saved (a safetensors file
+    gives them back in an order of its own, by dtype and name), so a resumed run iterates over its state
+    as the uninterrupted run does and every sum over it (a diagnostic norm) is bitwise the same."""
+    fix = fix or _RESUME_FIX.format(name=path.name)
+    try:
+        arrays = load_file(str(path))
+    except Exception as e:
+        raise ConfigError(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+    try:
+        if layout is not None:
+            check_layout(arrays, layout)
+            arrays = {k: arrays[k] for k in layout}
+        bad = nonfinite(arrays)
+        if bad:
+            raise PayloadError(f"non-finite values in {bad[:5]}")
+    except PayloadError as e:
+        raise ConfigError(f"checkpoint file {path} is not the one this run saved: {e}; {fix}") from None
+    return arrays
+
+
+# ------------------------------------------------------------------ best models
+@dataclass
+class Best:
+    """Best validation result of one candidate so far: its score, its round and the candidate (arrays + how to run it)."""
+
+    score: float
+    round: int
+    candidate: Candidate
+
+
+def best_files(best: Mapping[str, Best]) -> tuple[Arrays, dict[str, Any]]:
+    """The contents of ``best.safetensors`` (every candidate's arrays prefixed by its name) and ``best.json``."""
+    meta = {}
+    arrays: Arrays = {}
+    for name, b in best.items():
+        c = b.candidate
+        meta[name] = {
+            "score": b.score,
+            "round": b.round,
+            "predictor": c.predictor,
+            "val_sites": c.val_sites,
+            "home_site": c.home_site,
+            "config": c.config,
+        }
+    for name, b in best.items():
+        arrays.update(prefixed(name, b.candidate.arrays))
+    return arrays, meta
+
+
+_BEST_KEYS = ("score", "round", "predictor", "val_sites", "home_site", "config")
+
+
+def read_best_meta(folder: str | Path, fix: str | None = None) -> dict[str, dict[str, Any]]:
+    """``best.json`` of the checkpoint folder ``folder``: ``{candidate: {score, round, predictor, val_sites,
+    home_site, config}}`` (what :func:`best_files` wrote), without loading the arrays; one error naming the
+    file when it is missing or damaged."""
+    path = Path(folder) / BEST_META
+    if not path.is_file() or not (Path(folder) / BEST_ARRAYS).is_file():
+        raise ConfigError(
+            f"{path.parent.parent} has no {path.parent.name}/{BEST_META} + {BEST_ARRAYS} (the best models of a "
+            "finished fedseg run); give the folder of a finished run"
+        )
+    try:
+        meta = json.loads(path.read_text())
+        bad = [n for n, m in meta.items() if not isinstance(m, dict) or any(k not in m for k in _BEST_KEYS)]
+    except (ValueError, AttributeError) as e:
+        bad, meta = [f"{type(e).__name__}: {e}"], None
+    if bad or not isinstance(meta, dict):
+        raise ConfigError(
+            f"{path} is damaged (entries {bad[:3]} lack {list(_BEST_KEYS)}); "
+            f"{fix or _RESUME_FIX.format(name=path.name)}"
+        )
+    return meta
+
+
+def load_best(folder: str | Path, layout: dict[str, Any] | None = None, fix: str | None = None) -> dict[str, Best]:
+    """``{candidate: Best}`` from ``folder/best.safetensors`` + ``best.json`` (host tensors), checked as
+    :func:`load_checked` and :func:`read_best_meta`."""
+    meta = read_best_meta(folder, fix)
+    arrays = load_checked(Path(folder) / BEST_ARRAYS, layout, fix)
+    out = {}
+    for name, m in meta.items():
+        vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
+        cand = Candidate(name, strip_prefix(name, arrays), m["predictor"], vs, m["home_site"], m["config"])
+        out[name] = Best(m["score"], m["round"], cand)
+    return out
+
+
+# ------------------------------------------------------------------ site state
+def save_site(site: Site, folder: str | Path) -> Path:
+    """Write the site's state (:meth:`Site.state_arrays`) to ``folder/<site>.safetensors`` + ``.json``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays, meta = site.state_arrays()
+    path = folder / f"{site.name}.safetensors"
+    save_arrays(arrays, path)
+    save_json(meta, path.with_suffix(".json"))
+    return path
+
+
+def restore_site(site: Site, folder: str | Path) -> bool:
+    """Load the state :func:`save_site` wrote into ``site``; False when ``folder`` holds none for it.
+    A state that is unreadable, non-finite or does not fit the site's models is one error naming the file."""
+    path = Path(folder) / f"{site.name}.safetensors"
+    if not path.is_file():
+        return False
+    arrays = load_checked(path, None)
+    fix = f"restore {path.name} and its .json from a backup, or start the run again without --resume"
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+        site.load_state_arrays(arrays, meta)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # unreadable JSON, state that does not fit
+        raise ConfigError(
+            f"site state {path} does not fit this run's site {site.name!r} ({type(e).__name__}: {str(e)[:300]}); {fix}"
+        ) from None
+    return True
+
+
+# ------------------------------------------------------------------ commit protocol
+def read_progress(d: str | Path) -> dict[str, Any] | None:
+    """``progress.json`` of the last committed checkpoint in ``d`` (round, history, layout), None when there
+    is none yet; a damaged record is one error naming the file.  Reads only (a supervisor may poll it while
+    the server writes): :func:`commit_checkpoint` first to finish an interrupted commit."""
+    path = Path(d) / PROGRESS
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        progress = json.loads(text)
+        int(progress["round"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{path} is damaged ({type(e).__name__}: {e}); {_RESUME_FIX.format(name=path.name)}"
+        ) from None
+    return progress
+
+
+@dataclass(frozen=True)
+class JsonDoc:
+    """A JSON file of a staged checkpoint (a snapshot: nothing the round loop changes later)."""
+
+    data: Any
+
+
+def commit_checkpoint(d: Path) -> None:
+    """Move a staged checkpoint into place if its commit record ``progress.json.next`` exists (idempotent:
+    safe to repeat after a crash half-way); otherwise drop staged leftovers of an unfinished save."""
+    record = d / (PROGRESS + ".next")
+    if record.is_file():
+        for name in json.loads(record.read_text()).get("staged", []):
+            if (d / (name + ".next")).is_file():
+                os.replace(d / (name + ".next"), d / name)
+        if (d / (SITES + ".next")).is_dir():
+            (d / SITES).mkdir(exist_ok=True)
+            for f in (d / (SITES + ".next")).iterdir():
+                os.replace(f, d / SITES / f.name)
+            (d / (SITES + ".next")).rmdir()
+        os.replace(record, d / PROGRESS)
+        return
+    for f in d.glob("*.next"):
+        if f.is_dir():
+            shutil.rmtree(f)
+        else:
+            f.unlink()
+
+
+class CheckpointWriter:
+    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
+
+    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
+    commit record ``progress.json.next``; the files are written one after another and the
+    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
+    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
+    committed and re-raises a failed write.  The engine waits before it stages the next
+    checkpoint and before the run returns, so at most one checkpoint is in flight and the
+    commit protocol (staged ``.next`` files, then the record) is unchanged.
+    """
+
+    def __init__(self, background: bool = True):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
+        self._pending: Future | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.write_s = 0.0
+        """Seconds spent writing (in the worker thread when in the background)."""
+
+    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
+        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
+        when the source is on a GPU, so the copies run without blocking until one final
+        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
+        page-faulting a checkpoint's worth of memory each time; they are free again once
+        :meth:`wait` has returned, which every caller does before copying."""
+        out: Arrays = {}
+        for k, v in arrays.items():
+            name = f"{group}/{k}"
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
+                self._buffers[name] = buf
+            buf.copy_(v.detach(), non_blocking=v.is_cuda)
+            out[k] = buf
+        return out
+
+    @staticmethod
+    def copies_done() -> None:
+        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+        self.wait()
+        if self._pool is None:
+            self._write(folder, files)
+        else:
+            self._pending = self._pool.submit(self._write, folder, files)
+
+    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+        t0 = time.perf_counter()
+        for rel, content in files.items():
+            path = folder / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, JsonDoc):
+                save_json(content.data, path)
+            else:
+                save_arrays(content, path)
+        commit_checkpoint(folder)
+        self.write_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is committed (re-raises its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()

@@ -1,0 +1,221 @@
+"""What is being learned: a model factory, a loss, a metric — independent of any algorithm.
+
+The engine and every algorithm see only a :class:`Workload`, so any task runs on
+fedseg: :func:`segmentation_workload` builds the paper's U-Net + Dice setting, and a
+user may pass their own ``nn.Module`` factory, loss and metric (e.g. a classifier,
+see ``docs/python-api.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
+
+__all__ = [
+    "DataLayout",
+    "Workload",
+    "accuracy_metric",
+    "dice_metric",
+    "make_loss",
+    "segmentation_workload",
+    "workload_for",
+]
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """A learning task.
+
+    Attributes
+    ----------
+    build_model
+        Returns a freshly initialized ``nn.Module`` (called under a seeded RNG).
+    loss
+        ``loss(output, target) -> scalar`` (mean-reduced over the batch).
+    metric
+        ``metric(output, target) -> (B, C)`` per-case scores in [0, 1], higher is better
+        (Dice per label channel, or accuracy with C = 1).
+    metric_names
+        One name per metric column (e.g. ``("disc", "cup")``).
+    infer
+        ``infer(model, x) -> output`` at evaluation (default ``model(x)``; 3D uses
+        sliding-window inference).
+    train_transform
+        Optional ``(x, y, generator) -> (x, y)`` applied to each training batch (random
+        patch crops for 3D); every draw comes from the given seeded generator.
+    spatial_dims, in_channels
+        Input layout, for builders of auxiliary models.
+    build_selector
+        ``build_selector(num_classes, width, hidden) -> nn.Module``: a classifier of this task's
+        inputs into ``num_classes`` classes (FedSM's model selector); the default is the papers'
+        VGG-11-style :class:`fedseg.models.Selector` for ``spatial_dims``/``in_channels``.  Methods
+        get auxiliary networks from the workload, so no algorithm imports a network library.
+    """
+
+    build_model: Callable[[], nn.Module]
+    loss: Loss
+    metric: Metric
+    metric_names: Sequence[str] = ("score",)
+    infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    train_transform: (
+        Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
+    spatial_dims: int = 2
+    in_channels: int = 1
+    build_selector: Callable[[int, float, int], nn.Module] | None = None
+
+    def selector(self, num_classes: int, width: float = 0.25, hidden: int = 128) -> nn.Module:
+        """A freshly initialized selector network (``build_selector``, or the papers' VGG-11 layout)."""
+        if self.build_selector is not None:
+            return self.build_selector(num_classes, width, hidden)
+        from fedseg.models import Selector  # MONAI-free, but models/ imports MONAI's U-Net
+
+        return Selector(self.spatial_dims, self.in_channels, num_classes, width=width, hidden=hidden)
+
+    def predict(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Model output for evaluation, through ``infer`` when set."""
+        return self.infer(model, x) if self.infer is not None else model(x)
+
+
+def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
+    """Per-case, per-channel Dice of ``sigmoid(logits) > threshold`` against binary masks (MONAI DiceMetric).
+
+    An empty prediction on an empty mask scores ``empty_dice`` (``eval.empty_dice``, default
+    1 as MONAI's ``ignore_empty=False``); a non-empty prediction on an empty mask scores 0.
+    """
+    from monai.metrics import DiceMetric
+
+    metric = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
+
+    def compute(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = (torch.sigmoid(logits.float()) > threshold).float()
+        out = metric(pred, target.float())
+        metric.reset()
+        if empty_dice != 1.0:
+            dims = tuple(range(2, pred.dim()))
+            both = (pred.sum(dim=dims) == 0) & (target.float().sum(dim=dims) == 0)
+            out = torch.where(both.to(out.device), torch.full_like(out, empty_dice), out)
+        return out
+
+    return compute
+
+
+def accuracy_metric(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-case classification accuracy (B, 1) from class logits (B, K) and integer targets (B,)."""
+    return (logits.argmax(dim=1) == target).float().unsqueeze(1)
+
+
+def make_loss(name: str) -> Loss:
+    """Segmentation loss on logits with one sigmoid per channel (MONAI losses; FedSM uses Dice)."""
+    from monai.losses import DiceCELoss, DiceLoss
+
+    if name == "dice":
+        return DiceLoss(sigmoid=True)
+    if name == "dicece":
+        return DiceCELoss(sigmoid=True)
+    if name == "bce":
+        return nn.BCEWithLogitsLoss()
+    raise ValueError(f"unknown loss {name!r}")
+
+
+def _random_crop(roi: Sequence[int]):
+    """Batch transform cutting one random patch of size ``roi`` per case (same place for image and label)."""
+
+    def crop(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        spatial = x.shape[2:]
+        xs, ys = [], []
+        for i in range(x.shape[0]):
+            starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
+            sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
+            xs.append(x[(i, slice(None), *sl)])
+            ys.append(y[(i, slice(None), *sl)])
+        return torch.stack(xs), torch.stack(ys)
+
+    return crop
+
+
+def segmentation_workload(
+    spatial_dims: int,
+    in_channels: int,
+    label_names: Sequence[str],
+    model: ModelConfig | None = None,
+    train: TrainConfig | None = None,
+    threshold: float = 0.5,
+    sw_batch_size: int = 4,
+    empty_dice: float = 1.0,
+) -> Workload:
+    """The papers' setting: MONAI U-Net, Dice loss with sigmoid, per-channel Dice.
+
+    With ``model.roi_size`` set (3D volumes), training cuts random patches of that
+    size and evaluation uses MONAI's sliding-window inference.
+    """
+    from monai.inferers import sliding_window_inference
+
+    from fedseg.models import build_unet
+
+    model = model or ModelConfig()
+    train = train or TrainConfig()
+    out_channels = len(label_names)
+    roi = model.roi_size
+    infer = None
+    transform = None
+    if roi is not None:
+        if len(roi) != spatial_dims:
+            raise ValueError(f"model.roi_size {roi} must have {spatial_dims} entries")
+
+        def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return sliding_window_inference(
+                x, roi_size=tuple(roi), sw_batch_size=sw_batch_size, predictor=m, overlap=0.25
+            )
+
+        transform = _random_crop(roi)
+    return Workload(
+        build_model=lambda: build_unet(spatial_dims, in_channels, out_channels, model),
+        loss=make_loss(train.loss),
+        metric=dice_metric(threshold, empty_dice),
+        metric_names=tuple(label_names),
+        infer=infer,
+        train_transform=transform,
+        spatial_dims=spatial_dims,
+        in_channels=in_channels,
+    )
+
+
+class DataLayout(Protocol):
+    """What a workload needs to know of a federation's data (a :class:`fedseg.data.spec.FederationSpec` has it)."""
+
+    spatial_dims: int
+    in_channels: int
+    labels: Mapping[str, Any]
+
+
+def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
+    """The segmentation workload of a run: its federation's data layout and the run's model, loss,
+    threshold and ``eval.empty_dice`` — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
+    and both halves of a deployment build.
+
+    ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
+    ``in_channels``, ``labels``: what a deployed server receives, :func:`fedseg.apps.deploy.site.data_header`).
+    """
+    if isinstance(layout, Mapping):
+        spatial_dims, in_channels, labels = layout["spatial_dims"], layout["in_channels"], layout["labels"]
+    else:
+        spatial_dims, in_channels, labels = layout.spatial_dims, layout.in_channels, layout.labels
+    return segmentation_workload(
+        int(spatial_dims),
+        int(in_channels),
+        list(labels),
+        cfg.model,
+        cfg.train,
+        cfg.eval.threshold,
+        empty_dice=cfg.eval.empty_dice,
+    )
