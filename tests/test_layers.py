@@ -339,3 +339,25 @@ def test_every_folder_is_one_layer():
     named = [p.removeprefix("fedseg.") for layer in LAYERS for p in layer if p.startswith("fedseg.")]
     assert sorted(top) == sorted(n for n in named if n != "cli"), (top, named)
     assert len(named) == len(set(named))
+
+
+MAX_LINES = 500
+ONE_CONCEPT = {
+    "fedseg/site/runtime.py": "the Site: its data, models, optimizers, local loop, scores and state, one class",
+    "fedseg/foundation/config.py": "the run's settings: one dataclass per section, each field with its description",
+    "fedseg/algorithms/fedsm/method.py": "FedSM's server and site halves, shared by FedSM-extra and the ensemble",
+    "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
+    "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
+    "fedseg/execution/remote/transport.py": "RemoteTransport: deadlines, minimum sites and the checks on every reply",
+    "fedseg/apps/studies/fedsm.py": "the FedSM studies (Tables 5 and 7) and their tables over seeds",
+}
+"""Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
+
+
+def test_modules_are_small_unless_one_concept():
+    """No module over ~500 lines unless it is one concept, named in :data:`ONE_CONCEPT` with the reason."""
+    long = {str(p.relative_to(SRC)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    unexplained = {p: n for p, n in long.items() if p not in ONE_CONCEPT}
+    assert not unexplained, f"modules over {MAX_LINES} lines: split them or say in ONE_CONCEPT why not: {unexplained}"
+    stale = sorted(set(ONE_CONCEPT) - set(long))
+    assert not stale, f"ONE_CONCEPT lists modules no longer over {MAX_LINES} lines: {stale}"
