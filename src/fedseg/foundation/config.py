@@ -53,10 +53,15 @@ class ModelConfig:
     name: Literal["unet"] = "unet"
     """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
+    """Feature channels of the U-Net levels, from the top level down."""
     strides: tuple[int, ...] = (2, 2, 2, 2)
+    """Down-sampling stride between consecutive levels (one entry fewer than channels)."""
     num_res_units: int = 2
+    """Residual units per U-Net block (0: plain convolutions)."""
     norm: Literal["instance", "batch", "none"] = "instance"
+    """Normalization layer of the U-Net: 'instance', 'batch' or 'none'."""
     dropout: float = 0.0
+    """Dropout probability inside the U-Net blocks."""
     roi_size: tuple[int, ...] | None = None
     """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
 
@@ -80,18 +85,29 @@ class TrainConfig:
     """
 
     batch_size: int = 8
+    """Training images per local batch (>= 1)."""
     local_epochs: float | None = 1.0
+    """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps."""
     local_steps: int | None = None
+    """Local work per round in optimizer steps (>= 1); exclusive with local_epochs."""
     optimizer: Literal["adam", "sgd"] = "adam"
+    """Local optimizer: 'adam' (with betas) or 'sgd' (with momentum)."""
     lr: float = 1e-3
+    """Learning rate of the local optimizer (> 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2)."""
     momentum: float = 0.9
+    """SGD momentum (optimizer = 'sgd' only)."""
     weight_decay: float = 0.0
+    """L2 weight decay of the local optimizer (torch's weight_decay of Adam or SGD; 0 = none)."""
     reset_optimizer: bool = False
+    """Start a fresh optimizer state every round instead of keeping each site's moments across rounds."""
     bn_policy: Literal["average", "local"] = "average"
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
     loss: Literal["dice", "dicece", "bce"] = "dice"
+    """Training loss on the sigmoid outputs: 'dice' (MONAI DiceLoss), 'dicece' (Dice + cross-entropy) or 'bce' (binary cross-entropy)."""
     dtype: Literal["float32", "float64"] = "float32"
+    """Floating-point type of weights, optimizer state and aggregation: 'float32' or 'float64'."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
     scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
@@ -133,6 +149,7 @@ class EvalConfig:
     threshold: float = 0.5
     """Sigmoid output above this is foreground."""
     batch_size: int = 16
+    """Images per batch at validation and testing."""
     empty_dice: float = 1.0
     """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
     "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
@@ -158,31 +175,26 @@ class EvalConfig:
 class SimulationConfig:
     """How a one-machine simulation executes the sites' local work (never changes what a site computes).
 
-    vectorize
-        'on': the sites' local steps of a round run as one vectorized computation
-        (:mod:`fedseg.execution.vectorize`; equal to the sequential run to rounding, not bitwise);
-        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA
-        with at least 4 sites (``AUTO_MIN_SITES``; fewer gained nothing on an H100), off on the CPU.
-    vectorize_group
-        Most sites stacked into one computation (0 = all of them; on CUDA a group that does
-        not fit in memory at its first step is split in halves).
-    cuda_graphs
-        'on' (default): on CUDA, a vectorized group's local step (stacked forward, backward and Adam
-        step) is captured once as a CUDA graph and replayed, which removes the per-kernel launch cost
-        that bounds small-image rounds (equal to the eager vectorized step; where a step cannot be
-        captured it runs eagerly and the log says why); 'off': every step eagerly.  No effect on
-        the CPU or on sequential runs.
+    ``vectorize = "on"`` runs the sites' local steps of a round as one vectorized computation
+    (:mod:`fedseg.execution.vectorize`); ``"auto"`` turns it on on CUDA with at least 4 sites
+    (``AUTO_MIN_SITES``; fewer gained nothing on an H100).  ``vectorize_group = 0`` stacks as many
+    sites as fit in the free GPU memory on CUDA (all sites on the CPU).  ``cuda_graphs = "on"``
+    removes the per-kernel launch cost that bounds small-image rounds (equal to the eager
+    vectorized step).
     """
 
     vectorize: Literal["auto", "on", "off"] = "auto"
+    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU."""
     vectorize_group: int = 0
+    """Most sites stacked into one vectorized computation; 0 = as many as fit in free GPU memory on CUDA (all sites on the CPU); on CUDA a group that does not fit at its first step is split in halves."""
     cuda_graphs: Literal["on", "off"] = "on"
+    """'on': on CUDA a vectorized group's local step is captured once as a CUDA graph and replayed (steps that cannot be captured run eagerly, the log says why); 'off': every step eagerly. No effect on the CPU or on sequential runs."""
 
     def validate(self) -> None:
         check_literals(self, "simulation")
         if self.vectorize_group < 0:
             raise ConfigError(
-                f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}"
+                f"simulation.vectorize_group must be >= 0 (0 = as many sites as fit in memory), got {self.vectorize_group}"
             )
 
 
@@ -196,10 +208,15 @@ class RunConfig:
     """
 
     federation: str
+    """Path of the federation spec (TOML with [[sites]]) the run trains on; relative to the run config's folder."""
     method: str = "fedavg"
+    """Federated method, a name of the algorithm registry (`fedseg run --help` lists them)."""
     rounds: int = 20
+    """Communication rounds (>= 1)."""
     seed: int = 0
+    """Seed of weight initialization, data order and augmentation (same seed, same run)."""
     checkpoint_every: int = 1
+    """Write a checkpoint (weights, optimizer state, progress) every this many rounds and after the last one (>= 1)."""
     checkpoint_background: bool = True
     """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
     device: str = "auto"
