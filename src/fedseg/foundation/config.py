@@ -29,6 +29,7 @@ from typing import Any, Literal
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "EXCLUSIVE",
     "EvalConfig",
     "ModelConfig",
     "RunConfig",
@@ -79,7 +80,8 @@ class TrainConfig:
     """Local training at every site.
 
     Local work is counted in epochs (``local_epochs``, the paper's E = 1) or in
-    optimizer steps (``local_steps``); set exactly one.  The optimizer state of a
+    optimizer steps (``local_steps``); set exactly one (``--set`` of one replaces the other,
+    :data:`EXCLUSIVE`).  The optimizer state of a
     site's training of a shared model persists across rounds unless
     ``reset_optimizer`` (the FedSM reference keeps the Adam moments).
     """
@@ -87,9 +89,9 @@ class TrainConfig:
     batch_size: int = 8
     """Training images per local batch (>= 1)."""
     local_epochs: float | None = 1.0
-    """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps."""
+    """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps (--set of either replaces the other)."""
     local_steps: int | None = None
-    """Local work per round in optimizer steps (>= 1); exclusive with local_epochs."""
+    """Local work per round in optimizer steps (>= 1); exclusive with local_epochs (--set of either replaces the other)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Local optimizer: 'adam' (with betas) or 'sgd' (with momentum)."""
     lr: float = 1e-3
@@ -123,7 +125,7 @@ class TrainConfig:
             raise ConfigError(
                 "set exactly one of train.local_epochs and train.local_steps "
                 f"(got local_epochs={self.local_epochs}, local_steps={self.local_steps}); "
-                "e.g. --set train.local_steps=20 --set train.local_epochs=none"
+                "remove one, or set it to none (--set train.local_steps=20 alone replaces the epochs)"
             )
         if self.local_epochs is not None and not self.local_epochs > 0:
             raise ConfigError(f"train.local_epochs must be > 0, got {self.local_epochs}")
@@ -388,9 +390,23 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+EXCLUSIVE: tuple[tuple[str, str], ...] = (("train.local_epochs", "train.local_steps"),)
+"""Pairs of settings of which a run sets exactly one.  An override that sets one of a pair (not to
+``none``) replaces the other, which is then unset, wherever the other came from (the default or the
+file); overrides that set both are refused by validation, as is a file that sets both."""
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() == "none")
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy)."""
+    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy).
+
+    Setting one of a pair of :data:`EXCLUSIVE` settings unsets the other unless the overrides set it too
+    (``train.local_steps=60`` alone means local steps instead of the default or the file's epochs)."""
     out = json.loads(json.dumps(raw, default=list))
+    given: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
@@ -403,7 +419,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a table")
-        node[parts[-1]] = _parse_value(text.strip())
+        node[parts[-1]] = given[".".join(parts)] = _parse_value(text.strip())
+    for pair in EXCLUSIVE:
+        for key, other in (pair, pair[::-1]):
+            if key in given and other not in given and not _is_none(given[key]):
+                *path, name = other.split(".")
+                node = out
+                for p in path:
+                    node = node.setdefault(p, {})
+                node[name] = "none"
     return out
 
 
