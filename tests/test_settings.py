@@ -110,3 +110,14 @@ def test_rows_carry_type_default_allowed_values_and_docstring():
 @pytest.mark.parametrize("key", ["train.weight_decay", "apfl.alpha_lr", "perfedavg.hvp", "pfedme.personal_lr"])
 def test_the_generated_file_documents_every_setting(key):
     assert f"| `{key}` |" in DOC.read_text()
+
+
+@dataclass(frozen=True)
+class _Markup:
+    value: int = 0
+    """See :mod:`fedseg.foundation.device` and ``train.lr``."""
+
+
+def test_rest_markup_becomes_plain_backquotes():
+    (row,) = describe(_Markup, "m")
+    assert row.doc == "See `fedseg.foundation.device` and `train.lr`."

@@ -15,7 +15,7 @@ from fedseg.algorithms import REGISTRY
 from fedseg.execution.remote.params import SECTION as DEPLOY
 from fedseg.execution.remote.params import DeployParams
 from fedseg.foundation.errors import ConfigError
-from fedseg.foundation.settings import TOP, Setting, describe, run_sections
+from fedseg.foundation.settings import TOP, Setting, describe, plain, run_sections
 from fedseg.seams.algorithm import NoParams
 
 __all__ = ["MARKDOWN_COMMAND", "markdown", "sections", "table"]
@@ -35,15 +35,19 @@ def sections() -> dict[str, tuple[type, list[Setting], str]]:
             methods.setdefault(cls.section, []).append(name)
             params[cls.section] = cls.Params
     for section in sorted(params):
-        note = "read by " + ", ".join(f"`{m}`" for m in methods[section])
+        note = "Read by " + ", ".join(f"`{m}`" for m in methods[section]) + "."
         out[section] = (params[section], describe(params[section], section), note)
-    out[DEPLOY] = (DeployParams, describe(DeployParams, DEPLOY), "read by `fedseg deploy run` / `rehearse`")
+    out[DEPLOY] = (
+        DeployParams,
+        describe(DeployParams, DEPLOY),
+        "Read by `fedseg deploy run` / `rehearse`; a simulation ignores it.",
+    )
     return out
 
 
 def _summary(cls: type) -> str:
     doc = inspect.getdoc(cls) or ""
-    return " ".join(doc.split("\n\n")[0].split())
+    return plain(" ".join(doc.split("\n\n")[0].split()))
 
 
 def _heading(section: str) -> str:
@@ -65,7 +69,7 @@ def table(section: str | None = None) -> str:
     blocks = []
     for name in chosen:
         cls, rows, note = all_sections[name]
-        lines = [f"{_heading(name)}  {_summary(cls)}" + (f" ({note.replace('`', '')})" if note else "")]
+        lines = [f"{_heading(name)}  {_summary(cls)}" + f" {note.replace('`', '')}".rstrip()]
         width = [max(len(x) for x in col) for col in zip(*((r.key, _type(r), r.default) for r in rows))]
         for r in rows:
             lines.append(f"  {r.key:<{width[0]}}  {_type(r):<{width[1]}}  {r.default:<{width[2]}}  {r.doc}")
@@ -102,7 +106,7 @@ def markdown() -> str:
             "",
             f"## {_heading(name)}",
             "",
-            _summary(cls) + (f" ({note})" if note else ""),
+            (_summary(cls) + f" {note}").strip(),
         ]
         out += ["", "| Setting | Type | Default | Description |", "|---|---|---|---|"]
         for r in rows:

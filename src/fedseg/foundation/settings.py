@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import textwrap
 import types
 import typing
@@ -22,7 +23,7 @@ from typing import Any
 
 from fedseg.foundation.config import _SECTIONS, RunConfig
 
-__all__ = ["TOP", "Setting", "describe", "field_docs", "run_sections"]
+__all__ = ["TOP", "Setting", "describe", "field_docs", "plain", "run_sections"]
 
 TOP = "run"
 """Name of the top-level settings (``rounds``, ``seed``… written before any ``[section]``)."""
@@ -43,7 +44,8 @@ class Setting:
     choices: tuple[str, ...]
     """The allowed words of a ``Literal[...]`` setting, else empty."""
     doc: str
-    """Its description (the field docstring on one line), empty when the field has none."""
+    """Its description (the field docstring on one line, reST roles as plain backquotes), empty when the
+    field has none."""
 
     @property
     def key(self) -> str:
@@ -67,6 +69,11 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             out[node.target.id] = " ".join(nxt.value.value.split())
     return out
+
+
+def plain(doc: str) -> str:
+    """A docstring's reST markup as plain backquotes: ``:mod:`x``` and ````x```` become ```x```."""
+    return re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc).replace("``", "`")
 
 
 def _type_words(tp: Any) -> str:
@@ -121,7 +128,7 @@ def describe(cls: type, section: str, skip: typing.Collection[str] = ()) -> list
         else:
             default = "required"
         tp = hints[f.name]
-        rows.append(Setting(section, f.name, _type_words(tp), default, _choices(tp), docs.get(f.name, "")))
+        rows.append(Setting(section, f.name, _type_words(tp), default, _choices(tp), plain(docs.get(f.name, ""))))
     return rows
 
 
