@@ -39,7 +39,16 @@ def test_federation_spec_is_accepted_as_config(tmp_path):
     [
         ('federation = "f"\n[train]\nlr_rate = 1\n', [], r"\[train\] has unknown key\(s\) \['lr_rate'\]"),
         ('federation = "f"\n', ["train.batch_size=abc"], "train.batch_size: expected an integer"),
-        ('federation = "f"\n', ["train.local_steps=10"], "exactly one of train.local_epochs and train.local_steps"),
+        (
+            'federation = "f"\n',
+            ["train.local_steps=10", "train.local_epochs=2"],
+            "exactly one of train.local_epochs and train.local_steps",
+        ),
+        (
+            'federation = "f"\n[train]\nlocal_steps = 10\nlocal_epochs = 2\n',
+            [],
+            "exactly one of train.local_epochs and train.local_steps",
+        ),
         ('federation = "f"\n', ["model.strides=[2]"], "one stride fewer than channels"),
         ('federation = "f"\n', ["nonsense"], "not of the form key=value"),
         ('federation = "f"\nfoo = 1\n', [], "unknown config key 'foo'"),
@@ -50,6 +59,22 @@ def test_federation_spec_is_accepted_as_config(tmp_path):
 def test_bad_configs_get_one_clear_error(tmp_path, text, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_run_config(_write(tmp_path, text), overrides, known_sections())
+
+
+@pytest.mark.parametrize(
+    "text, overrides, epochs, steps",
+    [
+        ("", ["train.local_steps=60"], None, 60),  # replaces the default epochs
+        ("[train]\nlocal_epochs = 2\n", ["train.local_steps=60"], None, 60),  # replaces the file's epochs
+        ('[train]\nlocal_steps = 20\nlocal_epochs = "none"\n', ["train.local_epochs=3"], 3.0, None),
+        ('[train]\nlocal_steps = 20\nlocal_epochs = "none"\n', [], None, 20),  # the file's own choice
+        ("", ["train.local_steps=60", "train.local_epochs=none"], None, 60),  # the old spelling still works
+        ('[train]\nlocal_steps = 20\nlocal_epochs = "none"\n', ["train.lr=0.1"], None, 20),  # other keys: no effect
+    ],
+)
+def test_overriding_one_of_two_exclusive_settings_replaces_the_other(tmp_path, text, overrides, epochs, steps):
+    cfg = load_run_config(_write(tmp_path, 'federation = "f"\n' + text), overrides, known_sections())
+    assert (cfg.train.local_epochs, cfg.train.local_steps) == (epochs, steps)
 
 
 def test_missing_file():

@@ -15,6 +15,7 @@ from fedseg.algorithms import REGISTRY
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
+from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
 from fedseg.data.synth import synthesize
@@ -190,6 +191,13 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return 1
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
+    return 0
+
+
+def cmd_settings(a: argparse.Namespace) -> int:
+    if a.markdown and a.section:
+        raise ConfigError("--markdown writes every section; give no SECTION with it")
+    print(markdown() if a.markdown else table(a.section), end="")
     return 0
 
 
@@ -383,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
             x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
     for x in dsub.choices.values():
         x.set_defaults(func=cmd_deploy)
+    st = sub.add_parser(
+        "settings", help="every setting of a run: section, type or allowed values, default, description"
+    )
+    st.add_argument("section", nargs="?", help="one section only (run = the top-level keys, train, fedsm, deploy…)")
+    st.add_argument(
+        "--markdown", action="store_true", help="print docs/settings.md (fedseg settings --markdown > docs/settings.md)"
+    )
+    st.set_defaults(func=cmd_settings)
     return p
 
 

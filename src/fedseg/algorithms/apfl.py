@@ -121,10 +121,15 @@ class APFLParams:
     """
 
     alpha: float = 0.5
+    """Initial mixing weight alpha in [0, 1] (0 = global model, 1 = local model)."""
     learn_alpha: bool = True
+    """Learn alpha by gradient descent (adaptive APFL) instead of keeping it fixed."""
     alpha_lr: float | None = None
+    """Step size of the gradient steps on alpha; none = train.lr."""
     mix: Literal["parameters", "outputs"] = "parameters"
+    """What is mixed: 'parameters' (alpha v + (1 - alpha) w) or 'outputs' (the two models' logits)."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

@@ -133,16 +133,27 @@ class AutoFedAvgParams:
     """
 
     param: Literal["dirichlet", "softmax"] = "dirichlet"
+    """Parametrization of the aggregation weights: 'dirichlet' (alpha ~ Dir(beta), its mode used) or 'softmax' (alpha = softmax(beta))."""
     granularity: Literal["network", "layer"] = "network"
+    """'network': one weight per site; 'layer': one weight per site per parameter tensor."""
     interval: int = 10
+    """Learn the aggregation weights every this many rounds (t0)."""
     steps: int = 10
+    """Weight-learning steps per learning phase (S)."""
     lr: float = 0.01
+    """Adam learning rate of beta at the sites."""
     concentration: float = 6.0
+    """Initial Dirichlet beta per site."""
     min_concentration: float = 1.001
+    """Lower bound of the Dirichlet beta, clamped after each step (> 1 so the mode exists)."""
     softmax_init: Literal["zeros", "log_samples"] = "zeros"
+    """Initial softmax logits: 'zeros' (alpha = 1/K) or 'log_samples' (beta_k = log n_k, alpha = n_k / n)."""
     reinit: bool = False
+    """Reset beta to its initial value before each learning phase."""
     beta_weighting: Weighting = "even"
+    """How the server averages the sites' beta: 'even' (1/K) or 'samples' (n_k / n)."""
     site_selection: bool = True
+    """Also track the global model at its best validation round on each single site (candidates global@<site>)."""
 
     def validate(self) -> None:
         if self.interval < 1:

@@ -55,8 +55,11 @@ class CWTParams:
     """
 
     order: tuple[str, ...] | str | None = None
+    """Site names in visiting order, each once (a list, or comma-separated: --set cwt.order=siteB,siteA); none = federation order."""
     end: str | None = None
+    """Site the cycle ends at (the default order rotated to end there); with order set it must be its last entry."""
     optimizer: Literal["keep", "reset", "transfer"] = "keep"
+    """Optimizer state handed between sites: 'keep' (each site its own), 'reset' (fresh every visit) or 'transfer' (passed along with the model)."""
 
     def validate(self) -> None:
         if self.order is not None and not _names(self.order):

@@ -63,9 +63,13 @@ class DittoParams:
     """
 
     lam: float = 0.1
+    """Pull lambda >= 0 of the personal model towards the global one; 0 = local training."""
     steps: int | None = None
+    """Personal optimizer steps per round (>= 0); none = one round of local work."""
     lr: float | None = None
+    """Learning rate of the personal optimizer; none = train.lr."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         if not (self.lam >= 0.0 and self.lam < float("inf")):

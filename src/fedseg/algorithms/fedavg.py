@@ -54,8 +54,11 @@ class FedAvgParams:
     """
 
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     aggregation: Aggregation = "mean"
+    """How site models are combined: 'mean' (weighted average, the paper), 'trimmed_mean' or 'median' (coordinate-wise, robust to a hostile or broken site)."""
     trim: float = 0.1
+    """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def validate(self) -> None:
         check_aggregation(self.aggregation, self.trim, "fedavg")

@@ -82,9 +82,13 @@ class FedProxParams:
     """
 
     mu: float = 0.01
+    """Proximal coefficient mu >= 0; 0 gives FedAvg."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     aggregation: Aggregation = "mean"
+    """How site models are combined: 'mean', 'trimmed_mean' or 'median', as in FedAvg."""
     trim: float = 0.1
+    """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def validate(self) -> None:
         if not (self.mu >= 0.0 and self.mu < float("inf")):

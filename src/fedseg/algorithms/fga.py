@@ -117,8 +117,11 @@ class FGAParams:
     """
 
     weighting: Weighting = "samples"
+    """Gradient average weights: 'samples' (by batch sample counts: the pooled batch's gradient) or 'even' (uniform mean)."""
     steps: Literal["max", "min"] = "max"
+    """Lockstep steps per round: 'max' over the sites' steps per round (smaller sites cycle their data) or 'min' (stop with the smallest site)."""
     check_sync: bool = True
+    """At each round's end compare digests of the sites' weights and optimizer state and warn if they differ."""
 
 
 # ---------------------------------------------------------------------------- maths

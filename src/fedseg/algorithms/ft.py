@@ -56,8 +56,11 @@ class FTParams:
     """
 
     steps: int | None = None
+    """Fine-tuning optimizer steps (>= 0); none = one round of local work."""
     lr: float | None = None
+    """Fine-tuning learning rate; none = train.lr."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         check_nonneg_int("ft", "steps", self.steps)

@@ -36,7 +36,9 @@ class FWAParams:
     """
 
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     reset_optimizer: bool | None = None
+    """true: a fresh Adam every round; false: keep each site's moments; none: follow train.reset_optimizer."""
 
 
 def train_fwa(site: Site, task: Task) -> Reply:

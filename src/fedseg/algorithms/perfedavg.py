@@ -136,11 +136,17 @@ class PerFedAvgParams:
     """
 
     variant: Literal["fo", "hf"] = "fo"
+    """'fo' (first order) or 'hf' (Hessian-free, with a Hessian-vector product)."""
     alpha: float = 0.01
+    """Step size alpha > 0 of the inner (adaptation) step."""
     hvp: Literal["autograd", "finite_difference"] = "autograd"
+    """'hf' only: how the Hessian-vector product is computed, 'autograd' (exact, double backprop) or 'finite_difference'."""
     delta: float = 1e-3
+    """Step delta > 0 of the finite-difference Hessian-vector product."""
     personal_steps: int = 1
+    """Adaptation steps (of size alpha) that make a site's personalized model at evaluation."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         check_positive("perfedavg", "alpha", self.alpha)

@@ -103,10 +103,15 @@ class PFedMeParams:
     """
 
     lam: float = 15.0
+    """Regularization lambda > 0 between a site's personalized model and its local copy of the global model."""
     inner_steps: int = 5
+    """Gradient steps K >= 1 on the inner (personalized-model) problem per batch."""
     personal_lr: float = 0.09
+    """Step size > 0 of the inner steps."""
     beta: float = 1.0
+    """Server mixing beta > 0: 1 = the average of the sites' models."""
     weighting: Weighting = "samples"
+    """Average weights: 'samples' (n_i / n, the authors' code) or 'even'."""
 
     def validate(self) -> None:
         check_positive("pfedme", "lam", self.lam)

@@ -116,8 +116,11 @@ class ScaffoldParams:
     """
 
     server_lr: float = 1.0
+    """Global step size eta_g of the server update."""
     weighting: Weighting = "samples"
+    """Average weights: 'samples' (n_i / n) or 'even' (1 / |S|, the paper)."""
     correction: Literal["step", "gradient"] = "step"
+    """Control-variate correction: 'step' (applied to the weights after each optimizer step) or 'gradient' (added to the gradient before it)."""
 
     def validate(self) -> None:
         check_positive("scaffold", "server_lr", self.server_lr)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "EXCLUSIVE",
     "EvalConfig",
     "ModelConfig",
     "RunConfig",
@@ -53,10 +54,15 @@ class ModelConfig:
     name: Literal["unet"] = "unet"
     """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
+    """Feature channels of the U-Net levels, from the top level down."""
     strides: tuple[int, ...] = (2, 2, 2, 2)
+    """Down-sampling stride between consecutive levels (one entry fewer than channels)."""
     num_res_units: int = 2
+    """Residual units per U-Net block (0: plain convolutions)."""
     norm: Literal["instance", "batch", "none"] = "instance"
+    """Normalization layer of the U-Net: 'instance', 'batch' or 'none'."""
     dropout: float = 0.0
+    """Dropout probability inside the U-Net blocks."""
     roi_size: tuple[int, ...] | None = None
     """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
 
@@ -74,24 +80,36 @@ class TrainConfig:
     """Local training at every site.
 
     Local work is counted in epochs (``local_epochs``, the paper's E = 1) or in
-    optimizer steps (``local_steps``); set exactly one.  The optimizer state of a
+    optimizer steps (``local_steps``); set exactly one (``--set`` of one replaces the other,
+    :data:`EXCLUSIVE`).  The optimizer state of a
     site's training of a shared model persists across rounds unless
     ``reset_optimizer`` (the FedSM reference keeps the Adam moments).
     """
 
     batch_size: int = 8
+    """Training images per local batch (>= 1)."""
     local_epochs: float | None = 1.0
+    """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps (--set of either replaces the other)."""
     local_steps: int | None = None
+    """Local work per round in optimizer steps (>= 1); exclusive with local_epochs (--set of either replaces the other)."""
     optimizer: Literal["adam", "sgd"] = "adam"
+    """Local optimizer: 'adam' (with betas) or 'sgd' (with momentum)."""
     lr: float = 1e-3
+    """Learning rate of the local optimizer (> 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2)."""
     momentum: float = 0.9
+    """SGD momentum (optimizer = 'sgd' only)."""
     weight_decay: float = 0.0
+    """L2 weight decay of the local optimizer (torch's weight_decay of Adam or SGD; 0 = none)."""
     reset_optimizer: bool = False
+    """Start a fresh optimizer state every round instead of keeping each site's moments across rounds."""
     bn_policy: Literal["average", "local"] = "average"
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
     loss: Literal["dice", "dicece", "bce"] = "dice"
+    """Training loss on the sigmoid outputs: 'dice' (MONAI DiceLoss), 'dicece' (Dice + cross-entropy) or 'bce' (binary cross-entropy)."""
     dtype: Literal["float32", "float64"] = "float32"
+    """Floating-point type of weights, optimizer state and aggregation: 'float32' or 'float64'."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
     scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
@@ -107,7 +125,7 @@ class TrainConfig:
             raise ConfigError(
                 "set exactly one of train.local_epochs and train.local_steps "
                 f"(got local_epochs={self.local_epochs}, local_steps={self.local_steps}); "
-                "e.g. --set train.local_steps=20 --set train.local_epochs=none"
+                "remove one, or set it to none (--set train.local_steps=20 alone replaces the epochs)"
             )
         if self.local_epochs is not None and not self.local_epochs > 0:
             raise ConfigError(f"train.local_epochs must be > 0, got {self.local_epochs}")
@@ -133,6 +151,7 @@ class EvalConfig:
     threshold: float = 0.5
     """Sigmoid output above this is foreground."""
     batch_size: int = 16
+    """Images per batch at validation and testing."""
     empty_dice: float = 1.0
     """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
     "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
@@ -158,31 +177,26 @@ class EvalConfig:
 class SimulationConfig:
     """How a one-machine simulation executes the sites' local work (never changes what a site computes).
 
-    vectorize
-        'on': the sites' local steps of a round run as one vectorized computation
-        (:mod:`fedseg.execution.vectorize`; equal to the sequential run to rounding, not bitwise);
-        'off': one site after another, exactly as deployed sites run; 'auto': on on CUDA
-        with at least 4 sites (``AUTO_MIN_SITES``; fewer gained nothing on an H100), off on the CPU.
-    vectorize_group
-        Most sites stacked into one computation (0 = all of them; on CUDA a group that does
-        not fit in memory at its first step is split in halves).
-    cuda_graphs
-        'on' (default): on CUDA, a vectorized group's local step (stacked forward, backward and Adam
-        step) is captured once as a CUDA graph and replayed, which removes the per-kernel launch cost
-        that bounds small-image rounds (equal to the eager vectorized step; where a step cannot be
-        captured it runs eagerly and the log says why); 'off': every step eagerly.  No effect on
-        the CPU or on sequential runs.
+    ``vectorize = "on"`` runs the sites' local steps of a round as one vectorized computation
+    (:mod:`fedseg.execution.vectorize`); ``"auto"`` turns it on on CUDA with at least 4 sites
+    (``AUTO_MIN_SITES``; fewer gained nothing on an H100).  ``vectorize_group = 0`` stacks as many
+    sites as fit in the free GPU memory on CUDA (all sites on the CPU).  ``cuda_graphs = "on"``
+    removes the per-kernel launch cost that bounds small-image rounds (equal to the eager
+    vectorized step).
     """
 
     vectorize: Literal["auto", "on", "off"] = "auto"
+    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU."""
     vectorize_group: int = 0
+    """Most sites stacked into one vectorized computation; 0 = as many as fit in free GPU memory on CUDA (all sites on the CPU); on CUDA a group that does not fit at its first step is split in halves."""
     cuda_graphs: Literal["on", "off"] = "on"
+    """'on': on CUDA a vectorized group's local step is captured once as a CUDA graph and replayed (steps that cannot be captured run eagerly, the log says why); 'off': every step eagerly. No effect on the CPU or on sequential runs."""
 
     def validate(self) -> None:
         check_literals(self, "simulation")
         if self.vectorize_group < 0:
             raise ConfigError(
-                f"simulation.vectorize_group must be >= 0 (0 = all sites in one group), got {self.vectorize_group}"
+                f"simulation.vectorize_group must be >= 0 (0 = as many sites as fit in memory), got {self.vectorize_group}"
             )
 
 
@@ -196,10 +210,15 @@ class RunConfig:
     """
 
     federation: str
+    """Path of the federation spec (TOML with [[sites]]) the run trains on; relative to the run config's folder."""
     method: str = "fedavg"
+    """Federated method, a name of the algorithm registry (`fedseg run --help` lists them)."""
     rounds: int = 20
+    """Communication rounds (>= 1)."""
     seed: int = 0
+    """Seed of weight initialization, data order and augmentation (same seed, same run)."""
     checkpoint_every: int = 1
+    """Write a checkpoint (weights, optimizer state, progress) every this many rounds and after the last one (>= 1)."""
     checkpoint_background: bool = True
     """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
     device: str = "auto"
@@ -371,9 +390,23 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+EXCLUSIVE: tuple[tuple[str, str], ...] = (("train.local_epochs", "train.local_steps"),)
+"""Pairs of settings of which a run sets exactly one.  An override that sets one of a pair (not to
+``none``) replaces the other, which is then unset, wherever the other came from (the default or the
+file); overrides that set both are refused by validation, as is a file that sets both."""
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() == "none")
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy)."""
+    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy).
+
+    Setting one of a pair of :data:`EXCLUSIVE` settings unsets the other unless the overrides set it too
+    (``train.local_steps=60`` alone means local steps instead of the default or the file's epochs)."""
     out = json.loads(json.dumps(raw, default=list))
+    given: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
@@ -386,7 +419,15 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a table")
-        node[parts[-1]] = _parse_value(text.strip())
+        node[parts[-1]] = given[".".join(parts)] = _parse_value(text.strip())
+    for pair in EXCLUSIVE:
+        for key, other in (pair, pair[::-1]):
+            if key in given and other not in given and not _is_none(given[key]):
+                *path, name = other.split(".")
+                node = out
+                for p in path:
+                    node = node.setdefault(p, {})
+                node[name] = "none"
     return out
 
 

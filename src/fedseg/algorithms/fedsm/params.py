@@ -191,31 +191,57 @@ class FedSMParams:
     """
 
     profile: Literal["default", "reference"] = "default"
+    """Fills in the settings left unset: 'default' (settings that learn out of the box) or 'reference' (the reference code's literal settings)."""
     lam: float = 0.7
+    """SoftPull's lambda in [0, 1] (Eq. 11): weight of a site's own model in its personalized model."""
     gamma: Literal["auto", "auto-per-model"] | float | None = None
+    """Selector confidence threshold: a number in [0, 1], 'auto' (the best of gamma_grid on validation) or 'auto-per-model' (one threshold per personalized model); none: the profile's."""
     gamma_grid: tuple[float, ...] = DEFAULT_GAMMA_GRID
+    """Candidate thresholds for gamma = 'auto' / 'auto-per-model' and the routing reports."""
     gamma_margin: float | None = None
+    """'auto-per-model' only: least gain in mean validation Dice for a model's threshold to go below 1; none: 0.01 under the default profile where it applies, else 0."""
     selector_width: float = 0.125
+    """Width multiplier of the selector network (the papers' VGG-11 layout)."""
     selector_hidden: int = 128
+    """Hidden units of the selector's classifier head."""
     selector_lr: float | None = None
+    """Selector learning rate; none = train.lr."""
     selector_augment: Literal["none", "flip"] | None = None
+    """'flip': random flips of the selector's training images; 'none': the batches as drawn; none: the profile's."""
     selector_training: Literal["fga", "fedavg", "fedrs", "fedaws"] | None = None
+    """How the selector is trained: 'fga' (federated gradient averaging), 'fedavg' (local steps, then averaged), 'fedrs' or 'fedaws'; none: the profile's."""
     fedrs_alpha: float = 0.5
+    """FedRS's alpha in [0, 1] (selector_training = 'fedrs'): scale of the logits of classes a site does not hold."""
     fedaws_nu: float = 2.0
+    """FedAwS's nu in (0, 4]: squared distance of class embeddings below which the spread-out step pushes them apart."""
     fedaws_lr: float = 0.01
+    """FedAwS's step size (> 0) of the server's spread-out step."""
     fedaws_margin: float = 0.9
+    """FedAwS's cosine margin in (0, 1] asked of an image and its own class embedding."""
     share_selector_moments: bool = True
+    """'fedavg' selector only: average the selector's Adam moments along with its weights."""
     selector_rounds: int | None = None
+    """fedsm-extra / fedsm-ensemble only: how many of the rounds are the extra selector rounds; none = ceil(rounds / 3)."""
     selector_steps: Literal["all"] | int | None = None
+    """Selector optimizer steps per round: an integer or 'all' (every local step); none: the profile's."""
     ensemble_objective: Literal["experts", "mix"] | None = None
+    """fedsm-ensemble only: selector objective, 'experts' (mixture-of-experts likelihood) or 'mix' (loss of the mixed output); none: the profile's."""
     extra_objective: Literal["oracle", "experts"] = "oracle"
+    """fedsm-extra only: selector objective, 'oracle' (cross-entropy with the best model's one-hot label) or 'experts'."""
     ensemble_tau: float = 0.001
+    """Temperature tau > 0 of the 'experts' objective, in units of the workload loss."""
     weighting: Weighting = "samples"
+    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     selector_weighting: Weighting | None = None
+    """'fedavg' selector only: weights of the selector average, 'samples' or 'even'; none: the profile's."""
     global_training: Literal["fedavg", "fga"] | None = None
+    """How the global model is trained: 'fedavg' (local steps, then averaged) or 'fga' (lockstep gradient averaging, SoftPull only); none: 'fedavg'."""
     personalization: PersonalizationName = "softpull"
+    """How personalized models are made: 'softpull' (the paper's FedSM) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto' (settings from its own section)."""
     aggregation: Aggregation = "mean"
+    """How the global model is combined: 'mean', 'trimmed_mean' or 'median'."""
     trim: float = 0.1
+    """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def resolved(self, site_labels: bool = True) -> FedSMParams:
         """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns

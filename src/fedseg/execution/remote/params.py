@@ -66,16 +66,27 @@ class DeployParams:
     """
 
     min_sites: int = 1
+    """Fewest valid replies an exchange needs; fewer stops the run (the last checkpoint stays resumable)."""
     round_deadline_s: float = 600.0
+    """Seconds a site has to answer one task; a late or invalid reply is left out of that exchange."""
     setup_timeout_s: float = 300.0
+    """Seconds a site has to load its data and build its runtime when the run starts."""
     max_payload_mb: float = 4096.0
+    """Largest reply accepted, in MiB."""
     probe_timeout_s: float = 10.0
+    """A site that failed its last exchange is first pinged with this timeout and left out at once if it does not answer."""
     max_restarts: int = 3
+    """Times the supervisor re-submits the run from its last checkpoint when the job ends without results; 0 = off."""
     rejoin: bool = True
+    """When a site restarts, end the job after the round and re-submit it with the site back in."""
     rejoin_wait_s: float = 30.0
+    """Before a re-submission, seconds to wait for missing sites to connect."""
     max_update_ratio: float = 10.0
+    """Reject a reply whose update is more than this many times the median of the others' (0 = off)."""
     max_abs_value: float = 1e12
+    """Refuse to checkpoint an aggregate holding a value larger in magnitude than this (or NaN / infinity)."""
     shutdown_grace_s: float = 10.0
+    """Once results are in, seconds FLARE may take to end the job by itself before it is aborted."""
 
     def validate(self) -> None:
         if self.min_sites < 1:
