@@ -74,7 +74,6 @@ class FedAvg(Algorithm):
     title = "FedAvg"
     section = "fedavg"
     Params = FedAvgParams
-    summary = "FedAvg: average the sites' locally trained models, weighted by n_k/n"
 
     def weighting(self) -> str:
         return self.params.weighting
@@ -102,7 +101,6 @@ class FedAvg(Algorithm):
 class FedAvgEven(FedAvg):
     name = "fedavg-even"
     title = "FedAvg - even"
-    summary = "FedAvg with uniform weights 1/K"
 
     def weighting(self) -> str:
         return "even"

@@ -117,7 +117,6 @@ class Algorithm:
     """Simulation-only methods that train on all sites' data pooled (centralized)."""
     primary: ClassVar[str | None] = "global"
     """Candidate reported as the method's row; None = each site's own (home) model."""
-    summary: ClassVar[str] = ""
     title: ClassVar[str] = ""
     """Display name in tables and reports ("FedAvg", "FedSM"); the registry name when empty.  The one
     source of the methods' display names: results carry it (``results.json["label"]``, :meth:`label`)."""
