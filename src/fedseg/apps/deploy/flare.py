@@ -253,7 +253,7 @@ def site_command(kit: str | Path, name: str) -> list[str]:
 
 
 class Admin:
-    """A FLARE API session from the admin kit: wait for sites, submit a job, wait for it."""
+    """A FLARE API session from the admin kit: submit a job, wait for it."""
 
     def __init__(self, admin_kit: str | Path, timeout: float = 30.0):
         from nvflare.fuel.flare_api.flare_api import new_secure_session
@@ -289,17 +289,6 @@ class Admin:
     def status(self, job_id: str) -> str:
         return str(self.sess.get_job_meta(job_id).get("status", ""))
 
-    def wait_for_sites(self, sites: list[str], timeout: float = 60.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            have = set(self.connected_sites())
-            if set(sites) <= have:
-                return
-            time.sleep(0.5)
-        raise ConnectionError(
-            f"sites {sorted(set(sites) - set(self.connected_sites()))} did not connect within {timeout:g} s; start them with `fedseg deploy site`"
-        )
-
     def submit(self, job_folder: str | Path) -> str:
         return self.sess.submit_job(str(job_folder))
 
@@ -318,12 +307,6 @@ class Admin:
     def abort(self, job_id: str) -> None:
         try:
             self.sess.abort_job(job_id)
-        except Exception:
-            pass
-
-    def shutdown_all(self) -> None:
-        try:
-            self.sess.api.do_command("shutdown client")  # type: ignore[attr-defined]
         except Exception:
             pass
 
