@@ -15,6 +15,7 @@ Only the sites that replied are averaged (weights renormalized over them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -102,5 +103,8 @@ class FedAvgEven(FedAvg):
     name = "fedavg-even"
     title = "FedAvg - even"
 
-    def weighting(self) -> str:
-        return "even"
+    @classmethod
+    def parse_params(cls, cfg) -> FedAvgParams:
+        """``[fedavg]``'s settings with ``weighting = "even"`` whatever that section says: what this
+        method runs, so ``config.toml`` and ``results.json["config"]`` record it."""
+        return dataclasses.replace(super().parse_params(cfg), weighting="even")
