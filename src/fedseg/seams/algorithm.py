@@ -150,8 +150,7 @@ class Algorithm:
     @classmethod
     def label_for(cls, params: Any) -> str:
         """The row label of a run of this method with settings ``params`` (its ``Params``); a method
-        whose settings change its name overrides this (Auto-FedAvg).  Also labels results written
-        before runs stored their label (:func:`fedseg.apps.report.runs.run_label`)."""
+        whose settings change its name overrides this (Auto-FedAvg)."""
         return cls.title or cls.name
 
     def describe(self) -> dict[str, Any]:
