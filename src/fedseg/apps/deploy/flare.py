@@ -41,6 +41,14 @@ ADMIN_USER = "admin@fedseg.org"
 ALLOW_PREFIXES = ("fedseg.apps.deploy.flare.", "nvflare.collab.")
 
 
+def use_thread_count() -> None:
+    """``torch.set_num_threads($FEDSEG_TORCH_THREADS)`` when that is set: the rehearsal gives its server and
+    sites the intra-op thread count of the process that started them, as a simulation there would use."""
+    threads = os.environ.get("FEDSEG_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
 class FedsegServer:
     """Server component: runs the prepared run in ``run_dir`` (a folder on the server machine)."""
 
@@ -49,6 +57,7 @@ class FedsegServer:
 
     @collab.main
     def main(self):
+        use_thread_count()
         proxies = {p.name: p for p in collab.clients}
 
         def call(site: str, op: str, payload: bytes, timeout: float) -> bytes:
@@ -82,9 +91,7 @@ class FedsegSite:
                 or os.environ.get("FEDSEG_SITE_CONFIG")
                 or str(Path(collab.workspace.get_root_dir()) / "local" / SITE_CONFIG_NAME)
             )
-            threads = os.environ.get("FEDSEG_TORCH_THREADS")
-            if threads:
-                torch.set_num_threads(int(threads))
+            use_thread_count()
             self._runtime = SiteRuntime(read_site_config(path))
         return self._runtime
 
