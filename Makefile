@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.fedseg-installed
 # torch; otherwise pip resolves a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test lint format venv bench clean
+.PHONY: demo test test-fast lint format venv bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 # the deployment tests mostly wait on their FLARE processes
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10
+
+# the same without the tests marked slow (end-to-end runs, FLARE deployments)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10 -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

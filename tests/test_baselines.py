@@ -15,15 +15,16 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from conftest import tiny_config, tiny_sites
-from fedseg.algorithms import get_algorithm
+from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.apfl import alpha_gradient, alpha_step, mix_outputs, mix_parameters, mixture_gradients
 from fedseg.algorithms.fedprox import proximal_term
 from fedseg.algorithms.pfedme import inner_update, moreau_gradient, server_update
 from fedseg.algorithms.scaffold import control_update, correction, server_control_update, server_model_update
 from fedseg.foundation.arrays import strip_prefix, weighted_mean
+from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import derive_seed
-from fedseg.simulation.runner import simulate
+from fedseg.simulation.runner import build_engine, simulate
 from fedseg.site.runtime import Site, SiteData
 from helpers import assert_same_arrays, server_state, site_state
 
@@ -160,6 +161,19 @@ def test_pfedme_updates_by_hand():
     )
     assert float(server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 0.5)["w"]) == 1.75
     assert float(server_update({"w": t(0.0)}, locals_, [0.25, 0.75], 2.0)["w"]) == 7.0
+
+
+@pytest.mark.parametrize("section", [{}, {"weighting": "samples"}])
+def test_fedavg_even_config_toml_records_even_weighting(tmp_path, sites, workload, section):
+    """The written config names the weighting fedavg-even runs, even when ``[fedavg]`` asks for another."""
+    # Prepare
+    cfg = dataclasses.replace(tiny_config("fedavg-even", rounds=1), params={"fedavg": section})
+    # Execute
+    engine = build_engine(cfg, workload, sites, out=tmp_path, progress=False)
+    saved = load_run_config(tmp_path / "config.toml", [], known_sections())
+    # Assert
+    assert engine.algorithm.params.weighting == "even"
+    assert saved.method == "fedavg-even" and saved.params["fedavg"]["weighting"] == "even"
 
 
 # ------------------------------------------------------ properties on tiny sites

@@ -250,3 +250,22 @@ def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
     assert "[fedsm]" in text and 'gamma = "auto-per-model"' in text and 'selector_training = "fga"' in text
     back = get_algorithm(load_deploy_config(tmp_path / "out" / "config.toml", []))
     assert back.params == get_algorithm(load_deploy_config(run_toml, [])).params
+
+
+def test_rehearsal_processes_get_the_thread_count_of_the_process_that_starts_them(tmp_path):
+    """A rehearsal's server and sites compute with this process's intra-op thread count (what a simulation
+    here uses, the condition of bitwise equality with it) unless told another."""
+    from fedseg.apps.deploy.run import LocalCluster
+
+    # Prepare
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        # Execute
+        default = LocalCluster(tmp_path, {}, tmp_path / "sites").env
+        given = LocalCluster(tmp_path, {}, tmp_path / "sites", threads=2).env
+    finally:
+        torch.set_num_threads(before)
+    # Assert
+    assert default["FEDSEG_TORCH_THREADS"] == default["OMP_NUM_THREADS"] == "3"
+    assert given["FEDSEG_TORCH_THREADS"] == given["OMP_NUM_THREADS"] == "2"

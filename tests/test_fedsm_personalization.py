@@ -6,7 +6,6 @@ End to end on the tiny in-memory sites of ``conftest.py`` (2 rounds each)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import typing
 
 import pytest
@@ -38,14 +37,6 @@ def _model(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
     return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + "/")}
 
 
-def _digest(state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(state[k].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize("personalization", METHODS)
 def test_every_personalization_runs_end_to_end_with_the_selector(tmp_path, sites, workload, personalization):
     """Each Table 6 row trains inside FedSM: the composite is reported, the selector is
@@ -67,36 +58,35 @@ def test_every_personalization_runs_end_to_end_with_the_selector(tmp_path, sites
     assert any(not torch.equal(p1[k], g[k]) for k in p1 if p1[k].is_floating_point())
 
 
-def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload):
-    """``personalization = softpull`` is the default and the code path FedSM had before
-    the option existed: same server state bit for bit.  The digest was recorded with
-    the pre-option code (torch 2.13.0+cpu, 1 thread); other torch builds skip that check.
-    The bits also depend on the CPU's kernels: one digest per machine type the suite has run
-    on (the earlier sessions' machine; an AMD EPYC with AVX2 and no AVX-512, where the code
-    of commit 8cb1690, which passed with the first digest there, gives the second).
-    The settings of that code's defaults are pinned (``profile = "reference"`` with even
-    selector weights: averaged selector after every local step), since the defaults
-    have changed since (issue 16: selector trained by gradient averaging)."""
-    old = {"profile": "reference", "selector_weighting": "even"}
+def test_softpull_is_the_default_and_mixes_the_models_the_sites_trained(tmp_path, sites, workload):
+    """``personalization = softpull`` is the default (same server state bit for bit), and its server step
+    is Eq. 11 on the models the sites trained: λ changes no site's training in round 1, so with λ = 1
+    (no pull) personal/k is site k's trained model w_k, and with λ = 0.7 personal/k is
+    0.7 w_k + 0.15 Σ_{j≠k} w_j (K = 3) while the global model is the same bit for bit."""
+
+    # Prepare
+    def run(name, **fedsm):
+        simulate(_cfg(1, fedsm=fedsm), workload, tiny_sites(), out=tmp_path / name, progress=False)
+        return _server(tmp_path / name)
+
     # Execute
-    simulate(_cfg(fedsm=old), workload, sites, out=tmp_path / "default", progress=False)
-    simulate(
-        _cfg(fedsm={**old, "personalization": "softpull"}),
-        workload,
-        tiny_sites(),
-        out=tmp_path / "softpull",
-        progress=False,
-    )
-    # Assert
-    a, b = _server(tmp_path / "default"), _server(tmp_path / "softpull")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if torch.__version__ == "2.13.0+cpu":
-        # the entries the pre-option code had (best_selector… was added later to the server state)
-        trained = {k: v for k, v in a.items() if not k.startswith("best_selector")}
-        assert _digest(trained) in {
-            "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b",
-            "bedc37be459de5fb84dd8fbc89325c67d38b60bb3f08ad31e261950fa61ff7fe",
-        }
+    default = run("default", lam=0.7)
+    pulled = run("softpull", lam=0.7, personalization="softpull")
+    unpulled = run("unpulled", lam=1.0)
+    # Assert: the default is SoftPull
+    assert default.keys() == pulled.keys() and all(torch.equal(default[k], pulled[k]) for k in default)
+    names = list(sites)
+    trained = {s: _model(unpulled, f"personal/{s}") for s in names}
+    g_pulled, g_unpulled = _model(pulled, "global"), _model(unpulled, "global")
+    floats = [k for k, v in g_unpulled.items() if v.is_floating_point()]
+    assert floats and all(torch.equal(g_pulled[k], g_unpulled[k]) for k in g_unpulled)  # λ touches no global
+    for s in names:
+        mine = _model(pulled, f"personal/{s}")
+        assert any(not torch.equal(mine[k], trained[s][k]) for k in floats)  # pulled towards the others
+        for k in floats:
+            others = sum(trained[o][k].double() for o in names if o != s)
+            want = 0.7 * trained[s][k].double() + 0.15 * others
+            torch.testing.assert_close(mine[k].double(), want, rtol=0, atol=1e-6)
 
 
 def test_bad_personalization_and_incompatible_settings_are_rejected():

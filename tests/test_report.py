@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedseg.algorithms import REGISTRY
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.cli import main
 
@@ -306,8 +307,11 @@ def _fake_run(
             e["routing_acc"] = {s: routing_acc for s in sites}
             e["selector_loss"] = {s: 2.0 / r for s in sites}
         history.append(e)
+    cls = REGISTRY[method]
     results = {
         "method": method,
+        "label": cls.label_for(cls.Params()),
+        "primary": cls.primary,
         "sites": sites,
         "seed": seed,
         "metric_names": ["disc"],
@@ -398,10 +402,10 @@ def test_variant_labels_name_the_settings_that_differ():
     from fedseg.apps.report.runs import variant_labels
 
     runs = [
-        {"method": "fedsm", "config": {}},
-        {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}},
-        {"method": "fedsm", "config": {"fedsm": {"gamma": 0.5, "lam": 0.3}}},
-        {"method": "fedavg", "config": {}},
+        {"method": "fedsm", "label": "FedSM", "config": {}},
+        {"method": "fedsm", "label": "FedSM", "config": {"fedsm": {"gamma": "auto"}}},
+        {"method": "fedsm", "label": "FedSM", "config": {"fedsm": {"gamma": 0.5, "lam": 0.3}}},
+        {"method": "fedavg", "label": "FedAvg", "config": {}},
         {"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}, "label": "fedsm (gamma=auto)"},
     ]
     assert variant_labels(runs) == [
@@ -412,22 +416,7 @@ def test_variant_labels_name_the_settings_that_differ():
         "fedsm (gamma=auto)",
     ]
     # one variant only: the plain name, whatever its settings
-    assert variant_labels([{"method": "fedsm", "config": {"fedsm": {"gamma": "auto"}}}]) == ["FedSM"]
-
-
-def test_results_without_a_stored_label_are_labelled_by_their_algorithm():
-    """Runs store their algorithm's label; older results get the same label from the registry
-    (``Algorithm.label_for`` their settings), so a report mixing both shows one label per variant."""
-    from fedseg.apps.report.runs import run_label, variant_labels
-
-    softmax = {"autofedavg": {"granularity": "layer", "param": "softmax"}}
-    assert run_label({"method": "autofedavg", "config": softmax}) == "Auto-FedAvg-L-Softmax"
-    assert run_label({"method": "fedavg-even"}) == "FedAvg - even"
-    assert run_label({"method": "pfedme"}) == "pFedMe"
-    assert run_label({"method": "fedsm", "label": "FedSM", "fedsm": {"heldout": "site6"}}) == "FedSM (unseen site6)"
-    assert run_label({"method": "not-registered"}) == "not-registered"
-    old = {"method": "autofedavg", "config": {"autofedavg": {"reinit": True}}}
-    assert variant_labels([old, {**old, "label": "Auto-FedAvg-N-Dirichlet*"}]) == ["Auto-FedAvg-N-Dirichlet*"] * 2
+    assert variant_labels([{"method": "fedsm", "label": "FedSM", "config": {"fedsm": {"gamma": "auto"}}}]) == ["FedSM"]
 
 
 def test_table2_rows_are_the_methods_reported_by_a_global_model_or_by_the_sites_models():

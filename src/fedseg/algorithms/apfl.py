@@ -262,7 +262,6 @@ class APFL(PersonalizedAlgorithm):
     Personal = AdaptiveMixture
     Params = APFLParams
     primary = None
-    summary = "APFL: per-site mixture alpha*v + (1-alpha)*w of a local and the global model, alpha learned in [0, 1]"
 
     @classmethod
     def personalization(cls, cfg: RunConfig) -> AdaptiveMixture:

@@ -416,7 +416,6 @@ class AutoFedAvg(Algorithm):
     title = "Auto-FedAvg"
     section = "autofedavg"
     Params = AutoFedAvgParams
-    summary = "Auto-FedAvg: FedAvg with aggregation weights learned at the sites every t0 rounds"
 
     @classmethod
     def label_for(cls, params: AutoFedAvgParams) -> str:

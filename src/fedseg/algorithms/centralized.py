@@ -25,7 +25,6 @@ class Centralized(Algorithm):
     title = "Centralized"
     section = "centralized"
     needs_pooled_site = True
-    summary = "Centralized: one model trained on all sites' data pooled (upper bound, simulation only)"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         steps = None if ctx.cfg.train.local_steps is None else ctx.cfg.train.local_steps * len(ctx.sites)

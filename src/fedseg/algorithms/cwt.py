@@ -152,7 +152,6 @@ class CWT(Algorithm):
     title = "CWT"
     section = "cwt"
     Params = CWTParams
-    summary = "CWT: the model visits the sites in turn (cwt.order / cwt.end), trained locally at each"
 
     def cycle(self, ctx: ServerContext) -> tuple[str, ...]:
         return visit_order(ctx.sites, self.params.order, self.params.end)

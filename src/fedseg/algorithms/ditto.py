@@ -114,7 +114,6 @@ class Ditto(PersonalizedAlgorithm):
     Personal = DittoPersonalization
     Params = DittoParams
     primary = None
-    summary = "Ditto: FedAvg global model + per-site personal models pulled towards it by lambda/2 ||v - w||^2"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         conf = {"round": rnd, "report_personal": ctx.is_eval_round(rnd)}

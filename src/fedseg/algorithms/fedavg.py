@@ -15,6 +15,7 @@ Only the sites that replied are averaged (weights renormalized over them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -77,7 +78,6 @@ class FedAvg(Algorithm):
     title = "FedAvg"
     section = "fedavg"
     Params = FedAvgParams
-    summary = "FedAvg: average the sites' locally trained models, weighted by n_k/n"
 
     def weighting(self) -> str:
         return self.params.weighting
@@ -105,7 +105,9 @@ class FedAvg(Algorithm):
 class FedAvgEven(FedAvg):
     name = "fedavg-even"
     title = "FedAvg - even"
-    summary = "FedAvg with uniform weights 1/K"
 
-    def weighting(self) -> str:
-        return "even"
+    @classmethod
+    def parse_params(cls, cfg) -> FedAvgParams:
+        """``[fedavg]``'s settings with ``weighting = "even"`` whatever that section says: what this
+        method runs, so ``config.toml`` and ``results.json["config"]`` record it."""
+        return dataclasses.replace(super().parse_params(cfg), weighting="even")

@@ -122,7 +122,6 @@ class FedProx(FedAvg):
     title = "FedProx"
     section = "fedprox"
     Params = FedProxParams
-    summary = "FedProx: FedAvg with a proximal term mu/2 ||w - w_r||^2 in every site's local loss"
 
     def site_handlers(self):
         return {"train": train_prox}

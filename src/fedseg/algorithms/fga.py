@@ -508,9 +508,6 @@ class FGA(Algorithm):
     title = "FGA"
     section = "fga"
     Params = FGAParams
-    summary = (
-        "FGA: lockstep gradient averaging each step; every site applies it with its own Adam (= centralized training)"
-    )
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))

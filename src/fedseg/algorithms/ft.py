@@ -95,7 +95,6 @@ class FT(PersonalizedAlgorithm):
     Personal = FineTuning
     Params = FTParams
     primary = None
-    summary = "FT: FedAvg, then each site fine-tunes the global model on its own data"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})

@@ -56,9 +56,6 @@ class FWA(FedAvg):
     title = "FWA"
     section = "fwa"
     Params = FWAParams
-    summary = (
-        "FWA: FedAvg with epoch-long local training; Adam moments kept or reset between rounds (fwa.reset_optimizer)"
-    )
 
     def site_handlers(self):
         return {"train": train_fwa}

@@ -28,7 +28,6 @@ class Local(Algorithm):
     title = "Local only"
     section = "local"
     primary = None
-    summary = "Local: each site trains alone; every local model is tested on every site"
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         init = ctx.init_arrays("global")

@@ -235,7 +235,6 @@ class PerFedAvg(PersonalizedAlgorithm):
     Personal = MetaAdaptation
     Params = PerFedAvgParams
     primary = None
-    summary = "Per-FedAvg: MAML-style global model (FO or HF), personalized by alpha-steps of local adaptation"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         conf = {"round": rnd}

@@ -188,7 +188,6 @@ class PFedMe(PersonalizedAlgorithm):
     Personal = MoreauEnvelope
     Params = PFedMeParams
     primary = None
-    summary = "pFedMe: personal models from a Moreau-envelope inner problem, global model mixed with beta"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         p = self.params

@@ -191,7 +191,6 @@ class Scaffold(Algorithm):
     title = "Scaffold"
     section = "scaffold"
     Params = ScaffoldParams
-    summary = "SCAFFOLD: local gradients corrected by control variates c - c_i (option II), server step size eta_g"
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})

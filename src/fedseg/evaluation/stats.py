@@ -21,8 +21,7 @@ the paired cases of all seeds (seed s of the candidate paired with seed s of the
 
 Rows are labelled by ``results["label"]`` (the algorithm's own label, e.g.
 "Auto-FedAvg-N-Dirichlet", written by the engine; :meth:`fedseg.seams.algorithm.Algorithm.label`),
-or the method's name for results that have none: this module knows no algorithm
-(:func:`fedseg.apps.report.runs.run_label` labels older results from the registry).
+or the method's name for results that have none (hand-made ones): this module knows no algorithm.
 """
 
 from __future__ import annotations
@@ -208,11 +207,8 @@ def default_label(results: Mapping[str, Any]) -> str:
 
 
 def _site_models(results: Mapping[str, Any]) -> bool:
-    """Whether the run's reported models belong to the sites (``primary`` None: local, personalized).
-    Results written before ``primary`` was stored: a run without a global model."""
-    if "primary" in results:
-        return results["primary"] is None
-    return "global" not in (results.get("per_case_dice") or {})
+    """Whether the run's reported models belong to the sites (``primary`` None: local, personalized)."""
+    return results["primary"] is None
 
 
 def table2_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -239,9 +239,9 @@ class Engine:
             raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
         self.round = int(progress["round"])
         self.history = progress["history"]
-        layout = progress.get("layout") or {}
-        self.state = to_device(load_checked(d / SERVER, layout.get(SERVER)), self.device)
-        for name, b in load_best(d, layout.get(BEST_ARRAYS)).items():
+        layout = progress["layout"]
+        self.state = to_device(load_checked(d / SERVER, layout[SERVER]), self.device)
+        for name, b in load_best(d, layout[BEST_ARRAYS]).items():
             b.candidate.arrays = to_device(b.candidate.arrays, self.device)
             self.best[name] = b
         self.transport.restore_sites(d / SITES)

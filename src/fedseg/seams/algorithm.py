@@ -117,7 +117,6 @@ class Algorithm:
     """Simulation-only methods that train on all sites' data pooled (centralized)."""
     primary: ClassVar[str | None] = "global"
     """Candidate reported as the method's row; None = each site's own (home) model."""
-    summary: ClassVar[str] = ""
     title: ClassVar[str] = ""
     """Display name in tables and reports ("FedAvg", "FedSM"); the registry name when empty.  The one
     source of the methods' display names: results carry it (``results.json["label"]``, :meth:`label`)."""
@@ -151,8 +150,7 @@ class Algorithm:
     @classmethod
     def label_for(cls, params: Any) -> str:
         """The row label of a run of this method with settings ``params`` (its ``Params``); a method
-        whose settings change its name overrides this (Auto-FedAvg).  Also labels results written
-        before runs stored their label (:func:`fedseg.apps.report.runs.run_label`)."""
+        whose settings change its name overrides this (Auto-FedAvg)."""
         return cls.title or cls.name
 
     def describe(self) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def save_json(data: Any, path: Path) -> None:
 
 def load_checked(path: Path, layout: dict[str, Any] | None, fix: str | None = None) -> Arrays:
     """Load a safetensors file fedseg wrote: readable, the names/shapes/dtypes recorded when it was saved
-    (``progress.json["layout"]``; older checkpoints have none), every float finite; else one error naming
+    (``progress.json["layout"]``; None: not checked), every float finite; else one error naming
     the file and ``fix`` (default: restore it or start the run again without ``--resume``).
 
     With a layout the arrays come back in its order, the order they had when saved (a safetensors file

@@ -70,7 +70,6 @@ class FedSM(Algorithm):
     section = "fedsm"
     Params = FedSMParams
     primary = "fedsm"
-    summary = "FedSM: global model + SoftPull personalized models + model selector (γ-gated routing)"
     labels = "site"  # Eq. 2
     mode = "gate"  # Alg. 2
     two_phase = False
@@ -511,7 +510,6 @@ class FedSMExtra(FedSM):
 
     name = "fedsm-extra"
     title = "FedSM-extra"
-    summary = "FedSM-extra: global + SoftPull models, then extra rounds training a K+1-class selector on Eq. 1 labels"
     labels = "oracle"
     mode = "argmax"
     two_phase = True
@@ -534,7 +532,6 @@ class FedSMEnsemble(FedSM):
 
     name = "fedsm-ensemble"
     title = "FedSM-ensemble"
-    summary = "FedSM ensemble: the softmax-weighted mix of all models' outputs, selector trained in extra rounds"
     labels = "experts"
     mode = "mix"
     two_phase = True

@@ -41,6 +41,14 @@ ADMIN_USER = "admin@fedseg.org"
 ALLOW_PREFIXES = ("fedseg.apps.deploy.flare.", "nvflare.collab.")
 
 
+def use_thread_count() -> None:
+    """``torch.set_num_threads($FEDSEG_TORCH_THREADS)`` when that is set: the rehearsal gives its server and
+    sites the intra-op thread count of the process that started them, as a simulation there would use."""
+    threads = os.environ.get("FEDSEG_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
 class FedsegServer:
     """Server component: runs the prepared run in ``run_dir`` (a folder on the server machine)."""
 
@@ -49,6 +57,7 @@ class FedsegServer:
 
     @collab.main
     def main(self):
+        use_thread_count()
         proxies = {p.name: p for p in collab.clients}
 
         def call(site: str, op: str, payload: bytes, timeout: float) -> bytes:
@@ -82,9 +91,7 @@ class FedsegSite:
                 or os.environ.get("FEDSEG_SITE_CONFIG")
                 or str(Path(collab.workspace.get_root_dir()) / "local" / SITE_CONFIG_NAME)
             )
-            threads = os.environ.get("FEDSEG_TORCH_THREADS")
-            if threads:
-                torch.set_num_threads(int(threads))
+            use_thread_count()
             self._runtime = SiteRuntime(read_site_config(path))
         return self._runtime
 
@@ -253,7 +260,7 @@ def site_command(kit: str | Path, name: str) -> list[str]:
 
 
 class Admin:
-    """A FLARE API session from the admin kit: wait for sites, submit a job, wait for it."""
+    """A FLARE API session from the admin kit: submit a job, wait for it."""
 
     def __init__(self, admin_kit: str | Path, timeout: float = 30.0):
         from nvflare.fuel.flare_api.flare_api import new_secure_session
@@ -289,17 +296,6 @@ class Admin:
     def status(self, job_id: str) -> str:
         return str(self.sess.get_job_meta(job_id).get("status", ""))
 
-    def wait_for_sites(self, sites: list[str], timeout: float = 60.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            have = set(self.connected_sites())
-            if set(sites) <= have:
-                return
-            time.sleep(0.5)
-        raise ConnectionError(
-            f"sites {sorted(set(sites) - set(self.connected_sites()))} did not connect within {timeout:g} s; start them with `fedseg deploy site`"
-        )
-
     def submit(self, job_folder: str | Path) -> str:
         return self.sess.submit_job(str(job_folder))
 
@@ -318,12 +314,6 @@ class Admin:
     def abort(self, job_id: str) -> None:
         try:
             self.sess.abort_job(job_id)
-        except Exception:
-            pass
-
-    def shutdown_all(self) -> None:
-        try:
-            self.sess.api.do_command("shutdown client")  # type: ignore[attr-defined]
         except Exception:
             pass
 

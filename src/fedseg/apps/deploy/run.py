@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
 from fedseg.apps.deploy.supervise import Supervisor
@@ -214,10 +216,17 @@ def submit_run(
 class LocalCluster:
     """Server + site processes on 127.0.0.1 from freshly provisioned kits (mutual TLS).
 
-    Use as a context manager; every process group it started is killed on exit.
+    Use as a context manager; every process group it started is killed on exit.  The server and the sites
+    compute with ``threads`` intra-op threads (``FEDSEG_TORCH_THREADS``, ``OMP_NUM_THREADS``); by default
+    this process's :func:`torch.get_num_threads`, the count a simulation started here uses, so that their
+    weights equal that simulation's bit for bit.
     """
 
-    def __init__(self, root: str | Path, site_data: dict[str, str | Path], workdir: str | Path, threads: int = 1):
+    def __init__(
+        self, root: str | Path, site_data: dict[str, str | Path], workdir: str | Path, threads: int | None = None
+    ):
+        if threads is None:
+            threads = torch.get_num_threads()
         self.root = Path(root).resolve()
         self.site_data = dict(site_data)
         self.workdir = Path(workdir).resolve()

@@ -23,7 +23,7 @@ from torch import nn
 
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.foundation.arrays import Arrays, strip_prefix
-from fedseg.foundation.config import dataclass_from_dict, load_run_config
+from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import best_files, load_best
 from fedseg.simulation.runner import load_federation_data
@@ -97,24 +97,10 @@ def find_run_dirs(paths: Iterable[str | Path], max_depth: int = 3) -> list[Path]
     return out
 
 
-def _registry_label(results: dict[str, Any]) -> str:
-    """The label a run's algorithm gives it (``Algorithm.label_for`` its settings in ``results["config"]``),
-    for results written before runs stored their label; the method's name for a method not registered."""
-    cls = REGISTRY.get(str(results.get("method")))
-    if cls is None:
-        return str(results["method"])
-    try:
-        params = dataclass_from_dict(cls.Params, given_settings(results), cls.section or cls.name)
-    except ConfigError:  # settings of another version: the label of the defaults
-        params = cls.Params()
-    return cls.label_for(params)
-
-
 def run_label(results: dict[str, Any]) -> str:
     """Display label of the run: ``results["label"]`` (the algorithm's, e.g. "Auto-FedAvg-N-Dirichlet", or a
-    study's variant label), else the one its algorithm gives it (older results); `` (unseen <site>)`` added
-    for a FedSM run with a held-out site."""
-    label = str(results.get("label") or _registry_label(results))
+    study's variant label); `` (unseen <site>)`` added for a FedSM run with a held-out site."""
+    label = str(results["label"])
     rep = results.get("fedsm")
     if isinstance(rep, dict) and rep.get("heldout"):
         label += f" (unseen {rep['heldout']})"

@@ -401,7 +401,7 @@ def tabulate(folders: Sequence[str | Path], md: str | Path | None = None) -> tup
                 + (" and ".join(f"{k}.json" for k in found) if found else "neither")
             )
         kinds.add(found[0])
-        rows.append(_complete(json.loads((Path(f) / f"{STUDY_FILES[found[0]]}.json").read_text()), Path(f)))
+        rows.append(json.loads((Path(f) / f"{STUDY_FILES[found[0]]}.json").read_text()))
     if len(kinds) > 1:
         raise ConfigError(f"the folders hold different studies ({sorted(kinds)}); tabulate one study at a time")
     study = kinds.pop()
@@ -410,21 +410,6 @@ def tabulate(folders: Sequence[str | Path], md: str | Path | None = None) -> tup
         Path(md).parent.mkdir(parents=True, exist_ok=True)
         Path(md).write_text(table)
     return study, table
-
-
-def _complete(rows: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
-    """Rows of a study written before they recorded the run's choice (:func:`_chosen`): filled in from each
-    run's ``results.json`` in ``folder`` where it is there."""
-    for r in rows:
-        if "rejected" in r or "gamma_per_model" in r:
-            continue
-        run = folder / (f"unseen-{r['site']}" if "site" in r else f"lam{r['lam']:g}") / "results.json"
-        if run.is_file():
-            ch = _chosen(json.loads(run.read_text()), r.get("site"))
-            r["gamma_per_model"] = ch["gamma_per_model"]
-            if "dice_at_chosen" in ch:
-                r["dice_at_chosen"] = ch["dice_at_chosen"]
-    return rows
 
 
 def table7_over_seeds(runs: Sequence[Sequence[Mapping[str, Any]]]) -> str:
