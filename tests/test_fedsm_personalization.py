@@ -67,21 +67,20 @@ def test_every_personalization_runs_end_to_end_with_the_selector(tmp_path, sites
     assert any(not torch.equal(p1[k], g[k]) for k in p1 if p1[k].is_floating_point())
 
 
-def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload):
-    """``personalization = softpull`` is the default and the code path FedSM had before
-    the option existed: same server state bit for bit.  The digest was recorded with
-    the pre-option code (torch 2.13.0+cpu, 1 thread); other torch builds skip that check.
-    The bits also depend on the CPU's kernels: one digest per machine type the suite has run
-    on (the earlier sessions' machine; an AMD EPYC with AVX2 and no AVX-512, where the code
-    of commit 8cb1690, which passed with the first digest there, gives the second).
-    The settings of that code's defaults are pinned (``profile = "reference"`` with even
-    selector weights: averaged selector after every local step), since the defaults
-    have changed since (issue 16: selector trained by gradient averaging)."""
-    old = {"profile": "reference", "selector_weighting": "even"}
+def test_softpull_is_bitwise_the_default_and_its_trained_state_is_pinned(tmp_path, sites, workload):
+    """``personalization = softpull`` is the default (same server state bit for bit with and
+    without the setting), and its trained server state is pinned by a SHA-256 digest
+    (torch 2.13.0+cpu, 1 thread; other torch builds skip that check).
+    The bits also depend on the CPU's kernels: one digest per machine type the suite runs on
+    (a 2-core x86-64 CPU gives the first, an AMD EPYC with AVX2 and no AVX-512 the second).
+    The run uses the reference profile with even selector weights (averaged selector after
+    every local step), so that the default profile's settings (selector trained by gradient
+    averaging, flips, per-model thresholds) do not move the digest."""
+    pinned = {"profile": "reference", "selector_weighting": "even"}
     # Execute
-    simulate(_cfg(fedsm=old), workload, sites, out=tmp_path / "default", progress=False)
+    simulate(_cfg(fedsm=pinned), workload, sites, out=tmp_path / "default", progress=False)
     simulate(
-        _cfg(fedsm={**old, "personalization": "softpull"}),
+        _cfg(fedsm={**pinned, "personalization": "softpull"}),
         workload,
         tiny_sites(),
         out=tmp_path / "softpull",
@@ -91,7 +90,7 @@ def test_softpull_is_bitwise_the_default_and_unchanged(tmp_path, sites, workload
     a, b = _server(tmp_path / "default"), _server(tmp_path / "softpull")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if torch.__version__ == "2.13.0+cpu":
-        # the entries the pre-option code had (best_selector… was added later to the server state)
+        # the trained models' entries (the digest leaves out the best_selector… bookkeeping)
         trained = {k: v for k, v in a.items() if not k.startswith("best_selector")}
         assert _digest(trained) in {
             "9eb3b5f573ab1c4c939134c4c3e8bd679cbed07613f7d0d447fbbbe551ed917b",
