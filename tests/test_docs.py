@@ -26,7 +26,9 @@ PROCESS = re.compile(
 )
 #: The one technical meaning of "session" in fedseg: NVIDIA FLARE's admin (API) session and the
 #: session token a site logs in with. Such a use is removed from a line before it is matched.
-FLARE_SESSION = re.compile(r"\b(admin|API) session\b|\bsession token\b|\bnew session\b", re.IGNORECASE)
+FLARE_SESSION = re.compile(
+    r"\b(admin|API) session\b|\bsession token\b|\blog(s|ged) in with a new session\b", re.IGNORECASE
+)
 #: A file outside the repository.
 OUTSIDE = re.compile(r"(?<![\w.-])(\.\./)*shared/")
 #: A Markdown link to a run's output folder.
@@ -64,6 +66,7 @@ def test_the_patterns_catch_process_words_and_spare_flares_session():
         "see issue 16, continued",
         "the coordinator's two-process benchmark",
         "This session added the flips.",
+        "in a new session we measured it",
         "as DESIGN.md says (shared/DESIGN.md)",
         "cited from `../shared/papers/fedsm.md`",
         "the tables in [runs](runs/s13/m32/fundus.md)",
