@@ -1,4 +1,4 @@
-"""Vectorized vs sequential simulation: seconds per round and peak memory for K sites (issue 13).
+"""Vectorized vs sequential simulation: seconds per round and peak memory for K sites.
 
 K in-memory sites of random images (``--cases`` training cases each, 3 channels, 2 labels), the
 MONAI U-Net (``--channels``, default the FedSM reference's 16…256), Adam, batch ``--batch-size``,
@@ -14,7 +14,7 @@ minimum are less disturbed by other jobs than the mean).  Beside the speed-up of
 alone (the sites' local work, which is what vectorization changes), and of the process's CPU time
 per round (all threads; less disturbed than wall time when other jobs share the machine).
 
-Goals (issue 13): on the CPU ≥ 2× faster at 32² with 6 sites; on a GPU a 6-site round at 64² in
+Goals: on the CPU ≥ 2× faster at 32² with 6 sites; on a GPU a 6-site round at 64² in
 ≤ 1.5× the time of one site's round.
 
     .venv/bin/python benchmarks/vectorize.py --device cpu --sizes 32 --channels 8,16,32,64 --sites 2,6   # CPU, small

@@ -1,7 +1,7 @@
 """A hostile site over the byte channel: whatever it sends, the run finishes without it.
 
 One provisioned site rewrites its replies (:class:`fedseg.execution.remote.transport.LoopbackChannel`
-with a fault function), one row per attack of issue 14.  For every row:
+with a fault function), one row per attack.  For every row:
 
 * the run finishes (``serve`` returns results);
 * the site is recorded in ``results.json["deploy"]["dropouts"]`` with the reason;

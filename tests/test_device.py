@@ -1,4 +1,4 @@
-"""Devices, mixed precision and the background checkpoint writer (issue 12).
+"""Devices, mixed precision and the background checkpoint writer.
 
 Every device path runs here on the CPU (``device = "cpu"`` explicitly and ``"auto"``
 resolving to the CPU).  Tests marked ``gpu`` need CUDA and are skipped without it.

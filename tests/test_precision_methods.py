@@ -1,4 +1,4 @@
-"""``train.precision`` in the methods that run their own local loops (issue 12).
+"""``train.precision`` in the methods that run their own local loops.
 
 APFL, pFedMe, Per-FedAvg, FGA (and FedSM's ``fga`` selector), Auto-FedAvg's weight-learning
 step and FedSM's ``fedavg`` selector loop do not train through :meth:`Site.fit`; each runs its

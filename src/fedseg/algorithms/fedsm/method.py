@@ -539,8 +539,8 @@ class FedSMEnsemble(FedSM):
     selector_criterion = "dice"
     """The validation Dice of the assembled mix, always measured on the assembled models: the output is the
     mix, and a selector with Eq. 1's argmax but flatter weights mixes in worse models (a half-trained one was
-    kept by routing accuracy on fundus, 0.54 of its weight on the global model: ``docs/results.md``,
-    "Issue 16: the ensemble's selector")."""
+    kept by routing accuracy on fundus, 0.54 of its weight on the global model: ``CHANGELOG.md``,
+    FedSM)."""
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)

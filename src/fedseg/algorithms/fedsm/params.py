@@ -16,7 +16,7 @@ __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "Fe
 DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 #: ``fedsm.gamma_margin`` of the default profile where it applies (``gamma = "auto-per-model"``, 1.0 in the
-#: grid); 0 elsewhere and in the reference profile (docs/results.md, "Session 14").
+#: grid); 0 elsewhere and in the reference profile (docs/results.md, FedSM, "Main result").
 DEFAULT_GAMMA_MARGIN = 0.01
 
 PersonalizationName = Literal["softpull", "ft", "apfl", "perfedavg", "pfedme", "ditto"]
@@ -143,8 +143,8 @@ class FedSMParams:
         each model given the image; τ → 0 gives Eq. 1's cross-entropy).  ``"mix"`` (reference
         profile, the paper's Section 3.1.1): the workload loss of the mixed output
         L(Σ_k ŷ_k h_k, y), whose gradient vanishes once the softmax saturates — it drove the
-        selector to the global model on every image (``docs/results.md``, "Issue 16: the
-        ensemble's selector"; derivation in ``docs/algorithms.md``).  Inference is the mix
+        selector to the global model on every image (``docs/results.md``, "FedSM-extra and
+        the ensemble"; derivation in ``docs/algorithms.md``).  Inference is the mix
         Σ_k ŷ_k h_k either way.
     extra_objective
         fedsm-extra only: what its K + 1-class selector is trained on.  ``"oracle"`` (both
@@ -154,7 +154,7 @@ class FedSMParams:
         target between models whose losses on the image are within about τ; its selectors are
         compared by the composite's validation Dice.  Measured on the 320-round benchmark, 3 seeds,
         both presets: the two within 0.4 points of each other, Eq. 1 slightly ahead
-        (``docs/results.md``, "Current main result (session 6)").  Inference is the argmax either way;
+        (``CHANGELOG.md``, FedSM).  Inference is the argmax either way;
         routing is measured against Eq. 1's labels.
     ensemble_tau
         τ > 0 of the ``"experts"`` objective (``ensemble_objective``, ``extra_objective``), in units

@@ -12,8 +12,8 @@
   participant, and each site's ``class_allow_list`` admits
   ``fedseg.apps.deploy.flare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
   copies the components' package (fedseg's source, ~0.3 MB) into ``app_*/custom``.
-* :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (FLARE API
-  session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
+* :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (a FLARE
+  API session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
 """
 
 from __future__ import annotations

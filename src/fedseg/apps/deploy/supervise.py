@@ -9,8 +9,8 @@ submits it on its own:
   died, too few sites answered): re-submit from the last round checkpoint
   (``OUT/checkpoints``) with the sites connected after waiting up to
   ``deploy.rejoin_wait_s`` for the others, at most ``deploy.max_restarts`` times.
-* **A site restarted** (it logged in to the FLARE server again with a new session
-  token, so the job process that held its part of this job is gone): ask the
+* **A site restarted** (it logged in to the FLARE server again with a new
+  session token, so the job process that held its part of this job is gone): ask the
   server's engine to end the job after the current round (file
   ``OUT/control/restart``, read by :func:`fedseg.apps.deploy.server.serve`), then
   re-submit from that round's checkpoint with the site back in (``deploy.rejoin``).
