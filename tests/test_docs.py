@@ -105,7 +105,7 @@ def slug(heading):
 
 
 def anchors(md):
-    """The anchors of a Markdown file's headings (GitHub numbers repeated ones)."""
+    """The anchors of a Markdown file: its headings' (GitHub numbers repeated ones) and ``<a id="...">`` tags."""
     seen, out = {}, set()
     in_code = False
     for line in md.read_text(encoding="utf-8").splitlines():
@@ -115,6 +115,8 @@ def anchors(md):
             s = slug(m.group(1))
             out.add(s if s not in seen else f"{s}-{seen[s]}")
             seen[s] = seen.get(s, 0) + 1
+        if not in_code:
+            out.update(re.findall(r'<a id="([^"]+)">', line))
     return out
 
 
