@@ -1,3 +1,3 @@
 """fedseg: cross-silo federated learning of medical image segmentation models."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
