@@ -1,4 +1,4 @@
-"""Vectorized simulation (``simulation.vectorize``, issue 13): the same numbers as sequential, to rounding.
+"""Vectorized simulation (``simulation.vectorize``): the same numbers as sequential, to rounding.
 
 The equality tests use the tiny U-Net *without* normalization (``model.norm = "none"``).  With
 instance norm, a convolution's bias right before the norm has a gradient that is exactly zero in

@@ -109,13 +109,33 @@ class LocalExecutor:
     """The default :class:`SiteExecutor`: every call computed at the site, in the calling thread (deployed
     sites, and simulations that run their sites one after another)."""
 
-    def fit(self, site, role, rnd, stream, optimizer, extra_loss, after_backward, steps):
+    def fit(
+        self,
+        site: Site,
+        role: str,
+        rnd: int,
+        stream: str,
+        optimizer: Any,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
+        after_backward: Callable[[nn.Module], None] | None,
+        steps: int | None,
+    ) -> dict[str, float]:
         return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
 
-    def gradient(self, site, role, x, target, loss, at):
+    def gradient(
+        self,
+        site: Site,
+        role: str,
+        x: torch.Tensor,
+        target: Any,
+        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
+        at: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return site.gradient_here(role, x, target, loss, at)
 
-    def step_with_gradient(self, site, model, optimizer, grad):
+    def step_with_gradient(
+        self, site: Site, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
+    ) -> None:
         site.step_with_gradient_here(model, optimizer, grad)
 
 

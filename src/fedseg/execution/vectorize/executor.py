@@ -29,6 +29,12 @@ from fedseg.site.runtime import Site
 class VectorizedExecutor:
     """Runs one ask's handlers so that their :meth:`Site.fit` calls train as one computation.
 
+    It is the :class:`~fedseg.site.runtime.SiteExecutor` of the simulation's sites (the in-process transport
+    sets :attr:`Site.executor`): a site's ``fit``, ``gradient`` and ``step_with_gradient`` called from its
+    handler while :meth:`run` runs it park there and are computed together with the other sites' calls
+    (:meth:`fit_together`, :meth:`gradients_together`, :meth:`apply_together`); any other call is computed
+    at the site.
+
     Parameters
     ----------
     group_size
@@ -41,7 +47,7 @@ class VectorizedExecutor:
         ``simulation.cuda_graphs``: on CUDA, the local step of a group with no per-site hook (``extra_loss``,
         ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
         shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
-        masked step, see :func:`graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
+        masked step, see :func:`fedseg.execution.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
         captured once as a CUDA graph over static buffers kept across rounds (:class:`_Arena`) and replayed;
         any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
@@ -66,7 +72,6 @@ class VectorizedExecutor:
         self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
         # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
         self._structures: dict[nn.Module, _Structure] = {}
-
         self._workers: dict[int, _Worker] = {}  # by id(site), while :meth:`run` runs their handlers
 
     def say(self, msg: str) -> None:

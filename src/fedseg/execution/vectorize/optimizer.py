@@ -11,7 +11,7 @@ from torch.optim.adam import adam as _torch_adam
 from fedseg.execution.vectorize.layout import _Layout
 
 
-class _Arena(Protocol):
+class StaticBuffers(Protocol):
     """The static buffers a stacked Adam steps in when its step is captured as a CUDA graph
     (:class:`fedseg.execution.vectorize.graphs._Arena`): the moments, the fused kernel's step count, and the
     masked step's per-element mask, step sizes and bias corrections (made at their first use)."""
@@ -128,7 +128,7 @@ class _StackedOptimizer:
         plist: Sequence[Sequence[torch.Tensor]],
         flat: torch.Tensor,
         layout: _Layout,
-        arena: _Arena | None = None,
+        arena: StaticBuffers | None = None,
     ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
@@ -186,7 +186,7 @@ class _StackedOptimizer:
         adam_([self.flat], [grad], [self.m], [self.v], steps=[self._step], **self._adam_settings())
 
     @torch.no_grad()
-    def begin_masked(self, active: Sequence[int], arena: _Arena) -> None:
+    def begin_masked(self, active: Sequence[int], arena: StaticBuffers) -> None:
         """The host side of an Adam step of ``active`` only (the others' rows, parameters and moments, stay
         exactly as they are), for :meth:`masked_kernels`: step counts, and the arena's per-element mask,
         step sizes and bias corrections (static tensors a CUDA graph reads) filled for this step."""
@@ -208,7 +208,7 @@ class _StackedOptimizer:
         arena.bc2.copy_(per(torch.tensor(bc2, dtype=torch.float64, device=dev)))
 
     @torch.no_grad()
-    def masked_kernels(self, grad: torch.Tensor, arena: _Arena) -> None:
+    def masked_kernels(self, grad: torch.Tensor, arena: StaticBuffers) -> None:
         """The device work of :meth:`begin_masked`'s step (the arithmetic of :meth:`step` for a subset of
         sites, with per-element factors); no host sync."""
         assert arena.step_size is not None and arena.bc2 is not None
