@@ -27,9 +27,9 @@ from fedseg.execution.vectorize.optimizer import _StackedOptimizer
 from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, FitCall, site_names
 from fedseg.foundation.device import autocast
 
-VectorizedExecutor = Any
-"""The executor (:class:`fedseg.execution.vectorize.VectorizedExecutor`) whose state these functions use: its
-model walks (``structure``), log (``say``), arenas, settings and counters."""
+ExecutorState = Any
+"""The :class:`fedseg.execution.vectorize.VectorizedExecutor` these functions work for — its model walks
+(``structure``), log (``say``), arenas, settings and counters — typed loosely: its module imports this one."""
 
 
 @dataclass
@@ -51,7 +51,7 @@ class _FirstStepFailed(Exception):
         self.error = error
 
 
-def check_fit(ex: VectorizedExecutor, index: int, call: FitCall) -> tuple[_Item | None, str | None]:
+def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[_Item | None, str | None]:
     """The call as an :class:`_Item` that can be stacked, or why it cannot."""
     site = call.site
     model = site.model(call.role)
@@ -78,7 +78,7 @@ def check_fit(ex: VectorizedExecutor, index: int, call: FitCall) -> tuple[_Item 
     return _Item(index, call, model, opt, wrapper, params, key), None
 
 
-def train(ex: VectorizedExecutor, items: list[_Item]) -> list[Any]:
+def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
     """Train a group; on a CUDA out-of-memory error at its first step, train its halves instead; on any other
     error at its first step, its sites train sequentially (``SEQUENTIAL``)."""
     try:
@@ -108,7 +108,7 @@ class _StackedFit:
     (each site's parameters viewing its row while it trains), the stacked buffers, the stacked optimizer,
     the vmapped loss, and each site's batch stream and loss sum."""
 
-    def __init__(self, ex: VectorizedExecutor, items: list[_Item]):
+    def __init__(self, ex: ExecutorState, items: list[_Item]):
         self.items = items
         self.calls = [it.call for it in items]
         self.models = [it.model for it in items]
@@ -172,7 +172,7 @@ class _StackedFit:
                 batch[i] = b
         return batch
 
-    def step(self, ex: VectorizedExecutor, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def step(self, ex: ExecutorState, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """One local step of the sites in ``batch``: the captured step where it applies, else the eager one
         (:func:`stacked_gradients` and :meth:`_StackedOptimizer.step`); returns the per-site losses."""
         arena = self.arena
@@ -219,7 +219,7 @@ class _StackedFit:
         return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(self.totals, self.counts)]
 
 
-def train_group(ex: VectorizedExecutor, items: list[_Item]) -> list[dict[str, float]]:
+def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
     """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`."""
     fit = _StackedFit(ex, items)
     first, done = True, False

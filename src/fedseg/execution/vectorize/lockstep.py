@@ -19,12 +19,12 @@ from fedseg.execution.vectorize.optimizer import adam_, scalar_dtype
 from fedseg.execution.vectorize.scheduler import ApplyCall, GradientCall
 from fedseg.foundation.device import autocast
 
-VectorizedExecutor = Any
-"""The executor (:class:`fedseg.execution.vectorize.VectorizedExecutor`) whose state these functions use: its
-model walks (``structure``), log (``say``), arenas, settings and counters."""
+ExecutorState = Any
+"""The :class:`fedseg.execution.vectorize.VectorizedExecutor` these functions work for — its model walks
+(``structure``), log (``say``), arenas, settings and counters — typed loosely: its module imports this one."""
 
 
-def gradient_reason(ex: VectorizedExecutor, call: GradientCall) -> tuple[tuple, str | None]:
+def gradient_reason(ex: ExecutorState, call: GradientCall) -> tuple[tuple, str | None]:
     """The call's model signature, and why its gradient cannot be stacked (None when it can)."""
     site = call.site
     model = site.model(call.role)
@@ -48,7 +48,7 @@ def gradient_reason(ex: VectorizedExecutor, call: GradientCall) -> tuple[tuple, 
 
 
 def gradient_group(
-    ex: VectorizedExecutor, calls: list[GradientCall], loss: Any
+    ex: ExecutorState, calls: list[GradientCall], loss: Any
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """The gradients of K sites' losses in one ``vmap`` over their stacked weights (the sites of a lockstep
     round hold the same weights, but nothing here relies on it): each site's loss depends only on its
@@ -99,7 +99,7 @@ def gradient_group(
     return results
 
 
-def apply_group(ex: VectorizedExecutor, calls: list[ApplyCall], settings: tuple) -> None:
+def apply_group(ex: ExecutorState, calls: list[ApplyCall], settings: tuple) -> None:
     """``apply_gradient``'s step for every call: each parameter's ``.grad`` set to its gradient, then
     ``torch.optim.Adam``'s step (lazy state, parameters without a gradient skipped) in one kernel call."""
     _, lr, (b1, b2), eps, wd = settings
