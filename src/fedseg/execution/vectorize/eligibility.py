@@ -32,7 +32,7 @@ class _Structure:
         self.stacked_gradient = False  # its gradient was computed stacked (then its lockstep step is too)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {n: owner._buffers[attr] for n, owner, attr in self._owners}  # type: ignore[misc]
+        return {n: getattr(owner, attr) for n, owner, attr in self._owners}
 
     def train(self) -> None:
         """``model.train()``, unless every module is in training mode already (its walk costs per call)."""
@@ -55,6 +55,7 @@ def _model_signature(model: nn.Module) -> tuple:
 def vectorize_reason(model: nn.Module) -> str | None:
     """Why a model cannot train under ``vmap`` (None when it can)."""
     for name, m in model.named_modules():
+        # torch's private base classes: the only ones every batch norm (lazy, sync) and every dropout share
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
             return f"batch norm with running statistics ({name or type(m).__name__}: its in-place buffer updates do not vectorize)"
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
