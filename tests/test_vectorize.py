@@ -273,15 +273,15 @@ def test_group_size_for_fills_the_free_memory_with_as_few_even_groups_as_fit():
 
 
 def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(workload):
-    from fedseg.execution.vectorize import _activation_bytes, _free_memory
+    from fedseg.execution.vectorize.memory import activation_bytes, free_memory
 
     cpu = torch.device("cpu")
-    assert _free_memory(cpu) is None  # the CPU: all sites in one group unless simulation.vectorize_group says
+    assert free_memory(cpu) is None  # the CPU: all sites in one group unless simulation.vectorize_group says
     torch.manual_seed(0)
     model = workload.build_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.rand(4, 1, 16, 16), (torch.rand(4, 1, 16, 16) > 0.5).float()
-    a1, a2, a4 = (_activation_bytes(model, x[:n], y[:n], workload.loss, cpu, "fp32") for n in (1, 2, 4))
+    a1, a2, a4 = (activation_bytes(model, x[:n], y[:n], workload.loss, cpu, "fp32") for n in (1, 2, 4))
     assert 0 < a1 < a2 < a4
     # saved activations are linear in the batch (plus the weights the convolutions keep)
     assert a4 - a2 == pytest.approx(2 * (a2 - a1), rel=0.1)
@@ -291,10 +291,10 @@ def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(w
 def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     """On CUDA with ``vectorize_group = 0`` the group size comes from the free memory and an estimate of
     the bytes per site; here both are set (on the CPU): 1000 bytes free, 400 per site → 2 fit in 80 %."""
-    import fedseg.execution.vectorize as vec
+    from fedseg.execution.vectorize import memory
 
-    monkeypatch.setattr(vec, "_free_memory", lambda device: 1000)
-    monkeypatch.setattr(vec, "_fit_site_bytes", lambda item: 400)
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
+    monkeypatch.setattr(memory, "fit_site_bytes", lambda item: 400)
     groups: list[int] = []
     real = VectorizedExecutor._train_group
     monkeypatch.setattr(
@@ -314,11 +314,11 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
 def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     """The same for FGA's lockstep gradients: 2 of 3 sites fit, and the log says so again only when
     the free memory changes the group size (here from the third exchange on: all 3 fit)."""
-    import fedseg.execution.vectorize as vec
+    from fedseg.execution.vectorize import memory
 
     free = iter([1000, 1000] + [10_000] * 100)
-    monkeypatch.setattr(vec, "_free_memory", lambda device: next(free))
-    monkeypatch.setattr(vec, "_gradient_site_bytes", lambda call, loss: 400)
+    monkeypatch.setattr(memory, "free_memory", lambda device: next(free))
+    monkeypatch.setattr(memory, "gradient_site_bytes", lambda call, loss: 400)
     groups: list[int] = []
     real = VectorizedExecutor._gradient_group
     monkeypatch.setattr(
@@ -446,9 +446,12 @@ def test_an_error_in_one_site_ends_the_ask_and_its_threads():
 
     for s in sites:
         s._handlers = {"train": bad}
+    ex = VectorizedExecutor(log=lambda m: None)
+    for s in sites:
+        s.executor = ex
     before = threading.active_count()
     with pytest.raises(PayloadError, match="hostile"):
-        VectorizedExecutor(log=lambda m: None).run([(s, Task("train")) for s in sites])
+        ex.run([(s, Task("train")) for s in sites])
     assert threading.active_count() == before
 
 
@@ -458,7 +461,7 @@ def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps
     manages more threads than cores; docs/results.md).  So a site's handler runs with one intra-op thread,
     its sequential fallback fit with the full count, and after the ask the main thread and any new thread
     have the count they had before."""
-    from fedseg.execution import vectorize
+    from fedseg.execution.vectorize.scheduler import _SEQUENTIAL
     from fedseg.site.runtime import Site
 
     before = torch.get_num_threads()
@@ -476,6 +479,7 @@ def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps
             calls = _fit_calls([1, 1, 1])
             for c in calls:
                 c.site._handlers = {"train": handler}
+                c.site.executor = ex
             ex.run([(c.site, Task("train")) for c in calls])
 
         ex = VectorizedExecutor(log=lambda m: None)
@@ -491,17 +495,14 @@ def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps
 
         # the fallback: each site thread trains itself, with the full count, and goes back to one after
         seen.clear()
-        monkeypatch.setattr(
-            VectorizedExecutor, "fit_together", lambda self, calls: [vectorize._SEQUENTIAL] * len(calls)
-        )
-        inner = Site.fit
+        monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [_SEQUENTIAL] * len(calls))
+        inner = Site.fit_here
 
-        def spy(self, *args, **kwargs):
-            if vectorize._fit_hook.call is None:  # the fallback's own call (the hook is off while it trains)
-                seen.append(("fallback fit", torch.get_num_threads()))
+        def spy(self, *args, **kwargs):  # the fallback: the site thread trains its site itself
+            seen.append(("fallback fit", torch.get_num_threads()))
             return inner(self, *args, **kwargs)
 
-        monkeypatch.setattr(Site, "fit", spy)
+        monkeypatch.setattr(Site, "fit_here", spy)
         run(VectorizedExecutor(log=lambda m: None))
         assert sorted(seen) == [("after fit", 1)] * 3 + [("fallback fit", 2)] * 3 + [("handler", 1)] * 3
         assert torch.get_num_threads() == 2
@@ -787,7 +788,8 @@ def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
     shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
     keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
     is copied, so that step runs eagerly."""
-    from fedseg.execution.vectorize import _Arena, _Layout
+    from fedseg.execution.vectorize.graphs import _Arena
+    from fedseg.execution.vectorize.layout import _Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
     arena = _Arena(_Layout(params, 2), params[0], {})
@@ -814,18 +816,18 @@ def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
 
 def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign_of_its_gradient():
     """Adam's first step, by hand: m = (1 − β₁) g, v = (1 − β₂) g², the bias corrections 1 − β₁ and √(1 − β₂)
-    cancel them, so p moves by −lr · g / (|g| + eps) (≈ −lr · sign g).  ``_masked_adam_`` does that where the
+    cancel them, so p moves by −lr · g / (|g| + eps) (≈ −lr · sign g).  ``adam_`` (masked) does that where the
     mask holds and leaves p, m and v bitwise unchanged elsewhere; a second step equals torch's Adam."""
-    from fedseg.execution.vectorize import _adam_factors, _masked_adam_
+    from fedseg.execution.vectorize.optimizer import adam_, adam_factors
 
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
     g = torch.tensor([0.5, -2.0, 1e-3, 3.0], dtype=torch.float64)
     p0 = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     mask = torch.tensor([True, True, True, False])
-    sizes, bc2s = _adam_factors([0.0, 1.0], lr, b1, b2)  # a site at t = 0 gets t = 1's factors
+    sizes, bc2s = adam_factors([0.0, 1.0], lr, b1, b2)  # a site at t = 0 gets t = 1's factors
     assert sizes[0] == sizes[1] == pytest.approx(-lr / (1 - b1)) and bc2s[1] == pytest.approx((1 - b2) ** 0.5)
     p, m, v = p0.clone(), torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
-    _masked_adam_(p, m, v, g, mask, sizes[1], bc2s[1], eps, b1, b2)
+    adam_([p], [g], [m], [v], lr=lr, b1=b1, b2=b2, eps=eps, factors=(sizes[1], bc2s[1]), mask=mask)
     expected = p0 - lr * g / (g.abs() + eps)
     torch.testing.assert_close(p[:3], expected[:3], rtol=1e-12, atol=1e-12)
     assert p[3] == p0[3] and m[3] == 0 and v[3] == 0  # masked out: untouched
@@ -834,8 +836,8 @@ def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign
     for grad in (g[:3], -0.5 * g[:3]):
         ref.grad = grad.clone()
         opt.step()
-    sizes, bc2s = _adam_factors([2.0], lr, b1, b2)
-    _masked_adam_(p, m, v, -0.5 * g, mask, sizes[0], bc2s[0], eps, b1, b2)
+    sizes, bc2s = adam_factors([2.0], lr, b1, b2)
+    adam_([p], [-0.5 * g], [m], [v], lr=lr, b1=b1, b2=b2, eps=eps, factors=(sizes[0], bc2s[0]), mask=mask)
     torch.testing.assert_close(p[:3], ref.detach(), rtol=1e-12, atol=1e-12)
 
 
@@ -846,7 +848,9 @@ def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active)
     same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
     weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
     the active sites only."""
-    from fedseg.execution.vectorize import _Arena, _Layout, _StackedOptimizer
+    from fedseg.execution.vectorize.graphs import _Arena
+    from fedseg.execution.vectorize.layout import _Layout
+    from fedseg.execution.vectorize.optimizer import _StackedOptimizer
 
     g = torch.Generator().manual_seed(0)
     models = [torch.nn.Linear(5, 3) for _ in range(3)]

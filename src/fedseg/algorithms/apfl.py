@@ -53,7 +53,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
-from fedseg.site.runtime import LossSums, Site, step_with_gradient
+from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
     "APFL",
@@ -142,7 +142,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
 
     With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
     ∇f(w) and ∇f(v̄) at the mixture v̄ = α v + (1 − α) w) and two optimizer steps
-    (:func:`fedseg.site.runtime.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
+    (:meth:`fedseg.site.runtime.Site.step_with_gradient`: w with ∇f(w), v with ∇_v f(v̄) = α ∇f(v̄)), then α's step
     with ⟨v − w, ∇f(v̄)⟩ (:func:`mixture_gradients`, kept on the device; v, w before their steps).  A vectorized simulation
     computes the K sites' gradients as one vmapped call each and takes their steps as one fused step;
     sequentially this is the arithmetic of autograd through the mixture (α's gradient summed in float64).
@@ -185,7 +185,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
 
 
 def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y):
-    """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / step_with_gradient."""
+    """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / Site.step_with_gradient."""
     g_w, loss_w = site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
     a = alpha.to(site.dtype)
     # views of the weights before this step's updates (read below before the steps change them)
@@ -194,8 +194,8 @@ def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x,
     mixed = {k: a * v_now[k] + (1 - a) * w_now[k] for k in v_now}
     g_mix, loss_v = site.gradient("personal", x, y, at=mixed)
     g_v, grad_a = mixture_gradients(v_now, w_now, g_mix, a)  # read before the steps below change v, w
-    step_with_gradient(w_model, opt_w, g_w)
-    step_with_gradient(v_model, opt_v, g_v)
+    site.step_with_gradient(w_model, opt_w, g_w)
+    site.step_with_gradient(v_model, opt_v, g_v)
     return loss_w, loss_v, grad_a
 
 

@@ -185,11 +185,17 @@ FP16_GRADIENT_AVERAGING = (
 """Why fp16 is refused where gradients are averaged; bf16 (no loss scaling) runs as is."""
 
 
-def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
+def apply_gradient(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad: Mapping[str, torch.Tensor],
+    site: Site | None = None,
+) -> None:
     """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry).
 
-    The payload is validated here; the step is :func:`fedseg.site.runtime.step_with_gradient` (one stacked step
-    of all sites in a vectorized simulation)."""
+    The payload is validated here; the step is ``site``'s :meth:`~fedseg.site.runtime.Site.step_with_gradient`
+    (one stacked step of all sites in a vectorized simulation), or without a site
+    :func:`fedseg.site.runtime.step_with_gradient`, here."""
     params = dict(model.named_parameters())
     unknown = sorted(set(grad) - set(params))
     if unknown:
@@ -200,7 +206,10 @@ def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Map
         g = grad.get(name)
         if g is not None and g.shape != p.shape:
             raise PayloadError(f"averaged gradient '{name}' has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}")
-    step_with_gradient(model, optimizer, grad)
+    if site is None:
+        step_with_gradient(model, optimizer, grad)
+    else:
+        site.step_with_gradient(model, optimizer, grad)
 
 
 def _batch_reducing(mod: Any) -> bool:
@@ -342,7 +351,7 @@ def gradient_step(
         set_optimizer_moments(opt, model, moments)
     avg = strip_prefix("avg", task.arrays)
     if avg:
-        apply_gradient(model, opt, avg)
+        apply_gradient(model, opt, avg, site)
     arrays: Arrays = {}
     metrics: dict[str, Any] = {}
     num = 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,23 +57,95 @@ class SiteHalf(Protocol):
     def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]: ...
 
 
-__all__ = ["LossSums", "Site", "SiteData", "batch_of", "dataset_len", "step_with_gradient", "steps_per_round"]
+__all__ = [
+    "LocalExecutor",
+    "LossSums",
+    "Site",
+    "SiteData",
+    "SiteExecutor",
+    "batch_of",
+    "dataset_len",
+    "step_with_gradient",
+    "steps_per_round",
+]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
-_fit_hook = threading.local()
-"""``_fit_hook.call``, ``_fit_hook.gradient`` and ``_fit_hook.apply``: set by :mod:`fedseg.execution.vectorize` in
-the threads that run sites' handlers, so that their :meth:`Site.fit` (and :meth:`Site.gradient`, and
-:func:`step_with_gradient`) calls meet and run as one vectorized computation (None: compute here)."""
+
+class SiteExecutor(Protocol):
+    """Who computes a :class:`Site`'s local training: its :meth:`Site.fit`, :meth:`Site.gradient` and
+    :meth:`Site.step_with_gradient` calls are delegated to ``site.executor`` (:attr:`Site.executor`), which
+    computes them at the site (:meth:`Site.fit_here` and the like) or together with other sites' calls
+    (the vectorized simulation, :class:`fedseg.execution.vectorize.VectorizedExecutor`)."""
+
+    def fit(
+        self,
+        site: Site,
+        role: str,
+        rnd: int,
+        stream: str,
+        optimizer: Any,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
+        after_backward: Callable[[nn.Module], None] | None,
+        steps: int | None,
+    ) -> dict[str, float]: ...
+
+    def gradient(
+        self,
+        site: Site,
+        role: str,
+        x: torch.Tensor,
+        target: Any,
+        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
+        at: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]: ...
+
+    def step_with_gradient(
+        self, site: Site, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
+    ) -> None: ...
+
+
+class LocalExecutor:
+    """The default :class:`SiteExecutor`: every call computed at the site, in the calling thread (deployed
+    sites, and simulations that run their sites one after another)."""
+
+    def fit(
+        self,
+        site: Site,
+        role: str,
+        rnd: int,
+        stream: str,
+        optimizer: Any,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
+        after_backward: Callable[[nn.Module], None] | None,
+        steps: int | None,
+    ) -> dict[str, float]:
+        return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+
+    def gradient(
+        self,
+        site: Site,
+        role: str,
+        x: torch.Tensor,
+        target: Any,
+        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
+        at: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return site.gradient_here(role, x, target, loss, at)
+
+    def step_with_gradient(
+        self, site: Site, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
+    ) -> None:
+        site.step_with_gradient_here(model, optimizer, grad)
+
+
+LOCAL = LocalExecutor()
+"""The executor every :class:`Site` starts with."""
 
 
 def step_with_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
     """One ``optimizer`` step with ``grad`` (parameter name → tensor; a parameter it does not name gets no
-    gradient) as the model's gradient.  In a vectorized simulation the step meets the other sites' and runs
-    as one stacked step (``_fit_hook.apply``); otherwise here."""
-    hook = getattr(_fit_hook, "apply", None)
-    if hook is not None and hook(model, optimizer, grad):
-        return
+    gradient) as the model's gradient, here (:meth:`Site.step_with_gradient` is the delegated one)."""
     for name, p in model.named_parameters():
         g = grad.get(name)
         p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
@@ -177,9 +248,21 @@ class Site:
         The run configuration.
     algorithm
         The run's algorithm; its site half answers tasks.
+    executor
+        Who computes :meth:`fit`, :meth:`gradient` and :meth:`step_with_gradient` (:attr:`executor`;
+        default :class:`LocalExecutor`: here).
     """
 
-    def __init__(self, name: str, index: int, data: SiteData, workload: Workload, cfg: RunConfig, algorithm: SiteHalf):
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        data: SiteData,
+        workload: Workload,
+        cfg: RunConfig,
+        algorithm: SiteHalf,
+        executor: SiteExecutor | None = None,
+    ):
         self.name = name
         self.index = index
         self.data = data
@@ -201,6 +284,9 @@ class Site:
         self._workload_models: dict[str, nn.Module] = {}
         self._template_role: str | None = None
         self._handlers = algorithm.site_handlers()
+        self.executor: SiteExecutor = executor or LOCAL
+        """Who computes this site's :meth:`fit`, :meth:`gradient` and :meth:`step_with_gradient` calls
+        (a simulation that vectorizes its sites sets its :class:`SiteExecutor` here)."""
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: Task) -> Reply:
@@ -406,13 +492,22 @@ class Site:
         across rounds).  The loss is summed on the device and read once at the end of the
         round, so no step waits for the host.
 
-        In a vectorized simulation (``simulation.vectorize``) the call is handed to
-        :mod:`fedseg.execution.vectorize`, which trains the sites that meet here together, or calls
-        this method again for a site it cannot vectorize.
+        The call is delegated to :attr:`executor`: by default computed here (:meth:`fit_here`); in a
+        vectorized simulation (``simulation.vectorize``) trained together with the other sites' calls.
         """
-        call = getattr(_fit_hook, "call", None)
-        if call is not None:
-            return call(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+        return self.executor.fit(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+
+    def fit_here(
+        self,
+        role: str,
+        rnd: int,
+        stream: str = "train",
+        optimizer: torch.optim.Optimizer | None = None,
+        extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+        after_backward: Callable[[nn.Module], None] | None = None,
+        steps: int | None = None,
+    ) -> dict[str, float]:
+        """:meth:`fit` computed at this site, in the calling thread."""
         model = self.model(role)
         opt = optimizer or self.optimizer(role)
         scaler = self.scaler(role)
@@ -451,13 +546,20 @@ class Site:
         frozen models).
 
         Lockstep gradient averaging (:func:`fedseg.algorithms.fga.gradient_step`) calls this once per
-        step.  In a vectorized simulation the call is handed to :mod:`fedseg.execution.vectorize`, which
-        computes the gradients of all sites that meet here in one vmapped computation, or calls this
-        method again for a site it cannot vectorize.
+        step.  The call is delegated to :attr:`executor`: by default computed here (:meth:`gradient_here`);
+        in a vectorized simulation together with the other sites' gradients, in one vmapped computation.
         """
-        call = getattr(_fit_hook, "gradient", None)
-        if call is not None:
-            return call(self, role, x, target, loss, at)
+        return self.executor.gradient(self, role, x, target, loss, at)
+
+    def gradient_here(
+        self,
+        role: str,
+        x: torch.Tensor,
+        target: Any,
+        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        at: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """:meth:`gradient` computed at this site, in the calling thread."""
         model = self.model(role)
         model.train()
         if at is not None:  # leaves of their own: the model's parameters and .grad are not touched
@@ -472,6 +574,21 @@ class Site:
         value.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return grads, value.detach()
+
+    def step_with_gradient(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
+    ) -> None:
+        """One ``optimizer`` step of ``model`` (one of this site's) with ``grad`` (parameter name → tensor; a
+        parameter it does not name gets no gradient) as its gradient.  Delegated to :attr:`executor`: by
+        default taken here (:meth:`step_with_gradient_here`); in a vectorized simulation together with the
+        other sites' steps."""
+        self.executor.step_with_gradient(self, model, optimizer, grad)
+
+    def step_with_gradient_here(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
+    ) -> None:
+        """:meth:`step_with_gradient` taken at this site (:func:`step_with_gradient`)."""
+        step_with_gradient(model, optimizer, grad)
 
     def autocast(self):
         """``train.precision``'s autocast on the site's device (a no-op context for fp32): the

@@ -1,0 +1,344 @@
+"""The vectorized executor: an ask's site handlers run so that their local training is one computation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedseg.execution.vectorize import fit as stacked_fit
+from fedseg.execution.vectorize import lockstep, memory
+from fedseg.execution.vectorize.eligibility import _optimizer_reason, _Structure
+from fedseg.execution.vectorize.graphs import _Arena
+from fedseg.execution.vectorize.scheduler import (
+    _SEQUENTIAL,
+    ApplyCall,
+    FitCall,
+    GradientCall,
+    _IntraOpThreads,
+    _Worker,
+    run_handlers,
+    site_names,
+)
+from fedseg.foundation.messages import Reply, Task
+from fedseg.site.runtime import Site
+
+
+class VectorizedExecutor:
+    """Runs one ask's handlers so that their :meth:`Site.fit` calls train as one computation.
+
+    It is the :class:`~fedseg.site.runtime.SiteExecutor` of the simulation's sites (the in-process transport
+    sets :attr:`Site.executor`): a site's ``fit``, ``gradient`` and ``step_with_gradient`` called from its
+    handler while :meth:`run` runs it park there and are computed together with the other sites' calls
+    (:meth:`fit_together`, :meth:`gradients_together`, :meth:`apply_together`); any other call is computed
+    at the site.
+
+    Parameters
+    ----------
+    group_size
+        Most sites stacked together; 0 = all on the CPU, and on CUDA as many as fit in the free memory
+        (estimated once per model and role: :func:`group_size_for`).  A group that still runs out of
+        memory at its first step is split in halves and retried (nothing has been updated yet).
+    log
+        Where the plan (which roles of which sites are vectorized, and why not) is said, once.
+    cuda_graphs
+        ``simulation.cuda_graphs``: on CUDA, the local step of a group with no per-site hook (``extra_loss``,
+        ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
+        shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
+        masked step, see :func:`fedseg.execution.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
+        captured once as a CUDA graph over static buffers kept across rounds (:class:`_Arena`) and replayed;
+        any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
+    """
+
+    def __init__(self, group_size: int = 0, log: Callable[[str], None] = print, cuda_graphs: bool = True):
+        self.group_size = group_size
+        self.log = log
+        self.cuda_graphs = cuda_graphs
+        self._arenas: dict[tuple, _Arena] = {}  # by group key and sites, least recently used first
+        self._said: set[str] = set()
+        self.vectorized_fits = 0
+        """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
+        self.vectorized_gradients = 0
+        """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
+        self.vectorized_applies = 0
+        """Number of ``apply_gradient`` steps taken stacked so far (for tests and benchmarks)."""
+        self._met: set[str] = set()  # task kinds whose handlers met in fit or gradient
+        self._stacked_roles: set[str] = set()  # roles whose gradients were stacked at least once
+        # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
+        self._no_vmap: list[tuple[tuple, Any]] = []
+        self._site_bytes: dict[tuple, int] = {}  # estimated bytes per site of a stacked group, by group key
+        self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
+        # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
+        self._structures: dict[nn.Module, _Structure] = {}
+        self._workers: dict[int, _Worker] = {}  # by id(site), while :meth:`run` runs their handlers
+
+    def say(self, msg: str) -> None:
+        """Log ``msg`` once per executor."""
+        if msg not in self._said:
+            self._said.add(msg)
+            self.log(f"vectorize: {msg}")
+
+    # ------------------------------------------------- the sites' executor
+    def _worker(self, site: Site) -> _Worker | None:
+        """The worker running ``site``'s handler, when the caller is that handler's thread."""
+        w = self._workers.get(id(site))
+        return w if w is not None and w.owns_current_thread() else None
+
+    def fit(
+        self,
+        site: Site,
+        role: str,
+        rnd: int,
+        stream: str,
+        optimizer: Any = None,
+        extra_loss: Any = None,
+        after_backward: Any = None,
+        steps: int | None = None,
+    ) -> dict[str, float]:
+        """:meth:`Site.fit` of a site whose handler :meth:`run` runs: parked until every handler has parked
+        or returned, then trained with the others (:meth:`fit_together`); any other call runs at the site."""
+        w = self._worker(site)
+        if w is None:
+            return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+        return w.park_fit(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
+
+    def gradient(
+        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any = None, at: Any = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """:meth:`Site.gradient`: parked and computed with the others' (:meth:`gradients_together`)."""
+        w = self._worker(site)
+        if w is None:
+            return site.gradient_here(role, x, target, loss, at)
+        return w.park_gradient(site, role, x, target, loss, at)
+
+    def step_with_gradient(self, site: Site, model: nn.Module, optimizer: Any, grad: Any) -> None:
+        """:meth:`Site.step_with_gradient`: parked and stepped with the others' (:meth:`apply_together`)."""
+        w = self._worker(site)
+        if w is None:
+            site.step_with_gradient_here(model, optimizer, grad)
+        else:
+            w.park_apply(site, model, optimizer, grad)
+
+    # ------------------------------------------------------------ scheduling
+    def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
+        """Every ``site.handle(task)``, each in its own thread (:mod:`~fedseg.execution.vectorize.scheduler`);
+        returns the replies in order.  The sites must have this executor (:attr:`Site.executor`) for their
+        calls to meet."""
+        threads = _IntraOpThreads()
+        workers = [_Worker(s, t, threads) for s, t in calls]
+        self._workers = {id(w.site): w for w in workers}
+        try:
+            run_handlers(
+                workers,
+                {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
+            )
+        finally:
+            self._workers = {}
+        unfitted: dict[str, list[str]] = {}
+        for w in workers:
+            if w.fitted:
+                self._met.add(w.task.kind)
+            else:
+                unfitted.setdefault(w.task.kind, []).append(w.site.name)
+        for kind, names in unfitted.items():
+            if kind in self._met:  # e.g. the last, apply-only exchange of a lockstep round
+                continue
+            method = workers[0].site.algorithm.name
+            self.say(
+                f"task {kind!r} of {site_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit or Site.gradient"
+            )
+        return [w.reply for w in workers]  # type: ignore[misc]
+
+    # -------------------------------------------------------------- planning
+    def structure(self, model: nn.Module) -> _Structure:
+        """The :class:`_Structure` of a model, walked once per model object (every round's fits and every
+        lockstep step ask for it)."""
+        known = self._structures.get(model)
+        if known is None:
+            known = self._structures[model] = _Structure(model)
+        return known
+
+    def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
+        """Train the calls that can be stacked; the others get ``_SEQUENTIAL`` (their thread trains them)."""
+        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, list[stacked_fit._Item]]] = []
+        for i, c in enumerate(calls):
+            item, reason = stacked_fit.check_fit(self, i, c)
+            if item is None:
+                self.say(f"role {c.role!r} of site {c.site.name} trains sequentially: {reason}")
+                continue
+            key = item.key
+            for gkey, members in groups:
+                if gkey == key and members[0].call.site.workload.loss == c.site.workload.loss:
+                    members.append(item)
+                    break
+            else:
+                groups.append((key, [item]))
+        for _, members in groups:
+            if len(members) == 1:
+                c = members[0].call
+                self.say(
+                    f"role {c.role!r} of site {c.site.name} trains sequentially: no other site's training of the same model meets it"
+                )
+                continue
+            self.say(
+                f"role {members[0].call.role!r} of {site_names([m.call.site.name for m in members])} trains as one vectorized computation"
+            )
+            size = self.group_size or self._memory_group_size(
+                members[0].key,
+                members[0].call.site.device,
+                [m.call.site.name for m in members],
+                members[0].call.role,
+                lambda m=members[0]: memory.fit_site_bytes(m),
+            )
+            for start in range(0, len(members), size):
+                for item, out in zip(
+                    members[start : start + size], stacked_fit.train(self, members[start : start + size])
+                ):
+                    results[item.index] = out
+        return results
+
+    def _memory_group_size(
+        self, key: tuple, device: torch.device, names: list[str], role: str, site_bytes: Callable[[], int]
+    ) -> int:
+        """``simulation.vectorize_group = 0``: all sites together where the device's free memory is not known
+        (the CPU); on CUDA as many as fit in the free memory (:func:`group_size_for`), the bytes per site
+        estimated once per model and role (:func:`memory.fit_site_bytes`, :func:`memory.gradient_site_bytes`)."""
+        free = memory.free_memory(device)
+        if free is None:
+            return len(names)
+        if key not in self._site_bytes:
+            self._site_bytes[key] = site_bytes()
+        per_site = self._site_bytes[key]
+        size = memory.group_size_for(free, per_site, len(names))
+        said = (key, tuple(names))
+        if self._group_sizes.get(said) != size:  # said once, and again only when the free memory changes it
+            self._group_sizes[said] = size
+            self.log(
+                f"vectorize: role {role!r} of {site_names(names)}: about {per_site / 2**20:.0f} MiB per site and "
+                f"{free / 2**30:.1f} GiB free on {device}: "
+                f"{'all together' if size >= len(names) else f'groups of at most {size}'} "
+                "(set simulation.vectorize_group to choose)"
+            )
+        return size
+
+    # -------------------------------------------------------------- training
+    def _train_group(self, items: list[stacked_fit._Item]) -> list[dict[str, float]]:
+        """One group's stacked fit (:func:`fedseg.execution.vectorize.fit.train_group`)."""
+        return stacked_fit.train_group(self, items)
+
+    _gradients = staticmethod(stacked_fit.stacked_gradients)
+    """The eager step's gradients (:func:`fedseg.execution.vectorize.fit.stacked_gradients`)."""
+
+    # ----------------------------------------------------- lockstep gradients
+    def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
+        """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
+        group of sites with the same model and loss; the others get ``_SEQUENTIAL`` (their thread computes
+        them).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
+        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, Any, list[int]]] = []
+        for i, c in enumerate(calls):
+            signature, reason = lockstep.gradient_reason(self, c)
+            if reason is not None:
+                self.say(f"the gradient of role {c.role!r} of site {c.site.name} is computed sequentially: {reason}")
+                continue
+            key = (c.role, signature, str(c.site.device), c.site.precision, c.at is None)
+            loss = c.site.workload.loss if c.loss is None else c.loss
+            for gkey, gloss, members in groups:
+                if gkey == key and gloss == loss:
+                    members.append(i)
+                    break
+            else:
+                groups.append((key, loss, [i]))
+        for key, loss, members in groups:
+            role, names = calls[members[0]].role, site_names([calls[i].site.name for i in members])
+            if len(members) == 1:
+                if role not in self._stacked_roles:  # not merely the last site of a loop the others have left
+                    self.say(
+                        f"the gradient of role {role!r} of {names} is computed sequentially: no other site's gradient of the same model and loss meets it"
+                    )
+                continue
+            if any(k == key and lo == loss for k, lo in self._no_vmap):
+                continue
+            self.say(f"the gradients of role {role!r} of {names} are computed as one vectorized computation")
+            self._stacked_roles.add(role)
+            size = self.group_size or self._memory_group_size(
+                (*key, loss),
+                calls[members[0]].site.device,
+                [calls[i].site.name for i in members],
+                role,
+                lambda c=calls[members[0]], loss=loss: memory.gradient_site_bytes(c, loss),
+            )
+            for start in range(0, len(members), size):
+                chunk = members[start : start + size]
+                for i, out in zip(chunk, self._gradients_split([calls[i] for i in chunk], loss, key)):
+                    results[i] = out
+        return results
+
+    def _gradients_split(self, calls: list[GradientCall], loss: Any, key: tuple) -> list[Any]:
+        """:meth:`_gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
+        try:
+            return self._gradient_group(calls, loss)
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError) and len(calls) > 1:
+                half = len(calls) // 2
+                self.say(
+                    f"a group of {len(calls)} sites' gradients does not fit in memory; computing groups of at most {half} (set simulation.vectorize_group)"
+                )
+                return self._gradients_split(calls[:half], loss, key) + self._gradients_split(calls[half:], loss, key)
+            self._no_vmap.append((key, loss))
+            self.say(
+                f"the gradients of role {calls[0].role!r} of {site_names([c.site.name for c in calls])} are computed sequentially: "
+                f"the loss does not run under torch.func.vmap ({type(e).__name__}: {e})"
+            )
+            return [_SEQUENTIAL] * len(calls)
+
+    def _gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
+        """One group's stacked gradients (:func:`lockstep.gradient_group`)."""
+        return lockstep.gradient_group(self, calls, loss)
+
+    # ------------------------------------------------- lockstep optimizer steps
+    def apply_together(self, calls: Sequence[ApplyCall]) -> list[Any]:
+        """Take the Adam steps of the calls with the same model and optimizer settings as one call of torch's
+        fused Adam kernel (``Adam(fused=True)``'s) over every site's parameters; the others get
+        ``_SEQUENTIAL`` (their thread steps).  The kernel updates each site's own parameters, moments and
+        step counts in place, tensor by tensor with the same arithmetic, so sites that hold the same
+        weights and gradient (a lockstep round) stay bitwise identical to each other."""
+        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, list[int]]] = []
+        for i, c in enumerate(calls):
+            st = self.structure(c.model)
+            settings: tuple = ()
+            if not st.stacked_gradient:  # said with the gradient; the exchange then runs as deployed, bitwise
+                continue
+            reason: str | None
+            if len({p.dtype for p in st.params}) > 1:
+                reason = "its parameters have several dtypes"
+            else:
+                reason, settings = _optimizer_reason(c.optimizer, st.params)
+                if reason is None and settings[0] != "adam":
+                    reason = f"its optimizer is {type(c.optimizer).__name__} (only Adam steps are taken together)"
+            if reason is not None:
+                self.say(f"the averaged gradient at site {c.site.name} is applied sequentially: {reason}")
+                continue
+            key = (st.signature, settings)
+            for gkey, members in groups:
+                if gkey == key:
+                    members.append(i)
+                    break
+            else:
+                groups.append((key, [i]))
+        for (_, settings), members in groups:
+            if len(members) > 1:
+                c = calls[members[0]]
+                role = next((r for r, m in c.site.models.items() if m is c.model), "?")
+                self.say(
+                    f"the averaged gradients of role {role!r} of {site_names([calls[i].site.name for i in members])} "
+                    "are applied as one fused Adam step"
+                )
+                lockstep.apply_group(self, [calls[i] for i in members], settings)
+                for i in members:
+                    results[i] = True
+        return results

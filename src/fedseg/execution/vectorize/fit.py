@@ -1,0 +1,294 @@
+"""The stacked fit: K sites' :meth:`Site.fit` calls trained as one computation.
+
+The K models' parameters are stacked into one flat buffer (:class:`_Layout`) and each site's model
+parameters become *views* of its rows for the duration of the call, so anything a handler's hook does to
+its model (``extra_loss``, ``after_backward``, an optimizer wrapper's ``after_step``) acts on the stacked
+weights.  Each local step draws every site's batch from its own seeded stream, runs the workload loss of
+all sites in one ``torch.func.vmap`` over ``torch.func.functional_call``, adds each site's ``extra_loss``
+gradient and lets its ``after_backward`` edit its row, then steps a stacked, masked Adam or SGD
+(:class:`_StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
+moments into each site's own optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from fedseg.execution.vectorize.eligibility import _optimizer_reason
+from fedseg.execution.vectorize.graphs import _Arena, arena_for, graph_step
+from fedseg.execution.vectorize.layout import _Layout
+from fedseg.execution.vectorize.optimizer import _StackedOptimizer
+from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, FitCall, site_names
+from fedseg.foundation.device import autocast
+
+ExecutorState = Any
+"""The :class:`fedseg.execution.vectorize.VectorizedExecutor` these functions work for — its model walks
+(``structure``), log (``say``), arenas, settings and counters — typed loosely: its module imports this one."""
+
+
+@dataclass
+class _Item:
+    index: int
+    call: FitCall
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    wrapper: Any  # an optimizer wrapper with ``after_step()`` (SCAFFOLD's corrected step), or None
+    params: list[torch.Tensor]  # the model's parameters, in order
+    key: tuple  # (role, model signature, optimizer settings, device, precision): who can be stacked together
+
+
+class _FirstStepFailed(Exception):
+    """A group's first step failed (nothing has been updated yet): ``error`` says why."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[_Item | None, str | None]:
+    """The call as an :class:`_Item` that can be stacked, or why it cannot."""
+    site = call.site
+    model = site.model(call.role)
+    opt = call.optimizer or site.optimizer(call.role)
+    if site.precision == "fp16":
+        return None, "fp16 loss scaling (a GradScaler per site)"
+    wrapper = None
+    if not isinstance(opt, torch.optim.Optimizer):
+        inner = getattr(opt, "opt", None)
+        if isinstance(inner, torch.optim.Optimizer) and callable(getattr(opt, "after_step", None)):
+            wrapper, opt = opt, inner
+        else:
+            return None, f"it steps with {type(opt).__name__}, not a torch optimizer"
+    st = ex.structure(model)
+    signature, reason, params = st.signature, st.reason, list(st.params)
+    if reason is None and len({p.dtype for p in params}) > 1:
+        reason = "its parameters have several dtypes"
+    settings: tuple = ()
+    if reason is None:
+        reason, settings = _optimizer_reason(opt, params)
+    if reason is not None:
+        return None, reason
+    key = (call.role, signature, settings, str(site.device), site.precision)
+    return _Item(index, call, model, opt, wrapper, params, key), None
+
+
+def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
+    """Train a group; on a CUDA out-of-memory error at its first step, train its halves instead; on any other
+    error at its first step, its sites train sequentially (``SEQUENTIAL``)."""
+    try:
+        return ex._train_group(items)
+    except _FirstStepFailed as e:
+        # the group's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
+        ex._arenas.pop(_arena_key(items), None)
+        if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
+            half = len(items) // 2
+            ex.say(
+                f"a group of {len(items)} sites does not fit in memory; training groups of at most {half} (set simulation.vectorize_group)"
+            )
+            return train(ex, items[:half]) + train(ex, items[half:])
+        names = site_names([it.call.site.name for it in items])
+        ex.say(
+            f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})"
+        )
+        return [_SEQUENTIAL] * len(items)
+
+
+def _arena_key(items: list[_Item]) -> tuple:
+    return (items[0].key, tuple(it.call.site.name for it in items))
+
+
+class _StackedFit:
+    """One group's stacked training state: the flat weights and their ``K × shape`` differentiable blocks
+    (each site's parameters viewing its row while it trains), the stacked buffers, the stacked optimizer,
+    the vmapped loss, and each site's batch stream and loss sum."""
+
+    def __init__(self, ex: ExecutorState, items: list[_Item]):
+        self.items = items
+        self.calls = [it.call for it in items]
+        self.models = [it.model for it in items]
+        self.k = k = len(items)
+        site0 = self.calls[0].site
+        dev, precision, loss_fn = site0.device, site0.precision, site0.workload.loss
+        template = self.models[0]
+        st = ex.structure(template)
+        self.pnames, tied = st.pnames, st.tied
+        self.plist = plist = [it.params for it in items]
+        self.layout = layout = _Layout(plist[0], k)
+        for m in self.models:
+            ex.structure(m).train()
+        blist = [ex.structure(m).buffers() for m in self.models]
+        with torch.no_grad():
+            buffers = {n: torch.stack([b[n] for b in blist]) for n in st.bnames}
+        arena: _Arena | None = None
+        if ex.cuda_graphs:
+            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers)
+        self.arena = arena
+        with torch.no_grad():
+            self.flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
+            if arena is not None:
+                for n, b in buffers.items():
+                    arena.buffers[n].copy_(b)
+                buffers = arena.buffers
+        self.buffers = buffers
+        self.weights = (
+            arena.weights if arena is not None else [b.requires_grad_(True) for b in layout.blocks(self.flat)]
+        )
+        for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
+            for p, w in zip(ps, self.weights):
+                p.data = w.detach()[i]
+        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena)
+        self.gbuf = torch.empty_like(self.flat) if arena is None else arena.gbuf
+        self.iters: list[Iterator] = [c.site.batches(c.rnd, c.stream, c.steps) for c in self.calls]
+        self.totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in self.calls]
+        self.counts = [0] * k
+        self.active = list(range(k))
+
+        def site_loss(
+            params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+        ) -> torch.Tensor:
+            with autocast(dev, precision, cache=arena is None):
+                return loss_fn(functional_call(template, (params, bufs), (x,), tie_weights=tied), y)
+
+        self.losses_of = vmap(site_loss, randomness="error")
+        # no per-site hook (FedProx's term, SCAFFOLD's correction): a step is one fixed computation
+        self.hookless = not any(c.extra_loss or c.after_backward for c in self.calls) and all(
+            it.wrapper is None for it in items
+        )
+
+    def next_batches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The next batch of every active site (site index → (x, y)); a site whose stream has ended leaves."""
+        batch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in list(self.active):
+            b = next(self.iters[i], None)
+            if b is None:
+                self.active.remove(i)
+            else:
+                batch[i] = b
+        return batch
+
+    def step(self, ex: ExecutorState, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """One local step of the sites in ``batch``: the captured step where it applies, else the eager one
+        (:func:`stacked_gradients` and :meth:`_StackedOptimizer.step`); returns the per-site losses."""
+        arena = self.arena
+        if arena is not None and self.hookless and arena.failed is None and arena.load_batch(batch, self.k):
+            variant = "fused" if self.opt.fused_ready(list(batch)) else "masked"
+            role = self.calls[0].role
+            losses = graph_step(arena, self.opt, self.losses_of, self.pnames, role, variant, list(batch), ex.say)
+            if losses is not None:
+                return losses
+        grads, losses = ex._gradients(
+            batch,
+            self.weights,
+            self.pnames,
+            self.layout,
+            self.buffers,
+            self.losses_of,
+            self.calls,
+            self.models,
+            self.plist,
+            self.gbuf,
+        )
+        self.opt.step(grads, list(batch))
+        return losses
+
+    def after_step(self, batch: dict[int, Any], losses: Any) -> None:
+        """Each stepped site's optimizer wrapper (acting on its row) and its loss sum."""
+        for i in batch:
+            wrapper = self.items[i].wrapper
+            if wrapper is not None:
+                wrapper.after_step()  # acts on the site's parameters, i.e. on its row
+            self.totals[i] += losses[i]
+            self.counts[i] += 1
+
+    @torch.no_grad()
+    def finish(self, done: bool) -> None:
+        """Every site's parameters back to tensors of their own; when the round completed, the moments too."""
+        for i, ps in enumerate(self.plist):
+            for p, w in zip(ps, self.weights):
+                p.data = w.detach()[i].clone()
+        if done:
+            self.opt.write_back()
+
+    def results(self) -> list[dict[str, float]]:
+        return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(self.totals, self.counts)]
+
+
+def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
+    """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`."""
+    fit = _StackedFit(ex, items)
+    first, done = True, False
+    try:
+        while batch := fit.next_batches():
+            try:
+                losses = fit.step(ex, batch)
+            except Exception as e:
+                if first:
+                    raise _FirstStepFailed(e) from e
+                raise
+            first = False
+            fit.after_step(batch, losses)
+        done = True
+    finally:
+        fit.finish(done)
+    ex.vectorized_fits += fit.k
+    return fit.results()
+
+
+def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
+    """The flat gradient (:class:`_Layout`) of every site's loss (plus its ``extra_loss``, edited by its
+    ``after_backward``) at the current weights, and each site's loss."""
+    k = weights[0].shape[0]
+    by_shape: dict[tuple, list[int]] = {}
+    for i, (x, y) in batch.items():
+        by_shape.setdefault((x.shape, x.dtype, y.shape, y.dtype), []).append(i)
+    grads: torch.Tensor | None = None
+    losses: dict[int, torch.Tensor] = {}
+    for idx in by_shape.values():
+        if idx == list(range(k)):
+            params, bufs = dict(zip(pnames, weights)), buffers
+        else:  # some sites' batches differ in shape (or their round has ended): a vmap over their rows
+            sel = torch.tensor(idx, device=weights[0].device)
+            params = {n: w.index_select(0, sel) for n, w in zip(pnames, weights)}
+            bufs = {n: b.index_select(0, sel) for n, b in buffers.items()}
+        x = torch.stack([batch[i][0] for i in idx])
+        y = torch.stack([batch[i][1] for i in idx])
+        out = losses_of(params, bufs, x, y)
+        gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
+        parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
+        if grads is None:
+            grads = torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
+        else:
+            grads += torch.cat(parts)
+        for j, i in enumerate(idx):
+            losses[i] = out[j].detach()
+    assert grads is not None
+    blocks = layout.blocks(grads) if any(calls[i].extra_loss or calls[i].after_backward for i in batch) else []
+    for i in batch:
+        c = calls[i]
+        views = [b[i] for b in blocks]
+        if c.extra_loss is not None:  # evaluated on the site's model, whose parameters view its row
+            extra = c.extra_loss(models[i])
+            ge = torch.autograd.grad(extra, plist[i], allow_unused=True)
+            with torch.no_grad():
+                for view, gj in zip(views, ge):
+                    if gj is not None:
+                        view += gj
+            losses[i] = losses[i] + extra.detach()
+        if c.after_backward is not None:
+            for p, view in zip(plist[i], views):
+                p.grad = view
+            c.after_backward(models[i])
+            with torch.no_grad():
+                for p, view in zip(plist[i], views):
+                    if p.grad is None:
+                        view.zero_()
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                    p.grad = None
+    return grads, losses
