@@ -100,18 +100,22 @@ def adam_(
 
 
 def _adam_piece_(p, g, m, v, mask, step_size, bc2_sqrt, eps: float, b1: float, b2: float) -> None:
+    if mask is None:  # every element steps: in place, torch's single-tensor sequence of operations
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+        if isinstance(step_size, float):
+            p.addcdiv_(m, denom, value=step_size)
+        else:
+            p.add_(torch.div(m, denom, out=denom).mul_(step_size))
+        return
     m_new = m.lerp(g, 1 - b1)
     v_new = v.mul(b2).addcmul_(g, g, value=1 - b2)
     denom = (v_new.sqrt() / bc2_sqrt).add_(eps)
     update = step_size * m_new / denom
-    if mask is None:
-        p.add_(update)
-        m.copy_(m_new)
-        v.copy_(v_new)
-    else:
-        p.copy_(torch.where(mask, p + update, p))
-        m.copy_(torch.where(mask, m_new, m))
-        v.copy_(torch.where(mask, v_new, v))
+    p.copy_(torch.where(mask, p + update, p))
+    m.copy_(torch.where(mask, m_new, m))
+    v.copy_(torch.where(mask, v_new, v))
 
 
 class _StackedOptimizer:
@@ -161,7 +165,12 @@ class _StackedOptimizer:
     def _adam_settings(self) -> dict:
         g = self.g
         b1, b2 = g["betas"]
-        return {"lr": float(g["lr"]), "b1": b1, "b2": b2, "eps": float(g["eps"]), "weight_decay": g["weight_decay"]}
+        return {"lr": float(g["lr"]), "b1": b1, "b2": b2, "eps": float(g["eps"])}
+
+    def _decay(self, grad: torch.Tensor) -> None:
+        """Adam's (L2) weight decay added to ``grad`` in place (the executor's own buffer), before every step."""
+        if self.g["weight_decay"] != 0:
+            grad.add_(self.flat, alpha=self.g["weight_decay"])
 
     def fused_ready(self, active: Sequence[int]) -> bool:
         """Whether the next step of ``active`` is one call of the fused Adam kernel (every site, one step count)."""
@@ -183,6 +192,7 @@ class _StackedOptimizer:
     def fused_kernels(self, grad: torch.Tensor) -> None:
         """The device work of a fused Adam step of every site (after :meth:`begin_fused`); no host sync."""
         assert self._step is not None
+        self._decay(grad)
         adam_([self.flat], [grad], [self.m], [self.v], steps=[self._step], **self._adam_settings())
 
     @torch.no_grad()
@@ -213,6 +223,7 @@ class _StackedOptimizer:
         sites, with per-element factors); no host sync."""
         assert arena.step_size is not None and arena.bc2 is not None
         factors = (arena.step_size, arena.bc2)
+        self._decay(grad)
         adam_([self.flat], [grad], [self.m], [self.v], factors=factors, mask=arena.mask, **self._adam_settings())
 
     def _factor(self, values: Sequence[float]) -> float | torch.Tensor:
@@ -251,6 +262,7 @@ class _StackedOptimizer:
         self.s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
         sizes, bc2s = adam_factors(self.s, self.g["lr"], b1, b2)
         factors = (self._factor(sizes), self._factor(bc2s))
+        self._decay(grad)
         adam_(
             [self.flat], [grad], [self.m], [self.v], factors=factors, mask=self._mask(active), **self._adam_settings()
         )
