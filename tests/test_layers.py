@@ -343,13 +343,12 @@ def test_every_folder_is_one_layer():
 
 MAX_LINES = 500
 ONE_CONCEPT = {
-    "fedseg/site/runtime.py": "the Site: its data, models, optimizers, local loop, scores and state, one class",
+    "fedseg/site/runtime.py": "the Site (data, models, optimizers, local loop, gradients, scores, state) and its executor seam",
     "fedseg/foundation/config.py": "the run's settings: one dataclass per section, each field with its description",
     "fedseg/algorithms/fedsm/method.py": "FedSM's server and site halves, shared by FedSM-extra and the ensemble",
     "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
     "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
     "fedseg/execution/remote/transport.py": "RemoteTransport: deadlines, minimum sites and the checks on every reply",
-    "fedseg/apps/studies/fedsm.py": "the FedSM studies (Tables 5 and 7) and their tables over seeds",
 }
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
 

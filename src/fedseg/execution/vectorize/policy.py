@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 AUTO_MIN_SITES = 4
-"""``simulation.vectorize = auto`` vectorizes a CUDA run of at least this many sites.  Measured on an H100
-(docs/results.md, "Vectorized simulation", GPU): 2 sites gained nothing (FedAvg 1.00×, FedSM 0.87× at
-64²), 6 sites 1.4–1.9× at 64²–256²; 3–5 sites were not measured, 4 is between."""
+"""``simulation.vectorize = auto`` vectorizes a CUDA run of at least this many sites.  It rests on a
+measurement of the eager vectorized step (without CUDA graphs) on an H100, in CHANGELOG.md (0.1.0,
+"Vectorized simulation"): 2 sites gained nothing, 6 sites did; 3–5 sites were not measured, 4 is between.
+With CUDA graphs (docs/results.md, "Vectorized simulation") fewer sites may gain."""
 
 
 def resolve_vectorize(setting: str, device: torch.device, num_sites: int | None = None) -> bool:
