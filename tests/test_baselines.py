@@ -207,7 +207,6 @@ def test_scaffold_round_one_equals_fedavg_bitwise(tmp_path, sites, workload, mod
     assert any(k.startswith("control/") for k in sc)  # c exists after round 1
 
 
-@pytest.mark.slow
 def test_scaffold_step_and_gradient_corrections_agree_under_plain_sgd(tmp_path, sites, workload):
     """With SGD (momentum 0) w − η(g + c − c_i) and (w − ηg) − η(c − c_i) are the same update up to rounding,
     so after 3 rounds (corrections non-zero from round 2) the two modes give the same weights to ~1e-5;

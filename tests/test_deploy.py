@@ -127,6 +127,7 @@ def test_too_few_sites_stops_the_run_with_a_reason(tmp_path):
         serve(tmp_path / "a", LoopbackChannel(_runtimes(tmp_path, data), {"site2": "die"}), log=lambda m: None)
 
 
+@pytest.mark.slow
 def test_hung_site_is_cut_off_at_the_deadline(tmp_path):
     """A site that never answers a task is left out after deploy.round_deadline_s (2 s here), not waited for.
 
@@ -144,6 +145,7 @@ def test_hung_site_is_cut_off_at_the_deadline(tmp_path):
     assert took < 3 * 2.2 + 8
 
 
+@pytest.mark.slow
 def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
     """A site that stops answering (every call hangs) is waited for once, up to round_deadline_s; after that
     each exchange only pings it (probe_timeout_s) before leaving it out, instead of waiting a deadline per
@@ -191,6 +193,7 @@ def test_site_rejoins_after_missing_a_round(tmp_path):
 DEPLOYABLE = sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [*DEPLOYABLE, "fedsm+global-fga"])
 def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     """Each deployable method, unchanged, over the deployed path (wire bytes both ways, long-lived site

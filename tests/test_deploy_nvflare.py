@@ -102,7 +102,6 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     assert took < 75
 
 
-@pytest.mark.slow
 def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
     """Kits for server, each site and the admin; mutual TLS in every config; fedseg's components on the allow-list."""
     # Execute

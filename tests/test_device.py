@@ -449,7 +449,6 @@ def test_checkpoint_on_gpu_resumes_on_cpu(tmp_path, workload):
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.slow
 def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
     from fedseg.data.synth import synthesize
     from test_cli import SMALL

@@ -108,7 +108,6 @@ def test_gamma_auto_per_model_routes_with_one_threshold_per_personalized_model(t
         get_algorithm(_with(tiny_config("fedsm", rounds=2), gamma="per-site"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("training", ["fga", "fedavg"])
 def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload, training):
     """Default U-Net and default selector, one local step: per site and round, FedSM carries 2 w_g
@@ -179,7 +178,6 @@ TINY_OVERRIDES = [
 ]
 
 
-@pytest.mark.slow
 def test_unseen_site_runner_writes_the_table5_layout(tmp_path, tiny_spec):
     from fedseg.apps.studies.fedsm import unseen
 

@@ -58,6 +58,7 @@ def test_every_personalization_runs_end_to_end_with_the_selector(tmp_path, sites
     assert any(not torch.equal(p1[k], g[k]) for k in p1 if p1[k].is_floating_point())
 
 
+@pytest.mark.slow
 def test_softpull_is_the_default_and_mixes_the_models_the_sites_trained(tmp_path, sites, workload):
     """``personalization = softpull`` is the default (same server state bit for bit), and its server step
     is Eq. 11 on the models the sites trained: λ changes no site's training in round 1, so with λ = 1

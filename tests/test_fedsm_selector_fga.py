@@ -171,6 +171,7 @@ def test_flip_batch_flips_each_image_by_its_own_seeded_draws_and_keeps_its_value
     assert flip_batch(x, torch.Generator().manual_seed(7), labels)[1] is labels
 
 
+@pytest.mark.slow
 def test_fga_selector_with_flips_equals_a_central_selector_on_the_same_flipped_batches(tmp_path, workload):
     """fedsm.selector_augment = "flip": each site flips its lockstep batch with its seeded draws
     (run seed, site, round, step), so the selector is still the central selector of the pooled batch —

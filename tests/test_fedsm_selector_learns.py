@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -68,6 +69,7 @@ def _server_models(out, workload, data):
     return frozen, sel
 
 
+@pytest.mark.slow
 def test_fga_selector_of_fedsm_extra_learns_eq1_labels_that_are_one_class_per_site(tmp_path, workload):
     # Prepare
     data = _separable_sites()
@@ -139,6 +141,7 @@ def _ensemble_weights(out, workload, data):
     return res
 
 
+@pytest.mark.slow
 def test_ensemble_selector_learns_with_the_experts_objective_and_not_with_the_papers_mix(tmp_path, workload):
     """The ensemble's selector (K + 1 classes) on the separable fixture, trained by ``fga`` (= centrally), its
     mixed output the composite (``mode = "mix"``).

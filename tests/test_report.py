@@ -498,6 +498,7 @@ def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_traini
     assert spread > len(recorded["per_site"]) + 1  # at γ = 0 some site's images go to more than one model, or not to GM
 
 
+@pytest.mark.slow
 def test_fedsm_section_computes_the_routing_of_a_run_that_did_not_record_it(runs, tmp_path):
     """A FedSM run made by `fedseg run`/`compare` has no results["fedsm"]: with models, the report computes the
     routing matrix from the checkpoint; with --no-models it says how to get it."""
