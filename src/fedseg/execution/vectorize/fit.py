@@ -24,12 +24,8 @@ from fedseg.execution.vectorize.eligibility import _optimizer_reason
 from fedseg.execution.vectorize.graphs import _Arena, arena_for, graph_step
 from fedseg.execution.vectorize.layout import _Layout
 from fedseg.execution.vectorize.optimizer import _StackedOptimizer
-from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, FitCall, site_names
+from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, ExecutorState, FitCall, site_names
 from fedseg.foundation.device import autocast
-
-ExecutorState = Any
-"""The :class:`fedseg.execution.vectorize.VectorizedExecutor` these functions work for — its model walks
-(``structure``), log (``say``), arenas, settings and counters — typed loosely: its module imports this one."""
 
 
 @dataclass

@@ -16,12 +16,8 @@ from torch.func import functional_call, vmap
 from fedseg.execution.vectorize.eligibility import _is_tree, _tree_key
 from fedseg.execution.vectorize.layout import _stack_tree
 from fedseg.execution.vectorize.optimizer import adam_, scalar_dtype
-from fedseg.execution.vectorize.scheduler import ApplyCall, GradientCall
+from fedseg.execution.vectorize.scheduler import ApplyCall, ExecutorState, GradientCall
 from fedseg.foundation.device import autocast
-
-ExecutorState = Any
-"""The :class:`fedseg.execution.vectorize.VectorizedExecutor` these functions work for — its model walks
-(``structure``), log (``say``), arenas, settings and counters — typed loosely: its module imports this one."""
 
 
 def gradient_reason(ex: ExecutorState, call: GradientCall) -> tuple[tuple, str | None]:

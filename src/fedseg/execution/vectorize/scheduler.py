@@ -13,13 +13,33 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site.runtime import Site
+
+
+class ExecutorState(Protocol):
+    """What the stacked fit loop (``fit``) and the lockstep functions (``lockstep``) use of the
+    :class:`~fedseg.execution.vectorize.executor.VectorizedExecutor` they work for; its module imports theirs,
+    so they name it by this protocol."""
+
+    cuda_graphs: bool
+    vectorized_fits: int
+    vectorized_gradients: int
+    vectorized_applies: int
+    _arenas: dict[tuple, Any]  # CUDA-graph arenas by group key and sites, least recently used first
+
+    def say(self, msg: str) -> None: ...
+
+    def structure(self, model: nn.Module) -> Any: ...
+
+    def _train_group(self, items: list[Any]) -> list[dict[str, float]]: ...
+
+    def _gradients(self, *args: Any) -> tuple[Any, Any]: ...
 
 
 @dataclass
