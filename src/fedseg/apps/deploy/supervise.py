@@ -317,4 +317,7 @@ class Supervisor:
                 desc = self._desc()
                 desc["resume"] = True
                 save_json(desc, self.run_dir / "deploy.json")
-            pending = {"after_job": job_id, "reason": reason, "from_round": rnd, "sites": job_sites, "_t0": t_end}
+            if pending is None or rnd > pending["from_round"]:
+                pending = {"after_job": job_id, "reason": reason, "from_round": rnd, "sites": job_sites, "_t0": t_end}
+            else:  # the job submitted to recover ended before completing a round: the same recovery goes on
+                pending.update(sites=job_sites, resubmitted=pending.get("resubmitted", 0) + 1)
