@@ -201,6 +201,23 @@ class SimulationConfig:
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """What a site's messages reveal: secure aggregation of the sums the server needs, and differential
+    privacy (``docs/privacy.md``).  Both off by default: a run then sends what it always sent."""
+
+    secure_aggregation: bool = False
+    """Sites add pairwise masks (X25519 key agreement, expanded by a seeded stream cipher) to fixed-point
+    encodings of what the server only sums, so the server learns the sum and nothing of one site; methods
+    that need one site's arrays at the server refuse it with the reason."""
+    dp: Literal["off", "sample", "client"] = "off"
+    """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
+    ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
+
+    def validate(self) -> None:
+        check_literals(self, "privacy")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything that defines one run.
 
@@ -230,6 +247,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -246,6 +264,7 @@ class RunConfig:
         self.train.validate()
         self.eval.validate()
         self.simulation.validate()
+        self.privacy.validate()
 
     def is_eval_round(self, rnd: int) -> bool:
         """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""
@@ -258,7 +277,13 @@ class RunConfig:
         return d
 
 
-_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "eval": EvalConfig, "simulation": SimulationConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "simulation": SimulationConfig,
+    "privacy": PrivacyConfig,
+}
 
 
 def _choices(allowed: Sequence[Any]) -> str:
