@@ -100,9 +100,7 @@ def test_hostile_fingerprint_is_rejected_and_plan_uses_the_others(uneven_sites, 
     fps["mid"] = hostile
     assert reason in check_fingerprint(hostile)
     logged = []
-    plan = make_plan(
-        fps, lambda e: {k: site_histogram(v, e) for k, v in uneven_sites.items()}, log=logged.append
-    )
+    plan = make_plan(fps, lambda e: {k: site_histogram(v, e) for k, v in uneven_sites.items()}, log=logged.append)
     assert plan.sites == ["large", "small"] and "mid" in plan.rejected
     pooled = np.concatenate([_fg(uneven_sites[k]) for k in ("small", "large")])
     assert math.isclose(plan.intensity["mean"], pooled.mean(), rel_tol=1e-9)
@@ -164,10 +162,34 @@ def _oblique(spacing, angle):
 @pytest.mark.parametrize(
     "name, affine, shape, target, exact",
     [
-        ("flipped", np.array([[-1.0, 0, 0, 20], [0, -1.0, 0, 18], [0, 0, 2.0, -20], [0, 0, 0, 1]]), (40, 36, 20), (1, 1, 2), True),
-        ("permuted", np.array([[0, 0, 2.0, -20], [-1.0, 0, 0, 20], [0, 1.0, 0, -18], [0, 0, 0, 1]]), (40, 36, 20), (2, 1, 1), True),
-        ("anisotropic", np.diag([0.7, 0.7, 4.0, 1.0]) + np.array([[0, 0, 0, -14], [0, 0, 0, -14], [0, 0, 0, -20], [0, 0, 0, 0]]), (40, 40, 10), (0.9, 0.9, 1.5), False),
-        ("oblique", _oblique((0.8, 0.8, 2.5), 0.3) + np.array([[0, 0, 0, -10], [0, 0, 0, -20], [0, 0, 0, -12], [0, 0, 0, 0]]), (48, 48, 12), (0.8, 0.8, 2.5), False),
+        (
+            "flipped",
+            np.array([[-1.0, 0, 0, 20], [0, -1.0, 0, 18], [0, 0, 2.0, -20], [0, 0, 0, 1]]),
+            (40, 36, 20),
+            (1, 1, 2),
+            True,
+        ),
+        (
+            "permuted",
+            np.array([[0, 0, 2.0, -20], [-1.0, 0, 0, 20], [0, 1.0, 0, -18], [0, 0, 0, 1]]),
+            (40, 36, 20),
+            (2, 1, 1),
+            True,
+        ),
+        (
+            "anisotropic",
+            np.diag([0.7, 0.7, 4.0, 1.0]) + np.array([[0, 0, 0, -14], [0, 0, 0, -14], [0, 0, 0, -20], [0, 0, 0, 0]]),
+            (40, 40, 10),
+            (0.9, 0.9, 1.5),
+            False,
+        ),
+        (
+            "oblique",
+            _oblique((0.8, 0.8, 2.5), 0.3) + np.array([[0, 0, 0, -10], [0, 0, 0, -20], [0, 0, 0, -12], [0, 0, 0, 0]]),
+            (48, 48, 12),
+            (0.8, 0.8, 2.5),
+            False,
+        ),
     ],
 )
 def test_label_round_trip_through_the_plan_grid(name, affine, shape, target, exact):

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from fedseg.data.volumes.geometry import spacing_of
+
 __all__ = [
     "FINGERPRINT_VERSION",
     "check_fingerprint",
@@ -40,7 +42,7 @@ FINGERPRINT_VERSION = 1
 
 def ras_order(affine: np.ndarray, values: Sequence[float]) -> list[float]:
     """``values`` per array axis (spacing or shape) reordered to the RAS axes the volume is reoriented to."""
-    import nibabel as nib
+    import nibabel as nib  # deferred: a reader of image files
 
     ornt = nib.orientations.io_orientation(np.asarray(affine))
     out = [0.0] * 3
@@ -69,8 +71,6 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
         JSON-ready: ``version``, ``cases`` (``spacing`` and ``shape`` in RAS order), ``foreground``
         (``count``, ``mean``, ``m2``, ``min``, ``max``), ``min`` (of all voxels), ``integer``.
     """
-    from fedseg.data.volumes.geometry import spacing_of
-
     count, mean, m2 = 0, 0.0, 0.0
     lo, hi, vmin, integer = math.inf, -math.inf, math.inf, True
     records = []
@@ -156,7 +156,9 @@ def check_histogram(counts: Any, bins: int, count: int) -> str | None:
     """Why a pass-2 reply cannot be used: wrong length, negative or non-integer counts, or a total that is
     not the site's declared foreground count."""
     if not isinstance(counts, list) or len(counts) != bins:
-        return f"histogram has {len(counts) if isinstance(counts, list) else type(counts).__name__} bins, {bins} expected"
+        return (
+            f"histogram has {len(counts) if isinstance(counts, list) else type(counts).__name__} bins, {bins} expected"
+        )
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
         return "histogram has a negative or non-integer count"
     if sum(counts) != count:

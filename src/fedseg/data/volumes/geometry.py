@@ -77,9 +77,7 @@ def read_volume(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         img = nib.load(str(path))
         arr = np.asarray(img.dataobj)
     except Exception as e:  # nibabel raises several types for a bad file
-        raise DataError(
-            f"{path}: cannot be read as NIfTI ({type(e).__name__}: {e}) -> re-save it as .nii.gz"
-        ) from None
+        raise DataError(f"{path}: cannot be read as NIfTI ({type(e).__name__}: {e}) -> re-save it as .nii.gz") from None
     if arr.ndim not in (3, 4):
         raise DataError(
             f"{path}: has {arr.ndim} dimensions {arr.shape}; a 3D volume (X, Y, Z) or (X, Y, Z, C) is expected "

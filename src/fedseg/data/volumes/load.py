@@ -11,6 +11,7 @@ into the scan's own voxels, where Dice is scored.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,9 +25,18 @@ from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
 from fedseg.data.volumes.plan import Plan, load_plan, make_plan, save_plan
+from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
 from fedseg.foundation.errors import DataError
 
-__all__ = ["VolumeDataset", "ensure_plan", "load_volume_split", "plan_federation", "plan_path"]
+__all__ = [
+    "VolumeDataset",
+    "ensure_plan",
+    "load_volume_split",
+    "pad_to_common_shape",
+    "plan_federation",
+    "plan_for_run",
+    "plan_path",
+]
 
 
 def plan_path(fed: FederationSpec) -> Path:
@@ -133,3 +143,38 @@ def load_volume_split(fed: FederationSpec, site: SiteSpec, split: str, plan: Pla
         originals if keep else None,
         orig_labels if keep else None,
     )
+
+
+def pad_to_common_shape(data: dict) -> dict:
+    """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
+    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move."""
+    sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
+    shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
+    for ds in sets:
+        if list(ds.images.shape[2:]) == shape:
+            continue
+        n, c, nl = ds.images.shape[0], ds.images.shape[1], ds.labels.shape[1]
+        region = (slice(None), slice(None), *(slice(0, s) for s in ds.images.shape[2:]))
+        images = ds.images.amin(dim=(2, 3, 4), keepdim=True).expand(n, c, *shape).clone()
+        images[region] = ds.images
+        labels = torch.zeros(n, nl, *shape, dtype=ds.labels.dtype)
+        labels[region] = ds.labels
+        ds.images, ds.labels = images, labels
+    return data
+
+
+def plan_for_run(cfg: RunConfig, plan: Plan, log: Callable[[str], None] = print) -> RunConfig:
+    """The run config with the plan's network and patch where the run leaves them at their defaults
+    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged."""
+    model, ev = cfg.model, cfg.eval
+    if model.roi_size is None:
+        model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
+        log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
+    default = ModelConfig()
+    if model.channels == default.channels and model.strides == default.strides:
+        model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
+        log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
+    if ev.every == EvalConfig().every and plan.eval_every != ev.every:
+        ev = dataclasses.replace(ev, every=plan.eval_every)
+        log(f"plan: eval.every = {plan.eval_every} (sliding windows over every validation volume are costly)")
+    return dataclasses.replace(cfg, model=model, eval=ev)

@@ -176,7 +176,9 @@ def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
     return [float(v) for v in target]
 
 
-def _topology(patch: list[int], spacing: list[float], base: int = 16, cap: int = 320) -> tuple[list[int], list[list[int]]]:
+def _topology(
+    patch: list[int], spacing: list[float], base: int = 16, cap: int = 320
+) -> tuple[list[int], list[list[int]]]:
     """U-Net channels and per-axis strides for a patch: at each level, halve every axis that keeps at least
     ``MIN_FEATURE`` voxels and whose current spacing is at most twice the finest (so thick slices are
     pooled only once the in-plane resolution has caught up, as in nnU-Net)."""
@@ -196,7 +198,7 @@ def _topology(patch: list[int], spacing: list[float], base: int = 16, cap: int =
 
 
 def _patch(shape: list[float], spacing: list[float], patch_voxels: int) -> list[int]:
-    patch = [max(MIN_FEATURE, int(round(s))) for s in shape]
+    patch = [max(MIN_FEATURE, round(float(s))) for s in shape]
     while math.prod(patch) > patch_voxels and not all(p == MIN_FEATURE for p in patch):
         extent = [patch[a] * spacing[a] if patch[a] > MIN_FEATURE else 0.0 for a in range(3)]
         a = int(np.argmax(extent))
@@ -282,7 +284,7 @@ def make_plan(
         intensity = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
     return Plan(
         target_spacing=spacing,
-        volume_shape=[int(round(v)) for v in resampled],
+        volume_shape=[round(float(v)) for v in resampled],
         patch_size=patch,
         channels=channels,
         strides=strides,
