@@ -8,6 +8,7 @@ so ``fedseg --help`` and ``fedseg validate`` load none of matplotlib, NVFlare or
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -18,8 +19,11 @@ from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
+from fedseg.data.spec import load_federation
 from fedseg.data.synth import synthesize
-from fedseg.data.validate import validate_federation
+from fedseg.data.validate import raise_if_invalid, validate_federation
+from fedseg.data.volumes.load import plan_federation, plan_path
+from fedseg.data.volumes.plan import save_plan
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.simulation.runner import run
 
@@ -50,6 +54,19 @@ def cmd_validate(a: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {a.spec}; a run refuses to start until they are fixed")
         return 1
     print(f"{a.spec}: OK")
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    raise_if_invalid(a.spec)
+    fed = load_federation(a.spec)
+    if fed.mode != "3d":
+        raise FedsegError(f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d")')
+    plan = plan_federation(fed, patch_voxels=a.patch_voxels)
+    path = plan_path(fed)
+    save_plan(plan, path)
+    print(json.dumps(plan.to_json(), indent=2))
+    print(f"wrote {path} (edit any field to override it; runs on this federation read it)")
     return 0
 
 
@@ -239,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a federation spec and every file it names")
     v.add_argument("spec")
     v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser(
+        "plan", help="volumes: fingerprint every site (aggregate numbers only) and write the federation's plan"
+    )
+    pl.add_argument("spec")
+    pl.add_argument(
+        "--patch-voxels", type=int, default=64 * 64 * 32, help="most voxels in one training patch (memory budget)"
+    )
+    pl.set_defaults(func=cmd_plan)
 
     r = sub.add_parser("run", help="train one method in simulation and test it on every site")
     r.add_argument("config", nargs="?", help="run config TOML or federation spec")

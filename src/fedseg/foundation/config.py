@@ -55,8 +55,9 @@ class ModelConfig:
     """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
     """Feature channels of the U-Net levels, from the top level down."""
-    strides: tuple[int, ...] = (2, 2, 2, 2)
-    """Down-sampling stride between consecutive levels (one entry fewer than channels)."""
+    strides: tuple[int | tuple[int, ...], ...] = (2, 2, 2, 2)
+    """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
+    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less)."""
     num_res_units: int = 2
     """Residual units per U-Net block (0: plain convolutions)."""
     norm: Literal["instance", "batch", "none"] = "instance"
@@ -64,7 +65,8 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability inside the U-Net blocks."""
     roi_size: tuple[int, ...] | None = None
-    """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
+    """Patch size for training and sliding-window inference; for volumes (``mode = "3d"``) unset means the
+    plan's patch size."""
 
     def validate(self) -> None:
         check_literals(self, "model")
@@ -118,9 +120,14 @@ class TrainConfig:
     data: Literal["auto", "device", "stream"] = "auto"
     """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
     each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""
+    foreground_share: float = 0.33
+    """Patch training (``model.roi_size``, volumes): the share of patches centred on a random foreground
+    voxel (the rest are placed uniformly); nnU-Net uses one third, 0 places every patch uniformly."""
 
     def validate(self) -> None:
         check_literals(self, "train")
+        if not 0.0 <= self.foreground_share <= 1.0:
+            raise ConfigError(f"train.foreground_share must be in [0, 1], got {self.foreground_share}")
         if (self.local_epochs is None) == (self.local_steps is None):
             raise ConfigError(
                 "set exactly one of train.local_epochs and train.local_steps "
@@ -156,6 +163,12 @@ class EvalConfig:
     """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
     "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
     cases instead; that is not offered, as every per-case mean would then need to skip them.)"""
+    sw_overlap: float = 0.5
+    """Overlap of neighbouring sliding windows (volumes and patch-trained models), as a fraction of the
+    window; Auto-FedAvg's stride (64, 64, 8) on a 256 × 256 × 32 window is 0.75."""
+    sw_weighting: Literal["gaussian", "constant"] = "gaussian"
+    """How overlapping windows are blended: 'gaussian' (centre voxels count most, MONAI's and nnU-Net's
+    choice) or 'constant'."""
     best_criterion: Literal["cases", "sites"] = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
@@ -167,6 +180,8 @@ class EvalConfig:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
+        if not 0.0 <= self.sw_overlap < 1.0:
+            raise ConfigError(f"eval.sw_overlap must be in [0, 1), got {self.sw_overlap}")
         if not 0.0 <= self.empty_dice <= 1.0:
             raise ConfigError(
                 f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)"

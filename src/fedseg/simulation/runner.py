@@ -22,6 +22,7 @@ from fedseg.algorithms.centralized import POOLED
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
+from fedseg.data.volumes.load import ensure_plan, load_volume_split, pad_to_common_shape, plan_for_run
 from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
 from fedseg.execution.inprocess import InProcessTransport
@@ -156,10 +157,24 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
     (out / "results.md").write_text("\n".join(md))
 
 
-def load_federation_data(federation: str | Path, progress: bool = False) -> tuple[Any, dict[str, SiteData]]:
-    """Validate a federation spec and load every site's splits into memory."""
+def load_federation_data(
+    federation: str | Path, progress: bool = False, log: Callable[[str], None] = print
+) -> tuple[Any, dict[str, SiteData]]:
+    """Validate a federation spec and load every site's splits into memory.
+
+    Volumes (``mode = "3d"``) are brought into the federation's plan grid (the plan file beside the spec,
+    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`)."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
+    if fed.mode == "3d":
+        plan = ensure_plan(fed, log=log)
+        data = {
+            s.name: SiteData(
+                *(load_volume_split(fed, s, split, plan) for split in ("training", "validation", "testing"))
+            )
+            for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
+        }
+        return fed, pad_to_common_shape(data)
     data = {}
     for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False):
         data[s.name] = SiteData(*(load_split(fed, s, split) for split in ("training", "validation", "testing")))
@@ -193,8 +208,12 @@ def run(
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
-    fed, data = load_federation_data(cfg.federation, progress=progress)
-    return simulate(
+    fed, data = load_federation_data(cfg.federation, progress=progress, log=log)
+    plan = None
+    if fed.mode == "3d":
+        plan = ensure_plan(fed, log=log)
+        cfg = plan_for_run(cfg, plan, log=log)
+    results = simulate(
         cfg,
         workload_for(fed, cfg),
         data,
@@ -205,3 +224,8 @@ def run(
         log=log,
         on_round=on_round,
     )
+    if plan is not None and results is not None:
+        results["plan"] = plan.to_json()
+        if out is not None:
+            write_results(results, out)
+    return results

@@ -644,10 +644,20 @@ class Site:
     def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
         """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
         out = []
+        ds = self.data.split(split)
+        # volumes are scored in each scan's own grid: the prediction is resampled back first
+        restore = getattr(ds, "original_grid", None) if getattr(ds, "originals", None) is not None else None
+        first = 0
         for x, y in self.eval_batches(split):
             with self.autocast():
                 pred = predict(x)
-            out.append(self.workload.metric(pred, y).double())
+            if restore is None:
+                out.append(self.workload.metric(pred, y).double())
+            else:
+                for j in range(pred.shape[0]):
+                    p, t = restore(first + j, pred[j].float())
+                    out.append(self.workload.metric(p[None], t[None]).double())
+            first += x.shape[0]
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
 
