@@ -47,6 +47,12 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     return SiteData(train=ConcatDataset(trains))
 
 
+def vectorized_arithmetic(steps: list[int]) -> float:
+    """Site-steps a vectorized round computes over those a sequential round does: K sites stacked take
+    max(steps) stacked steps of K rows each, against sum(steps) single steps (1 when the sites are equal)."""
+    return len(steps) * max(steps) / max(1, sum(steps)) if steps else 1.0
+
+
 def build_transport(
     cfg: RunConfig,
     workload: Workload,
@@ -76,6 +82,19 @@ def build_transport(
         log(
             f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
         )
+        steps = [s.steps_per_round() for s in sites]
+        ratio = vectorized_arithmetic(steps)
+        if ratio > 1.2:
+            log(
+                f"simulation.vectorize: the sites take {min(steps)} to {max(steps)} local steps a round, and a vectorized "
+                f"step computes every site's row until the last site finishes: {ratio:.2f}x the arithmetic of training "
+                "them one after another"
+                + (
+                    "; on the CPU that makes the round slower (simulation.vectorize = off trains them in turn)"
+                    if device.type == "cpu"
+                    else ""
+                )
+            )
     elif cfg.simulation.vectorize == "auto" and resolve_vectorize("auto", device):
         log(
             f"simulation.vectorize = auto: {len(sites)} sites train one after another (vectorizing fewer than "
