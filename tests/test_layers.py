@@ -69,6 +69,7 @@ DEFERRED = (
     "torch.utils.tensorboard",
     "psutil",
     "monai",
+    "nibabel",
     "fedseg.models",  # imports MONAI's networks
 )
 """Heavy optional dependencies a function may import when it needs them (a CLI command that
