@@ -153,14 +153,15 @@ def segmentation_workload(
     sw_batch_size: int = 4,
     empty_dice: float = 1.0,
 ) -> Workload:
-    """The papers' setting: MONAI U-Net, Dice loss with sigmoid, per-channel Dice.
+    """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
+    per-channel Dice.
 
     With ``model.roi_size`` set (3D volumes), training cuts random patches of that
     size and evaluation uses MONAI's sliding-window inference.
     """
     from monai.inferers import sliding_window_inference
 
-    from fedseg.models import build_unet
+    from fedseg.models import build_model as network
 
     model = model or ModelConfig()
     train = train or TrainConfig()
@@ -179,7 +180,7 @@ def segmentation_workload(
 
         transform = _random_crop(roi)
     return Workload(
-        build_model=lambda: build_unet(spatial_dims, in_channels, out_channels, model),
+        build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
         metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
