@@ -20,7 +20,7 @@ from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
 from fedseg.data.spec import load_federation
-from fedseg.data.synth import synthesize
+from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
 from fedseg.data.volumes.load import plan_federation, plan_path
 from fedseg.data.volumes.plan import save_plan
@@ -245,12 +245,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("synth", help="write a synthetic multi-site federation (PNG + datalists + spec)")
-    s.add_argument("--preset", choices=["fundus", "prostate"], required=True)
+    s = sub.add_parser(
+        "synth", help="write a synthetic multi-site federation (PNG images or NIfTI volumes + datalists + spec)"
+    )
+    s.add_argument(
+        "--preset",
+        choices=list(PRESET_NAMES),
+        required=True,
+        help="fundus (2D RGB, 6 sites), prostate (2D grey, 6 sites), "
+        "ct-lesion (3D CT NIfTI, 3 sites with their own spacing, orientation, field of view and HU calibration)",
+    )
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--scale", type=float, default=1.0, help="fraction of the paper's per-site case counts")
-    s.add_argument("--size", type=int, default=64)
+    s.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="fraction of the per-site case counts (the paper's; ct-lesion: 8/3/3, 12/4/4, 6/3/3)",
+    )
+    s.add_argument(
+        "--size",
+        type=int,
+        default=64,
+        help="image side in pixels; ct-lesion: in-plane voxels, slices and anatomy scale with size/64 "
+        "(512 gives 512x512x128-384 volumes)",
+    )
     s.set_defaults(func=cmd_synth)
 
     v = sub.add_parser("validate", help="check a federation spec and every file it names")

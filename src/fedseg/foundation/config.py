@@ -45,25 +45,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Segmentation network (MONAI ``UNet``).
+    """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
     strides 2, 2 residual units, instance norm.
     """
 
-    name: Literal["unet"] = "unet"
-    """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
+    name: Literal["unet", "fga-unet"] = "unet"
+    """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
-    """Feature channels of the U-Net levels, from the top level down."""
+    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's)."""
     strides: tuple[int | tuple[int, ...], ...] = (2, 2, 2, 2)
     """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
     list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less)."""
     num_res_units: int = 2
-    """Residual units per U-Net block (0: plain convolutions)."""
+    """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
-    """Normalization layer of the U-Net: 'instance', 'batch' or 'none'."""
+    """Normalization layer of the U-Net: 'instance', 'batch' or 'none' (unet only; fga-unet has none)."""
     dropout: float = 0.0
-    """Dropout probability inside the U-Net blocks."""
+    """Dropout probability inside the U-Net blocks (unet only)."""
     roi_size: tuple[int, ...] | None = None
     """Patch size for training and sliding-window inference; for volumes (``mode = "3d"``) unset means the
     plan's patch size."""

@@ -166,7 +166,8 @@ def segmentation_workload(
     sw_overlap: float = 0.5,
     sw_weighting: str = "gaussian",
 ) -> Workload:
-    """The papers' setting: MONAI U-Net, Dice loss with sigmoid, per-channel Dice.
+    """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
+    per-channel Dice.
 
     With ``model.roi_size`` set (volumes), training cuts patches of that size (a share
     ``train.foreground_share`` centred on foreground) and evaluation uses MONAI's sliding-window
@@ -174,7 +175,7 @@ def segmentation_workload(
     """
     from monai.inferers import sliding_window_inference
 
-    from fedseg.models import build_unet
+    from fedseg.models import build_model as network
 
     model = model or ModelConfig()
     train = train or TrainConfig()
@@ -198,7 +199,7 @@ def segmentation_workload(
 
         transform = _random_crop(roi, train.foreground_share)
     return Workload(
-        build_model=lambda: build_unet(spatial_dims, in_channels, out_channels, model),
+        build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
         metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
