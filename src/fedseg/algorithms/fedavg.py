@@ -23,7 +23,7 @@ from typing import Any, Literal
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site
+from fedseg.site.runtime import Site, steps_per_round
 
 Weighting = Literal["samples", "even"]
 """FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
@@ -97,6 +97,10 @@ class FedAvg(Algorithm):
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate("global", strip_prefix("global", state))]
+
+    def dp_steps_per_round(self, cfg, n: int) -> int | None:
+        """DP-SGD: every local step of the round (``Site.fit``) is privatized."""
+        return steps_per_round(cfg.train, n)
 
     def site_handlers(self):
         return {"train": train_global}

@@ -68,7 +68,9 @@ def build_transport(
         extra.append(Site(name, len(sites) + len(extra), data, workload, cfg, algorithm))
     vectorized = None
     device = resolve_device(cfg.device)
-    if resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+    if cfg.privacy.dp == "sample" and resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+        log("privacy.dp = sample: the sites train one after another (DP-SGD's per-sample gradients are per site)")
+    elif resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
         vectorized = VectorizedExecutor(
             cfg.simulation.vectorize_group, log, cuda_graphs=cfg.simulation.cuda_graphs == "on"
         )
