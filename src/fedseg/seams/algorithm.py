@@ -127,12 +127,18 @@ class Algorithm:
         what = self.fp16_unsupported() if cfg.train.precision == "fp16" else None
         if what:
             raise ConfigError(fp16_refusal(what))
-        if cfg.privacy.dp == "sample":
-            why = self.dp_sample_unsupported()
+        if cfg.privacy.dp != "off":
+            why = self.dp_sample_unsupported() if cfg.privacy.dp == "sample" else self.dp_client_unsupported()
             if why:
                 raise ConfigError(
-                    f"privacy.dp = 'sample' is not available for {self.name}: {why}; use --set privacy.dp=off"
+                    f"privacy.dp = {cfg.privacy.dp!r} is not available for {self.name}: {why}; use --set privacy.dp=off"
                 )
+
+    def dp_client_unsupported(self) -> str | None:
+        """Why this method cannot run client-level DP (``privacy.dp = "client"``: each site's update
+        clipped and noised, :meth:`fedseg.site.dp.SiteDP.client_update`), or None.  The default: not
+        supported (the site half must send its update through it)."""
+        return "its site half does not send a clipped, noised update"
 
     def dp_sample_unsupported(self) -> str | None:
         """Why this method cannot run DP-SGD (``privacy.dp = "sample"``), or None.  DP-SGD privatizes the

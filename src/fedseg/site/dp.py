@@ -11,6 +11,9 @@ so a restarted or resumed site accounts for the steps it took before.  Its ε is
 (:mod:`fedseg.privacy.accountant`) for those steps at σ and q = B / n.  σ is ``privacy.noise_multiplier``,
 or, when that is unset, the σ whose planned steps (the method's privatized steps per round,
 ``algorithm.dp_steps_per_round(n)``, times ``rounds``) spend ``privacy.epsilon``.
+
+With ``privacy.dp = "client"`` a site instead clips and noises its round's update
+(:meth:`SiteDP.client_update`), counted as one step at q = 1 (every site takes part in every round).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from torch import nn
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import generator
 from fedseg.privacy import accountant
-from fedseg.privacy.dp import privatized_gradient
+from fedseg.privacy.dp import clip_update, noise_like, privatized_gradient
 
 __all__ = ["SiteDP"]
 
 _PREFIX = "privacy/steps/"
+_CLIENT = "privacy/client_rounds"
 
 
 class SiteDP:
@@ -41,8 +45,16 @@ class SiteDP:
         self._sigma: float | None = None
 
     # ------------------------------------------------------------- accounting
+    @property
+    def client(self) -> bool:
+        """Client-level DP (``privacy.dp = "client"``): one clipped, noised update per round."""
+        return self.settings.dp == "client"
+
     def planned_steps_per_round(self) -> int:
-        """The method's privatized steps in one round of this site (``algorithm.dp_steps_per_round(n)``)."""
+        """The method's privatized steps in one round of this site (``algorithm.dp_steps_per_round(n)``;
+        client level: its one update)."""
+        if self.client:
+            return 1
         plan = getattr(self.site.algorithm, "dp_steps_per_round", None)
         steps = plan(self.site.cfg, self.site.num_train) if plan is not None else None
         if steps is None:
@@ -63,6 +75,9 @@ class SiteDP:
             s = self.settings
             if s.noise_multiplier is not None:
                 self._sigma = float(s.noise_multiplier)
+            elif self.client:  # every site's update in every round: q = 1
+                planned = self.site.cfg.rounds
+                self._sigma = accountant.noise_multiplier(s.epsilon, s.delta, 1.0, planned, s.accountant)
             else:
                 q = accountant.sample_rate(self.batch_size, self.site.num_train)
                 planned = self.planned_steps_per_round() * self.site.cfg.rounds
@@ -70,7 +85,9 @@ class SiteDP:
         return self._sigma
 
     def steps(self) -> dict[int, int]:
-        """Privatized steps taken so far, per (nominal) batch size."""
+        """Privatized steps taken so far, per (nominal) batch size (client level: ``{0: updates sent}``)."""
+        if self.client:
+            return {0: int(self.site.store[_CLIENT])} if _CLIENT in self.site.store else {}
         return {int(k[len(_PREFIX) :]): int(v) for k, v in self.site.store.items() if k.startswith(_PREFIX)}
 
     def _count(self, batch_size: int) -> int:
@@ -83,6 +100,8 @@ class SiteDP:
     def history(self, extra_steps: int = 0) -> list[tuple[float, float, int]]:
         """The accountant history of the steps taken (plus ``extra_steps`` more at ``train.batch_size``)."""
         steps = self.steps()
+        if self.client:
+            return [(self.sigma, 1.0, steps.get(0, 0) + extra_steps)]
         steps[self.batch_size] = steps.get(self.batch_size, 0) + extra_steps
         n = self.site.num_train
         return [(self.sigma, accountant.sample_rate(b, n), t) for b, t in sorted(steps.items()) if t > 0]
@@ -99,7 +118,7 @@ class SiteDP:
             "epsilon": self.epsilon(),
             "epsilon_next": self.epsilon(self.planned_steps_per_round()),
             "noise_multiplier": self.sigma,
-            "sample_rate": accountant.sample_rate(self.batch_size, self.site.num_train),
+            "sample_rate": 1.0 if self.client else accountant.sample_rate(self.batch_size, self.site.num_train),
             "steps": sum(steps.values()),
         }
 
@@ -171,3 +190,21 @@ class SiteDP:
             total += value.double()
             count += 1
         return {"loss": float(total) / max(count, 1), "steps": count}
+
+    def client_update(self, role: str, start: Mapping[str, torch.Tensor], num_sites: int) -> dict[str, torch.Tensor]:
+        """Client-level DP (``privacy.dp = "client"``): the role's shared arrays as ``start + Δ̃``, where
+        Δ̃ = clip(w_k − start, C) + N(0, σ²C² / K) for K = ``num_sites``.  The noise is distributed: the K
+        sites' shares sum to N(0, σ²C²) on the server's sum, so neither the server nor a sum under secure
+        aggregation ever holds an un-noised update.  Counted as one update of the site; the noise comes from
+        the generator of (run seed, site, "dp-client", role, updates so far)."""
+        site, s = self.site, self.settings
+        arrays = site.arrays(role)
+        delta = {k: v - start[k].to(v) for k, v in arrays.items() if v.is_floating_point()}
+        clipped, _ = clip_update(delta, s.clip)
+        done = self.steps().get(0, 0)
+        site.store[_CLIENT] = torch.tensor(done + 1, dtype=torch.int64)
+        g = generator(site.cfg.seed, site.index, "dp-client", role, done)
+        noise = noise_like(clipped, self.sigma * s.clip / num_sites**0.5, g)
+        out = dict(arrays)
+        out.update({k: start[k].to(clipped[k]) + clipped[k] + noise[k] for k in clipped})
+        return out

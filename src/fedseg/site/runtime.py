@@ -296,7 +296,7 @@ class Site:
         """Run one task and return the reply."""
         if task.kind == "evaluate":
             return self._evaluate(task)
-        if task.kind == "privacy":  # the engine's question under privacy.dp = "sample": ε so far
+        if task.kind == "privacy":  # the engine's question under privacy.dp: ε so far
             return Reply(metrics=self.dp.report(), num_samples=self.num_train)
         handler = self._handlers.get(task.kind)
         if handler is None:
