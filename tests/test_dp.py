@@ -175,6 +175,7 @@ def test_fedavg_run_records_epsilon_equal_to_opacus(wl, tmp_path):
     assert [sorted(h["epsilon"]) for h in res["history"]] == [["site1", "site2"]] * 2
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert saved["privacy"]["sites"] == priv["sites"]
+    assert "ε per site: site1" in (tmp_path / "run" / "results.md").read_text()
     for name, data in sites.items():
         n = len(data.train)
         per_round = math.ceil(n / cfg.train.batch_size)

@@ -305,6 +305,11 @@ class RunConfig:
                 "privacy.dp = 'sample' clips each sample's gradient, which batch norm mixes across the batch; "
                 'use model.norm = "instance" (--set model.norm=instance) or "none"'
             )
+        if self.privacy.dp == "sample" and self.train.precision == "fp16":
+            raise ConfigError(
+                "privacy.dp = 'sample' clips unscaled per-sample gradients, which fp16 loss scaling does not give; "
+                "use --set train.precision=bf16"
+            )
         if self.privacy.dp == "sample" and self.simulation.vectorize == "on":
             raise ConfigError(
                 "privacy.dp = 'sample' computes per-sample gradients one site at a time, which the vectorized "
