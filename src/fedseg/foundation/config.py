@@ -32,6 +32,7 @@ __all__ = [
     "EXCLUSIVE",
     "EvalConfig",
     "ModelConfig",
+    "PrivacyConfig",
     "RunConfig",
     "SimulationConfig",
     "TrainConfig",
@@ -227,9 +228,43 @@ class PrivacyConfig:
     dp: Literal["off", "sample", "client"] = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
     ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
+    epsilon: float | None = None
+    """Privacy budget ε per site for the whole run (> 0).  Without ``noise_multiplier`` the noise multiplier
+    is derived so that the planned rounds spend at most ε; with it, ε is a budget the run checks before
+    every round (``budget_action``).  None: no budget, ε is only reported."""
+    delta: float = 1e-5
+    """δ of the (ε, δ) guarantee the accountant reports, in (0, 1); keep it below 1 / (training cases of a site)."""
+    clip: float = 1.0
+    """Largest L2 norm of one sample's gradient ('sample': the whole gradient over all parameters of the
+    model) or of one site's update w_k − w ('client'); larger ones are scaled down to it (> 0)."""
+    noise_multiplier: float | None = None
+    """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
+    planned rounds (one of the two must be set when dp is on)."""
+    budget_action: Literal["stop", "warn"] = "stop"
+    """When a round would take a site's ε past ``epsilon``: 'stop' ends training before that round (the
+    checkpoint of the last round saved, the run then tested), 'warn' says so in the log and trains on."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Opacus' accountant of the ε per site: 'rdp' (Rényi DP of the subsampled Gaussian mechanism) or
+    'prv' (privacy random variables, tighter)."""
 
     def validate(self) -> None:
         check_literals(self, "privacy")
+        if self.epsilon is not None and not self.epsilon > 0:
+            raise ConfigError(f"privacy.epsilon = {self.epsilon}; give a number > 0 (e.g. --set privacy.epsilon=8)")
+        if not 0.0 < self.delta < 1.0:
+            raise ConfigError(f"privacy.delta = {self.delta}; give a number in (0, 1) (e.g. --set privacy.delta=1e-5)")
+        if not (self.clip > 0 and self.clip < float("inf")):
+            raise ConfigError(f"privacy.clip = {self.clip}; give a finite number > 0 (e.g. --set privacy.clip=1.0)")
+        if self.noise_multiplier is not None and not (0 < self.noise_multiplier < float("inf")):
+            raise ConfigError(
+                f"privacy.noise_multiplier = {self.noise_multiplier}; give a finite number > 0 "
+                "(e.g. --set privacy.noise_multiplier=1.0), or none to derive it from privacy.epsilon"
+            )
+        if self.dp != "off" and self.epsilon is None and self.noise_multiplier is None:
+            raise ConfigError(
+                f"privacy.dp = {self.dp!r} needs privacy.epsilon (a target, e.g. --set privacy.epsilon=8) "
+                "or privacy.noise_multiplier (e.g. --set privacy.noise_multiplier=1.0)"
+            )
 
 
 @dataclass(frozen=True)
@@ -280,6 +315,21 @@ class RunConfig:
         self.eval.validate()
         self.simulation.validate()
         self.privacy.validate()
+        if self.privacy.dp == "sample" and self.model.norm == "batch":
+            raise ConfigError(
+                "privacy.dp = 'sample' clips each sample's gradient, which batch norm mixes across the batch; "
+                'use model.norm = "instance" (--set model.norm=instance) or "none"'
+            )
+        if self.privacy.dp == "sample" and self.train.precision == "fp16":
+            raise ConfigError(
+                "privacy.dp = 'sample' clips unscaled per-sample gradients, which fp16 loss scaling does not give; "
+                "use --set train.precision=bf16"
+            )
+        if self.privacy.dp == "sample" and self.simulation.vectorize == "on":
+            raise ConfigError(
+                "privacy.dp = 'sample' computes per-sample gradients one site at a time, which the vectorized "
+                "simulation does not; use --set simulation.vectorize=off (or auto)"
+            )
 
     def is_eval_round(self, rnd: int) -> bool:
         """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""

@@ -75,7 +75,9 @@ def build_transport(
         extra.append(Site(name, len(sites) + len(extra), data, workload, cfg, algorithm))
     vectorized = None
     device = resolve_device(cfg.device)
-    if resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+    if cfg.privacy.dp == "sample" and resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+        log("privacy.dp = sample: the sites train one after another (DP-SGD's per-sample gradients are per site)")
+    elif resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
         vectorized = VectorizedExecutor(
             cfg.simulation.vectorize_group, log, cuda_graphs=cfg.simulation.cuda_graphs == "on"
         )
@@ -173,6 +175,13 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
     md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
+    priv = results.get("privacy")
+    if priv:  # ε per site at δ under privacy.dp (docs/privacy.md)
+        eps = ", ".join(f"{s} {v['epsilon']:.3g}" for s, v in priv["sites"].items())
+        line = f"\nDifferential privacy ({priv['dp']} level, {priv['accountant']} accountant, δ = {priv['delta']:g}): ε per site: {eps}"
+        if priv.get("stopped_after_round") is not None:
+            line += f"; training stopped after round {priv['stopped_after_round']} at the budget privacy.epsilon = {priv['epsilon_budget']:g}"
+        md.append(line + "\n")
     (out / "results.md").write_text("\n".join(md))
 
 
