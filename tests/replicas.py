@@ -92,7 +92,7 @@ def riga(raw: Path, part: str, seed: int = 0) -> dict:
         cy, cx = _centre(rng)
         image = fundus_image(rng, cy, cx, 10, 5)
         ext = ".jpg" if part == "BinRushed" else ".tif"
-        kw = {"quality": 95} if ext == ".jpg" else {}
+        kw = {"quality": 98, "subsampling": 0} if ext == ".jpg" else {}
         _save(image, folder / f"image{n}prime{ext}", **kw)
         d = _dist(cy, cx)
         for k in range(1, 7):
@@ -314,7 +314,9 @@ def prostatex(raw: Path, seed: int = 0) -> dict:
     for cid in ids:
         img, mask = volume(rng)
         study = _uid()
-        sources = dicom_series(img, raw / "PROSTATEx" / "Image" / "manifest-A" / "PROSTATEx" / cid / "s" / "t2", cid, study)
+        sources = dicom_series(
+            img, raw / "PROSTATEx" / "Image" / "manifest-A" / "PROSTATEx" / cid / "s" / "t2", cid, study
+        )
         zones = np.zeros((*MR, 4), bool)
         zones[..., 0] = mask > 0  # peripheral zone
         zones[1, 4:6, 6:8, 1] = True  # transition zone

@@ -155,10 +155,11 @@ def riga_annotation(original: np.ndarray, annotated: np.ndarray) -> tuple[np.nda
 
     The outlines are the pixels whose colour differs from the original by more than
     :data:`OUTLINE_THRESHOLD`. Filling them (``scipy.ndimage.binary_fill_holes``) and keeping the
-    largest region gives the disc; inside it, the outlines split the disc into the rim and the
-    cup, and the cup is the enclosed region that lies deepest inside the disc (the largest
-    distance to its border), taken with one pixel of its outline. None where the outlines do not
-    enclose two regions (an unclosed or missing outline).
+    largest region gives the outer disc; inside it, the outlines enclose the rim and the cup, and
+    the cup is the enclosed region that lies deepest inside the disc (the largest distance to its
+    border). Each outline pixel goes to the region nearest to it (outside, rim or cup), so a
+    boundary runs along the middle of its drawn line whatever the line's width (JPEG ringing
+    widens it). None where the outlines do not enclose two regions (unclosed or missing).
     """
     from scipy import ndimage
 
@@ -168,13 +169,17 @@ def riga_annotation(original: np.ndarray, annotated: np.ndarray) -> tuple[np.nda
     regions, n = ndimage.label(filled)
     if n == 0:
         return None
-    disc = regions == (1 + int(np.argmax(ndimage.sum(filled, regions, range(1, n + 1)))))
-    inside, m = ndimage.label(disc & ~outline)
+    full = regions == (1 + int(np.argmax(ndimage.sum(filled, regions, range(1, n + 1)))))
+    inside, m = ndimage.label(full & ~outline)
     if m < 2:
         return None
-    depth = ndimage.distance_transform_edt(disc)
-    deepest = ndimage.maximum(depth, inside, range(1, m + 1))
-    cup = ndimage.binary_dilation(inside == 1 + int(np.argmax(deepest))) & disc
+    deepest = ndimage.maximum(ndimage.distance_transform_edt(full), inside, range(1, m + 1))
+    cup_core = inside == 1 + int(np.argmax(deepest))
+    rim = (inside > 0) & ~cup_core
+    line = full & (inside == 0)
+    d_out, d_rim, d_cup = (ndimage.distance_transform_edt(~r) for r in (~full, rim, cup_core))
+    disc = full & ~(line & (d_out < np.minimum(d_rim, d_cup)))
+    cup = cup_core | (line & (d_cup < np.minimum(d_rim, d_out)))
     return disc, cup
 
 
@@ -249,7 +254,10 @@ def _rimone_convert(case: Case) -> list[Unit]:
 # --- REFUGE ------------------------------------------------------------------------------------
 
 _REFUGE_LAYOUTS = (  # (images, masks): the challenge's archives, or the reorganized train/val release
-    (("Training400", "Annotation-Training400/Disc_Cup_Masks"), ("REFUGE-Validation400", "REFUGE-Validation400-GT/Disc_Cup_Masks")),
+    (
+        ("Training400", "Annotation-Training400/Disc_Cup_Masks"),
+        ("REFUGE-Validation400", "REFUGE-Validation400-GT/Disc_Cup_Masks"),
+    ),
     (("train/Images", "train/gts"), ("val/Images", "val/gts")),
 )
 

@@ -79,8 +79,11 @@ class Summary:
             ours = tuple(r.counts[s] for s in SPLITS)
             pts = "/".join(str(r.patients[s]) for s in SPLITS)
             paper = "/".join(map(str, r.paper))
-            note = "as in the paper" if ours == r.paper else "differs: " + ", ".join(
-                f"{s} {o - p:+d}" for s, o, p in zip(("train", "val", "test"), ours, r.paper) if o != p
+            note = (
+                "as in the paper"
+                if ours == r.paper
+                else "differs: "
+                + ", ".join(f"{s} {o - p:+d}" for s, o, p in zip(("train", "val", "test"), ours, r.paper) if o != p)
             )
             if r.bad:
                 note += f"; {len(r.bad)} case(s) skipped as bad"

@@ -242,7 +242,9 @@ def _prostatex_discover(root: Path, ds: Dataset) -> list[Case]:
     for cid, folder in _case_dirs(root / "Mask").items():
         image_dir = images.get(cid, root / "Image" / cid)
         segs = [p for p in _all_files(folder) if p.suffix.lower() == ".dcm"]
-        cases.append(Case(safe_id(cid), safe_id(cid), (*segs, *_all_files(image_dir)), {"images": image_dir, "seg": segs}))
+        cases.append(
+            Case(safe_id(cid), safe_id(cid), (*segs, *_all_files(image_dir)), {"images": image_dir, "seg": segs})
+        )
     return cases
 
 
@@ -251,7 +253,9 @@ def _prostatex_convert(case: Case) -> list[Unit]:
     pydicom = require("pydicom", "ProstateX")
     hd = require("highdicom", "ProstateX")
     if len(case.info["seg"]) != 1:
-        raise DataError(f"{case.case_id}: expected one DICOM-SEG file in its mask folder, found {len(case.info['seg'])}")
+        raise DataError(
+            f"{case.case_id}: expected one DICOM-SEG file in its mask folder, found {len(case.info['seg'])}"
+        )
     seg_path = case.info["seg"][0]
     seg = hd.seg.segread(str(seg_path))
     referenced = {sop for _, _, sop in seg.get_source_image_uids()}
@@ -266,7 +270,9 @@ def _prostatex_convert(case: Case) -> list[Unit]:
             if not series or sid in series:
                 names = reader.GetGDCMSeriesFileNames(str(d), sid)
     if names is None:
-        raise DataError(f"{image_dir}: no DICOM series referenced by {seg_path.name} -> download the referenced T2 series")
+        raise DataError(
+            f"{image_dir}: no DICOM series referenced by {seg_path.name} -> download the referenced T2 series"
+        )
     reader.SetFileNames(names)
     image = reader.Execute()
     uids = [pydicom.dcmread(n, stop_before_pixels=True).SOPInstanceUID for n in names]
