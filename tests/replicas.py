@@ -169,7 +169,6 @@ def fundus_all(raw: Path) -> dict[str, dict]:
 def volume(rng: np.random.Generator, slices_with_prostate=(1, 2, 3)) -> tuple[np.ndarray, np.ndarray]:
     """(image uint16 z,y,x up to ~3000, mask uint8) with a prostate blob on some slices, off-centre in y
     (rows 4..8 of 16), so a flipped row axis would show."""
-    z, y, x = MR
     img = rng.integers(100, 400, size=MR).astype(np.uint16)
     mask = np.zeros(MR, np.uint8)
     for k in slices_with_prostate:

@@ -70,6 +70,9 @@ DEFERRED = (
     "psutil",
     "monai",
     "fedseg.models",  # imports MONAI's networks
+    "SimpleITK",  # fedseg prepare's readers ([prepare] extra)
+    "pydicom",
+    "highdicom",
 )
 """Heavy optional dependencies a function may import when it needs them (a CLI command that
 does not plot never pays for matplotlib)."""

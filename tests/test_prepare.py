@@ -11,21 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import replicas  # noqa: E402
-
-from fedseg.apps.prepare import prepare, split_patients  # noqa: E402
-from fedseg.apps.prepare import base as prepare_base  # noqa: E402
-from fedseg.apps.prepare.fundus import riga_annotation  # noqa: E402
-from fedseg.cli import main  # noqa: E402
-from fedseg.data import load_datalist, validate_federation  # noqa: E402
-from fedseg.foundation.errors import ConfigError, DataError  # noqa: E402
+import replicas
+from fedseg.apps.prepare import base as prepare_base
+from fedseg.apps.prepare import prepare, split_patients
+from fedseg.apps.prepare.fundus import riga_annotation
+from fedseg.cli import main
+from fedseg.data import load_datalist, validate_federation
+from fedseg.foundation.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 QUIET = {"log": lambda _: None}
@@ -94,7 +91,7 @@ def replicas_ids(expected: dict) -> list[str]:
 @pytest.mark.slow
 def test_fundus_replica_becomes_a_valid_federation(fundus):
     """Six sites, validate clean, every case converted, labels 0/1/2 with both disc rim and cup present."""
-    raw, out, summary, expected, _ = fundus
+    _raw, out, summary, expected, _ = fundus
     assert validate_federation(summary.spec) == []
     assert [r.site for r in summary.sites] == list(expected)
     for r in summary.sites:
@@ -107,7 +104,7 @@ def test_fundus_replica_becomes_a_valid_federation(fundus):
 
 
 def test_rim_one_two_eyes_of_a_patient_share_a_split_and_are_cut_to_the_annotated_half(fundus):
-    raw, out, summary, expected, _ = fundus
+    _raw, out, _summary, _expected, _ = fundus
     cases = _manifest(out, "rim-one-r3")["cases"]
     assert cases["N-1-L"]["patient"] == cases["N-1-R"]["patient"] == "N-1"
     assert cases["N-1-L"]["split"] == cases["N-1-R"]["split"]
@@ -120,7 +117,7 @@ def test_riga_outlines_are_filled_and_fused_by_majority(fundus):
     """Annotators' disc outlines (2 px wide) of radius 10, 11, 9, 10, 11 and cup outlines of 6, 5, 6, 5, 6;
     the sixth drew no cup and is ignored. Boundaries run along the middle of the lines, so a strict
     majority (3 of 5) gives a disc of radius 10 and a cup of radius 6, for TIFF and for JPEG copies."""
-    raw, out, summary, expected, _ = fundus
+    _raw, out, _summary, expected, _ = fundus
     for site in ("riga-binrushed", "riga-magrabia", "riga-messidor"):
         for cid in expected[site]["cases"]:
             label = _grey(out / site / "labels" / f"{cid}.png")
@@ -142,7 +139,7 @@ def test_riga_annotation_needs_two_closed_outlines():
 def test_drishti_soft_maps_are_thresholded_at_half_the_experts(fundus):
     """Soft levels 64/128/191/255 at radius r+1.5, r+0.5, r-0.5, r-1.5: >= 128 keeps d < r + 0.5 (also for the
     soft map stored at half size, resized back by nearest neighbour)."""
-    raw, out, summary, expected, _ = fundus
+    _raw, out, _summary, expected, _ = fundus
     for cid in expected["drishti-gs1"]["cases"]:
         label = _grey(out / "drishti-gs1" / "labels" / f"{cid}.png")
         area = np.pi * 9.5**2
@@ -153,7 +150,7 @@ def test_drishti_soft_maps_are_thresholded_at_half_the_experts(fundus):
 def test_prostate_replica_becomes_a_valid_federation(prostate):
     """Slices with prostate only (3 per case), labels 0/1, rows as in the DICOM (not flipped), the release's
     known-bad cases left out with their reason, MSD's T2 channel taken (the ADC replica is constant)."""
-    raw, out, summary, expected, _ = prostate
+    _raw, out, summary, expected, _ = prostate
     assert validate_federation(summary.spec) == []
     for r in summary.sites:
         assert not r.bad, r
@@ -172,7 +169,7 @@ def test_prostate_replica_becomes_a_valid_federation(prostate):
 
 @pytest.mark.slow
 def test_prostatex_urethra_counts_only_on_slices_with_a_zone(prostate):
-    raw, out, summary, expected, _ = prostate
+    _raw, out, _summary, _expected, _ = prostate
     slices = sorted(p.stem for p in (out / "prostatex" / "labels" / "ProstateX-0000").glob("*.png"))
     assert slices == ["001", "002", "003"]  # the urethra segment alone on slices 0 and 4 adds none
     label = _grey(out / "prostatex" / "labels" / "ProstateX-0000" / "001.png")
@@ -180,7 +177,7 @@ def test_prostatex_urethra_counts_only_on_slices_with_a_zone(prostate):
 
 
 def test_a_second_run_converts_nothing_and_raw_is_never_written(fundus, tmp_path):
-    raw, out, summary, expected, before = fundus
+    raw, out, _summary, expected, before = fundus
     assert _tree_hash(raw) == before
     work = tmp_path / "out"
     shutil.copytree(out, work)
