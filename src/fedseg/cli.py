@@ -246,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="write a synthetic multi-site federation (PNG + datalists + spec)")
-    s.add_argument("--preset", choices=["fundus", "prostate"], required=True)
+    s.add_argument(
+        "--preset",
+        choices=["fundus", "prostate"],
+        required=True,
+        help="fundus imitates the federation 'fedseg prepare fedsm-fundus' builds from the public datasets, "
+        "prostate imitates 'fedsm-prostate' (same sites, labels and channels; docs/datasets.md)",
+    )
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--scale", type=float, default=1.0, help="fraction of the paper's per-site case counts")

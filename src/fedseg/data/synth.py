@@ -9,6 +9,12 @@ Split sizes follow Tables 1 and 2 of FedSM (Xu et al., CVPR 2022) times
 ``numpy.random.default_rng([seed, site_index, split_index, case_index])``, so
 one seed gives byte-identical files. The per-site parameters are the tables
 ``FUNDUS_SITES`` and ``PROSTATE_SITES`` below (documented in docs/data.md).
+
+Each preset imitates a federation ``fedseg prepare`` builds from the public datasets
+(docs/datasets.md): ``fundus`` imitates ``fedsm-fundus`` (the same six sites in the same order,
+the same labels ``disc = [1, 2]``, ``cup = [2]``), ``prostate`` imitates ``fedsm-prostate``
+(``prostate = [1]``, grey slices), so a run configured on a synthetic federation runs unchanged
+on the prepared one.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ def _refuge_convert(case: Case) -> list[Unit]:
 _RIGA = dict(
     folder="RIGA",
     source="https://deepblue.lib.umich.edu/data/concern/data_sets/3b591905z",
-    licence="CC BY 4.0 (University of Michigan Deep Blue)",
+    licence="as stated on the Deep Blue page",
     citation="Almazroa et al., Retinal fundus images for glaucoma analysis: the RIGA dataset, SPIE Medical Imaging 2018",
     convert=_riga_convert,
     steps="outlines of 6 annotators (annotated copy minus original) filled, fused by strict majority; "
@@ -325,7 +325,7 @@ DRISHTI = _make(
     title="Drishti-GS1",
     folder="Drishti-GS1_files",
     source="https://cvit.iiit.ac.in/projects/mip/drishti-gs/mip-dataset2/Home.php",
-    licence="research use, on request from IIIT Hyderabad",
+    licence="research use, on request (IIIT Hyderabad's terms)",
     citation="Sivaswamy et al., Drishti-GS: retinal image dataset for optic nerve head segmentation, ISBI 2014",
     layout="Drishti-GS1_files/Training/Images/drishtiGS_NNN.png\n"
     "Drishti-GS1_files/Training/GT/drishtiGS_NNN/SoftMap/drishtiGS_NNN_{ODsegSoftmap,cupsegSoftmap}.png\n"
@@ -353,7 +353,7 @@ RIMONE = _make(
     title="RIM-ONE r3",
     folder="RIM-ONE r3",
     source="https://github.com/miag-ull/rim-one-dl (the r3 release: medimrg.webs.ull.es)",
-    licence="research use (MIAG, Universidad de La Laguna)",
+    licence="research use, as stated by the authors (MIAG, Universidad de La Laguna)",
     citation="Fumero et al., Interactive tool and database for optic disc and cup segmentation of stereo "
     "and monocular retinal fundus images, WSCG 2015",
     layout="RIM-ONE r3/{Healthy,Glaucoma and suspects}/Stereo Images/{N,G}-K-{L,R}.jpg\n"
@@ -368,7 +368,7 @@ REFUGE = _make(
     title="REFUGE",
     folder="REFUGE",
     source="https://refuge.grand-challenge.org (training and validation sets with their annotations)",
-    licence="research use, registration on grand-challenge.org",
+    licence="registration on grand-challenge.org; the challenge's terms",
     citation="Orlando et al., REFUGE Challenge: a unified framework for evaluating automated methods for "
     "glaucoma assessment from fundus photographs, Medical Image Analysis 2020",
     layout="REFUGE/Training400/{Glaucoma,Non-Glaucoma}/{g,n}NNNN.jpg\n"

@@ -44,7 +44,7 @@ class SiteResult:
     paper : tuple of int
         The paper's (train, validation, test) counts.
     converted, reused : int
-        Cases converted now / kept from an earlier run.
+        Cases converted by this call / kept from a previous call (sources unchanged).
     bad : dict
         Case id -> why it was skipped (corrupt or unexpected file).
     excluded : dict

@@ -306,7 +306,7 @@ _SLICES = f"LPS orientation; slices with prostate; clip(v/{INTENSITY_MAX:.0f})x2
 _NCI = dict(
     folder="NCI_ISBI",
     source="https://www.cancerimagingarchive.net (NCI-ISBI 2013 Challenge: the 3 image manifests + 3 NRRD label zips)",
-    licence="CC BY 3.0 (TCIA)",
+    licence="TCIA data usage policy and the collection's licence",
     citation="Bloch et al., NCI-ISBI 2013 Challenge: Automated Segmentation of Prostate Structures, TCIA 2015",
     convert=_nci_convert,
 )
@@ -320,7 +320,7 @@ I2CVB = _make(
     title="I2CVB",
     folder="I2CVB",
     source="https://zenodo.org/record/162231 (ge-1-5t and siemens-3t archives, parts joined and untarred)",
-    licence="CC BY 4.0 (Zenodo)",
+    licence="as stated on the Zenodo record",
     citation="Lemaître et al., Computer-aided detection and diagnosis for prostate cancer based on mono and "
     "multi-parametric MRI: a review, Computers in Biology and Medicine 2015",
     layout="I2CVB/{GE,Siemens}/<Patient>/T2W/*.dcm\nI2CVB/{GE,Siemens}/<Patient>/GT/prostate/*.dcm",
@@ -365,7 +365,7 @@ PROMISE12 = _make(
     title="PROMISE12",
     folder="Promise12",
     source="https://promise12.grand-challenge.org (Training data parts 1-3, extracted with 7z)",
-    licence="research use, registration on grand-challenge.org",
+    licence="registration on grand-challenge.org; the challenge's terms",
     citation="Litjens et al., Evaluation of prostate segmentation algorithms for MRI: the PROMISE12 "
     "challenge, Medical Image Analysis 2014",
     layout="Promise12/Raw_Data/CaseNN.{mhd,raw}\nPromise12/Raw_Data/CaseNN_segmentation.{mhd,raw}",
@@ -378,7 +378,7 @@ PROSTATEX = Dataset(
     title="ProstateX (zone segmentations)",
     folder="PROSTATEx",
     source="https://www.cancerimagingarchive.net (PROSTATEx and its zone segmentations, PROSTATEx-Seg-Zones)",
-    licence="CC BY 3.0 / CC BY 4.0 (TCIA)",
+    licence="TCIA data usage policy and the collections' licences",
     citation="Litjens et al., ProstateX Challenge data, TCIA 2017; Meyer et al., PROSTATEx Zone "
     "Segmentations, TCIA 2020",
     layout="PROSTATEx/Image/<manifest>/PROSTATEx/ProstateX-NNNN/<study>/<T2 series>/*.dcm\n"
