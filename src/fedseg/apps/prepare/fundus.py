@@ -135,15 +135,15 @@ def _riga_discover(root: Path, ds: Dataset, part: str) -> list[Case]:
     base = root / part
     if not base.is_dir():
         raise ds.missing(root, base)
-    cases = []
+    cases, listings = [], {}
     for prime in sorted(p for p in base.rglob("*") if p.is_file() and _PRIME.match(p.stem)):
         if prime.suffix.lower() not in IMAGE_SUFFIXES or prime.name.startswith("._"):
             continue
         stem = _PRIME.match(prime.stem).group(1)
-        annotators = []
-        for k in range(1, 7):
-            found = [p for p in files(prime.parent, IMAGE_SUFFIXES) if p.stem.lower() == f"{stem}-{k}".lower()]
-            annotators += found[:1]
+        if prime.parent not in listings:  # stem (lower case) -> file, one listing per folder
+            listings[prime.parent] = {p.stem.lower(): p for p in reversed(files(prime.parent, IMAGE_SUFFIXES))}
+        names = listings[prime.parent]
+        annotators = [names[f"{stem}-{k}".lower()] for k in range(1, 7) if f"{stem}-{k}".lower() in names]
         rel = prime.parent.relative_to(base).as_posix()
         case_id = safe_id(f"{rel}_{stem}" if rel != "." else stem)
         cases.append(Case(case_id, case_id, (prime, *annotators)))

@@ -296,7 +296,7 @@ def prepare(
     seed : int
         Seed of the patient splits.
     sites : list of str, optional
-        Prepare only these sites (the spec then names only them).
+        Prepare only these sites (the spec names them and the sites prepared in ``out`` before).
     log : callable
         Progress messages.
 
@@ -342,6 +342,8 @@ def prepare(
     for ds in chosen:
         log(f"{ds.site}: {len(found[ds.site])} cases ({ds.title})")
         results.append(_prepare_site(fed, ds, found[ds.site], raw, out, force, strict, seed, log))
+    # the spec names every site of the federation prepared in OUT, by this call or a previous one
+    done = [d.site for d in fed.datasets if d in chosen or (out / d.site / "datalist.json").is_file()]
     spec = out / "federation.toml"
-    spec.write_text(_spec_toml(fed, [ds.site for ds in chosen]), encoding="utf-8")
+    spec.write_text(_spec_toml(fed, done), encoding="utf-8")
     return Summary(spec, fed, results)
