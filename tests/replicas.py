@@ -365,3 +365,89 @@ def prostate_all(raw: Path) -> dict[str, dict]:
         "promise12": promise12(raw, 4),
         "prostatex": prostatex(raw, 5),
     }
+
+
+# --- pancreas (3D) -----------------------------------------------------------------------------
+
+CT = (6, 12, 10)  # (z, y, x): not cubic, so a transposed axis would show
+
+
+def ct_volume(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(CT-like int16 volume, mask with 1 pancreas on slices 1..2 of 6 and 2 tumour inside it): not symmetric in
+    any axis, so a reversed or transposed axis would show."""
+    img = rng.integers(-200, 200, size=CT).astype(np.int16)
+    mask = np.zeros(CT, np.uint8)
+    mask[1:3, 3:7, 2:5] = 1
+    mask[1, 4:5, 3:4] = 2
+    return img, mask
+
+
+def msd_pancreas(raw: Path, seed: int = 0) -> dict:
+    """MSD/Task07_Pancreas: NIfTI images with an oblique-free but non-trivial affine, labels 0/1/2."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "MSD" / "Task07_Pancreas"
+    affine = np.array([[-0.8, 0, 0, 120.0], [0, -0.8, 0, 90.0], [0, 0, 2.5, -300.0], [0, 0, 0, 1]])
+    ids, masks = [], {}
+    for i in (1, 4, 5):
+        img, mask = ct_volume(rng)
+        name = f"pancreas_{i:03d}.nii.gz"
+        for folder, arr in (("imagesTr", img), ("labelsTr", mask)):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(arr.transpose(2, 1, 0), affine), base / folder / name)
+        ids.append(name.split(".")[0])
+        masks[ids[-1]] = mask
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def tcia_pancreas(raw: Path, seed: int = 0) -> dict:
+    """Pancreas-CT: DICOM series per patient (NBIA nesting) and TCIA_pancreas_labels-02-05-2017/labelNNNN.nii.gz
+    stored head-first (z reversed, its header saying so)."""
+    import SimpleITK as sitk
+
+    rng = np.random.default_rng(seed)
+    root = raw / "Pancreas-CT"
+    ids, masks = [], {}
+    for n in (1, 2, 3):
+        cid = f"PANCREAS_{n:04d}"
+        img, mask = ct_volume(rng)
+        dicom_series(img.astype(np.uint16) + 1024, root / cid / "1.2-study" / "1.2-series", cid)
+        lab = sitk.GetImageFromArray(np.ascontiguousarray(mask[::-1] > 0).astype(np.uint8))
+        lab.SetSpacing((0.5, 0.5, 3.0))
+        lab.SetDirection((1, 0, 0, 0, 1, 0, 0, 0, -1))
+        lab.SetOrigin((0.0, 0.0, 3.0 * (CT[0] - 1)))
+        out = root / "TCIA_pancreas_labels-02-05-2017" / f"label{n:04d}.nii.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sitk.WriteImage(lab, str(out))
+        ids.append(cid)
+        masks[cid] = (mask > 0).astype(np.uint8)
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def btcv(raw: Path, seed: int = 0) -> dict:
+    """BTCV/RawData/Training/{img,label}/{img,label}NNNN.nii.gz with 13 organ labels (11 pancreas)."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "BTCV" / "RawData" / "Training"
+    ids, masks = [], {}
+    for n in (1, 2, 3):
+        img, mask = ct_volume(rng)
+        organs = np.where(mask > 0, 11, 0).astype(np.uint8)
+        organs[0, :2, :2] = 1  # spleen
+        organs[5, -2:, -2:] = 13  # left adrenal gland
+        for folder, prefix, arr in (("img", "img", img), ("label", "label", organs)):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+            nib.save(
+                nib.Nifti1Image(arr.transpose(2, 1, 0), np.diag([0.7, 0.7, 3.0, 1])),
+                base / folder / f"{prefix}{n:04d}.nii.gz",
+            )
+        ids.append(f"img{n:04d}")
+        masks[ids[-1]] = (mask > 0).astype(np.uint8)
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def pancreas_all(raw: Path) -> dict[str, dict]:
+    """Every pancreas dataset, keyed by site."""
+    return {"msd-pancreas": msd_pancreas(raw, 1), "tcia-pancreas-ct": tcia_pancreas(raw, 2), "btcv": btcv(raw, 3)}

@@ -120,14 +120,18 @@ class Federation:
         ``[data.labels]`` of the spec written.
     in_channels : int
         Image channels.
-    image_size : tuple of int
-        ``data.image_size`` of the spec (resize at load time).
+    image_size : tuple of int or None
+        ``data.image_size`` of the spec (resize at load time); None keeps the native size.
     paper_counts : dict
         Site -> (train, validation, test) as the paper's table gives them.
     unit : str
         What the counts count ("images", "slices").
     fractions : tuple of float
         Train / validation / test shares of the patients.
+    rest : int
+        The split (0, 1, 2) that takes the patients left after rounding the others' shares.
+    mode : str
+        ``data.mode`` of the spec: "2d" (PNG images or slices) or "3d" (NIfTI volumes).
     """
 
     name: str
@@ -135,10 +139,12 @@ class Federation:
     datasets: tuple[Dataset, ...]
     labels: dict[str, list[int]]
     in_channels: int
-    image_size: tuple[int, int]
+    image_size: tuple[int, ...] | None
     paper_counts: dict[str, tuple[int, int, int]]
     unit: str
     fractions: tuple[float, float, float] = (0.5, 0.25, 0.25)
+    rest: int = 2
+    mode: str = "2d"
 
     def dataset(self, site: str) -> Dataset:
         for d in self.datasets:
@@ -187,3 +193,10 @@ def files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def safe_id(text: str) -> str:
     """A case id safe as a file name: spaces and path separators become '_'."""
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def all_files(folder: Path) -> list[Path]:
+    """Every file under ``folder`` (any depth), sorted, without hidden files; [] if it is missing."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))

@@ -109,17 +109,23 @@ class Summary:
         return "\n".join(lines)
 
 
-def split_patients(patients: list[str], seed: int, key: str, fractions=(0.5, 0.25, 0.25)) -> dict[str, str]:
-    """Patient -> split: the sorted patients in a seeded random order, the first ``round(n × f_train)``
-    to training, the next ``round(n × f_val)`` to validation, the rest to testing (NVIDIA FLARE's
-    rule; Python rounds halves to even: 101 images give 50/25/26 as FedSM's Table 1)."""
+def split_patients(
+    patients: list[str], seed: int, key: str, fractions=(0.5, 0.25, 0.25), rest: int = 2
+) -> dict[str, str]:
+    """Patient -> split: the sorted patients in a seeded random order, then ``round(n × f)`` patients to
+    each split but ``rest``, which takes those left, in the order training, validation, testing.
+    With the default (NVIDIA FLARE's rule; Python rounds halves to even) 101 images give 50/25/26 as
+    FedSM's Table 1; Auto-FedAvg's 95/93/93 of 281 is ``(0.34, 0.33, 0.33)`` with ``rest=0``."""
     ordered = sorted(set(patients))
     rng = np.random.default_rng(derive_seed(seed, "prepare", key))
     order = [ordered[i] for i in rng.permutation(len(ordered))]
     n = len(order)
-    cut1 = round(n * fractions[0])
-    cut2 = cut1 + round(n * fractions[1])
-    return {p: SPLITS[0] if i < cut1 else SPLITS[1] if i < cut2 else SPLITS[2] for i, p in enumerate(order)}
+    sizes = [round(n * f) for f in fractions]
+    sizes[rest] = n - sum(sz for i, sz in enumerate(sizes) if i != rest)
+    if sizes[rest] < 0:
+        raise ConfigError(f"prepare: shares {fractions} do not fit {n} patients -> use shares summing to 1")
+    split = [SPLITS[i] for i, sz in enumerate(sizes) for _ in range(sz)]
+    return dict(zip(order, split))
 
 
 def fingerprint(paths: tuple[Path, ...], raw: Path) -> dict[str, list]:
@@ -158,16 +164,22 @@ def _load_manifest(path: Path, ds: Dataset, force: bool) -> dict:
 
 
 def _write_units(site_dir: Path, case: Case, units) -> list[list[str]]:
+    """PNG files for numpy arrays; NIfTI files, with their geometry, for SimpleITK images (volumes)."""
     from PIL import Image
 
     outputs = []
     for suffix, image, label in units:
-        name = f"{case.case_id}/{suffix}.png" if suffix else f"{case.case_id}.png"
+        volume = hasattr(image, "GetSize")
+        ext = ".nii.gz" if volume else ".png"
+        name = f"{case.case_id}/{suffix}{ext}" if suffix else f"{case.case_id}{ext}"
         pair = []
         for kind, arr in (("images", image), ("labels", label)):
             path = site_dir / kind / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(np.ascontiguousarray(arr)).save(path)
+            if volume:
+                require("SimpleITK", case.case_id).WriteImage(arr, str(path), True)
+            else:
+                Image.fromarray(np.ascontiguousarray(arr)).save(path)
             pair.append(f"{kind}/{name}")
         outputs.append(pair)
     return outputs
@@ -190,7 +202,7 @@ def _prepare_site(
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise DataError(f"{ds.title}: case ids {dup[:5]} occur twice under --raw -> keep one copy of each case")
-    split_of = split_patients([c.patient for c in cases], seed, ds.site, fed.fractions)
+    split_of = split_patients([c.patient for c in cases], seed, ds.site, fed.fractions, fed.rest)
     manifest_path = site_dir / MANIFEST
     manifest = _load_manifest(manifest_path, ds, force)
     old = manifest["cases"]
@@ -255,10 +267,10 @@ def _spec_toml(fed: Federation, sites: list[str]) -> str:
         f'name = "{fed.name}"',
         "",
         "[data]",
-        'mode = "2d"',
-        "spatial_dims = 2",
+        f'mode = "{fed.mode}"',
+        f"spatial_dims = {3 if fed.mode == '3d' else 2}",
         f"in_channels = {fed.in_channels}",
-        f"image_size = {list(fed.image_size)}",
+        *([f"image_size = {list(fed.image_size)}"] if fed.image_size else []),
         "",
         "[data.labels]",
         *(f"{k} = {json.dumps(v)}" for k, v in fed.labels.items()),
@@ -269,7 +281,7 @@ def _spec_toml(fed: Federation, sites: list[str]) -> str:
 
 
 def prepare(
-    name: str,
+    name: str | Federation,
     raw: str | Path,
     out: str | Path,
     *,
@@ -283,8 +295,9 @@ def prepare(
 
     Parameters
     ----------
-    name : str
-        A federation of :data:`fedseg.apps.prepare.registry.FEDERATIONS` (``fedsm-fundus``, ``fedsm-prostate``).
+    name : str or Federation
+        A federation of :data:`fedseg.apps.prepare.registry.FEDERATIONS` (``fedsm-fundus``, ``fedsm-prostate``),
+        or a :class:`Federation` itself.
     raw : str or Path
         The folder holding each dataset in its expected layout (docs/datasets.md); only read.
     out : str or Path
@@ -313,7 +326,7 @@ def prepare(
     ConfigError
         Unknown federation or site, a bad seed, or a reader library missing (names the extra).
     """
-    fed = federation(name)
+    fed = name if isinstance(name, Federation) else federation(name)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"prepare: seed must be a non-negative integer, got {seed!r} -> pass e.g. --seed 0")
     chosen = [fed.dataset(s) for s in sites] if sites else list(fed.datasets)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.apps.prepare.base import Case, Dataset, Unit, check_values, files, require, safe_id
+from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, require, safe_id
 from fedseg.foundation.errors import DataError
 
 #: Intensities are divided by this and clipped to [0, 1] before 8-bit quantization (NVIDIA FLARE's
@@ -103,17 +103,13 @@ def _i2cvb_discover(root: Path, ds: Dataset) -> list[Case]:
         for patient in sorted(p for p in base.iterdir() if p.is_dir()):
             t2, gt = patient / "T2W", patient / "GT" / "prostate"
             cid = safe_id(patient.name)
-            cases.append(Case(cid, cid, tuple(p for d in (t2, gt) for p in _all_files(d)), {"t2": t2, "gt": gt}))
+            cases.append(Case(cid, cid, tuple(p for d in (t2, gt) for p in all_files(d)), {"t2": t2, "gt": gt}))
     return cases
-
-
-def _all_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")) if folder.is_dir() else []
 
 
 def _i2cvb_convert(case: Case) -> list[Unit]:
     for key in ("t2", "gt"):
-        if not _all_files(case.info[key]):
+        if not all_files(case.info[key]):
             raise DataError(f"{case.info[key]}: folder missing or empty -> unpack the patient's T2W and GT/prostate")
     image = read_series(case.info["t2"], "I2CVB")
     mask = read_series(case.info["gt"], "I2CVB")
@@ -174,7 +170,7 @@ def _nci_discover(root: Path, ds: Dataset, subset: str) -> list[Case]:
             if f"Prostate{subset}" not in cid:
                 continue
             folder = next((r / cid for r in roots if (r / cid).is_dir()), roots[0] / cid)
-            cases.append(Case(safe_id(cid), safe_id(cid), (path, *_all_files(folder)), {"images": folder}))
+            cases.append(Case(safe_id(cid), safe_id(cid), (path, *all_files(folder)), {"images": folder}))
     return cases
 
 
@@ -241,9 +237,9 @@ def _prostatex_discover(root: Path, ds: Dataset) -> list[Case]:
     cases = []
     for cid, folder in _case_dirs(root / "Mask").items():
         image_dir = images.get(cid, root / "Image" / cid)
-        segs = [p for p in _all_files(folder) if p.suffix.lower() == ".dcm"]
+        segs = [p for p in all_files(folder) if p.suffix.lower() == ".dcm"]
         cases.append(
-            Case(safe_id(cid), safe_id(cid), (*segs, *_all_files(image_dir)), {"images": image_dir, "seg": segs})
+            Case(safe_id(cid), safe_id(cid), (*segs, *all_files(image_dir)), {"images": image_dir, "seg": segs})
         )
     return cases
 
