@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fundus", "prostate"],
         required=True,
         help="fundus imitates the federation 'fedseg prepare fedsm-fundus' builds from the public datasets, "
-        "prostate imitates 'fedsm-prostate' (same sites, labels and channels; docs/datasets.md)",
+        "prostate imitates 'fedsm-prostate' (sites 1..6 stand for their sites in order; same labels and channels; docs/datasets.md)",
     )
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)

@@ -11,10 +11,9 @@ one seed gives byte-identical files. The per-site parameters are the tables
 ``FUNDUS_SITES`` and ``PROSTATE_SITES`` below (documented in docs/data.md).
 
 Each preset imitates a federation ``fedseg prepare`` builds from the public datasets
-(docs/datasets.md): ``fundus`` imitates ``fedsm-fundus`` (the same six sites in the same order,
-the same labels ``disc = [1, 2]``, ``cup = [2]``), ``prostate`` imitates ``fedsm-prostate``
-(``prostate = [1]``, grey slices), so a run configured on a synthetic federation runs unchanged
-on the prepared one.
+(docs/datasets.md): ``fundus`` imitates ``fedsm-fundus`` (sites 1..6 stand for its six sites in
+its order; the same labels ``disc = [1, 2]``, ``cup = [2]``, RGB), ``prostate`` imitates
+``fedsm-prostate`` (``prostate = [1]``, grey slices).
 """
 
 from __future__ import annotations
