@@ -132,6 +132,8 @@ class Federation:
         The split (0, 1, 2) that takes the patients left after rounding the others' shares.
     mode : str
         ``data.mode`` of the spec: "2d" (PNG images or slices) or "3d" (NIfTI volumes).
+    note : str
+        Why counts may differ from the paper's (printed under the table when they do).
     """
 
     name: str
@@ -145,6 +147,7 @@ class Federation:
     fractions: tuple[float, float, float] = (0.5, 0.25, 0.25)
     rest: int = 2
     mode: str = "2d"
+    note: str = ""
 
     def dataset(self, site: str) -> Dataset:
         for d in self.datasets:

@@ -171,4 +171,5 @@ AUTOFEDAVG_PANCREAS = Federation(
     fractions=(0.34, 0.33, 0.33),
     rest=0,
     mode="3d",
+    note="The paper's counts are the full releases (281, 82 and 30 labelled cases) split by its rule.",
 )

@@ -96,6 +96,8 @@ class Summary:
         ptotal = tuple(sum(r.paper[i] for r in self.sites) for i in range(3))
         lines.append(f"{'all':<16} {total[0]:>6} {total[1]:>6} {total[2]:>6}   {'/'.join(map(str, ptotal)):>20}")
         if any(tuple(r.counts[s] for s in SPLITS) != r.paper for r in self.sites):
+            if self.federation.note:
+                lines.append(self.federation.note)
             lines.append(
                 f"Where counts differ: the paper's release or selection of a dataset differs from the one read here "
                 f"(its {unit} per patient, excluded or bad cases); the splits here are by patient, "
