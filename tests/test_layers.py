@@ -72,6 +72,9 @@ DEFERRED = (
     "nibabel",
     "fedseg.models",  # imports MONAI's networks
     "opacus",
+    "SimpleITK",  # fedseg prepare's readers ([prepare] extra)
+    "pydicom",
+    "highdicom",
 )
 """Heavy optional dependencies a function may import when it needs them (a CLI command that
 does not plot never pays for matplotlib)."""

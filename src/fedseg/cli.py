@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.deploy import run as dep
+from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
@@ -43,6 +44,22 @@ def cmd_demo(a: argparse.Namespace) -> int:
 def cmd_synth(a: argparse.Namespace) -> int:
     spec = synthesize(a.preset, a.out, seed=a.seed, scale=a.scale, size=a.size, progress=True)
     print(f"wrote {spec}")
+    return 0
+
+
+def cmd_prepare(a: argparse.Namespace) -> int:
+    if a.list:
+        print(list_text())
+        return 0
+    if not (a.name and a.raw and a.out):
+        raise ConfigError(
+            "give a federation, --raw and --out (e.g. fedseg prepare fedsm-fundus --raw DIR --out DIR), or --list"
+        )
+    summary = prepare(
+        a.name, a.raw, a.out, force=a.force, strict=a.strict, seed=a.seed, sites=_csv(a.sites) if a.sites else None
+    )
+    print("\n" + summary.table())
+    print(f"\nwrote {summary.spec}; check it with: fedseg validate {summary.spec}")
     return 0
 
 
@@ -252,8 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=list(PRESET_NAMES),
         required=True,
-        help="fundus (2D RGB, 6 sites), prostate (2D grey, 6 sites), "
-        "ct-lesion (3D CT NIfTI, 3 sites with their own spacing, orientation, field of view and HU calibration)",
+        help="fundus (2D RGB, 6 sites) imitates the federation 'fedseg prepare fedsm-fundus' builds from the public "
+        "datasets, prostate (2D grey, 6 sites) imitates 'fedsm-prostate' (sites 1..6 stand for their sites in order; "
+        "docs/datasets.md); ct-lesion (3D CT NIfTI, 3 sites with their own spacing, orientation, field of view and "
+        "HU calibration)",
     )
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
@@ -271,6 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(512 gives 512x512x128-384 volumes)",
     )
     s.set_defaults(func=cmd_synth)
+
+    pr = sub.add_parser(
+        "prepare",
+        help="turn the papers' public datasets, as downloaded, into a federation (spec, datalists, PNG files)",
+        description="Build a paper's federation from the archives unpacked under --raw in their expected layouts "
+        "(docs/datasets.md; fedseg prepare --list says what each needs). Splits by patient; a second run skips "
+        "the cases already converted; --raw is only read.",
+    )
+    pr.add_argument("name", nargs="?", choices=sorted(FEDERATIONS), help="the federation to build")
+    pr.add_argument("--list", action="store_true", help="what each federation needs, where to get it, its licence")
+    pr.add_argument("--raw", help="folder holding the downloaded datasets (only read)")
+    pr.add_argument("--out", help="output folder: federation.toml, <site>/datalist.json, images, labels")
+    pr.add_argument("--force", action="store_true", help="convert every case again")
+    pr.add_argument("--strict", action="store_true", help="stop at the first bad case instead of skipping it")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the patient splits (default 0)")
+    pr.add_argument("--sites", help="comma-separated sites to prepare (default: all)")
+    pr.set_defaults(func=cmd_prepare)
 
     v = sub.add_parser("validate", help="check a federation spec and every file it names")
     v.add_argument("spec")

@@ -10,6 +10,11 @@ Split sizes follow Tables 1 and 2 of FedSM (Xu et al., CVPR 2022) times
 one seed gives byte-identical files. The per-site parameters are the tables
 ``FUNDUS_SITES`` and ``PROSTATE_SITES`` below (documented in docs/data.md).
 ``synthesize("ct-lesion", out)`` writes the 3D CT federation of :mod:`fedseg.data.synth3d`.
+
+Each preset imitates a federation ``fedseg prepare`` builds from the public datasets
+(docs/datasets.md): ``fundus`` imitates ``fedsm-fundus`` (sites 1..6 stand for its six sites in
+its order; the same labels ``disc = [1, 2]``, ``cup = [2]``, RGB), ``prostate`` imitates
+``fedsm-prostate`` (``prostate = [1]``, grey slices).
 """
 
 from __future__ import annotations
