@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fedseg.apps.prepare import fundus, prostate
-from fedseg.apps.prepare.pancreas import AUTOFEDAVG_PANCREAS
 from fedseg.apps.prepare.base import Federation
+from fedseg.apps.prepare.pancreas import AUTOFEDAVG_PANCREAS
 from fedseg.foundation.errors import ConfigError
 
 FEDSM_FUNDUS = Federation(
