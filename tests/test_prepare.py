@@ -312,3 +312,23 @@ def test_fedavg_trains_two_rounds_on_the_prepared_fundus_federation(fundus, tmp_
     assert res is not None and (tmp_path / "run" / "results.json").is_file()
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["sites"] == [r.site for r in fundus[2].sites] and len(results["history"]) == 2
+
+
+@pytest.mark.slow
+def test_fedavg_trains_two_rounds_on_the_prepared_prostate_federation(prostate, tmp_path):
+    import re
+
+    from fedseg.simulation.runner import run
+
+    overrides = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1"]
+    overrides += ["train.batch_size=4", "train.local_steps=1", "device=cpu"]
+    spec = tmp_path / "federation.toml"
+    text = prostate[2].spec.read_text()
+    spec.write_text(re.sub(r"image_size = \[[0-9, ]+\]", "image_size = [32, 32]", text))
+    for site in prostate[2].sites:
+        shutil.copytree(prostate[1] / site.site, tmp_path / site.site)
+    res = run(
+        spec, out=tmp_path / "run", overrides=overrides, method="fedavg", rounds=2, progress=False, log=lambda _: None
+    )
+    assert res is not None and len(res["history"]) == 2
+    assert res["sites"] == [r.site for r in prostate[2].sites]
