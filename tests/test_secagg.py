@@ -10,7 +10,7 @@ import torch
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.seeding import generator
 from fedseg.privacy import secagg
-from fedseg.privacy.protocol import MASKED, ServerSession, SiteSession
+from fedseg.privacy.protocol import MASKED, ServerParty, SiteParty
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
@@ -32,26 +32,26 @@ def _arrays(k: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def _exchange(inputs, weights, drop_after_shares=(), drop_after_masking=(), tamper=None, log=None):
     """Run the four steps in process; ``tamper(reveals)`` may edit the step-4 replies."""
     sites = list(inputs)
-    server = ServerSession("x1", BITS)
-    sessions = {u: SiteSession(u, "x1") for u in sites}
+    server = ServerParty("x1", BITS)
+    parties = {u: SiteParty(u, "x1") for u in sites}
     for u in sites:
-        server.accept_keys(u, sessions[u].advertise())
+        server.accept_keys(u, parties[u].advertise())
     req = server.share_request()
     for u in sites:
         if u not in drop_after_shares:
-            server.accept_shares(u, sessions[u].share(req["order"], req["keys"]))
+            server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
     masked = {}
     for u in server.masking:
         cfg = server.input_config(u)
-        arrays, dtypes, bad = sessions[u].mask(inputs[u], weights[u], cfg["order"], cfg["shares"], BITS)
+        arrays, dtypes, bad = parties[u].mask(inputs[u], weights[u], cfg["order"], cfg["shares"], BITS)
         assert bad == []
         masked[u] = arrays
         if u not in drop_after_masking:
             server.accept_input(u, arrays, dtypes, weights[u])
     cfg = server.reveal_config()
-    reveals = {u: sessions[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
     if tamper is not None:
-        tamper(reveals, sessions)
+        tamper(reveals, parties)
     total, weight, summed = server.unmask(reveals, log=log or (lambda m: None))
     return total, weight, summed, masked, server
 
@@ -137,12 +137,12 @@ def test_replayed_and_bad_shares_set_aside_and_sum_still_exact():
     weights = dict.fromkeys(inputs, 2.0)
     old = {}  # an earlier exchange's reveals, to replay from
 
-    def keep_old(reveals, sessions):
+    def keep_old(reveals, parties):
         old.update(reveals)
 
     _exchange(inputs, weights, drop_after_masking=("site4",), tamper=keep_old)
 
-    def replay(reveals, sessions):
+    def replay(reveals, parties):
         reveals["site2"]["s"]["site4"] = old["site2"]["s"]["site4"]
         reveals["site3"]["b"]["site0"] = "ff" * 33  # wrong index too
 
@@ -153,7 +153,7 @@ def test_replayed_and_bad_shares_set_aside_and_sum_still_exact():
     want = _encoded_sum(inputs, weights, summed)
     assert all(torch.equal(total[k], want[k]) for k in want)
 
-    def ruin(reveals, sessions):  # site4 dropped; 4 survivors hold its shares, t = 3: leave 2 good ones
+    def ruin(reveals, parties):  # site4 dropped; 4 survivors hold its shares, t = 3: leave 2 good ones
         reveals["site0"]["s"]["site4"] = old["site0"]["s"]["site4"]
         reveals["site1"]["s"]["site4"] = old["site1"]["s"]["site4"]
 
@@ -165,8 +165,8 @@ def test_site_refuses_a_second_or_overlapping_reveal():
     """An honest site never gives out both shares of a peer: a request naming one site as dropped and
     survived, or a second request in the same exchange, is refused."""
     inputs = {f"site{k}": _arrays(k) for k in range(3)}
-    s = {u: SiteSession(u, "e") for u in inputs}
-    server = ServerSession("e", BITS)
+    s = {u: SiteParty(u, "e") for u in inputs}
+    server = ServerParty("e", BITS)
     for u in s:
         server.accept_keys(u, s[u].advertise())
     req = server.share_request()
@@ -182,8 +182,8 @@ def test_site_refuses_a_second_or_overlapping_reveal():
 def test_tampered_sealed_share_does_not_open():
     """A sealed share redirected to another site (or altered) fails its tag; the receiver does not hold it."""
     inputs = {f"site{k}": _arrays(k) for k in range(3)}
-    s = {u: SiteSession(u, "e") for u in inputs}
-    server = ServerSession("e", BITS)
+    s = {u: SiteParty(u, "e") for u in inputs}
+    server = ServerParty("e", BITS)
     for u in s:
         server.accept_keys(u, s[u].advertise())
     req = server.share_request()

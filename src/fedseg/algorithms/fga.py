@@ -518,6 +518,9 @@ class FGA(Algorithm):
     section = "fga"
     Params = FGAParams
 
+    def secure_aggregation_unsupported(self) -> str | None:
+        return "each site's lockstep gradient reaches the server on its own (their average does not run through secure aggregation)"
+
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))
 

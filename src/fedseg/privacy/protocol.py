@@ -14,7 +14,7 @@ step  server → site                             site → server
 4     ``reveal``: who dropped, who survived    shares of s_d (dropped) and of b_u (survived)
 ====  =======================================  =============================================
 
-:class:`SiteSession` is a site's side (kept between the steps of one exchange), :class:`ServerSession`
+:class:`SiteParty` is a site's side (kept between the steps of one exchange), :class:`ServerParty`
 the server's: it routes the sealed shares, checks every reply (a malformed one raises
 :class:`~fedseg.foundation.errors.PayloadError`, which the caller logs, leaving that site out) and
 returns the unmasked sum of the sites whose masked input arrived.
@@ -33,7 +33,7 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.privacy import secagg
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["MASKED", "ServerSession", "SiteSession"]
+__all__ = ["MASKED", "ServerParty", "SiteParty"]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
@@ -60,7 +60,7 @@ def _ad(exchange: str, sender: str, recipient: str) -> bytes:
     return f"{exchange}|{sender}|{recipient}".encode()
 
 
-class SiteSession:
+class SiteParty:
     """A site's side of one exchange: its key pairs and self-mask seed, the shares it holds."""
 
     def __init__(self, me: str, exchange: str):
@@ -170,7 +170,7 @@ class SiteSession:
         }
 
 
-class ServerSession:
+class ServerParty:
     """The server's side of one exchange over ``sites`` (in the exchange's order)."""
 
     def __init__(self, exchange: str, fraction_bits: int):

@@ -127,6 +127,19 @@ class Algorithm:
         what = self.fp16_unsupported() if cfg.train.precision == "fp16" else None
         if what:
             raise ConfigError(fp16_refusal(what))
+        why = self.secure_aggregation_unsupported() if cfg.privacy.secure_aggregation else None
+        if why:
+            raise ConfigError(
+                f"{self.name} cannot run with privacy.secure_aggregation = true: {why}; secure aggregation lets the "
+                "server learn only the sum of the sites' arrays (use --set privacy.secure_aggregation=false, or a "
+                "method whose server only sums: fedavg, fedavg-even, fedprox, fwa, scaffold)"
+            )
+
+    def secure_aggregation_unsupported(self) -> str | None:
+        """Why this method's server needs one site's arrays (so secure aggregation cannot serve it), or None for
+        a method whose server steps run through secure aggregation when ``privacy.secure_aggregation`` is on;
+        a run asking for it then stops at once with this reason."""
+        return "its server reads each site's reply on its own, not only their sum"
 
     def fp16_unsupported(self) -> str | None:
         """The part of this method's site work that fp16 loss scaling cannot serve (it uses raw
