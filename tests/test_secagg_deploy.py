@@ -29,7 +29,7 @@ def _cfg(method="fedavg", rounds=2):
     )
 
 
-@pytest.mark.parametrize("method", ["fedavg", "scaffold"])
+@pytest.mark.parametrize("method", ["fedavg", "scaffold", pytest.param("fga", marks=pytest.mark.slow)])
 def test_deployed_secure_aggregation_equals_simulation_bitwise(tmp_path, method):
     """The masks cancel exactly and the keys do not enter the sum, so a deployment (fresh keys, bytes both
     ways) ends with the simulation's weights bitwise, as without secure aggregation."""

@@ -149,19 +149,19 @@ def encode(
         t = arrays[name].detach().to("cpu")
         n = t.numel()
         if t.is_floating_point():
-            x = t.to(torch.float64).numpy().reshape(-1) * float(weight) * 2.0**fraction_bits
-            if not np.isfinite(x).all():
+            x = t.to(torch.float64).numpy().reshape(-1) * (float(weight) * 2.0**fraction_bits)  # 2^f: exact
+            top = float(np.abs(x).max()) if n else 0.0
+            if not np.isfinite(top):  # a NaN or an infinity anywhere makes the maximum one
                 raise PayloadError(
                     f"{what}: '{name}' holds a non-finite value; secure aggregation encodes finite numbers only"
                 )
-            top = float(np.abs(x).max()) if n else 0.0
             if top >= limit:
                 raise PayloadError(
                     f"{what}: '{name}' reaches |{top / 2.0**fraction_bits / float(weight):.4g}| (× weight {weight:g}); "
                     f"the sum of {num_sites} such values overflows 64-bit fixed point with "
                     f"privacy.secagg_fraction_bits = {fraction_bits}: lower it (e.g. --set privacy.secagg_fraction_bits=24)"
                 )
-            q = np.rint(x).astype(np.int64)
+            q = np.rint(x, out=x).astype(np.int64)
         else:
             q = t.to(torch.int64).numpy().reshape(-1)
             if n and float(np.abs(q).max()) >= limit:
@@ -265,7 +265,7 @@ def mask(
         if v == me:
             continue
         m = expand(shared_key(private, publics[v], "mask", exchange), encoded.size)
-        y = y + m if i > mine else y - m
+        (np.add if i > mine else np.subtract)(y, m, out=y)
     return y
 
 
@@ -301,13 +301,14 @@ def unmask_sum(
         raise PayloadError(f"cannot unmask the sum: no rebuilt secret for sites {missing}")
     total = np.zeros(next(iter(masked.values())).size, dtype=_WORD)
     for u, y in masked.items():
-        total = total + y - expand(self_seeds[u], y.size)
+        np.add(total, y, out=total)
+        np.subtract(total, expand(self_seeds[u], y.size), out=total)
     for d, private in dropped_privates.items():
         di = order.index(d)
         for u in masked:
             m = expand(shared_key(private, publics[u], "mask", exchange), total.size)
             # u added +m when d came after it and −m when before: take that back
-            total = total - m if di > order.index(u) else total + m
+            (np.subtract if di > order.index(u) else np.add)(total, m, out=total)
     return total
 
 
