@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config, tiny_sites
 from fedseg.apps.deploy.server import serve
 from fedseg.execution.remote.transport import LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply
+from fedseg.execution.remote.wire import decode_reply, encode_reply
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_arrays, server_state
@@ -43,9 +43,10 @@ def test_deployed_secure_aggregation_equals_simulation_bitwise(tmp_path, method)
 
 
 def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
-    """site3 masks its update and then its reply is lost: the survivors reveal its mask key, the server
-    removes its pairwise masks and the round's model is bitwise the one of a deployment where site3 was
-    gone from the start of the exchange (the same fixed-point sum of site1 and site2)."""
+    """site3 masks its update and then its reply is lost (or arrives malformed and is rejected): the survivors
+    reveal its mask key, the server removes its pairwise masks and the round's model is bitwise the one of a
+    deployment where site3 was gone from the start of the exchange (the same fixed-point sum of site1 and
+    site2)."""
     cfg, data = _cfg(rounds=1), tiny_sites(3)
     logs = []
 
@@ -59,8 +60,15 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
             raise ConnectionError("site3 down")
         return blob
 
+    def malformed(op, blob):  # a masked reply whose dtype list does not name its arrays: rejected, left out
+        reply = decode_reply(blob)
+        if any(k.startswith("secagg/") for k in reply.arrays):
+            reply.metrics["secagg"]["dtypes"] = {}
+            return encode_reply(reply)
+        return blob
+
     runs = {}
-    for name, fault in (("late", lose_masked), ("early", gone_at_keys)):
+    for name, fault in (("late", lose_masked), ("early", gone_at_keys), ("malformed", malformed)):
         _prepare(tmp_path / name, cfg, list(data))
         runs[name] = serve(
             tmp_path / name,
@@ -70,6 +78,8 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
     late = [d for d in runs["late"]["deploy"]["dropouts"] if d["site"] == "site3"]
     assert late and late[0]["task"] == "train"
     assert_same_arrays(server_state(tmp_path / "late"), server_state(tmp_path / "early"))
+    assert_same_arrays(server_state(tmp_path / "malformed"), server_state(tmp_path / "early"))
+    assert any("site site3 left out of the exchange: its masked input was rejected" in m for m in logs), logs
     assert set(runs["late"]["history"][0]["train_loss"]) == {"site1", "site2"}
 
 

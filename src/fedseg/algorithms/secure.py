@@ -74,10 +74,10 @@ def secure_ask(ctx: ServerContext, tasks: dict[str, Task], weighting: str) -> Se
         return ctx.ask({s: Task(kind, {}, {**config(s), "round": rnd}) for s in sites})
 
     for s, r in step("secagg/keys", tasks, lambda s: {"exchange": exchange}).items():
-        _accept(ctx, s, "keys", server.accept_keys, s, r.metrics.get("secagg"))
+        _accept(ctx, s, "key message", server.accept_keys, s, r.metrics.get("secagg"))
     request = server.share_request()
     for s, r in step("secagg/shares", server.order, lambda s: request).items():
-        _accept(ctx, s, "shares", server.accept_shares, s, r.metrics.get("secagg"))
+        _accept(ctx, s, "share message", server.accept_shares, s, r.metrics.get("secagg"))
     masked = {
         s: Task(
             tasks[s].kind,
@@ -112,6 +112,6 @@ def _accept(ctx: ServerContext, site: str, what: str, accept: Callable[..., None
     try:
         accept(*args)
     except PayloadError as e:
-        ctx.log(f"[secagg] site {site} left out of the exchange: its {what} were rejected: {e}")
+        ctx.log(f"[secagg] site {site} left out of the exchange: its {what} was rejected: {e}")
         return False
     return True
