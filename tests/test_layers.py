@@ -4,7 +4,8 @@ under ``src/fedseg``, at the top of a file, inside a function or under ``TYPE_CH
 The folders of ``src/fedseg`` are the layers, lowest first (``docs/architecture.md`` draws the tree):
 
 0. ``foundation/`` — errors, seeding, arrays, messages, config, device: torch and the standard library only;
-1. ``models/``, ``data/``, ``evaluation/`` — networks, datasets and metrics, knowing no run;
+1. ``models/``, ``data/``, ``evaluation/``, ``privacy/`` — networks, datasets, metrics and secure
+   aggregation's protocol, knowing no run;
 2. ``site/`` — one site's runtime (``workload``, ``runtime``; no file I/O);
 3. ``seams/`` — the algorithm base (server half + site half), the transport protocol, and the run's
    files (``checkpoint``: atomic writes, the commit protocol, best models, site state files); the
@@ -54,6 +55,7 @@ ALGORITHM_MAY_IMPORT = (
     *LAYERS[2],  # the site: its runtime and the task's networks (e.g. Workload.selector)
     "fedseg.seams.algorithm",  # the Algorithm base the methods implement
     "fedseg.seams.transport",  # the Transport protocol, for ServerContext
+    "fedseg.privacy",  # secure aggregation's protocol, run by the methods that sum
     "fedseg.algorithms",
 )
 ALGORITHM_THIRD_PARTY = ("torch",)
@@ -75,6 +77,8 @@ DEFERRED = (
     "SimpleITK",  # fedseg prepare's readers ([prepare] extra)
     "pydicom",
     "highdicom",
+    "cryptography",  # the privacy extra
+    "Crypto",  # pycryptodome, the privacy extra
 )
 """Heavy optional dependencies a function may import when it needs them (a CLI command that
 does not plot never pays for matplotlib)."""

@@ -417,6 +417,9 @@ class AutoFedAvg(Algorithm):
     section = "autofedavg"
     Params = AutoFedAvgParams
 
+    def secure_aggregation_unsupported(self) -> str | None:
+        return "its β step learns the mixing weights from every site's model, which each site must hold (they are sent to all sites)"
+
     @classmethod
     def label_for(cls, params: AutoFedAvgParams) -> str:
         """The paper's row names (Table 2): "Auto-FedAvg-N-Dirichlet" (N: network-wise, L: layer-wise;

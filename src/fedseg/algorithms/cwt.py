@@ -153,6 +153,9 @@ class CWT(Algorithm):
     section = "cwt"
     Params = CWTParams
 
+    def secure_aggregation_unsupported(self) -> str | None:
+        return "one site's model goes on to the next site through the server: there is no sum to hide it in"
+
     def cycle(self, ctx: ServerContext) -> tuple[str, ...]:
         return visit_order(ctx.sites, self.params.order, self.params.end)
 

@@ -11,6 +11,11 @@ coordinate-wise robust rule (:func:`fedseg.foundation.arrays.aggregate`); the de
 ``"mean"`` is the papers' rule, bitwise.
 
 Only the sites that replied are averaged (weights renormalized over them).
+
+With ``privacy.secure_aggregation = true`` each site sends n_k · w_k (or w_k under ``"even"``) masked in
+fixed point and the server unmasks only the sum and divides it by Σ n_k (:mod:`fedseg.algorithms.secure`):
+the same average to within ``privacy.secagg_fraction_bits``' quantization bound.  The robust rules need
+every site's model and refuse it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
@@ -94,15 +100,29 @@ class FedAvg(Algorithm):
     def weighting(self) -> str:
         return self.params.weighting
 
+    def secure_aggregation_unsupported(self) -> str | None:
+        rule = getattr(self.params, "aggregation", "mean")
+        if rule != "mean":
+            return (
+                f"{self.section}.aggregation = {rule!r} ranks the sites' values coordinate by coordinate, which needs "
+                f"every site's model (use --set {self.section}.aggregation=mean)"
+            )
+        return None
+
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         config: dict[str, Any] = {"round": rnd}
         if ctx.cfg.privacy.dp == "client":
             config["num_sites"] = len(ctx.sites)  # K: each site adds 1/K of the noise's variance
         task = Task("train", state, config)
+        new = dict(state)
+        if ctx.cfg.privacy.secure_aggregation:  # the sites mask n_k · w_k (or w_k); the server unmasks the sum only
+            result = secure_ask(ctx, {s: task for s in ctx.sites}, self.weighting())
+            new.update(result.mean())
+            replies = result.replies
+            return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in replies}}
         replies = ctx.ask({s: task for s in ctx.sites})
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
-        new = dict(state)
         rule = (
             getattr(self.params, "aggregation", "mean"),
             getattr(self.params, "trim", 0.0),

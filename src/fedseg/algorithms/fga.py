@@ -45,6 +45,12 @@ the round ends by asking a site that answered every exchange for its weights and
 optimizer state (:func:`optimizer_moments`), which the stale site receives with its
 next step-0 task (:func:`lockstep_round`).  A simulation never has a stale site.
 
+With ``privacy.secure_aggregation = true`` each step's gradients are one secure sum
+(:func:`fedseg.algorithms.secure.secure_ask`, weighted by the public batch sizes): the server learns the
+averaged gradient it sends back and no site's own, at the price of three more exchanges per step
+(keys, shares, reveal).  The average equals the plain one to within the fixed-point bound, so FGA stays
+centralized training to that rounding rather than to float rounding.
+
 Site-side working state lives in ``site.scratch`` and is not saved with the site:
 ``site.scratch["fga/cursor"]`` is the site's position in the round's batches (rebuilt
 from the seeded permutations when it does not match the step asked for, e.g. after a
@@ -67,6 +73,7 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.fedavg import Weighting
+from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
@@ -430,7 +437,19 @@ def lockstep_round(
     stale = {s for i, s in enumerate(sites) if stale_mask is not None and bool(stale_mask[i])}
     sync_w, sync_o = strip_prefix(f"{ns}/weights", prev), strip_prefix(f"{ns}/optim", prev)
 
+    secure: dict[str, Arrays] = {}  # the latest securely summed average (privacy.secure_aggregation)
+
+    def gather(tasks: dict[str, Task]) -> dict[str, Reply]:
+        """Ask for one step's gradients: plainly, or as one secure sum whose average is kept for ``average``."""
+        if not ctx.cfg.privacy.secure_aggregation:
+            return ctx.ask(tasks)
+        result = secure_ask(ctx, tasks, weighting)
+        secure["avg"] = prefixed("avg", strip_prefix("grad", result.mean()))
+        return result.replies
+
     def average(replies: Mapping[str, Reply], active: Sequence[str]) -> Arrays:
+        if "avg" in secure:
+            return secure["avg"]
         return prefixed(
             "avg",
             average_gradients(
@@ -447,7 +466,7 @@ def lockstep_round(
             arrays.update(prefixed("optim", sync_o))
         return Task(kind, arrays, {**base, "step": 0})
 
-    replies = ctx.ask({s: step0(s) for s in sites})
+    replies = gather({s: step0(s) for s in sites})
     active = [s for s in sites if s in replies]
     if not active:
         raise PayloadError(f"{kind}: no site answered step 0 of round {rnd}")
@@ -458,7 +477,7 @@ def lockstep_round(
     losses = {s: [replies[s].metrics["loss"]] for s in active}
     for step in range(1, total):
         avg = average(replies, active)  # once per step (the transport copies it for each site)
-        replies = ctx.ask({s: Task(kind, avg, {**base, "step": step}) for s in active})
+        replies = gather({s: Task(kind, avg, {**base, "step": step}) for s in active})
         active = [s for s in active if s in replies]
         if not active:
             raise PayloadError(f"{kind}: no site answered step {step} of round {rnd}")
@@ -517,6 +536,9 @@ class FGA(Algorithm):
     title = "FGA"
     section = "fga"
     Params = FGAParams
+
+    def secure_aggregation_unsupported(self) -> str | None:
+        return None  # each step's average is one secure sum of the sites' gradients (lockstep_round)
 
     def init_state(self, ctx: ServerContext) -> Arrays:
         return prefixed(ROLE, ctx.init_arrays(ROLE))

@@ -30,6 +30,8 @@ Conventions (the paper uses SGD and p_i = 1/|S|):
     dominates the step.  The benchmark (docs/results.md) shows the damage.
 
   Either way round 1 (c = c_i = 0) is FedAvg bitwise.
+* With ``privacy.secure_aggregation = true`` the sites' y_i and Δc_i are one secure sum weighted by the
+  public p_i (:mod:`fedseg.algorithms.secure`); the server's two updates need nothing else.
 * Control variates cover the trainable parameters only (buffers are averaged as
   in FedAvg, without correction).  The server's c starts absent (= 0) and first
   appears after round 1.
@@ -45,6 +47,7 @@ import torch
 
 from fedseg.algorithms.fedavg import Weighting, aggregation_weights
 from fedseg.algorithms.personal import check_positive
+from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
@@ -192,18 +195,31 @@ class Scaffold(Algorithm):
     section = "scaffold"
     Params = ScaffoldParams
 
+    def secure_aggregation_unsupported(self) -> str | None:
+        return None  # x and c are updated from Σ p_i y_i and Σ p_i Δc_i only
+
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        replies = ctx.ask({s: Task("train", state, {"round": rnd}) for s in ctx.sites})
-        names = list(replies)
-        p = aggregation_weights([replies[s].num_samples for s in names], self.params.weighting)
+        tasks = {s: Task("train", state, {"round": rnd}) for s in ctx.sites}
         x = strip_prefix("global", state)
         c = strip_prefix("control", state) or None
-        new_x = server_model_update(
-            x, [strip_prefix("global", replies[s].arrays) for s in names], p, self.params.server_lr
-        )
-        new_c = server_control_update(
-            c, [strip_prefix("dc", replies[s].arrays) for s in names], p, len(names) / len(ctx.sites)
-        )
+        if ctx.cfg.privacy.secure_aggregation:  # one secure sum of y_i and Δc_i, weighted by the public p_i
+            result = secure_ask(ctx, tasks, self.params.weighting)
+            replies, mean = result.replies, result.mean()
+            names = list(replies)
+            new_x = lerp(dict(x), strip_prefix("global", mean), self.params.server_lr)
+            mean_dc = strip_prefix("dc", mean)
+            fraction = len(names) / len(ctx.sites)
+            new_c = scale(mean_dc, fraction) if c is None else add(c, mean_dc, alpha=fraction)
+        else:
+            replies = ctx.ask(tasks)
+            names = list(replies)
+            p = aggregation_weights([replies[s].num_samples for s in names], self.params.weighting)
+            new_x = server_model_update(
+                x, [strip_prefix("global", replies[s].arrays) for s in names], p, self.params.server_lr
+            )
+            new_c = server_control_update(
+                c, [strip_prefix("dc", replies[s].arrays) for s in names], p, len(names) / len(ctx.sites)
+            )
         new = prefixed("global", new_x)
         new.update(prefixed("control", new_c))
         return new, {

@@ -225,6 +225,10 @@ class PrivacyConfig:
     """Sites add pairwise masks (X25519 key agreement, expanded by a seeded stream cipher) to fixed-point
     encodings of what the server only sums, so the server learns the sum and nothing of one site; methods
     that need one site's arrays at the server refuse it with the reason."""
+    secagg_fraction_bits: int = 32
+    """Fixed-point precision of secure aggregation: each value x is sent as round(n_k · x · 2^bits) modulo 2^64,
+    so the weighted mean is off by at most K · 2^-(bits+1) / Σ n_k (K sites); K · n_k · max|x| · 2^bits must stay
+    below 2^63 (a site refuses a value that could overflow, naming this setting).  From 8 to 52."""
     dp: Literal["off", "sample", "client"] = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
     ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
@@ -264,6 +268,11 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.dp = {self.dp!r} needs privacy.epsilon (a target, e.g. --set privacy.epsilon=8) "
                 "or privacy.noise_multiplier (e.g. --set privacy.noise_multiplier=1.0)"
+            )
+        if not 8 <= self.secagg_fraction_bits <= 52:
+            raise ConfigError(
+                f"privacy.secagg_fraction_bits = {self.secagg_fraction_bits}; use 8 to 52 "
+                "(e.g. --set privacy.secagg_fraction_bits=32)"
             )
 
 

@@ -133,6 +133,13 @@ class Algorithm:
                 raise ConfigError(
                     f"privacy.dp = {cfg.privacy.dp!r} is not available for {self.name}: {why}; use --set privacy.dp=off"
                 )
+        why = self.secure_aggregation_unsupported() if cfg.privacy.secure_aggregation else None
+        if why:
+            raise ConfigError(
+                f"{self.name} cannot run with privacy.secure_aggregation = true: {why}; secure aggregation lets the "
+                "server learn only the sum of the sites' arrays (use --set privacy.secure_aggregation=false, or a "
+                "method whose server only sums: fedavg, fedavg-even, fedprox, fwa, scaffold, fga)"
+            )
 
     def dp_client_unsupported(self) -> str | None:
         """Why this method cannot run client-level DP (``privacy.dp = "client"``: each site's update
@@ -154,6 +161,12 @@ class Algorithm:
         with ``n`` training cases, as planned: with ``privacy.epsilon`` and no ``privacy.noise_multiplier``
         the site's σ is the one whose ``rounds`` × these steps spend ε.  None: DP-SGD not supported."""
         return None
+
+    def secure_aggregation_unsupported(self) -> str | None:
+        """Why this method's server needs one site's arrays (so secure aggregation cannot serve it), or None for
+        a method whose server steps run through secure aggregation when ``privacy.secure_aggregation`` is on;
+        a run asking for it then stops at once with this reason."""
+        return "its server reads each site's reply on its own, not only their sum"
 
     def fp16_unsupported(self) -> str | None:
         """The part of this method's site work that fp16 loss scaling cannot serve (it uses raw

@@ -2,7 +2,8 @@
 
 A :class:`Site` answers tasks (``site.handle(task) -> reply``).  It dispatches the
 task to the site half of the run's algorithm (``algorithm.site_handlers()``), or to
-the built-in ``"evaluate"`` handler.  Everything a site must remember between
+the built-in ``"evaluate"`` handler and secure aggregation's steps (:mod:`fedseg.site.secure`, which
+also masks a reply whose task asks for it).  Everything a site must remember between
 rounds — its models, optimizer moments, algorithm state such as control
 variates — lives here; :meth:`Site.state_arrays` / :meth:`Site.load_state_arrays` turn it
 into flat host arrays + JSON and back, and :mod:`fedseg.seams.checkpoint` writes and reads
@@ -38,6 +39,7 @@ from fedseg.foundation.device import (
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
+from fedseg.site import secure
 from fedseg.site.dp import SiteDP
 from fedseg.site.workload import Workload
 
@@ -298,13 +300,18 @@ class Site:
             return self._evaluate(task)
         if task.kind == "privacy":  # the engine's question under privacy.dp: ε so far
             return Reply(metrics=self.dp.report(), num_samples=self.num_train)
+        if task.kind in secure.KINDS:
+            return secure.handle(self, task)
         handler = self._handlers.get(task.kind)
         if handler is None:
             raise PayloadError(
                 f"site {self.name}: task kind {task.kind!r} is not handled by method {self.algorithm.name!r} "
                 f"(known: {[*sorted(self._handlers), 'evaluate']}); server and site must run the same method"
             )
-        return handler(self, task)
+        reply = handler(self, task)
+        if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
+            reply = secure.mask_reply(self, task, reply)
+        return reply
 
     # ----------------------------------------------------------------- models
     @property

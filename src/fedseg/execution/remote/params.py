@@ -122,4 +122,10 @@ def deploy_params(cfg: RunConfig | dict[str, Any]) -> DeployParams:
     table = cfg.params.get(SECTION, {}) if isinstance(cfg, RunConfig) else cfg
     p = dataclass_from_dict(DeployParams, table, SECTION)
     p.validate()
+    if isinstance(cfg, RunConfig) and cfg.privacy.secure_aggregation and p.max_update_ratio:
+        raise ConfigError(
+            f"deploy.max_update_ratio = {p.max_update_ratio:g} compares each site's update with the others', which "
+            "privacy.secure_aggregation = true hides from the server (it sees only their sum): set "
+            "--set deploy.max_update_ratio=0 to deploy with secure aggregation"
+        )
     return p

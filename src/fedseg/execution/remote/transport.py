@@ -78,7 +78,13 @@ def _declared_counts(summary: dict[str, Any]) -> dict[str, int]:
 
 def _task_key(task: Task) -> str:
     """What fixes a reply's tensor names: the task kind, its non-numeric settings and the names it sent."""
-    conf = {k: v for k, v in task.config.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+    if task.kind.startswith("secagg/"):  # secure aggregation's steps: their replies' layout is fixed by the kind
+        return json.dumps([task.kind])
+    conf = {
+        k: v
+        for k, v in task.config.items()
+        if k != "secagg" and (isinstance(v, bool) or not isinstance(v, (int, float)))
+    }  # secure aggregation's keys and shares change every exchange, its masked names do not
     return json.dumps([task.kind, conf, sorted(task.arrays)], sort_keys=True, default=str)
 
 

@@ -1,0 +1,117 @@
+"""The server's half of secure aggregation: one exchange that returns the weighted sum of the sites' replies
+and nothing of any one of them (protocol and guarantees: :mod:`fedseg.privacy.protocol`,
+:mod:`fedseg.privacy.secagg`; the sites' half: :mod:`fedseg.site.secure`).
+
+:func:`secure_ask` replaces ``ctx.ask(tasks)`` for a server step that needs only Σ_k c_k · arrays_k: it runs
+the key and share steps, sends the tasks with the shares (the sites mask their replies before they leave),
+asks the survivors for the shares of the secrets it may rebuild and returns the unmasked sum.  A site that
+fails a step is left out of the rest of the exchange (a deployed transport has already logged why); one
+whose step-3 reply does not arrive is removed from the sum with its masks.  The weights c_k are public:
+the sample count n_k each site declares (``weighting = "samples"``) or 1 (``"even"``).
+
+A method whose server needs one site's arrays says why in ``Algorithm.secure_aggregation_unsupported``
+and a run asking for secure aggregation stops before training with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedseg.foundation.arrays import Arrays
+from fedseg.foundation.errors import PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.privacy.protocol import ServerParty
+from fedseg.seams.algorithm import ServerContext
+
+__all__ = ["SecureSum", "secure_ask"]
+
+
+@dataclass
+class SecureSum:
+    """What a secure exchange gives the server.
+
+    replies
+        The summed sites' replies without arrays (their metrics and sample counts), in the order asked.
+    total
+        Σ_k c_k · arrays_k over them: floating tensors as float64, integer tensors summed.
+    weight
+        Σ_k c_k.
+    dtypes
+        Each name's dtype at the sites.
+    """
+
+    replies: dict[str, Reply]
+    total: Arrays
+    weight: float
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    def mean(self) -> Arrays:
+        """Σ c_k x_k / Σ c_k in each tensor's own dtype (integer tensors: the floor of their plain mean,
+        e.g. a batch-norm step counter)."""
+        out: Arrays = {}
+        for name, t in self.total.items():
+            dtype = getattr(torch, self.dtypes.get(name, "float64"))
+            if dtype.is_floating_point:
+                out[name] = (t / self.weight).to(dtype)
+            else:
+                out[name] = torch.div(t, len(self.replies), rounding_mode="floor").to(dtype)
+        return out
+
+
+def secure_ask(ctx: ServerContext, tasks: dict[str, Task], weighting: str) -> SecureSum:
+    """Ask ``tasks`` so that the server learns only the weighted sum of the replies' arrays (see the module)."""
+    first = next(iter(tasks.values()))
+    rnd = first.config.get("round")
+    exchange = f"{first.kind}-r{rnd}-{os.urandom(8).hex()}"
+    server = ServerParty(exchange, ctx.cfg.privacy.secagg_fraction_bits)
+
+    def step(kind: str, sites, config) -> dict[str, Reply]:
+        return ctx.ask({s: Task(kind, {}, {**config(s), "round": rnd}) for s in sites})
+
+    for s, r in step("secagg/keys", tasks, lambda s: {"exchange": exchange}).items():
+        _accept(ctx, s, "key message", server.accept_keys, s, r.metrics.get("secagg"))
+    request = server.share_request()
+    for s, r in step("secagg/shares", server.order, lambda s: request).items():
+        _accept(ctx, s, "share message", server.accept_shares, s, r.metrics.get("secagg"))
+    masked = {
+        s: Task(
+            tasks[s].kind,
+            tasks[s].arrays,
+            {**tasks[s].config, "secagg": {**server.input_config(s), "weighting": weighting}},
+        )
+        for s in server.masking
+    }
+    replies: dict[str, Reply] = {}
+    for s, r in ctx.ask(masked).items():
+        info = r.metrics.get("secagg") or {}
+        weight = float(r.num_samples) if weighting == "samples" else 1.0
+        if _accept(ctx, s, "masked input", server.accept_input, s, r.arrays, info.get("dtypes"), weight):
+            metrics = {k: v for k, v in r.metrics.items() if k != "secagg"}
+            replies[s] = Reply({}, metrics, r.num_samples)
+            if info.get("unopened"):
+                ctx.log(f"[secagg] site {s} could not open the shares of {info['unopened']}")
+    reveal = server.reveal_config()
+    reveals = step("secagg/reveal", reveal["survived"], lambda s: reveal)
+    total, weight, summed = server.unmask({s: r.metrics.get("secagg") for s, r in reveals.items()}, log=ctx.log)
+    assert server.layout is not None
+    return SecureSum(
+        {s: replies[s] for s in summed},
+        {k: v.to(ctx.device) for k, v in total.items()},
+        weight,
+        dict(zip(server.layout.names, server.layout.dtypes)),
+    )
+
+
+def _accept(ctx: ServerContext, site: str, what: str, accept: Callable[..., None], *args: Any) -> bool:
+    """``accept(*args)``; False (logged: the site is left out of the rest of the exchange) on a PayloadError."""
+    try:
+        accept(*args)
+    except PayloadError as e:
+        ctx.log(f"[secagg] site {site} left out of the exchange: its {what} was rejected: {e}")
+        return False
+    return True

@@ -1,0 +1,334 @@
+"""Secure aggregation as messages: what a site and the server each do at each step of one exchange.
+
+One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, without the
+signatures and the consistency check; the arithmetic and its guarantees are
+:mod:`fedseg.privacy.secagg`'s).  Every message is JSON (keys and shares as hex strings) or the masked
+arrays, so any transport carries it:
+
+====  =======================================  =============================================
+step  server → site                             site → server
+====  =======================================  =============================================
+1     ``keys``: the exchange id                 its public keys C_u, S_u and the hash of b_u
+2     ``shares``: everyone's public keys (U1)  its shares of s_u and b_u, sealed per peer
+3     the task + the shares sealed for it (U2) the task's arrays, encoded and masked
+4     ``reveal``: who dropped, who survived    shares of s_d (dropped) and of b_u (survived)
+====  =======================================  =============================================
+
+:class:`SiteParty` is a site's side (kept between the steps of one exchange), :class:`ServerParty`
+the server's: it routes the sealed shares, checks every reply (a malformed one raises
+:class:`~fedseg.foundation.errors.PayloadError`, which the caller logs, leaving that site out) and
+returns the unmasked sum of the sites whose masked input arrived.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedseg.foundation.errors import PayloadError
+from fedseg.privacy import secagg
+from fedseg.privacy.secagg import KEY_BYTES
+
+__all__ = ["MASKED", "ServerParty", "SiteParty"]
+
+MASKED = "secagg/"
+"""Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
+
+_SHARE = 1 + KEY_BYTES
+_BUNDLE = 1 + 2 * KEY_BYTES
+_SEALED = 12 + _BUNDLE + 16
+
+
+def _hex(value: Any, length: int, what: str) -> bytes:
+    """Bytes from a hex string of exactly ``length`` bytes, or :class:`PayloadError` naming ``what``."""
+    if not isinstance(value, str):
+        raise PayloadError(f"{what}: expected a hex string, got {type(value).__name__}")
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError as e:
+        raise PayloadError(f"{what}: not a hex string") from e
+    if len(raw) != length:
+        raise PayloadError(f"{what}: {len(raw)} bytes, expected {length}")
+    return raw
+
+
+def _ad(exchange: str, sender: str, recipient: str) -> bytes:
+    return f"{exchange}|{sender}|{recipient}".encode()
+
+
+class SiteParty:
+    """A site's side of one exchange: its key pairs and self-mask seed, the shares it holds."""
+
+    def __init__(self, me: str, exchange: str):
+        self.me, self.exchange = me, exchange
+        self.c = secagg.keypair()
+        self.s = secagg.keypair()
+        self.b = os.urandom(KEY_BYTES)
+        self.order: list[str] = []  # U1, as the server sent it in step 2
+        self.keys: dict[str, dict[str, bytes]] = {}
+        self.held: dict[str, bytes] = {}  # owner -> index byte + share of s + share of b
+        self.revealed = False
+
+    def advertise(self) -> dict[str, str]:
+        """Step 1: the public keys and the self-mask seed's hash."""
+        return {
+            "c": self.c.public.hex(),
+            "s": self.s.public.hex(),
+            "b_digest": secagg.seed_digest(self.b, self.exchange).hex(),
+        }
+
+    def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+        """Step 2: remember U1's keys; split s and b among U1 (own share kept); return each peer's share
+        sealed for it, ``{peer: hex}``."""
+        order = list(order)
+        if self.me not in order or len(set(order)) != len(order) or set(keys) != set(order):
+            raise PayloadError(f"site {self.me}: the key list of exchange {self.exchange} does not name each site once")
+        self.order = order
+        self.keys = {
+            u: {k: _hex((keys[u] or {}).get(k), KEY_BYTES, f"{k} key of {u}") for k in ("c", "s", "b_digest")}
+            for u in order
+        }
+        mine = self.keys[self.me]
+        if mine["c"] != self.c.public or mine["s"] != self.s.public:
+            raise PayloadError(f"site {self.me}: the server relayed other public keys than this site's own")
+        t = secagg.threshold_for(len(order))
+        s_shares = secagg.split(self.s.private, t, len(order))
+        b_shares = secagg.split(self.b, t, len(order))
+        out = {}
+        for i, v in enumerate(order):
+            bundle = bytes([i + 1]) + s_shares[i] + b_shares[i]
+            if v == self.me:
+                self.held[self.me] = bundle
+                continue
+            key = secagg.shared_key(self.c.private, self.keys[v]["c"], "share", self.exchange)
+            out[v] = secagg.seal(key, bundle, _ad(self.exchange, self.me, v)).hex()
+        return out
+
+    def mask(
+        self,
+        arrays: Mapping[str, torch.Tensor],
+        weight: float,
+        order: Sequence[str],
+        shares: Mapping[str, str],
+        fraction_bits: int,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+        """Step 3: open the shares sealed for this site, then encode ``weight`` · arrays and mask them with
+        every site of ``order`` (U2).  Returns the masked arrays (``secagg/<name>``, int64), their
+        dtypes and the senders whose share did not open (they are not held; the sum still works if
+        enough others are)."""
+        order = list(order)
+        if not self.order or self.me not in order or not set(order) <= set(self.order):
+            raise PayloadError(f"site {self.me}: exchange {self.exchange} asks to mask with sites it did not key")
+        me_index = self.order.index(self.me) + 1
+        bad = []
+        for sender in order:
+            if sender == self.me:
+                continue
+            try:
+                key = secagg.shared_key(self.c.private, self.keys[sender]["c"], "share", self.exchange)
+                blob = bytes.fromhex(shares[sender]) if isinstance(shares.get(sender), str) else b""
+                bundle = secagg.unseal(key, blob, _ad(self.exchange, sender, self.me), f"share from {sender}")
+                if len(bundle) != _BUNDLE or bundle[0] != me_index:
+                    raise PayloadError(f"share from {sender}: wrong length or index")
+                self.held[sender] = bundle
+            except (PayloadError, ValueError):
+                bad.append(sender)
+        encoded, layout = secagg.encode(arrays, weight, fraction_bits, len(order), f"site {self.me}")
+        publics = {u: self.keys[u]["s"] for u in order}
+        y = secagg.mask(encoded, self.me, order, self.s.private, publics, self.b, self.exchange).view(np.int64)
+        out, pos = {}, 0
+        for name, shape in zip(layout.names, layout.shapes):
+            n = int(np.prod(shape, dtype=np.int64))
+            out[MASKED + name] = torch.from_numpy(y[pos : pos + n].copy()).reshape(shape)
+            pos += n
+        return out, dict(zip(layout.names, layout.dtypes)), bad
+
+    def reveal(self, dropped: Sequence[str], survived: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Step 4: shares of s_d for each dropped site and of b_u for each surviving one (this site among
+        them), ``{"s": {d: hex}, "b": {u: hex}}``.  Refused when the lists overlap, name a site outside the
+        exchange or leave this site out, or when this exchange was revealed before: an honest site never
+        gives out both shares of one peer."""
+        dropped, survived = list(dropped), list(survived)
+        if (
+            self.revealed
+            or set(dropped) & set(survived)
+            or self.me not in survived
+            or not set(dropped) | set(survived) <= set(self.order)
+        ):
+            raise PayloadError(
+                f"site {self.me}: refuses to reveal shares of exchange {self.exchange} for dropped {dropped} "
+                f"and survived {survived} (overlapping, unknown or repeated request)"
+            )
+        self.revealed = True
+        return {
+            "s": {d: self.held[d][:_SHARE].hex() for d in dropped if d in self.held},
+            "b": {u: (self.held[u][:1] + self.held[u][_SHARE:]).hex() for u in survived if u in self.held},
+        }
+
+
+class ServerParty:
+    """The server's side of one exchange over ``sites`` (in the exchange's order)."""
+
+    def __init__(self, exchange: str, fraction_bits: int):
+        self.exchange, self.fraction_bits = exchange, fraction_bits
+        self.keys: dict[str, dict[str, bytes]] = {}
+        self.order: list[str] = []  # U1
+        self.sealed: dict[str, dict[str, str]] = {}  # sender -> {recipient: hex}
+        self.inputs: dict[str, np.ndarray] = {}
+        self.weights: dict[str, float] = {}
+        self.layout: secagg.Layout | None = None
+
+    # step 1
+    def accept_keys(self, site: str, message: Any) -> None:
+        """A site's step-1 message; :class:`PayloadError` if malformed."""
+        what = f"keys of site {site}"
+        if not isinstance(message, dict):
+            raise PayloadError(f"{what}: expected an object")
+        self.keys[site] = {k: _hex(message.get(k), KEY_BYTES, f"{what}: {k}") for k in ("c", "s", "b_digest")}
+        self.order.append(site)
+
+    def share_request(self) -> dict[str, Any]:
+        """Step 2's task config: U1 and its keys."""
+        if len(self.order) < 2:
+            raise PayloadError(
+                f"secure aggregation needs at least 2 sites; {len(self.order)} answered (one site's sum is its input)"
+            )
+        return {
+            "exchange": self.exchange,
+            "order": list(self.order),
+            "keys": {u: {k: v.hex() for k, v in self.keys[u].items()} for u in self.order},
+        }
+
+    # step 2
+    def accept_shares(self, site: str, message: Any) -> None:
+        """A site's sealed shares: one per other site of U1, each of the sealed length."""
+        peers = [u for u in self.order if u != site]
+        if not isinstance(message, dict) or sorted(message) != sorted(peers):
+            raise PayloadError(f"shares of site {site}: expected one sealed share for each of {peers}")
+        for v in peers:
+            _hex(message[v], _SEALED, f"share of site {site} for {v}")
+        self.sealed[site] = dict(message)
+
+    @property
+    def masking(self) -> list[str]:
+        """U2: the sites of U1 whose shares went out, in order; they mask with each other."""
+        return [u for u in self.order if u in self.sealed]
+
+    def input_config(self, site: str) -> dict[str, Any]:
+        """Step 3: what the masking task for ``site`` carries."""
+        order = self.masking
+        if len(order) < 2:
+            raise PayloadError(f"secure aggregation needs at least 2 sites; {len(order)} sent their shares")
+        return {
+            "exchange": self.exchange,
+            "order": order,
+            "shares": {u: self.sealed[u][site] for u in order if u != site},
+            "fraction_bits": self.fraction_bits,
+        }
+
+    # step 3
+    def accept_input(self, site: str, arrays: Mapping[str, torch.Tensor], dtypes: Any, weight: float) -> None:
+        """A site's masked arrays (all ``secagg/…`` int64, the layout of the first input) and public weight."""
+        what = f"masked input of site {site}"
+        if site not in self.masking:
+            raise PayloadError(f"{what}: the site was not part of the masking")
+        if not isinstance(dtypes, dict) or sorted(dtypes) != sorted(k[len(MASKED) :] for k in arrays):
+            raise PayloadError(f"{what}: its dtype list does not name its arrays")
+        bad = [k for k, v in arrays.items() if not k.startswith(MASKED) or v.dtype != torch.int64]
+        if bad:
+            raise PayloadError(f"{what}: {bad[:3]} are not masked int64 arrays")
+        plain = {k[len(MASKED) :]: v for k, v in arrays.items()}
+        layout = secagg.layout_of(plain)
+        layout = secagg.Layout(layout.names, layout.shapes, tuple(str(dtypes[k]) for k in layout.names))
+        if not all(isinstance(getattr(torch, d, None), torch.dtype) for d in layout.dtypes):
+            raise PayloadError(f"{what}: unknown dtypes {sorted(set(layout.dtypes))}")
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise PayloadError(f"{what}: names, shapes or dtypes differ from the other sites'")
+        if not (weight >= 0 and weight < float("inf")):
+            raise PayloadError(f"{what}: weight {weight}")
+        self.inputs[site] = np.concatenate([plain[k].detach().cpu().reshape(-1).numpy() for k in layout.names]).view(
+            np.uint64
+        )
+        self.weights[site] = float(weight)
+
+    def reveal_config(self) -> dict[str, Any]:
+        """Step 4's task config: who dropped after masking and who survived."""
+        survived = [u for u in self.masking if u in self.inputs]
+        if len(survived) < 2:
+            raise PayloadError(f"secure aggregation needs at least 2 masked inputs; {len(survived)} arrived")
+        return {
+            "exchange": self.exchange,
+            "dropped": [u for u in self.masking if u not in self.inputs],
+            "survived": survived,
+        }
+
+    # step 4
+    def check_share(self, holder: str, owner: str, value: Any) -> tuple[int, bytes]:
+        """One revealed share: 33 bytes whose first is the holder's index in U1; :class:`PayloadError` otherwise."""
+        raw = _hex(value, _SHARE, f"share of {owner}'s secret from site {holder}")
+        want = self.order.index(holder) + 1
+        if raw[0] != want:
+            raise PayloadError(f"share of {owner}'s secret from site {holder}: index {raw[0]}, the site's is {want}")
+        return raw[0], raw[1:]
+
+    def unmask(self, reveals: Mapping[str, Any], log=print) -> tuple[dict[str, torch.Tensor], float, list[str]]:
+        """Rebuild b_u of the survivors and s_d of the dropped from the step-4 replies ``{holder: message}``,
+        remove their masks and decode: ``(Σ_u weight_u · arrays_u (float64; integer tensors summed), Σ_u
+        weight_u, the sites summed)``.  A malformed or non-fitting share is logged and set aside."""
+        cfg = self.reveal_config()
+        dropped, survived = cfg["dropped"], cfg["survived"]
+        t = secagg.threshold_for(len(self.order))
+        collected: dict[tuple[str, str], dict[int, bytes]] = {}
+        for holder, message in reveals.items():
+            if holder not in survived or not isinstance(message, dict):
+                log(f"[secagg] reveal of site {holder} ignored: not a surviving site's object")
+                continue
+            for kind, owners in (("s", dropped), ("b", survived)):
+                got = message.get(kind)
+                for owner in owners:
+                    if not isinstance(got, dict) or owner not in got:
+                        continue
+                    try:
+                        i, share = self.check_share(holder, owner, got[owner])
+                    except PayloadError as e:
+                        log(f"[secagg] rejected: {e}")
+                        continue
+                    collected.setdefault((kind, owner), {})[i] = share
+        holders = {self.order.index(u) + 1: u for u in self.order}
+        secrets: dict[tuple[str, str], bytes] = {}
+        for kind, owners in (("s", dropped), ("b", survived)):
+            for owner in owners:
+                if kind == "s":
+
+                    def fits(x: bytes, owner=owner) -> bool:
+                        return secagg.keypair(x).public == self.keys[owner]["s"]
+                else:
+
+                    def fits(x: bytes, owner=owner) -> bool:
+                        return secagg.seed_digest(x, self.exchange) == self.keys[owner]["b_digest"]
+
+                what = f"the {'mask key' if kind == 's' else 'self-mask seed'} of site {owner}"
+                secret, bad = secagg.recover(collected.get((kind, owner), {}), t, fits, what)
+                for i in sorted(bad):
+                    log(f"[secagg] rejected: the share of {what} from site {holders[i]} does not fit the published one")
+                secrets[(kind, owner)] = secret
+        total = secagg.unmask_sum(
+            {u: self.inputs[u] for u in survived},
+            self.masking,
+            {u: self.keys[u]["s"] for u in self.masking},
+            {u: secrets[("b", u)] for u in survived},
+            {d: secrets[("s", d)] for d in dropped},
+            self.exchange,
+        )
+        assert self.layout is not None
+        return (
+            secagg.decode(total, self.layout, self.fraction_bits),
+            sum(self.weights[u] for u in survived),
+            survived,
+        )

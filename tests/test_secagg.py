@@ -1,0 +1,239 @@
+"""Secure aggregation's core (fedseg.privacy): exact cancellation, the quantization bound, dropouts,
+rejected shares, and that a masked input hides its plaintext."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedseg.foundation.errors import PayloadError
+from fedseg.foundation.seeding import generator
+from fedseg.privacy import secagg
+from fedseg.privacy.protocol import MASKED, ServerParty, SiteParty
+
+pytest.importorskip("cryptography")
+pytest.importorskip("Crypto")
+
+BITS = 32
+
+
+def _arrays(k: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Uneven shapes, negative values, a float64 and an integer tensor."""
+    g = generator(seed, k)
+    return {
+        "b.weight": torch.randn(7, 3, generator=g) * 3,
+        "a.bias": -torch.rand(5, generator=g),
+        "c.double": torch.randn(2, 2, 2, generator=g, dtype=torch.float64),
+        "d.count": torch.tensor(11 + k),
+    }
+
+
+def _exchange(inputs, weights, drop_after_shares=(), drop_after_masking=(), tamper=None, log=None):
+    """Run the four steps in process; ``tamper(reveals)`` may edit the step-4 replies."""
+    sites = list(inputs)
+    server = ServerParty("x1", BITS)
+    parties = {u: SiteParty(u, "x1") for u in sites}
+    for u in sites:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in sites:
+        if u not in drop_after_shares:
+            server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    masked = {}
+    for u in server.masking:
+        cfg = server.input_config(u)
+        arrays, dtypes, bad = parties[u].mask(inputs[u], weights[u], cfg["order"], cfg["shares"], BITS)
+        assert bad == []
+        masked[u] = arrays
+        if u not in drop_after_masking:
+            server.accept_input(u, arrays, dtypes, weights[u])
+    cfg = server.reveal_config()
+    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    if tamper is not None:
+        tamper(reveals, parties)
+    total, weight, summed = server.unmask(reveals, log=log or (lambda m: None))
+    return total, weight, summed, masked, server
+
+
+def _encoded_sum(inputs, weights, sites):
+    acc = None
+    for u in sites:
+        e, layout = secagg.encode(inputs[u], weights[u], BITS, len(inputs))
+        acc = e if acc is None else acc + e
+    return secagg.decode(acc, layout, BITS)
+
+
+def test_masks_cancel_exactly():
+    """Σ masked − self masks = Σ encodings mod 2^64, so the decoded sum equals the decoded sum of the
+    unmasked encodings bitwise (pairwise masks enter once with + and once with −)."""
+    inputs = {f"site{k}": _arrays(k) for k in range(4)}
+    weights = {u: float(3 + i) for i, u in enumerate(inputs)}
+    total, weight, summed, _, _ = _exchange(inputs, weights)
+    assert summed == list(inputs) and weight == sum(weights.values())
+    want = _encoded_sum(inputs, weights, inputs)
+    for k in want:
+        assert torch.equal(total[k], want[k]), k
+    assert total["d.count"].item() == sum(11 + k for k in range(4))  # integers: their exact sum
+
+
+def test_quantization_error_within_stated_bound():
+    """Each encoding rounds to the nearest 2^-f, so |decoded − Σ c_k x_k| ≤ K·2^-(f+1) (+ float64 reading)."""
+    inputs = {f"site{k}": _arrays(k, seed=5) for k in range(3)}
+    weights = {u: float(10 * (i + 1)) for i, u in enumerate(inputs)}
+    total, _, _, _, _ = _exchange(inputs, weights)
+    bound = secagg.quantization_bound(3, BITS)
+    for k in ("a.bias", "b.weight", "c.double"):
+        exact = sum(weights[u] * inputs[u][k].double() for u in inputs)
+        err = (total[k] - exact).abs().max().item()
+        assert err <= bound + exact.abs().max().item() * 2.0**-52, (k, err, bound)
+    # the bound is tight enough to matter: with few fraction bits the error is visible and still bounded
+    coarse = secagg.encode({"x": torch.tensor([0.3, -0.7])}, 1.0, 4, 1)[0]
+    back = secagg.decode(coarse, secagg.layout_of({"x": torch.tensor([0.0, 0.0])}), 4)["x"]
+    assert 0 < (back - torch.tensor([0.3, -0.7], dtype=torch.float64)).abs().max() <= secagg.quantization_bound(1, 4)
+
+
+def test_dropped_site_masks_removed_and_survivor_sum_exact():
+    """A site that dropped after the masks were fixed: the survivors rebuild its mask key, the server
+    removes its pairwise masks, and the sum over the survivors equals their unmasked encodings bitwise.
+    A site that dropped before sending its shares is simply not part of the masking."""
+    inputs = {f"site{k}": _arrays(k, seed=2) for k in range(5)}
+    weights = {u: 1.0 + i for i, u in enumerate(inputs)}
+    total, weight, summed, _, server = _exchange(
+        inputs, weights, drop_after_shares=("site4",), drop_after_masking=("site1",)
+    )
+    assert summed == ["site0", "site2", "site3"]
+    assert server.masking == ["site0", "site1", "site2", "site3"]
+    assert weight == weights["site0"] + weights["site2"] + weights["site3"]
+    want = _encoded_sum(inputs, weights, summed)
+    for k in want:
+        assert torch.equal(total[k], want[k]), k
+
+
+def test_too_many_dropouts_refused():
+    """With 3 sites the threshold is 2: one survivor cannot rebuild anything, and one input is no sum."""
+    inputs = {f"site{k}": _arrays(k) for k in range(3)}
+    with pytest.raises(PayloadError, match="at least 2 masked inputs"):
+        _exchange(inputs, dict.fromkeys(inputs, 1.0), drop_after_masking=("site0", "site1"))
+
+
+def test_malformed_shares_rejected_with_payload_error():
+    """Wrong length and wrong holder index are rejected share by share (PayloadError)."""
+    inputs = {f"site{k}": _arrays(k) for k in range(3)}
+    _, _, _, _, server = _exchange(inputs, dict.fromkeys(inputs, 1.0))
+    with pytest.raises(PayloadError, match="bytes, expected 33"):
+        server.check_share("site1", "site0", "ab" * 20)
+    with pytest.raises(PayloadError, match="index 3, the site's is 2"):
+        server.check_share("site1", "site0", "03" + "00" * 32)
+    with pytest.raises(PayloadError, match="hex"):
+        server.check_share("site1", "site0", "zz" * 33)
+
+
+def test_replayed_and_bad_shares_set_aside_and_sum_still_exact():
+    """A share replayed from another exchange has the right length and index but does not rebuild the key
+    the owner published for this one: it is rejected (logged), the other shares rebuild the key, and the
+    sum is exact.  With too few good shares left the sum is refused with PayloadError."""
+    inputs = {f"site{k}": _arrays(k, seed=3) for k in range(5)}
+    weights = dict.fromkeys(inputs, 2.0)
+    old = {}  # an earlier exchange's reveals, to replay from
+
+    def keep_old(reveals, parties):
+        old.update(reveals)
+
+    _exchange(inputs, weights, drop_after_masking=("site4",), tamper=keep_old)
+
+    def replay(reveals, parties):
+        reveals["site2"]["s"]["site4"] = old["site2"]["s"]["site4"]
+        reveals["site3"]["b"]["site0"] = "ff" * 33  # wrong index too
+
+    logged = []
+    total, _, summed, _, _ = _exchange(inputs, weights, drop_after_masking=("site4",), tamper=replay, log=logged.append)
+    assert any("from site site2 does not fit" in m for m in logged), logged
+    assert any("index 255" in m for m in logged), logged
+    want = _encoded_sum(inputs, weights, summed)
+    assert all(torch.equal(total[k], want[k]) for k in want)
+
+    def ruin(reveals, parties):  # site4 dropped; 4 survivors hold its shares, t = 3: leave 2 good ones
+        reveals["site0"]["s"]["site4"] = old["site0"]["s"]["site4"]
+        reveals["site1"]["s"]["site4"] = old["site1"]["s"]["site4"]
+
+    with pytest.raises(PayloadError, match="rebuild the published secret"):
+        _exchange(inputs, weights, drop_after_masking=("site4",), tamper=ruin)
+
+
+def test_site_refuses_a_second_or_overlapping_reveal():
+    """An honest site never gives out both shares of a peer: a request naming one site as dropped and
+    survived, or a second request in the same exchange, is refused."""
+    inputs = {f"site{k}": _arrays(k) for k in range(3)}
+    s = {u: SiteParty(u, "e") for u in inputs}
+    server = ServerParty("e", BITS)
+    for u in s:
+        server.accept_keys(u, s[u].advertise())
+    req = server.share_request()
+    for u in s:
+        s[u].share(req["order"], req["keys"])
+    with pytest.raises(PayloadError, match="refuses"):
+        s["site0"].reveal(["site1"], ["site0", "site1"])
+    s["site0"].reveal(["site1"], ["site0", "site2"])
+    with pytest.raises(PayloadError, match="refuses"):
+        s["site0"].reveal([], ["site0", "site1", "site2"])
+
+
+def test_tampered_sealed_share_does_not_open():
+    """A sealed share redirected to another site (or altered) fails its tag; the receiver does not hold it."""
+    inputs = {f"site{k}": _arrays(k) for k in range(3)}
+    s = {u: SiteParty(u, "e") for u in inputs}
+    server = ServerParty("e", BITS)
+    for u in s:
+        server.accept_keys(u, s[u].advertise())
+    req = server.share_request()
+    for u in s:
+        server.accept_shares(u, s[u].share(req["order"], req["keys"]))
+    cfg = server.input_config("site0")
+    cfg["shares"]["site1"] = server.sealed["site2"]["site0"]  # site2's share, claimed to be from site1
+    _, _, bad = s["site0"].mask(inputs["site0"], 1.0, cfg["order"], cfg["shares"], BITS)
+    assert bad == ["site1"]
+
+
+def test_masked_input_looks_uniform_and_uncorrelated():
+    """A masked input is x + uniform noise mod 2^64, so it is itself uniform: its 64-bit words' bits are
+    1 about half the time and its correlation with the plaintext is near 0 (|r| < 4/√n, whereas the
+    unmasked encoding correlates perfectly).  Two sites masking the same plaintext send unrelated words."""
+    n = 4096
+    x = torch.linspace(-1, 1, n)
+    inputs = {u: {"w": x.clone()} for u in ("a", "b", "c")}
+    _, _, _, masked, _ = _exchange(inputs, dict.fromkeys(inputs, 1.0))
+    y = masked["a"][MASKED + "w"].numpy()
+    enc = secagg.encode({"w": x}, 1.0, BITS, 3)[0].view(np.int64)
+    assert np.corrcoef(enc.astype(np.float64), x.double().numpy())[0, 1] > 0.999
+    r = np.corrcoef(y.astype(np.float64), x.double().numpy())[0, 1]
+    assert abs(r) < 4 / np.sqrt(n), r
+    bits = np.unpackbits(y.view(np.uint8))
+    assert abs(bits.mean() - 0.5) < 0.01
+    assert not np.array_equal(y, masked["b"][MASKED + "w"].numpy())
+    rb = np.corrcoef(y.astype(np.float64), masked["b"][MASKED + "w"].numpy().astype(np.float64))[0, 1]
+    assert abs(rb) < 4 / np.sqrt(n)
+
+
+def test_encode_refuses_overflow_and_non_finite():
+    """K · max|c x| · 2^f must stay below 2^63; the error names the setting to lower."""
+    with pytest.raises(PayloadError, match="secagg_fraction_bits"):
+        secagg.encode({"w": torch.tensor([3.0e9])}, 1.0, 32, 2)
+    secagg.encode({"w": torch.tensor([3.0e9])}, 1.0, 24, 2)
+    with pytest.raises(PayloadError, match="non-finite"):
+        secagg.encode({"w": torch.tensor([float("nan")])}, 1.0, 32, 2)
+
+
+def test_keys_from_given_bytes_and_agreement_symmetric():
+    """X25519 from given private bytes (a seeded generator's, for reproducible tests) agrees both ways;
+    the derived keys differ by purpose and exchange."""
+    g = np.random.default_rng(0)
+    a = secagg.keypair(g.bytes(32))
+    b = secagg.keypair(g.bytes(32))
+    assert a == secagg.keypair(a.private)
+    ab = secagg.shared_key(a.private, b.public, "mask", "e1")
+    assert ab == secagg.shared_key(b.private, a.public, "mask", "e1")
+    assert ab != secagg.shared_key(a.private, b.public, "mask", "e2")
+    assert ab != secagg.shared_key(a.private, b.public, "share", "e1")
+    with pytest.raises(PayloadError):
+        secagg.shared_key(a.private, b"\0" * 32, "mask", "e1")  # a low-order point
