@@ -65,6 +65,7 @@ DEFERRED = (
     "PIL",
     "sklearn",
     "scipy",
+    "skimage",
     "tensorboard",
     "torch.utils.tensorboard",
     "psutil",
