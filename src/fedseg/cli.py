@@ -236,7 +236,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     au.add_argument("--protections", default=",".join(PROTECTIONS), help="comma list of " + ", ".join(PROTECTIONS))
     au.add_argument("--clip", type=float, default=1.0, help="DP clipping bound C (default 1)")
     au.add_argument("--sigma", type=float, default=1.0, help="DP noise multiplier (default 1)")
-    au.add_argument("--tv", type=float, default=1e-2, help="weight of the total-variation prior (default 0.01)")
+    au.add_argument("--tv", type=float, default=1e-4, help="weight of the total-variation prior (default 1e-4)")
     au.add_argument("--layers", help="match only parameters starting with these comma-separated prefixes")
     au.add_argument("--seed", type=int)
     au.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")

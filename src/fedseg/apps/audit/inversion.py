@@ -72,7 +72,7 @@ class AttackConfig:
     iterations: int = 200
     restarts: int = 2
     lr: float = 0.1
-    tv: float = 1e-2
+    tv: float = 1e-4
     signed: bool = True
     per_layer: bool = False
     layers: tuple[str, ...] | None = None

@@ -15,8 +15,8 @@ from fedseg.apps.report.markup import Doc, figure, markdown_html, note, para
 
 __all__ = ["audit_page", "pair_strip"]
 
-_SIDE = 96
-"""Pixels a side of each drawn image (nearest-neighbour enlarged, so the pixels stay visible)."""
+_SIDE = 128
+"""Least pixels a side of each drawn image (enlarged by a whole factor, nearest neighbour: the pixels stay visible)."""
 
 
 def _rgb(x: torch.Tensor) -> np.ndarray:
@@ -44,7 +44,7 @@ def pair_strip(truth: torch.Tensor, recon: torch.Tensor, pairs: Sequence[Sequenc
         tiles.append(np.concatenate([top, np.full((2, *top.shape[1:]), 255, np.uint8), bottom], axis=0))
     sep = np.full((tiles[0].shape[0], 2, 3), 255, np.uint8)
     strip = np.concatenate([t for tile in tiles for t in (tile, sep)][:-1], axis=1)
-    scale = max(1, _SIDE // max(1, truth.shape[-1]))
+    scale = max(1, -(-_SIDE // max(1, truth.shape[-1])))
     img = Image.fromarray(strip).resize((strip.shape[1] * scale, strip.shape[0] * scale), Image.Resampling.NEAREST)
     buf = io.BytesIO()
     img.save(buf, format="png", optimize=True)

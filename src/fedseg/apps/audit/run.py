@@ -4,9 +4,9 @@ and score the reconstructions against the images the sites used (``fedseg audit`
 For every message of :mod:`.messages` and every protection of :mod:`.observe`, the attack of
 :mod:`.inversion` reconstructs the attacked site's batch (plain, DP) or every audited site's batch
 (secure aggregation: the server sees only the sum), and :mod:`.metrics` scores it.  The baseline
-row of each message is an *unrelated* image: as many of the attacked site's validation (else test)
-images as there are reconstructions, scored the same way — what an attacker who knows only what a
-typical image of the site looks like already "reconstructs".
+of each attack is *unrelated* images: as many validation (else test) images of each site as the attacker
+reconstructs of it, scored the same way — what an attacker who knows only what a typical image of the
+site looks like already "reconstructs".
 """
 
 from __future__ import annotations
@@ -127,13 +127,13 @@ def messages_for(method: str) -> tuple[str, ...]:
 
 
 def _unrelated(data: SiteData, n: int, like: torch.Tensor) -> torch.Tensor:
-    """``n`` images of the site that no message was computed from (validation, else test cases)."""
+    """``n`` images of a site that no message was computed from (its validation, else test cases)."""
     for split in (data.val, data.test):
         if dataset_len(split) > 0:
             idx = torch.arange(n) % dataset_len(split)
             x, _ = batch_of(split, idx)
             return x.to(like.dtype).cpu()
-    raise ConfigError("the attacked site has no validation or test cases to draw an unrelated image from; add some")
+    raise ConfigError("an audited site has no validation or test cases to draw an unrelated image from; add some")
 
 
 def _observation(
@@ -210,7 +210,10 @@ def run_audit(
             )
             recon = torch.cat(inv.images)
             scores = match_scores(recon, truth)
-            baseline = match_scores(_unrelated(data[names[0]], recon.shape[0], recon), truth)
+            # as many unrelated images of each site as the attacker reconstructs of it
+            counts = [p.shape[0] for p in parts]
+            unrelated = torch.cat([_unrelated(data[names[k]], c, recon) for k, c in enumerate(counts)])
+            baseline = match_scores(unrelated, truth)
             row = AuditRow(
                 message=message,
                 protection=protection,
