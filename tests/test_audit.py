@@ -30,6 +30,7 @@ from fedseg.apps.audit import (
 )
 from fedseg.apps.audit.observe import global_norm
 from fedseg.cli import main
+from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import generator
 from fedseg.site.workload import segmentation_workload
 
@@ -194,3 +195,14 @@ def test_cli_audit_end_to_end(tmp_path, capsys):
     page = (out / "audit.html").read_text()
     assert page.count("data:image/png;base64,") == 16
     assert "| fga | plain |" in capsys.readouterr().out
+
+
+def test_bad_audit_options_are_one_clear_error(tiny):
+    cfg, workload, data = tiny
+    with pytest.raises(ConfigError, match="choose from plain, secagg, dp, secagg\\+dp"):
+        run_audit(cfg, workload, data, AuditOptions(protections=("tls",)), log=lambda _: None)
+    with pytest.raises(ConfigError, match="--sites 3 or fewer"):
+        run_audit(cfg, workload, data, AuditOptions(sites=5), log=lambda _: None)
+    with pytest.raises(ConfigError, match="selector_training=fga"):
+        fedavg_selector = dataclasses.replace(cfg, params={"fedsm": {"selector_training": "fedavg"}})
+        sent_by_sites("fedsm-selector", fedavg_selector, workload, data)
