@@ -37,7 +37,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, ...]] = [
     ("fedseg.foundation",),
-    ("fedseg.models", "fedseg.data", "fedseg.evaluation"),
+    ("fedseg.models", "fedseg.data", "fedseg.evaluation", "fedseg.privacy"),
     ("fedseg.site",),
     ("fedseg.seams",),
     ("fedseg.algorithms",),
@@ -70,7 +70,12 @@ DEFERRED = (
     "torch.utils.tensorboard",
     "psutil",
     "monai",
+    "nibabel",
     "fedseg.models",  # imports MONAI's networks
+    "opacus",
+    "SimpleITK",  # fedseg prepare's readers ([prepare] extra)
+    "pydicom",
+    "highdicom",
 )
 """Heavy optional dependencies a function may import when it needs them (a CLI command that
 does not plot never pays for matplotlib)."""

@@ -35,7 +35,7 @@ from fedseg.execution.vectorize import (
 from fedseg.foundation.config import RunConfig, SimulationConfig, load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
-from fedseg.simulation.runner import build_transport, simulate
+from fedseg.simulation.runner import build_transport, simulate, vectorized_arithmetic
 from fedseg.site.workload import segmentation_workload
 from helpers import assert_same_checkpoints
 
@@ -135,6 +135,22 @@ def test_set_simulation_vectorize(tmp_path):
 def test_default_on_the_cpu_runs_sites_one_after_another(workload):
     transport = build_transport(tiny_config("fedavg"), workload, tiny_sites(), log=lambda m: None)
     assert transport.vectorized is None  # auto → off on the CPU: the bitwise guarantees hold unchanged
+
+
+def test_vectorized_arithmetic_of_unequal_sites_is_logged(workload):
+    """A stacked step computes all K rows until the longest site finishes: K·max(steps) site-steps against
+    Σ steps sequentially.  The fundus preset's training sets (50, 98, 47, 230, 80, 400 images, one epoch of
+    equal batches) give 6 · 400 / 905 = 2.65."""
+    assert vectorized_arithmetic([50, 98, 47, 230, 80, 400]) == pytest.approx(2400 / 905)
+    assert vectorized_arithmetic([5, 5, 5]) == 1.0
+    logs: list[str] = []
+    cfg = dataclasses.replace(tiny_config("fedavg"), simulation=SimulationConfig(vectorize="on"))
+    build_transport(cfg, workload, tiny_sites(n_train=2), log=logs.append)  # 2, 4, 6 images: 1, 1, 2 batches
+    said = [m for m in logs if "x the arithmetic" in m]
+    assert said and "1.50x" in said[0] and "1 to 2 local steps" in said[0] and "on the CPU" in said[0]
+    logs.clear()
+    build_transport(cfg, workload, tiny_sites(n_train=8, num_sites=1), log=logs.append)
+    assert not [m for m in logs if "x the arithmetic" in m]
 
 
 # ------------------------------------------------------------------ equality

@@ -8,6 +8,7 @@ so ``fedseg --help`` and ``fedseg validate`` load none of matplotlib, NVFlare or
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,13 +23,17 @@ from fedseg.apps.audit import (
     messages_for,
 )
 from fedseg.apps.deploy import run as dep
+from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
-from fedseg.data.synth import synthesize
-from fedseg.data.validate import validate_federation
+from fedseg.data.spec import load_federation
+from fedseg.data.synth import PRESET_NAMES, synthesize
+from fedseg.data.validate import raise_if_invalid, validate_federation
+from fedseg.data.volumes.load import plan_federation, plan_path
+from fedseg.data.volumes.plan import save_plan
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.simulation.runner import run
 
@@ -51,6 +56,22 @@ def cmd_synth(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(a: argparse.Namespace) -> int:
+    if a.list:
+        print(list_text())
+        return 0
+    if not (a.name and a.raw and a.out):
+        raise ConfigError(
+            "give a federation, --raw and --out (e.g. fedseg prepare fedsm-fundus --raw DIR --out DIR), or --list"
+        )
+    summary = prepare(
+        a.name, a.raw, a.out, force=a.force, strict=a.strict, seed=a.seed, sites=_csv(a.sites) if a.sites else None
+    )
+    print("\n" + summary.table())
+    print(f"\nwrote {summary.spec}; check it with: fedseg validate {summary.spec}")
+    return 0
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     problems = validate_federation(a.spec)
     for p in problems:
@@ -59,6 +80,19 @@ def cmd_validate(a: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {a.spec}; a run refuses to start until they are fixed")
         return 1
     print(f"{a.spec}: OK")
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    raise_if_invalid(a.spec)
+    fed = load_federation(a.spec)
+    if fed.mode != "3d":
+        raise FedsegError(f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d")')
+    plan = plan_federation(fed, patch_voxels=a.patch_voxels)
+    path = plan_path(fed)
+    save_plan(plan, path)
+    print(json.dumps(plan.to_json(), indent=2))
+    print(f"wrote {path} (edit any field to override it; runs on this federation read it)")
     return 0
 
 
@@ -278,17 +312,64 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("synth", help="write a synthetic multi-site federation (PNG + datalists + spec)")
-    s.add_argument("--preset", choices=["fundus", "prostate"], required=True)
+    s = sub.add_parser(
+        "synth", help="write a synthetic multi-site federation (PNG images or NIfTI volumes + datalists + spec)"
+    )
+    s.add_argument(
+        "--preset",
+        choices=list(PRESET_NAMES),
+        required=True,
+        help="fundus (2D RGB, 6 sites) imitates the federation 'fedseg prepare fedsm-fundus' builds from the public "
+        "datasets, prostate (2D grey, 6 sites) imitates 'fedsm-prostate' (sites 1..6 stand for their sites in order; "
+        "docs/datasets.md); ct-lesion (3D CT NIfTI, 3 sites with their own spacing, orientation, field of view and "
+        "HU calibration)",
+    )
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--scale", type=float, default=1.0, help="fraction of the paper's per-site case counts")
-    s.add_argument("--size", type=int, default=64)
+    s.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="fraction of the per-site case counts (the paper's; ct-lesion: 8/3/3, 12/4/4, 6/3/3)",
+    )
+    s.add_argument(
+        "--size",
+        type=int,
+        default=64,
+        help="image side in pixels; ct-lesion: in-plane voxels, slices and anatomy scale with size/64 "
+        "(512 gives 512x512x128-384 volumes)",
+    )
     s.set_defaults(func=cmd_synth)
+
+    pr = sub.add_parser(
+        "prepare",
+        help="turn the papers' public datasets, as downloaded, into a federation (spec, datalists, PNG files)",
+        description="Build a paper's federation from the archives unpacked under --raw in their expected layouts "
+        "(docs/datasets.md; fedseg prepare --list says what each needs). Splits by patient; a second run skips "
+        "the cases already converted; --raw is only read.",
+    )
+    pr.add_argument("name", nargs="?", choices=sorted(FEDERATIONS), help="the federation to build")
+    pr.add_argument("--list", action="store_true", help="what each federation needs, where to get it, its licence")
+    pr.add_argument("--raw", help="folder holding the downloaded datasets (only read)")
+    pr.add_argument("--out", help="output folder: federation.toml, <site>/datalist.json, images, labels")
+    pr.add_argument("--force", action="store_true", help="convert every case again")
+    pr.add_argument("--strict", action="store_true", help="stop at the first bad case instead of skipping it")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the patient splits (default 0)")
+    pr.add_argument("--sites", help="comma-separated sites to prepare (default: all)")
+    pr.set_defaults(func=cmd_prepare)
 
     v = sub.add_parser("validate", help="check a federation spec and every file it names")
     v.add_argument("spec")
     v.set_defaults(func=cmd_validate)
+
+    pl = sub.add_parser(
+        "plan", help="volumes: fingerprint every site (aggregate numbers only) and write the federation's plan"
+    )
+    pl.add_argument("spec")
+    pl.add_argument(
+        "--patch-voxels", type=int, default=64 * 64 * 32, help="most voxels in one training patch (memory budget)"
+    )
+    pl.set_defaults(func=cmd_plan)
 
     r = sub.add_parser("run", help="train one method in simulation and test it on every site")
     r.add_argument("config", nargs="?", help="run config TOML or federation spec")

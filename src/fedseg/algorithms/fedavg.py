@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site
+from fedseg.site.runtime import Site, steps_per_round
 
 Weighting = Literal["samples", "even"]
 """FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
@@ -65,12 +65,22 @@ class FedAvgParams:
         check_aggregation(self.aggregation, self.trim, "fedavg")
 
 
+def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:
+    """What a FedAvg-style site sends after training ``role`` from ``start``: its weights, or under
+    ``privacy.dp = "client"`` ``start`` plus its clipped update with its share of the noise
+    (``site.dp.client_update``; the task's ``num_sites`` = K)."""
+    if site.cfg.privacy.dp == "client":
+        return prefixed(role, site.dp.client_update(role, start, int(task.config["num_sites"])))
+    return prefixed(role, site.arrays(role))
+
+
 def train_global(site: Site, task: Task, role: str = "global") -> Reply:
     """Site half of FedAvg-style methods: load the sent model, train it one round, send it back."""
-    site.load(role, strip_prefix(role, task.arrays))
+    start = strip_prefix(role, task.arrays)
+    site.load(role, start)
     opt = site.optimizer(role, reset=site.cfg.train.reset_optimizer)
     metrics = site.fit(role, task.config["round"], stream="train", optimizer=opt, steps=task.config.get("steps"))
-    return Reply(arrays=prefixed(role, site.arrays(role)), metrics=metrics, num_samples=site.num_train)
+    return Reply(arrays=sent_update(site, task, role, start), metrics=metrics, num_samples=site.num_train)
 
 
 class FedAvg(Algorithm):
@@ -78,12 +88,17 @@ class FedAvg(Algorithm):
     title = "FedAvg"
     section = "fedavg"
     Params = FedAvgParams
+    sends_clipped_update: ClassVar[bool] = True
+    """Its site half sends :func:`sent_update` (client-level DP's clipped, noised update when asked)."""
 
     def weighting(self) -> str:
         return self.params.weighting
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
-        task = Task("train", state, {"round": rnd})
+        config: dict[str, Any] = {"round": rnd}
+        if ctx.cfg.privacy.dp == "client":
+            config["num_sites"] = len(ctx.sites)  # K: each site adds 1/K of the noise's variance
+        task = Task("train", state, config)
         replies = ctx.ask({s: task for s in ctx.sites})
         names = list(replies)
         p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
@@ -97,6 +112,26 @@ class FedAvg(Algorithm):
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate("global", strip_prefix("global", state))]
+
+    def dp_client_unsupported(self) -> str | None:
+        """Client-level DP bounds one site's part of the plain mean of the updates: the sites' noise shares
+        sum to N(0, σ²C²) on Σ_k Δ̃_k, which the server divides by K.  Weights n_k / n or a robust rule would
+        change that sensitivity, so they refuse it; so does a subclass whose site half sends no clipped
+        update (:attr:`sends_clipped_update`)."""
+        if not self.sends_clipped_update:
+            return "its site half does not send a clipped, noised update"
+        p = self.params
+        if getattr(p, "weighting", "even") != "even" or getattr(p, "aggregation", "mean") != "mean":
+            section = self.section or self.name
+            return (
+                f"it needs the plain mean of the clipped updates: set {section}.weighting = 'even' and "
+                f"{section}.aggregation = 'mean' (--set {section}.weighting=even), or use method fedavg-even"
+            )
+        return None
+
+    def dp_steps_per_round(self, cfg, n: int) -> int | None:
+        """DP-SGD: every local step of the round (``Site.fit``) is privatized."""
+        return steps_per_round(cfg.train, n)
 
     def site_handlers(self):
         return {"train": train_global}

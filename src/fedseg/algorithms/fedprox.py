@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedseg.algorithms.fedavg import FedAvg, Weighting
-from fedseg.foundation.arrays import Aggregation, check_aggregation, prefixed, strip_prefix
+from fedseg.algorithms.fedavg import FedAvg, Weighting, sent_update
+from fedseg.foundation.arrays import Aggregation, check_aggregation, strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site.runtime import Site
@@ -103,7 +103,8 @@ def train_prox(site: Site, task: Task) -> Reply:
     site's own parse of the run config, ``site.algorithm.params``)."""
     params: FedProxParams = site.algorithm.params
     mu = float(params.mu)
-    model = site.load("global", strip_prefix("global", task.arrays))
+    start = strip_prefix("global", task.arrays)
+    model = site.load("global", start)
     anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
     metrics = site.fit(
@@ -114,7 +115,7 @@ def train_prox(site: Site, task: Task) -> Reply:
         extra_loss=proximal_loss(anchor, mu),
         steps=task.config.get("steps"),
     )
-    return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
+    return Reply(arrays=sent_update(site, task, "global", start), metrics=metrics, num_samples=site.num_train)
 
 
 class FedProx(FedAvg):

@@ -71,7 +71,7 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_me
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site, step_with_gradient
+from fedseg.site.runtime import Site, step_with_gradient, steps_per_round
 
 __all__ = [
     "FGA",
@@ -539,6 +539,12 @@ class FGA(Algorithm):
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate(ROLE, strip_prefix(ROLE, state))]
+
+    def dp_steps_per_round(self, cfg, n: int) -> int | None:
+        """DP-SGD: each lockstep exchange sends the privatized gradient (``Site.gradient``).  Planned as the
+        site's own steps per round; with ``fga.steps = "max"`` a site with fewer cases than the largest takes
+        that site's count (its ε then exceeds the plan, and the budget check applies)."""
+        return steps_per_round(cfg.train, n)
 
     def site_handlers(self):
         return {"fga_step": fga_step}

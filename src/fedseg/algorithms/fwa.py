@@ -56,6 +56,7 @@ class FWA(FedAvg):
     title = "FWA"
     section = "fwa"
     Params = FWAParams
+    sends_clipped_update = False
 
     def site_handlers(self):
         return {"train": train_fwa}

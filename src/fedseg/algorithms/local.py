@@ -12,7 +12,7 @@ from typing import Any
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site
+from fedseg.site.runtime import Site, steps_per_round
 
 
 def train_local(site: Site, task: Task) -> Reply:
@@ -49,6 +49,10 @@ class Local(Algorithm):
         return [
             Candidate(f"local/{s}", strip_prefix(f"local/{s}", state), val_sites=(s,), home_site=s) for s in ctx.sites
         ]
+
+    def dp_steps_per_round(self, cfg, n: int) -> int | None:
+        """DP-SGD: every local step of the round (``Site.fit``) is privatized."""
+        return steps_per_round(cfg.train, n)
 
     def site_handlers(self):
         return {"train": train_local}

@@ -48,7 +48,7 @@ from fedseg.algorithms.personal import check_positive
 from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site
+from fedseg.site.runtime import Site, steps_per_round
 
 __all__ = ["Scaffold", "ScaffoldParams", "control_update", "correction", "server_control_update", "server_model_update"]
 
@@ -213,6 +213,10 @@ class Scaffold(Algorithm):
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
         return [Candidate("global", strip_prefix("global", state))]
+
+    def dp_steps_per_round(self, cfg, n: int) -> int | None:
+        """DP-SGD: every local step of the round (``Site.fit``) is privatized."""
+        return steps_per_round(cfg.train, n)
 
     def site_handlers(self):
         return {"train": train_scaffold}

@@ -9,6 +9,12 @@ Split sizes follow Tables 1 and 2 of FedSM (Xu et al., CVPR 2022) times
 ``numpy.random.default_rng([seed, site_index, split_index, case_index])``, so
 one seed gives byte-identical files. The per-site parameters are the tables
 ``FUNDUS_SITES`` and ``PROSTATE_SITES`` below (documented in docs/data.md).
+``synthesize("ct-lesion", out)`` writes the 3D CT federation of :mod:`fedseg.data.synth3d`.
+
+Each preset imitates a federation ``fedseg prepare`` builds from the public datasets
+(docs/datasets.md): ``fundus`` imitates ``fedsm-fundus`` (sites 1..6 stand for its six sites in
+its order; the same labels ``disc = [1, 2]``, ``cup = [2]``, RGB), ``prostate`` imitates
+``fedsm-prostate`` (``prostate = [1]``, grey slices).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fedseg.data.datalist import SPLITS, write_datalist
+from fedseg.data.synth3d import ct_split_sizes, synthesize_ct
 from fedseg.foundation.errors import ConfigError
 
 #: FedSM Table 1 (retinal): per-site (train, val, test) counts for sites 1..6.
@@ -187,12 +194,16 @@ PRESETS = {
     "fundus": (FUNDUS_COUNTS, {"disc": [1, 2], "cup": [2]}, 3),
     "prostate": (PROSTATE_COUNTS, {"prostate": [1]}, 1),
 }
+#: Every preset ``synthesize`` writes: the 2D ones above and the 3D ``ct-lesion``.
+PRESET_NAMES = (*PRESETS, "ct-lesion")
 
 
 def split_sizes(preset: str, scale: float) -> list[tuple[int, int, int]]:
-    """Per-site (train, val, test) sizes: the paper's counts x ``scale``, rounded, at least 2."""
+    """Per-site (train, val, test) sizes: the paper's counts (ct-lesion: its own) x ``scale``, rounded, at least 2."""
+    if preset == "ct-lesion":
+        return ct_split_sizes(scale)
     if preset not in PRESETS:
-        raise ConfigError(f"unknown synthetic preset {preset!r} -> use one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown synthetic preset {preset!r} -> use one of {sorted(PRESET_NAMES)}")
     return [tuple(max(2, round(n * scale)) for n in row) for row in PRESETS[preset][0]]
 
 
@@ -370,14 +381,16 @@ def _spec_toml(preset: str, size: int, n_sites: int) -> str:
 def synthesize(
     preset: str, out: str | Path, seed: int = 0, scale: float = 1.0, size: int = 64, progress: bool = False
 ) -> Path:
-    """Write a synthetic six-site federation.
+    """Write a synthetic six-site federation (three-site 3D CT for ``"ct-lesion"``).
 
     Parameters
     ----------
-    preset : {"fundus", "prostate"}
+    preset : {"fundus", "prostate", "ct-lesion"}
         "fundus": RGB disc/cup, low similarity between sites (labels
         disc = [1, 2], cup = [2]). "prostate": grey slices, high similarity
-        (label prostate = [1]).
+        (label prostate = [1]). "ct-lesion": NIfTI CT volumes with per-site
+        geometry (labels organ = [1, 2], lesion = [2]; see
+        :func:`fedseg.data.synth3d.synthesize_ct`, where ``size`` is the in-plane voxels).
     out : str or Path
         Output folder. Writes ``<site>/images/<split>_<i>.png``,
         ``<site>/labels/<split>_<i>.png``, ``<site>/datalist.json`` and
@@ -396,6 +409,8 @@ def synthesize(
     Path
         The spec file ``out/federation.toml``.
     """
+    if preset == "ct-lesion":
+        return synthesize_ct(out, seed=seed, scale=scale, size=size, progress=progress)
     sizes = split_sizes(preset, scale)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"synth: seed must be a non-negative integer, got {seed!r} -> pass e.g. seed=0")

@@ -189,6 +189,44 @@ class Engine:
         cands = [b.candidate for b in self.best.values()]
         return self.evaluate(cands, "testing", lambda c: self.ctx.sites)
 
+    # --------------------------------------------------------------- privacy
+    def privacy_report(self) -> dict[str, dict[str, Any]] | None:
+        """Under ``privacy.dp``: each site's ε so far, its ε after one more planned round, σ, q and its
+        privatized steps (a ``"privacy"`` task, answered by the site's accountant); None with dp off."""
+        if self.cfg.privacy.dp == "off":
+            return None
+        replies = self.transport.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
+        self.transport.traffic.take()  # a few numbers per site, not counted as the round's traffic
+        return {s: dict(replies[s].metrics) for s in self.ctx.sites if s in replies}
+
+    def over_budget(self, report: dict[str, dict[str, Any]] | None, rnd: int) -> bool:
+        """True when round ``rnd`` would take a site past ``privacy.epsilon`` and ``budget_action = "stop"``
+        (logged either way); a budget that not even the first round fits is a :class:`ConfigError`."""
+        target = self.cfg.privacy.epsilon
+        if report is None or target is None:
+            return False
+        over = {s: r["epsilon_next"] for s, r in report.items() if r["epsilon_next"] > target}
+        if not over:
+            return False
+        worst = max(over, key=over.get)
+        said = (
+            f"privacy budget: round {rnd} would take site {worst} to ε = {over[worst]:.3g} > privacy.epsilon = "
+            f"{target:g} (δ = {self.cfg.privacy.delta:g}; sites over it: {sorted(over)})"
+        )
+        if self.cfg.privacy.budget_action == "warn":
+            self.log(f"{said}; privacy.budget_action = warn: training on")
+            return False
+        if rnd == 1:
+            raise ConfigError(
+                f"{said}: not even one round fits; raise privacy.epsilon or privacy.noise_multiplier, or lower "
+                "train.local_epochs / train.local_steps"
+            )
+        self.log(
+            f"{said}: training stops after round {rnd - 1} (checkpoint saved) and its models are tested; raise "
+            "privacy.epsilon (or privacy.noise_multiplier) to train further, or set privacy.budget_action = warn"
+        )
+        return True
+
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
         """Write the round's checkpoint as one unit: every file goes to ``<name>.next`` (sites to
@@ -268,6 +306,8 @@ class Engine:
             self.state = self.algorithm.init_state(self.ctx)
             self.round = 0
         self.transport.traffic.take()
+        report = self.privacy_report()
+        stopped_at: int | None = None
         bar = tqdm(
             total=cfg.rounds,
             initial=self.round,
@@ -279,12 +319,20 @@ class Engine:
         try:
             while self.round < cfg.rounds:
                 rnd = self.round + 1
+                if self.over_budget(report, rnd):
+                    stopped_at = self.round
+                    if self.round % cfg.checkpoint_every != 0:
+                        self.save_checkpoint()
+                    break
                 t0 = time.perf_counter()
                 self.state, metrics = self.algorithm.server_round(self.ctx, self.state, rnd)
                 entry: dict[str, Any] = {"round": rnd, **metrics, "bytes": self.transport.traffic.take()}
                 if cfg.is_eval_round(rnd):
                     entry.update(self._validate(rnd))
                     entry["eval_bytes"] = self.transport.traffic.take()
+                report = self.privacy_report()
+                if report is not None:
+                    entry["epsilon"] = {s: r["epsilon"] for s, r in report.items()}
                 entry["time_s"] = time.perf_counter() - t0
                 self.history.append(entry)
                 self.round = rnd
@@ -334,6 +382,19 @@ class Engine:
         results["wall_time_s"] = time.perf_counter() - t_start
         results["device"] = describe(self.device)
         results["precision"] = cfg.train.precision
+        if report is not None:
+            results["privacy"] = {
+                "dp": cfg.privacy.dp,
+                "delta": cfg.privacy.delta,
+                "epsilon_budget": cfg.privacy.epsilon,
+                "accountant": cfg.privacy.accountant,
+                "clip": cfg.privacy.clip,
+                "sites": {
+                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps")}
+                    for s, r in report.items()
+                },
+                "stopped_after_round": stopped_at,
+            }
         return results
 
     @staticmethod

@@ -32,6 +32,7 @@ __all__ = [
     "EXCLUSIVE",
     "EvalConfig",
     "ModelConfig",
+    "PrivacyConfig",
     "RunConfig",
     "SimulationConfig",
     "TrainConfig",
@@ -45,26 +46,28 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Segmentation network (MONAI ``UNet``).
+    """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
     strides 2, 2 residual units, instance norm.
     """
 
-    name: Literal["unet"] = "unet"
-    """Only MONAI's U-Net is built from a config; pass your own ``nn.Module`` from Python for others."""
+    name: Literal["unet", "fga-unet"] = "unet"
+    """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
     channels: tuple[int, ...] = (16, 32, 64, 128, 256)
-    """Feature channels of the U-Net levels, from the top level down."""
-    strides: tuple[int, ...] = (2, 2, 2, 2)
-    """Down-sampling stride between consecutive levels (one entry fewer than channels)."""
+    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's)."""
+    strides: tuple[int | tuple[int, ...], ...] = (2, 2, 2, 2)
+    """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
+    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less)."""
     num_res_units: int = 2
-    """Residual units per U-Net block (0: plain convolutions)."""
+    """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
-    """Normalization layer of the U-Net: 'instance', 'batch' or 'none'."""
+    """Normalization layer of the U-Net: 'instance', 'batch' or 'none' (unet only; fga-unet has none)."""
     dropout: float = 0.0
-    """Dropout probability inside the U-Net blocks."""
+    """Dropout probability inside the U-Net blocks (unet only)."""
     roi_size: tuple[int, ...] | None = None
-    """Patch size for 3D volume training and sliding-window inference (``mode = "3d"``)."""
+    """Patch size for training and sliding-window inference; for volumes (``mode = "3d"``) unset means the
+    plan's patch size."""
 
     def validate(self) -> None:
         check_literals(self, "model")
@@ -118,9 +121,14 @@ class TrainConfig:
     data: Literal["auto", "device", "stream"] = "auto"
     """Where a site keeps its data on a GPU run: 'device' (moved once), 'stream' (pinned host memory,
     each batch copied as it is used) or 'auto' (device when it fits in half the free GPU memory)."""
+    foreground_share: float = 0.33
+    """Patch training (``model.roi_size``, volumes): the share of patches centred on a random foreground
+    voxel (the rest are placed uniformly); nnU-Net uses one third, 0 places every patch uniformly."""
 
     def validate(self) -> None:
         check_literals(self, "train")
+        if not 0.0 <= self.foreground_share <= 1.0:
+            raise ConfigError(f"train.foreground_share must be in [0, 1], got {self.foreground_share}")
         if (self.local_epochs is None) == (self.local_steps is None):
             raise ConfigError(
                 "set exactly one of train.local_epochs and train.local_steps "
@@ -156,6 +164,12 @@ class EvalConfig:
     """Dice of a case (channel) whose mask and prediction are both empty: 1 (default: a correct
     "nothing here"), 0, or any value in [0, 1].  (MONAI's ``DiceMetric`` default ignores such
     cases instead; that is not offered, as every per-case mean would then need to skip them.)"""
+    sw_overlap: float = 0.5
+    """Overlap of neighbouring sliding windows (volumes and patch-trained models), as a fraction of the
+    window; Auto-FedAvg's stride (64, 64, 8) on a 256 × 256 × 32 window is 0.75."""
+    sw_weighting: Literal["gaussian", "constant"] = "gaussian"
+    """How overlapping windows are blended: 'gaussian' (centre voxels count most, MONAI's and nnU-Net's
+    choice) or 'constant'."""
     best_criterion: Literal["cases", "sites"] = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
@@ -167,6 +181,8 @@ class EvalConfig:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
+        if not 0.0 <= self.sw_overlap < 1.0:
+            raise ConfigError(f"eval.sw_overlap must be in [0, 1), got {self.sw_overlap}")
         if not 0.0 <= self.empty_dice <= 1.0:
             raise ConfigError(
                 f"eval.empty_dice = {self.empty_dice}; give a value in [0, 1] (1: both empty counts as perfect, 0: as a miss)"
@@ -212,9 +228,43 @@ class PrivacyConfig:
     dp: Literal["off", "sample", "client"] = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
     ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
+    epsilon: float | None = None
+    """Privacy budget ε per site for the whole run (> 0).  Without ``noise_multiplier`` the noise multiplier
+    is derived so that the planned rounds spend at most ε; with it, ε is a budget the run checks before
+    every round (``budget_action``).  None: no budget, ε is only reported."""
+    delta: float = 1e-5
+    """δ of the (ε, δ) guarantee the accountant reports, in (0, 1); keep it below 1 / (training cases of a site)."""
+    clip: float = 1.0
+    """Largest L2 norm of one sample's gradient ('sample': the whole gradient over all parameters of the
+    model) or of one site's update w_k − w ('client'); larger ones are scaled down to it (> 0)."""
+    noise_multiplier: float | None = None
+    """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
+    planned rounds (one of the two must be set when dp is on)."""
+    budget_action: Literal["stop", "warn"] = "stop"
+    """When a round would take a site's ε past ``epsilon``: 'stop' ends training before that round (the
+    checkpoint of the last round saved, the run then tested), 'warn' says so in the log and trains on."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Opacus' accountant of the ε per site: 'rdp' (Rényi DP of the subsampled Gaussian mechanism) or
+    'prv' (privacy random variables, tighter)."""
 
     def validate(self) -> None:
         check_literals(self, "privacy")
+        if self.epsilon is not None and not self.epsilon > 0:
+            raise ConfigError(f"privacy.epsilon = {self.epsilon}; give a number > 0 (e.g. --set privacy.epsilon=8)")
+        if not 0.0 < self.delta < 1.0:
+            raise ConfigError(f"privacy.delta = {self.delta}; give a number in (0, 1) (e.g. --set privacy.delta=1e-5)")
+        if not (self.clip > 0 and self.clip < float("inf")):
+            raise ConfigError(f"privacy.clip = {self.clip}; give a finite number > 0 (e.g. --set privacy.clip=1.0)")
+        if self.noise_multiplier is not None and not (0 < self.noise_multiplier < float("inf")):
+            raise ConfigError(
+                f"privacy.noise_multiplier = {self.noise_multiplier}; give a finite number > 0 "
+                "(e.g. --set privacy.noise_multiplier=1.0), or none to derive it from privacy.epsilon"
+            )
+        if self.dp != "off" and self.epsilon is None and self.noise_multiplier is None:
+            raise ConfigError(
+                f"privacy.dp = {self.dp!r} needs privacy.epsilon (a target, e.g. --set privacy.epsilon=8) "
+                "or privacy.noise_multiplier (e.g. --set privacy.noise_multiplier=1.0)"
+            )
 
 
 @dataclass(frozen=True)
@@ -265,6 +315,21 @@ class RunConfig:
         self.eval.validate()
         self.simulation.validate()
         self.privacy.validate()
+        if self.privacy.dp == "sample" and self.model.norm == "batch":
+            raise ConfigError(
+                "privacy.dp = 'sample' clips each sample's gradient, which batch norm mixes across the batch; "
+                'use model.norm = "instance" (--set model.norm=instance) or "none"'
+            )
+        if self.privacy.dp == "sample" and self.train.precision == "fp16":
+            raise ConfigError(
+                "privacy.dp = 'sample' clips unscaled per-sample gradients, which fp16 loss scaling does not give; "
+                "use --set train.precision=bf16"
+            )
+        if self.privacy.dp == "sample" and self.simulation.vectorize == "on":
+            raise ConfigError(
+                "privacy.dp = 'sample' computes per-sample gradients one site at a time, which the vectorized "
+                "simulation does not; use --set simulation.vectorize=off (or auto)"
+            )
 
     def is_eval_round(self, rnd: int) -> bool:
         """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""

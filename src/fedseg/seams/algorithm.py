@@ -127,6 +127,33 @@ class Algorithm:
         what = self.fp16_unsupported() if cfg.train.precision == "fp16" else None
         if what:
             raise ConfigError(fp16_refusal(what))
+        if cfg.privacy.dp != "off":
+            why = self.dp_sample_unsupported() if cfg.privacy.dp == "sample" else self.dp_client_unsupported()
+            if why:
+                raise ConfigError(
+                    f"privacy.dp = {cfg.privacy.dp!r} is not available for {self.name}: {why}; use --set privacy.dp=off"
+                )
+
+    def dp_client_unsupported(self) -> str | None:
+        """Why this method cannot run client-level DP (``privacy.dp = "client"``: each site's update
+        clipped and noised, :meth:`fedseg.site.dp.SiteDP.client_update`), or None.  The default: not
+        supported (the site half must send its update through it)."""
+        return "its site half does not send a clipped, noised update"
+
+    def dp_sample_unsupported(self) -> str | None:
+        """Why this method cannot run DP-SGD (``privacy.dp = "sample"``), or None.  DP-SGD privatizes the
+        site runtime's local steps and gradients (``Site.fit``, ``Site.gradient``); a method whose site
+        half computes a gradient of the data any other way refuses it.  The default: supported when
+        :meth:`dp_steps_per_round` is implemented."""
+        if type(self).dp_steps_per_round is Algorithm.dp_steps_per_round:
+            return "its site half trains outside the site runtime's privatized steps"
+        return None
+
+    def dp_steps_per_round(self, cfg: RunConfig, n: int) -> int | None:
+        """The privatized steps (``Site.fit`` steps and ``Site.gradient`` calls) one round takes at a site
+        with ``n`` training cases, as planned: with ``privacy.epsilon`` and no ``privacy.noise_multiplier``
+        the site's σ is the one whose ``rounds`` × these steps spend ε.  None: DP-SGD not supported."""
+        return None
 
     def fp16_unsupported(self) -> str | None:
         """The part of this method's site work that fp16 loss scaling cannot serve (it uses raw

@@ -22,6 +22,7 @@ from fedseg.algorithms.centralized import POOLED
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
+from fedseg.data.volumes.load import ensure_plan, load_volume_split, pad_to_common_shape, plan_for_run
 from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
 from fedseg.execution.inprocess import InProcessTransport
@@ -46,6 +47,12 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     return SiteData(train=ConcatDataset(trains))
 
 
+def vectorized_arithmetic(steps: list[int]) -> float:
+    """Site-steps a vectorized round computes over those a sequential round does: K sites stacked take
+    max(steps) stacked steps of K rows each, against sum(steps) single steps (1 when the sites are equal)."""
+    return len(steps) * max(steps) / max(1, sum(steps)) if steps else 1.0
+
+
 def build_transport(
     cfg: RunConfig,
     workload: Workload,
@@ -68,13 +75,28 @@ def build_transport(
         extra.append(Site(name, len(sites) + len(extra), data, workload, cfg, algorithm))
     vectorized = None
     device = resolve_device(cfg.device)
-    if resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+    if cfg.privacy.dp == "sample" and resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
+        log("privacy.dp = sample: the sites train one after another (DP-SGD's per-sample gradients are per site)")
+    elif resolve_vectorize(cfg.simulation.vectorize, device, len(sites)):
         vectorized = VectorizedExecutor(
             cfg.simulation.vectorize_group, log, cuda_graphs=cfg.simulation.cuda_graphs == "on"
         )
         log(
             f"simulation.vectorize = {cfg.simulation.vectorize}: the sites' local steps run as one vectorized computation (equal to sequential to rounding)"
         )
+        steps = [s.steps_per_round() for s in sites]
+        ratio = vectorized_arithmetic(steps)
+        if ratio > 1.2:
+            log(
+                f"simulation.vectorize: the sites take {min(steps)} to {max(steps)} local steps a round, and a vectorized "
+                f"step computes every site's row until the last site finishes: {ratio:.2f}x the arithmetic of training "
+                "them one after another"
+                + (
+                    "; on the CPU that makes the round slower (simulation.vectorize = off trains them in turn)"
+                    if device.type == "cpu"
+                    else ""
+                )
+            )
     elif cfg.simulation.vectorize == "auto" and resolve_vectorize("auto", device):
         log(
             f"simulation.vectorize = auto: {len(sites)} sites train one after another (vectorizing fewer than "
@@ -153,13 +175,34 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
     md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
+    priv = results.get("privacy")
+    if priv:  # ε per site at δ under privacy.dp (docs/privacy.md)
+        eps = ", ".join(f"{s} {v['epsilon']:.3g}" for s, v in priv["sites"].items())
+        line = f"\nDifferential privacy ({priv['dp']} level, {priv['accountant']} accountant, δ = {priv['delta']:g}): ε per site: {eps}"
+        if priv.get("stopped_after_round") is not None:
+            line += f"; training stopped after round {priv['stopped_after_round']} at the budget privacy.epsilon = {priv['epsilon_budget']:g}"
+        md.append(line + "\n")
     (out / "results.md").write_text("\n".join(md))
 
 
-def load_federation_data(federation: str | Path, progress: bool = False) -> tuple[Any, dict[str, SiteData]]:
-    """Validate a federation spec and load every site's splits into memory."""
+def load_federation_data(
+    federation: str | Path, progress: bool = False, log: Callable[[str], None] = print
+) -> tuple[Any, dict[str, SiteData]]:
+    """Validate a federation spec and load every site's splits into memory.
+
+    Volumes (``mode = "3d"``) are brought into the federation's plan grid (the plan file beside the spec,
+    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`)."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
+    if fed.mode == "3d":
+        plan = ensure_plan(fed, log=log)
+        data = {
+            s.name: SiteData(
+                *(load_volume_split(fed, s, split, plan) for split in ("training", "validation", "testing"))
+            )
+            for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
+        }
+        return fed, pad_to_common_shape(data)
     data = {}
     for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False):
         data[s.name] = SiteData(*(load_split(fed, s, split) for split in ("training", "validation", "testing")))
@@ -193,8 +236,12 @@ def run(
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
-    fed, data = load_federation_data(cfg.federation, progress=progress)
-    return simulate(
+    fed, data = load_federation_data(cfg.federation, progress=progress, log=log)
+    plan = None
+    if fed.mode == "3d":
+        plan = ensure_plan(fed, log=log)
+        cfg = plan_for_run(cfg, plan, log=log)
+    results = simulate(
         cfg,
         workload_for(fed, cfg),
         data,
@@ -205,3 +252,8 @@ def run(
         log=log,
         on_round=on_round,
     )
+    if plan is not None and results is not None:
+        results["plan"] = plan.to_json()
+        if out is not None:
+            write_results(results, out)
+    return results

@@ -38,6 +38,7 @@ from fedseg.foundation.device import (
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
+from fedseg.site.dp import SiteDP
 from fedseg.site.workload import Workload
 
 
@@ -287,12 +288,16 @@ class Site:
         self.executor: SiteExecutor = executor or LOCAL
         """Who computes this site's :meth:`fit`, :meth:`gradient` and :meth:`step_with_gradient` calls
         (a simulation that vectorizes its sites sets its :class:`SiteExecutor` here)."""
+        self.dp = SiteDP(self)
+        """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: Task) -> Reply:
         """Run one task and return the reply."""
         if task.kind == "evaluate":
             return self._evaluate(task)
+        if task.kind == "privacy":  # the engine's question under privacy.dp: ε so far
+            return Reply(metrics=self.dp.report(), num_samples=self.num_train)
         handler = self._handlers.get(task.kind)
         if handler is None:
             raise PayloadError(
@@ -494,7 +499,11 @@ class Site:
 
         The call is delegated to :attr:`executor`: by default computed here (:meth:`fit_here`); in a
         vectorized simulation (``simulation.vectorize``) trained together with the other sites' calls.
+        With ``privacy.dp = "sample"`` every step takes DP-SGD's privatized gradient, here
+        (:meth:`fedseg.site.dp.SiteDP.fit`).
         """
+        if self.cfg.privacy.dp == "sample":
+            return self.dp.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
         return self.executor.fit(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
 
     def fit_here(
@@ -548,7 +557,11 @@ class Site:
         Lockstep gradient averaging (:func:`fedseg.algorithms.fga.gradient_step`) calls this once per
         step.  The call is delegated to :attr:`executor`: by default computed here (:meth:`gradient_here`);
         in a vectorized simulation together with the other sites' gradients, in one vmapped computation.
+        With ``privacy.dp = "sample"`` it is DP-SGD's privatized gradient, computed here
+        (:meth:`fedseg.site.dp.SiteDP.gradient`).
         """
+        if self.cfg.privacy.dp == "sample":
+            return self.dp.gradient(role, x, target, loss, at)
         return self.executor.gradient(self, role, x, target, loss, at)
 
     def gradient_here(
@@ -644,10 +657,20 @@ class Site:
     def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
         """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
         out = []
+        ds = self.data.split(split)
+        # volumes are scored in each scan's own grid: the prediction is resampled back first
+        restore = getattr(ds, "original_grid", None) if getattr(ds, "originals", None) is not None else None
+        first = 0
         for x, y in self.eval_batches(split):
             with self.autocast():
                 pred = predict(x)
-            out.append(self.workload.metric(pred, y).double())
+            if restore is None:
+                out.append(self.workload.metric(pred, y).double())
+            else:
+                for j in range(pred.shape[0]):
+                    p, t = restore(first + j, pred[j].float())
+                    out.append(self.workload.metric(p[None], t[None]).double())
+            first += x.shape[0]
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
 

@@ -127,14 +127,25 @@ def make_loss(name: str) -> Loss:
     raise ValueError(f"unknown loss {name!r}")
 
 
-def _random_crop(roi: Sequence[int]):
-    """Batch transform cutting one random patch of size ``roi`` per case (same place for image and label)."""
+def _random_crop(roi: Sequence[int], foreground_share: float = 0.0):
+    """Batch transform cutting one patch of size ``roi`` per case (same place for image and label).
+
+    With probability ``foreground_share`` a patch is centred (as far as the case allows) on a foreground
+    voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
+    uniformly.  Every draw comes from ``g``."""
 
     def crop(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         spatial = x.shape[2:]
         xs, ys = [], []
         for i in range(x.shape[0]):
-            starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
+            starts = None
+            if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
+                fg = torch.nonzero(y[i].amax(dim=0) > 0)
+                if len(fg):
+                    centre = fg[int(torch.randint(0, len(fg), (1,), generator=g))].tolist()
+                    starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, spatial, roi)]
+            if starts is None:
+                starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
             xs.append(x[(i, slice(None), *sl)])
             ys.append(y[(i, slice(None), *sl)])
@@ -152,15 +163,19 @@ def segmentation_workload(
     threshold: float = 0.5,
     sw_batch_size: int = 4,
     empty_dice: float = 1.0,
+    sw_overlap: float = 0.5,
+    sw_weighting: str = "gaussian",
 ) -> Workload:
-    """The papers' setting: MONAI U-Net, Dice loss with sigmoid, per-channel Dice.
+    """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
+    per-channel Dice.
 
-    With ``model.roi_size`` set (3D volumes), training cuts random patches of that
-    size and evaluation uses MONAI's sliding-window inference.
+    With ``model.roi_size`` set (volumes), training cuts patches of that size (a share
+    ``train.foreground_share`` centred on foreground) and evaluation uses MONAI's sliding-window
+    inference with ``sw_overlap`` and ``sw_weighting`` ("gaussian" or "constant").
     """
     from monai.inferers import sliding_window_inference
 
-    from fedseg.models import build_unet
+    from fedseg.models import build_model as network
 
     model = model or ModelConfig()
     train = train or TrainConfig()
@@ -174,12 +189,17 @@ def segmentation_workload(
 
         def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return sliding_window_inference(
-                x, roi_size=tuple(roi), sw_batch_size=sw_batch_size, predictor=m, overlap=0.25
+                x,
+                roi_size=tuple(roi),
+                sw_batch_size=sw_batch_size,
+                predictor=m,
+                overlap=sw_overlap,
+                mode=sw_weighting,
             )
 
-        transform = _random_crop(roi)
+        transform = _random_crop(roi, train.foreground_share)
     return Workload(
-        build_model=lambda: build_unet(spatial_dims, in_channels, out_channels, model),
+        build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
         metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
@@ -218,4 +238,6 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         cfg.train,
         cfg.eval.threshold,
         empty_dice=cfg.eval.empty_dice,
+        sw_overlap=cfg.eval.sw_overlap,
+        sw_weighting=cfg.eval.sw_weighting,
     )

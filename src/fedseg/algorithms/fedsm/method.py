@@ -45,7 +45,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site
+from fedseg.site.runtime import Site, steps_per_round
 
 __all__ = ["PERSONALIZATIONS", "FedSM", "FedSMEnsemble", "FedSMExtra"]
 
@@ -447,6 +447,32 @@ class FedSM(Algorithm):
             )
         # called while Algorithm.__init__ runs, before self.personal is set
         return PERSONALIZATIONS[self.params.personalization](self.cfg, self.params).fp16_unsupported()
+
+    def dp_sample_unsupported(self) -> str | None:
+        """DP-SGD privatizes the global and personalized models' local steps (``Site.fit``, or the global
+        model's lockstep gradients) and the selector's lockstep gradients (``Site.gradient``); the
+        selector's own local loops (``"fedavg"``, ``"fedrs"``, ``"fedaws"``) and the Table 6
+        personalizations' loops are not privatized, so they refuse it."""
+        if self.params.selector_training != "fga":
+            return (
+                f"fedsm.selector_training = {self.params.selector_training!r} trains the selector in a loop of its "
+                "own; use --set fedsm.selector_training=fga (its exchanged gradients are privatized)"
+            )
+        if self.params.personalization != "softpull":
+            return (
+                f"fedsm.personalization = {self.params.personalization!r} trains in a loop of its own; "
+                "use --set fedsm.personalization=softpull"
+            )
+        return None
+
+    def dp_steps_per_round(self, cfg: RunConfig, n: int) -> int | None:
+        """The global and personalized models' local steps (2 × the site's steps per round) and the selector's
+        lockstep steps (at most ``fedsm.selector_steps``); with two phases the larger phase's count for every
+        round (a plan that over-counts, so the derived σ spends at most ε)."""
+        spr = steps_per_round(cfg.train, n)
+        cap = self.params.max_selector_steps
+        selector = spr if cap is None else min(cap, spr)
+        return max(2 * spr, selector) if self.two_phase else 2 * spr + selector
 
     def predictors(self):
         def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,386 @@
+"""The six prostate MR datasets of FedSM's prostate federation (Table 2): readers and slicing.
+
+Every reader gives a T2-weighted volume and a prostate mask on the same voxel grid (SimpleITK
+reads DICOM series, NIfTI, NRRD and MHD; highdicom reads ProstateX's DICOM-SEG). Then, as NVIDIA
+FLARE's 2D prostate preparation does, :func:`slices` keeps the axial slices whose mask has
+foreground and writes each once: the intensity is ``clip(v / 2048, 0, 1) × 255`` as 8-bit grey
+(:data:`INTENSITY_MAX`), the label 1 for prostate. Volumes are first put into the LPS
+orientation by axis permutations and flips only (``SimpleITK.DICOMOrient``, no resampling), so
+every slice is seen as a radiologist sees it (anterior up, the patient's right on the left) —
+the orientation NVIDIA FLARE's 2D slices have.
+
+Per dataset (docs/datasets.md): I2CVB masks are DICOM series, any non-zero voxel is prostate;
+MSD Task05 images are 4D with T2 first (channel 0 is taken) and labels 1 (peripheral zone) and
+2 (transition zone) are merged; NCI-ISBI masks are NRRD with the same two zones, stored in the
+DICOM series' native voxel order (their header geometry is not used, see
+:func:`_nci_convert`); PROMISE12 is MetaImage (0/1); ProstateX masks are DICOM-SEG with four
+zone segments merged into one, the urethra segment only where a zone is on the slice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, require, safe_id
+from fedseg.foundation.errors import DataError
+
+#: Intensities are divided by this and clipped to [0, 1] before 8-bit quantization (NVIDIA FLARE's
+#: prostate 2D conversion).
+INTENSITY_MAX = 2048.0
+#: ProstateX zone segment that counts only on slices where another segment is present (NVIDIA
+#: FLARE's label combination: the distal prostatic urethra).
+URETHRA_SEGMENT = 3
+SITK = ("SimpleITK",)
+
+
+def _sitk(title: str) -> Any:
+    return require("SimpleITK", title)
+
+
+def _series_dirs(folder: Path) -> list[Path]:
+    return sorted(Path(d) for d, _, names in os.walk(folder) if any(not n.startswith(".") for n in names))
+
+
+def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -> Any:
+    """The DICOM series under ``folder`` (any depth) as a SimpleITK image; with several series, the one
+    whose size (x, y, z) is ``want`` (e.g. its mask's), else the one with the most slices."""
+    sitk = _sitk(title)
+    found = []
+    for d in _series_dirs(folder):
+        for sid in sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(d)) or ():
+            found.append(sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(d), sid))
+    if not found:
+        raise DataError(f"{folder}: no DICOM series found -> check that the DICOM files were unpacked there")
+    reader = sitk.ImageSeriesReader()
+    sizes = []
+    for names in sorted(found, key=len, reverse=True):
+        reader.SetFileNames(names)
+        image = reader.Execute()
+        if want is None or tuple(image.GetSize()) == tuple(want):
+            return image
+        sizes.append(tuple(image.GetSize()))
+    raise DataError(
+        f"{folder}: no DICOM series of size {tuple(want)} (the mask's); found {sizes} -> check the case's files"
+    )
+
+
+def slices(image: Any, mask: Any, title: str) -> list[Unit]:
+    """Axial slices with foreground of (image, mask), both SimpleITK images on one grid: LPS-oriented,
+    image ``clip(v / INTENSITY_MAX, 0, 1) × 255`` as uint8, label ``mask > 0`` as uint8."""
+    sitk = _sitk(title)
+    if tuple(image.GetSize()) != tuple(mask.GetSize()):
+        raise DataError(f"image size {image.GetSize()} differs from mask size {mask.GetSize()} -> check the case")
+    mask.CopyInformation(image)
+    img = sitk.GetArrayFromImage(sitk.DICOMOrient(image, "LPS")).astype(np.float64)
+    lab = sitk.GetArrayFromImage(sitk.DICOMOrient(mask, "LPS")) > 0
+    if not np.isfinite(img).all():
+        raise DataError("image has NaN or infinite values -> re-export the volume")
+    grey = np.rint(np.clip(img / INTENSITY_MAX, 0.0, 1.0) * 255).astype(np.uint8)
+    return [(f"{z:03d}", grey[z], lab[z].astype(np.uint8)) for z in range(lab.shape[0]) if lab[z].any()]
+
+
+def _from_array(arr: np.ndarray, like: Any, title: str) -> Any:
+    sitk = _sitk(title)
+    out = sitk.GetImageFromArray(np.ascontiguousarray(arr.astype(np.uint8)))
+    out.CopyInformation(like)
+    return out
+
+
+# --- I2CVB -------------------------------------------------------------------------------------
+
+
+def _i2cvb_discover(root: Path, ds: Dataset) -> list[Case]:
+    cases = []
+    for vendor in ("GE", "Siemens"):
+        base = root / vendor
+        if not base.is_dir():
+            raise ds.missing(root, base)
+        for patient in sorted(p for p in base.iterdir() if p.is_dir()):
+            t2, gt = patient / "T2W", patient / "GT" / "prostate"
+            cid = safe_id(patient.name)
+            cases.append(Case(cid, cid, tuple(p for d in (t2, gt) for p in all_files(d)), {"t2": t2, "gt": gt}))
+    return cases
+
+
+def _i2cvb_convert(case: Case) -> list[Unit]:
+    for key in ("t2", "gt"):
+        if not all_files(case.info[key]):
+            raise DataError(f"{case.info[key]}: folder missing or empty -> unpack the patient's T2W and GT/prostate")
+    image = read_series(case.info["t2"], "I2CVB")
+    mask = read_series(case.info["gt"], "I2CVB")
+    sitk = _sitk("I2CVB")
+    arr = sitk.GetArrayFromImage(mask)
+    return slices(image, _from_array(arr > 0, mask, "I2CVB"), "I2CVB")
+
+
+# --- MSD Task05 --------------------------------------------------------------------------------
+
+
+def _msd_discover(root: Path, ds: Dataset) -> list[Case]:
+    images, labels = root / "Task05_Prostate" / "imagesTr", root / "Task05_Prostate" / "labelsTr"
+    for folder in (images, labels):
+        if not folder.is_dir():
+            raise ds.missing(root, folder)
+    cases = []
+    for path in files(images, (".gz", ".nii")):
+        cid = safe_id(path.name.split(".")[0])
+        cases.append(Case(cid, cid, (path, labels / path.name)))
+    return cases
+
+
+def _msd_convert(case: Case) -> list[Unit]:
+    sitk = _sitk("MSD Task05")
+    image_path, label_path = case.sources
+    if not label_path.is_file():
+        raise DataError(f"{label_path}: label missing -> unpack labelsTr next to imagesTr")
+    image = sitk.ReadImage(str(image_path))
+    if image.GetDimension() == 4:  # (x, y, z, modality): T2 first, ADC second
+        size = list(image.GetSize())
+        image = sitk.Extract(image, [*size[:3], 0], [0, 0, 0, 0])
+    label = sitk.ReadImage(str(label_path))
+    arr = sitk.GetArrayFromImage(label)
+    check_values(arr, (0, 1, 2), label_path, "0 background, 1 peripheral zone, 2 transition zone")
+    return slices(image, _from_array(arr > 0, label, "MSD Task05"), "MSD Task05")
+
+
+# --- NCI-ISBI 2013 -----------------------------------------------------------------------------
+
+_NCI_SUFFIXES = ("_truth", "_correctedLabels")
+_NCI_COLLECTIONS = {"3T": "Prostate-3T", "Dx": "PROSTATE-DIAGNOSIS"}
+
+
+def _nci_discover(root: Path, ds: Dataset, subset: str) -> list[Case]:
+    masks = root / "Mask"
+    if not masks.is_dir():
+        raise ds.missing(root, masks)
+    roots = [root / "Image", *sorted(root.glob(f"manifest-*/{_NCI_COLLECTIONS[subset]}"))]
+    if not any(r.is_dir() for r in roots):
+        raise ds.missing(root, root / "Image")
+    cases = []
+    for split in ("Training", "Test", "Leaderboard"):
+        for path in files(masks / split, (".nrrd",)):
+            cid = path.stem
+            for suffix in _NCI_SUFFIXES:
+                cid = cid.removesuffix(suffix)
+            if f"Prostate{subset}" not in cid:
+                continue
+            folder = next((r / cid for r in roots if (r / cid).is_dir()), roots[0] / cid)
+            cases.append(Case(safe_id(cid), safe_id(cid), (path, *all_files(folder)), {"images": folder}))
+    return cases
+
+
+def _nci_convert(case: Case) -> list[Unit]:
+    """The NRRD mask's voxel array lies in the DICOM series' native order (rows anterior to posterior,
+    slices as the series is sorted): it is placed on the image's grid as stored, its header geometry
+    unused. (NVIDIA FLARE flips the mask's second axis because dicom2nifti first reorients the
+    image to LAS; reading both with SimpleITK in native order needs no flip.)"""
+    sitk = _sitk("NCI-ISBI")
+    mask_path = case.sources[0]
+    if not case.info["images"].is_dir():
+        raise DataError(f"{case.info['images']}: the case's DICOM folder is missing -> unpack the TCIA download there")
+    arr = sitk.GetArrayFromImage(sitk.ReadImage(str(mask_path)))
+    check_values(arr, (0, 1, 2), mask_path, "0 background, 1 peripheral zone, 2 central gland")
+    image = read_series(case.info["images"], "NCI-ISBI", want=(arr.shape[2], arr.shape[1], arr.shape[0]))
+    return slices(image, _from_array(arr > 0, image, "NCI-ISBI"), "NCI-ISBI")
+
+
+# --- PROMISE12 ---------------------------------------------------------------------------------
+
+
+def _promise_discover(root: Path, ds: Dataset) -> list[Case]:
+    raw = root / "Raw_Data"
+    if not raw.is_dir():
+        raise ds.missing(root, raw)
+    cases = []
+    for path in files(raw, (".mhd",)):
+        if re.fullmatch(r"Case\d+", path.stem):
+            seg = raw / f"{path.stem}_segmentation.mhd"
+            srcs = (path, path.with_suffix(".raw"), seg, seg.with_suffix(".raw"))
+            cases.append(Case(path.stem, path.stem, srcs))
+    return cases
+
+
+def _promise_convert(case: Case) -> list[Unit]:
+    sitk = _sitk("PROMISE12")
+    image_path, _, seg_path, _ = case.sources
+    if not seg_path.is_file():
+        raise DataError(f"{seg_path}: segmentation missing -> unpack all three training archives into Raw_Data")
+    label = sitk.ReadImage(str(seg_path))
+    arr = sitk.GetArrayFromImage(label)
+    check_values(arr, (0, 1), seg_path, "0 background, 1 prostate")
+    return slices(sitk.ReadImage(str(image_path)), _from_array(arr, label, "PROMISE12"), "PROMISE12")
+
+
+# --- ProstateX ---------------------------------------------------------------------------------
+
+
+def _case_dirs(base: Path) -> dict[str, Path]:
+    """Folders named ProstateX-NNNN at most three levels under ``base`` (the TCIA download's nesting)."""
+    out: dict[str, Path] = {}
+    for depth in ("*", "*/*", "*/*/*"):
+        for p in sorted(base.glob(f"{depth}/ProstateX-*")):
+            if p.is_dir():
+                out.setdefault(p.name, p)
+    return out
+
+
+def _prostatex_discover(root: Path, ds: Dataset) -> list[Case]:
+    for folder in (root / "Image", root / "Mask"):
+        if not folder.is_dir():
+            raise ds.missing(root, folder)
+    images = _case_dirs(root / "Image")
+    cases = []
+    for cid, folder in _case_dirs(root / "Mask").items():
+        image_dir = images.get(cid, root / "Image" / cid)
+        segs = [p for p in all_files(folder) if p.suffix.lower() == ".dcm"]
+        cases.append(
+            Case(safe_id(cid), safe_id(cid), (*segs, *all_files(image_dir)), {"images": image_dir, "seg": segs})
+        )
+    return cases
+
+
+def _prostatex_convert(case: Case) -> list[Unit]:
+    sitk = _sitk("ProstateX")
+    pydicom = require("pydicom", "ProstateX")
+    hd = require("highdicom", "ProstateX")
+    if len(case.info["seg"]) != 1:
+        raise DataError(
+            f"{case.case_id}: expected one DICOM-SEG file in its mask folder, found {len(case.info['seg'])}"
+        )
+    seg_path = case.info["seg"][0]
+    seg = hd.seg.segread(str(seg_path))
+    referenced = {sop for _, _, sop in seg.get_source_image_uids()}
+    series = {r.SeriesInstanceUID for r in getattr(seg, "ReferencedSeriesSequence", [])}
+    image_dir = case.info["images"]
+    if not image_dir.is_dir():
+        raise DataError(f"{image_dir}: the case's T2 series is missing -> unpack the TCIA image download there")
+    reader = sitk.ImageSeriesReader()
+    names = None
+    for d in _series_dirs(image_dir):
+        for sid in reader.GetGDCMSeriesIDs(str(d)) or ():
+            if not series or sid in series:
+                names = reader.GetGDCMSeriesFileNames(str(d), sid)
+    if names is None:
+        raise DataError(
+            f"{image_dir}: no DICOM series referenced by {seg_path.name} -> download the referenced T2 series"
+        )
+    reader.SetFileNames(names)
+    image = reader.Execute()
+    uids = [pydicom.dcmread(n, stop_before_pixels=True).SOPInstanceUID for n in names]
+    numbers = [int(s.SegmentNumber) for s in seg.SegmentSequence]
+    present = [u for u in uids if u in referenced]
+    stack = np.zeros((len(uids), image.GetSize()[1], image.GetSize()[0], len(numbers)), bool)
+    if present:
+        px = seg.get_pixels_by_source_instance(present, segment_numbers=numbers, combine_segments=False)
+        index = {u: i for i, u in enumerate(uids)}
+        for j, u in enumerate(present):
+            stack[index[u]] = px[j] > 0
+    zones = stack[..., [i for i, n in enumerate(numbers) if n != URETHRA_SEGMENT]].any(axis=-1)
+    if URETHRA_SEGMENT in numbers:
+        urethra = stack[..., numbers.index(URETHRA_SEGMENT)]
+        zones |= urethra & zones.any(axis=(1, 2), keepdims=True)
+    return slices(image, _from_array(zones, image, "ProstateX"), "ProstateX")
+
+
+# --- the datasets ------------------------------------------------------------------------------
+
+
+def _make(site: str, discover, *args: Any, **kw: Any) -> Dataset:
+    def bound(root: Path) -> list[Case]:
+        return discover(root, ds, *args)
+
+    ds = Dataset(site=site, discover=bound, needs=SITK, **kw)
+    return ds
+
+
+_SLICES = f"LPS orientation; slices with prostate; clip(v/{INTENSITY_MAX:.0f})x255 uint8"
+_NCI = dict(
+    folder="NCI_ISBI",
+    source="https://www.cancerimagingarchive.net (NCI-ISBI 2013 Challenge: the 3 image manifests + 3 NRRD label zips)",
+    licence="TCIA data usage policy and the collection's licence",
+    citation="Bloch et al., NCI-ISBI 2013 Challenge: Automated Segmentation of Prostate Structures, TCIA 2015",
+    convert=_nci_convert,
+)
+_NCI_LAYOUT = (
+    "NCI_ISBI/Image/{id}/<study>/<series>/*.dcm  (or NCI_ISBI/manifest-*/{collection}/{id}/..., as NBIA writes it)\n"
+    "NCI_ISBI/Mask/{{Training,Test,Leaderboard}}/{id}[_truth].nrrd"
+)
+I2CVB = _make(
+    "i2cvb",
+    _i2cvb_discover,
+    title="I2CVB",
+    folder="I2CVB",
+    source="https://zenodo.org/record/162231 (ge-1-5t and siemens-3t archives, parts joined and untarred)",
+    licence="as stated on the Zenodo record",
+    citation="Lemaître et al., Computer-aided detection and diagnosis for prostate cancer based on mono and "
+    "multi-parametric MRI: a review, Computers in Biology and Medicine 2015",
+    layout="I2CVB/{GE,Siemens}/<Patient>/T2W/*.dcm\nI2CVB/{GE,Siemens}/<Patient>/GT/prostate/*.dcm",
+    convert=_i2cvb_convert,
+    steps=f"T2W DICOM; GT/prostate non-zero = prostate; {_SLICES}",
+    excluded={"Patient_428260": "its ground truth misses a slice (left out by NVIDIA FLARE's preparation)"},
+)
+MSD = _make(
+    "msd",
+    _msd_discover,
+    title="MSD Task05 Prostate",
+    folder="MSD",
+    source="http://medicaldecathlon.com (Task05_Prostate.tar)",
+    licence="CC BY-SA 4.0",
+    citation="Antonelli et al., The Medical Segmentation Decathlon, Nature Communications 2022",
+    layout="MSD/Task05_Prostate/imagesTr/prostate_NN.nii.gz  (4D: T2, ADC)\nMSD/Task05_Prostate/labelsTr/prostate_NN.nii.gz",
+    convert=_msd_convert,
+    steps=f"channel 0 (T2); labels 1+2 merged; {_SLICES}",
+)
+NCI_3T = _make(
+    "nci-isbi-3t",
+    _nci_discover,
+    "3T",
+    title="NCI-ISBI 2013 (Prostate-3T)",
+    layout=_NCI_LAYOUT.format(id="Prostate3T-NN-NNNN", collection="Prostate-3T"),
+    steps=f"DICOM series + NRRD mask in the series' voxel order; labels 1+2 merged; {_SLICES}",
+    **_NCI,
+)
+NCI_DX = _make(
+    "nci-isbi-dx",
+    _nci_discover,
+    "Dx",
+    title="NCI-ISBI 2013 (PROSTATE-DIAGNOSIS)",
+    layout=_NCI_LAYOUT.format(id="ProstateDx-NN-NNNN", collection="PROSTATE-DIAGNOSIS"),
+    steps=f"DICOM series + NRRD mask in the series' voxel order; labels 1+2 merged; {_SLICES}",
+    excluded={"ProstateDx-01-0055": "its image and label do not match (left out by NVIDIA FLARE's preparation)"},
+    **_NCI,
+)
+PROMISE12 = _make(
+    "promise12",
+    _promise_discover,
+    title="PROMISE12",
+    folder="Promise12",
+    source="https://promise12.grand-challenge.org (Training data parts 1-3, extracted with 7z)",
+    licence="registration on grand-challenge.org; the challenge's terms",
+    citation="Litjens et al., Evaluation of prostate segmentation algorithms for MRI: the PROMISE12 "
+    "challenge, Medical Image Analysis 2014",
+    layout="Promise12/Raw_Data/CaseNN.{mhd,raw}\nPromise12/Raw_Data/CaseNN_segmentation.{mhd,raw}",
+    convert=_promise_convert,
+    steps=f"MetaImage; label 0/1; {_SLICES}",
+)
+PROSTATEX = Dataset(
+    site="prostatex",
+    discover=lambda root: _prostatex_discover(root, PROSTATEX),
+    title="ProstateX (zone segmentations)",
+    folder="PROSTATEx",
+    source="https://www.cancerimagingarchive.net (PROSTATEx and its zone segmentations, PROSTATEx-Seg-Zones)",
+    licence="TCIA data usage policy and the collections' licences",
+    citation="Litjens et al., ProstateX Challenge data, TCIA 2017; Meyer et al., PROSTATEx Zone "
+    "Segmentations, TCIA 2020",
+    layout="PROSTATEx/Image/<manifest>/PROSTATEx/ProstateX-NNNN/<study>/<T2 series>/*.dcm\n"
+    "PROSTATEx/Mask/<manifest>/PROSTATEx/ProstateX-NNNN/<study>/<series>/<seg>.dcm  (DICOM-SEG)",
+    convert=_prostatex_convert,
+    steps=f"DICOM-SEG zones merged (urethra only on slices with a zone); {_SLICES}",
+    needs=("SimpleITK", "pydicom", "highdicom"),
+)
+DATASETS = (I2CVB, MSD, NCI_3T, NCI_DX, PROMISE12, PROSTATEX)

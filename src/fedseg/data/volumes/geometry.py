@@ -1,0 +1,204 @@
+"""Where a volume's voxels are in the patient: reading the affine, one orientation, one spacing, and back.
+
+A scanner stores a volume as an array plus an affine that maps voxel indices to millimetres in the
+patient (NIfTI's sform/qform).  Two sites' arrays are comparable only once both are in one orientation
+(RAS: the first axis runs to the patient's Right→left… here, towards Right as MONAI's ``Orientation``
+defines it) and on one voxel spacing; fedseg brings every volume into the plan's grid with MONAI's
+``Orientation`` and ``Spacing`` (images interpolated linearly, labels nearest) and keeps the original
+affine and shape of every case, so that a prediction is resampled back into the scan's own grid and
+scored there (:func:`to_original_grid`).
+
+Arrays here are channel-first ``(C, X, Y, Z)`` in the file's axis order; labels are integer ``(X, Y, Z)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedseg.foundation.errors import DataError
+
+__all__ = [
+    "Geometry",
+    "check_pair",
+    "read_case",
+    "read_volume",
+    "spacing_of",
+    "to_original_grid",
+    "to_plan_grid",
+]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The grid of one volume: its voxel → millimetre affine (4 × 4) and its spatial shape."""
+
+    affine: np.ndarray
+    shape: tuple[int, int, int]
+
+    @property
+    def spacing(self) -> tuple[float, float, float]:
+        """Voxel size along each array axis, in mm (the column norms of the affine's 3 × 3 part)."""
+        return spacing_of(self.affine)
+
+    def to_json(self) -> dict:
+        return {"affine": np.asarray(self.affine, dtype=np.float64).tolist(), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Geometry:
+        return cls(np.asarray(d["affine"], dtype=np.float64), tuple(int(s) for s in d["shape"]))
+
+
+def spacing_of(affine: np.ndarray) -> tuple[float, float, float]:
+    """Voxel spacing (mm) of each array axis from a 4 × 4 affine."""
+    a = np.asarray(affine, dtype=np.float64)[:3, :3]
+    return tuple(float(v) for v in np.sqrt((a * a).sum(axis=0)))
+
+
+def read_volume(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read a NIfTI volume with its affine.
+
+    Returns ``(array, affine)``: the array as stored, (X, Y, Z) or (X, Y, Z, C), and the 4 × 4
+    voxel → mm affine in RAS+ world coordinates (nibabel's convention).
+
+    Raises
+    ------
+    DataError
+        The file cannot be read, is not 3D (or 3D with channels), or its affine is missing, not
+        finite or not invertible — each naming the file and the fix.
+    """
+    import nibabel as nib  # deferred like every reader of image files
+
+    path = Path(path)
+    try:
+        img = nib.load(str(path))
+        arr = np.asarray(img.dataobj)
+    except Exception as e:  # nibabel raises several types for a bad file
+        raise DataError(f"{path}: cannot be read as NIfTI ({type(e).__name__}: {e}) -> re-save it as .nii.gz") from None
+    if arr.ndim not in (3, 4):
+        raise DataError(
+            f"{path}: has {arr.ndim} dimensions {arr.shape}; a 3D volume (X, Y, Z) or (X, Y, Z, C) is expected "
+            "-> store one volume per file (split 4D series, e.g. keep the T2 channel)"
+        )
+    affine = img.affine
+    if affine is None or not np.isfinite(affine).all() or abs(np.linalg.det(np.asarray(affine)[:3, :3])) < 1e-12:
+        raise DataError(
+            f"{path}: its affine (voxel to mm) is missing or not invertible -> re-save the file with its "
+            "scanner geometry (e.g. from the DICOM series with SimpleITK or dcm2niix)"
+        )
+    return arr, np.asarray(affine, dtype=np.float64)
+
+
+def check_pair(image_path: str | Path, image_affine: np.ndarray, image_shape, label_path, label_affine, label_shape):
+    """Refuse an image and label that are not on one grid, naming both files.
+
+    Shapes must be equal and affines equal to 1e-3 mm (scanner exports round the affine)."""
+    if tuple(image_shape) != tuple(label_shape):
+        raise DataError(
+            f"{label_path}: label shape {tuple(label_shape)} differs from image shape {tuple(image_shape)} "
+            f"of {image_path} -> save the label in the image's grid (same shape and affine)"
+        )
+    if not np.allclose(image_affine, label_affine, atol=1e-3):
+        raise DataError(
+            f"{label_path}: label affine differs from the affine of {image_path} (the label is not in the "
+            "image's grid) -> resample the label onto the image (nearest neighbour) and save it with the image's affine"
+        )
+
+
+def _meta(array: np.ndarray, affine: np.ndarray):
+    from monai.data import MetaTensor
+
+    return MetaTensor(torch.as_tensor(np.ascontiguousarray(array)), affine=torch.as_tensor(affine, dtype=torch.float64))
+
+
+def to_plan_grid(
+    image: np.ndarray, label: np.ndarray | None, affine: np.ndarray, spacing: tuple[float, float, float]
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Reorient to RAS and resample to ``spacing`` (mm).
+
+    Parameters
+    ----------
+    image
+        ``(C, X, Y, Z)`` float32.
+    label
+        ``(X, Y, Z)`` integer, or None.
+    affine
+        The case's 4 × 4 affine.
+    spacing
+        Target voxel spacing of the RAS axes.
+
+    Returns
+    -------
+    (image, label, affine)
+        The image resampled with (tri)linear interpolation, the label with nearest neighbour (its values
+        stay in the label set), and the affine of the new grid.
+    """
+    from monai.transforms import Orientation, Spacing
+
+    orient = Orientation(axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S")))  # nibabel's RAS+
+    img = orient(_meta(image.astype(np.float32), affine))
+    img = Spacing(pixdim=spacing, mode="bilinear", padding_mode="border")(img)
+    new_affine = np.asarray(img.affine, dtype=np.float64)
+    lab = None
+    if label is not None:
+        lab_t = orient(_meta(label[None].astype(np.float32), affine))
+        lab_t = Spacing(pixdim=spacing, mode="nearest", padding_mode="zeros")(lab_t)
+        lab = np.rint(np.asarray(lab_t.as_tensor()[0])).astype(np.int64)
+        if lab.shape != tuple(img.shape[1:]):  # both grids follow from the same affine and shape
+            raise AssertionError(f"label grid {lab.shape} differs from image grid {tuple(img.shape[1:])}")
+    return np.asarray(img.as_tensor(), dtype=np.float32), lab, new_affine
+
+
+def to_original_grid(
+    array: torch.Tensor, affine: np.ndarray, original: Geometry, mode: str = "bilinear"
+) -> torch.Tensor:
+    """Resample ``array`` (C, X, Y, Z) on the grid ``affine`` into the scan's own grid ``original``.
+
+    The inverse of :func:`to_plan_grid` (and of any crop or pad recorded in ``affine``): every voxel of the
+    original grid takes the value at its millimetre position in ``array`` (linear interpolation for
+    probabilities or logits, ``mode="nearest"`` for labels).  Points outside ``array`` take the border value.
+    """
+    from monai.transforms import SpatialResample
+
+    src = _meta(array.detach().cpu().float().numpy(), affine)
+    out = SpatialResample(mode=mode, padding_mode="border", dtype=torch.float64)(
+        src, dst_affine=torch.as_tensor(original.affine, dtype=torch.float64), spatial_size=original.shape
+    )
+    return out.as_tensor().float()
+
+
+def read_case(image_path: str | Path, label_path: str | Path, in_channels: int, label_values=None):
+    """Read one volume case: ``(image (C, X, Y, Z) in file units, label (X, Y, Z) int64, affine)``.
+
+    Every problem is one :class:`DataError` naming the file and the fix: unreadable, not 3D, missing or
+    non-invertible affine, image and label not on one grid, a NaN or infinite voxel, the wrong channel
+    count, label values outside ``label_values``.
+    """
+    image, affine = read_volume(image_path)
+    label, label_affine = read_volume(label_path)
+    if label.ndim == 4 and label.shape[-1] == 1:
+        label = label[..., 0]
+    if label.ndim != 3:
+        raise DataError(f"{label_path}: label has shape {label.shape}; one integer label map (X, Y, Z) is expected")
+    image = image[None] if image.ndim == 3 else np.moveaxis(image, -1, 0)
+    check_pair(image_path, affine, image.shape[1:], label_path, label_affine, label.shape)
+    if image.shape[0] != in_channels:
+        raise DataError(
+            f"{image_path}: has {image.shape[0]} channel(s) but in_channels = {in_channels} -> "
+            "keep the channels the spec declares or set data.in_channels"
+        )
+    if image.dtype.kind == "f" and not np.isfinite(image).all():
+        raise DataError(f"{image_path}: contains NaN or infinite voxels -> replace them (e.g. with the air value)")
+    if label.dtype.kind == "f" and not (np.isfinite(label).all() and (label == np.round(label)).all()):
+        raise DataError(f"{label_path}: label has non-integer values -> save integer class values")
+    label = label.astype(np.int64)
+    if label_values is not None:
+        extra = sorted(set(np.unique(label).tolist()) - set(label_values))
+        if extra:
+            raise DataError(
+                f"{label_path}: label values {extra[:10]} are not declared in [data.labels] -> declare them or re-save the label"
+            )
+    return image, label, affine

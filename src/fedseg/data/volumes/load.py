@@ -1,0 +1,180 @@
+"""A volume federation's plan and its sites' splits in the plan's grid.
+
+:func:`plan_federation` runs the two fingerprint passes at every site of a spec (in one process, as the
+simulation does; each site reads only its own files) and makes the plan.  :func:`load_volume_split`
+brings one split of one site into the plan's grid: read with the affine, normalized by the plan's
+intensity scheme, reoriented to RAS and resampled to the target spacing, padded at the far end of each
+axis to a common shape (padding at the end leaves the affine unchanged).  Validation and test cases keep
+their original geometry and label, and :class:`VolumeDataset.original_grid` resamples a prediction back
+into the scan's own voxels, where Dice is scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedseg.data.datalist import load_datalist
+from fedseg.data.loading import SegmentationDataset, label_channels
+from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
+from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
+from fedseg.data.volumes.intensity import normalize_volume
+from fedseg.data.volumes.plan import Plan, load_plan, make_plan, save_plan
+from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
+from fedseg.foundation.errors import DataError
+
+__all__ = [
+    "VolumeDataset",
+    "ensure_plan",
+    "load_volume_split",
+    "pad_to_common_shape",
+    "plan_federation",
+    "plan_for_run",
+    "plan_path",
+]
+
+
+def plan_path(fed: FederationSpec) -> Path:
+    """Where a federation's plan lives: ``<spec>.plan.json`` beside the spec."""
+    return fed.path.with_name(fed.path.stem + ".plan.json")
+
+
+def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iterator[tuple]:
+    root = site.datalist.parent
+    for entry in load_datalist(site.datalist, site=site.name)[split]:
+        image, label, affine = read_case(entry["image"], entry["label"], fed.in_channels, fed.label_values)
+        try:
+            cid = Path(entry["image"]).relative_to(root).as_posix()
+        except ValueError:
+            cid = str(entry["image"])
+        yield cid, image, label, affine
+
+
+def _triples(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
+    for _cid, image, label, affine in _cases(fed, site):
+        yield image, label, affine
+
+
+def plan_federation(
+    fed: FederationSpec, *, patch_voxels: int = 64 * 64 * 32, log: Callable[[str], None] = print
+) -> Plan:
+    """Fingerprint every site's training cases (two passes) and make the plan; no voxel leaves a site."""
+    fingerprints = {s.name: site_fingerprint(_triples(fed, s)) for s in fed.sites}
+
+    def histograms(edges: list[float]) -> dict[str, list[int]]:
+        return {s.name: site_histogram(_triples(fed, s), edges) for s in fed.sites if s.name in fingerprints}
+
+    return make_plan(fingerprints, histograms, patch_voxels=patch_voxels, log=log)
+
+
+def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print) -> Plan:
+    """The federation's plan file, or a new plan written beside the spec (and logged) when there is none."""
+    path = plan_path(fed)
+    if path.is_file():
+        return load_plan(path)
+    plan = plan_federation(fed, log=log)
+    save_plan(plan, path)
+    log(f"plan: {path} (made from {plan.cases} training cases of {len(plan.sites)} sites; edit it to override)")
+    return plan
+
+
+class VolumeDataset(SegmentationDataset):
+    """Cases in the plan's grid, padded to one shape, with what is needed to score in each scan's own grid.
+
+    Attributes (beside :class:`SegmentationDataset`'s)
+    -----------
+    affines : list of np.ndarray
+        The plan-grid affine of every case.
+    originals : list of Geometry or None
+        The scan's own grid (validation and test splits).
+    original_labels : list of torch.Tensor or None
+        The label channels (L, X, Y, Z) in the scan's own grid (validation and test splits).
+    """
+
+    def __init__(self, images, labels, case_ids, affines, originals=None, original_labels=None):
+        super().__init__(images, labels, case_ids)
+        self.affines = affines
+        self.originals = originals
+        self.original_labels = original_labels
+
+    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prediction, label)`` of case ``i`` in its scan's own grid: the prediction (logits, C × plan
+        grid) resampled linearly back through the inverse of the plan's resampling and reorientation."""
+        if self.originals is None:
+            raise ValueError("this split keeps no original geometry (training split)")
+        pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
+        return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
+
+
+def load_volume_split(fed: FederationSpec, site: SiteSpec, split: str, plan: Plan) -> VolumeDataset:
+    """One split of one site in the plan's grid (module docstring)."""
+    keep = split != "training"
+    images, labels, ids, affines, originals, orig_labels = [], [], [], [], [], []
+    for cid, image, label, affine in _cases(fed, site, split):
+        x = normalize_volume(image, plan.intensity["mode"], plan.intensity)
+        x, lab, new_affine = to_plan_grid(x, label, affine, tuple(plan.target_spacing))
+        images.append(x)
+        labels.append(lab)
+        ids.append(cid)
+        affines.append(new_affine)
+        if keep:
+            originals.append(Geometry(affine, tuple(label.shape)))
+            orig_labels.append(torch.from_numpy(label_channels(label, fed.labels)))
+    if not images:
+        raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
+    shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
+    x = np.zeros((len(images), fed.in_channels, *shape), dtype=np.float32)
+    y = np.zeros((len(images), len(fed.labels), *shape), dtype=np.float32)
+    for i, (im, lab) in enumerate(zip(images, labels)):
+        region = tuple(slice(0, s) for s in im.shape[1:])
+        x[i] = im.min()  # pad with the volume's lowest value (air), at the far end of each axis
+        x[(i, slice(None), *region)] = im
+        y[(i, slice(None), *region)] = label_channels(lab, fed.labels)
+    return VolumeDataset(
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        ids,
+        affines,
+        originals if keep else None,
+        orig_labels if keep else None,
+    )
+
+
+def pad_to_common_shape(data: dict) -> dict:
+    """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
+    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move."""
+    sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
+    shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
+    for ds in sets:
+        if list(ds.images.shape[2:]) == shape:
+            continue
+        n, c, nl = ds.images.shape[0], ds.images.shape[1], ds.labels.shape[1]
+        region = (slice(None), slice(None), *(slice(0, s) for s in ds.images.shape[2:]))
+        images = ds.images.amin(dim=(2, 3, 4), keepdim=True).expand(n, c, *shape).clone()
+        images[region] = ds.images
+        labels = torch.zeros(n, nl, *shape, dtype=ds.labels.dtype)
+        labels[region] = ds.labels
+        ds.images, ds.labels = images, labels
+    return data
+
+
+def plan_for_run(cfg: RunConfig, plan: Plan, log: Callable[[str], None] = print) -> RunConfig:
+    """The run config with the plan's network and patch where the run leaves them at their defaults
+    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged."""
+    model, ev = cfg.model, cfg.eval
+    if model.roi_size is None:
+        model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
+        log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
+    default = ModelConfig()
+    if model.channels == default.channels and model.strides == default.strides:
+        model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
+        log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
+    if ev.every == EvalConfig().every and plan.eval_every != ev.every:
+        ev = dataclasses.replace(ev, every=plan.eval_every)
+        log(f"plan: eval.every = {plan.eval_every} (sliding windows over every validation volume are costly)")
+    return dataclasses.replace(cfg, model=model, eval=ev)

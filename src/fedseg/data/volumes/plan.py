@@ -1,0 +1,317 @@
+"""The federated plan of a volume federation: one grid, one patch, one network, one intensity scheme.
+
+The server derives the plan from the sites' fingerprints (:mod:`fedseg.data.volumes.fingerprint`) as
+nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
+
+* **target spacing** — the median spacing of every training case of every site, per RAS axis; when the
+  coarsest axis is more than 3 × the finest and the median shape along it is less than a third of the
+  others (nnU-Net's anisotropy rule), that axis takes the 10th percentile of its spacings instead;
+* **intensity** — ``"ct"`` when the volumes look like CT (integer values with air below −500) else
+  ``"zscore"``; for CT the pooled foreground mean and sd (exact: Chan et al.'s parallel combination of
+  each site's count, mean and centred sum of squares, in float64) and the pooled 0.5 / 99.5 percentiles
+  from the pooled histogram (within one bin of the percentiles of the pooled voxels);
+* **volume shape** — the median shape of the resampled cases; every case is padded (never stretched) to
+  at least the patch;
+* **patch size** — the median resampled shape, shrunk along its longest physical axis until it holds at
+  most ``patch_voxels`` voxels, each side a multiple of its down-sampling factor;
+* **network** — one U-Net level per halving that leaves at least 4 voxels on an axis; an axis that can
+  no longer be halved keeps stride 1 (so a thick-slice axis is pooled less than the in-plane ones).
+
+The plan is a small JSON file (:func:`save_plan`, beside the federation spec), printed, recorded with the
+run, and any field may be edited by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedseg.data.volumes.fingerprint import check_fingerprint, check_histogram
+from fedseg.foundation.errors import ConfigError, DataError
+
+__all__ = [
+    "HISTOGRAM_BINS",
+    "Plan",
+    "histogram_edges",
+    "load_plan",
+    "make_plan",
+    "pooled_moments",
+    "pooled_percentiles",
+    "save_plan",
+    "target_spacing",
+]
+
+HISTOGRAM_BINS = 4096
+ANISOTROPY = 3.0
+PERCENTILES = (0.5, 99.5)
+MIN_FEATURE = 4
+MAX_LEVELS = 5
+
+
+@dataclass
+class Plan:
+    """A federation's plan (every field may be edited in the JSON file; see the module docstring)."""
+
+    target_spacing: list[float]
+    """Voxel spacing (mm) of the RAS axes every volume is resampled to."""
+    volume_shape: list[int]
+    """Median shape of the resampled training cases (RAS axes)."""
+    patch_size: list[int]
+    """Training patch and sliding-window size (RAS axes)."""
+    channels: list[int]
+    """U-Net feature channels per level."""
+    strides: list[list[int]]
+    """Down-sampling stride per level and axis (1 where an axis can no longer be halved)."""
+    intensity: dict[str, Any]
+    """``{"mode": "ct", "lo", "hi", "mean", "sd"}`` or ``{"mode": "zscore"}`` (or ``"window"`` with ``window``)."""
+    eval_every: int = 5
+    """Validate every this many rounds (sliding windows over volumes are costly)."""
+    sites: list[str] = field(default_factory=list)
+    """Sites whose fingerprints made the plan."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Sites whose fingerprint was refused, with the reason."""
+    cases: int = 0
+    """Training cases the plan was made from."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], where: str = "plan") -> Plan:
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+        try:
+            plan = cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e}; run `fedseg plan` to write a complete plan") from None
+        plan.check(where)
+        return plan
+
+    def check(self, where: str = "plan") -> None:
+        """Refuse an inconsistent plan (e.g. one edited by hand) with the field and the fix."""
+        for name in ("target_spacing", "volume_shape", "patch_size"):
+            v = getattr(self, name)
+            if not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v)):
+                raise ConfigError(f"{where}: {name} = {v!r}; give three positive numbers (RAS axes)")
+        if len(self.strides) != len(self.channels) - 1 or any(len(s) != 3 for s in self.strides):
+            raise ConfigError(f"{where}: strides must have one [x, y, z] entry fewer than channels")
+        factor = [math.prod(s[a] for s in self.strides) for a in range(3)]
+        bad = [a for a in range(3) if self.patch_size[a] % factor[a]]
+        if bad:
+            raise ConfigError(
+                f"{where}: patch_size {self.patch_size} is not divisible by the strides' down-sampling {factor} -> "
+                "make each side a multiple of its factor"
+            )
+        mode = self.intensity.get("mode")
+        if mode == "ct" and not all(k in self.intensity for k in ("lo", "hi", "mean", "sd")):
+            raise ConfigError(f"{where}: intensity mode 'ct' needs lo, hi, mean and sd")
+        if mode == "window" and len(self.intensity.get("window", ())) != 2:
+            raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
+        if mode not in ("ct", "zscore", "window", "minmax"):
+            raise ConfigError(f"{where}: intensity mode {mode!r}; use 'ct', 'zscore', 'window' or 'minmax'")
+
+
+def pooled_moments(parts: Sequence[Mapping[str, float]]) -> tuple[int, float, float]:
+    """``(count, mean, sd)`` of the union of samples given as ``{count, mean, m2}`` per part.
+
+    Chan, Golub & LeVeque's pairwise update: for parts a, b with n = n_a + n_b and δ = mean_b − mean_a,
+    mean = mean_a + δ n_b / n and M2 = M2_a + M2_b + δ² n_a n_b / n; sd = sqrt(M2 / n) (population sd, as
+    nnU-Net's ``np.std``).  Exact up to float64 rounding, unlike sums of squares.
+    """
+    n, mean, m2 = 0, 0.0, 0.0
+    for p in parts:
+        nb = int(p["count"])
+        if nb == 0:
+            continue
+        delta, tot = float(p["mean"]) - mean, n + nb
+        mean += delta * nb / tot
+        m2 += float(p["m2"]) + delta * delta * n * nb / tot
+        n = tot
+    return n, mean, math.sqrt(m2 / n) if n else 0.0
+
+
+def histogram_edges(lo: float, hi: float, bins: int = HISTOGRAM_BINS) -> list[float]:
+    """The fixed grid of the pass-2 histograms: ``bins`` equal bins over [lo, hi]."""
+    if not hi > lo:
+        hi = lo + 1.0
+    return np.linspace(lo, hi, bins + 1).tolist()
+
+
+def pooled_percentiles(counts: Sequence[int], edges: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """Percentiles ``qs`` (0–100) of the pooled voxels from their histogram, interpolated within the bin
+    where the cumulative count crosses ``q``% of the total: the value lies in that bin, as does the true
+    percentile, so the two differ by less than one bin width."""
+    c = np.asarray(counts, dtype=np.float64)
+    e = np.asarray(edges, dtype=np.float64)
+    cum = np.cumsum(c)
+    out = []
+    for q in qs:
+        target = q / 100.0 * cum[-1]
+        i = int(np.searchsorted(cum, target, side="left"))
+        i = min(i, len(c) - 1)
+        before = cum[i - 1] if i else 0.0
+        frac = (target - before) / c[i] if c[i] else 0.0
+        out.append(float(e[i] + frac * (e[i + 1] - e[i])))
+    return out
+
+
+def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
+    """Median spacing per axis, with nnU-Net's anisotropy rule (module docstring)."""
+    target = np.median(spacings, axis=0)
+    sizes = np.median(shapes * spacings / target, axis=0)
+    worst = int(np.argmax(target))
+    others = [a for a in range(3) if a != worst]
+    if target[worst] > ANISOTROPY * max(target[others]) and sizes[worst] * ANISOTROPY < min(sizes[others]):
+        t = float(np.percentile(spacings[:, worst], 10))
+        target[worst] = max(t, max(target[others]) + 1e-5)
+    return [float(v) for v in target]
+
+
+def _topology(
+    patch: list[int], spacing: list[float], base: int = 16, cap: int = 320
+) -> tuple[list[int], list[list[int]]]:
+    """U-Net channels and per-axis strides for a patch: at each level, halve every axis that keeps at least
+    ``MIN_FEATURE`` voxels and whose current spacing is at most twice the finest (so thick slices are
+    pooled only once the in-plane resolution has caught up, as in nnU-Net)."""
+    strides: list[list[int]] = []
+    size, sp = list(patch), list(spacing)
+    while len(strides) < MAX_LEVELS - 1:
+        fits = [a for a in range(3) if size[a] // 2 >= MIN_FEATURE]
+        if not fits:
+            break
+        finest = min(sp[a] for a in fits)
+        s = [2 if a in fits and sp[a] <= 2 * finest else 1 for a in range(3)]
+        strides.append(s)
+        size = [size[a] // s[a] for a in range(3)]
+        sp = [sp[a] * s[a] for a in range(3)]
+    channels = [min(base * 2**i, cap) for i in range(len(strides) + 1)]
+    return channels, strides
+
+
+def _patch(shape: list[float], spacing: list[float], patch_voxels: int) -> list[int]:
+    patch = [max(MIN_FEATURE, round(float(s))) for s in shape]
+    while math.prod(patch) > patch_voxels and not all(p == MIN_FEATURE for p in patch):
+        extent = [patch[a] * spacing[a] if patch[a] > MIN_FEATURE else 0.0 for a in range(3)]
+        a = int(np.argmax(extent))
+        patch[a] = max(MIN_FEATURE, int(patch[a] * 0.9))
+    for _ in range(MAX_LEVELS):  # each side a multiple of the down-sampling its axis gets
+        _, strides = _topology(patch, spacing)
+        factor = [math.prod(s[a] for s in strides) for a in range(3)]
+        rounded = [max(factor[a], patch[a] // factor[a] * factor[a]) for a in range(3)]
+        if rounded == patch:
+            break
+        patch = rounded
+    return patch
+
+
+def make_plan(
+    fingerprints: Mapping[str, Any],
+    histogram: Callable[[list[float]], Mapping[str, Any]],
+    *,
+    patch_voxels: int = 64 * 64 * 32,
+    log: Callable[[str], None] = print,
+) -> Plan:
+    """The plan from every site's pass-1 fingerprint and their pass-2 histograms.
+
+    Parameters
+    ----------
+    fingerprints
+        ``{site: pass-1 reply}`` (:func:`fedseg.data.volumes.fingerprint.site_fingerprint`).
+    histogram
+        ``histogram(edges) -> {site: counts}``: asks the accepted sites for pass 2 on ``edges``.
+    patch_voxels
+        Memory budget of one patch, in voxels.
+    log
+        Where rejections are reported.
+
+    Raises
+    ------
+    DataError
+        No site's fingerprint can be used.
+    """
+    ok, rejected = {}, {}
+    for site, fp in fingerprints.items():
+        why = check_fingerprint(fp)
+        if why is None:
+            ok[site] = fp
+        else:
+            rejected[site] = why
+            log(f"plan: fingerprint of site {site} rejected ({why}); planning from the other sites")
+    if not ok:
+        raise DataError(
+            "no site sent a usable fingerprint: "
+            + "; ".join(f"{s}: {w}" for s, w in rejected.items())
+            + " -> check each site's training volumes and labels (`fedseg validate`)"
+        )
+    cases = [c for fp in ok.values() for c in fp["cases"]]
+    spacings = np.array([c["spacing"] for c in cases], dtype=np.float64)
+    shapes = np.array([c["shape"] for c in cases], dtype=np.float64)
+    spacing = target_spacing(spacings, shapes)
+    resampled = np.median(shapes * spacings / np.asarray(spacing), axis=0)
+    patch = _patch(resampled.tolist(), spacing, patch_voxels)
+    channels, strides = _topology(patch, spacing)
+
+    fgs = [fp["foreground"] for fp in ok.values()]
+    lo = min(f["min"] for f in fgs)
+    hi = max(f["max"] for f in fgs)
+    ct_like = all(fp["integer"] for fp in ok.values()) and min(fp["min"] for fp in ok.values()) < -500
+    intensity: dict[str, Any] = {"mode": "zscore"}
+    if ct_like:
+        edges = histogram_edges(lo, hi)
+        replies = histogram(edges)
+        counts = np.zeros(len(edges) - 1, dtype=np.int64)
+        for site in list(ok):
+            why = check_histogram(replies.get(site), len(edges) - 1, ok[site]["foreground"]["count"])
+            if why is not None:
+                rejected[site] = why
+                log(f"plan: histogram of site {site} rejected ({why}); planning from the other sites")
+                del ok[site]
+                continue
+            counts += np.asarray(replies[site], dtype=np.int64)
+        if not ok:
+            raise DataError("no site sent a usable histogram -> check the sites' logs")
+        _, mean, sd = pooled_moments([ok[s]["foreground"] for s in ok])
+        p_lo, p_hi = pooled_percentiles(counts.tolist(), edges, PERCENTILES)
+        intensity = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
+    return Plan(
+        target_spacing=spacing,
+        volume_shape=[round(float(v)) for v in resampled],
+        patch_size=patch,
+        channels=channels,
+        strides=strides,
+        intensity=intensity,
+        sites=sorted(ok),
+        rejected=rejected,
+        cases=sum(len(ok[s]["cases"]) for s in ok),
+    )
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write the plan as indented JSON (atomically: a reader never sees half a plan)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and check a plan file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no plan file -> run `fedseg plan` on the federation spec") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}) -> fix it or delete it and run `fedseg plan`") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a plan is a JSON object -> run `fedseg plan` again")
+    return Plan.from_json(raw, where=str(path))

@@ -1,0 +1,72 @@
+"""The privacy accountant of DP-SGD: ε of a site's privatized steps at δ, and the noise multiplier of a target ε.
+
+A site's privatized steps are a composition of subsampled Gaussian mechanisms, each with noise multiplier σ
+(the noise's standard deviation over the clipping norm) and sampling rate q = batch size / training cases.
+They are kept as Opacus' accountant history, ``[(σ, q, steps), ...]``, and ε is Opacus' own
+(``opacus.accountants.RDPAccountant`` or ``PRVAccountant``).
+
+**Sampling assumption.**  Both accountants analyse Poisson subsampling: every case enters a batch
+independently with probability q.  fedseg's batches are not drawn that way: each pass over a site's data is
+a seeded permutation cut into batches of ``train.batch_size`` (:meth:`fedseg.site.runtime.Site.batches`),
+i.e. fixed-size batches without replacement within a pass (shuffling).  The ε reported here is the
+Poisson-subsampling ε at q = B / n, the convention of Opacus and of most DP-SGD papers for shuffled
+batches; it is not a proof for shuffling, whose exact analysis differs (and can be weaker at the same
+σ and q).  ``docs/privacy.md`` says so where the numbers are shown.
+
+Opacus is imported inside the functions (a heavy optional dependency).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+__all__ = ["History", "epsilon", "noise_multiplier", "sample_rate"]
+
+History = Sequence[tuple[float, float, int]]
+"""Opacus' accountant history: ``(noise multiplier σ, sampling rate q, steps)`` per kind of step."""
+
+
+def sample_rate(batch_size: int, n: int) -> float:
+    """q = batch size / training cases (at most 1): the Poisson sampling rate the accountant assumes."""
+    if n < 1:
+        raise ValueError(f"a site with {n} training cases has no sampling rate")
+    return min(1.0, batch_size / n)
+
+
+def _accountant(kind: str, history: History):
+    from opacus.accountants import create_accountant
+
+    acc = create_accountant(mechanism=kind)
+    acc.history = [(float(s), float(q), int(t)) for s, q, t in history if t > 0]
+    return acc
+
+
+def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
+    """ε at ``delta`` of the steps in ``history`` (0 with no steps), by Opacus' ``accountant``
+    ('rdp' or 'prv').  Answers are kept (an RDP answer over Opacus' fractional orders takes about 0.2 s)."""
+    return _epsilon(tuple((float(s), float(q), int(t)) for s, q, t in history if t > 0), float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=1024)
+def _epsilon(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
+    if not history:
+        return 0.0
+    return float(_accountant(accountant, history).get_epsilon(delta=delta))
+
+
+@functools.lru_cache(maxsize=256)
+def noise_multiplier(target_epsilon: float, delta: float, q: float, steps: int, accountant: str = "rdp") -> float:
+    """The smallest σ (to Opacus' tolerance of 0.01 in ε) whose ``steps`` subsampled steps at rate ``q``
+    spend at most ``target_epsilon`` at ``delta``: ``opacus.accountants.utils.get_noise_multiplier``."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=q,
+            steps=max(1, int(steps)),
+            accountant=accountant,
+        )
+    )

@@ -1,0 +1,453 @@
+"""Miniature replicas of the public datasets ``fedseg prepare`` reads, in their real layouts.
+
+Each writer puts a handful of tiny cases under ``raw`` with the release's folder and file names,
+formats, label encodings and quirks (docs/datasets.md): Drishti-GS1 soft maps (one smaller than
+its image), RIGA's six annotators' outlines drawn on copies of the image (JPEG for BinRushed, one
+annotator in TIFF as in BinRushed1-Corrected), RIM-ONE r3 stereo pairs with full-width masks and
+two eyes of one patient, REFUGE's 0/128/255 BMP masks; DICOM series written with pydicom, MSD's 4D
+NIfTI with T2 first and a macOS ``._`` file, NCI-ISBI NRRD masks in the series' voxel order with a
+header whose row axis is flipped, PROMISE12 MetaImage pairs, ProstateX DICOM-SEG via highdicom.
+Every writer returns what a correct preparation must give (cases, label values...).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import numpy as np
+
+SIZE = 48  # fundus images (RIM-ONE stereo pairs are 2 x SIZE wide)
+MR = (5, 16, 16)  # prostate volumes (z, y, x)
+
+
+# --- fundus ------------------------------------------------------------------------------------
+
+
+def _save(arr: np.ndarray, path: Path, **kw) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path, **kw)
+    return path
+
+
+def _dist(cy: float, cx: float, shape=(SIZE, SIZE)) -> np.ndarray:
+    y, x = np.mgrid[: shape[0], : shape[1]]
+    return np.hypot(y - cy, x - cx)
+
+
+def fundus_image(rng: np.random.Generator, cy: float, cx: float, r_disc: float, r_cup: float, shape=(SIZE, SIZE)):
+    """A reddish retina with a pale disc and a whiter cup at (cy, cx)."""
+    d = _dist(cy, cx, shape)
+    img = np.empty((*shape, 3))
+    img[...] = (150, 60, 30)
+    img += rng.normal(0, 6, img.shape)
+    img[d < r_disc] = (220, 190, 120)
+    img[d < r_cup] = (245, 235, 200)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _centre(rng) -> tuple[float, float]:
+    return float(rng.uniform(18, 30)), float(rng.uniform(18, 30))
+
+
+def drishti(raw: Path, seed: int = 0) -> dict:
+    """Drishti-GS1_files: 2 training + 2 test images; soft maps at the 0/64/128/191/255 levels of 4 experts."""
+    rng = np.random.default_rng(seed)
+    root = raw / "Drishti-GS1_files"
+    ids = []
+    for i, (part, gt) in enumerate((("Training", "GT"), ("Training", "GT"), ("Test", "Test_GT"), ("Test", "Test_GT"))):
+        stem = f"drishtiGS_{i + 1:03d}"
+        cy, cx = _centre(rng)
+        _save(fundus_image(rng, cy, cx, 9, 4), root / part / "Images" / f"{stem}.png")
+        d = _dist(cy, cx)
+        for name, r in (("OD", 9), ("cup", 4)):
+            soft = np.zeros((SIZE, SIZE), np.uint8)
+            for k, level in enumerate((64, 128, 191, 255)):  # more experts agree nearer the centre
+                soft[d < r + 1.5 - k] = level
+            if i == 1:  # a soft map smaller than its image (resized back by nearest neighbour)
+                soft = soft[::2, ::2]
+            _save(soft, root / part / gt / stem / "SoftMap" / f"{stem}_{name}segSoftmap.png")
+        ids.append(stem)
+    return {"cases": ids, "patients": ids}
+
+
+def _outline(d: np.ndarray, r: float) -> np.ndarray:
+    return np.abs(d - r) <= 1.0
+
+
+def riga(raw: Path, part: str, seed: int = 0) -> dict:
+    """RIGA/<part>: 4 images, each with ``imageNprime`` and six annotated copies ``imageN-k``."""
+    rng = np.random.default_rng(seed)
+    folders = {
+        "BinRushed": ["BinRushed/BinRushed1-Corrected", "BinRushed/BinRushed2"],
+        "Magrabia": ["Magrabia/Magrabia/MagrabiaMale", "Magrabia/Magrabia/MagrabiFemale"],
+        "MESSIDOR": ["MESSIDOR", "MESSIDOR"],
+    }[part]
+    ids, truth = [], {}
+    for i in range(4):
+        folder = raw / "RIGA" / folders[i % 2]
+        n = i + 1
+        cy, cx = _centre(rng)
+        image = fundus_image(rng, cy, cx, 10, 5)
+        ext = ".jpg" if part == "BinRushed" else ".tif"
+        kw = {"quality": 98, "subsampling": 0} if ext == ".jpg" else {}
+        _save(image, folder / f"image{n}prime{ext}", **kw)
+        d = _dist(cy, cx)
+        for k in range(1, 7):
+            rd, rc = 10 + (k % 3) - 1, 5 + (k % 2)  # annotators disagree by a pixel
+            drawn = image.copy()
+            if k == 6:  # an annotator who drew no cup: ignored, the other five vote
+                drawn[_outline(d, rd)] = (0, 255, 0)
+            else:
+                drawn[_outline(d, rd) | _outline(d, rc)] = (0, 255, 0)
+            kext = ".tif" if (part == "BinRushed" and k == 3) else ext  # BinRushed1-Corrected mixes formats
+            _save(drawn, folder / f"image{n}-{k}{kext}", **(kw if kext == ".jpg" else {}))
+        cid = f"{folders[i % 2].split('/', 1)[1] if '/' in folders[i % 2] else '.'}_image{n}"
+        cid = cid.replace("/", "_").removeprefix("._")
+        ids.append(cid)
+        truth[cid] = (d <= 10.0, d <= 5.5)  # majority: disc radius 10, cup 5 (+ one pixel of outline)
+    return {"cases": ids, "patients": ids, "truth": truth}
+
+
+def rimone(raw: Path, seed: int = 0) -> dict:
+    """RIM-ONE r3: 5 stereo pairs of 4 patients (N-1-L and N-1-R are two eyes of one), full-width masks."""
+    rng = np.random.default_rng(seed)
+    root = raw / "RIM-ONE r3"
+    stems = [("Healthy", "N-1-L"), ("Healthy", "N-1-R"), ("Healthy", "N-2-L"), ("Glaucoma and suspects", "G-1-L")]
+    stems.append(("Glaucoma and suspects", "G-2-R"))
+    for group, stem in stems:
+        cy, cx = _centre(rng)
+        left = fundus_image(rng, cy, cx, 12, 6)
+        right = fundus_image(rng, cy + 1, cx - 1, 12, 6)  # the other view of the stereo pair
+        _save(np.concatenate([left, right], axis=1), root / group / "Stereo Images" / f"{stem}.jpg", quality=95)
+        d = _dist(cy, cx, (SIZE, 2 * SIZE))
+        for name, r in (("Disc", 12), ("Cup", 6)):
+            mask = np.where(d < r, 255, 0).astype(np.uint8)  # annotated on the left half, full width
+            _save(mask, root / group / "Average_masks" / f"{stem}-{name}-Avg.png")
+    return {"cases": [s for _, s in stems], "patients": ["N-1", "N-1", "N-2", "G-1", "G-2"]}
+
+
+def refuge(raw: Path, seed: int = 0) -> dict:
+    """REFUGE: 2 training images (Glaucoma, Non-Glaucoma) and 2 validation images, 0/128/255 BMP masks."""
+    rng = np.random.default_rng(seed)
+    root = raw / "REFUGE"
+    cases = [
+        ("Training400/Glaucoma/g0001.jpg", "Annotation-Training400/Disc_Cup_Masks/Glaucoma/g0001.bmp"),
+        ("Training400/Non-Glaucoma/n0001.jpg", "Annotation-Training400/Disc_Cup_Masks/Non-Glaucoma/n0001.bmp"),
+        ("REFUGE-Validation400/V0001.jpg", "REFUGE-Validation400-GT/Disc_Cup_Masks/V0001.bmp"),
+        ("REFUGE-Validation400/V0002.jpg", "REFUGE-Validation400-GT/Disc_Cup_Masks/V0002.bmp"),
+    ]
+    for image, mask in cases:
+        cy, cx = _centre(rng)
+        _save(fundus_image(rng, cy, cx, 9, 4), root / image, quality=95)
+        d = _dist(cy, cx)
+        m = np.full((SIZE, SIZE), 255, np.uint8)
+        m[d < 9] = 128
+        m[d < 4] = 0
+        _save(m, root / mask)
+    ids = [Path(i).stem for i, _ in cases]
+    return {"cases": ids, "patients": ids}
+
+
+def fundus_all(raw: Path) -> dict[str, dict]:
+    """Every fundus dataset, keyed by site."""
+    return {
+        "drishti-gs1": drishti(raw),
+        "riga-binrushed": riga(raw, "BinRushed", 1),
+        "riga-magrabia": riga(raw, "Magrabia", 2),
+        "riga-messidor": riga(raw, "MESSIDOR", 3),
+        "rim-one-r3": rimone(raw),
+        "refuge": refuge(raw),
+    }
+
+
+# --- prostate ----------------------------------------------------------------------------------
+
+
+def volume(rng: np.random.Generator, slices_with_prostate=(1, 2, 3)) -> tuple[np.ndarray, np.ndarray]:
+    """(image uint16 z,y,x up to ~3000, mask uint8) with a prostate blob on some slices, off-centre in y
+    (rows 4..8 of 16), so a flipped row axis would show."""
+    img = rng.integers(100, 400, size=MR).astype(np.uint16)
+    mask = np.zeros(MR, np.uint8)
+    for k in slices_with_prostate:
+        mask[k, 4:8, 6:11] = 1
+    img[mask > 0] += 2500  # bright prostate: above the 2048 clip
+    return img, mask
+
+
+def _uid() -> str:
+    from pydicom.uid import generate_uid
+
+    return generate_uid()
+
+
+def dicom_series(arr: np.ndarray, folder: Path, patient: str, study: str | None = None) -> list:
+    """Write a (z, y, x) array as an axial MR series with pydicom, one file per slice; returns the datasets."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, MRImageStorage
+
+    folder.mkdir(parents=True, exist_ok=True)
+    study, series, frame = study or _uid(), _uid(), _uid()
+    out = []
+    for k in range(arr.shape[0]):
+        meta = FileMetaDataset()
+        meta.MediaStorageSOPClassUID = MRImageStorage
+        meta.MediaStorageSOPInstanceUID = _uid()
+        meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds = Dataset()
+        ds.file_meta = meta
+        ds.SOPClassUID, ds.SOPInstanceUID = MRImageStorage, meta.MediaStorageSOPInstanceUID
+        ds.PatientName, ds.PatientID, ds.PatientBirthDate, ds.PatientSex = f"{patient}^", patient, "19700101", "M"
+        ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, series, frame
+        ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.StudyID = "20200101", "120000", "1", "1"
+        ds.ReferringPhysicianName, ds.Manufacturer = "", "replica"
+        ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "MR", 1, k + 1
+        ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+        ds.ImagePositionPatient = [0.0, 0.0, 3.0 * k]
+        ds.PixelSpacing, ds.SliceThickness = [0.5, 0.5], 3.0
+        ds.Rows, ds.Columns = arr.shape[1], arr.shape[2]
+        ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+        ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+        ds.PixelData = np.ascontiguousarray(arr[k].astype(np.uint16)).tobytes()
+        ds.save_as(folder / f"1-{k + 1:02d}.dcm", enforce_file_format=True)
+        out.append(ds)
+    return out
+
+
+def i2cvb(raw: Path, seed: int = 0) -> dict:
+    """I2CVB/{GE,Siemens}/<Patient>/T2W + GT/prostate as DICOM series (mask 0/255); Patient_428260 is
+    the release's case with a missing ground-truth slice (left out)."""
+    rng = np.random.default_rng(seed)
+    names = [("GE", "Patient_001"), ("GE", "Patient_002"), ("Siemens", "Patient_428260")]
+    names += [("Siemens", "Patient_003"), ("Siemens", "Patient_004")]
+    for vendor, name in names:
+        img, mask = volume(rng)
+        base = raw / "I2CVB" / vendor / name
+        dicom_series(img, base / "T2W", name)
+        gt = (mask * 255).astype(np.uint16)
+        dicom_series(gt[:-1] if name == "Patient_428260" else gt, base / "GT" / "prostate", name)
+    kept = [n for _, n in names if n != "Patient_428260"]
+    return {"cases": kept, "patients": kept, "slices": 3 * len(kept)}
+
+
+def msd(raw: Path, seed: int = 0) -> dict:
+    """MSD/Task05_Prostate: 4D NIfTI (x, y, z, [T2, ADC]) and labels 0/1/2 (peripheral, transition zone)."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "MSD" / "Task05_Prostate"
+    (base / "imagesTr").mkdir(parents=True)
+    (base / "labelsTr").mkdir(parents=True)
+    ids = []
+    for i in (0, 1, 2, 4):
+        img, mask = volume(rng)
+        adc = np.full(MR, 3000, np.float32)  # a constant second channel: taking it would give no contrast
+        four = np.stack([img.astype(np.float32).transpose(2, 1, 0), adc.transpose(2, 1, 0)], axis=-1)
+        lab = (mask * np.where(rng.random(MR) < 0.5, 1, 2)).astype(np.uint8).transpose(2, 1, 0)
+        affine = np.diag([0.6, 0.6, 3.6, 1.0])
+        name = f"prostate_{i:02d}.nii.gz"
+        nib.save(nib.Nifti1Image(four, affine), base / "imagesTr" / name)
+        nib.save(nib.Nifti1Image(lab, affine), base / "labelsTr" / name)
+        ids.append(f"prostate_{i:02d}")
+    (base / "imagesTr" / "._prostate_00.nii.gz").write_bytes(b"\x00\x05\x16\x07 macOS resource fork")
+    return {"cases": ids, "patients": ids, "slices": 3 * len(ids)}
+
+
+def nci_isbi(raw: Path, seed: int = 0) -> dict:
+    """NCI_ISBI: Image/<id>/<study>/<series>/*.dcm and Mask/{Training,Test,Leaderboard}/<id>[_truth].nrrd with
+    labels 1/2; the NRRD array is in the series' voxel order while its header's row axis points the other way.
+    ProstateDx-01-0055 is the release's mismatched case (left out)."""
+    import SimpleITK as sitk
+
+    rng = np.random.default_rng(seed)
+    ids = {"3T": [f"Prostate3T-01-{i:04d}" for i in (1, 2, 3, 4)]}
+    ids["Dx"] = [f"ProstateDx-01-{i:04d}" for i in (6, 7, 8, 9, 55)]
+    where = ["Training", "Training", "Test", "Leaderboard", "Training"]
+    for group in ids.values():
+        for cid, split in zip(group, where):
+            img, mask = volume(rng)
+            dicom_series(img, raw / "NCI_ISBI" / "Image" / cid / "1.2.3-study" / "1.2.3-series", cid)
+            lab = sitk.GetImageFromArray((mask * 2).astype(np.uint8))  # central gland = 2
+            lab.SetDirection((1, 0, 0, 0, -1, 0, 0, 0, 1))  # header geometry that disagrees with the DICOM rows
+            lab.SetSpacing((0.5, 0.5, 3.0))
+            suffix = "_truth" if split == "Test" else "_correctedLabels" if cid == "ProstateDx-01-0006" else ""
+            out = raw / "NCI_ISBI" / "Mask" / split / f"{cid}{suffix}.nrrd"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sitk.WriteImage(lab, str(out))
+    dx = [c for c in ids["Dx"] if not c.endswith("0055")]
+    return {
+        "3t": {"cases": ids["3T"], "patients": ids["3T"], "slices": 12},
+        "dx": {"cases": dx, "patients": dx, "slices": 12},
+    }
+
+
+def promise12(raw: Path, seed: int = 0) -> dict:
+    """Promise12/Raw_Data/CaseNN.mhd/.raw and CaseNN_segmentation.mhd/.raw (0/1)."""
+    import SimpleITK as sitk
+
+    rng = np.random.default_rng(seed)
+    base = raw / "Promise12" / "Raw_Data"
+    base.mkdir(parents=True)
+    ids = [f"Case{i:02d}" for i in range(4)]
+    for cid in ids:
+        img, mask = volume(rng)
+        im = sitk.GetImageFromArray(img.astype(np.int16))
+        im.SetSpacing((0.6, 0.6, 3.6))
+        lab = sitk.GetImageFromArray(mask)
+        lab.CopyInformation(im)
+        sitk.WriteImage(im, str(base / f"{cid}.mhd"))
+        sitk.WriteImage(lab, str(base / f"{cid}_segmentation.mhd"))
+    return {"cases": ids, "patients": ids, "slices": 12}
+
+
+def prostatex(raw: Path, seed: int = 0) -> dict:
+    """PROSTATEx/Image/<manifest>/PROSTATEx/<id>/<study>/<series> and a DICOM-SEG with 4 zone segments in
+    PROSTATEx/Mask/<manifest>/...; segment 3 (urethra) also marks a slice without zones (not prostate)."""
+    import highdicom as hd
+    from pydicom.sr.codedict import codes
+
+    rng = np.random.default_rng(seed)
+    ids = [f"ProstateX-{i:04d}" for i in range(4)]
+    for cid in ids:
+        img, mask = volume(rng)
+        study = _uid()
+        sources = dicom_series(
+            img, raw / "PROSTATEx" / "Image" / "manifest-A" / "PROSTATEx" / cid / "s" / "t2", cid, study
+        )
+        zones = np.zeros((*MR, 4), bool)
+        zones[..., 0] = mask > 0  # peripheral zone
+        zones[1, 4:6, 6:8, 1] = True  # transition zone
+        zones[:, 6, 8, 2] = True  # urethra: on every slice, counted only where a zone is
+        zones[2, 5, 9, 3] = True  # anterior fibromuscular stroma
+        names = ("peripheral zone", "transition zone", "urethra", "anterior fibromuscular stroma")
+        descriptions = [
+            hd.seg.SegmentDescription(
+                segment_number=i + 1,
+                segment_label=name,
+                segmented_property_category=codes.SCT.Tissue,
+                segmented_property_type=codes.SCT.Tissue,
+                algorithm_type=hd.seg.SegmentAlgorithmTypeValues.MANUAL,
+            )
+            for i, name in enumerate(names)
+        ]
+        seg = hd.seg.Segmentation(
+            source_images=sources,
+            pixel_array=zones,
+            segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+            segment_descriptions=descriptions,
+            series_instance_uid=_uid(),
+            series_number=2,
+            sop_instance_uid=_uid(),
+            instance_number=1,
+            manufacturer="replica",
+            manufacturer_model_name="replica",
+            software_versions="1",
+            device_serial_number="1",
+            content_date=datetime.date(2020, 1, 1),
+            content_time=datetime.time(12, 0),
+        )
+        out = raw / "PROSTATEx" / "Mask" / "manifest-B" / "PROSTATEx" / cid / "s" / "seg" / "1-1.dcm"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        seg.save_as(out)
+    return {"cases": ids, "patients": ids, "slices": 12}
+
+
+def prostate_all(raw: Path) -> dict[str, dict]:
+    """Every prostate dataset, keyed by site."""
+    nci = nci_isbi(raw, 3)
+    return {
+        "i2cvb": i2cvb(raw, 1),
+        "msd": msd(raw, 2),
+        "nci-isbi-3t": nci["3t"],
+        "nci-isbi-dx": nci["dx"],
+        "promise12": promise12(raw, 4),
+        "prostatex": prostatex(raw, 5),
+    }
+
+
+# --- pancreas (3D) -----------------------------------------------------------------------------
+
+CT = (6, 12, 10)  # (z, y, x): not cubic, so a transposed axis would show
+
+
+def ct_volume(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(CT-like int16 volume, mask with 1 pancreas on slices 1..2 of 6 and 2 tumour inside it): not symmetric in
+    any axis, so a reversed or transposed axis would show."""
+    img = rng.integers(-200, 200, size=CT).astype(np.int16)
+    mask = np.zeros(CT, np.uint8)
+    mask[1:3, 3:7, 2:5] = 1
+    mask[1, 4:5, 3:4] = 2
+    return img, mask
+
+
+def msd_pancreas(raw: Path, seed: int = 0) -> dict:
+    """MSD/Task07_Pancreas: NIfTI images with an oblique-free but non-trivial affine, labels 0/1/2."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "MSD" / "Task07_Pancreas"
+    affine = np.array([[-0.8, 0, 0, 120.0], [0, -0.8, 0, 90.0], [0, 0, 2.5, -300.0], [0, 0, 0, 1]])
+    ids, masks = [], {}
+    for i in (1, 4, 5):
+        img, mask = ct_volume(rng)
+        name = f"pancreas_{i:03d}.nii.gz"
+        for folder, arr in (("imagesTr", img), ("labelsTr", mask)):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(arr.transpose(2, 1, 0), affine), base / folder / name)
+        ids.append(name.split(".")[0])
+        masks[ids[-1]] = mask
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def tcia_pancreas(raw: Path, seed: int = 0) -> dict:
+    """Pancreas-CT: DICOM series per patient (NBIA nesting) and TCIA_pancreas_labels-02-05-2017/labelNNNN.nii.gz
+    stored head-first (z reversed, its header saying so)."""
+    import SimpleITK as sitk
+
+    rng = np.random.default_rng(seed)
+    root = raw / "Pancreas-CT"
+    ids, masks = [], {}
+    for n in (1, 2, 3):
+        cid = f"PANCREAS_{n:04d}"
+        img, mask = ct_volume(rng)
+        dicom_series(img.astype(np.uint16) + 1024, root / cid / "1.2-study" / "1.2-series", cid)
+        lab = sitk.GetImageFromArray(np.ascontiguousarray(mask[::-1] > 0).astype(np.uint8))
+        lab.SetSpacing((0.5, 0.5, 3.0))
+        lab.SetDirection((1, 0, 0, 0, 1, 0, 0, 0, -1))
+        lab.SetOrigin((0.0, 0.0, 3.0 * (CT[0] - 1)))
+        out = root / "TCIA_pancreas_labels-02-05-2017" / f"label{n:04d}.nii.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sitk.WriteImage(lab, str(out))
+        ids.append(cid)
+        masks[cid] = (mask > 0).astype(np.uint8)
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def btcv(raw: Path, seed: int = 0) -> dict:
+    """BTCV/RawData/Training/{img,label}/{img,label}NNNN.nii.gz with 13 organ labels (11 pancreas)."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "BTCV" / "RawData" / "Training"
+    ids, masks = [], {}
+    for n in (1, 2, 3):
+        img, mask = ct_volume(rng)
+        organs = np.where(mask > 0, 11, 0).astype(np.uint8)
+        organs[0, :2, :2] = 1  # spleen
+        organs[5, -2:, -2:] = 13  # left adrenal gland
+        for folder, prefix, arr in (("img", "img", img), ("label", "label", organs)):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+            nib.save(
+                nib.Nifti1Image(arr.transpose(2, 1, 0), np.diag([0.7, 0.7, 3.0, 1])),
+                base / folder / f"{prefix}{n:04d}.nii.gz",
+            )
+        ids.append(f"img{n:04d}")
+        masks[ids[-1]] = (mask > 0).astype(np.uint8)
+    return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def pancreas_all(raw: Path) -> dict[str, dict]:
+    """Every pancreas dataset, keyed by site."""
+    return {"msd-pancreas": msd_pancreas(raw, 1), "tcia-pancreas-ct": tcia_pancreas(raw, 2), "btcv": btcv(raw, 3)}
