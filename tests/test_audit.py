@@ -16,22 +16,19 @@ from fedseg.apps.audit import (
     AttackConfig,
     AuditOptions,
     Part,
-    client_dp,
-    clip,
     fc_inversion,
     invert,
     match_scores,
+    private_messages,
     psnr,
     run_audit,
-    sample_dp,
     secure_sum,
     sent_by_sites,
     total_variation,
 )
-from fedseg.apps.audit.observe import global_norm
+from fedseg.apps.audit.inversion import gradient_cost
 from fedseg.cli import main
 from fedseg.foundation.errors import ConfigError
-from fedseg.foundation.seeding import generator
 from fedseg.site.workload import segmentation_workload
 
 pytest.importorskip("skimage")
@@ -108,21 +105,12 @@ def test_total_variation_of_a_constant_image_is_zero():
     assert float(total_variation(torch.eye(4)[None, None])) > 0
 
 
-def test_observation_transforms():
-    """Secure aggregation shows Σ p_k m_k; client DP clips to C and adds σC/√K noise; sample DP is
-    (Σ clip(g_i) + N(0, σ²C²)) / B; every draw is seeded."""
+def test_secure_sum_is_the_weighted_sum():
     a = {"w": torch.tensor([3.0, 4.0])}
     b = {"w": torch.tensor([1.0, 0.0])}
     assert torch.equal(secure_sum([a, b], [0.5, 0.5])["w"], torch.tensor([2.0, 2.0]))
-    assert global_norm(clip(a, 1.0)) == pytest.approx(1.0)
-    assert torch.equal(clip(b, 5.0)["w"], b["w"])
-    noiseless = sample_dp([a, b], 1.0, 0.0, generator(0, "x"))
-    assert torch.allclose(noiseless["w"], torch.tensor([0.8, 0.4]))
-    big = {"w": torch.zeros(20000)}
-    noisy = client_dp(big, 1.0, 2.0, 4, generator(0, "y"))
-    assert float(noisy["w"].std()) == pytest.approx(1.0, rel=0.05)  # σC/√K = 2/2
-    again = client_dp(big, 1.0, 2.0, 4, generator(0, "y"))
-    assert torch.equal(noisy["w"], again["w"])
+    with pytest.raises(ValueError, match="one weight per message"):
+        secure_sum([a, b], [1.0])
 
 
 @pytest.fixture(scope="module")
@@ -132,18 +120,42 @@ def tiny():
     return cfg, segmentation_workload(2, 1, ["fg"], TINY_MODEL), tiny_sites(n_train=4, size=16)
 
 
-def test_an_fga_message_is_the_mean_of_its_samples_gradients(tiny):
-    """With instance norm and a per-sample mean loss, a batch's gradient is the mean of its samples'
-    gradients: the recorded batch, target and weights are those the site computed its message from."""
+@pytest.mark.parametrize("message", ["fga", "fedsm-selector"])
+def test_the_attackers_model_of_a_gradient_message_is_exact(tiny, message):
+    """The recorded batch, target, loss and weights are those the site computed its message from: the
+    gradient the attacker's model gives at the true images equals the message (cosine distance 0), so
+    the attack's optimum is the true batch."""
     cfg, workload, data = tiny
-    sent = sent_by_sites("fga", cfg, workload, data)
+    sent = sent_by_sites(message, cfg, workload, data)
     assert [s.site for s in sent] == list(data)
     s = sent[0]
-    assert s.batch.shape == (2, 1, 16, 16) and s.kind == "gradient" and len(s.per_sample) == 2
-    for name, g in s.message.items():
-        mean = (s.per_sample[0][name] + s.per_sample[1][name]) / 2
-        assert torch.allclose(g, mean, atol=1e-6), name
-    assert any(torch.equal(s.batch[0], x) for x in data["site1"].train.tensors[0])
+    assert s.batch.shape == (2, 1, 16, 16) and s.kind == "gradient"
+    model = s.model.train()
+    params = {n: s.weights[n].clone().requires_grad_(True) for n, _ in model.named_parameters()}
+    value = s.loss(torch.func.functional_call(model, params, (s.batch,)), s.target)
+    names = list(s.message)
+    grads = torch.autograd.grad(value, [params[n] for n in names])
+    for n, g in zip(names, grads):
+        assert torch.allclose(g, s.message[n], atol=1e-6), n
+    assert float(gradient_cost(list(grads), [s.message[n] for n in names])) < 1e-6
+
+
+def test_dp_messages_are_the_sites_own_and_seeded(tiny):
+    """``privacy.dp`` at the sites: with a bound no gradient or update reaches and negligible noise, DP-SGD's
+    gradient is the plain gradient and client-level DP's update the plain update (FedAvg with even weights
+    trains the same local steps); a small bound clips the update to it; the noise is the sites' seeded one."""
+    cfg, workload, data = tiny
+    for message in ("fga", "fedavg-1step"):
+        plain = sent_by_sites(message, cfg, workload, data)[0].message
+        loose = private_messages(message, cfg, workload, data, clip=1e6, sigma=1e-12)[0]
+        for n, g in plain.items():
+            assert torch.allclose(loose[n], g, atol=1e-5), (message, n)
+    tight = private_messages("fedavg-1step", cfg, workload, data, clip=1e-3, sigma=1e-9)[0]
+    assert float(sum(v.double().pow(2).sum() for v in tight.values()) ** 0.5) == pytest.approx(1e-3, rel=1e-3)
+    noisy = private_messages("fga", cfg, workload, data, clip=1.0, sigma=1.0)
+    again = private_messages("fga", cfg, workload, data, clip=1.0, sigma=1.0)
+    assert all(torch.equal(noisy[0][n], again[0][n]) for n in noisy[0])
+    assert not torch.equal(noisy[0][next(iter(noisy[0]))], noisy[1][next(iter(noisy[1]))])
 
 
 def test_a_fedavg_sgd_step_is_the_fga_gradient_scaled(tiny):
@@ -179,6 +191,7 @@ def test_run_audit_rows(tiny):
     json.dumps(doc)
 
 
+@pytest.mark.slow
 def test_cli_audit_end_to_end(tmp_path, capsys):
     spec = tmp_path / "fed"
     assert main(["synth", "--preset", "fundus", "--out", str(spec), "--scale", "0.03", "--size", "16"]) == 0

@@ -13,15 +13,7 @@ import sys
 from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
-from fedseg.apps.audit import (
-    METHOD_MESSAGES,
-    PROTECTIONS,
-    AttackConfig,
-    AuditOptions,
-    audit_federation,
-    audit_table,
-    messages_for,
-)
+from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
@@ -235,47 +227,6 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
     return 0
-
-
-def cmd_audit(a: argparse.Namespace) -> int:
-    attack = AttackConfig(
-        iterations=a.iterations, restarts=a.restarts, tv=a.tv, layers=tuple(_csv(a.layers)) if a.layers else None
-    )
-    opts = AuditOptions(
-        messages=messages_for(a.method),
-        protections=tuple(_csv(a.protections)),
-        sites=a.sites,
-        images=a.images,
-        clip=a.clip,
-        sigma=a.sigma,
-        attack=attack,
-    )
-    _, rows, json_path, page = audit_federation(a.config, a.out, opts, overrides=a.set, seed=a.seed, device=a.device)
-    print("\n" + audit_table(rows))
-    print(f"numbers: {json_path.resolve()}\nreconstructions beside the originals: {page.resolve()}")
-    return 0
-
-
-def _audit_parser(sub: argparse._SubParsersAction) -> None:
-    au = sub.add_parser(
-        "audit", help="gradient-inversion attack on what each method sends, plain, with secure aggregation and DP"
-    )
-    au.add_argument("config", help="run config TOML or federation spec (e.g. a synthetic fundus federation)")
-    au.add_argument("--method", default="all", choices=[*METHOD_MESSAGES, "all"], help="whose messages (default all)")
-    au.add_argument("--out", default="runs/audit", help="output folder for audit.json and audit.html")
-    au.add_argument("--iterations", type=int, default=200, help="attack iterations per restart (default 200)")
-    au.add_argument("--restarts", type=int, default=2, help="attack restarts from seeded noise (default 2)")
-    au.add_argument("--images", type=int, default=1, help="images per attacked batch (default 1)")
-    au.add_argument("--sites", type=int, default=3, help="sites taking part; secure aggregation sums over them")
-    au.add_argument("--protections", default=",".join(PROTECTIONS), help="comma list of " + ", ".join(PROTECTIONS))
-    au.add_argument("--clip", type=float, default=1.0, help="DP clipping bound C (default 1)")
-    au.add_argument("--sigma", type=float, default=1.0, help="DP noise multiplier (default 1)")
-    au.add_argument("--tv", type=float, default=1e-4, help="weight of the total-variation prior (default 1e-4)")
-    au.add_argument("--layers", help="match only parameters starting with these comma-separated prefixes")
-    au.add_argument("--seed", type=int)
-    au.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    _device_argument(au)
-    au.set_defaults(func=cmd_audit)
 
 
 def cmd_settings(a: argparse.Namespace) -> int:
@@ -522,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
             x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
     for x in dsub.choices.values():
         x.set_defaults(func=cmd_deploy)
-    _audit_parser(sub)
+    add_audit_parser(sub, _device_argument)
     st = sub.add_parser(
         "settings", help="every setting of a run: section, type or allowed values, default, description"
     )

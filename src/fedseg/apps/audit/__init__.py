@@ -4,9 +4,9 @@ update — as the server observes it in plain, under secure aggregation and unde
 scored with PSNR and SSIM against the sites' images.  See ``docs/privacy.md``."""
 
 from fedseg.apps.audit.inversion import AttackConfig, Inversion, Part, fc_inversion, invert, total_variation
-from fedseg.apps.audit.messages import MESSAGES, METHOD_MESSAGES, Sent, sent_by_sites
+from fedseg.apps.audit.messages import MESSAGES, METHOD_MESSAGES, Sent, private_messages, sent_by_sites
 from fedseg.apps.audit.metrics import match_scores, psnr, ssim
-from fedseg.apps.audit.observe import PROTECTIONS, client_dp, clip, sample_dp, secure_sum
+from fedseg.apps.audit.observe import PROTECTIONS, secure_sum
 from fedseg.apps.audit.run import (
     AuditOptions,
     AuditRow,
@@ -29,15 +29,13 @@ __all__ = [
     "Sent",
     "audit_federation",
     "audit_table",
-    "client_dp",
-    "clip",
     "fc_inversion",
     "invert",
     "match_scores",
     "messages_for",
+    "private_messages",
     "psnr",
     "run_audit",
-    "sample_dp",
     "secure_sum",
     "sent_by_sites",
     "ssim",

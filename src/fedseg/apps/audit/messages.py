@@ -16,7 +16,8 @@ draws them — and keeps the reply:
 A recording :class:`~fedseg.site.runtime.SiteExecutor` computes each call at the site, as the default
 executor does, and keeps what the site computed with — the batch as the network saw it (after the
 selector's flips), its target and loss, the weights — which is the ground truth the attack is scored
-against, the labels the attacker is assumed to know, and the per-sample gradients of sample-level DP.
+against and the labels the attacker is assumed to know.  :func:`private_messages` sends the same tasks to
+sites that run fedseg's differential privacy (``privacy.dp``), whose replies are what the server then sees.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from fedseg.foundation.seeding import derive_seed
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import Workload
 
-__all__ = ["MESSAGES", "METHOD_MESSAGES", "Sent", "init_weights", "per_sample_gradients", "sent_by_sites"]
+__all__ = ["MESSAGES", "METHOD_MESSAGES", "Sent", "init_weights", "private_messages", "sent_by_sites", "weights_of"]
 
 MESSAGES = ("fga", "fedsm-selector", "fedavg-1step", "fedavg-local")
 """The messages the audit attacks, in table order."""
@@ -76,8 +77,6 @@ class Sent:
     num_samples: int
     """The site's weight in the server's sum (batch size for a gradient, training cases for an update)."""
     steps: int
-    per_sample: list[Arrays] | None = None
-    """The first batch's per-sample gradients (gradient messages), for sample-level DP."""
 
 
 class _Recorder:
@@ -117,15 +116,6 @@ def _detached(target: Any) -> Any:
     return target
 
 
-def _rows(target: Any, i: int) -> Any:
-    """Sample ``i`` of a batch target (tensor or tuple/list of tensors), batch axis kept."""
-    if isinstance(target, torch.Tensor):
-        return target[i : i + 1]
-    if isinstance(target, (tuple, list)):
-        return type(target)(_rows(t, i) for t in target)
-    return target
-
-
 def init_weights(cfg: RunConfig, role: str, factory: Callable[[], nn.Module]) -> Arrays:
     """The seeded initial weights of a role's model, drawn as the server draws them
     (:meth:`fedseg.execution.engine.Engine.init_arrays`: seed ``derive_seed(seed, "init", role)``)."""
@@ -136,19 +126,6 @@ def init_weights(cfg: RunConfig, role: str, factory: Callable[[], nn.Module]) ->
     return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
 
 
-def per_sample_gradients(site: Site, record: Mapping[str, Any]) -> list[Arrays]:
-    """The gradient of each sample of a recorded gradient call alone, at the recorded weights (the
-    site's :meth:`~fedseg.site.runtime.Site.gradient_here` on a batch of one)."""
-    x = record["x"]
-    out = []
-    for i in range(x.shape[0]):
-        g, _ = site.gradient_here(
-            record["role"], x[i : i + 1], _rows(record["target"], i), record["loss"], record["weights"]
-        )
-        out.append({n: v.detach() for n, v in g.items()})
-    return out
-
-
 def _sites(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData]) -> list[Site]:
     algorithm = get_algorithm(cfg)
     return [
@@ -156,108 +133,111 @@ def _sites(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData]) -> 
     ]
 
 
-def _from_gradient(site: Site, reply_arrays: Arrays, weights_model: nn.Module) -> Sent:
-    rec = site.executor.gradients[-1]  # type: ignore[attr-defined]
-    message = strip_prefix("grad", reply_arrays)
-    return Sent(
-        site=site.name,
-        kind="gradient",
-        message=message,
-        weights={n: t.detach().clone() for n, t in rec["weights"].items()},
-        model=weights_model,
-        batch=rec["x"].cpu(),
-        target=rec["target"],
-        loss=rec["loss"],
-        seen=rec["x"].cpu(),
-        num_samples=int(rec["x"].shape[0]),
-        steps=1,
-        per_sample=per_sample_gradients(site, rec),
-    )
+@dataclass
+class _Asked:
+    """One message's task as the server sends it on the method's first round."""
+
+    method: str
+    role: str
+    kind: str
+    task: Task
+    init: Arrays
+    steps: int | None
 
 
-def _fga(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData]) -> list[Sent]:
-    cfg = dataclasses.replace(cfg, method="fga")
-    init = init_weights(cfg, "global", workload.build_model)
-    out = []
-    for site in _sites(cfg, workload, data):
-        reply = site.handle(Task("fga_step", prefixed("global", init), {"round": 1, "step": 0}))
-        out.append(_from_gradient(site, reply.arrays, copy.deepcopy(site.model("global"))))
-    return out
-
-
-def _selector(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData]) -> list[Sent]:
-    cfg = dataclasses.replace(cfg, method="fedsm")
-    alg = get_algorithm(cfg)
-    if alg.params.selector_training != "fga":
-        raise ConfigError(
-            f"fedsm.selector_training = {alg.params.selector_training!r} sends selector models, not per-step "
-            "gradients; the audit attacks the lockstep selector step: --set fedsm.selector_training=fga"
+def _asked(message: str, cfg: RunConfig, workload: Workload, names: Sequence[str]) -> _Asked:
+    if message == "fga":
+        init = init_weights(cfg, "global", workload.build_model)
+        return _Asked(
+            "fga", "global", "gradient", Task("fga_step", prefixed("global", init), {"round": 1, "step": 0}), init, None
         )
-    names = list(data)
-    rnd = alg.first_selector_round()
-    phase = alg.phase(rnd)
-    c = alg.num_classes(len(names))
-    role = selector_role(c)
-    p = alg.params
-    init = init_weights(cfg, role, lambda: workload.selector(c, p.selector_width, p.selector_hidden))
-    arrays = prefixed("selector", init)
-    if phase == "selector":  # the frozen models of the selector phase: the initial global model everywhere
-        model = init_weights(cfg, "global", workload.build_model)
-        arrays.update(prefixed("global", model))
-        for s in names:
-            arrays.update(prefixed(f"personal/{s}", model))
-    config = {"round": rnd, "step": 0, "phase": phase, "sites": names, "num_classes": c, "mode": alg.mode}
-    out = []
-    for site in _sites(cfg, workload, data):
-        reply = site.handle(Task("selector_step", arrays, config))
-        out.append(_from_gradient(site, reply.arrays, copy.deepcopy(site.model(role))))
-    return out
-
-
-def _fedavg(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], steps: int | None) -> list[Sent]:
-    cfg = dataclasses.replace(cfg, method="fedavg")
-    init = init_weights(cfg, "global", workload.build_model)
-    out = []
-    for site in _sites(cfg, workload, data):
-        reply = site.handle(Task("train", prefixed("global", init), {"round": 1, "steps": steps}))
-        after = strip_prefix("global", reply.arrays)
-        model = site.model("global")
-        names = [n for n, _ in model.named_parameters()]
-        update = {n: init[n].to(after[n].device) - after[n] for n in names}
-        batches = list(site.batches(1, "train", steps))  # the same seeded batches the local loop used
-        x0, y0 = batches[0]
-        seen = torch.unique(torch.cat([x for x, _ in batches]).cpu(), dim=0)
-        attacker = copy.deepcopy(model)
-        out.append(
-            Sent(
-                site=site.name,
-                kind="update",
-                message=update,
-                weights={n: init[n].clone() for n in names},
-                model=attacker,
-                batch=x0.cpu(),
-                target=y0.detach().clone(),
-                loss=site.workload.loss,
-                seen=seen,
-                num_samples=reply.num_samples,
-                steps=len(batches),
+    if message == "fedsm-selector":
+        alg = get_algorithm(dataclasses.replace(cfg, method="fedsm"))
+        p = alg.params
+        if p.selector_training != "fga":
+            raise ConfigError(
+                f"fedsm.selector_training = {p.selector_training!r} sends selector models, not per-step "
+                "gradients; the audit attacks the lockstep selector step: --set fedsm.selector_training=fga"
             )
-        )
-    return out
+        rnd = alg.first_selector_round()
+        phase = alg.phase(rnd)
+        c = alg.num_classes(len(names))
+        role = selector_role(c)
+        init = init_weights(cfg, role, lambda: workload.selector(c, p.selector_width, p.selector_hidden))
+        arrays = prefixed("selector", init)
+        if phase == "selector":  # the frozen models of the selector phase: the initial global model everywhere
+            model = init_weights(cfg, "global", workload.build_model)
+            arrays.update(prefixed("global", model))
+            for s in names:
+                arrays.update(prefixed(f"personal/{s}", model))
+        config = {"round": rnd, "step": 0, "phase": phase, "sites": list(names), "num_classes": c, "mode": alg.mode}
+        return _Asked("fedsm", role, "gradient", Task("selector_step", arrays, config), init, None)
+    if message in ("fedavg-1step", "fedavg-local"):
+        steps = 1 if message == "fedavg-1step" else None
+        init = init_weights(cfg, "global", workload.build_model)
+        config = {"round": 1, "steps": steps, "num_sites": len(names)}
+        return _Asked("fedavg", "global", "update", Task("train", prefixed("global", init), config), init, steps)
+    raise ConfigError(f"unknown message {message!r}; the audit attacks {', '.join(MESSAGES)}")
+
+
+def _message(asked: _Asked, site: Site, reply_arrays: Arrays) -> Arrays:
+    """What the server takes from a reply: the gradient, or the update w_before − w_after of the parameters."""
+    if asked.kind == "gradient":
+        return strip_prefix("grad", reply_arrays)
+    after = strip_prefix(asked.role, reply_arrays)
+    return {n: asked.init[n].to(after[n].device) - after[n] for n, _ in site.model(asked.role).named_parameters()}
 
 
 def sent_by_sites(message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData]) -> list[Sent]:
-    """Every site's ``message`` (one of :data:`MESSAGES`) on the first round of ``cfg``'s federation,
-    in site order."""
-    if message == "fga":
-        return _fga(cfg, workload, data)
-    if message == "fedsm-selector":
-        return _selector(cfg, workload, data)
-    if message == "fedavg-1step":
-        return _fedavg(cfg, workload, data, 1)
-    if message == "fedavg-local":
-        return _fedavg(cfg, workload, data, None)
-    raise ConfigError(f"unknown message {message!r}; the audit attacks {', '.join(MESSAGES)}")
+    """Every site's ``message`` (one of :data:`MESSAGES`) on the first round of ``cfg``'s federation, in site
+    order, with what it was computed from (privacy off: the plain message)."""
+    cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, dp="off"))
+    asked = _asked(message, cfg, workload, list(data))
+    out = []
+    for site in _sites(dataclasses.replace(cfg, method=asked.method), workload, data):
+        reply = site.handle(asked.task)
+        model = copy.deepcopy(site.model(asked.role))  # the attacker knows the architecture
+        sent = _message(asked, site, reply.arrays)
+        if asked.kind == "gradient":
+            rec = site.executor.gradients[-1]  # type: ignore[attr-defined]
+            weights = {n: t.detach().clone() for n, t in rec["weights"].items()}
+            batch, target, loss, seen, count, steps = (
+                rec["x"].cpu(),
+                rec["target"],
+                rec["loss"],
+                rec["x"].cpu(),
+                int(rec["x"].shape[0]),
+                1,
+            )
+        else:
+            batches = list(site.batches(1, "train", asked.steps))  # the seeded batches the local loop used
+            weights = {n: asked.init[n].clone() for n in sent}
+            batch, target = batches[0][0].cpu(), batches[0][1].detach().clone()
+            loss, seen = site.workload.loss, torch.unique(torch.cat([x for x, _ in batches]).cpu(), dim=0)
+            count, steps = reply.num_samples, len(batches)
+        out.append(Sent(site.name, asked.kind, sent, weights, model, batch, target, loss, seen, count, steps))
+    return out
+
+
+def private_messages(
+    message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], clip: float, sigma: float
+) -> list[Arrays]:
+    """Every site's ``message`` as fedseg's differential privacy sends it (:mod:`fedseg.site.dp`): a gradient
+    under ``privacy.dp = "sample"`` (DP-SGD's privatized gradient of the same batch), an update under
+    ``privacy.dp = "client"`` (clipped, with the site's share of the noise; FedAvg with even weights, the
+    weighting client-level DP runs with), at ``privacy.clip`` = ``clip`` and ``privacy.noise_multiplier`` =
+    ``sigma``; the noise from the sites' own seeded generators."""
+    asked = _asked(message, cfg, workload, list(data))
+    mode = "sample" if asked.kind == "gradient" else "client"
+    privacy = dataclasses.replace(cfg.privacy, dp=mode, clip=clip, noise_multiplier=sigma, epsilon=None)
+    method = "fedavg-even" if mode == "client" else asked.method
+    cfg = dataclasses.replace(cfg, method=method, privacy=privacy)
+    algorithm = get_algorithm(cfg)
+    out = []
+    for i, (name, d) in enumerate(data.items()):
+        site = Site(name, i, d, workload, cfg, algorithm)
+        out.append({k: v.detach() for k, v in _message(asked, site, site.handle(asked.task).arrays).items()})
+    return out
 
 
 def weights_of(sent: Sequence[Sent]) -> list[float]:

@@ -22,10 +22,11 @@ import torch
 
 from fedseg.algorithms import known_sections
 from fedseg.apps.audit.inversion import AttackConfig, Part, invert
-from fedseg.apps.audit.messages import MESSAGES, METHOD_MESSAGES, Sent, sent_by_sites, weights_of
+from fedseg.apps.audit.messages import MESSAGES, METHOD_MESSAGES, Sent, private_messages, sent_by_sites, weights_of
 from fedseg.apps.audit.metrics import match_scores
-from fedseg.apps.audit.observe import PROTECTIONS, client_dp, sample_dp, secure_sum
+from fedseg.apps.audit.observe import PROTECTIONS, secure_sum
 from fedseg.apps.audit.page import audit_page
+from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
@@ -52,7 +53,7 @@ class AuditOptions:
     images
         Images per batch (the sites' ``train.batch_size`` for the audit; 1 is the attacker's best case).
     clip, sigma
-        DP's clipping bound C and noise multiplier σ.
+        DP's clipping bound C and noise multiplier σ (``privacy.clip``, ``privacy.noise_multiplier``).
     attack
         The attack's settings.
     """
@@ -74,8 +75,8 @@ class AuditOptions:
             raise ConfigError(f"unknown protection(s) {bad}; choose from {', '.join(PROTECTIONS)}")
         if self.sites < 1 or self.images < 1:
             raise ConfigError(f"the audit needs --sites >= 1 and --images >= 1, got {self.sites} and {self.images}")
-        if self.clip <= 0 or self.sigma < 0:
-            raise ConfigError(f"DP needs a clip bound > 0 and a noise multiplier >= 0, got {self.clip}, {self.sigma}")
+        if self.clip <= 0 or self.sigma <= 0:
+            raise ConfigError(f"DP needs a clip bound > 0 and a noise multiplier > 0, got {self.clip}, {self.sigma}")
         self.attack.validate()
 
 
@@ -137,35 +138,28 @@ def _unrelated(data: SiteData, n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _observation(
-    sent: Sequence[Sent], protection: str, opts: AuditOptions, seed: int, message: str
-) -> tuple[dict[str, torch.Tensor], list[Part], torch.Tensor, list[str]]:
-    """What the server observes, the attacker's model of it (its parts), and the true images to score against."""
+    sent: Sequence[Sent], private: Sequence[Arrays] | None, protection: str, opts: AuditOptions
+) -> tuple[Arrays, list[Part], torch.Tensor, list[str]]:
+    """What the server observes (``private``: the sites' messages under DP), the attacker's model of it (its
+    parts), and the true images to score against."""
     dp = "dp" in protection
+    shown = list(private) if dp and private is not None else [s.message for s in sent]
     notes: list[str] = []
-
-    def shown(k: int) -> dict[str, torch.Tensor]:
-        s = sent[k]
-        if not dp:
-            return s.message
-        g = generator(seed, "audit-noise", k, message)
-        if s.kind == "gradient":
-            return sample_dp(s.per_sample or [], opts.clip, opts.sigma, g)
-        return client_dp(s.message, opts.clip, opts.sigma, len(sent), g)
-
     if dp:
         notes.append(
-            f"sample-level DP (C={opts.clip}, σ={opts.sigma})"
+            f"privacy.dp = 'sample' (DP-SGD: C = {opts.clip}, σ = {opts.sigma})"
             if sent[0].kind == "gradient"
-            else f"client-level DP (C={opts.clip}, σ={opts.sigma}; each site's share σ/√K of the noise)"
+            else f"privacy.dp = 'client' (C = {opts.clip}, σ = {opts.sigma}; each site adds its share σC/√K of the noise)"
         )
     if protection.startswith("secagg"):
-        weights = weights_of(sent)
-        observed = secure_sum([shown(k) for k in range(len(sent))], weights)
+        # client-level DP runs with even weights (its sensitivity holds for the plain mean)
+        weights = [1 / len(sent)] * len(sent) if dp and sent[0].kind == "update" else weights_of(sent)
+        observed = secure_sum(shown, weights)
         parts = [Part(tuple(s.batch.shape), s.target, s.loss, w) for s, w in zip(sent, weights)]
         truth = torch.cat([s.seen for s in sent])
         notes.append(f"the server sees the sum over {len(sent)} sites; the attacker models all their batches")
     else:
-        observed = shown(0)
+        observed = shown[0]
         s = sent[0]
         parts = [Part(tuple(s.batch.shape), s.target, s.loss, 1.0)]
         truth = s.seen
@@ -194,10 +188,13 @@ def run_audit(
     for message in opts.messages:
         t0 = time.perf_counter()
         sent = sent_by_sites(message, cfg, workload, data)
+        private = None
+        if any("dp" in p for p in opts.protections):
+            private = private_messages(message, cfg, workload, data, opts.clip, opts.sigma)
         log(f"{message}: messages of {len(sent)} site(s) built in {time.perf_counter() - t0:.1f} s")
         for protection in opts.protections:
             t = time.perf_counter()
-            observed, parts, truth, notes = _observation(sent, protection, opts, cfg.seed, message)
+            observed, parts, truth, notes = _observation(sent, private, protection, opts)
             model = sent[0].model
             inv = invert(
                 model,
