@@ -67,6 +67,7 @@ DEFERRED = (
     "PIL",
     "sklearn",
     "scipy",
+    "skimage",
     "tensorboard",
     "torch.utils.tensorboard",
     "psutil",
@@ -358,6 +359,7 @@ ONE_CONCEPT = {
     "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
     "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
     "fedseg/execution/remote/transport.py": "RemoteTransport: deadlines, minimum sites and the checks on every reply",
+    "fedseg/cli.py": "the command line: one parser of every verb and its thin wrappers (a verb with many options, e.g. audit, keeps its parser with its app)",
 }
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
+from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
@@ -472,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
             x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
     for x in dsub.choices.values():
         x.set_defaults(func=cmd_deploy)
+    add_audit_parser(sub, _device_argument)
     st = sub.add_parser(
         "settings", help="every setting of a run: section, type or allowed values, default, description"
     )

@@ -1,0 +1,62 @@
+"""``fedseg audit``: the verb's arguments and its thin wrapper over :func:`.run.audit_federation` (kept with
+the audit so that the command line only registers it)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from fedseg.apps.audit.inversion import AttackConfig
+from fedseg.apps.audit.messages import METHOD_MESSAGES
+from fedseg.apps.audit.observe import PROTECTIONS
+from fedseg.apps.audit.run import AuditOptions, audit_federation, audit_table, messages_for
+
+__all__ = ["add_audit_parser", "cmd_audit"]
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def cmd_audit(a: argparse.Namespace) -> int:
+    attack = AttackConfig(iterations=a.iterations, restarts=a.restarts, tv=a.tv, layers=_csv(a.layers) or None)
+    opts = AuditOptions(
+        messages=messages_for(a.method),
+        protections=_csv(a.protections),
+        sites=a.sites,
+        images=a.images,
+        clip=a.clip,
+        sigma=a.sigma,
+        attack=attack,
+    )
+    _, rows, json_path, page = audit_federation(a.config, a.out, opts, overrides=a.set, seed=a.seed, device=a.device)
+    print("\n" + audit_table(rows))
+    print(f"numbers: {json_path.resolve()}\nreconstructions beside the originals: {page.resolve()}")
+    return 0
+
+
+def add_audit_parser(
+    sub: argparse._SubParsersAction, device_argument: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    """Add the ``audit`` verb to the command line's sub-parsers (``device_argument`` adds ``--device``)."""
+    au = sub.add_parser(
+        "audit", help="gradient-inversion attack on what each method sends, plain, with secure aggregation and DP"
+    )
+    au.add_argument("config", help="run config TOML or federation spec (e.g. a synthetic fundus federation)")
+    au.add_argument("--method", default="all", choices=[*METHOD_MESSAGES, "all"], help="whose messages (default all)")
+    au.add_argument("--out", default="runs/audit", help="output folder for audit.json and audit.html")
+    au.add_argument("--iterations", type=int, default=200, help="attack iterations per restart (default 200)")
+    au.add_argument("--restarts", type=int, default=2, help="attack restarts from seeded noise (default 2)")
+    au.add_argument("--images", type=int, default=1, help="images per attacked batch (default 1)")
+    au.add_argument("--sites", type=int, default=3, help="sites taking part; secure aggregation sums over them")
+    au.add_argument("--protections", default=",".join(PROTECTIONS), help="comma list of " + ", ".join(PROTECTIONS))
+    au.add_argument("--clip", type=float, default=1.0, help="DP clipping bound C, privacy.clip (default 1)")
+    au.add_argument(
+        "--sigma", type=float, default=1.0, help="DP noise multiplier, privacy.noise_multiplier (default 1)"
+    )
+    au.add_argument("--tv", type=float, default=1e-4, help="weight of the total-variation prior (default 1e-4)")
+    au.add_argument("--layers", default="", help="match only parameters starting with these comma-separated prefixes")
+    au.add_argument("--seed", type=int)
+    au.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    device_argument(au)
+    au.set_defaults(func=cmd_audit)
