@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedseg.data.volumes.fingerprint import check_fingerprint, site_fingerprint, site_histogram
+from fedseg.data.volumes.fingerprint import check_fingerprint, combine_moments, site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
 from fedseg.data.volumes.plan import Plan, make_plan, pooled_percentiles, target_spacing
@@ -70,6 +70,17 @@ def test_pooled_statistics_equal_pooled_voxels_and_beat_averaged_percentiles(une
         for q in (0.5, 99.5)
     ]
     assert max(abs(avg[0] - true_lo), abs(avg[1] - true_hi)) > 10 * width
+
+
+def test_combined_moments_by_hand():
+    """Parts {1, 2, 3} (n 3, mean 2, M2 = 1 + 0 + 1 = 2) and {10} (n 1, mean 10, M2 0): δ = 8, so
+    mean = 2 + 8·1/4 = 4 and M2 = 2 + 0 + 64·3·1/4 = 50, the M2 of {1, 2, 3, 10} about 4 (9 + 4 + 1 + 36)."""
+    assert combine_moments([{"count": 3, "mean": 2.0, "m2": 2.0}, {"count": 1, "mean": 10.0, "m2": 0.0}]) == (
+        4,
+        4.0,
+        50.0,
+    )
+    assert combine_moments([{"count": 0, "mean": 0.0, "m2": 0.0}]) == (0, 0.0, 0.0)
 
 
 def test_percentile_from_histogram_within_one_bin():

@@ -32,6 +32,7 @@ __all__ = [
     "FINGERPRINT_VERSION",
     "check_fingerprint",
     "check_histogram",
+    "combine_moments",
     "ras_order",
     "site_fingerprint",
     "site_histogram",
@@ -57,6 +58,26 @@ def _foreground(image: np.ndarray, label: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(c, dtype=np.float64)[mask] for c in image])
 
 
+def combine_moments(parts: Iterable[Mapping[str, float]]) -> tuple[int, float, float]:
+    """``(count, mean, M2)`` of the union of samples given as ``{count, mean, m2}`` per part (M2: the
+    centred sum of squares).
+
+    Chan, Golub & LeVeque's pairwise update: for parts a, b with n = n_a + n_b and δ = mean_b − mean_a,
+    mean = mean_a + δ n_b / n and M2 = M2_a + M2_b + δ² n_a n_b / n.  Exact up to float64 rounding,
+    unlike sums of squares.  A site combines its cases with it, the server the sites.
+    """
+    n, mean, m2 = 0, 0.0, 0.0
+    for p in parts:
+        nb = int(p["count"])
+        if nb == 0:
+            continue
+        delta, tot = float(p["mean"]) - mean, n + nb
+        mean += delta * nb / tot
+        m2 += float(p["m2"]) + delta * delta * n * nb / tot
+        n = tot
+    return n, mean, m2
+
+
 def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[str, Any]:
     """Pass 1 of a site's fingerprint.
 
@@ -71,7 +92,7 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
         JSON-ready: ``version``, ``cases`` (``spacing`` and ``shape`` in RAS order), ``foreground``
         (``count``, ``mean``, ``m2``, ``min``, ``max``), ``min`` (of all voxels), ``integer``.
     """
-    count, mean, m2 = 0, 0.0, 0.0
+    parts: list[dict[str, float]] = []
     lo, hi, vmin, integer = math.inf, -math.inf, math.inf, True
     records = []
     for image, label, affine in cases:
@@ -86,13 +107,10 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
         fg = _foreground(image, label)
         if fg.size == 0:
             continue
-        n_b, mean_b = fg.size, float(fg.mean())
-        m2_b = float(((fg - mean_b) ** 2).sum())
-        delta, n = mean_b - mean, count + n_b
-        mean += delta * n_b / n
-        m2 += m2_b + delta * delta * count * n_b / n
-        count = n
+        mean_b = float(fg.mean())
+        parts.append({"count": fg.size, "mean": mean_b, "m2": float(((fg - mean_b) ** 2).sum())})
         lo, hi = min(lo, float(fg.min())), max(hi, float(fg.max()))
+    count, mean, m2 = combine_moments(parts)
     return {
         "version": FINGERPRINT_VERSION,
         "cases": records,

@@ -128,21 +128,29 @@ def load_volume_split(fed: FederationSpec, site: SiteSpec, split: str, plan: Pla
     if not images:
         raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
     shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
-    x = np.zeros((len(images), fed.in_channels, *shape), dtype=np.float32)
-    y = np.zeros((len(images), len(fed.labels), *shape), dtype=np.float32)
-    for i, (im, lab) in enumerate(zip(images, labels)):
-        region = tuple(slice(0, s) for s in im.shape[1:])
-        x[i] = im.min()  # pad with the volume's lowest value (air), at the far end of each axis
-        x[(i, slice(None), *region)] = im
-        y[(i, slice(None), *region)] = label_channels(lab, fed.labels)
+    x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     return VolumeDataset(
-        torch.from_numpy(x),
-        torch.from_numpy(y),
+        x,
+        y,
         ids,
         affines,
         originals if keep else None,
         orig_labels if keep else None,
     )
+
+
+def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list[int]):
+    """Stack ``(C, *spatial)`` images and ``(L, *spatial)`` label channels padded at the far end of each axis
+    to ``shape`` (the origin, and so the affine, stays): images with each volume's lowest value (air), labels
+    with 0.  Returns float32 tensors ``(N, C, *shape)`` and ``(N, L, *shape)``."""
+    x = np.zeros((len(images), images[0].shape[0], *shape), dtype=np.float32)
+    y = np.zeros((len(labels), labels[0].shape[0], *shape), dtype=np.float32)
+    for i, (im, lab) in enumerate(zip(images, labels)):
+        region = (i, slice(None), *(slice(0, s) for s in im.shape[1:]))
+        x[i] = im.min()
+        x[region] = im
+        y[region] = lab
+    return torch.from_numpy(x), torch.from_numpy(y)
 
 
 def pad_to_common_shape(data: dict) -> dict:
@@ -151,15 +159,8 @@ def pad_to_common_shape(data: dict) -> dict:
     sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
     shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
     for ds in sets:
-        if list(ds.images.shape[2:]) == shape:
-            continue
-        n, c, nl = ds.images.shape[0], ds.images.shape[1], ds.labels.shape[1]
-        region = (slice(None), slice(None), *(slice(0, s) for s in ds.images.shape[2:]))
-        images = ds.images.amin(dim=(2, 3, 4), keepdim=True).expand(n, c, *shape).clone()
-        images[region] = ds.images
-        labels = torch.zeros(n, nl, *shape, dtype=ds.labels.dtype)
-        labels[region] = ds.labels
-        ds.images, ds.labels = images, labels
+        if list(ds.images.shape[2:]) != shape:
+            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), shape)
     return data
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.volumes.fingerprint import check_fingerprint, check_histogram
+from fedseg.data.volumes.fingerprint import check_fingerprint, check_histogram, combine_moments
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "histogram_edges",
     "load_plan",
     "make_plan",
-    "pooled_moments",
     "pooled_percentiles",
     "save_plan",
     "target_spacing",
@@ -118,25 +117,6 @@ class Plan:
             raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
         if mode not in ("ct", "zscore", "window", "minmax"):
             raise ConfigError(f"{where}: intensity mode {mode!r}; use 'ct', 'zscore', 'window' or 'minmax'")
-
-
-def pooled_moments(parts: Sequence[Mapping[str, float]]) -> tuple[int, float, float]:
-    """``(count, mean, sd)`` of the union of samples given as ``{count, mean, m2}`` per part.
-
-    Chan, Golub & LeVeque's pairwise update: for parts a, b with n = n_a + n_b and δ = mean_b − mean_a,
-    mean = mean_a + δ n_b / n and M2 = M2_a + M2_b + δ² n_a n_b / n; sd = sqrt(M2 / n) (population sd, as
-    nnU-Net's ``np.std``).  Exact up to float64 rounding, unlike sums of squares.
-    """
-    n, mean, m2 = 0, 0.0, 0.0
-    for p in parts:
-        nb = int(p["count"])
-        if nb == 0:
-            continue
-        delta, tot = float(p["mean"]) - mean, n + nb
-        mean += delta * nb / tot
-        m2 += float(p["m2"]) + delta * delta * n * nb / tot
-        n = tot
-    return n, mean, math.sqrt(m2 / n) if n else 0.0
 
 
 def histogram_edges(lo: float, hi: float, bins: int = HISTOGRAM_BINS) -> list[float]:
@@ -279,7 +259,8 @@ def make_plan(
             counts += np.asarray(replies[site], dtype=np.int64)
         if not ok:
             raise DataError("no site sent a usable histogram -> check the sites' logs")
-        _, mean, sd = pooled_moments([ok[s]["foreground"] for s in ok])
+        n, mean, m2 = combine_moments([ok[s]["foreground"] for s in ok])
+        sd = math.sqrt(m2 / n)  # population sd, as nnU-Net's np.std
         p_lo, p_hi = pooled_percentiles(counts.tolist(), edges, PERCENTILES)
         intensity = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
     return Plan(
