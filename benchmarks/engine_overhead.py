@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from fedseg.data.synth import synthesize
-from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
+from fedseg.foundation.config import EvalConfig, RunConfig, SimulationConfig, TrainConfig
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import load_federation_data, simulate
 from fedseg.site.workload import segmentation_workload
@@ -108,6 +108,11 @@ def main() -> None:
         action="store_true",
         help="write checkpoints in the round loop (checkpoint_background = false)",
     )
+    ap.add_argument(
+        "--vectorize",
+        default="off",
+        help="fedseg's simulation.vectorize; 'off' (default) trains the sites in turn, as the bare loop does",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (both loops run there)")
     ap.add_argument(
         "--checkpoint-every", type=int, default=1, help="0 = no output folder, no checkpoints (pure engine overhead)"
@@ -126,6 +131,7 @@ def main() -> None:
         checkpoint_background=not args.sync_checkpoints,
         train=TrainConfig(batch_size=args.batch_size),
         eval=EvalConfig(every=args.rounds),
+        simulation=SimulationConfig(vectorize=args.vectorize),
     )
     workload = segmentation_workload(2, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
     steps = sum(math.ceil(len(d.train) / args.batch_size) for d in data.values())

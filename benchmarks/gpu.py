@@ -14,14 +14,23 @@ The synthetic fundus preset (6 sites, Table-1 case counts × ``--scale``) at eac
 
 Goal on an H100/H200: a FedSM round of the full-scale preset at 256² in ≤ 2 s.
 
+``--profile`` adds, per run, one more run of 3 rounds under ``torch.profiler`` and reports how busy
+the GPU was in its second round: the union of the kernel, copy and memset intervals that start inside
+the round, over the round's wall time; with the kernel count and their median duration (many short
+kernels mean the round is bound by launches, not arithmetic).  ``--vectorize auto,off`` compares the
+vectorized sites (``simulation.vectorize``; auto = on on CUDA with ≥ 4 sites) with sites in turn.
+
     .venv/bin/python benchmarks/gpu.py --device cuda                      # the issue's setting
     .venv/bin/python benchmarks/gpu.py --device cuda --nondeterministic   # what determinism costs
+    .venv/bin/python benchmarks/gpu.py --device cuda --sizes 256 --profile --vectorize auto,off
     .venv/bin/python benchmarks/gpu.py --device cpu --scale 0.05 --sizes 32 --channels 8,16,32 --rounds 3   # CPU smoke size
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import platform
 import statistics
 import tempfile
@@ -34,13 +43,86 @@ from _report import emit, md_table
 from fedseg.algorithms import get_algorithm
 from fedseg.data.synth import synthesize
 from fedseg.execution.engine import Engine
-from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, TrainConfig
+from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import build_transport, load_federation_data
 from fedseg.site.workload import segmentation_workload
 
 
-def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path, rounds: int | None = None) -> dict:
+def busy_share(trace: Path, label: str) -> dict:
+    """GPU busy share of the span of the ``label`` annotation in a Chrome trace of torch.profiler: the union
+    of device intervals (kernels, copies, memsets) that start inside it, over its length."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    span = [e for e in events if e.get("name") == label and e.get("cat") == "user_annotation"]
+    if not span:
+        return {"busy": None, "kernels": 0, "median_kernel_us": None}
+    t0, t1 = span[0]["ts"], span[0]["ts"] + span[0]["dur"]
+    dev = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and t0 <= e["ts"] < t1
+    )
+    busy, end = 0.0, t0
+    for a, b in dev:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    kernels = sorted(
+        e["dur"] for e in events if e.get("cat") == "kernel" and t0 <= e["ts"] < t1
+    )  # the span ends after torch.cuda.synchronize(), so every kernel of the round ends inside it
+    return {
+        "busy": min(1.0, busy / (t1 - t0)),
+        "round_ms": (t1 - t0) / 1e3,
+        "kernels": len(kernels),
+        "median_kernel_us": statistics.median(kernels) if kernels else None,
+    }
+
+
+def profiled_round(spec: Path, data, fed, method: str, precision: str, vectorize: str, args, out: Path) -> dict:
+    """Run 3 rounds; torch.profiler records round 2 alone (round 1 is its warm-up); see :func:`busy_share`."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
+    )
+
+    def wrap(algorithm):
+        inner = algorithm.server_round
+
+        def server_round(ctx, state, rnd):
+            with record_function(f"fedseg_round_{rnd}"):
+                result = inner(ctx, state, rnd)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            prof.step()
+            return result
+
+        algorithm.server_round = server_round
+
+    with prof:
+        one_run(spec, data, fed, method, precision, args, out, rounds=3, vectorize=vectorize, hook=wrap)
+    share = busy_share(trace, "fedseg_round_2")
+    trace.unlink()
+    return share
+
+
+def one_run(
+    spec: Path,
+    data,
+    fed,
+    method: str,
+    precision: str,
+    args,
+    out: Path,
+    rounds: int | None = None,
+    vectorize: str = "auto",
+    hook=None,
+) -> dict:
     model = (
         ModelConfig()
         if not args.channels
@@ -59,9 +141,12 @@ def one_run(spec: Path, data, fed, method: str, precision: str, args, out: Path,
         model=model,
         train=TrainConfig(batch_size=args.batch_size, precision=precision),
         eval=EvalConfig(every=rounds),
+        simulation=SimulationConfig(vectorize=vectorize),
     )
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
     algorithm = get_algorithm(cfg)
+    if hook is not None:
+        hook(algorithm)
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -118,6 +203,11 @@ def main() -> None:
     ap.add_argument(
         "--no-warmup", action="store_true", help="skip the discarded 2-round warm-up run of each method per size"
     )
+    ap.add_argument("--vectorize", default="auto", help="simulation.vectorize values to compare, e.g. auto,off")
+    ap.add_argument(
+        "--runs", help="method:precision:vectorize triples instead of the product, e.g. fedavg:fp32:off,fedsm:bf16:auto"
+    )
+    ap.add_argument("--profile", action="store_true", help="GPU busy share of a round under torch.profiler")
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
     args = ap.parse_args()
@@ -126,9 +216,13 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedseg-gpu-"))
     rows, records = [], []
     for size in [int(s) for s in args.sizes.split(",")]:
-        spec = synthesize("fundus", out / f"data{size}", seed=0, scale=args.scale, size=size)
+        t_start = time.perf_counter()
+        spec = out / f"data{size}" / "federation.toml"
+        if not spec.is_file():  # a folder from an earlier call of this script with the same --out is reused
+            spec = synthesize("fundus", out / f"data{size}", seed=0, scale=args.scale, size=size)
         fed, data = load_federation_data(spec)
         n_train = sum(len(d.train) for d in data.values())
+        print(f"{size}²: {n_train} training cases ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         if not args.no_warmup:  # one discarded run per size: lazy imports, kernel selection, allocator pools
             for method in args.methods.split(","):
                 one_run(
@@ -141,29 +235,40 @@ def main() -> None:
                     out / f"warmup-{method}-{size}",
                     rounds=2,
                 )
-        for method in args.methods.split(","):
-            for precision in args.precisions.split(","):
-                r = one_run(spec, data, fed, method, precision, args, out / f"{method}-{precision}-{size}")
-                r.update(size=size, train_cases=n_train)
-                records.append(r)
-                print(
-                    f"{size}² {method} {precision}: {r['s_per_round']:.2f} s/round, checkpoint {r['ckpt_blocking_s']:.3f} s blocking "
-                    f"+ {r['ckpt_write_s']:.3f} s in the background ({r['ckpt_mb']:.0f} MB)",
-                    flush=True,
-                )
-                rows.append(
-                    [
-                        f"{size}²",
-                        str(n_train),
-                        method,
-                        precision,
-                        f"{r['s_per_round']:.2f}",
-                        "–" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
-                        f"{r['ckpt_blocking_s']:.3f}",
-                        f"{r['ckpt_write_s']:.3f}",
-                        f"{r['ckpt_mb']:.0f}",
-                    ]
-                )
+        combos = (
+            [tuple(r.split(":")) for r in args.runs.split(",")]
+            if args.runs
+            else itertools.product(args.methods.split(","), args.precisions.split(","), args.vectorize.split(","))
+        )
+        for method, precision, vec in combos:
+            name = f"{method}-{precision}-{vec}-{size}"
+            r = one_run(spec, data, fed, method, precision, args, out / name, vectorize=vec)
+            r.update(size=size, train_cases=n_train, vectorize=vec)
+            if args.profile:
+                r.update(profiled_round(spec, data, fed, method, precision, vec, args, out / f"prof-{name}"))
+            records.append(r)
+            busy = f", GPU busy {r['busy']:.0%} ({r['kernels']} kernels)" if r.get("busy") is not None else ""
+            print(
+                f"{size}² {method} {precision} vectorize={vec}: {r['s_per_round']:.2f} s/round{busy}, checkpoint "
+                f"{r['ckpt_blocking_s']:.3f} s blocking + {r['ckpt_write_s']:.3f} s in the background ({r['ckpt_mb']:.0f} MB)",
+                flush=True,
+            )
+            rows.append(
+                [
+                    f"{size}²",
+                    str(n_train),
+                    method,
+                    precision,
+                    vec,
+                    f"{r['s_per_round']:.2f}",
+                    "–" if r.get("busy") is None else f"{r['busy']:.0%}",
+                    "–" if r.get("median_kernel_us") is None else f"{r['kernels']} / {r['median_kernel_us']:.0f}",
+                    "–" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
+                    f"{r['ckpt_blocking_s']:.3f}",
+                    f"{r['ckpt_write_s']:.3f}",
+                    f"{r['ckpt_mb']:.0f}",
+                ]
+            )
     machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     kernels = "non-deterministic kernels" if args.nondeterministic else "deterministic kernels"
     writer = "checkpoints written in the round loop" if args.sync_checkpoints else "background checkpoint writer"
@@ -177,7 +282,10 @@ def main() -> None:
             "train cases",
             "method",
             "precision",
+            "vectorize",
             "s/round",
+            "GPU busy",
+            "kernels / median µs",
             "peak GPU GiB",
             "ckpt blocking s/round",
             "ckpt write s/round",

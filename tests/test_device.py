@@ -381,15 +381,17 @@ def _cuda(cfg: RunConfig) -> RunConfig:
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gpu_run_matches_cpu_run_within_tolerance(tmp_path, workload, dtype):
     """The GPU computes the CPU's function.  In float64 both agree to 1e-8 after two rounds.  In float32
-    Adam amplifies rounding: a weight whose gradient is near zero moves by m/√v ≈ ±1 times the learning
-    rate whatever its size, so summation-order differences (cuDNN vs oneDNN) can move it by up to one
-    step, lr = 1e-3 (seen on an H100: 7.7e-4 on a bias); the bound is therefore the learning rate."""
+    Adam amplifies rounding: a weight whose gradient is near zero (a bias before a normalization) moves
+    by m/√v ≈ ±1 times the learning rate whatever its size, so when summation-order differences (cuDNN
+    vs oneDNN) flip the sign of that gradient, the two runs step lr apart in opposite directions: up to
+    2·lr = 2e-3 (seen on an H100: 7.7e-4 and 1.13e-3 on a one-element bias); the bound is therefore
+    twice the learning rate."""
     cfg = tiny_config("fedavg", rounds=2, dtype=dtype)
     simulate(dataclasses.replace(cfg, device="cpu"), workload, tiny_sites(), out=tmp_path / "cpu", progress=False)
     res = simulate(_cuda(cfg), workload, tiny_sites(), out=tmp_path / "gpu", progress=False)
     assert res["device"].startswith("cuda")
     a, b = server_state(tmp_path / "cpu"), server_state(tmp_path / "gpu")
-    tol = {"rtol": 1e-6, "atol": 1e-8} if dtype == "float64" else {"rtol": 0, "atol": cfg.train.lr}
+    tol = {"rtol": 1e-6, "atol": 1e-8} if dtype == "float64" else {"rtol": 0, "atol": 2 * cfg.train.lr}
     for k in a:
         torch.testing.assert_close(a[k], b[k], **tol)
 
