@@ -138,3 +138,19 @@ def test_results_and_tables_carry_hd95_per_case_site_and_client_average():
     assert "| FedAvg | 3.00 | 7.50 | 5.25 | 6.00 |" in md or "| fedavg | 3.00 | 7.50 | 5.25 | 6.00 |" in md
     plain = _results(None)
     assert "client_avg_hd95" not in plain and "HD95" not in table3([plain])
+
+
+def test_eval_interval_keeps_validation_at_a_fifth_of_the_computation():
+    """Volume 64 × 64 × 32, window 32 × 32 × 16, overlap 0.5: steps 16, 16, 8, so 3 × 3 × 3 = 27 windows.
+    A site with 4 validation volumes spends V = 108 window passes per validation; 2 steps of 4 patches a
+    round cost 3 × 8 = 24.  k rounds then validate at V / (V + 24 k): 108 / (108 + 24 · 18) = 0.2 exactly,
+    and k = 17 gives 0.209 > 0.2, so k = 18.  The site with more work per validation sets the interval; a
+    40-round run keeps 4 validations (k ≤ 10); a run without validation volumes validates every round."""
+    from fedseg.data.volumes.plan import eval_interval, sliding_windows
+
+    assert sliding_windows((64, 64, 32), (32, 32, 16), 0.5) == 27
+    assert sliding_windows((32, 32, 16), (32, 32, 16), 0.75) == 1
+    sites = {"a": (4, 8), "b": (1, 8)}
+    assert eval_interval(sites, (64, 64, 32), (32, 32, 16), 0.5, rounds=100) == 18
+    assert eval_interval(sites, (64, 64, 32), (32, 32, 16), 0.5, rounds=40) == 10
+    assert eval_interval({"a": (0, 8)}, (64, 64, 32), (32, 32, 16), 0.5, rounds=100) == 1
