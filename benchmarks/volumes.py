@@ -15,7 +15,7 @@ federated plan's exact pooled intensity statistics buy over per-site and average
 
     .venv/bin/python benchmarks/volumes.py --md docs/results/volumes.md
 
-The default (``--size 48 --scale 0.5``, 20 rounds of 8 steps) takes a few minutes on 2 CPU cores with
+The default (``--size 48 --scale 0.5``, 30 rounds of 16 steps) takes a few minutes on 2 CPU cores with
 one torch thread; ``--size 64 --scale 1 --rounds 50 --patch-voxels 32768`` is the preset's full size.
 Writes ``OUT/data`` (the federation), ``OUT/<row>/results.json`` and ``OUT/summary.json``.
 """
@@ -123,8 +123,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=48, help="in-plane voxels of the ct-lesion preset")
     ap.add_argument("--scale", type=float, default=0.5, help="cases per split relative to the preset")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=8, help="local steps per round")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=16, help="local steps per round")
+    ap.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (train.lr)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--patch-voxels", type=int, default=24 * 24 * 16, help="the plan's patch budget")
     ap.add_argument("--seed", type=int, default=0)
@@ -149,6 +150,7 @@ def main() -> None:
         f"train.local_steps={args.steps}",
         "train.local_epochs=none",
         f"train.batch_size={args.batch}",
+        f"train.lr={args.lr}",
         f"checkpoint_every={args.rounds}",
         *args.overrides,
     ]
@@ -191,7 +193,7 @@ def main() -> None:
         f"the prediction is resampled back into each scan's own grid. Plan: target spacing "
         f"{[round(v, 3) for v in plan.target_spacing]} mm, patch {plan.patch_size}, U-Net channels "
         f"{plan.channels}, strides {plan.strides}; intensity `ct` (pooled). Training: {args.rounds} rounds of "
-        f"{args.steps} local steps, batch {args.batch}, validation every {every} round(s) (derived), seed "
+        f"{args.steps} local steps, batch {args.batch}, Adam lr {args.lr}, validation every {every} round(s) (derived), seed "
         f"{args.seed}. Local = each site's own model on its own test set.\n",
     ]
 
@@ -252,7 +254,7 @@ def main() -> None:
             "(plan grid, patch, network, seed); only the intensity normalization differs.\n",
         ]
     wall = time.perf_counter() - t_start
-    shown = ("size", "scale", "rounds", "steps", "batch", "patch_voxels", "seed")
+    shown = ("size", "scale", "rounds", "steps", "batch", "lr", "patch_voxels", "seed")
     flags = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in shown)
     md.append(
         f"Settings: `{flags}`. Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s). "

@@ -154,3 +154,30 @@ def test_eval_interval_keeps_validation_at_a_fifth_of_the_computation():
     assert eval_interval(sites, (64, 64, 32), (32, 32, 16), 0.5, rounds=100) == 18
     assert eval_interval(sites, (64, 64, 32), (32, 32, 16), 0.5, rounds=40) == 10
     assert eval_interval({"a": (0, 8)}, (64, 64, 32), (32, 32, 16), 0.5, rounds=100) == 1
+
+
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        ({"hd95": {"global": [[-1.0]]}}, "not a list of finite non-negative numbers"),
+        ({"hd95": {"global": [[float("nan")]]}}, "not a list of finite non-negative numbers"),
+        ({"hd95": {"global": [[1.0], [2.0]]}}, "one entry per scored case"),
+        ({"hd95": {"other": [[1.0]]}}, "does not score exactly the candidates"),
+        ([1.0], "not a mapping"),
+    ],
+)
+def test_a_deployed_site_sending_forged_distances_is_rejected(extra, reason):
+    """A reply's test metrics must score the asked candidates, one finite non-negative number per case and
+    channel; an honest reply passes."""
+    from fedseg.execution.remote.params import DeployParams
+    from fedseg.execution.remote.transport import RemoteTransport
+    from fedseg.foundation.errors import PayloadError
+    from fedseg.foundation.messages import Reply, Task
+
+    tr = RemoteTransport(["s"], lambda *a: b"", DeployParams(), log=lambda m: None, num_metrics=1)
+    task = Task("evaluate", {}, {"split": "testing", "candidates": [{"name": "global"}]})
+    ok = Reply(metrics={"per_case": {"global": [[0.5]]}, "test_metrics": {"hd95": {"global": [[3.2]]}}})
+    tr._check_scores("s", task, ok, "site s")
+    bad = Reply(metrics={"per_case": {"global": [[0.5]]}, "test_metrics": extra})
+    with pytest.raises(PayloadError, match=reason):
+        tr._check_scores("s", task, bad, "site s")
