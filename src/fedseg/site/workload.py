@@ -9,6 +9,7 @@ see ``docs/python-api.md``).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -149,9 +150,15 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
             for c in range(pred.shape[1]):
                 p_any, g_any = bool(pred[b, c].any()), bool(gt[b, c].any())
                 if p_any and g_any:
-                    hd = compute_hausdorff_distance(
-                        pred[b, c][None, None], gt[b, c][None, None], include_background=True, percentile=95, spacing=sp
-                    )
+                    with warnings.catch_warnings():  # MONAI's own internal call of a deprecated argument
+                        warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+                        hd = compute_hausdorff_distance(
+                            pred[b, c][None, None],
+                            gt[b, c][None, None],
+                            include_background=True,
+                            percentile=95,
+                            spacing=sp,
+                        )
                     out[b, c] = float(hd[0, 0])
                 elif p_any or g_any:
                     out[b, c] = worst
