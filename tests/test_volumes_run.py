@@ -97,3 +97,12 @@ def test_fedavg_on_volumes_scores_every_test_case_in_its_own_grid(tmp_path):
     assert saved["plan"]["target_spacing"] == results["plan"]["target_spacing"]
     assert saved["num_cases"] == {"ras": 1, "lps": 1}  # one test case per site, each scored once
     assert 0.0 <= saved["client_avg_dice"] <= 1.0
+    # HD95 per test case in mm (3D default), bounded by the largest field-of-view diagonal of the two sites
+    diagonal = max(float(np.linalg.norm(np.asarray(s) * np.abs(np.diag(a)[:3]))) for a, s in SITES.values())
+    hd = saved["per_case_hd95"]["global"]
+    assert {s: len(v) for s, v in hd.items()} == {"ras": 1, "lps": 1}
+    assert all(0.0 <= v[0] <= diagonal + 1e-6 for v in hd.values())
+    assert saved["client_avg_hd95"] == pytest.approx((hd["ras"][0] + hd["lps"][0]) / 2)
+    assert "HD95 (mm)" in (tmp_path / "run" / "results.md").read_text()
+    # the derived validation interval keeps at least 4 validations: a 2-round run validates every round
+    assert saved["config"]["eval"]["every"] == 1 and not any(m.startswith("plan: eval.every") for m in logs)

@@ -6,6 +6,10 @@ Definitions (FedSM paper, Table 3):
 * a site's Dice is the mean over its test cases;
 * **Client Avg Dice** is the mean of the per-site Dice (each site counts once);
 * **Global Dice** is the mean over all sites' test cases pooled (large sites weigh more).
+
+Further test metrics (the 95th-percentile Hausdorff distance ``hd95`` of volumes, in mm) are
+summarized the same way under their own names (``per_site_hd95``, ``client_avg_hd95``,
+``global_hd95``, ``per_case_hd95``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def row_from_cases(
-    per_site: Mapping[str, Sequence[Sequence[float]]], sites: Sequence[str], metric_names: Sequence[str]
+    per_site: Mapping[str, Sequence[Sequence[float]]],
+    sites: Sequence[str],
+    metric_names: Sequence[str],
+    metric: str = "dice",
 ) -> dict[str, Any]:
     """Table 3 quantities from per-case, per-channel scores.
 
@@ -37,14 +44,16 @@ def row_from_cases(
         Site order (and which sites count).
     metric_names
         Channel names.
+    metric
+        The metric's name in the keys (``"dice"``; ``"hd95"`` for the Hausdorff distance).
 
     Returns
     -------
     dict
         ``per_site_dice``, ``per_site_channel_dice`` ({site: {channel: dice}}),
-        ``client_avg_dice``, ``global_dice``, ``num_cases``.  A site without cases (a deployed
-        site that answered no test exchange) has Dice NaN and 0 cases and is left out of the
-        client average, so the other sites' results stay usable.
+        ``client_avg_dice``, ``global_dice``, ``num_cases`` (``dice`` replaced by ``metric``).  A site
+        without cases (a deployed site that answered no test exchange) has Dice NaN and 0 cases and is
+        left out of the client average, so the other sites' results stay usable.
     """
     per_site_dice: dict[str, float] = {}
     per_channel: dict[str, dict[str, float]] = {}
@@ -58,12 +67,16 @@ def row_from_cases(
         per_site_dice[s] = _mean(means)
         per_channel[s] = {m: _mean([c[j] for c in cases]) for j, m in enumerate(metric_names)}
     return {
-        "per_site_dice": per_site_dice,
-        "per_site_channel_dice": per_channel,
-        "client_avg_dice": _mean([d for s, d in per_site_dice.items() if counts[s]]),
-        "global_dice": _mean(pooled),
+        f"per_site_{metric}": per_site_dice,
+        f"per_site_channel_{metric}": per_channel,
+        f"client_avg_{metric}": _mean([d for s, d in per_site_dice.items() if counts[s]]),
+        f"global_{metric}": _mean(pooled),
         "num_cases": counts,
     }
+
+
+def _without_counts(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "num_cases"}
 
 
 class BestResult(Protocol):
@@ -84,6 +97,7 @@ def summarize(
     metric_names: list[str],
     history: list[dict[str, Any]],
     label: str | None = None,
+    test_metrics: Mapping[str, Mapping[str, Mapping[str, list[list[float]]]]] | None = None,
 ) -> dict[str, Any]:
     """The ``results.json`` document of a run (schema in ``docs/results-format.md``).
 
@@ -92,21 +106,34 @@ def summarize(
     the ``primary`` candidate, or — for methods whose models belong to sites
     (local, personalized) — each site's own model on its own test set.  ``label`` is
     the run's row label in tables (the algorithm's ``label()``; default: ``method``).
+    ``test_metrics`` (``{metric: {candidate: {site: per-case (N, C)}}}``, e.g. ``hd95``) adds each
+    metric's per-site, client-average, global and per-case numbers to every row and to the method's row.
     """
+    test_metrics = test_metrics or {}
     rows = []
     for name, cases in per_case.items():
         b = best[name]
         row = {"name": name, "home_site": b.candidate.home_site, "best_round": b.round, "best_val_dice": b.score}
         row.update(row_from_cases(cases, sites, metric_names))
+        for metric, by_cand in test_metrics.items():
+            if name in by_cand:
+                row.update(_without_counts(row_from_cases(by_cand[name], sites, metric_names, metric)))
         rows.append(row)
-    if primary is not None:
-        top_cases = per_case[primary]
-    else:
+    homes = {best[name].candidate.home_site: name for name in per_case}
+
+    def method_cases(cases_of: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        if primary is not None:
+            return cases_of[primary] if cases_of is per_case else cases_of.get(primary, {})
         # a site's own model; none for a deployed site that never answered (no own model was trained)
-        homes = {best[name].candidate.home_site: name for name in per_case}
-        top_cases = {s: per_case[homes[s]].get(s, []) for s in sites if s in homes}
-    top = row_from_cases(top_cases, sites, metric_names)
+        return {s: cases_of.get(homes[s], {}).get(s, []) for s in sites if s in homes}
+
+    top = row_from_cases(method_cases(per_case), sites, metric_names)
     top["sites_without_results"] = [s for s in sites if not top["num_cases"][s]]
+    for metric, by_cand in test_metrics.items():
+        top.update(_without_counts(row_from_cases(method_cases(by_cand), sites, metric_names, metric)))
+        top[f"per_case_{metric}"] = {
+            name: {s: [_mean(c) for c in cs] for s, cs in cases.items()} for name, cases in by_cand.items()
+        }
     per_case_dice = {name: {s: [_mean(c) for c in cs] for s, cs in cases.items()} for name, cases in per_case.items()}
     return {
         "method": method,

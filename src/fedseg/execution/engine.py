@@ -139,6 +139,13 @@ class Engine:
         self, candidates: list[Candidate], split: str, sites_of: Callable[[Candidate], tuple[str, ...]]
     ) -> dict[str, dict[str, list[list[float]]]]:
         """Ask sites to score candidates on a split; returns ``{candidate: {site: per-case (N, C)}}``."""
+        return self.evaluate_all(candidates, split, sites_of)[0]
+
+    def evaluate_all(
+        self, candidates: list[Candidate], split: str, sites_of: Callable[[Candidate], tuple[str, ...]]
+    ) -> tuple[dict[str, dict[str, list[list[float]]]], dict[str, dict[str, dict[str, list[list[float]]]]]]:
+        """:meth:`evaluate`, and the sites' test metrics (``Workload.test_metrics``, test split only) as
+        ``{metric: {candidate: {site: per-case (N, C)}}}``."""
         tasks: dict[str, Task] = {}
         for s in self.ctx.sites:
             cs = [c for c in candidates if s in sites_of(c)]
@@ -151,10 +158,14 @@ class Engine:
             tasks[s] = Task("evaluate", arrays, {"split": split, "candidates": spec})
         replies = self.transport.ask(tasks)
         out: dict[str, dict[str, list[list[float]]]] = {c.name: {} for c in candidates}
+        extra: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
         for s, rep in replies.items():
             for name, cases in rep.metrics["per_case"].items():
                 out[name][s] = cases
-        return out
+            for metric, by_cand in (rep.metrics.get("test_metrics") or {}).items():
+                for name, cases in by_cand.items():
+                    extra.setdefault(metric, {}).setdefault(name, {})[s] = cases
+        return out, extra
 
     def _validate(self, rnd: int) -> dict[str, Any]:
         cands = self.algorithm.candidates(self.state, self.ctx)
@@ -186,8 +197,14 @@ class Engine:
 
     def test(self) -> dict[str, dict[str, list[list[float]]]]:
         """Score every best candidate on every site's test split."""
+        return self.test_all()[0]
+
+    def test_all(
+        self,
+    ) -> tuple[dict[str, dict[str, list[list[float]]]], dict[str, dict[str, dict[str, list[list[float]]]]]]:
+        """:meth:`test` and the test metrics beside Dice (:meth:`evaluate_all`)."""
         cands = [b.candidate for b in self.best.values()]
-        return self.evaluate(cands, "testing", lambda c: self.ctx.sites)
+        return self.evaluate_all(cands, "testing", lambda c: self.ctx.sites)
 
     # --------------------------------------------------------------- privacy
     def privacy_report(self) -> dict[str, dict[str, Any]] | None:
@@ -362,7 +379,7 @@ class Engine:
                 self.best[name] = Best(self.best[name].score, self.best[name].round, cand)
             self.save_checkpoint()
             self.writer.wait()
-        per_case = self.test()
+        per_case, test_metrics = self.test_all()
         results = summarize(
             method=self.algorithm.name,
             sites=list(self.ctx.sites),
@@ -373,6 +390,7 @@ class Engine:
             metric_names=list(self.workload.metric_names),
             history=self.history,
             label=self.algorithm.label(),
+            test_metrics=test_metrics,
         )
         if results["sites_without_results"]:
             self.log(

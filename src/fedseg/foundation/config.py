@@ -170,6 +170,11 @@ class EvalConfig:
     sw_weighting: Literal["gaussian", "constant"] = "gaussian"
     """How overlapping windows are blended: 'gaussian' (centre voxels count most, MONAI's and nnU-Net's
     choice) or 'constant'."""
+    hd95: Literal["auto", "on", "off"] = "auto"
+    """95th-percentile Hausdorff distance per test case beside Dice (MONAI's, in mm in each scan's own grid
+    for volumes, in pixels for 2D images): 'auto' (default) for 3D runs only, 'on' also for 2D, 'off'
+    never.  Both masks empty scores 0 and exactly one empty the diagonal of the grid's field of view;
+    it is reported, never used to pick a best round."""
     best_criterion: Literal["cases", "sites"] = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'

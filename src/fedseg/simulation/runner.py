@@ -32,7 +32,7 @@ from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
 from fedseg.seams.checkpoint import save_json
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = ["build_engine", "build_transport", "load_federation_data", "run", "simulate", "write_results"]
@@ -240,7 +240,12 @@ def run(
     plan = None
     if fed.mode == "3d":
         plan = ensure_plan(fed, log=log)
-        cfg = plan_for_run(cfg, plan, log=log)
+        work = {
+            s: (dataset_len(d.val), steps_per_round(cfg.train, dataset_len(d.train)) * cfg.train.batch_size)
+            for s, d in data.items()
+        }
+        volume = next(iter(data.values())).val.images.shape[2:]  # every split is padded to one shape
+        cfg = plan_for_run(cfg, plan, log=log, sites=work, volume=list(volume))
     results = simulate(
         cfg,
         workload_for(fed, cfg),

@@ -660,12 +660,22 @@ class Site:
             x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
             yield self._to_device(x, cast=True), self._to_device(y, cast=cast_labels and y.is_floating_point())
 
-    @torch.no_grad()
     def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
         """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
+        return self.score_cases(predict, split)[0]
+
+    @torch.no_grad()
+    def score_cases(
+        self, predict: Callable[[torch.Tensor], torch.Tensor], split: str, test_metrics: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-case metric (N, C) of ``predict`` on a split, in dataset order, and with ``test_metrics`` the
+        workload's test metrics (``{name: (N, C)}``, e.g. HD95 in mm) computed on the same predictions.
+
+        Volumes are scored in each scan's own grid (the prediction resampled back first), with that grid's
+        voxel spacing; other data with unit spacing."""
         out = []
+        extra: dict[str, list[torch.Tensor]] = {k: [] for k in (self.workload.test_metrics if test_metrics else {})}
         ds = self.data.split(split)
-        # volumes are scored in each scan's own grid: the prediction is resampled back first
         restore = getattr(ds, "original_grid", None) if getattr(ds, "originals", None) is not None else None
         first = 0
         for x, y in self.eval_batches(split):
@@ -673,13 +683,23 @@ class Site:
                 pred = predict(x)
             if restore is None:
                 out.append(self.workload.metric(pred, y).double())
+                for k in extra:
+                    extra[k].append(self.workload.test_metrics[k](pred, y, None).double())
             else:
                 for j in range(pred.shape[0]):
                     p, t = restore(first + j, pred[j].float())
                     out.append(self.workload.metric(p[None], t[None]).double())
+                    for k in extra:
+                        spacing = ds.originals[first + j].spacing
+                        extra[k].append(self.workload.test_metrics[k](p[None], t[None], spacing).double())
             first += x.shape[0]
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
-        return torch.cat(out) if out else torch.zeros(0, len(self.workload.metric_names), dtype=torch.float64)
+        width = len(self.workload.metric_names)
+        scores = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
+        return scores, {
+            k: torch.cat([v.cpu() for v in vs]) if vs else torch.zeros(0, width, dtype=torch.float64)
+            for k, vs in extra.items()
+        }
 
     def model_predictor(
         self, arrays: Arrays, role: str = "eval", bn_from: str | None = None
@@ -697,6 +717,7 @@ class Site:
     def _evaluate(self, task: Task) -> Reply:
         split = task.config["split"]
         results = {}
+        extras: dict[str, dict[str, list[list[float]]]] = {}
         predictors = self.algorithm.predictors()
         for cand in task.config["candidates"]:
             kind = cand.get("predictor", "model")
@@ -704,8 +725,14 @@ class Site:
             if make is None:
                 raise PayloadError(f"site {self.name}: unknown predictor {kind!r} for candidate {cand['name']!r}")
             predict = make(self, strip_prefix(cand["name"], task.arrays), cand.get("config", {}))
-            results[cand["name"]] = self.score(predict, split).tolist()
-        return Reply(metrics={"per_case": results}, num_samples=dataset_len(self.data.split(split)))
+            scores, extra = self.score_cases(predict, split, test_metrics=split == "testing")
+            results[cand["name"]] = scores.tolist()
+            for k, v in extra.items():
+                extras.setdefault(k, {})[cand["name"]] = v.tolist()
+        metrics: dict[str, Any] = {"per_case": results}
+        if extras:  # e.g. {"hd95": {candidate: per-case (N, C)}}: the test split's further metrics
+            metrics["test_metrics"] = extras
+        return Reply(metrics=metrics, num_samples=dataset_len(self.data.split(split)))
 
     # ------------------------------------------------------------ persistence
     def state_arrays(self, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:

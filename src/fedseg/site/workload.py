@@ -8,8 +8,10 @@ see ``docs/python-api.md``).
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +24,7 @@ __all__ = [
     "Workload",
     "accuracy_metric",
     "dice_metric",
+    "hd95_metric",
     "make_loss",
     "segmentation_workload",
     "workload_for",
@@ -29,6 +32,7 @@ __all__ = [
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SpacedMetric = Callable[[torch.Tensor, torch.Tensor, "Sequence[float] | None"], torch.Tensor]
 
 
 @dataclass
@@ -59,6 +63,11 @@ class Workload:
         inputs into ``num_classes`` classes (FedSM's model selector); the default is the papers'
         VGG-11-style :class:`fedseg.models.Selector` for ``spatial_dims``/``in_channels``.  Methods
         get auxiliary networks from the workload, so no algorithm imports a network library.
+    test_metrics
+        ``{name: metric(output, target, spacing) -> (B, C)}``: further per-case, per-channel numbers
+        reported beside ``metric`` on the test split only (never used to pick a best round), with the
+        voxel spacing of the grid being scored (the scan's own grid for volumes; None: unit spacing).
+        The segmentation workload's is ``{"hd95": hd95_metric()}`` for volumes (``eval.hd95``).
     """
 
     build_model: Callable[[], nn.Module]
@@ -72,6 +81,7 @@ class Workload:
     spatial_dims: int = 2
     in_channels: int = 1
     build_selector: Callable[[int, float, int], nn.Module] | None = None
+    test_metrics: Mapping[str, SpacedMetric] = field(default_factory=dict)
 
     def selector(self, num_classes: int, width: float = 0.25, hidden: int = 128) -> nn.Module:
         """A freshly initialized selector network (``build_selector``, or the papers' VGG-11 layout)."""
@@ -104,6 +114,54 @@ def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
             dims = tuple(range(2, pred.dim()))
             both = (pred.sum(dim=dims) == 0) & (target.float().sum(dim=dims) == 0)
             out = torch.where(both.to(out.device), torch.full_like(out, empty_dice), out)
+        return out
+
+    return compute
+
+
+def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
+    """Per-case, per-channel 95th-percentile Hausdorff distance of ``sigmoid(logits) > threshold`` to binary
+    masks, in the units of ``spacing`` (mm for volumes), with MONAI's ``compute_hausdorff_distance``
+    (symmetric, euclidean, ``percentile=95``: the 95th percentile of the distances from each surface
+    voxel of one mask to the nearest surface voxel of the other, both directions pooled).
+
+    Undefined cases get fixed values, as the BraTS evaluation does (MONAI itself returns NaN or inf):
+    prediction and mask both empty → 0 (nothing there, nothing predicted); exactly one of them empty →
+    the diagonal of the grid's field of view, ``sqrt(sum((shape_a * spacing_a)^2))``, the largest
+    distance the grid can hold.  So every case has a finite distance and a missed or hallucinated
+    structure costs the most.
+
+    ``metric(logits (B, C, *spatial), target (B, C, *spatial), spacing)``: ``spacing`` is one voxel size per
+    spatial axis, shared by the batch (None: 1 per axis, distances in voxels).
+    """
+
+    def compute(logits: torch.Tensor, target: torch.Tensor, spacing: Sequence[float] | None = None) -> torch.Tensor:
+        from monai.metrics import compute_hausdorff_distance
+
+        pred = (torch.sigmoid(logits.float()) > threshold).cpu()
+        gt = target.cpu() > 0.5
+        dims = pred.dim() - 2
+        sp = [1.0] * dims if spacing is None else [float(v) for v in spacing]
+        if len(sp) != dims:
+            raise ValueError(f"spacing {list(sp)} must have one entry per spatial axis ({dims})")
+        worst = math.sqrt(sum((n * v) ** 2 for n, v in zip(pred.shape[2:], sp)))
+        out = torch.zeros(pred.shape[:2], dtype=torch.float64)
+        for b in range(pred.shape[0]):
+            for c in range(pred.shape[1]):
+                p_any, g_any = bool(pred[b, c].any()), bool(gt[b, c].any())
+                if p_any and g_any:
+                    with warnings.catch_warnings():  # MONAI's own internal call of a deprecated argument
+                        warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+                        hd = compute_hausdorff_distance(
+                            pred[b, c][None, None],
+                            gt[b, c][None, None],
+                            include_background=True,
+                            percentile=95,
+                            spacing=sp,
+                        )
+                    out[b, c] = float(hd[0, 0])
+                elif p_any or g_any:
+                    out[b, c] = worst
         return out
 
     return compute
@@ -165,13 +223,15 @@ def segmentation_workload(
     empty_dice: float = 1.0,
     sw_overlap: float = 0.5,
     sw_weighting: str = "gaussian",
+    hd95: bool = False,
 ) -> Workload:
     """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
     per-channel Dice.
 
     With ``model.roi_size`` set (volumes), training cuts patches of that size (a share
     ``train.foreground_share`` centred on foreground) and evaluation uses MONAI's sliding-window
-    inference with ``sw_overlap`` and ``sw_weighting`` ("gaussian" or "constant").
+    inference with ``sw_overlap`` and ``sw_weighting`` ("gaussian" or "constant").  ``hd95`` adds the
+    95th-percentile Hausdorff distance (:func:`hd95_metric`) to the test metrics.
     """
     from monai.inferers import sliding_window_inference
 
@@ -207,6 +267,7 @@ def segmentation_workload(
         train_transform=transform,
         spatial_dims=spatial_dims,
         in_channels=in_channels,
+        test_metrics={"hd95": hd95_metric(threshold)} if hd95 else {},
     )
 
 
@@ -220,7 +281,7 @@ class DataLayout(Protocol):
 
 def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
     """The segmentation workload of a run: its federation's data layout and the run's model, loss,
-    threshold and ``eval.empty_dice`` — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
+    threshold, ``eval.empty_dice`` and ``eval.hd95`` — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
     and both halves of a deployment build.
 
     ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
@@ -240,4 +301,5 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         empty_dice=cfg.eval.empty_dice,
         sw_overlap=cfg.eval.sw_overlap,
         sw_weighting=cfg.eval.sw_weighting,
+        hd95=cfg.eval.hd95 == "on" or (cfg.eval.hd95 == "auto" and int(spatial_dims) == 3),
     )

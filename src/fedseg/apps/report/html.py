@@ -12,7 +12,8 @@ section id             shown when
 =====================  ==============================================================
 ``headline``           always: Client Avg / Global Dice per method with uncertainty,
                        Δ to FedAvg and centralized, best round, test cases per site
-``table3``             always: Dice per site (FedSM Table 3 layout)
+``table3``             always: Dice per site (FedSM Table 3 layout); for volumes,
+                       HD95 (mm) per site below it
 ``distributions``      per-case Dice stored: box + dot plots per site, Wilcoxon vs FedAvg
 ``table2``             an ``autofedavg`` and a ``fedavg`` run (Auto-FedAvg Table 2 layout)
 ``fedsm``              a FedSM-family run: selector curves, γ, composite vs its models,
@@ -56,7 +57,7 @@ __all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
 #: Section ids and titles in page order: the results first, the bookkeeping last.
 SECTIONS = (
     ("headline", "Headline"),
-    ("table3", "Dice per site"),
+    ("table3", "Dice (and HD95) per site"),
     ("distributions", "Per-case Dice and paired comparisons"),
     ("table2", "Auto-FedAvg comparison (Table 2 layout, Wilcoxon tests)"),
     ("fedsm", "FedSM: model selection"),

@@ -12,7 +12,7 @@ into the scan's own voxels, where Dice is scored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
-from fedseg.data.volumes.plan import Plan, load_plan, make_plan, save_plan
+from fedseg.data.volumes.plan import EVAL_SHARE, Plan, eval_interval, load_plan, make_plan, save_plan, sliding_windows
 from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
 from fedseg.foundation.errors import DataError
 
@@ -164,9 +164,19 @@ def pad_to_common_shape(data: dict) -> dict:
     return data
 
 
-def plan_for_run(cfg: RunConfig, plan: Plan, log: Callable[[str], None] = print) -> RunConfig:
+def plan_for_run(
+    cfg: RunConfig,
+    plan: Plan,
+    log: Callable[[str], None] = print,
+    sites: Mapping[str, tuple[int, int]] | None = None,
+    volume: Sequence[int] | None = None,
+) -> RunConfig:
     """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged."""
+    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged.
+
+    ``eval.every`` left at 1 becomes the plan's ``eval_every``, or when that is None (the default)
+    :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
+    patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1."""
     model, ev = cfg.model, cfg.eval
     if model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
@@ -175,7 +185,16 @@ def plan_for_run(cfg: RunConfig, plan: Plan, log: Callable[[str], None] = print)
     if model.channels == default.channels and model.strides == default.strides:
         model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
         log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
-    if ev.every == EvalConfig().every and plan.eval_every != ev.every:
-        ev = dataclasses.replace(ev, every=plan.eval_every)
-        log(f"plan: eval.every = {plan.eval_every} (sliding windows over every validation volume are costly)")
+    if ev.every == EvalConfig().every:
+        every, why = plan.eval_every, "the plan's eval_every"
+        if every is None and sites and volume is not None:
+            every = eval_interval(sites, volume, model.roi_size, ev.sw_overlap, cfg.rounds)
+            windows = sliding_windows(volume, model.roi_size, ev.sw_overlap)
+            why = (
+                f"validation at most {EVAL_SHARE:.0%} of the computation: {windows} sliding windows per volume, "
+                f"{max(v for v, _ in sites.values())} validation volumes at most per site"
+            )
+        if every is not None and every != ev.every:
+            ev = dataclasses.replace(ev, every=every)
+            log(f"plan: eval.every = {every} ({why})")
     return dataclasses.replace(cfg, model=model, eval=ev)

@@ -15,7 +15,11 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
 * **patch size** — the median resampled shape, shrunk along its longest physical axis until it holds at
   most ``patch_voxels`` voxels, each side a multiple of its down-sampling factor;
 * **network** — one U-Net level per halving that leaves at least 4 voxels on an axis; an axis that can
-  no longer be halved keeps stride 1 (so a thick-slice axis is pooled less than the in-plane ones).
+  no longer be halved keeps stride 1 (so a thick-slice axis is pooled less than the in-plane ones);
+* **validation interval** — left to the run (``eval_every = None``): :func:`eval_interval` picks the
+  fewest rounds between validations that keeps sliding-window validation at most
+  :data:`EVAL_SHARE` (a fifth) of the computation of the rounds it follows, from each site's validation
+  cases, the volume and patch sizes and the training patches of a round.
 
 The plan is a small JSON file (:func:`save_plan`, beside the federation spec), printed, recorded with the
 run, and any field may be edited by hand.
@@ -39,11 +43,13 @@ from fedseg.foundation.errors import ConfigError, DataError
 __all__ = [
     "HISTOGRAM_BINS",
     "Plan",
+    "eval_interval",
     "histogram_edges",
     "load_plan",
     "make_plan",
     "pooled_percentiles",
     "save_plan",
+    "sliding_windows",
     "target_spacing",
 ]
 
@@ -52,6 +58,10 @@ ANISOTROPY = 3.0
 PERCENTILES = (0.5, 99.5)
 MIN_FEATURE = 4
 MAX_LEVELS = 5
+EVAL_SHARE = 0.2
+"""Most share of a run's computation that validation may take (:func:`eval_interval`)."""
+MIN_VALIDATIONS = 4
+"""Fewest validations a run keeps (so its best round is chosen among several)."""
 
 
 @dataclass
@@ -70,8 +80,9 @@ class Plan:
     """Down-sampling stride per level and axis (1 where an axis can no longer be halved)."""
     intensity: dict[str, Any]
     """``{"mode": "ct", "lo", "hi", "mean", "sd"}`` or ``{"mode": "zscore"}`` (or ``"window"`` with ``window``)."""
-    eval_every: int = 5
-    """Validate every this many rounds (sliding windows over volumes are costly)."""
+    eval_every: int | None = None
+    """Validate every this many rounds; None (default): derived per run by :func:`eval_interval` (sliding
+    windows over every validation volume are costly)."""
     sites: list[str] = field(default_factory=list)
     """Sites whose fingerprints made the plan."""
     rejected: dict[str, str] = field(default_factory=dict)
@@ -117,6 +128,53 @@ class Plan:
             raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
         if mode not in ("ct", "zscore", "window", "minmax"):
             raise ConfigError(f"{where}: intensity mode {mode!r}; use 'ct', 'zscore', 'window' or 'minmax'")
+
+
+def sliding_windows(volume: Sequence[int], patch: Sequence[int], overlap: float) -> int:
+    """Windows MONAI's ``sliding_window_inference`` runs over one volume: per axis
+    ``ceil((V − P) / step) + 1`` with ``step = int(P · (1 − overlap))`` (at least 1), multiplied."""
+    n = 1
+    for v, p in zip(volume, patch):
+        step = max(1, int(p * (1 - overlap)))
+        n *= math.ceil(max(0, v - p) / step) + 1
+    return n
+
+
+def eval_interval(
+    sites: Mapping[str, tuple[int, int]],
+    volume: Sequence[int],
+    patch: Sequence[int],
+    overlap: float,
+    rounds: int,
+    share: float = EVAL_SHARE,
+) -> int:
+    """Rounds between validations so that validation costs at most ``share`` of the training it follows.
+
+    Costs are counted in forward passes of one patch: a validation of a site is its validation cases ×
+    :func:`sliding_windows` windows; a round of training is its patches × 3 (forward and backward, the
+    backward pass about twice the forward).  A site validating ``V`` windows after ``k`` rounds of ``T``
+    patches spends ``V / (V + 3kT)`` on validation; that is at most ``share`` from
+    ``k = ⌈V (1 − share) / (3 T share)⌉``.  The interval is the largest over the sites (sites work in
+    parallel, the slowest sets the pace), at least 1, and at most ``rounds / MIN_VALIDATIONS`` so that a
+    run validates at least :data:`MIN_VALIDATIONS` times.
+
+    Parameters
+    ----------
+    sites
+        ``{site: (validation cases, training patches per round)}``.
+    volume, patch
+        The padded volume and the sliding window (voxels per axis).
+    overlap
+        ``eval.sw_overlap``.
+    rounds
+        The run's rounds.
+    """
+    windows = sliding_windows(volume, patch, overlap)
+    k = 1
+    for n_val, patches in sites.values():
+        if n_val and patches:
+            k = max(k, math.ceil(n_val * windows * (1 - share) / (3 * patches * share) - 1e-9))  # float slack
+    return max(1, min(k, rounds // MIN_VALIDATIONS))
 
 
 def histogram_edges(lo: float, hi: float, bins: int = HISTOGRAM_BINS) -> list[float]:

@@ -391,7 +391,8 @@ class RemoteTransport:
 
     def _check_scores(self, site: str, task: Task, reply: Reply, what: str) -> None:
         """Evaluation metrics: exactly the candidates asked for, the site's declared number of cases of the
-        split, each case a list of ``num_metrics`` scores in [0, 1]."""
+        split, each case a list of ``num_metrics`` scores in [0, 1]; test metrics (``test_metrics``, e.g. HD95
+        in mm) for the same candidates and cases, each a finite non-negative number."""
         per_case = reply.metrics.get("per_case")
         asked = [c.get("name") for c in task.config.get("candidates", [])]
         if not isinstance(per_case, dict) or sorted(per_case) != sorted(asked):
@@ -417,6 +418,30 @@ class RemoteTransport:
                     )
                 if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0 for x in case):
                     raise PayloadError(f"{what}: a score of {name!r} is outside [0, 1]: {str(case)[:80]}")
+        extra = reply.metrics.get("test_metrics", {})
+        if not isinstance(extra, dict):
+            raise PayloadError(f"{what}: test_metrics is a {type(extra).__name__}, not a mapping")
+        for metric, by_cand in extra.items():
+            if not isinstance(by_cand, dict) or sorted(by_cand) != sorted(asked):
+                raise PayloadError(f"{what}: test metric {metric!r} does not score exactly the candidates {asked}")
+            for name, cases in by_cand.items():
+                if not isinstance(cases, list) or len(cases) != len(per_case[name]):
+                    raise PayloadError(
+                        f"{what}: test metric {metric!r} of {name!r} does not give one entry per scored case"
+                    )
+                for case in cases:  # distances: finite and non-negative, one per metric column
+                    if not (
+                        isinstance(case, list)
+                        and len(case) == len(per_case[name][0] if per_case[name] else case)
+                        and all(
+                            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                            for x in case
+                        )
+                    ):
+                        raise PayloadError(
+                            f"{what}: a case of test metric {metric!r} of {name!r} is {str(case)[:80]}, not a list "
+                            "of finite non-negative numbers"
+                        )
 
     def _check_names(self, tasks: dict[str, Task], decoded: dict[str, Reply]) -> None:
         """Reply tensor names must equal the expected set, and the metrics must carry the expected keys with
