@@ -35,10 +35,12 @@ __all__ = [
     "load_volume_site",
     "load_volume_split",
     "pad_to_common_shape",
+    "pad_to_shape",
     "plan_federation",
     "plan_for_run",
     "plan_path",
     "site_cache",
+    "training_cases",
 ]
 
 
@@ -64,7 +66,8 @@ def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iter
         yield cid, image, label, affine
 
 
-def _triples(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
+def training_cases(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
+    """``(image, label, affine)`` of every training case of a site, in file units (what the fingerprint reads)."""
     for _cid, image, label, affine in _cases(fed, site):
         yield image, label, affine
 
@@ -73,10 +76,10 @@ def plan_federation(
     fed: FederationSpec, *, patch_voxels: int = 64 * 64 * 32, log: Callable[[str], None] = print
 ) -> Plan:
     """Fingerprint every site's training cases (two passes) and make the plan; no voxel leaves a site."""
-    fingerprints = {s.name: site_fingerprint(_triples(fed, s)) for s in fed.sites}
+    fingerprints = {s.name: site_fingerprint(training_cases(fed, s)) for s in fed.sites}
 
     def histograms(edges: list[float]) -> dict[str, list[int]]:
-        return {s.name: site_histogram(_triples(fed, s), edges) for s in fed.sites if s.name in fingerprints}
+        return {s.name: site_histogram(training_cases(fed, s), edges) for s in fed.sites if s.name in fingerprints}
 
     return make_plan(fingerprints, histograms, patch_voxels=patch_voxels, log=log)
 
@@ -201,14 +204,22 @@ def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
+def pad_to_shape(sets: list[VolumeDataset], shape: list[int]) -> None:
+    """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own)."""
+    for ds in sets:
+        if any(s < h for s, h in zip(shape, ds.images.shape[2:])):
+            raise DataError(f"volume shape {list(shape)} is smaller than a split's {list(ds.images.shape[2:])}")
+        if list(ds.images.shape[2:]) != list(shape):
+            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), list(shape))
+
+
 def pad_to_common_shape(data: dict) -> dict:
     """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
-    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move."""
+    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move.
+    A deployment agrees the same shape over the wire (:mod:`fedseg.apps.deploy.volumes`)."""
     sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
     shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
-    for ds in sets:
-        if list(ds.images.shape[2:]) != shape:
-            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), shape)
+    pad_to_shape(sets, shape)
     return data
 
 
