@@ -14,7 +14,7 @@ import pytest
 
 from fedseg.apps.deploy.server import load_deploy_config, prepare_run, serve
 from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.apps.deploy.volumes import plan_and_shape, site_operation
+from fedseg.apps.deploy.volumes import plan_and_shape, site_cache_setting, site_operation
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.load import load_volume_site, pad_to_common_shape, plan_federation
 from fedseg.execution.remote.params import deploy_params
@@ -109,6 +109,9 @@ def test_planning_operations_refuse_a_malformed_request(tmp_path):
         site_operation("ras", site.datalist, "histogram", {"data": header, "edges": [1.0, float("nan")]}, print)
     with pytest.raises(PayloadError, match="no volume data header"):
         site_operation("ras", site.datalist, "fingerprint", {"data": {**header, "mode": "2d"}}, print)
+    logs: list[str] = []  # the server does not choose where a site writes
+    assert site_cache_setting("/etc", "ras", logs.append) == "auto" and "names a folder" in logs[0]
+    assert site_cache_setting("off", "ras", logs.append) == "off"
     fp = site_operation("ras", site.datalist, "fingerprint", {"data": header}, print)["fingerprint"]
     assert len(fp["cases"]) == 2 and fp["foreground"]["count"] > 0  # aggregate numbers only
 

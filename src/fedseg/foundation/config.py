@@ -305,7 +305,8 @@ class RunConfig:
     volume_cache: str = "auto"
     """Volumes: where each site keeps its cases preprocessed into the plan's grid, reused by later runs
     under the same plan and source files: 'auto' (a `.fedseg-cache` folder beside the site's datalist),
-    'off' (preprocess on every run) or a folder (one subfolder per site); see docs/data.md, "Cache"."""
+    'off' (preprocess on every run) or a folder (one subfolder per site; a deployed site always caches
+    beside its own datalist unless 'off'); see docs/data.md, "Cache"."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -16,7 +16,8 @@ Before the sites set up a volume run (``mode = "3d"``), the server (:func:`plan_
    (:func:`fedseg.data.volumes.load.plan_for_run`), and sends the plan and the shape in the setup's data
    header.
 
-The site's half (:func:`site_operation`, :func:`load_volume_site_data`) reads only its own datalist.
+The site's half (:func:`site_operation`, :func:`load_volume_site_data`) reads only its own datalist and
+writes its cache only beside it (:func:`site_cache_setting`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.seams.checkpoint import save_json
 from fedseg.site.runtime import SiteData
 
-__all__ = ["VOLUME_OPS", "load_volume_site_data", "local_spec", "plan_and_shape", "site_operation"]
+__all__ = [
+    "VOLUME_OPS",
+    "load_volume_site_data",
+    "local_spec",
+    "plan_and_shape",
+    "site_cache_setting",
+    "site_operation",
+]
 
 VOLUME_OPS = ("fingerprint", "histogram", "volumes")
 """The site operations of a volume run's planning (beside ``setup``, ``task``…)."""
@@ -80,6 +88,15 @@ def _edges(value: Any, where: str) -> list[float]:
     return [float(v) for v in value]
 
 
+def site_cache_setting(value: Any, name: str, log: Callable[[str], None]) -> str:
+    """The cache a deployed site uses for the run's ``volume_cache``: ``"off"`` or ``"auto"`` (beside its own
+    datalist).  A folder named by the run is not used: the server does not choose where a site writes."""
+    if value in ("auto", "off"):
+        return value
+    log(f"site {name}: volume_cache = {value!r} names a folder; a site caches beside its own datalist ('auto')")
+    return "auto"
+
+
 def load_volume_site_data(
     name: str, datalist: str | Path, header: dict[str, Any], volume_cache: str, log: Callable[[str], None]
 ) -> SiteData:
@@ -87,7 +104,7 @@ def load_volume_site_data(
     the server sent one (through the site's cache, ``volume_cache``)."""
     fed = local_spec(name, datalist, header)
     plan = Plan.from_json(header["plan"], where=f"site {name}: the server's plan")
-    splits = load_volume_site(fed, fed.sites[0], plan, volume_cache, log=log)
+    splits = load_volume_site(fed, fed.sites[0], plan, site_cache_setting(volume_cache, name, log), log=log)
     if header.get("volume_shape") is not None:
         pad_to_shape(splits, _shape(header["volume_shape"], f"site {name}: the server's volume shape"))
     return SiteData(*splits)
@@ -109,8 +126,6 @@ def site_operation(
         return {"site": name, "counts": site_histogram(training_cases(fed, site), _edges(body.get("edges"), where))}
     if op == "volumes":
         cache = body.get("volume_cache", "auto")
-        if not isinstance(cache, str) or not cache:
-            raise PayloadError(f"{where}: volume_cache {cache!r} is not a setting")
         data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log)
         shape = [max(ds.images.shape[2 + a] for ds in (data.train, data.val, data.test)) for a in range(3)]
         return {"site": name, "volume_shape": shape}
