@@ -307,6 +307,11 @@ class RunConfig:
     deterministic: bool = True
     """On CUDA: deterministic kernels (same seed → bitwise the same weights); false lets cuDNN pick
     the fastest kernels.  No effect on the CPU."""
+    volume_cache: str = "auto"
+    """Volumes: where each site keeps its cases preprocessed into the plan's grid, reused by later runs
+    under the same plan and source files: 'auto' (a `.fedseg-cache` folder beside the site's datalist),
+    'off' (preprocess on every run) or a folder (one subfolder per site; a deployed site always caches
+    beside its own datalist unless 'off'); see docs/data.md, "Cache"."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -324,6 +329,8 @@ class RunConfig:
             raise ConfigError(
                 f"device = {self.device!r} is not known; use 'auto', 'cpu', 'cuda' or 'cuda:N' (e.g. --device cuda:1)"
             )
+        if not str(self.volume_cache).strip():
+            raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
         self.model.validate()
         self.train.validate()
         self.eval.validate()

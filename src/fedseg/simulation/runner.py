@@ -22,7 +22,7 @@ from fedseg.algorithms.centralized import POOLED
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
-from fedseg.data.volumes.load import ensure_plan, load_volume_split, pad_to_common_shape, plan_for_run
+from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run
 from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
 from fedseg.execution.inprocess import InProcessTransport
@@ -186,20 +186,19 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
 
 
 def load_federation_data(
-    federation: str | Path, progress: bool = False, log: Callable[[str], None] = print
+    federation: str | Path, progress: bool = False, log: Callable[[str], None] = print, volume_cache: str = "auto"
 ) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory.
 
     Volumes (``mode = "3d"``) are brought into the federation's plan grid (the plan file beside the spec,
-    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`)."""
+    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`), each case read from
+    its site's cache of preprocessed cases when it is there (``volume_cache``, the run setting)."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
     if fed.mode == "3d":
         plan = ensure_plan(fed, log=log)
         data = {
-            s.name: SiteData(
-                *(load_volume_split(fed, s, split, plan) for split in ("training", "validation", "testing"))
-            )
+            s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log=log))
             for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
         }
         return fed, pad_to_common_shape(data)
@@ -236,7 +235,7 @@ def run(
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
     get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
-    fed, data = load_federation_data(cfg.federation, progress=progress, log=log)
+    fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache)
     plan = None
     if fed.mode == "3d":
         plan = ensure_plan(fed, log=log)

@@ -20,7 +20,10 @@ from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.apps.deploy.site import data_header, is_plain_name
+from fedseg.apps.deploy.volumes import plan_and_shape
 from fedseg.data.spec import load_federation
+from fedseg.data.volumes.load import plan_path
+from fedseg.data.volumes.plan import load_plan
 from fedseg.execution.engine import Engine
 from fedseg.execution.remote.params import deploy_params
 from fedseg.execution.remote.transport import Call, DeployError, RemoteTransport
@@ -144,6 +147,8 @@ def prepare_run(
         "data": data_header(fed),
         "resume": False,
     }
+    if fed.mode == "3d" and plan_path(fed).is_file():  # the federation's plan (edited or not) wins, as in simulation
+        desc["plan"] = load_plan(plan_path(fed)).to_json()
     save_json(desc, desc_path)
     return desc
 
@@ -159,23 +164,20 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     desc = read_deploy_json(out)
     cfg = load_deploy_config(out / "config.toml")
     params = deploy_params(cfg)
-    algorithm = get_algorithm(cfg)
     h = desc["data"]
-    workload = workload_for(h, cfg)
     resume = bool(desc.get("resume"))
     record = out / "dropouts.jsonl"
     if not resume:
         record.unlink(missing_ok=True)
-    transport = RemoteTransport(
-        desc["sites"],
-        call,
-        params,
-        log=log,
-        record=record,
-        num_metrics=len(workload.metric_names),
-        reply_check=algorithm.check_reply,
-        train=cfg.train,
-    )
+    transport = RemoteTransport(desc["sites"], call, params, log=log, record=record, train=cfg.train)
+    plan = None
+    if h["mode"] == "3d":  # the federated plan and one volume shape, before the sites set up
+        cfg, h, plan = plan_and_shape(out, desc, cfg, transport, params.setup_timeout_s, log)
+    algorithm = get_algorithm(cfg)
+    workload = workload_for(h, cfg)
+    transport.num_metrics = len(workload.metric_names)
+    transport.reply_check = algorithm.check_reply
+    transport.train = cfg.train
     setup = transport.setup(
         {"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()}
     )
@@ -199,5 +201,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         "dropouts": read_dropouts(record, log),
         "wire_bytes": transport.wire_bytes,
     }
+    if plan is not None:
+        results["plan"] = plan.to_json()
     write_results(results, out)
     return results

@@ -12,6 +12,8 @@ between tasks) and answers operations:
 ``checkpoint``  JSON ``{"round": r}`` -> writes ``WORKDIR/<run_id>/round-<r>/`` (safetensors)
 ``restore``     JSON ``{"round": r}`` -> loads the newest checkpoint at or before round r
 ``ping``        -> JSON ``{"site": name}``
+``fingerprint``, ``histogram``, ``volumes``
+                a volume run's planning before setup (:mod:`fedseg.apps.deploy.volumes`)
 
 Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
 """
@@ -31,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
-from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
@@ -106,20 +108,17 @@ def data_header(fed: Any) -> dict[str, Any]:
 
 
 def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:
-    """Load this site's splits from its own datalist, laid out as the server's header says."""
-    dl = Path(datalist).resolve()
-    fed = FederationSpec(
-        name=f"{name}-local",
-        path=dl,
-        sites=(SiteSpec(name, dl),),
-        spatial_dims=int(header["spatial_dims"]),
-        in_channels=int(header["in_channels"]),
-        labels={k: tuple(v) for k, v in header["labels"].items()},
-        mode=header["mode"],
-        image_size=tuple(header["image_size"]) if header.get("image_size") else None,
-        foreground_only=bool(header.get("foreground_only", False)),
-    )
-    data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
+    """Load this site's splits from its own datalist, laid out as the server's header says (volumes: in the
+    plan's grid the header carries, padded to its volume shape, through the site's cache)."""
+    fed = local_spec(name, datalist, header)
+    if fed.mode == "3d":
+        if not isinstance(header.get("plan"), dict):
+            raise PayloadError(
+                f"site {name}: a volume run's setup carries no plan; server and site must run the same fedseg version"
+            )
+        data = load_volume_site_data(name, datalist, header, cfg.volume_cache, log.info)
+    else:
+        data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
     return data, workload_for(fed, cfg)
 
 
@@ -165,6 +164,9 @@ class SiteRuntime:
                 return _json(self._restore(self._round(payload, op)))
             if op == "ping":
                 return _json({"site": self.name, "ready": self.site is not None})
+            if op in VOLUME_OPS:
+                body = parse_json_object(payload, f"site {self.name}: {op}")
+                return _json(site_operation(self.name, self.config.datalist, op, body, log.info))
             raise PayloadError(
                 f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
             )

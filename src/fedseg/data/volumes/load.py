@@ -21,6 +21,7 @@ import torch
 from fedseg.data.datalist import load_datalist
 from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
@@ -31,11 +32,15 @@ from fedseg.foundation.errors import DataError
 __all__ = [
     "VolumeDataset",
     "ensure_plan",
+    "load_volume_site",
     "load_volume_split",
     "pad_to_common_shape",
+    "pad_to_shape",
     "plan_federation",
     "plan_for_run",
     "plan_path",
+    "site_cache",
+    "training_cases",
 ]
 
 
@@ -44,18 +49,25 @@ def plan_path(fed: FederationSpec) -> Path:
     return fed.path.with_name(fed.path.stem + ".plan.json")
 
 
-def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iterator[tuple]:
+def _entries(site: SiteSpec, split: str) -> Iterator[tuple[str, str, str]]:
+    """``(case id, image path, label path)`` of a split; the id is the image path relative to the datalist."""
     root = site.datalist.parent
     for entry in load_datalist(site.datalist, site=site.name)[split]:
-        image, label, affine = read_case(entry["image"], entry["label"], fed.in_channels, fed.label_values)
         try:
             cid = Path(entry["image"]).relative_to(root).as_posix()
         except ValueError:
             cid = str(entry["image"])
+        yield cid, entry["image"], entry["label"]
+
+
+def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iterator[tuple]:
+    for cid, image_path, label_path in _entries(site, split):
+        image, label, affine = read_case(image_path, label_path, fed.in_channels, fed.label_values)
         yield cid, image, label, affine
 
 
-def _triples(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
+def training_cases(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
+    """``(image, label, affine)`` of every training case of a site, in file units (what the fingerprint reads)."""
     for _cid, image, label, affine in _cases(fed, site):
         yield image, label, affine
 
@@ -64,10 +76,10 @@ def plan_federation(
     fed: FederationSpec, *, patch_voxels: int = 64 * 64 * 32, log: Callable[[str], None] = print
 ) -> Plan:
     """Fingerprint every site's training cases (two passes) and make the plan; no voxel leaves a site."""
-    fingerprints = {s.name: site_fingerprint(_triples(fed, s)) for s in fed.sites}
+    fingerprints = {s.name: site_fingerprint(training_cases(fed, s)) for s in fed.sites}
 
     def histograms(edges: list[float]) -> dict[str, list[int]]:
-        return {s.name: site_histogram(_triples(fed, s), edges) for s in fed.sites if s.name in fingerprints}
+        return {s.name: site_histogram(training_cases(fed, s), edges) for s in fed.sites if s.name in fingerprints}
 
     return make_plan(fingerprints, histograms, patch_voxels=patch_voxels, log=log)
 
@@ -111,20 +123,44 @@ class VolumeDataset(SegmentationDataset):
         return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
 
 
-def load_volume_split(fed: FederationSpec, site: SiteSpec, split: str, plan: Plan) -> VolumeDataset:
-    """One split of one site in the plan's grid (module docstring)."""
+def site_cache(
+    setting: str, fed: FederationSpec, site: SiteSpec, plan: Plan, log: Callable[[str], None] = print
+) -> VolumeCache | None:
+    """The site's cache of preprocessed cases under ``plan`` for the run setting ``volume_cache``: ``"auto"``
+    (``.fedseg-cache`` beside the site's datalist), ``"off"`` (None) or a folder (``<folder>/<site>``)."""
+    if setting == "off":
+        return None
+    root = site.datalist.parent / CACHE_DIR if setting == "auto" else Path(setting).expanduser() / site.name
+    return VolumeCache(root, plan_key(plan, fed.in_channels, fed.label_values), log=log)
+
+
+def _preprocess(fed: FederationSpec, image_path, label_path, plan: Plan, keep: bool) -> CachedCase:
+    image, label, affine = read_case(image_path, label_path, fed.in_channels, fed.label_values)
+    x = normalize_volume(image, plan.intensity["mode"], plan.intensity)
+    x, lab, new_affine = to_plan_grid(x, label, affine, tuple(plan.target_spacing))
+    return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
+
+
+def load_volume_split(
+    fed: FederationSpec, site: SiteSpec, split: str, plan: Plan, cache: VolumeCache | None = None
+) -> VolumeDataset:
+    """One split of one site in the plan's grid (module docstring); each case read from ``cache`` when it
+    holds it under this plan and these source files, else preprocessed (and stored there)."""
     keep = split != "training"
     images, labels, ids, affines, originals, orig_labels = [], [], [], [], [], []
-    for cid, image, label, affine in _cases(fed, site, split):
-        x = normalize_volume(image, plan.intensity["mode"], plan.intensity)
-        x, lab, new_affine = to_plan_grid(x, label, affine, tuple(plan.target_spacing))
-        images.append(x)
-        labels.append(lab)
+    for cid, image_path, label_path in _entries(site, split):
+        case = cache.get(cid, image_path, label_path, keep) if cache is not None else None
+        if case is None:
+            case = _preprocess(fed, image_path, label_path, plan, keep)
+            if cache is not None:
+                cache.put(cid, image_path, label_path, case)
+        images.append(case.image)
+        labels.append(case.label)
         ids.append(cid)
-        affines.append(new_affine)
+        affines.append(case.affine)
         if keep:
-            originals.append(Geometry(affine, tuple(label.shape)))
-            orig_labels.append(torch.from_numpy(label_channels(label, fed.labels)))
+            originals.append(Geometry(case.original_affine, case.original_shape))
+            orig_labels.append(torch.from_numpy(label_channels(case.original_label, fed.labels)))
     if not images:
         raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
     shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
@@ -137,6 +173,21 @@ def load_volume_split(fed: FederationSpec, site: SiteSpec, split: str, plan: Pla
         originals if keep else None,
         orig_labels if keep else None,
     )
+
+
+SPLITS = ("training", "validation", "testing")
+
+
+def load_volume_site(
+    fed: FederationSpec, site: SiteSpec, plan: Plan, volume_cache: str = "auto", log: Callable[[str], None] = print
+) -> list[VolumeDataset]:
+    """The three splits of one site in the plan's grid, through the site's cache (:func:`site_cache`); logs
+    one line saying how many cases came from the cache."""
+    cache = site_cache(volume_cache, fed, site, plan, log=log)
+    splits = [load_volume_split(fed, site, split, plan, cache) for split in SPLITS]
+    if cache is not None:
+        log(f"{site.name}: {cache.summary()}")
+    return splits
 
 
 def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list[int]):
@@ -153,14 +204,22 @@ def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
+def pad_to_shape(sets: list[VolumeDataset], shape: list[int]) -> None:
+    """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own)."""
+    for ds in sets:
+        if any(s < h for s, h in zip(shape, ds.images.shape[2:])):
+            raise DataError(f"volume shape {list(shape)} is smaller than a split's {list(ds.images.shape[2:])}")
+        if list(ds.images.shape[2:]) != list(shape):
+            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), list(shape))
+
+
 def pad_to_common_shape(data: dict) -> dict:
     """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
-    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move."""
+    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move.
+    A deployment agrees the same shape over the wire (:mod:`fedseg.apps.deploy.volumes`)."""
     sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
     shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
-    for ds in sets:
-        if list(ds.images.shape[2:]) != shape:
-            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), shape)
+    pad_to_shape(sets, shape)
     return data
 
 

@@ -246,6 +246,13 @@ class RemoteTransport:
                 self._drop(s, op, f"{type(res).__name__}: {res}")
         return out
 
+    def exchange(
+        self, op: str, body: dict[str, Any], timeout: float, sites: tuple[str, ...] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Send one JSON operation to every site (or ``sites``); ``{site: reply}`` of those that answered
+        with a JSON object (the others are recorded as dropouts), e.g. a volume run's planning."""
+        return self._control(op, body, timeout, sites)
+
     def setup(self, desc: dict[str, Any]) -> dict[str, Any]:
         """Send the run description to every site (they load their data); returns their summaries."""
         out = self._control("setup", desc, self.params.setup_timeout_s)

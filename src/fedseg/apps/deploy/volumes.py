@@ -1,0 +1,180 @@
+"""Volumes deployed: the federated plan made over the wire, and each site's splits in the plan's grid.
+
+Before the sites set up a volume run (``mode = "3d"``), the server (:func:`plan_and_shape`):
+
+1. **plans** — unless the run carries a plan (the file beside the federation spec, which ``prepare_run``
+   copies into ``deploy.json``, or the one an earlier job of the run made), it asks every site for its
+   fingerprint (operation ``fingerprint``: per-case spacings and shapes, foreground moments; never a voxel),
+   then the accepted sites for their foreground histograms on the grid it fixes (``histogram``), and makes
+   the plan exactly as ``fedseg plan`` does (:func:`fedseg.data.volumes.plan.make_plan`, sites in
+   federation order, a malformed or missing reply rejected and the plan made from the others);
+2. **agrees one volume shape** — every site brings its splits into the plan's grid (``volumes``; the cases
+   land in the site's cache, so setup reads them back) and says the largest padded shape; the server takes
+   the largest over the sites, as the simulation pads every site to one shape;
+3. records both in ``deploy.json`` (a resumed or re-submitted job reuses them), the plan in ``OUT/plan.json``
+   and in the run config the plan's patch, U-Net and validation interval
+   (:func:`fedseg.data.volumes.load.plan_for_run`), and sends the plan and the shape in the setup's data
+   header.
+
+The site's half (:func:`site_operation`, :func:`load_volume_site_data`) reads only its own datalist and
+writes its cache only beside it (:func:`site_cache_setting`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
+from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, training_cases
+from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
+from fedseg.foundation.config import RunConfig, dump_toml
+from fedseg.foundation.errors import PayloadError
+from fedseg.seams.checkpoint import save_json
+from fedseg.site.runtime import SiteData
+
+__all__ = [
+    "VOLUME_OPS",
+    "load_volume_site_data",
+    "local_spec",
+    "plan_and_shape",
+    "site_cache_setting",
+    "site_operation",
+]
+
+VOLUME_OPS = ("fingerprint", "histogram", "volumes")
+"""The site operations of a volume run's planning (beside ``setup``, ``task``…)."""
+
+
+def local_spec(name: str, datalist: str | Path, header: dict[str, Any]) -> FederationSpec:
+    """A one-site federation spec of this site's own datalist, laid out as the server's data header says."""
+    dl = Path(datalist).resolve()
+    return FederationSpec(
+        name=f"{name}-local",
+        path=dl,
+        sites=(SiteSpec(name, dl),),
+        spatial_dims=int(header["spatial_dims"]),
+        in_channels=int(header["in_channels"]),
+        labels={k: tuple(v) for k, v in header["labels"].items()},
+        mode=header["mode"],
+        image_size=tuple(header["image_size"]) if header.get("image_size") else None,
+        foreground_only=bool(header.get("foreground_only", False)),
+    )
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    if not (
+        isinstance(value, list)
+        and len(value) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16 for v in value)
+    ):
+        raise PayloadError(f"{what}: {value!r} is not three positive integers")
+    return value
+
+
+def _edges(value: Any, where: str) -> list[float]:
+    ok = (
+        isinstance(value, list)
+        and 2 <= len(value) <= 4 * HISTOGRAM_BINS + 1
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+        and all(a < b for a, b in itertools.pairwise(value))
+    )
+    if not ok:
+        raise PayloadError(f"{where}: histogram edges are not an increasing list of finite numbers")
+    return [float(v) for v in value]
+
+
+def site_cache_setting(value: Any, name: str, log: Callable[[str], None]) -> str:
+    """The cache a deployed site uses for the run's ``volume_cache``: ``"off"`` or ``"auto"`` (beside its own
+    datalist).  A folder named by the run is not used: the server does not choose where a site writes."""
+    if value in ("auto", "off"):
+        return value
+    log(f"site {name}: volume_cache = {value!r} names a folder; a site caches beside its own datalist ('auto')")
+    return "auto"
+
+
+def load_volume_site_data(
+    name: str, datalist: str | Path, header: dict[str, Any], volume_cache: str, log: Callable[[str], None]
+) -> SiteData:
+    """This site's splits in the plan's grid of ``header["plan"]``, padded to ``header["volume_shape"]`` when
+    the server sent one (through the site's cache, ``volume_cache``)."""
+    fed = local_spec(name, datalist, header)
+    plan = Plan.from_json(header["plan"], where=f"site {name}: the server's plan")
+    splits = load_volume_site(fed, fed.sites[0], plan, site_cache_setting(volume_cache, name, log), log=log)
+    if header.get("volume_shape") is not None:
+        pad_to_shape(splits, _shape(header["volume_shape"], f"site {name}: the server's volume shape"))
+    return SiteData(*splits)
+
+
+def site_operation(
+    name: str, datalist: str | Path, op: str, body: dict[str, Any], log: Callable[[str], None]
+) -> dict[str, Any]:
+    """A site's answer to one planning operation (:data:`VOLUME_OPS`); ``body`` holds the data header."""
+    where = f"site {name}: {op}"
+    header = body.get("data")
+    if not isinstance(header, dict) or header.get("mode") != "3d":
+        raise PayloadError(f"{where}: the request carries no volume data header (mode '3d')")
+    fed = local_spec(name, datalist, header)
+    site = fed.sites[0]
+    if op == "fingerprint":
+        return {"site": name, "fingerprint": site_fingerprint(training_cases(fed, site))}
+    if op == "histogram":
+        return {"site": name, "counts": site_histogram(training_cases(fed, site), _edges(body.get("edges"), where))}
+    if op == "volumes":
+        cache = body.get("volume_cache", "auto")
+        data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log)
+        shape = [max(ds.images.shape[2 + a] for ds in (data.train, data.val, data.test)) for a in range(3)]
+        return {"site": name, "volume_shape": shape}
+    raise PayloadError(f"{where}: not a planning operation")
+
+
+def _deployed_plan(transport: Any, header: dict[str, Any], timeout: float, log: Callable[[str], None]) -> Plan:
+    replies = transport.exchange("fingerprint", {"data": header}, timeout)
+    # federation order, as `fedseg plan` combines the sites (the pooled moments' rounding follows the order)
+    fingerprints = {s: replies[s].get("fingerprint") for s in transport.sites if s in replies}
+
+    def histograms(edges: list[float]) -> dict[str, Any]:
+        asked = tuple(s for s in transport.sites if s in fingerprints)
+        got = transport.exchange("histogram", {"data": header, "edges": edges}, timeout, sites=asked)
+        return {s: r.get("counts") for s, r in got.items()}
+
+    return make_plan(fingerprints, histograms, log=log)
+
+
+def plan_and_shape(
+    out: Path, desc: dict[str, Any], cfg: RunConfig, transport: Any, timeout: float, log: Callable[[str], None]
+) -> tuple[RunConfig, dict[str, Any], Plan]:
+    """The server's steps before a volume run's setup (module docstring).
+
+    Returns the run config with the plan applied (also written to ``OUT/config.toml``), the data header the
+    sites set up with (the plan and the volume shape added) and the plan."""
+    header = dict(desc["data"])
+    if desc.get("plan") is None:
+        plan = _deployed_plan(transport, header, timeout, log)
+        desc["plan"] = plan.to_json()
+        log(f"[deploy] plan made from the fingerprints of {plan.sites} ({plan.cases} training cases)")
+    plan = Plan.from_json(desc["plan"], where=f"{out / 'deploy.json'}: plan")
+    save_plan(plan, out / "plan.json")
+    planned = plan_for_run(cfg, plan, log=log)
+    if planned != cfg:
+        (out / "config.toml").write_text(dump_toml(planned.to_dict()))
+    header["plan"] = plan.to_json()
+    if desc.get("volume_shape") is None:
+        body = {"data": header, "volume_cache": planned.volume_cache}
+        replies = transport.exchange("volumes", body, timeout)
+        shape = list(plan.patch_size)
+        for s, r in replies.items():
+            try:
+                got = _shape(r.get("volume_shape"), f"reply of site {s} to 'volumes'")
+            except PayloadError as e:
+                log(f"[deploy] {e}; its volume shape is left out")
+                continue
+            shape = [max(a, b) for a, b in zip(shape, got)]
+        desc["volume_shape"] = shape
+    header["volume_shape"] = desc["volume_shape"]
+    save_json(desc, out / "deploy.json")
+    return planned, header, plan

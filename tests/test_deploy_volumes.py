@@ -1,0 +1,137 @@
+"""A volume run deployed: the plan made over the wire from the sites' fingerprints is `fedseg plan`'s, and
+FedAvg on it ends with the simulation's weights and Dice bitwise.
+
+The sites are :class:`SiteRuntime` objects with the default loader (their own datalists, the plan's grid,
+the cache) behind the in-process byte channel; the NVIDIA FLARE carrier is tested on the same server and
+site halves in ``tests/test_deploy_nvflare.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedseg.apps.deploy.server import load_deploy_config, prepare_run, serve
+from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+from fedseg.apps.deploy.volumes import plan_and_shape, site_cache_setting, site_operation
+from fedseg.data.spec import load_federation
+from fedseg.data.volumes.load import load_volume_site, pad_to_common_shape, plan_federation
+from fedseg.execution.remote.params import deploy_params
+from fedseg.execution.remote.transport import LoopbackChannel, RemoteTransport
+from fedseg.foundation.errors import PayloadError
+from fedseg.simulation.runner import run
+from fedseg.site.runtime import SiteData
+from helpers import assert_same_arrays, server_state
+from test_volumes_run import write_federation
+
+RUN = ["rounds=2", "train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "eval.every=1"]
+
+
+def _runtimes(spec, tmp_path):
+    fed = load_federation(spec)
+    return {
+        s.name: SiteRuntime(SiteConfig(s.name, str(s.datalist), str(tmp_path / "sites" / s.name))) for s in fed.sites
+    }
+
+
+def _planned(tmp_path, call=None):
+    """A prepared deploy run on a tiny two-site volume federation (no plan beside the spec), planned over the
+    in-process channel: ``(spec, plan, header, logs)``."""
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    cfg = load_deploy_config(spec, RUN)
+    out = tmp_path / "dep"
+    desc = prepare_run(cfg, out)
+    logs: list[str] = []
+    transport = RemoteTransport(
+        desc["sites"], call or LoopbackChannel(_runtimes(spec, tmp_path)), deploy_params(cfg), log=logs.append
+    )
+    _, header, plan = plan_and_shape(out, desc, cfg, transport, 60.0, logs.append)
+    return spec, plan, header, logs
+
+
+def test_deployed_fingerprint_gives_the_plan_of_fedseg_plan_and_the_simulations_shape(tmp_path):
+    """The sites' fingerprint and histogram replies, combined by the server in federation order, are the
+    numbers `fedseg plan` combines in one process: the same plan, field for field; the volume shape the
+    sites agree is the one the simulation pads every site to."""
+    spec, plan, header, _ = _planned(tmp_path)
+    assert plan.to_json() == plan_federation(load_federation(spec), log=lambda m: None).to_json()
+    assert plan.intensity["mode"] == "ct" and plan.sites == ["lps", "ras"]
+    fed = load_federation(spec)  # the simulation's padding of every split of every site to one shape
+    data = {s.name: SiteData(*load_volume_site(fed, s, plan, "auto", log=lambda m: None)) for s in fed.sites}
+    assert header["volume_shape"] == list(pad_to_common_shape(data)["lps"].train.images.shape[2:])
+    assert header["plan"] == plan.to_json()
+
+
+def test_malformed_fingerprint_over_the_wire_is_rejected_and_the_plan_uses_the_other_site(tmp_path):
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    channel = LoopbackChannel(_runtimes(spec, tmp_path))
+    hostile = json.dumps({"site": "lps", "fingerprint": {"version": 1, "cases": [], "foreground": {"count": -1}}})
+
+    def call(site, op, payload, timeout):
+        return hostile.encode() if (site, op) == ("lps", "fingerprint") else channel(site, op, payload, timeout)
+
+    _, plan, _, logs = _planned(tmp_path, call)
+    assert plan.sites == ["ras"] and "lps" in plan.rejected
+    assert any("fingerprint of site lps rejected" in m for m in logs)
+
+
+@pytest.mark.slow
+def test_deployed_volume_run_plans_like_fedseg_plan_and_equals_simulation(tmp_path):
+    """No plan beside the spec: the server asks the sites for fingerprints and histograms, makes the plan
+    (the same numbers `fedseg plan` combines, in the same order, so the same plan to the last bit), agrees
+    one volume shape, and the run is the simulation's (same grid, same padding, same seeds)."""
+    # Prepare
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    cfg = load_deploy_config(spec, [*RUN, "deploy.round_deadline_s=120"])
+    prepare_run(cfg, tmp_path / "dep")
+    logs: list[str] = []
+    # Execute
+    dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
+    expected = plan_federation(load_federation(spec), log=lambda m: None)
+    sim = run(spec, out=tmp_path / "sim", overrides=[*RUN, "volume_cache=off"], progress=False, log=lambda m: None)
+    # Assert
+    deployed_plan = json.loads((tmp_path / "dep" / "plan.json").read_text())
+    assert deployed_plan == expected.to_json() == sim["plan"] == dep["plan"]
+    assert any("plan made from the fingerprints" in m for m in logs)
+    desc = json.loads((tmp_path / "dep" / "deploy.json").read_text())
+    assert desc["plan"] == deployed_plan and len(desc["volume_shape"]) == 3
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"] and dep["num_cases"] == sim["num_cases"]
+    assert dep["deploy"]["dropouts"] == []
+
+
+def test_planning_operations_refuse_a_malformed_request(tmp_path):
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    site = load_federation(spec).site("ras")
+    header = {"mode": "3d", "spatial_dims": 3, "in_channels": 1, "labels": {"mass": [1]}, "image_size": None}
+    with pytest.raises(PayloadError, match="histogram edges"):
+        site_operation("ras", site.datalist, "histogram", {"data": header, "edges": [1.0, float("nan")]}, print)
+    with pytest.raises(PayloadError, match="no volume data header"):
+        site_operation("ras", site.datalist, "fingerprint", {"data": {**header, "mode": "2d"}}, print)
+    logs: list[str] = []  # the server does not choose where a site writes
+    assert site_cache_setting("/etc", "ras", logs.append) == "auto" and "names a folder" in logs[0]
+    assert site_cache_setting("off", "ras", logs.append) == "off"
+    fp = site_operation("ras", site.datalist, "fingerprint", {"data": header}, print)["fingerprint"]
+    assert len(fp["cases"]) == 2 and fp["foreground"]["count"] > 0  # aggregate numbers only
+
+
+@pytest.mark.slow
+def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
+    """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1; the plan is
+    made from the fingerprints the sites send through FLARE."""
+    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
+    from fedseg.apps.deploy.run import rehearse
+
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    overrides = [*RUN, "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
+    try:
+        dep = rehearse(spec, 2, tmp_path / "dep", overrides=overrides, timeout=150)
+    except Exception as e:  # pragma: no cover - environment without a working nvflare
+        if "provision" in str(e):
+            pytest.skip(f"nvflare cannot provision here: {e}")
+        raise
+    sim = run(spec, out=tmp_path / "sim", overrides=RUN, progress=False, log=lambda m: None)
+    assert dep is not None and dep["plan"] == sim["plan"]
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
