@@ -190,11 +190,12 @@ def load_federation_data(
 ) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory.
 
-    Volumes (``mode = "3d"``) are brought into the federation's plan grid (the plan file beside the spec,
-    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`)."""
+    Volumes (``mode = "3d"`` or ``"patches2d"``) are brought into the federation's plan grid (the plan
+    file beside the spec, made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`);
+    ``patches2d`` training splits are the volumes' axial slices."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
-    if fed.mode == "3d":
+    if fed.volumes:
         plan = ensure_plan(fed, log=log)
         data = {
             s.name: SiteData(
@@ -238,9 +239,9 @@ def run(
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     fed, data = load_federation_data(cfg.federation, progress=progress, log=log)
     plan = None
-    if fed.mode == "3d":
-        plan = ensure_plan(fed, log=log)
-        cfg = plan_for_run(cfg, plan, log=log)
+    if fed.volumes:
+        plan = ensure_plan(fed, log=lambda m: None)  # logged once, by load_federation_data
+        cfg = plan_for_run(cfg, plan, log=log, mode=fed.mode)
     results = simulate(
         cfg,
         workload_for(fed, cfg),
