@@ -135,9 +135,14 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
     uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the foreground voxel is drawn from
     every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
-    its foreground voxels.  Every draw comes from ``g``."""
+    its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``."""
 
     def crop(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
+        if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
+            pad = [p for d in reversed(short) for p in (0, d)]
+            x = torch.stack([nn.functional.pad(c, pad, value=float(c.min())) for c in x])
+            y = nn.functional.pad(y, pad)
         spatial = x.shape[2:]
         batch_fg = torch.nonzero(y.amax(dim=1) > 0) if pooled and foreground_share > 0 else None
         xs, ys = [], []

@@ -295,8 +295,9 @@ def make_plan(
 def slice_patch(plan: Plan, factor: int, max_side: int = SLICE_PATCH_SIDE) -> list[int]:
     """The 2D training patch of ``mode = "patches2d"``: the plan's median in-plane shape (first two RAS
     axes), at most ``max_side`` per side, rounded down to a multiple of the 2D network's total
-    down-sampling ``factor`` (at least one ``factor``)."""
-    return [max(factor, min(int(v), max_side) // factor * factor) for v in plan.volume_shape[:2]]
+    down-sampling ``factor``, and at least twice ``factor`` (so the deepest level keeps more than one
+    voxel, as instance normalization needs)."""
+    return [max(2 * factor, min(int(v), max_side) // factor * factor) for v in plan.volume_shape[:2]]
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
