@@ -198,3 +198,10 @@ def test_fedavg_on_patches2d_scores_every_test_volume_once_in_its_own_grid(tmp_p
     assert saved["num_cases"] == {"ras": 1, "lps": 1}  # one test volume per site, each scored once
     assert saved["plan"]["target_spacing"] == results["plan"]["target_spacing"]
     assert 0.0 <= saved["client_avg_dice"] <= 1.0
+
+
+def test_a_method_with_its_own_predictors_is_refused_on_patches2d_before_loading(tmp_path):
+    spec = patches2d_federation(tmp_path)
+    with pytest.raises(ConfigError, match=r"method 'fedsm' evaluates through its own predictors .* -> run a method"):
+        run(spec, overrides=["method=fedsm"], progress=False, log=lambda m: None)
+    assert not (tmp_path / "fed.plan.json").exists()  # refused before any site was fingerprinted

@@ -210,6 +210,20 @@ def load_federation_data(
     return fed, data
 
 
+def _check_slice_evaluation(cfg: RunConfig, algorithm: Algorithm) -> None:
+    """Refuse, before any data is read, a method with its own predictors (FedSM's selector routing) on a
+    ``patches2d`` federation, whose evaluation volumes only the workload's model predicts (slice by slice)."""
+    if not Path(cfg.federation).is_file() or load_federation(cfg.federation).mode != "patches2d":
+        return
+    own = sorted(set(algorithm.predictors()) - {"model"})
+    if own:
+        raise ConfigError(
+            f"method {cfg.method!r} evaluates through its own predictors {own}, which see each case as stored; "
+            'data.mode = "patches2d" evaluates volumes slice by slice through the model alone -> run a method '
+            'whose candidates are models (e.g. fedavg, fga) or set data.mode = "3d"'
+        )
+
+
 def run(
     cfg: RunConfig | str | Path,
     out: str | Path | None = None,
@@ -235,8 +249,9 @@ def run(
         cfg = load_run_config(saved, overrides, known_sections(), **fields)
     elif not isinstance(cfg, RunConfig):
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
-    get_algorithm(cfg)  # validate the method and its settings before loading data
+    algorithm = get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
+    _check_slice_evaluation(cfg, algorithm)
     fed, data = load_federation_data(cfg.federation, progress=progress, log=log)
     plan = None
     if fed.volumes:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedseg.data.augment import patch_augmenter
 from fedseg.data.spec import VOLUME_MODES
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 
@@ -168,8 +169,6 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
 def _augmented(crop, spatial_dims: int):
     """``crop`` (or the batch as drawn, when None) followed by :func:`fedseg.data.augment.patch_augmenter`,
     seeded per batch from ``g`` (the site's (run seed, site, round) generator)."""
-    from fedseg.data.augment import patch_augmenter  # MONAI's transforms
-
     augment = patch_augmenter(spatial_dims)
 
     def transform(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
