@@ -205,3 +205,26 @@ def test_a_method_with_its_own_predictors_is_refused_on_patches2d_before_loading
     with pytest.raises(ConfigError, match=r"method 'fedsm' evaluates through its own predictors .* -> run a method"):
         run(spec, overrides=["method=fedsm"], progress=False, log=lambda m: None)
     assert not (tmp_path / "fed.plan.json").exists()  # refused before any site was fingerprinted
+
+
+def test_training_patches_are_drawn_from_the_site_and_round_generator():
+    """The crop and its augmentation draw only from the (run seed, site, round) generator: the same keys
+    give the same patches bit for bit, another round other patches."""
+    w = segmentation_workload(
+        2,
+        1,
+        ["fg"],
+        model=ModelConfig(roi_size=(16, 16)),
+        train=TrainConfig(foreground_share=0.5),
+        augment=True,
+        slices=True,
+    )
+    x = torch.randn(6, 1, 40, 40)
+    y = (x > 1).float()
+
+    def patches(rnd):
+        return w.train_transform(x, y, generator(7, 2, rnd, "train", "transform"))
+
+    (a, la), (b, lb), (c, _) = patches(3), patches(3), patches(4)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert not torch.equal(a, c)
