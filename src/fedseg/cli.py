@@ -78,8 +78,10 @@ def cmd_validate(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
     raise_if_invalid(a.spec)
     fed = load_federation(a.spec)
-    if fed.mode != "3d":
-        raise FedsegError(f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d")')
+    if not fed.volumes:
+        raise FedsegError(
+            f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d" or "patches2d")'
+        )
     plan = plan_federation(fed, patch_voxels=a.patch_voxels)
     path = plan_path(fed)
     save_plan(plan, path)

@@ -4,7 +4,7 @@ A federation spec is one TOML file (format in ``docs/data.md``)::
 
     name = "fundus-synth"
     [data]
-    mode = "2d"              # 2d | slices | 3d
+    mode = "2d"              # 2d | slices | 3d | patches2d
     spatial_dims = 2
     in_channels = 3
     image_size = [64, 64]    # optional
@@ -30,10 +30,14 @@ from typing import Any
 
 from fedseg.foundation.errors import ConfigError
 
-MODES = ("2d", "slices", "3d")
+MODES = ("2d", "slices", "3d", "patches2d")
+#: Modes whose files are volumes with their geometry, brought into a federated plan's grid.
+VOLUME_MODES = ("3d", "patches2d")
+#: ``data.intensity``: "auto" takes the plan's choice; the others override it (fedseg.data.volumes.intensity).
+INTENSITIES = ("auto", "ct", "zscore", "window", "minmax")
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TOP_KEYS = {"name", "data", "sites"}
-_DATA_KEYS = {"mode", "spatial_dims", "in_channels", "image_size", "foreground_only", "labels"}
+_DATA_KEYS = {"mode", "spatial_dims", "in_channels", "image_size", "foreground_only", "labels", "intensity", "window"}
 _SITE_KEYS = {"name", "datalist"}
 
 
@@ -75,12 +79,18 @@ class FederationSpec:
         ``isin(label_file, labels[c])``; value 0 is background.
     mode : str
         "2d" (2D image files), "slices" (3D NIfTI cut into 2D slices along the
-        last axis) or "3d" (3D volumes).
+        last axis), "3d" (3D volumes) or "patches2d" (3D volumes in the plan's
+        in-plane grid, trained as 2D patches of axial slices, scored per volume).
     image_size : tuple of int or None
         Resize target (H, W) for "2d"/"slices", (D, H, W) for "3d"; None keeps
         the native size (then all cases must share a size).
     foreground_only : bool
         "slices" mode: keep only slices whose label has foreground.
+    intensity : str
+        Volumes: "auto" (the plan's choice) or the scheme that overrides it
+        ("ct", "zscore", "window", "minmax").
+    window : tuple of float or None
+        ``(low, high)`` in file units (HU for CT) when ``intensity = "window"``.
     """
 
     name: str
@@ -92,6 +102,13 @@ class FederationSpec:
     mode: str
     image_size: tuple[int, ...] | None
     foreground_only: bool
+    intensity: str = "auto"
+    window: tuple[float, float] | None = None
+
+    @property
+    def volumes(self) -> bool:
+        """Whether the cases are volumes brought into a plan's grid (``mode`` "3d" or "patches2d")."""
+        return self.mode in VOLUME_MODES
 
     @property
     def label_channels(self) -> int:
@@ -228,8 +245,12 @@ def load_federation(path: str | Path) -> FederationSpec:
 
     mode = data.get("mode", "2d")
     if mode not in MODES:
-        raise _err(path, f"data.mode must be one of {list(MODES)}, got {mode!r}", 'set mode = "2d", "slices" or "3d"')
-    want_dims = 3 if mode == "3d" else 2
+        raise _err(
+            path,
+            f"data.mode must be one of {list(MODES)}, got {mode!r}",
+            'set mode = "2d", "slices", "3d" or "patches2d"',
+        )
+    want_dims = 3 if mode == "3d" else 2  # patches2d: volumes, a 2D model
     spatial_dims = _int(path, data.get("spatial_dims", want_dims), "data.spatial_dims")
     if spatial_dims != want_dims:
         raise _err(
@@ -265,6 +286,7 @@ def load_federation(path: str | Path) -> FederationSpec:
             'remove foreground_only or set mode = "slices"',
         )
 
+    intensity, window = _parse_intensity(path, data, mode)
     return FederationSpec(
         name=name,
         path=path,
@@ -275,4 +297,47 @@ def load_federation(path: str | Path) -> FederationSpec:
         mode=mode,
         image_size=image_size,
         foreground_only=foreground_only,
+        intensity=intensity,
+        window=window,
     )
+
+
+def _parse_intensity(path: Path, data: dict, mode: str) -> tuple[str, tuple[float, float] | None]:
+    """``data.intensity`` and ``data.window``: volume modes only; a window is given exactly when the
+    intensity is "window", as two numbers low < high."""
+    intensity = data.get("intensity", "auto")
+    window = data.get("window")
+    if intensity not in INTENSITIES:
+        raise _err(
+            path,
+            f"data.intensity must be one of {list(INTENSITIES)}, got {intensity!r}",
+            'set intensity = "auto" (the plan decides), "ct", "zscore", "window" (with window = [low, high]) or "minmax"',
+        )
+    if mode not in VOLUME_MODES and ("intensity" in data or window is not None):
+        key = "data.intensity" if "intensity" in data else "data.window"
+        raise _err(
+            path,
+            f'{key} only applies to volumes (mode "3d" or "patches2d"), not mode {mode!r}',
+            f'remove {key.split(".")[1]} or set mode = "3d" or "patches2d"',
+        )
+    if window is not None and intensity != "window":
+        raise _err(
+            path,
+            f"data.window is set but data.intensity = {intensity!r}",
+            'set intensity = "window" to use the window, or remove window',
+        )
+    if intensity == "window":
+        ok = (
+            isinstance(window, list)
+            and len(window) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in window)
+            and window[0] < window[1]
+        )
+        if not ok:
+            raise _err(
+                path,
+                f'data.intensity = "window" needs data.window = [low, high] with low < high, got {window!r}',
+                "set e.g. window = [0, 80] (a head CT brain window, in HU)",
+            )
+        return intensity, (float(window[0]), float(window[1]))
+    return intensity, None

@@ -100,8 +100,8 @@ def validate_federation(path: str | Path) -> list[Problem]:
                 if case is not None:
                     shape = case.image.shape[1:] if fed.mode != "slices" else case.image.shape[1:-1]
                     shapes.setdefault(shape, (site.name, str(entry["image"])))
-    # volumes ("3d") are resampled onto the plan's grid, so their sizes may differ
-    if fed.image_size is None and len(shapes) > 1 and fed.mode != "3d":
+    # volumes ("3d", "patches2d") are resampled onto the plan's grid, so their sizes may differ
+    if fed.image_size is None and len(shapes) > 1 and not fed.volumes:
         (s0, (_, f0)), (s1, (site1, f1)) = list(shapes.items())[:2]
         problems.append(
             Problem(

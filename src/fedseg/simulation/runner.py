@@ -190,12 +190,13 @@ def load_federation_data(
 ) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory.
 
-    Volumes (``mode = "3d"``) are brought into the federation's plan grid (the plan file beside the spec,
-    made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`), each case read from
-    its site's cache of preprocessed cases when it is there (``volume_cache``, the run setting)."""
+    Volumes (``mode = "3d"`` or ``"patches2d"``) are brought into the federation's plan grid (the plan
+    file beside the spec, made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`),
+    each case read from its site's cache of preprocessed cases when it is there (``volume_cache``, the run
+    setting); ``patches2d`` training splits are the volumes' axial slices."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
-    if fed.mode == "3d":
+    if fed.volumes:
         plan = ensure_plan(fed, log=log)
         data = {
             s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log=log))
@@ -206,6 +207,20 @@ def load_federation_data(
     for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False):
         data[s.name] = SiteData(*(load_split(fed, s, split) for split in ("training", "validation", "testing")))
     return fed, data
+
+
+def _check_slice_evaluation(cfg: RunConfig, algorithm: Algorithm) -> None:
+    """Refuse, before any data is read, a method with its own predictors (FedSM's selector routing) on a
+    ``patches2d`` federation, whose evaluation volumes only the workload's model predicts (slice by slice)."""
+    if not Path(cfg.federation).is_file() or load_federation(cfg.federation).mode != "patches2d":
+        return
+    own = sorted(set(algorithm.predictors()) - {"model"})
+    if own:
+        raise ConfigError(
+            f"method {cfg.method!r} evaluates through its own predictors {own}, which see each case as stored; "
+            'data.mode = "patches2d" evaluates volumes slice by slice through the model alone -> run a method '
+            'whose candidates are models (e.g. fedavg, fga) or set data.mode = "3d"'
+        )
 
 
 def run(
@@ -233,18 +248,21 @@ def run(
         cfg = load_run_config(saved, overrides, known_sections(), **fields)
     elif not isinstance(cfg, RunConfig):
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)
-    get_algorithm(cfg)  # validate the method and its settings before loading data
+    algorithm = get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
+    _check_slice_evaluation(cfg, algorithm)
     fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache)
     plan = None
-    if fed.mode == "3d":
-        plan = ensure_plan(fed, log=log)
-        work = {
-            s: (dataset_len(d.val), steps_per_round(cfg.train, dataset_len(d.train)) * cfg.train.batch_size)
-            for s, d in data.items()
-        }
-        volume = next(iter(data.values())).val.images.shape[2:]  # every split is padded to one shape
-        cfg = plan_for_run(cfg, plan, log=log, sites=work, volume=list(volume))
+    if fed.volumes:
+        plan = ensure_plan(fed, log=lambda m: None)  # logged once, by load_federation_data
+        work, volume = None, None
+        if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
+            work = {
+                s: (dataset_len(d.val), steps_per_round(cfg.train, dataset_len(d.train)) * cfg.train.batch_size)
+                for s, d in data.items()
+            }
+            volume = list(next(iter(data.values())).val.images.shape[2:])  # every split is padded to one shape
+        cfg = plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode)
     results = simulate(
         cfg,
         workload_for(fed, cfg),

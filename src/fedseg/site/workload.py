@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fedseg.data.augment import patch_augmenter
+from fedseg.data.spec import VOLUME_MODES
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 
 __all__ = [
@@ -185,31 +187,69 @@ def make_loss(name: str) -> Loss:
     raise ValueError(f"unknown loss {name!r}")
 
 
-def _random_crop(roi: Sequence[int], foreground_share: float = 0.0):
+def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool = False):
     """Batch transform cutting one patch of size ``roi`` per case (same place for image and label).
 
     With probability ``foreground_share`` a patch is centred (as far as the case allows) on a foreground
     voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
-    uniformly.  Every draw comes from ``g``."""
+    uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the foreground voxel is drawn from
+    every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
+    its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``."""
 
     def crop(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
+        if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
+            pad = [p for d in reversed(short) for p in (0, d)]
+            x = torch.stack([nn.functional.pad(c, pad, value=float(c.min())) for c in x])
+            y = nn.functional.pad(y, pad)
         spatial = x.shape[2:]
+        batch_fg = torch.nonzero(y.amax(dim=1) > 0) if pooled and foreground_share > 0 else None
         xs, ys = [], []
         for i in range(x.shape[0]):
-            starts = None
+            src, starts = i, None
             if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
-                fg = torch.nonzero(y[i].amax(dim=0) > 0)
+                fg = batch_fg if pooled else torch.nonzero(y[i].amax(dim=0) > 0)
                 if len(fg):
                     centre = fg[int(torch.randint(0, len(fg), (1,), generator=g))].tolist()
+                    if pooled:
+                        src, centre = centre[0], centre[1:]
                     starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, spatial, roi)]
             if starts is None:
                 starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
-            xs.append(x[(i, slice(None), *sl)])
-            ys.append(y[(i, slice(None), *sl)])
+            xs.append(x[(src, slice(None), *sl)])
+            ys.append(y[(src, slice(None), *sl)])
         return torch.stack(xs), torch.stack(ys)
 
     return crop
+
+
+def _augmented(crop, spatial_dims: int):
+    """``crop`` (or the batch as drawn, when None) followed by :func:`fedseg.data.augment.patch_augmenter`,
+    seeded per batch from ``g`` (the site's (run seed, site, round) generator)."""
+    augment = patch_augmenter(spatial_dims)
+
+    def transform(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        if crop is not None:
+            x, y = crop(x, y, g)
+        return augment(x, y, int(torch.randint(0, 2**31 - 1, (), generator=g)))
+
+    return transform
+
+
+def _slicewise(infer2d: Callable[[nn.Module, torch.Tensor], torch.Tensor]):
+    """Inference of a 2D model on a batch of volumes ``(B, C, X, Y, Z)``: every axial slice (last axis)
+    predicted by ``infer2d`` and the logits stacked back into ``(B, L, X, Y, Z)``; a 2D batch goes to
+    ``infer2d`` as it is."""
+
+    def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5:
+            return infer2d(m, x)
+        b, c, sx, sy, sz = x.shape
+        out = infer2d(m, x.permute(0, 4, 1, 2, 3).reshape(b * sz, c, sx, sy))
+        return out.reshape(b, sz, out.shape[1], sx, sy).permute(0, 2, 3, 4, 1)
+
+    return infer
 
 
 def segmentation_workload(
@@ -224,6 +264,8 @@ def segmentation_workload(
     sw_overlap: float = 0.5,
     sw_weighting: str = "gaussian",
     hd95: bool = False,
+    augment: bool = False,
+    slices: bool = False,
 ) -> Workload:
     """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
     per-channel Dice.
@@ -231,7 +273,10 @@ def segmentation_workload(
     With ``model.roi_size`` set (volumes), training cuts patches of that size (a share
     ``train.foreground_share`` centred on foreground) and evaluation uses MONAI's sliding-window
     inference with ``sw_overlap`` and ``sw_weighting`` ("gaussian" or "constant").  ``hd95`` adds the
-    95th-percentile Hausdorff distance (:func:`hd95_metric`) to the test metrics.
+    95th-percentile Hausdorff distance (:func:`hd95_metric`) to the test metrics.  ``augment``: every
+    training patch (or image) is augmented (:mod:`fedseg.data.augment`).  ``slices`` (``patches2d``): a
+    2D model trained on patches of axial slices (the foreground voxel of a centred patch drawn from the
+    whole batch) and evaluated on volumes slice by slice.
     """
     from monai.inferers import sliding_window_inference
 
@@ -246,18 +291,23 @@ def segmentation_workload(
     if roi is not None:
         if len(roi) != spatial_dims:
             raise ValueError(f"model.roi_size {roi} must have {spatial_dims} entries")
+        windows = max(sw_batch_size, 32) if slices else sw_batch_size  # a volume's slices, many at a time
 
         def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return sliding_window_inference(
                 x,
                 roi_size=tuple(roi),
-                sw_batch_size=sw_batch_size,
+                sw_batch_size=windows,
                 predictor=m,
                 overlap=sw_overlap,
                 mode=sw_weighting,
             )
 
-        transform = _random_crop(roi, train.foreground_share)
+        transform = _random_crop(roi, train.foreground_share, pooled=slices)
+    if slices:
+        infer = _slicewise(infer or (lambda m, x: m(x)))
+    if augment:
+        transform = _augmented(transform, spatial_dims)
     return Workload(
         build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
@@ -281,16 +331,21 @@ class DataLayout(Protocol):
 
 def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
     """The segmentation workload of a run: its federation's data layout and the run's model, loss,
-    threshold, ``eval.empty_dice`` and ``eval.hd95`` — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
+    threshold, ``eval.empty_dice``, ``eval.hd95`` ("auto": on for volumes) and ``train.augment`` ("auto": on
+    for volumes) — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
     and both halves of a deployment build.
 
     ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
-    ``in_channels``, ``labels``: what a deployed server receives, :func:`fedseg.apps.deploy.site.data_header`).
+    ``in_channels``, ``labels`` and ``mode``: what a deployed server receives, :func:`fedseg.apps.deploy.site.data_header`).
     """
     if isinstance(layout, Mapping):
         spatial_dims, in_channels, labels = layout["spatial_dims"], layout["in_channels"], layout["labels"]
+        mode = layout.get("mode")
     else:
         spatial_dims, in_channels, labels = layout.spatial_dims, layout.in_channels, layout.labels
+        mode = getattr(layout, "mode", None)
+    volumes = mode in VOLUME_MODES
+    augment = cfg.train.augment == "on" or (cfg.train.augment == "auto" and volumes)
     return segmentation_workload(
         int(spatial_dims),
         int(in_channels),
@@ -301,5 +356,7 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         empty_dice=cfg.eval.empty_dice,
         sw_overlap=cfg.eval.sw_overlap,
         sw_weighting=cfg.eval.sw_weighting,
-        hd95=cfg.eval.hd95 == "on" or (cfg.eval.hd95 == "auto" and int(spatial_dims) == 3),
+        hd95=cfg.eval.hd95 == "on" or (cfg.eval.hd95 == "auto" and volumes),
+        augment=augment,
+        slices=mode == "patches2d",
     )

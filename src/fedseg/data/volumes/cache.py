@@ -75,14 +75,17 @@ class CachedCase:
     """``(X₀, Y₀, Z₀)`` int64 in the scan's own grid (kept for validation and test cases)."""
 
 
-def plan_key(plan: Any, in_channels: int, label_values: Sequence[int] | None) -> str:
-    """Hash of everything that changes a case's preprocessing (module docstring), 16 hex digits."""
+def plan_key(
+    plan: Any, in_channels: int, label_values: Sequence[int] | None, spacing: Sequence[float] | None = None
+) -> str:
+    """Hash of everything that changes a case's preprocessing (module docstring), 16 hex digits; ``spacing``
+    is the resampling's when it is not the plan's target spacing (``patches2d`` keeps each slice spacing)."""
     import monai  # deferred: the resampling's version is part of the key
 
     doc = {
         "version": CACHE_VERSION,
         "monai": monai.__version__,
-        "target_spacing": [float(v) for v in plan.target_spacing],
+        "target_spacing": [float(v) for v in (plan.target_spacing if spacing is None else spacing)],
         "intensity": plan.intensity,
         "in_channels": int(in_channels),
         "label_values": sorted(int(v) for v in label_values) if label_values is not None else None,

@@ -7,6 +7,13 @@ intensity scheme, reoriented to RAS and resampled to the target spacing, padded 
 axis to a common shape (padding at the end leaves the affine unchanged).  Validation and test cases keep
 their original geometry and label, and :class:`VolumeDataset.original_grid` resamples a prediction back
 into the scan's own voxels, where Dice is scored.
+
+``mode = "patches2d"`` (federated gradient averaging's protocol) goes through the same plan with the
+in-plane spacing only (each scan keeps its slice spacing), and its training split is the stack of every
+training volume's axial slices (:class:`SliceDataset`), from which the 2D model's patches are cut;
+validation and test splits stay volumes, predicted slice by slice and scored in each scan's own grid.
+The spec's ``data.intensity`` (and ``data.window``) override the plan's intensity scheme
+(:func:`with_spec_intensity`).
 """
 
 from __future__ import annotations
@@ -25,11 +32,21 @@ from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_k
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
-from fedseg.data.volumes.plan import EVAL_SHARE, Plan, eval_interval, load_plan, make_plan, save_plan, sliding_windows
+from fedseg.data.volumes.plan import (
+    EVAL_SHARE,
+    Plan,
+    eval_interval,
+    load_plan,
+    make_plan,
+    save_plan,
+    slice_patch,
+    sliding_windows,
+)
 from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
-from fedseg.foundation.errors import DataError
+from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
+    "SliceDataset",
     "VolumeDataset",
     "ensure_plan",
     "load_volume_site",
@@ -39,8 +56,10 @@ __all__ = [
     "plan_federation",
     "plan_for_run",
     "plan_path",
+    "plan_spacing",
     "site_cache",
     "training_cases",
+    "with_spec_intensity",
 ]
 
 
@@ -81,18 +100,48 @@ def plan_federation(
     def histograms(edges: list[float]) -> dict[str, list[int]]:
         return {s.name: site_histogram(training_cases(fed, s), edges) for s in fed.sites if s.name in fingerprints}
 
-    return make_plan(fingerprints, histograms, patch_voxels=patch_voxels, log=log)
+    return make_plan(
+        fingerprints, histograms, patch_voxels=patch_voxels, intensity=fed.intensity, window=fed.window, log=log
+    )
+
+
+def with_spec_intensity(
+    plan: Plan, fed: FederationSpec, where: str = "plan", log: Callable[[str], None] = print
+) -> Plan:
+    """The plan with the spec's ``data.intensity`` in place of its own scheme ("auto": the plan's).
+
+    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan file
+    made with another scheme is refused, naming the file and the fix."""
+    want, have = fed.intensity, plan.intensity
+    if want == "auto" or (want == have.get("mode") and (want != "window" or have.get("window") == list(fed.window))):
+        return plan
+    if want == "ct":
+        raise ConfigError(
+            f"{where}: data.intensity = 'ct' but the plan's intensity is {have.get('mode')!r} (no pooled CT "
+            "statistics) -> delete the plan file and run `fedseg plan` on the spec to fingerprint the sites again"
+        )
+    scheme = {"mode": want, **({"window": list(fed.window)} if want == "window" else {})}
+    log(f"plan: intensity {scheme} (data.intensity in the spec; the plan's was {have.get('mode')!r})")
+    return dataclasses.replace(plan, intensity=scheme)
 
 
 def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print) -> Plan:
-    """The federation's plan file, or a new plan written beside the spec (and logged) when there is none."""
+    """The federation's plan file, or a new plan written beside the spec (and logged) when there is none;
+    the spec's ``data.intensity`` overrides its intensity scheme."""
     path = plan_path(fed)
     if path.is_file():
-        return load_plan(path)
+        return with_spec_intensity(load_plan(path), fed, str(path), log)
     plan = plan_federation(fed, log=log)
     save_plan(plan, path)
     log(f"plan: {path} (made from {plan.cases} training cases of {len(plan.sites)} sites; edit it to override)")
     return plan
+
+
+def plan_spacing(fed: FederationSpec, plan: Plan) -> tuple[float, float, float]:
+    """The spacing volumes are resampled to: the plan's target spacing, or for ``patches2d`` its in-plane
+    spacing with each scan's own slice spacing (0 keeps an axis' spacing in MONAI's ``Spacing``)."""
+    x, y, z = (float(v) for v in plan.target_spacing)
+    return (x, y, 0.0) if fed.mode == "patches2d" else (x, y, z)
 
 
 class VolumeDataset(SegmentationDataset):
@@ -123,6 +172,23 @@ class VolumeDataset(SegmentationDataset):
         return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
 
 
+class SliceDataset(SegmentationDataset):
+    """The axial slices of volumes in the plan's in-plane grid: images ``(S, C, X, Y)``, labels
+    ``(S, L, X, Y)``, case ids ``<volume id>#<z>``; every slice of every volume, none of the padding."""
+
+
+def _slices(images: list[np.ndarray], labels: list[np.ndarray], ids: list[str], patch: list[int]) -> SliceDataset:
+    xs, ys, sids = [], [], []
+    for x, lab, cid in zip(images, labels, ids):
+        for z in range(x.shape[-1]):
+            xs.append(x[..., z])
+            ys.append(lab[..., z])
+            sids.append(f"{cid}#{z}")
+    shape = [max([im.shape[1 + a] for im in xs] + [patch[a]]) for a in range(2)]
+    x, y = _pad_far_end(xs, ys, shape)
+    return SliceDataset(x, y, sids)
+
+
 def site_cache(
     setting: str, fed: FederationSpec, site: SiteSpec, plan: Plan, log: Callable[[str], None] = print
 ) -> VolumeCache | None:
@@ -131,21 +197,22 @@ def site_cache(
     if setting == "off":
         return None
     root = site.datalist.parent / CACHE_DIR if setting == "auto" else Path(setting).expanduser() / site.name
-    return VolumeCache(root, plan_key(plan, fed.in_channels, fed.label_values), log=log)
+    return VolumeCache(root, plan_key(plan, fed.in_channels, fed.label_values, plan_spacing(fed, plan)), log=log)
 
 
 def _preprocess(fed: FederationSpec, image_path, label_path, plan: Plan, keep: bool) -> CachedCase:
     image, label, affine = read_case(image_path, label_path, fed.in_channels, fed.label_values)
     x = normalize_volume(image, plan.intensity["mode"], plan.intensity)
-    x, lab, new_affine = to_plan_grid(x, label, affine, tuple(plan.target_spacing))
+    x, lab, new_affine = to_plan_grid(x, label, affine, plan_spacing(fed, plan))
     return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
 
 
 def load_volume_split(
     fed: FederationSpec, site: SiteSpec, split: str, plan: Plan, cache: VolumeCache | None = None
-) -> VolumeDataset:
-    """One split of one site in the plan's grid (module docstring); each case read from ``cache`` when it
-    holds it under this plan and these source files, else preprocessed (and stored there)."""
+) -> VolumeDataset | SliceDataset:
+    """One split of one site in the plan's grid (module docstring): volumes, or for the training split of
+    ``mode = "patches2d"`` their axial slices; each case read from ``cache`` when it holds it under this
+    plan and these source files, else preprocessed (and stored there)."""
     keep = split != "training"
     images, labels, ids, affines, originals, orig_labels = [], [], [], [], [], []
     for cid, image_path, label_path in _entries(site, split):
@@ -163,7 +230,12 @@ def load_volume_split(
             orig_labels.append(torch.from_numpy(label_channels(case.original_label, fed.labels)))
     if not images:
         raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
-    shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
+    if fed.mode == "patches2d":
+        if not keep:
+            return _slices(images, [label_channels(lab, fed.labels) for lab in labels], ids, slice_patch(plan, 1))
+        shape = [max(im.shape[1 + a] for im in images) for a in range(3)]
+    else:
+        shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     return VolumeDataset(
         x,
@@ -216,11 +288,24 @@ def pad_to_shape(sets: list[VolumeDataset], shape: list[int]) -> None:
 def pad_to_common_shape(data: dict) -> dict:
     """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
     training, e.g. centralized, can stack them); the affines stay valid because the origin does not move.
-    A deployment agrees the same shape over the wire (:mod:`fedseg.apps.deploy.volumes`)."""
-    sets = [ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, VolumeDataset)]
-    shape = [max(ds.images.shape[2 + a] for ds in sets) for a in range(3)]
-    pad_to_shape(sets, shape)
+    Slice splits (``patches2d``) share the volumes' in-plane shape."""
+    sets = [
+        ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, (VolumeDataset, SliceDataset))
+    ]
+    dims = [ds.images.dim() - 2 for ds in sets]
+    shape = [max(ds.images.shape[2 + a] for ds, n in zip(sets, dims) if n > a) for a in range(max(dims))]
+    for ds, n in zip(sets, dims):
+        if list(ds.images.shape[2:]) != shape[:n]:
+            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), shape[:n])
     return data
+
+
+def _downsampling(model: ModelConfig) -> int:
+    """The 2D network's total down-sampling along the first axis (product of its strides)."""
+    factor = 1
+    for s in model.strides:
+        factor *= int(s) if isinstance(s, int) else int(s[0])
+    return factor
 
 
 def plan_for_run(
@@ -229,19 +314,27 @@ def plan_for_run(
     log: Callable[[str], None] = print,
     sites: Mapping[str, tuple[int, int]] | None = None,
     volume: Sequence[int] | None = None,
+    mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network and patch where the run leaves them at their defaults
     (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged.
 
     ``eval.every`` left at 1 becomes the plan's ``eval_every``, or when that is None (the default)
     :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
-    patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1."""
+    patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1.
+    ``mode = "patches2d"``: the 2D network stays as configured and the patch is the plan's in-plane
+    patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
     model, ev = cfg.model, cfg.eval
-    if model.roi_size is None:
+    if mode == "patches2d":
+        if model.roi_size is None:
+            patch = slice_patch(plan, _downsampling(model))
+            model = dataclasses.replace(model, roi_size=tuple(patch))
+            log(f"plan: model.roi_size = {patch} (2D patches of axial slices and in-plane sliding windows)")
+    elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
     default = ModelConfig()
-    if model.channels == default.channels and model.strides == default.strides:
+    if mode != "patches2d" and model.channels == default.channels and model.strides == default.strides:
         model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
         log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
     if ev.every == EvalConfig().every:

@@ -7,7 +7,7 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
   coarsest axis is more than 3 × the finest and the median shape along it is less than a third of the
   others (nnU-Net's anisotropy rule), that axis takes the 10th percentile of its spacings instead;
 * **intensity** — ``"ct"`` when the volumes look like CT (integer values with air below −500) else
-  ``"zscore"``; for CT the pooled foreground mean and sd (exact: Chan et al.'s parallel combination of
+  ``"zscore"``, unless the spec's ``data.intensity`` names the scheme; for CT the pooled foreground mean and sd (exact: Chan et al.'s parallel combination of
   each site's count, mean and centred sum of squares, in float64) and the pooled 0.5 / 99.5 percentiles
   from the pooled histogram (within one bin of the percentiles of the pooled voxels);
 * **volume shape** — the median shape of the resampled cases; every case is padded (never stretched) to
@@ -20,6 +20,8 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
   fewest rounds between validations that keeps sliding-window validation at most
   :data:`EVAL_SHARE` (a fifth) of the computation of the rounds it follows, from each site's validation
   cases, the volume and patch sizes and the training patches of a round.
+* **2D patch** (``mode = "patches2d"``, :func:`slice_patch`) — the median in-plane shape, at most
+  ``SLICE_PATCH_SIDE`` per side, each side a multiple of the 2D network's down-sampling.
 
 The plan is a small JSON file (:func:`save_plan`, beside the federation spec), printed, recorded with the
 run, and any field may be edited by hand.
@@ -49,6 +51,7 @@ __all__ = [
     "make_plan",
     "pooled_percentiles",
     "save_plan",
+    "slice_patch",
     "sliding_windows",
     "target_spacing",
 ]
@@ -62,6 +65,7 @@ EVAL_SHARE = 0.2
 """Most share of a run's computation that validation may take (:func:`eval_interval`)."""
 MIN_VALIDATIONS = 4
 """Fewest validations a run keeps (so its best round is chosen among several)."""
+SLICE_PATCH_SIDE = 256
 
 
 @dataclass
@@ -256,6 +260,8 @@ def make_plan(
     histogram: Callable[[list[float]], Mapping[str, Any]],
     *,
     patch_voxels: int = 64 * 64 * 32,
+    intensity: str = "auto",
+    window: Sequence[float] | None = None,
     log: Callable[[str], None] = print,
 ) -> Plan:
     """The plan from every site's pass-1 fingerprint and their pass-2 histograms.
@@ -268,6 +274,11 @@ def make_plan(
         ``histogram(edges) -> {site: counts}``: asks the accepted sites for pass 2 on ``edges``.
     patch_voxels
         Memory budget of one patch, in voxels.
+    intensity
+        ``"auto"`` (CT-like values → ``"ct"``, else ``"zscore"``) or the scheme to use (the spec's
+        ``data.intensity``); ``"ct"`` asks for the histograms whatever the values look like.
+    window
+        ``[low, high]`` for ``intensity = "window"``.
     log
         Where rejections are reported.
 
@@ -302,8 +313,13 @@ def make_plan(
     lo = min(f["min"] for f in fgs)
     hi = max(f["max"] for f in fgs)
     ct_like = all(fp["integer"] for fp in ok.values()) and min(fp["min"] for fp in ok.values()) < -500
-    intensity: dict[str, Any] = {"mode": "zscore"}
-    if ct_like:
+    chosen = intensity if intensity != "auto" else ("ct" if ct_like else "zscore")
+    scheme: dict[str, Any] = {"mode": chosen}
+    if chosen == "window":
+        if window is None or len(window) != 2:
+            raise ConfigError("intensity 'window' needs window = [low, high] (data.window in the spec)")
+        scheme["window"] = [float(v) for v in window]
+    if chosen == "ct":
         edges = histogram_edges(lo, hi)
         replies = histogram(edges)
         counts = np.zeros(len(edges) - 1, dtype=np.int64)
@@ -320,18 +336,26 @@ def make_plan(
         n, mean, m2 = combine_moments([ok[s]["foreground"] for s in ok])
         sd = math.sqrt(m2 / n)  # population sd, as nnU-Net's np.std
         p_lo, p_hi = pooled_percentiles(counts.tolist(), edges, PERCENTILES)
-        intensity = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
+        scheme = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
     return Plan(
         target_spacing=spacing,
         volume_shape=[round(float(v)) for v in resampled],
         patch_size=patch,
         channels=channels,
         strides=strides,
-        intensity=intensity,
+        intensity=scheme,
         sites=sorted(ok),
         rejected=rejected,
         cases=sum(len(ok[s]["cases"]) for s in ok),
     )
+
+
+def slice_patch(plan: Plan, factor: int, max_side: int = SLICE_PATCH_SIDE) -> list[int]:
+    """The 2D training patch of ``mode = "patches2d"``: the plan's median in-plane shape (first two RAS
+    axes), at most ``max_side`` per side, rounded down to a multiple of the 2D network's total
+    down-sampling ``factor``, and at least twice ``factor`` (so the deepest level keeps more than one
+    voxel, as instance normalization needs)."""
+    return [max(2 * factor, min(int(v), max_side) // factor * factor) for v in plan.volume_shape[:2]]
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
