@@ -7,14 +7,41 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["mean_sd", "method_rows", "table3", "table5"]
+__all__ = ["mean_sd", "method_rows", "privacy_of", "table3", "table5"]
+
+
+def privacy_of(results: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A DP run's guarantee from ``results["privacy"]``: ``dp``, ``epsilon`` (the largest ε spent by any
+    site: each site holds its own (ε, δ) guarantee and the federation's is its weakest), ``delta``,
+    ``accountant``; None for a run without ``privacy.dp``."""
+    priv = results.get("privacy")
+    if not isinstance(priv, Mapping):
+        return None
+    eps = [s.get("epsilon") for s in (priv.get("sites") or {}).values() if isinstance(s, Mapping)]
+    eps = [float(e) for e in eps if isinstance(e, int | float)]
+    return {
+        "dp": priv.get("dp"),
+        "epsilon": max(eps) if eps else None,
+        "delta": priv.get("delta"),
+        "accountant": priv.get("accountant"),
+    }
 
 
 def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Table rows of one run: the method's row, plus one row per local model for ``local``.
 
-    Each row: ``label``, ``per_site_dice``, ``client_avg_dice``, ``global_dice``.
+    Each row: ``label``, ``per_site_dice``, ``client_avg_dice``, ``global_dice`` and ``privacy``
+    (:func:`privacy_of`); a DP run's label names its mode (``FedAvg (DP sample)``), so that it is not
+    merged with the same method's runs without DP.
     """
+    priv = privacy_of(results)
+    if priv is not None:
+        tag = f" (DP {priv['dp']})"
+        return [{**r, "label": r["label"] + tag, "privacy": priv} for r in _rows(results)]
+    return [{**r, "privacy": None} for r in _rows(results)]
+
+
+def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     method = results["method"]
     if method == "local":
         out = []
@@ -61,19 +88,39 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
         for row in method_rows(res):
             grouped.setdefault(row["label"], []).append(row)
     seeds = sorted({r.get("seed") for r in runs})
-    header = ["Method", *sites, "Client Avg Dice", "Global Dice"]
+    private = [p for p in (privacy_of(r) for r in runs) if p is not None]
+    header = ["Method", *sites, "Client Avg Dice", "Global Dice"] + (["ε"] if private else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, rows in grouped.items():
         cells = [label]
         cells += [mean_sd([r["per_site_dice"].get(s) for r in rows]) for s in sites]
         cells += [mean_sd([r["client_avg_dice"] for r in rows]), mean_sd([r["global_dice"] for r in rows])]
+        if private:
+            dp = [r["privacy"] for r in rows if r.get("privacy") is not None]
+            cells.append(_epsilon_cell([p["epsilon"] for p in dp]) if dp else "∞")
         lines.append("| " + " | ".join(cells) + " |")
     note = (
         f"\nDice = mean over label channels per case; {len(seeds)} seed(s): {seeds}"
         + (" (mean ± sd)" if len(seeds) > 1 else "")
         + ".\n"
     )
+    if private:
+        guarantees = sorted({(p["delta"], p["accountant"]) for p in private}, key=str)
+        at = "; ".join(
+            f"δ = {d:g}, accountant {a}" if isinstance(d, int | float) else f"accountant {a}" for d, a in guarantees
+        )
+        note += f"ε = the largest ε spent by any site over the run ({at}); ∞ = no differential privacy.\n"
     return "\n".join(lines) + "\n" + note
+
+
+def _epsilon_cell(values: Sequence[float | None]) -> str:
+    """ε of a row's runs (mean ± sd over seeds), 2 decimals."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.2f}"
+    return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}"
 
 
 def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:

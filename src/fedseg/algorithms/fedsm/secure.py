@@ -29,7 +29,7 @@ models the server does not hold).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,9 +40,6 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
 from fedseg.site.runtime import Site, dataset_len
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.algorithms.fedsm.method import FedSM
 
 __all__ = [
     "HELD",
@@ -67,8 +64,9 @@ HELD = "fedsm-held"
 _BEST = "fedsm_best_personal"  # site.store: the best personalized model so far and its validation score
 
 
-def unsupported(alg: FedSM) -> str | None:
-    """Why this FedSM variant's server needs one site's arrays under secure aggregation, or None."""
+def unsupported(alg: Any) -> str | None:
+    """Why this FedSM variant (``alg``: a :class:`~fedseg.algorithms.fedsm.method.FedSM`) needs one site's
+    arrays at the server under secure aggregation, or None."""
     p = alg.params
     if alg.two_phase:
         return (
@@ -92,7 +90,7 @@ def unsupported(alg: FedSM) -> str | None:
 
 # ----------------------------------------------------------------- on the server
 def train_round(
-    alg: FedSM, ctx: ServerContext, tasks: dict[str, Task], new: Arrays, rnd: int, train_models: bool, train_sel: bool
+    alg: Any, ctx: ServerContext, tasks: dict[str, Task], new: Arrays, rnd: int, train_models: bool, train_sel: bool
 ) -> dict[str, Reply]:
     """The round's ``"train"`` tasks as one secure sum (module doc), the global model's and the selector's
     means into ``new``, then S to the summed sites (``"fedsm_pull"``); returns the summed replies (metrics
