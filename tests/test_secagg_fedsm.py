@@ -19,7 +19,7 @@ from fedseg.foundation.config import PrivacyConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.privacy import secagg
 from fedseg.simulation.runner import simulate
-from helpers import assert_same_checkpoints, server_state, site_state
+from helpers import assert_same_arrays, assert_same_checkpoints, load_arrays, server_state, site_state
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
@@ -196,3 +196,55 @@ def test_fedsm_parts_that_need_one_sites_arrays_refuse(method, fedsm, why):
         get_algorithm(cfg)
     assert why in str(e.value)
     get_algorithm(_cfg())  # FedSM with SoftPull and the fga selector runs
+
+
+def _deploy_cfg(rounds=2):
+    cfg = _cfg(rounds=rounds)
+    return dataclasses.replace(cfg, params={**cfg.params, "deploy": {"round_deadline_s": 30.0, "max_update_ratio": 0}})
+
+
+def test_deployed_secure_fedsm_equals_simulation_bitwise(tmp_path):
+    """Over the deployment's byte channel (fresh keys, bytes both ways, the sites' own runtimes) secure FedSM
+    ends with the simulation's server state, test Dice and sites' personalized models bitwise: the masks cancel
+    exactly and nothing else depends on the keys."""
+    from fedseg.apps.deploy.server import serve
+    from fedseg.execution.remote.transport import LoopbackChannel
+    from test_deploy import _prepare, _runtimes, _workload
+
+    cfg, data = _deploy_cfg(), tiny_sites(3)
+    _prepare(tmp_path / "dep", cfg, list(data))
+    dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(tmp_path, data)), log=lambda m: None)
+    sim = simulate(cfg, _workload(cfg), tiny_sites(3), out=tmp_path / "sim", **QUIET)
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"]
+    assert dep["deploy"]["dropouts"] == []
+
+
+def test_deployed_site_lost_after_masking_is_left_out_of_the_round(tmp_path):
+    """Deployed, site3's masked training reply of round 2 is lost after it masked: the survivors reveal its mask
+    key, the round's global model is the mean over site1 and site2 and only they pull; the run finishes, and
+    the composite still holds site3's released personalized model."""
+    from fedseg.apps.deploy.server import serve
+    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.execution.remote.wire import decode_reply
+    from test_deploy import _prepare, _runtimes
+
+    seen = {"n": 0}
+
+    def lose_second_masked_train(op, blob):
+        if any(k.startswith(f"secagg/{sm_secure.PERSONAL_SUM}/") for k in decode_reply(blob).arrays):
+            seen["n"] += 1
+            if seen["n"] == 2:
+                raise ConnectionError("site3 went down after masking")
+        return blob
+
+    cfg, data = _deploy_cfg(), tiny_sites(3)
+    _prepare(tmp_path / "dep", cfg, list(data))
+    channel = LoopbackChannel(_runtimes(tmp_path, data), {"site3": lose_second_masked_train})
+    logs: list[str] = []
+    dep = serve(tmp_path / "dep", channel, log=logs.append)
+    assert any(d["site"] == "site3" and d["task"] == "train" for d in dep["deploy"]["dropouts"])
+    assert set(dep["history"][1]["personal_loss"]) == {"site1", "site2"}
+    assert set(dep["history"][0]["personal_loss"]) == {"site1", "site2", "site3"}
+    best = load_arrays(tmp_path / "dep" / "checkpoints" / "best.safetensors")
+    assert any(k.startswith("fedsm/personal/site3/") for k in best)

@@ -136,7 +136,8 @@ def held_candidates(sites: tuple[str, ...] | list[str]) -> list[Candidate]:
 
 def release_round(ctx: ServerContext) -> dict[str, Arrays]:
     """After the last round: each site's best personalized model (``"fedsm_release"``), for the composite."""
-    replies = ctx.ask({s: Task("fedsm_release", {}, {}) for s in ctx.sites}, optional=True)
+    # the site's name in the task: each site's reply has names of its own (personal/<site>/…)
+    replies = ctx.ask({s: Task("fedsm_release", {}, {"site": s}) for s in ctx.sites}, optional=True)
     return {s: strip_prefix(f"personal/{s}", r.arrays) for s, r in replies.items()}
 
 
@@ -180,6 +181,8 @@ def pull(site: Site, task: Task) -> Reply:
 def release(site: Site, task: Task) -> Reply:
     """``"fedsm_release"``: the site's best personalized model by its validation (its current one without
     validation cases), for FedSM's composite."""
+    if task.config.get("site") != site.name:
+        raise PayloadError(f"site {site.name}: asked to release the personalized model of {task.config.get('site')!r}")
     best = strip_prefix(_BEST, site.store)
     arrays = best if best else site.arrays("personal")
     return Reply(arrays=prefixed(f"personal/{site.name}", clone(arrays)), num_samples=site.num_train)
