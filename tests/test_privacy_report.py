@@ -39,15 +39,15 @@ def _results(path):
 
 
 def test_table_shows_epsilon_of_the_dp_run(two_runs):
-    """The DP run's row is its own (``FedAvg (DP sample)``) with the largest ε any site spent, the run without
+    """The DP run's row is its own (``FedAvg (dp=sample)``) with the largest ε any site spent, the run without
     DP shows ∞, and the note states δ and the accountant; a table of runs without DP has no ε column."""
     dp, plain = _results(two_runs / "dp"), _results(two_runs / "plain")
     eps = max(s["epsilon"] for s in dp["privacy"]["sites"].values())
     assert eps > 0 and privacy_of(dp)["epsilon"] == eps and privacy_of(plain) is None
     md = table3([dp, plain])
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| FedAvg")}
-    assert sorted(rows) == ["FedAvg", "FedAvg (DP sample)"]
-    assert rows["FedAvg (DP sample)"].rstrip(" |").endswith(f"{eps:.2f}")
+    assert sorted(rows) == ["FedAvg", "FedAvg (dp=sample)"]
+    assert rows["FedAvg (dp=sample)"].rstrip(" |").endswith(f"{eps:.2f}")
     assert rows["FedAvg"].rstrip(" |").endswith("∞")
     assert "| ε |" in md and "δ = 0.0001, accountant rdp" in md
     assert "ε" not in table3([plain])
@@ -56,7 +56,8 @@ def test_table_shows_epsilon_of_the_dp_run(two_runs):
 
 def test_report_shows_epsilon_per_site(two_runs, tmp_path):
     """The report's Dice table carries the ε column and its privacy section one row per site of the DP run with
-    that site's ε, δ and accountant; a report of runs without DP has no privacy section."""
+    that site's ε, δ and accountant; the DP run is a variant of its own in every section; a report of runs
+    without DP has no privacy section."""
     dp = _results(two_runs / "dp")
     out = build_report(
         [two_runs / "dp", two_runs / "plain"], tmp_path / "r.html", ReportOptions(models=False), progress=False
@@ -67,6 +68,8 @@ def test_report_shows_epsilon_per_site(two_runs, tmp_path):
         row = [r for r in section.split("<tr>") if f"<td>{site}</td>" in r]
         assert len(row) == 1 and f"<td>{s['epsilon']:.3f}</td>" in row[0] and "<td>rdp</td>" in row[0]
     t3 = text.split('<section id="table3">')[1].split("</section>")[0]
-    assert "<th>ε</th>" in t3
+    assert "<th>ε</th>" in t3 and "FedAvg (dp=sample)" in t3
+    headline = text.split('<section id="headline">')[1].split("</section>")[0]
+    assert "FedAvg (dp=sample)" in headline  # its own variant, not a seed of the run without DP
     plain = build_report([two_runs / "plain"], tmp_path / "p.html", ReportOptions(models=False), progress=False)
     assert 'id="privacy"' not in plain.read_text()

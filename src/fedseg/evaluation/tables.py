@@ -31,14 +31,17 @@ def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Table rows of one run: the method's row, plus one row per local model for ``local``.
 
     Each row: ``label``, ``per_site_dice``, ``client_avg_dice``, ``global_dice`` and ``privacy``
-    (:func:`privacy_of`); a DP run's label names its mode (``FedAvg (DP sample)``), so that it is not
+    (:func:`privacy_of`); a DP run's label names its mode (``FedAvg (dp=sample)``), so that it is not
     merged with the same method's runs without DP.
     """
     priv = privacy_of(results)
-    if priv is not None:
-        tag = f" (DP {priv['dp']})"
-        return [{**r, "label": r["label"] + tag, "privacy": priv} for r in _rows(results)]
-    return [{**r, "privacy": None} for r in _rows(results)]
+    if priv is None:
+        return [{**r, "privacy": None} for r in _rows(results)]
+    tag = f"dp={priv['dp']}"  # (a report's variant label may name it already)
+    return [
+        {**r, "label": r["label"] if tag in r["label"] else f"{r['label']} ({tag})", "privacy": priv}
+        for r in _rows(results)
+    ]
 
 
 def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
