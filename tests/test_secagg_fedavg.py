@@ -104,7 +104,8 @@ def test_fedavg_secure_run_matches_plain_run(workload, tmp_path):
     [
         ("autofedavg", {}, "β step"),
         ("cwt", {}, "next site"),
-        ("fedsm", {}, "on its own"),
+        ("fedsm-extra", {}, "selector phase"),
+        ("ditto", {}, "on its own"),
         ("fedavg", {"fedavg": {"aggregation": "median"}}, "fedavg.aggregation = 'median'"),
         ("fedprox", {"fedprox": {"aggregation": "trimmed_mean"}}, "fedprox.aggregation = 'trimmed_mean'"),
     ],

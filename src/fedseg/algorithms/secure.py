@@ -50,6 +50,12 @@ class SecureSum:
     weight: float
     dtypes: dict[str, str] = field(default_factory=dict)
 
+    def weight_of(self, weighting: str) -> float:
+        """Σ_k c_k over the summed sites for a weighting: Σ n_k (``"samples"``) or their number (``"even"``)."""
+        if weighting == "samples":
+            return float(sum(r.num_samples for r in self.replies.values()))
+        return float(len(self.replies))
+
     def mean(self) -> Arrays:
         """Σ c_k x_k / Σ c_k in each tensor's own dtype (integer tensors: the floor of their plain mean,
         e.g. a batch-norm step counter)."""
@@ -63,8 +69,14 @@ class SecureSum:
         return out
 
 
-def secure_ask(ctx: ServerContext, tasks: dict[str, Task], weighting: str) -> SecureSum:
-    """Ask ``tasks`` so that the server learns only the weighted sum of the replies' arrays (see the module)."""
+def secure_ask(
+    ctx: ServerContext, tasks: dict[str, Task], weighting: str, prefix_weighting: dict[str, str] | None = None
+) -> SecureSum:
+    """Ask ``tasks`` so that the server learns only the weighted sum of the replies' arrays (see the module).
+
+    ``prefix_weighting`` ({name prefix: ``"samples"`` or ``"even"``}) weighs the arrays under those
+    prefixes otherwise than ``weighting`` (:func:`fedseg.site.secure.weights_by_name`); their Σ_k c_k is
+    then :meth:`SecureSum.weight_of`, not :attr:`SecureSum.weight`."""
     first = next(iter(tasks.values()))
     rnd = first.config.get("round")
     exchange = f"{first.kind}-r{rnd}-{os.urandom(8).hex()}"
@@ -82,7 +94,14 @@ def secure_ask(ctx: ServerContext, tasks: dict[str, Task], weighting: str) -> Se
         s: Task(
             tasks[s].kind,
             tasks[s].arrays,
-            {**tasks[s].config, "secagg": {**server.input_config(s), "weighting": weighting}},
+            {
+                **tasks[s].config,
+                "secagg": {
+                    **server.input_config(s),
+                    "weighting": weighting,
+                    "prefix_weighting": prefix_weighting or {},
+                },
+            },
         )
         for s in server.masking
     }

@@ -32,6 +32,7 @@ __all__ = [
     "route",
     "routing_accuracy",
     "soft_pull",
+    "soft_pull_from_sum",
     "soft_pull_matrix",
 ]
 
@@ -283,7 +284,9 @@ class SoftPull(PersonalizationBase):
             opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
             g.train()
             metrics["loss"] = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)["loss"]
-        pm = site.load("personal", strip_prefix(f"personal/{site.name}", task.arrays))
+        held = strip_prefix(f"personal/{site.name}", task.arrays)
+        # under secure aggregation the site holds its personalized model (sent once, on the first round)
+        pm = site.load("personal", held) if held else site.model("personal")
         pm.train()
         fit_p = site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
         return PersonalStep({**metrics, "personal_loss": fit_p["loss"], "steps": fit_p["steps"]})
@@ -306,3 +309,26 @@ class SoftPull(PersonalizationBase):
         for s, a in soft_pull(personal, self.params, replied=names).items():
             out.update(prefixed(f"personal/{s}", a))
         return out
+
+
+def soft_pull_from_sum(
+    own: Mapping[str, torch.Tensor], total: Mapping[str, torch.Tensor], k: int, lam: float
+) -> Arrays:
+    """One site's SoftPull (Eq. 11) from the sum of the personalized models alone: with
+    S = Σ_{k'} w_{p,k'} over the K sites that replied (this site's own model included),
+
+        w_{p,k} ← λ w_{p,k} + (1 − λ)/(K − 1) · (S − w_{p,k}),
+
+    which is row k of :func:`soft_pull` because Σ_{k' ≠ k} w_{p,k'} = S − w_{p,k}.  Under secure aggregation
+    the server learns only S and each site forms its own model with this.  Floating tensors are mixed in
+    float64 and cast back; integer tensors and names not in ``total`` are the site's own; K = 1 returns the
+    model unchanged (as :func:`soft_pull`)."""
+    out = clone(own)
+    if k < 2:
+        return out
+    off = (1.0 - lam) / (k - 1)
+    for name, w in own.items():
+        if name in total and w.is_floating_point():
+            w64 = w.double()
+            out[name] = (lam * w64 + off * (total[name].to(w64) - w64)).to(w.dtype)
+    return out

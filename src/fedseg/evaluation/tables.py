@@ -7,7 +7,24 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["mean_sd", "method_rows", "table3", "table5"]
+__all__ = ["mean_sd", "method_rows", "privacy_of", "table3", "table5"]
+
+
+def privacy_of(results: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A DP run's guarantee from ``results["privacy"]``: ``dp``, ``epsilon`` (the largest ε spent by any
+    site: each site holds its own (ε, δ) guarantee and the federation's is its weakest), ``delta``,
+    ``accountant``; None for a run without ``privacy.dp``."""
+    priv = results.get("privacy")
+    if not isinstance(priv, Mapping):
+        return None
+    eps = [s.get("epsilon") for s in (priv.get("sites") or {}).values() if isinstance(s, Mapping)]
+    eps = [float(e) for e in eps if isinstance(e, int | float)]
+    return {
+        "dp": priv.get("dp"),
+        "epsilon": max(eps) if eps else None,
+        "delta": priv.get("delta"),
+        "accountant": priv.get("accountant"),
+    }
 
 
 #: Row keys a table reads: Dice, and the Hausdorff distance (mm) where a run has it.
@@ -21,9 +38,21 @@ def _row_numbers(d: dict[str, Any]) -> dict[str, Any]:
 def method_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Table rows of one run: the method's row, plus one row per local model for ``local``.
 
-    Each row: ``label``, ``per_site_dice``, ``client_avg_dice``, ``global_dice``, and the same for
-    ``hd95`` when the run has it.
+    Each row: ``label``, ``per_site_dice``, ``client_avg_dice``, ``global_dice``, the same for ``hd95``
+    when the run has it, and ``privacy`` (:func:`privacy_of`); a DP run's label names its mode
+    (``FedAvg (dp=sample)``), so that it is not merged with the same method's runs without DP.
     """
+    priv = privacy_of(results)
+    if priv is None:
+        return [{**r, "privacy": None} for r in _rows(results)]
+    tag = f"dp={priv['dp']}"  # (a report's variant label may name it already)
+    return [
+        {**r, "label": r["label"] if tag in r["label"] else f"{r['label']} ({tag})", "privacy": priv}
+        for r in _rows(results)
+    ]
+
+
+def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     method = results["method"]
     if method == "local":
         out = []
@@ -59,12 +88,19 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
         for row in method_rows(res):
             grouped.setdefault(row["label"], []).append(row)
     seeds = sorted({r.get("seed") for r in runs})
-    lines = _metric_table(grouped, sites, "dice", "Dice", 4)
+    private = [p for p in (privacy_of(r) for r in runs) if p is not None]
+    lines = _metric_table(grouped, sites, "dice", "Dice", 4, epsilon=bool(private))
     note = (
         f"\nDice = mean over label channels per case; {len(seeds)} seed(s): {seeds}"
         + (" (mean ± sd)" if len(seeds) > 1 else "")
         + ".\n"
     )
+    if private:
+        guarantees = sorted({(p["delta"], p["accountant"]) for p in private}, key=str)
+        at = "; ".join(
+            f"δ = {d:g}, accountant {a}" if isinstance(d, int | float) else f"accountant {a}" for d, a in guarantees
+        )
+        note += f"ε = the largest ε spent by any site over the run ({at}); ∞ = no differential privacy.\n"
     out = "\n".join(lines) + "\n" + note
     if any("client_avg_hd95" in r for rows in grouped.values() for r in rows):
         out += (
@@ -76,16 +112,36 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
     return out
 
 
-def _metric_table(grouped: Mapping[str, list[dict[str, Any]]], sites: Sequence[str], key: str, title: str, digits: int):
-    header = ["Method", *sites, f"Client Avg {title}", f"Global {title}"]
+def _metric_table(
+    grouped: Mapping[str, list[dict[str, Any]]],
+    sites: Sequence[str],
+    key: str,
+    title: str,
+    digits: int,
+    epsilon: bool = False,
+):
+    header = ["Method", *sites, f"Client Avg {title}", f"Global {title}"] + (["ε"] if epsilon else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, rows in grouped.items():
         cells = [label]
         cells += [mean_sd([r.get(f"per_site_{key}", {}).get(s) for r in rows], digits) for s in sites]
         cells += [mean_sd([r.get(f"client_avg_{key}") for r in rows], digits)]
         cells += [mean_sd([r.get(f"global_{key}") for r in rows], digits)]
+        if epsilon:
+            dp = [r["privacy"] for r in rows if r.get("privacy") is not None]
+            cells.append(_epsilon_cell([p["epsilon"] for p in dp]) if dp else "∞")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _epsilon_cell(values: Sequence[float | None]) -> str:
+    """ε of a row's runs (mean ± sd over seeds), 2 decimals."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.2f}"
+    return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}"
 
 
 def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:

@@ -376,7 +376,11 @@ class Engine:
         if final:
             # e.g. FedSM's composite assembled from its best parts: test (and keep) that one
             for name, cand in final.items():
-                self.best[name] = Best(self.best[name].score, self.best[name].round, cand)
+                # a candidate first formed here (FedSM's composite under secure aggregation) brings its own
+                # validation score and counts as the last round's
+                prev = self.best.get(name)
+                score = prev.score if prev is not None else float(cand.config.get("val_score", float("nan")))
+                self.best[name] = Best(score, prev.round if prev is not None else self.round, cand)
             self.save_checkpoint()
             self.writer.wait()
         per_case, test_metrics = self.test_all()

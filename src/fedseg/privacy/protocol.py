@@ -23,7 +23,7 @@ returns the unmasked sum of the sites whose masked input arrived.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,13 +111,14 @@ class SiteParty:
     def mask(
         self,
         arrays: Mapping[str, torch.Tensor],
-        weight: float,
+        weight: float | Callable[[str], float],
         order: Sequence[str],
         shares: Mapping[str, str],
         fraction_bits: int,
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
-        """Step 3: open the shares sealed for this site, then encode ``weight`` · arrays and mask them with
-        every site of ``order`` (U2).  Returns the masked arrays (``secagg/<name>``, int64), their
+        """Step 3: open the shares sealed for this site, then encode ``weight`` · arrays (a function of the
+        array's name: per-name weights, :func:`fedseg.privacy.secagg.encode`) and mask them with every site
+        of ``order`` (U2).  Returns the masked arrays (``secagg/<name>``, int64), their
         dtypes and the senders whose share did not open (they are not held; the sum still works if
         enough others are)."""
         order = list(order)

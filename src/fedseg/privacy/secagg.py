@@ -132,14 +132,20 @@ def layout_of(arrays: Mapping[str, torch.Tensor]) -> Layout:
 
 
 def encode(
-    arrays: Mapping[str, torch.Tensor], weight: float, fraction_bits: int, num_sites: int, what: str = "arrays"
+    arrays: Mapping[str, torch.Tensor],
+    weight: float | Callable[[str], float],
+    fraction_bits: int,
+    num_sites: int,
+    what: str = "arrays",
 ) -> tuple[np.ndarray, Layout]:
     """``arrays`` as one flat ``uint64`` vector of round(weight · x · 2^fraction_bits) modulo 2^64.
 
-    Floating tensors are scaled by ``weight`` (the site's public weight, e.g. n_k) and 2^fraction_bits and
-    rounded to the nearest integer (error ≤ 1/2 in units of 2^-fraction_bits); integer tensors are taken
-    as they are.  Raises :class:`PayloadError` for a non-finite value or one so large that the sum of
-    ``num_sites`` of them could leave the signed 64-bit range (num_sites · max|weight · x| · 2^f ≥ 2^63).
+    Floating tensors are scaled by ``weight`` (the site's public weight, e.g. n_k; a function of the
+    array's name when one exchange sums arrays under different weights, e.g. FedSM's n_k-weighted global
+    model beside its unweighted personalized models) and 2^fraction_bits and rounded to the nearest
+    integer (error ≤ 1/2 in units of 2^-fraction_bits); integer tensors are taken as they are.  Raises
+    :class:`PayloadError` for a non-finite value or one so large that the sum of ``num_sites`` of them
+    could leave the signed 64-bit range (num_sites · max|weight · x| · 2^f ≥ 2^63).
     """
     layout = layout_of(arrays)
     out = np.empty(layout.size, dtype=_WORD)
@@ -149,7 +155,8 @@ def encode(
         t = arrays[name].detach().to("cpu")
         n = t.numel()
         if t.is_floating_point():
-            x = t.to(torch.float64).numpy().reshape(-1) * (float(weight) * 2.0**fraction_bits)  # 2^f: exact
+            weight_of = weight(name) if callable(weight) else weight
+            x = t.to(torch.float64).numpy().reshape(-1) * (float(weight_of) * 2.0**fraction_bits)  # 2^f: exact
             top = float(np.abs(x).max()) if n else 0.0
             if not np.isfinite(top):  # a NaN or an infinity anywhere makes the maximum one
                 raise PayloadError(
@@ -157,7 +164,7 @@ def encode(
                 )
             if top >= limit:
                 raise PayloadError(
-                    f"{what}: '{name}' reaches |{top / 2.0**fraction_bits / float(weight):.4g}| (× weight {weight:g}); "
+                    f"{what}: '{name}' reaches |{top / 2.0**fraction_bits / float(weight_of):.4g}| (× weight {weight_of:g}); "
                     f"the sum of {num_sites} such values overflows 64-bit fixed point with "
                     f"privacy.secagg_fraction_bits = {fraction_bits}: lower it (e.g. --set privacy.secagg_fraction_bits=24)"
                 )

@@ -138,7 +138,7 @@ class Algorithm:
             raise ConfigError(
                 f"{self.name} cannot run with privacy.secure_aggregation = true: {why}; secure aggregation lets the "
                 "server learn only the sum of the sites' arrays (use --set privacy.secure_aggregation=false, or a "
-                "method whose server only sums: fedavg, fedavg-even, fedprox, fwa, scaffold, fga)"
+                "method whose server only sums: fedavg, fedavg-even, fedprox, fwa, scaffold, fga, fedsm)"
             )
 
     def dp_client_unsupported(self) -> str | None:

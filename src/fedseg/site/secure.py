@@ -11,6 +11,7 @@ mid-exchange has lost its keys and counts as dropped; the others' sum still come
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fedseg.foundation.config import RunConfig
@@ -28,7 +29,7 @@ class Site(Protocol):
     scratch: dict[str, Any]
 
 
-__all__ = ["KINDS", "handle", "mask_reply"]
+__all__ = ["KINDS", "handle", "mask_reply", "weights_by_name"]
 
 KINDS = ("secagg/keys", "secagg/shares", "secagg/reveal")
 """The task kinds of secure aggregation's setup and unmasking steps, answered by every site."""
@@ -68,7 +69,7 @@ def handle(site: Site, task: Task) -> Reply:
 
 def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     """Step 3: the reply with its arrays encoded (× the public weight: its sample count under
-    ``weighting = "samples"``, else 1), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
+    ``weighting = "samples"``, else 1; per name prefix with ``prefix_weighting``, :func:`weights_by_name`), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
     their dtypes and which peers' shares did not open."""
     config = task.config["secagg"]
     party = _party(site, config)
@@ -78,7 +79,26 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
             f"site {site.name}: the server encodes with {config.get('fraction_bits')} fraction bits, this site "
             f"with privacy.secagg_fraction_bits = {bits}; server and sites must run the same config"
         )
-    weight = float(reply.num_samples) if config.get("weighting") == "samples" else 1.0
-    arrays, dtypes, unopened = party.mask(reply.arrays, weight, config.get("order", []), config.get("shares", {}), bits)
+    weights = weights_by_name(config, reply.num_samples)
+    arrays, dtypes, unopened = party.mask(
+        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits
+    )
     metrics = {**reply.metrics, "secagg": {"dtypes": dtypes, "unopened": unopened}}
     return Reply(arrays=arrays, metrics=metrics, num_samples=reply.num_samples)
+
+
+def weights_by_name(config: dict[str, Any], num_samples: int) -> Callable[[str], float]:
+    """The public weight of each array of a masked reply: ``config["prefix_weighting"]`` ({name prefix:
+    ``"samples"`` or ``"even"``}, the first prefix that starts the name) or else ``config["weighting"]``;
+    ``"samples"`` is the site's sample count, ``"even"`` 1.  One exchange then sums, e.g., FedSM's global
+    model weighted by n_k beside the plain sum of its personalized models."""
+    by_prefix = config.get("prefix_weighting") or {}
+    if not isinstance(by_prefix, dict) or any(w not in ("samples", "even") for w in by_prefix.values()):
+        raise PayloadError(f"secure aggregation: prefix_weighting {by_prefix!r} is not {{prefix: 'samples' | 'even'}}")
+    default = config.get("weighting")
+
+    def weight(name: str) -> float:
+        rule = next((w for p, w in by_prefix.items() if name.startswith(p)), default)
+        return float(num_samples) if rule == "samples" else 1.0
+
+    return weight

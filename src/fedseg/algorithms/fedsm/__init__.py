@@ -12,6 +12,10 @@ Training (Alg. 1), every round, every site, on the same batches:
 then the server applies SoftPull (Eq. 11) to the personalized models
 (:func:`fedseg.algorithms.softpull.soft_pull`).
 
+With ``privacy.secure_aggregation = true`` the server learns only the sums: the global model's
+n_k-weighted sum and the personalized models' sum S, from which each site forms its own SoftPull model
+(:mod:`fedseg.algorithms.fedsm.secure`).
+
 Inference (Alg. 2): per image, the selector's softmax; ``max > γ`` → that site's
 personalized model, else the global model (predictor ``"fedsm"``).
 

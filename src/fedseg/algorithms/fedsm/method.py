@@ -20,6 +20,7 @@ from fedseg.algorithms.apfl import APFL
 from fedseg.algorithms.ditto import Ditto
 from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.fedsm import fedaws
+from fedseg.algorithms.fedsm import secure as sm_secure
 from fedseg.algorithms.fedsm import selector as sel_training
 from fedseg.algorithms.fedsm.params import FedSMParams
 from fedseg.algorithms.fedsm.selection import (
@@ -257,9 +258,13 @@ class FedSM(Algorithm):
             arrays = dict(shared)
             if train_models and self.personal.server_holds_personal:
                 # SoftPull: each site trains the personalized model the server holds for it (the other
-                # personalizations keep their state at the site, or start from w_r)
+                # personalizations keep their state at the site, or start from w_r); under secure aggregation
+                # the server holds them only until the first round has sent them
                 arrays.update({k: v for k, v in new.items() if k.startswith(f"personal/{s}/")})
             tasks[s] = Task("train", arrays, dict(base))
+        if self.secure:
+            replied = sm_secure.train_round(self, ctx, tasks, new, rnd, train_models, train_selector)
+            return self._round_metrics(replied)
         replies = ctx.ask(tasks)
         names = [s for s in sites if s in replies]
         if not names:
@@ -277,6 +282,12 @@ class FedSM(Algorithm):
             )
             if self.params.selector_training == "fedaws" and phase == "joint":
                 new.update(self._fedaws_step(ctx, new, replied))
+        return self._round_metrics(replied)
+
+    @staticmethod
+    def _round_metrics(replies: dict[str, Reply]) -> dict[str, Any]:
+        """The round's per-site training metrics from the ``"train"`` replies."""
+        names = list(replies)
         metrics: dict[str, Any] = {}
         for key, mkey in (
             ("train_loss", "loss"),
@@ -289,6 +300,14 @@ class FedSM(Algorithm):
             if any(v is not None for v in vals.values()):
                 metrics[key] = vals
         return metrics
+
+    @property
+    def secure(self) -> bool:
+        """``privacy.secure_aggregation``: the server learns sums only (:mod:`.secure`)."""
+        return self.cfg.privacy.secure_aggregation
+
+    def secure_aggregation_unsupported(self) -> str | None:
+        return sm_secure.unsupported(self)
 
     def _fedaws_step(self, ctx: ServerContext, averaged: Arrays, replied: dict[str, Reply]) -> Arrays:
         """FedAwS's server step on the averaged Eq. 2 selector (:func:`.fedaws.server_step`): each class
@@ -327,6 +346,8 @@ class FedSM(Algorithm):
         (fundus, 320 rounds: the round-200 models instead of round 213's, 0.680 instead of 0.737 test
         Dice of the ensemble's mix; ``docs/results.md``).  Re-validating unchanged weights gives the
         same score, and a tie keeps the earlier round."""
+        if self.secure:  # the personalized models are at their sites: no composite until they are released
+            return [Candidate("global", strip_prefix("global", state)), *sm_secure.held_candidates(ctx.sites)]
         have_selector = any(k.startswith("selector/") for k in state)
         out = []
         if have_selector:
@@ -365,6 +386,14 @@ class FedSM(Algorithm):
         is picked again on validation for the assembled composite.  ``config["assembled"]``
         records the rounds of the parts.
         """
+        if self.secure:
+            return self._final_secure(state, best, best_rounds, ctx)
+        return self._assemble(state, best, best_rounds, ctx)
+
+    def _assemble(
+        self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Candidate]:
+        """:meth:`final_candidates`' composite from ``best``'s parts."""
         comp = best.get("fedsm")
         if comp is None:
             return {}
@@ -398,6 +427,43 @@ class FedSM(Algorithm):
         cand.config["assembled"] = rounds
         cand.arrays = clone(cand.arrays)  # its own tensors (the best candidates keep theirs)
         return {"fedsm": cand}
+
+    def _final_secure(
+        self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Candidate]:
+        """Under secure aggregation: the composite of :meth:`final_candidates` from the best personalized
+        models the sites release now (a site that does not: the best global model in its place, logged),
+        with its validation score (``config["val_score"]``), and those models as the personalized
+        candidates to test."""
+        glob = best["global"].arrays if "global" in best else strip_prefix("global", state)
+        released = sm_secure.release_round(ctx)
+        personal: dict[str, Candidate] = {}
+        for s in ctx.sites:
+            if s not in released:
+                ctx.log(f"{self.name}: site {s} did not release its personalized model; the global model stands in")
+            personal[f"personal/{s}"] = Candidate(
+                f"personal/{s}",
+                released.get(s, clone(glob)),
+                val_sites=(s,),
+                home_site=s,
+                config={"bn_role": "personal"},
+            )
+        arrays = {**prefixed("global", glob), **{k: v for k, v in state.items() if k.startswith("selector/")}}
+        for name, cand in personal.items():
+            arrays.update(prefixed(name, cand.arrays))
+        out = self._assemble(
+            state,
+            {**best, **personal, "fedsm": self.composite(arrays, ctx)},
+            {"fedsm": self.cfg.rounds, **best_rounds},
+            ctx,
+        )
+        cand = out["fedsm"]
+        replies = route_task(
+            ctx.transport, cand, list(ctx.sites), "validation", [cand.config["gamma"]], per_model=False
+        )
+        if sum(r["n"] for r in replies.values()):
+            cand.config["val_score"] = pick_gamma(replies, [cand.config["gamma"]], self.cfg.eval.best_criterion)[1]
+        return {**out, **personal}
 
     selector_criterion = "routing_acc"
     """How :meth:`final_candidates` compares the final and the best earlier selector (:meth:`selector_score`)."""
@@ -435,6 +501,8 @@ class FedSM(Algorithm):
             "route": self._route,
             "selector_step": self._selector_step,
             "global_step": self._global_step,
+            "fedsm_pull": sm_secure.pull,
+            "fedsm_release": sm_secure.release,
         }
 
     def fp16_unsupported(self) -> str | None:
@@ -479,7 +547,7 @@ class FedSM(Algorithm):
             sel, models = load_composite(site, arrays, config, self.selector_factory, "fedsm-eval/")
             return composite_predict(site, sel, models, config.get("mode", "gate"), thresholds(config))
 
-        return {**super().predictors(), "fedsm": make}
+        return {**super().predictors(), "fedsm": make, sm_secure.HELD: sm_secure.held_predictor}
 
     def _train(self, site: Site, task: Task) -> Reply:
         """Site half of a round: the personalization's site step (global and personalized models) and/or
@@ -495,7 +563,9 @@ class FedSM(Algorithm):
             step = self.personal.site_step(site, task)
             if not self.global_by_fga:  # (by fga: trained in the round's "global_step" exchanges)
                 out.update(prefixed("global", site.arrays("global")))
-            out.update(prefixed(f"personal/{site.name}", site.arrays("personal")))
+            # under secure aggregation one name at every site: the server sums them (S, for each site's SoftPull)
+            mine = sm_secure.PERSONAL_SUM if site.cfg.privacy.secure_aggregation else f"personal/{site.name}"
+            out.update(prefixed(mine, site.arrays("personal")))
             out.update(step.extra)
             metrics.update(step.metrics)
             steps = step.metrics["steps"]

@@ -12,8 +12,9 @@ section id             shown when
 =====================  ==============================================================
 ``headline``           always: Client Avg / Global Dice per method with uncertainty,
                        Δ to FedAvg and centralized, best round, test cases per site
-``table3``             always: Dice per site (FedSM Table 3 layout); for volumes,
-                       HD95 (mm) per site below it
+``table3``             always: Dice per site (FedSM Table 3 layout; ε of DP runs); for
+                       volumes, HD95 (mm) per site below it
+``privacy``            a run with ``privacy.dp``: ε per site, δ, accountant, σ, steps
 ``distributions``      per-case Dice stored: box + dot plots per site, Wilcoxon vs FedAvg
 ``table2``             an ``autofedavg`` and a ``fedavg`` run (Auto-FedAvg Table 2 layout)
 ``fedsm``              a FedSM-family run: selector curves, γ, composite vs its models,
@@ -49,6 +50,7 @@ from fedseg.apps.report import model_sections, sections
 from fedseg.apps.report.fedsm_section import fedsm_section
 from fedseg.apps.report.markup import Doc, figure, markdown_html, note
 from fedseg.apps.report.numbers import is_fedsm
+from fedseg.apps.report.privacy_section import privacy_section
 from fedseg.apps.report.runs import DataCache, Run, RunModels, load_runs, variants_of
 from fedseg.foundation.errors import ConfigError
 
@@ -58,6 +60,7 @@ __all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
 SECTIONS = (
     ("headline", "Headline"),
     ("table3", "Dice (and HD95) per site"),
+    ("privacy", "Differential privacy"),
     ("distributions", "Per-case Dice and paired comparisons"),
     ("table2", "Auto-FedAvg comparison (Table 2 layout, Wilcoxon tests)"),
     ("fedsm", "FedSM: model selection"),
@@ -176,6 +179,7 @@ def build_report(
         if step == "tables":
             got["headline"] = sections.headline_section(runs, seed=opts.seed)
             got["table3"] = sections.table3_section(runs)
+            got["privacy"] = privacy_section(runs)
             dist, png = sections.distributions_section(runs)
             got["distributions"] = (
                 figure(

@@ -108,11 +108,17 @@ def run_label(results: dict[str, Any]) -> str:
 
 
 def given_settings(results: dict[str, Any]) -> dict[str, Any]:
-    """The settings a run was given in its method's own config section (``[fedsm]`` for every FedSM variant), from ``results["config"]``."""
+    """The settings a run was given in its method's own config section (``[fedsm]`` for every FedSM variant), from
+    ``results["config"]``, and ``dp`` (``privacy.dp``) for a run with differential privacy (``results["privacy"]``),
+    so that a DP run is never a seed of the same method's run without it."""
     cls = REGISTRY.get(str(results.get("method")))
     section = getattr(cls, "section", None) or str(results.get("method"))
     given = (results.get("config") or {}).get(section)
-    return dict(given) if isinstance(given, dict) else {}
+    out = dict(given) if isinstance(given, dict) else {}
+    priv = results.get("privacy")
+    if isinstance(priv, dict) and priv.get("dp"):
+        out["dp"] = priv["dp"]
+    return out
 
 
 def _setting(v: Any) -> str:
