@@ -8,6 +8,12 @@ all sites in one ``torch.func.vmap`` over ``torch.func.functional_call``, adds e
 gradient and lets its ``after_backward`` edit its row, then steps a stacked, masked Adam or SGD
 (:class:`_StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
 moments into each site's own optimizer state.
+
+Sites of a group need not take the same number of steps (epoch mode with sites of different sizes).  When a
+site's batches end, the group *regroups* (:func:`train_group`): every row is copied back as at the end, and
+the sites still training go on as a stack of their own, one row fewer, from where they were (their batch
+streams, loss sums, weights and moments).  A stacked step therefore computes only the rows of sites that
+still train: a round costs the sites' Σ steps of arithmetic, as sequentially, in max(steps) stacked steps.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ class _Item:
     wrapper: Any  # an optimizer wrapper with ``after_step()`` (SCAFFOLD's corrected step), or None
     params: list[torch.Tensor]  # the model's parameters, in order
     key: tuple  # (role, model signature, optimizer settings, device, precision): who can be stacked together
+
+
+@dataclass
+class _Progress:
+    """Where one site's round stands, carried from stack to stack when its group regroups: its batch stream,
+    its loss sum on the device and its steps taken."""
+
+    batches: Iterator
+    total: torch.Tensor
+    count: int = 0
 
 
 class _FirstStepFailed(Exception):
@@ -80,8 +96,6 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
     try:
         return ex._train_group(items)
     except _FirstStepFailed as e:
-        # the group's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
-        ex._arenas.pop(_arena_key(items), None)
         if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
             half = len(items) // 2
             ex.say(
@@ -96,16 +110,20 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
 
 
 def _arena_key(items: list[_Item]) -> tuple:
-    return (items[0].key, tuple(it.call.site.name for it in items))
+    """A CUDA-graph arena serves every stack of one group key and size (its contents are copied in and out at
+    each stack's start and end): one captured step per stack size."""
+    return (items[0].key, len(items))
 
 
 class _StackedFit:
-    """One group's stacked training state: the flat weights and their ``K × shape`` differentiable blocks
-    (each site's parameters viewing its row while it trains), the stacked buffers, the stacked optimizer,
-    the vmapped loss, and each site's batch stream and loss sum."""
+    """One stack's training state: the flat weights and their ``K × shape`` differentiable blocks (each site's
+    parameters viewing its row while it trains), the stacked buffers, the stacked optimizer, the vmapped
+    loss, and each site's :class:`_Progress` (its batch stream and loss sum, carried over from the stack
+    before it when its group regroups)."""
 
-    def __init__(self, ex: ExecutorState, items: list[_Item]):
+    def __init__(self, ex: ExecutorState, items: list[_Item], progress: list[_Progress]):
         self.items = items
+        self.progress = progress
         self.calls = [it.call for it in items]
         self.models = [it.model for it in items]
         self.k = k = len(items)
@@ -123,7 +141,7 @@ class _StackedFit:
             buffers = {n: torch.stack([b[n] for b in blist]) for n in st.bnames}
         arena: _Arena | None = None
         if ex.cuda_graphs:
-            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers)
+            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers, ex.say)
         self.arena = arena
         with torch.no_grad():
             self.flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
@@ -140,9 +158,6 @@ class _StackedFit:
                 p.data = w.detach()[i]
         self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena)
         self.gbuf = torch.empty_like(self.flat) if arena is None else arena.gbuf
-        self.iters: list[Iterator] = [c.site.batches(c.rnd, c.stream, c.steps) for c in self.calls]
-        self.totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in self.calls]
-        self.counts = [0] * k
         self.active = list(range(k))
 
         def site_loss(
@@ -161,7 +176,7 @@ class _StackedFit:
         """The next batch of every active site (site index → (x, y)); a site whose stream has ended leaves."""
         batch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in list(self.active):
-            b = next(self.iters[i], None)
+            b = next(self.progress[i].batches, None)
             if b is None:
                 self.active.remove(i)
             else:
@@ -199,32 +214,45 @@ class _StackedFit:
             wrapper = self.items[i].wrapper
             if wrapper is not None:
                 wrapper.after_step()  # acts on the site's parameters, i.e. on its row
-            self.totals[i] += losses[i]
-            self.counts[i] += 1
+            self.progress[i].total += losses[i]
+            self.progress[i].count += 1
 
     @torch.no_grad()
     def finish(self, done: bool) -> None:
-        """Every site's parameters back to tensors of their own; when the round completed, the moments too."""
+        """Every site's parameters back to tensors of their own; when the stack's work completed (its round,
+        or its part before a regroup), the moments too."""
         for i, ps in enumerate(self.plist):
             for p, w in zip(ps, self.weights):
                 p.data = w.detach()[i].clone()
         if done:
             self.opt.write_back()
 
-    def results(self) -> list[dict[str, float]]:
-        return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(self.totals, self.counts)]
-
 
 def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
-    """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`."""
-    fit = _StackedFit(ex, items)
+    """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`.
+
+    When some sites' batches have ended, the others regroup: the stack's rows and moments are written back
+    (:meth:`_StackedFit.finish`) and a stack of the sites still training takes their next step, so no step
+    computes a finished site's row."""
+    progress = [
+        _Progress(c.site.batches(c.rnd, c.stream, c.steps), torch.zeros((), dtype=torch.float64, device=c.site.device))
+        for c in (it.call for it in items)
+    ]
+    fit = _StackedFit(ex, items, progress)
     first, done = True, False
     try:
         while batch := fit.next_batches():
+            if len(batch) < fit.k:  # some sites have finished their round: go on without their rows
+                fit.finish(True)
+                rest = sorted(batch)
+                fit = _StackedFit(ex, [fit.items[i] for i in rest], [fit.progress[i] for i in rest])
+                batch = {j: batch[i] for j, i in enumerate(rest)}
             try:
                 losses = fit.step(ex, batch)
             except Exception as e:
                 if first:
+                    # the stack's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
+                    ex._arenas.pop(_arena_key(fit.items), None)
                     raise _FirstStepFailed(e) from e
                 raise
             first = False
@@ -232,8 +260,8 @@ def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]
         done = True
     finally:
         fit.finish(done)
-    ex.vectorized_fits += fit.k
-    return fit.results()
+    ex.vectorized_fits += len(items)
+    return [{"loss": float(p.total) / max(p.count, 1), "steps": p.count} for p in progress]
 
 
 def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
