@@ -261,11 +261,32 @@ class _StackedOptimizer:
         b1, b2 = self.g["betas"]
         self.s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
         sizes, bc2s = adam_factors(self.s, self.g["lr"], b1, b2)
-        factors = (self._factor(sizes), self._factor(bc2s))
         self._decay(grad)
+        if self.flat.device.type == "cpu":
+            self._adam_by_rows(grad, active, sizes, bc2s)
+            return
+        factors = (self._factor(sizes), self._factor(bc2s))
         adam_(
             [self.flat], [grad], [self.m], [self.v], factors=factors, mask=self._mask(active), **self._adam_settings()
         )
+
+    def _adam_by_rows(self, grad: torch.Tensor, active: Sequence[int], sizes: list[float], bc2s: list[float]) -> None:
+        """The Adam step of the ``active`` sites at their own step counts, on the CPU: parameter block by block,
+        each run of consecutive active sites with the same factors one :func:`adam_` call on its rows (contiguous
+        in the block) with the factors as Python floats — torch's single-tensor arithmetic, as at one step count —
+        and the other rows not touched.  Per-element factor and mask tensors would cost a pass over the whole
+        K·P buffer each to build, more than the step itself."""
+        runs: list[tuple[int, int]] = []  # [first, last + 1) of consecutive active sites with equal factors
+        for i in sorted(active):
+            if runs and runs[-1][1] == i and (sizes[i], bc2s[i]) == (sizes[runs[-1][0]], bc2s[runs[-1][0]]):
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        settings = self._adam_settings()
+        for start, n in zip(self.layout.starts, self.layout.sizes):
+            for a, b in runs:
+                sl = slice(start + a * n, start + b * n)
+                adam_([self.flat[sl]], [grad[sl]], [self.m[sl]], [self.v[sl]], factors=(sizes[a], bc2s[a]), **settings)
 
     def _sgd_step(self, grad: torch.Tensor, active: Sequence[int]) -> None:
         for i in active:
