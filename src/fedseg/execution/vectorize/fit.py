@@ -271,27 +271,37 @@ def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls,
     by_shape: dict[tuple, list[int]] = {}
     for i, (x, y) in batch.items():
         by_shape.setdefault((x.shape, x.dtype, y.shape, y.dtype), []).append(i)
-    grads: torch.Tensor | None = None
     losses: dict[int, torch.Tensor] = {}
+    if sum(len(idx) for idx in by_shape.values()) < k:  # a row no batch writes: its gradient is zero
+        gbuf.zero_()
     for idx in by_shape.values():
         if idx == list(range(k)):
-            params, bufs = dict(zip(pnames, weights)), buffers
-        else:  # some sites' batches differ in shape (or their round has ended): a vmap over their rows
+            leaves, bufs = weights, buffers
+        else:  # some sites' batches differ in shape (an epoch's smaller last batch): a vmap over their rows
+            rows: Any = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else None
             sel = torch.tensor(idx, device=weights[0].device)
-            params = {n: w.index_select(0, sel) for n, w in zip(pnames, weights)}
-            bufs = {n: b.index_select(0, sel) for n, b in buffers.items()}
+            # the rows' weights as leaves of their own: the gradient comes back for these rows only
+            leaves = [(w.detach()[rows] if rows is not None else w.detach().index_select(0, sel)) for w in weights]
+            leaves = [t.requires_grad_(True) for t in leaves]
+            bufs = {n: (b[rows] if rows is not None else b.index_select(0, sel)) for n, b in buffers.items()}
         x = torch.stack([batch[i][0] for i in idx])
         y = torch.stack([batch[i][1] for i in idx])
-        out = losses_of(params, bufs, x, y)
-        gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-        parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
-        if grads is None:
-            grads = torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
+        out = losses_of(dict(zip(pnames, leaves)), bufs, x, y)
+        gs = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+        if leaves is weights:
+            parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
+            torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
         else:
-            grads += torch.cat(parts)
+            with torch.no_grad():
+                for blk, gj, leaf in zip(layout.blocks(gbuf), gs, leaves):
+                    gj = torch.zeros_like(leaf) if gj is None else gj
+                    if rows is not None:
+                        blk[rows].copy_(gj)
+                    else:
+                        blk.index_copy_(0, sel, gj)
         for j, i in enumerate(idx):
             losses[i] = out[j].detach()
-    assert grads is not None
+    grads = gbuf
     blocks = layout.blocks(grads) if any(calls[i].extra_loss or calls[i].after_backward for i in batch) else []
     for i in batch:
         c = calls[i]
