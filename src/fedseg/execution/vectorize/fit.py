@@ -121,7 +121,7 @@ class _StackedFit:
     loss, and each site's :class:`_Progress` (its batch stream and loss sum, carried over from the stack
     before it when its group regroups)."""
 
-    def __init__(self, ex: ExecutorState, items: list[_Item], progress: list[_Progress]):
+    def __init__(self, ex: ExecutorState, items: list[_Item], progress: list[_Progress], carry: Any = None):
         self.items = items
         self.progress = progress
         self.calls = [it.call for it in items]
@@ -156,7 +156,7 @@ class _StackedFit:
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
             for p, w in zip(ps, self.weights):
                 p.data = w.detach()[i]
-        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena)
+        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena, carry)
         self.gbuf = torch.empty_like(self.flat) if arena is None else arena.gbuf
         self.active = list(range(k))
 
@@ -217,6 +217,19 @@ class _StackedFit:
             self.progress[i].total += losses[i]
             self.progress[i].count += 1
 
+    def regroup(self, ex: ExecutorState, rest: list[int]) -> _StackedFit:
+        """The sites ``rest`` as a stack of their own, going on from where they are (their rows of the weights
+        and moments, their step counts, batch streams and loss sums); the others' rows written back, as at
+        the end of the round."""
+        gone = [i for i in range(self.k) if i not in rest]
+        with torch.no_grad():
+            for i in gone:
+                for p, w in zip(self.plist[i], self.weights):
+                    p.data = w.detach()[i].clone()
+            self.opt.write_back(gone)
+        # the sites in ``rest`` still view their rows here: the new stack packs its weights from them
+        return _StackedFit(ex, [self.items[i] for i in rest], [self.progress[i] for i in rest], (self.opt, rest))
+
     @torch.no_grad()
     def finish(self, done: bool) -> None:
         """Every site's parameters back to tensors of their own; when the stack's work completed (its round,
@@ -231,9 +244,9 @@ class _StackedFit:
 def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
     """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`.
 
-    When some sites' batches have ended, the others regroup: the stack's rows and moments are written back
-    (:meth:`_StackedFit.finish`) and a stack of the sites still training takes their next step, so no step
-    computes a finished site's row."""
+    When some sites' batches have ended, the others regroup (:meth:`_StackedFit.regroup`): the finished sites'
+    rows and moments are written back and a stack of the sites still training, packed from their rows, takes
+    their next step, so no step computes a finished site's row."""
     progress = [
         _Progress(c.site.batches(c.rnd, c.stream, c.steps), torch.zeros((), dtype=torch.float64, device=c.site.device))
         for c in (it.call for it in items)
@@ -243,9 +256,8 @@ def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]
     try:
         while batch := fit.next_batches():
             if len(batch) < fit.k:  # some sites have finished their round: go on without their rows
-                fit.finish(True)
                 rest = sorted(batch)
-                fit = _StackedFit(ex, [fit.items[i] for i in rest], [fit.progress[i] for i in rest])
+                fit = fit.regroup(ex, rest)
                 batch = {j: batch[i] for j, i in enumerate(rest)}
             try:
                 losses = fit.step(ex, batch)

@@ -133,6 +133,7 @@ class _StackedOptimizer:
         flat: torch.Tensor,
         layout: _Layout,
         arena: StaticBuffers | None = None,
+        carry: tuple[_StackedOptimizer, Sequence[int]] | None = None,
     ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
@@ -147,6 +148,20 @@ class _StackedOptimizer:
             )
 
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+        self.taken = [0] * len(opts)
+        # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
+        self._step: torch.Tensor | None = None if arena is None else arena.step
+        if carry is not None:  # the rows ``rows`` of a larger stack's optimizer, whose sites go on in this one
+            old, rows = carry
+            with torch.no_grad():
+                if self.adam:
+                    self.s = [old.s[i] for i in rows]
+                    self.m = old.rows(old.m, rows, None if arena is None else arena.m)
+                    self.v = old.rows(old.v, rows, None if arena is None else arena.v)
+                else:
+                    self.has = [old.has[i] for i in rows]
+                    self.buf = old.rows(old.buf, rows)
+            return
         with torch.no_grad():
             if self.adam:
                 present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
@@ -158,9 +173,12 @@ class _StackedOptimizer:
                     for o, ps in zip(opts, plist)
                 ]
                 self.buf = stacked("momentum_buffer", self.has)
-        self.taken = [0] * len(opts)
-        # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
-        self._step: torch.Tensor | None = None if arena is None else arena.step
+
+    def rows(self, flat: torch.Tensor, rows: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sites ``rows`` of a flat buffer of this stack's layout, as a flat buffer of a stack of those sites
+        (``out``: into that one)."""
+        blocks = self.layout.blocks(flat)
+        return _Layout(self.plist[0], len(rows)).pack([[b[i] for b in blocks] for i in rows], out=out)
 
     def _adam_settings(self) -> dict:
         g = self.g
@@ -311,15 +329,16 @@ class _StackedOptimizer:
         self.has = [h or i in active for i, h in enumerate(self.has)]
 
     @torch.no_grad()
-    def write_back(self) -> None:
-        """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
+    def write_back(self, sites: Sequence[int] | None = None) -> None:
+        """Each site's (``sites``: those sites') moments into its own optimizer's state (as ``torch.optim`` keeps
+        them)."""
         blocks = (
             {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))}
             if self.adam
             else ({"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
         )
         for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
-            if self.taken[i] == 0:
+            if self.taken[i] == 0 or (sites is not None and i not in sites):
                 continue
             for j, p in enumerate(ps):
                 st = opt.state[p]
