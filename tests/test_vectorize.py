@@ -149,7 +149,7 @@ def test_the_shrinking_stack_of_unequal_sites_is_logged(workload):
         "(sites stacked for steps: 3 for 1, 1 for 1): 2 stacked steps computing 4 site-steps, the arithmetic of "
         "training them one after another"
     ]
-    assert any("on the CPU a stacked step" in m and "simulation.vectorize = off" in m for m in logs)
+    assert any("on the CPU vectorizing gains" in m and "simulation.vectorize = off" in m for m in logs)
     logs.clear()
     build_transport(cfg, workload, tiny_sites(n_train=8, num_sites=1), log=logs.append)
     assert not [m for m in logs if "stacked steps computing" in m]

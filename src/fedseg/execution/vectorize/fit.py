@@ -10,9 +10,9 @@ gradient and lets its ``after_backward`` edit its row, then steps a stacked, mas
 moments into each site's own optimizer state.
 
 Sites of a group need not take the same number of steps (epoch mode with sites of different sizes).  When a
-site's batches end, the group *regroups* (:func:`train_group`): every row is copied back as at the end, and
-the sites still training go on as a stack of their own, one row fewer, from where they were (their batch
-streams, loss sums, weights and moments).  A stacked step therefore computes only the rows of sites that
+site's batches end, the group *regroups* (:func:`train_group`): the finished sites' rows and moments are copied
+back as at the end, and the sites still training go on as a stack of their own without those rows, packed from
+their rows of the larger stack (weights, moments, step counts; their batch streams and loss sums go with them).  A stacked step therefore computes only the rows of sites that
 still train: a round costs the sites' Σ steps of arithmetic, as sequentially, in max(steps) stacked steps.
 """
 
@@ -121,7 +121,13 @@ class _StackedFit:
     loss, and each site's :class:`_Progress` (its batch stream and loss sum, carried over from the stack
     before it when its group regroups)."""
 
-    def __init__(self, ex: ExecutorState, items: list[_Item], progress: list[_Progress], carry: Any = None):
+    def __init__(
+        self,
+        ex: ExecutorState,
+        items: list[_Item],
+        progress: list[_Progress],
+        carry: tuple[_StackedOptimizer, list[int]] | None = None,
+    ):
         self.items = items
         self.progress = progress
         self.calls = [it.call for it in items]
