@@ -51,7 +51,8 @@ class _Arena:
 
     def load_batch(self, batch: dict[int, tuple[torch.Tensor, torch.Tensor]], k: int) -> bool:
         """Copy the active sites' batches (``batch``: site index → (x, y)) into their rows of the static batch;
-        a finished site's row keeps its last batch (its step is computed and masked away).  False, and nothing
+        a row without a batch keeps its last one (its step is computed and masked away; the stacks of a group that
+        regroups as its sites finish have no such row).  False, and nothing
         copied, when a batch's shape or dtype is not the static one's, or before every site has filled its row."""
         xs, ys = [b[0] for b in batch.values()], [b[1] for b in batch.values()]
         if self.x is None:

@@ -156,11 +156,11 @@ class _StackedOptimizer:
             with torch.no_grad():
                 if self.adam:
                     self.s = [old.s[i] for i in rows]
-                    self.m = old.rows(old.m, rows, None if arena is None else arena.m)
-                    self.v = old.rows(old.v, rows, None if arena is None else arena.v)
+                    self.m = old.rows(old.m, rows, layout, None if arena is None else arena.m)
+                    self.v = old.rows(old.v, rows, layout, None if arena is None else arena.v)
                 else:
                     self.has = [old.has[i] for i in rows]
-                    self.buf = old.rows(old.buf, rows)
+                    self.buf = old.rows(old.buf, rows, layout)
             return
         with torch.no_grad():
             if self.adam:
@@ -174,11 +174,13 @@ class _StackedOptimizer:
                 ]
                 self.buf = stacked("momentum_buffer", self.has)
 
-    def rows(self, flat: torch.Tensor, rows: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The sites ``rows`` of a flat buffer of this stack's layout, as a flat buffer of a stack of those sites
-        (``out``: into that one)."""
+    def rows(
+        self, flat: torch.Tensor, rows: Sequence[int], layout: _Layout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The sites ``rows`` of a flat buffer of this stack's layout, as a flat buffer of ``layout``, a stack of
+        those sites (``out``: into that one)."""
         blocks = self.layout.blocks(flat)
-        return _Layout(self.plist[0], len(rows)).pack([[b[i] for b in blocks] for i in rows], out=out)
+        return layout.pack([[b[i] for b in blocks] for i in rows], out=out)
 
     def _adam_settings(self) -> dict:
         g = self.g
