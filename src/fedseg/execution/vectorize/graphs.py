@@ -52,8 +52,8 @@ class _Arena:
     def load_batch(self, batch: dict[int, tuple[torch.Tensor, torch.Tensor]], k: int) -> bool:
         """Copy the active sites' batches (``batch``: site index → (x, y)) into their rows of the static batch;
         a row without a batch keeps its last one (its step is computed and masked away; the stacks of a group that
-        regroups as its sites finish have no such row).  False, and nothing
-        copied, when a batch's shape or dtype is not the static one's, or before every site has filled its row."""
+        regroups as its sites finish have no such row).  False, and nothing copied, when a batch's shape or dtype
+        is not the static one's, or before every site has filled its row."""
         xs, ys = [b[0] for b in batch.values()], [b[1] for b in batch.values()]
         if self.x is None:
             if len(batch) != k or any(x.shape != xs[0].shape for x in xs) or any(y.shape != ys[0].shape for y in ys):
@@ -120,8 +120,9 @@ def graph_step(
 ):
     """One local step of the stack from the arena's static batch: every row is computed (a site that is not
     ``active`` on its last batch, which a stack that regroups as its sites finish never has) and the step is
-    ``"fused"`` (every site active at one Adam step count: torch's fused Adam kernel) or ``"masked"`` (the others:
-    sites at different step counts, :meth:`_StackedOptimizer.masked_kernels`, inactive rows unchanged).  Each variant runs eagerly on a side stream for its first :data:`GRAPH_WARMUP_STEPS` steps,
+    ``"fused"`` (every site active at one Adam step count: torch's fused Adam kernel) or ``"masked"`` (the
+    others: sites at different step counts, :meth:`_StackedOptimizer.masked_kernels`, inactive rows
+    unchanged).  Each variant runs eagerly on a side stream for its first :data:`GRAPH_WARMUP_STEPS` steps,
     then is captured once as a CUDA graph and replayed.  Returns the per-site losses (the arena's tensor,
     rewritten by the next step), or None when a capture failed (nothing was computed: the caller takes the
     step eagerly, and the group stays eager)."""
