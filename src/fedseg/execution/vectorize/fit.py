@@ -146,7 +146,9 @@ class _StackedFit:
         with torch.no_grad():
             buffers = {n: torch.stack([b[n] for b in blist]) for n in st.bnames}
         arena: _Arena | None = None
-        if ex.cuda_graphs:
+        # the CPU keeps a stack's buffers across rounds too (:func:`arena_for`); only CUDA captures its step
+        self.capture = ex.cuda_graphs and dev.type == "cuda"
+        if self.capture or dev.type == "cpu":
             arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers, ex.say)
         self.arena = arena
         with torch.no_grad():
@@ -169,7 +171,7 @@ class _StackedFit:
         def site_loss(
             params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
         ) -> torch.Tensor:
-            with autocast(dev, precision, cache=arena is None):
+            with autocast(dev, precision, cache=not self.capture):
                 return loss_fn(functional_call(template, (params, bufs), (x,), tie_weights=tied), y)
 
         self.losses_of = vmap(site_loss, randomness="error")
@@ -193,7 +195,13 @@ class _StackedFit:
         """One local step of the sites in ``batch``: the captured step where it applies, else the eager one
         (:func:`stacked_gradients` and :meth:`_StackedOptimizer.step`); returns the per-site losses."""
         arena = self.arena
-        if arena is not None and self.hookless and arena.failed is None and arena.load_batch(batch, self.k):
+        if (
+            arena is not None
+            and self.capture
+            and self.hookless
+            and arena.failed is None
+            and arena.load_batch(batch, self.k)
+        ):
             variant = "fused" if self.opt.fused_ready(list(batch)) else "masked"
             role = self.calls[0].role
             losses = graph_step(arena, self.opt, self.losses_of, self.pnames, role, variant, list(batch), ex.say)

@@ -89,10 +89,15 @@ def arena_for(
     buffers: dict[str, torch.Tensor],
     say: Callable[[str], None] = print,
 ) -> _Arena | None:
-    """The stack's :class:`_Arena` (``key``: its group key and size) on CUDA for a plain Adam (made at its
-    first fit, kept in ``arenas`` across rounds, at most :data:`_MAX_ARENAS`), None on the CPU or for SGD, and
-    None (the stack steps eagerly, said once) when its buffers do not fit in memory."""
-    if device.type != "cuda" or type(opt) is not torch.optim.Adam:
+    """The stack's :class:`_Arena` (``key``: its group key and size) for a plain Adam (made at its first fit,
+    kept in ``arenas`` across rounds, at most :data:`_MAX_ARENAS`), None for SGD, and None (the stack steps
+    eagerly, said once) when its buffers do not fit in memory.
+
+    On CUDA its step is captured (:func:`graph_step`).  On the CPU it only keeps the stack's buffers: a buffer
+    of over 32 MB (the weights, moments and gradient of 5 sites of the default U-Net) is allocated by glibc
+    as fresh pages from the kernel and freed back to it, so a stack that allocated its buffers anew every
+    round would fault in every page of them every round."""
+    if device.type not in ("cuda", "cpu") or type(opt) is not torch.optim.Adam:
         return None
     arena = arenas.pop(key, None)
     if arena is None:
@@ -100,7 +105,9 @@ def arena_for(
             arenas.pop(next(iter(arenas)))
         pool = next((a.pool for a in arenas.values() if a.flat.device == device), None)
         try:
-            arena = _Arena(layout, like, buffers, torch.cuda.graph_pool_handle() if pool is None else pool)
+            if device.type == "cuda" and pool is None:
+                pool = torch.cuda.graph_pool_handle()
+            arena = _Arena(layout, like, buffers, pool)
         except torch.OutOfMemoryError:
             say(f"a stack of {layout.k} sites has no memory for a captured step's buffers; it steps eagerly")
             return None
