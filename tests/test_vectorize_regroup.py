@@ -172,6 +172,34 @@ def test_the_same_seed_gives_the_same_weights(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
 
+@pytest.mark.parametrize("method", ["fedavg", "fedsm"])
+def test_buffers_kept_across_rounds_on_the_cpu_give_bitwise_the_same_run(tmp_path, monkeypatch, method):
+    """On the CPU a stack whose buffers reach ``_CPU_KEEP_BYTES`` keeps them across rounds (an arena per role and
+    stack size, never captured); with the threshold at 0 every stack of the tiny model does.  The run is
+    bitwise the run that allocates its buffers anew (the same operations on other memory), and one arena
+    exists per role and stack size the rounds passed through (4, 2 and 1 sites)."""
+    from fedseg.algorithms import get_algorithm
+    from fedseg.execution.engine import Engine
+    from fedseg.execution.vectorize import graphs
+
+    def run(name: str):
+        cfg = _cfg(method, "on")
+        wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+        algorithm = get_algorithm(cfg)
+        transport = build_transport(cfg, wl, _sites(), algorithm, log=lambda m: None)
+        Engine(cfg, algorithm, transport, wl, out=tmp_path / name, progress=False, log=lambda m: None).run()
+        return transport.vectorized
+
+    assert not run("fresh")._arenas  # the tiny model's buffers are far below the threshold
+    monkeypatch.setattr(graphs, "_CPU_KEEP_BYTES", 0)
+    ex = run("kept")
+    roles = {"fedavg": {"global"}, "fedsm": {"global", "personal"}}[method]
+    assert {(key[0], size) for key, size in ex._arenas} == {(r, k) for r in roles for k in (4, 2, 1)}
+    assert all(not a.graphs and a.pool is None for a in ex._arenas.values())  # nothing captured on the CPU
+    a, b = _states(tmp_path / "fresh"), _states(tmp_path / "kept")
+    assert a.keys() == b.keys() and all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
+
+
 @pytest.mark.gpu
 def test_gpu_one_captured_step_per_stack_size(tmp_path):
     """On CUDA with CUDA graphs, epoch mode with 6, 8 and 10 cases at batch 2 (3, 4 and 5 steps a round): the

@@ -14,6 +14,11 @@ from fedseg.execution.vectorize.optimizer import _StackedOptimizer
 GRAPH_WARMUP_STEPS = 2
 """Eager steps a group takes (on a side stream, as CUDA graph capture asks) before its step is captured."""
 
+_CPU_KEEP_BYTES = 32 << 20
+"""On the CPU, a stack keeps its buffers across rounds when one of them is at least this large: glibc's largest
+mmap threshold on 64-bit Linux (``DEFAULT_MMAP_THRESHOLD_MAX``), above which every allocation is fresh pages
+from the kernel, returned to it when freed; smaller buffers are reused from the heap."""
+
 _MAX_ARENAS = 16
 """Arenas kept (each holds its stack's buffers and its captured steps): one per role and stack size, so a group
 that regroups as its sites finish (epoch mode, sites of different sizes) keeps one per size it passes through;
@@ -93,11 +98,13 @@ def arena_for(
     kept in ``arenas`` across rounds, at most :data:`_MAX_ARENAS`), None for SGD, and None (the stack steps
     eagerly, said once) when its buffers do not fit in memory.
 
-    On CUDA its step is captured (:func:`graph_step`).  On the CPU it only keeps the stack's buffers: a buffer
-    of over 32 MB (the weights, moments and gradient of 5 sites of the default U-Net) is allocated by glibc
-    as fresh pages from the kernel and freed back to it, so a stack that allocated its buffers anew every
-    round would fault in every page of them every round."""
+    On CUDA its step is captured (:func:`graph_step`).  On the CPU it only keeps the stack's buffers, and only
+    when they are of :data:`_CPU_KEEP_BYTES` or more (the weights of 5 sites of the default U-Net): glibc
+    allocates such a buffer as fresh pages from the kernel and frees it back, so a stack that allocated them
+    anew every round would fault in every page of them every round (a quarter of a round at 64²)."""
     if device.type not in ("cuda", "cpu") or type(opt) is not torch.optim.Adam:
+        return None
+    if device.type == "cpu" and layout.numel * like.element_size() < _CPU_KEEP_BYTES:
         return None
     arena = arenas.pop(key, None)
     if arena is None:
