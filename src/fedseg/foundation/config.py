@@ -207,7 +207,7 @@ class SimulationConfig:
     """
 
     vectorize: Literal["auto", "on", "off"] = "auto"
-    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise; sites that finish their round early leave the stack, so no step computes a finished site); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU. On the CPU 'on' is faster only for small models and images (up to 2x at 32² with a U-Net of 8…64 channels); with the default U-Net at 64² a stacked step costs what the sites' steps cost in turn, and packing the weights and moments each round makes rounds of few steps slower than 'off' (6 sites: 1.04x at 100 steps a round, 0.77x at 10)."""
+    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise; sites that finish their round early leave the stack, so no step computes a finished site); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU. On the CPU 'on' is faster only for small models and images (up to 2x at 32² with a U-Net of 8…64 channels); with the default U-Net at 64² a stacked step costs what the sites' steps cost in turn, and packing the weights and moments each round makes rounds of few steps slower than 'off' (6 sites: about 1.0x at 100 steps a round, 0.85-0.9x at 10)."""
     vectorize_group: int = 0
     """Most sites stacked into one vectorized computation; 0 = as many as fit in free GPU memory on CUDA (all sites on the CPU); on CUDA a group that does not fit at its first step is split in halves."""
     cuda_graphs: Literal["on", "off"] = "on"

@@ -78,8 +78,8 @@ def _say_vectorized(steps: list[int], device: torch.device, log: Callable[[str],
             "and images: up to 2x at 32² with channels 8…64); where the arithmetic dominates (the default U-Net at 64²) "
             "a stacked step costs about what the sites' steps cost one after another, and packing every site's "
             "weights and Adam moments into the stack and back each round makes short rounds slower (6 sites at "
-            "64²: 1.04x with 100 steps a round, 0.77x with 10); simulation.vectorize = off trains the sites one "
-            "after another"
+            "64²: about 1.0x with 100 steps a round, 0.85-0.9x with 10); simulation.vectorize = off trains the "
+            "sites one after another"
         )
 
 

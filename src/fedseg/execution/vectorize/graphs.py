@@ -101,7 +101,7 @@ def arena_for(
     On CUDA its step is captured (:func:`graph_step`).  On the CPU it only keeps the stack's buffers, and only
     when they are of :data:`_CPU_KEEP_BYTES` or more (the weights of 5 sites of the default U-Net): glibc
     allocates such a buffer as fresh pages from the kernel and frees it back, so a stack that allocated them
-    anew every round would fault in every page of them every round (a quarter of a round at 64²)."""
+    anew every round would fault in every page of them every round (about a tenth of a round at 64²)."""
     if device.type not in ("cuda", "cpu") or type(opt) is not torch.optim.Adam:
         return None
     if device.type == "cpu" and layout.numel * like.element_size() < _CPU_KEEP_BYTES:
