@@ -1,9 +1,10 @@
 """Vectorized vs sequential simulation: seconds per round and peak memory for K sites.
 
-K in-memory sites of random images (``--cases`` training cases each, 3 channels, 2 labels), the
-MONAI U-Net (``--channels``, default the FedSM reference's 16…256), Adam, batch ``--batch-size``,
-``--local-steps`` local steps per round (FGA: lockstep steps; FedSM's default ``fga`` selector: as many
-selector steps), validation only after the last round.  Each run —
+K in-memory sites of random images (``--cases`` training cases each, or per site: ``fundus@0.1`` gives the
+fundus preset's unequal sites; 3 channels, 2 labels), the MONAI U-Net (``--channels``, default the FedSM
+reference's 16…256), Adam, batch ``--batch-size``, ``--local-steps`` local steps per round, or
+``--local-epochs`` passes over each site's cases (epoch mode: unequal sites take unequal steps) (FGA: lockstep
+steps; FedSM's default ``fga`` selector: as many selector steps), validation only after the last round.  Each run —
 (size, method, K, simulation.vectorize) — is a fresh subprocess, so that its peak memory is its
 own: peak resident memory of the process on the CPU (``ru_maxrss``, which includes the Python
 interpreter and torch, ~0.3–0.5 GB), ``torch.cuda.max_memory_allocated`` on CUDA.
@@ -19,6 +20,8 @@ Goals: on the CPU ≥ 2× faster at 32² with 6 sites; on a GPU a 6-site round a
 
     .venv/bin/python benchmarks/vectorize.py --device cpu --sizes 32 --channels 8,16,32,64 --sites 2,6   # CPU, small
     .venv/bin/python benchmarks/vectorize.py --device cuda --sizes 64,128,256 --sites 1,2,6,12,24         # GPU
+    .venv/bin/python benchmarks/vectorize.py --device cpu --threads 1 --sizes 64 --sites 6 --methods fedavg \
+        --cases fundus@0.1 --local-epochs 1                                  # unequal sites, epoch mode
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def one(args: argparse.Namespace) -> dict:
         x = torch.rand(n, 3, args.size, args.size, generator=g)
         return TensorDataset(x, (x[:, :2] > 0.5).float())
 
-    data = {f"site{k + 1}": SiteData(split(args.cases), split(2), split(2)) for k in range(args.k)}
+    cases = site_cases(args.cases, args.k)
+    data = {f"site{k + 1}": SiteData(split(cases[k]), split(2), split(2)) for k in range(args.k)}
     model = (
         ModelConfig()
         if not args.channels
@@ -72,7 +76,11 @@ def one(args: argparse.Namespace) -> dict:
         checkpoint_every=args.rounds,
         deterministic=not args.nondeterministic,
         model=model,
-        train=TrainConfig(batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None),
+        train=TrainConfig(
+            batch_size=args.batch_size,
+            local_steps=None if args.local_epochs else args.local_steps,
+            local_epochs=args.local_epochs,
+        ),
         eval=EvalConfig(every=args.rounds),
         simulation=SimulationConfig(vectorize=args.vectorize, vectorize_group=args.group, cuda_graphs=args.cuda_graphs),
     )
@@ -136,6 +144,24 @@ def one(args: argparse.Namespace) -> dict:
     }
 
 
+def site_cases(spec: str, k: int) -> list[int]:
+    """Training cases of each of ``k`` sites from ``--cases``: one number for every site, a comma list (its first
+    ``k`` entries), or ``PRESET@SCALE`` (a synthetic preset's training-set sizes at that scale, e.g. ``fundus@0.1``:
+    5, 10, 5, 23, 8 and 40 cases — sites of unequal size)."""
+    if "@" in spec:
+        from fedseg.data.synth import split_sizes
+
+        preset, scale = spec.split("@")
+        cases = [train for train, _, _ in split_sizes(preset, float(scale))]
+    else:
+        cases = [int(c) for c in spec.split(",")]
+    if len(cases) == 1:
+        return cases * k
+    if len(cases) < k:
+        raise SystemExit(f"--cases {spec} gives {len(cases)} sites' sizes, fewer than K = {k}")
+    return cases[:k]
+
+
 def _profiled(run, device: torch.device, path: Path) -> None:
     """``run()`` under torch.profiler; writes the operators by self time on the device and on the host,
     and the device's busy time (the sum of kernel times) against the wall time, to ``path``."""
@@ -170,7 +196,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help=">= 3: warm-up, measured rounds, last with validation")
     ap.add_argument("--local-steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--cases", type=int, default=8, help="training cases per site")
+    ap.add_argument(
+        "--cases",
+        default="8",
+        help="training cases per site: N, a comma list per site, or PRESET@SCALE (e.g. fundus@0.1: unequal sites)",
+    )
+    ap.add_argument(
+        "--local-epochs",
+        type=float,
+        default=None,
+        help="epoch mode (train.local_epochs) instead of --local-steps: unequal sites take unequal steps",
+    )
     ap.add_argument("--group", type=int, default=0, help="simulation.vectorize_group")
     ap.add_argument(
         "--cuda-graphs", default="on", choices=("on", "off"), help="simulation.cuda_graphs (CUDA, vectorized runs)"
@@ -247,7 +283,9 @@ def main() -> None:
     machine = f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads"
     mem = "peak GPU GiB (allocated)" if device.type == "cuda" else "peak RSS GiB"
     md = [
-        f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.local_steps} local steps, {args.cases} cases/site, "
+        f"U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, "
+        + (f"{args.local_epochs:g} local epochs" if args.local_epochs else f"{args.local_steps} local steps")
+        + f", {args.cases} cases/site, "
         f"{args.rounds} rounds, group {args.group or 'all'}"
         + (f", CUDA graphs {args.cuda_graphs}" if device.type == "cuda" else "")
         + f"; {machine}",

@@ -11,18 +11,19 @@ own result.  A handler that calls ``fit`` twice (Ditto's global and personal mod
 
 Trained together means: the K models' parameters are stacked into one flat buffer (:mod:`.layout`), each
 site's parameters view its rows while it trains, the loss of all sites runs in one ``torch.func.vmap`` and a
-stacked, masked Adam or SGD steps them (:mod:`.optimizer`): a site whose round has ended keeps its
-parameters and optimizer state unchanged, exactly.  At the end the rows are copied back into each site's own
-model and the moments into its own optimizer state, so checkpoints, resume and results are those of a
-sequential run to rounding (the arithmetic is the same, not bitwise the same kernels).
+stacked Adam or SGD steps them (:mod:`.optimizer`, per-site step counts).  When a site's round ends before the
+others' (epoch mode, sites of different sizes), its rows are written back and the others go on as a smaller
+stack (:func:`.fit.train_group`): no step computes a finished site's row.  At the end the rows are copied back
+into each site's own model and the moments into its own optimizer state, so checkpoints, resume and results are
+those of a sequential run to rounding (the arithmetic is the same, not bitwise the same kernels).
 
 Lockstep steps (:mod:`.lockstep`: FGA, FedSM's ``"fga"`` selector, pFedMe's inner steps, Per-FedAvg's meta
 step, APFL) park in :meth:`Site.gradient` and :meth:`Site.step_with_gradient` the same way: the gradients of
 sites with the same model and loss are one ``vmap``, their Adam steps one fused Adam call.
 
 On CUDA (``simulation.cuda_graphs = "on"``) a stacked fit group without per-site hooks keeps its buffers
-across rounds and its local step is captured once as a CUDA graph and replayed (:mod:`.graphs`).  How many
-sites are stacked at once follows the free memory (:mod:`.memory`).
+across rounds and its local step is captured once as a CUDA graph and replayed (:mod:`.graphs`; one per stack
+size).  How many sites are stacked at once follows the free memory (:mod:`.memory`).
 
 A call that cannot be stacked runs sequentially, in its own thread, and the reason is logged once
 (:mod:`.eligibility`): fp16 loss scaling, an optimizer other than plain Adam/SGD over exactly the model's

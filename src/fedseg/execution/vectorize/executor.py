@@ -56,7 +56,7 @@ class VectorizedExecutor:
         self.group_size = group_size
         self.log = log
         self.cuda_graphs = cuda_graphs
-        self._arenas: dict[tuple, _Arena] = {}  # by group key and sites, least recently used first
+        self._arenas: dict[tuple, _Arena] = {}  # by group key and stack size, least recently used first
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""

@@ -8,6 +8,12 @@ all sites in one ``torch.func.vmap`` over ``torch.func.functional_call``, adds e
 gradient and lets its ``after_backward`` edit its row, then steps a stacked, masked Adam or SGD
 (:class:`_StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
 moments into each site's own optimizer state.
+
+Sites of a group need not take the same number of steps (epoch mode with sites of different sizes).  When a
+site's batches end, the group *regroups* (:func:`train_group`): the finished sites' rows and moments are copied
+back as at the end, and the sites still training go on as a stack of their own without those rows, packed from
+their rows of the larger stack (weights, moments, step counts; their batch streams and loss sums go with them).  A stacked step therefore computes only the rows of sites that
+still train: a round costs the sites' Σ steps of arithmetic, as sequentially, in max(steps) stacked steps.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ class _Item:
     wrapper: Any  # an optimizer wrapper with ``after_step()`` (SCAFFOLD's corrected step), or None
     params: list[torch.Tensor]  # the model's parameters, in order
     key: tuple  # (role, model signature, optimizer settings, device, precision): who can be stacked together
+
+
+@dataclass
+class _Progress:
+    """Where one site's round stands, carried from stack to stack when its group regroups: its batch stream,
+    its loss sum on the device and its steps taken."""
+
+    batches: Iterator
+    total: torch.Tensor
+    count: int = 0
 
 
 class _FirstStepFailed(Exception):
@@ -80,8 +96,6 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
     try:
         return ex._train_group(items)
     except _FirstStepFailed as e:
-        # the group's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
-        ex._arenas.pop(_arena_key(items), None)
         if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
             half = len(items) // 2
             ex.say(
@@ -96,16 +110,26 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
 
 
 def _arena_key(items: list[_Item]) -> tuple:
-    return (items[0].key, tuple(it.call.site.name for it in items))
+    """A CUDA-graph arena serves every stack of one group key and size (its contents are copied in and out at
+    each stack's start and end): one captured step per stack size."""
+    return (items[0].key, len(items))
 
 
 class _StackedFit:
-    """One group's stacked training state: the flat weights and their ``K × shape`` differentiable blocks
-    (each site's parameters viewing its row while it trains), the stacked buffers, the stacked optimizer,
-    the vmapped loss, and each site's batch stream and loss sum."""
+    """One stack's training state: the flat weights and their ``K × shape`` differentiable blocks (each site's
+    parameters viewing its row while it trains), the stacked buffers, the stacked optimizer, the vmapped
+    loss, and each site's :class:`_Progress` (its batch stream and loss sum, carried over from the stack
+    before it when its group regroups)."""
 
-    def __init__(self, ex: ExecutorState, items: list[_Item]):
+    def __init__(
+        self,
+        ex: ExecutorState,
+        items: list[_Item],
+        progress: list[_Progress],
+        carry: tuple[_StackedOptimizer, list[int]] | None = None,
+    ):
         self.items = items
+        self.progress = progress
         self.calls = [it.call for it in items]
         self.models = [it.model for it in items]
         self.k = k = len(items)
@@ -122,8 +146,10 @@ class _StackedFit:
         with torch.no_grad():
             buffers = {n: torch.stack([b[n] for b in blist]) for n in st.bnames}
         arena: _Arena | None = None
-        if ex.cuda_graphs:
-            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers)
+        # the CPU keeps a stack's buffers across rounds too (:func:`arena_for`); only CUDA captures its step
+        self.capture = ex.cuda_graphs and dev.type == "cuda"
+        if self.capture or dev.type == "cpu":
+            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers, ex.say)
         self.arena = arena
         with torch.no_grad():
             self.flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
@@ -138,17 +164,14 @@ class _StackedFit:
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
             for p, w in zip(ps, self.weights):
                 p.data = w.detach()[i]
-        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena)
+        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena, carry)
         self.gbuf = torch.empty_like(self.flat) if arena is None else arena.gbuf
-        self.iters: list[Iterator] = [c.site.batches(c.rnd, c.stream, c.steps) for c in self.calls]
-        self.totals = [torch.zeros((), dtype=torch.float64, device=dev) for _ in self.calls]
-        self.counts = [0] * k
         self.active = list(range(k))
 
         def site_loss(
             params: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
         ) -> torch.Tensor:
-            with autocast(dev, precision, cache=arena is None):
+            with autocast(dev, precision, cache=not self.capture):
                 return loss_fn(functional_call(template, (params, bufs), (x,), tie_weights=tied), y)
 
         self.losses_of = vmap(site_loss, randomness="error")
@@ -161,7 +184,7 @@ class _StackedFit:
         """The next batch of every active site (site index → (x, y)); a site whose stream has ended leaves."""
         batch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in list(self.active):
-            b = next(self.iters[i], None)
+            b = next(self.progress[i].batches, None)
             if b is None:
                 self.active.remove(i)
             else:
@@ -172,7 +195,13 @@ class _StackedFit:
         """One local step of the sites in ``batch``: the captured step where it applies, else the eager one
         (:func:`stacked_gradients` and :meth:`_StackedOptimizer.step`); returns the per-site losses."""
         arena = self.arena
-        if arena is not None and self.hookless and arena.failed is None and arena.load_batch(batch, self.k):
+        if (
+            arena is not None
+            and self.capture
+            and self.hookless
+            and arena.failed is None
+            and arena.load_batch(batch, self.k)
+        ):
             variant = "fused" if self.opt.fused_ready(list(batch)) else "masked"
             role = self.calls[0].role
             losses = graph_step(arena, self.opt, self.losses_of, self.pnames, role, variant, list(batch), ex.say)
@@ -199,32 +228,57 @@ class _StackedFit:
             wrapper = self.items[i].wrapper
             if wrapper is not None:
                 wrapper.after_step()  # acts on the site's parameters, i.e. on its row
-            self.totals[i] += losses[i]
-            self.counts[i] += 1
+            self.progress[i].total += losses[i]
+            self.progress[i].count += 1
+
+    def regroup(self, ex: ExecutorState, rest: list[int]) -> _StackedFit:
+        """The sites ``rest`` as a stack of their own, going on from where they are (their rows of the weights
+        and moments, their step counts, batch streams and loss sums); the others' rows written back, as at
+        the end of the round."""
+        gone = [i for i in range(self.k) if i not in rest]
+        with torch.no_grad():
+            for i in gone:
+                for p, w in zip(self.plist[i], self.weights):
+                    p.data = w.detach()[i].clone()
+            self.opt.write_back(gone)
+        # the sites in ``rest`` still view their rows here: the new stack packs its weights from them
+        return _StackedFit(ex, [self.items[i] for i in rest], [self.progress[i] for i in rest], (self.opt, rest))
 
     @torch.no_grad()
     def finish(self, done: bool) -> None:
-        """Every site's parameters back to tensors of their own; when the round completed, the moments too."""
+        """Every site's parameters back to tensors of their own; when the stack's work completed (its round,
+        or its part before a regroup), the moments too."""
         for i, ps in enumerate(self.plist):
             for p, w in zip(ps, self.weights):
                 p.data = w.detach()[i].clone()
         if done:
             self.opt.write_back()
 
-    def results(self) -> list[dict[str, float]]:
-        return [{"loss": float(t) / max(n, 1), "steps": n} for t, n in zip(self.totals, self.counts)]
-
 
 def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
-    """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`."""
-    fit = _StackedFit(ex, items)
+    """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`.
+
+    When some sites' batches have ended, the others regroup (:meth:`_StackedFit.regroup`): the finished sites'
+    rows and moments are written back and a stack of the sites still training, packed from their rows, takes
+    their next step, so no step computes a finished site's row."""
+    progress = [
+        _Progress(c.site.batches(c.rnd, c.stream, c.steps), torch.zeros((), dtype=torch.float64, device=c.site.device))
+        for c in (it.call for it in items)
+    ]
+    fit = _StackedFit(ex, items, progress)
     first, done = True, False
     try:
         while batch := fit.next_batches():
+            if len(batch) < fit.k:  # some sites have finished their round: go on without their rows
+                rest = sorted(batch)
+                fit = fit.regroup(ex, rest)
+                batch = {j: batch[i] for j, i in enumerate(rest)}
             try:
                 losses = fit.step(ex, batch)
             except Exception as e:
                 if first:
+                    # the stack's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
+                    ex._arenas.pop(_arena_key(fit.items), None)
                     raise _FirstStepFailed(e) from e
                 raise
             first = False
@@ -232,8 +286,8 @@ def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]
         done = True
     finally:
         fit.finish(done)
-    ex.vectorized_fits += fit.k
-    return fit.results()
+    ex.vectorized_fits += len(items)
+    return [{"loss": float(p.total) / max(p.count, 1), "steps": p.count} for p in progress]
 
 
 def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
@@ -243,27 +297,37 @@ def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls,
     by_shape: dict[tuple, list[int]] = {}
     for i, (x, y) in batch.items():
         by_shape.setdefault((x.shape, x.dtype, y.shape, y.dtype), []).append(i)
-    grads: torch.Tensor | None = None
     losses: dict[int, torch.Tensor] = {}
+    if sum(len(idx) for idx in by_shape.values()) < k:  # a row no batch writes: its gradient is zero
+        gbuf.zero_()
     for idx in by_shape.values():
         if idx == list(range(k)):
-            params, bufs = dict(zip(pnames, weights)), buffers
-        else:  # some sites' batches differ in shape (or their round has ended): a vmap over their rows
+            leaves, bufs = weights, buffers
+        else:  # some sites' batches differ in shape (an epoch's smaller last batch): a vmap over their rows
+            rows: Any = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else None
             sel = torch.tensor(idx, device=weights[0].device)
-            params = {n: w.index_select(0, sel) for n, w in zip(pnames, weights)}
-            bufs = {n: b.index_select(0, sel) for n, b in buffers.items()}
+            # the rows' weights as leaves of their own: the gradient comes back for these rows only
+            leaves = [(w.detach()[rows] if rows is not None else w.detach().index_select(0, sel)) for w in weights]
+            leaves = [t.requires_grad_(True) for t in leaves]
+            bufs = {n: (b[rows] if rows is not None else b.index_select(0, sel)) for n, b in buffers.items()}
         x = torch.stack([batch[i][0] for i in idx])
         y = torch.stack([batch[i][1] for i in idx])
-        out = losses_of(params, bufs, x, y)
-        gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
-        parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
-        if grads is None:
-            grads = torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
+        out = losses_of(dict(zip(pnames, leaves)), bufs, x, y)
+        gs = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+        if leaves is weights:
+            parts = [(torch.zeros_like(w) if gj is None else gj).reshape(-1) for gj, w in zip(gs, weights)]
+            torch.cat(parts, out=gbuf)  # the flat layout, in the executor's buffer
         else:
-            grads += torch.cat(parts)
+            with torch.no_grad():
+                for blk, gj, leaf in zip(layout.blocks(gbuf), gs, leaves):
+                    gj = torch.zeros_like(leaf) if gj is None else gj
+                    if rows is not None:
+                        blk[rows].copy_(gj)
+                    else:
+                        blk.index_copy_(0, sel, gj)
         for j, i in enumerate(idx):
             losses[i] = out[j].detach()
-    assert grads is not None
+    grads = gbuf
     blocks = layout.blocks(grads) if any(calls[i].extra_loss or calls[i].after_backward for i in batch) else []
     for i in batch:
         c = calls[i]

@@ -23,9 +23,13 @@ class _Layout:
         self._reps = torch.tensor([n for n in self.sizes for _ in range(k)], device=params[0].device)
 
     def pack(self, rows: Sequence[Sequence[torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
-        """``rows[i][j]`` (site i, parameter j) into a flat buffer (``out``: into that one)."""
-        parts = [torch.stack([r[j].reshape(-1) for r in rows]).reshape(-1) for j in range(len(self.sizes))]
-        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        """``rows[i][j]`` (site i, parameter j) into a flat buffer (``out``: into that one), each parameter's
+        rows stacked straight into its block (one copy of every element)."""
+        if out is None:
+            out = torch.empty(self.numel, dtype=rows[0][0].dtype, device=rows[0][0].device)
+        for j, block in enumerate(self.blocks(out)):
+            torch.stack([r[j] for r in rows], out=block)
+        return out
 
     def blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The ``K × shape`` view of every parameter."""

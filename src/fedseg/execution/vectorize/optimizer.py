@@ -133,6 +133,7 @@ class _StackedOptimizer:
         flat: torch.Tensor,
         layout: _Layout,
         arena: StaticBuffers | None = None,
+        carry: tuple[_StackedOptimizer, Sequence[int]] | None = None,
     ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
@@ -147,6 +148,20 @@ class _StackedOptimizer:
             )
 
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+        self.taken = [0] * len(opts)
+        # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
+        self._step: torch.Tensor | None = None if arena is None else arena.step
+        if carry is not None:  # the rows ``rows`` of a larger stack's optimizer, whose sites go on in this one
+            old, rows = carry
+            with torch.no_grad():
+                if self.adam:
+                    self.s = [old.s[i] for i in rows]
+                    self.m = old.rows(old.m, rows, layout, None if arena is None else arena.m)
+                    self.v = old.rows(old.v, rows, layout, None if arena is None else arena.v)
+                else:
+                    self.has = [old.has[i] for i in rows]
+                    self.buf = old.rows(old.buf, rows, layout)
+            return
         with torch.no_grad():
             if self.adam:
                 present = [bool(o.state.get(ps[0])) for o, ps in zip(opts, plist)]
@@ -158,9 +173,14 @@ class _StackedOptimizer:
                     for o, ps in zip(opts, plist)
                 ]
                 self.buf = stacked("momentum_buffer", self.has)
-        self.taken = [0] * len(opts)
-        # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
-        self._step: torch.Tensor | None = None if arena is None else arena.step
+
+    def rows(
+        self, flat: torch.Tensor, rows: Sequence[int], layout: _Layout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The sites ``rows`` of a flat buffer of this stack's layout, as a flat buffer of ``layout``, a stack of
+        those sites (``out``: into that one)."""
+        blocks = self.layout.blocks(flat)
+        return layout.pack([[b[i] for b in blocks] for i in rows], out=out)
 
     def _adam_settings(self) -> dict:
         g = self.g
@@ -261,11 +281,32 @@ class _StackedOptimizer:
         b1, b2 = self.g["betas"]
         self.s = [si + (1.0 if i in active else 0.0) for i, si in enumerate(self.s)]
         sizes, bc2s = adam_factors(self.s, self.g["lr"], b1, b2)
-        factors = (self._factor(sizes), self._factor(bc2s))
         self._decay(grad)
+        if self.flat.device.type == "cpu":
+            self._adam_by_rows(grad, active, sizes, bc2s)
+            return
+        factors = (self._factor(sizes), self._factor(bc2s))
         adam_(
             [self.flat], [grad], [self.m], [self.v], factors=factors, mask=self._mask(active), **self._adam_settings()
         )
+
+    def _adam_by_rows(self, grad: torch.Tensor, active: Sequence[int], sizes: list[float], bc2s: list[float]) -> None:
+        """The Adam step of the ``active`` sites at their own step counts, on the CPU: parameter block by block,
+        each run of consecutive active sites with the same factors one :func:`adam_` call on its rows (contiguous
+        in the block) with the factors as Python floats — torch's single-tensor arithmetic, as at one step count —
+        and the other rows not touched.  Per-element factor and mask tensors would cost a pass over the whole
+        K·P buffer each to build, more than the step itself."""
+        runs: list[tuple[int, int]] = []  # [first, last + 1) of consecutive active sites with equal factors
+        for i in sorted(active):
+            if runs and runs[-1][1] == i and (sizes[i], bc2s[i]) == (sizes[runs[-1][0]], bc2s[runs[-1][0]]):
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        settings = self._adam_settings()
+        for start, n in zip(self.layout.starts, self.layout.sizes):
+            for a, b in runs:
+                sl = slice(start + a * n, start + b * n)
+                adam_([self.flat[sl]], [grad[sl]], [self.m[sl]], [self.v[sl]], factors=(sizes[a], bc2s[a]), **settings)
 
     def _sgd_step(self, grad: torch.Tensor, active: Sequence[int]) -> None:
         for i in active:
@@ -290,15 +331,16 @@ class _StackedOptimizer:
         self.has = [h or i in active for i, h in enumerate(self.has)]
 
     @torch.no_grad()
-    def write_back(self) -> None:
-        """Each site's moments into its own optimizer's state (as ``torch.optim`` keeps them)."""
+    def write_back(self, sites: Sequence[int] | None = None) -> None:
+        """Each site's (``sites``: those sites') moments into its own optimizer's state (as ``torch.optim`` keeps
+        them)."""
         blocks = (
             {key: self.layout.blocks(t) for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v))}
             if self.adam
             else ({"momentum_buffer": self.layout.blocks(self.buf)} if self.g["momentum"] != 0 else {})
         )
         for i, (opt, ps) in enumerate(zip(self.opts, self.plist)):
-            if self.taken[i] == 0:
+            if self.taken[i] == 0 or (sites is not None and i not in sites):
                 continue
             for j, p in enumerate(ps):
                 st = opt.state[p]

@@ -31,7 +31,7 @@ class ExecutorState(Protocol):
     vectorized_fits: int
     vectorized_gradients: int
     vectorized_applies: int
-    _arenas: dict[tuple, Any]  # CUDA-graph arenas by group key and sites, least recently used first
+    _arenas: dict[tuple, Any]  # CUDA-graph arenas by group key and stack size, least recently used first
 
     def say(self, msg: str) -> None: ...
 
