@@ -444,7 +444,10 @@ def lockstep_round(
         if not ctx.cfg.privacy.secure_aggregation:
             return ctx.ask(tasks)
         result = secure_ask(ctx, tasks, weighting)
-        secure["avg"] = prefixed("avg", strip_prefix("grad", result.mean()))
+        secure["avg"] = prefixed("avg", strip_prefix("grad", result.mean()))  # empty when rejected
+        if result.rejected:  # a replayed or misdirected masked input: the sites apply nothing for this step
+            step = next(iter(tasks.values())).config.get("step")
+            ctx.log(f"[secagg] {kind} round {rnd} step {step}: no gradient is applied for this step")
         return result.replies
 
     def average(replies: Mapping[str, Reply], active: Sequence[str]) -> Arrays:
