@@ -1,9 +1,10 @@
-"""Cost of secure aggregation per FedAvg round: CPU time and bytes, against a plain FedAvg round.
+"""Cost of secure aggregation per round of FedAvg or FGA: CPU time and bytes, against a plain round of the method.
 
 K in-memory sites of random 3-channel images (``--size``², ``--cases`` training cases each, 2 labels), the
 default U-Net (``fedseg.foundation.config.ModelConfig``: channels 16…256, 2 residual units, instance norm),
 Adam, ``--steps`` local steps of batch ``--batch-size`` per round, one torch thread.  Each K runs ``--rounds`` + 1 rounds
-of FedAvg with ``privacy.secure_aggregation`` off and on (the same seeds) after one warm-up run; the
+of ``--method`` (``fedavg``: one secure exchange per round; ``fga``: one per lockstep step, ``--steps`` per round)
+with ``privacy.secure_aggregation`` off and on (the same seeds) after one warm-up run; the
 table reports the median of the first ``--rounds`` (validation and the checkpoint come after the last)
 for the rounds and the bytes, and the minimum for the protocol's own times (tens of milliseconds, which
 other jobs on a shared machine disturb the most).  Per round:
@@ -21,6 +22,7 @@ other jobs on a shared machine disturb the most).  Per round:
   values are 64-bit integers, twice a float32 weight.
 
     PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --sites 3,6
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --method fga --sites 3 --rounds 3 --steps 5
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
     data = {f"site{i + 1}": SiteData(split(args.cases), split(2), split(2)) for i in range(k)}
     cfg = RunConfig(
         federation="(in memory)",
-        method="fedavg",
+        method=args.method,
         rounds=args.rounds + 1,
         train=TrainConfig(batch_size=args.batch_size, local_steps=args.steps, local_epochs=None),
         eval=EvalConfig(every=args.rounds + 1),
@@ -67,7 +69,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
         privacy=PrivacyConfig(secure_aggregation=secure),
     )
     workload = segmentation_workload(2, 3, ["a", "b"], cfg.model, cfg.train)
-    cost = {"site": 0.0, "server": 0.0, "bytes": 0}
+    cost = {"site": 0.0, "server": 0.0, "bytes": 0, "exchanges": 0}
     undo = []
 
     def timed(owner, name, key):
@@ -87,6 +89,14 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
         timed(site_secure, name, "site")
     for name in ("accept_keys", "share_request", "accept_shares", "input_config", "accept_input", "unmask"):
         timed(ServerParty, name, "server")
+    real_request = ServerParty.share_request
+
+    def share_request(self):
+        cost["exchanges"] += 1
+        return real_request(self)
+
+    ServerParty.share_request = share_request
+    undo.append((ServerParty, "share_request", real_request))
     real_ask = InProcessTransport.ask
 
     def ask(self, tasks, optional=False):
@@ -103,7 +113,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
     def on_round(entry: dict) -> None:
         now = time.process_time()
         rounds.append({**cost, "cpu": now - mark["t"]})
-        cost.update(site=0.0, server=0.0, bytes=0)
+        cost.update(site=0.0, server=0.0, bytes=0, exchanges=0)
         mark["t"] = time.process_time()
 
     gc.collect()  # the previous runs' sites and models, so that collecting them does not land in this one's rounds
@@ -113,10 +123,10 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
             simulate(cfg, workload, data, out=Path(tmp), progress=False, log=lambda m: None, on_round=on_round)
     finally:
         InProcessTransport.ask = real_ask
-        for owner, name, real in undo:
+        for owner, name, real in reversed(undo):
             setattr(owner, name, real)
     kept = rounds[: args.rounds]  # the last round also validates and checkpoints
-    med = {key: statistics.median(r[key] for r in kept) for key in ("cpu", "bytes")}
+    med = {key: statistics.median(r[key] for r in kept) for key in ("cpu", "bytes", "exchanges")}
     med.update({key: min(r[key] for r in kept) for key in ("site", "server")})  # least disturbed by other jobs
     n_params = sum(p.numel() for p in workload.build_model().parameters())
     return {**med, "site": med["site"] / k, "bytes_per_site": med["bytes"] / k, "params": n_params}
@@ -124,6 +134,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default="fedavg", choices=("fedavg", "fga"))
     parser.add_argument("--sites", default="3,6")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--cases", type=int, default=16)
@@ -154,9 +165,11 @@ def main() -> None:
                 f"{secure['bytes_per_site'] / 2**20:.1f}",
             ]
         )
-    params = next(iter(summary.values()))["plain"]["params"]
+    first = next(iter(summary.values()))
+    params, exchanges = first["plain"]["params"], first["secure"]["exchanges"]
+    title = {"fedavg": "FedAvg", "fga": "FGA"}[args.method]
     md = [
-        f"Secure aggregation per FedAvg round: default U-Net ({params / 1e6:.2f} M parameters), {args.size}² × 3 "
+        f"Secure aggregation per {title} round ({exchanges:.0f} secure exchanges a round): default U-Net ({params / 1e6:.2f} M parameters), {args.size}² × 3 "
         f"channels, {args.steps} local steps of batch {args.batch_size}, 1 torch thread, {platform.processor() or 'CPU'} "
         f"({platform.machine()}); rounds: median of {args.rounds}; protocol times: minimum of {args.rounds}.",
         "",

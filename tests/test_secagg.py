@@ -10,7 +10,7 @@ import torch
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.seeding import generator
 from fedseg.privacy import secagg
-from fedseg.privacy.protocol import MASKED, ServerParty, SiteParty
+from fedseg.privacy.protocol import CANARY, MASKED, ServerParty, SiteParty, SumRejected
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
@@ -29,11 +29,14 @@ def _arrays(k: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _exchange(inputs, weights, drop_after_shares=(), drop_after_masking=(), tamper=None, log=None):
-    """Run the four steps in process; ``tamper(reveals)`` may edit the step-4 replies."""
+def _exchange(
+    inputs, weights, drop_after_shares=(), drop_after_masking=(), tamper=None, log=None, exchange="x1", send=None
+):
+    """Run the four steps in process; ``tamper(reveals)`` may edit the step-4 replies; ``send(site, masked)``
+    may replace the masked arrays a site sends."""
     sites = list(inputs)
-    server = ServerParty("x1", BITS)
-    parties = {u: SiteParty(u, "x1") for u in sites}
+    server = ServerParty(exchange, BITS)
+    parties = {u: SiteParty(u, exchange) for u in sites}
     for u in sites:
         server.accept_keys(u, parties[u].advertise())
     req = server.share_request()
@@ -46,6 +49,8 @@ def _exchange(inputs, weights, drop_after_shares=(), drop_after_masking=(), tamp
         arrays, dtypes, bad = parties[u].mask(inputs[u], weights[u], cfg["order"], cfg["shares"], BITS)
         assert bad == []
         masked[u] = arrays
+        if send is not None:
+            arrays = send(u, arrays)
         if u not in drop_after_masking:
             server.accept_input(u, arrays, dtypes, weights[u])
     cfg = server.reveal_config()
@@ -237,3 +242,54 @@ def test_keys_from_given_bytes_and_agreement_symmetric():
     assert ab != secagg.shared_key(a.private, b.public, "share", "e1")
     with pytest.raises(PayloadError):
         secagg.shared_key(a.private, b"\0" * 32, "mask", "e1")  # a low-order point
+
+
+def test_replayed_masked_input_fails_the_check_word():
+    """A masked input replayed from an earlier exchange carries that exchange's masks, which do not cancel
+    against this one's: the unmasked check word is then (known words) + (uniform 64-bit noise) and matches
+    the sum of the summed sites' public words with probability 2^-64, so the sum is rejected
+    (:class:`SumRejected` naming the exchange) instead of returned as noise.  With the honest input the
+    same exchange's real coordinates are the plain fixed-point sum bitwise: the check word is one more
+    coordinate and leaves the others' encodings and masks as they were."""
+    inputs = {f"site{k}": _arrays(k, seed=7) for k in range(3)}
+    weights = {u: 2.0 + i for i, u in enumerate(inputs)}
+    _, _, _, old, _ = _exchange(inputs, weights, exchange="round1")
+    assert all(CANARY in m and m[CANARY].dtype == torch.int64 and m[CANARY].shape == (1,) for m in old.values())
+
+    def replay(u, arrays):
+        return old[u] if u == "site1" else arrays
+
+    with pytest.raises(SumRejected, match="exchange round2: .* fails its check word") as e:
+        _exchange(inputs, weights, exchange="round2", send=replay)
+    assert e.value.exchange == "round2" and e.value.sites == list(inputs)
+    total, _, summed, _, _ = _exchange(inputs, weights, exchange="round2")
+    want = _encoded_sum(inputs, weights, summed)
+    assert sorted(total) == sorted(want) and all(torch.equal(total[k], want[k]) for k in want)
+    # the same input under a later exchange id is not enough to pass either: the words are per exchange
+    assert secagg.canary("round1", "site1") != secagg.canary("round2", "site1")
+    assert secagg.canary("round2", "site0") != secagg.canary("round2", "site1")
+
+
+def test_input_masked_with_another_site_list_fails_the_check_word():
+    """A site told a different list of sites (U2) masks with other pairs: its pairwise masks no longer
+    cancel and the sum is rejected.  An input without its check word is malformed and leaves its site out."""
+    inputs = {f"site{k}": _arrays(k) for k in range(3)}
+    server = ServerParty("e", BITS)
+    parties = {u: SiteParty(u, "e") for u in inputs}
+    for u in inputs:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in inputs:
+        server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    for u in inputs:
+        cfg = server.input_config(u)
+        order = ["site0", "site1"] if u == "site0" else cfg["order"]
+        arrays, dtypes, _ = parties[u].mask(inputs[u], 1.0, order, cfg["shares"], BITS)
+        if u == "site2":
+            with pytest.raises(PayloadError, match="no masked check word"):
+                server.accept_input(u, {k: v for k, v in arrays.items() if k != CANARY}, dtypes, 1.0)
+        server.accept_input(u, arrays, dtypes, 1.0)
+    cfg = server.reveal_config()
+    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    with pytest.raises(SumRejected, match="exchange e:"):
+        server.unmask(reveals, log=lambda m: None)

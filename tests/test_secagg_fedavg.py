@@ -170,3 +170,61 @@ def test_secure_run_resumes_bitwise(tmp_path, workload):
     assert simulate(cfg, workload, tiny_sites(3), out=tmp_path / "part", stop_after=1, **quiet) is None
     simulate(cfg, workload, tiny_sites(3), out=tmp_path / "part", resume=True, **quiet)
     assert_same_checkpoints(tmp_path / "full", tmp_path / "part")
+
+
+def _replay(monkeypatch, site: str, source: tuple[int, int], target: tuple[int, int], kind: str | None = None):
+    """``site`` sends, for the exchange at (round, step) ``target``, the masked reply it sent at ``source``
+    (of tasks of ``kind``, or of any kind)."""
+    real, saved = site_secure.mask_reply, {}
+
+    def mask_reply(s, task, reply):
+        out = real(s, task, reply)
+        at = (task.config.get("round"), task.config.get("step") or 0)
+        if s.name != site or (kind is not None and task.kind != kind):
+            return out
+        if at == source:
+            saved["reply"] = out
+        if at == target:
+            return saved["reply"]
+        return out
+
+    monkeypatch.setattr(site_secure, "mask_reply", mask_reply)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "scaffold"])
+def test_replayed_masked_input_is_detected_and_round_keeps_the_model(monkeypatch, workload, tmp_path, method):
+    """site2 replays its round-1 masked model in round 2.  Its masks belong to round 1's exchange, so round 2's
+    unmasked check word is noise (wrong with probability 1 − 2^-64): the server logs the exchange that failed
+    and what to do, drops the sum, and the global model (SCAFFOLD: and control variate) after round 2 is
+    bitwise the one after round 1; the run finishes."""
+    cfg, logs = _secure(tiny_config(method, rounds=2)), []
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "one", stop_after=1, progress=False, log=lambda m: None)
+    _replay(monkeypatch, "site2", (1, 0), (2, 0))
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "two", progress=False, log=logs.append)
+    from helpers import assert_same_arrays, server_state
+
+    failed = [m for m in logs if "fails its check word" in m]
+    assert len(failed) == 1 and "exchange train-r2-" in failed[0] and "check the sites' logs" in failed[0]
+    assert any("round 2: the global model" in m and "previous" in m for m in logs)
+    one, two = server_state(tmp_path / "one"), server_state(tmp_path / "two")
+    for part in ("global", "control"):
+        assert_same_arrays(strip_prefix(part, two), strip_prefix(part, one))
+    assert strip_prefix("global", two)
+
+
+def test_fga_replayed_masked_gradient_skips_that_step_only(monkeypatch, workload):
+    """site2 replays step 0's masked gradient at step 1: that step's sum is rejected and no site applies a
+    gradient for it, so the sites stay in lockstep (identical weights and optimizer digests) and the round ends."""
+    logs, history = [], []
+    _replay(monkeypatch, "site2", (1, 0), (1, 1))
+    simulate(
+        _secure(tiny_config("fga", rounds=1)),
+        workload,
+        tiny_sites(3),
+        on_round=history.append,
+        progress=False,
+        log=logs.append,
+    )
+    assert next(m for m in logs if "fails its check word" in m).count("fga_step-r1-s1-") == 1
+    assert any("fga_step round 1 step 1: no gradient is applied" in m for m in logs)
+    assert history[0]["in_sync"] and history[0]["steps"] > 1

@@ -248,3 +248,28 @@ def test_deployed_site_lost_after_masking_is_left_out_of_the_round(tmp_path):
     assert set(dep["history"][0]["personal_loss"]) == {"site1", "site2", "site3"}
     best = load_arrays(tmp_path / "dep" / "checkpoints" / "best.safetensors")
     assert any(k.startswith("fedsm/personal/site3/") for k in best)
+
+
+def test_replayed_masked_input_keeps_the_global_model_and_skips_the_pull(monkeypatch, workload, tmp_path):
+    """site2 replays its round-1 masked ``"train"`` reply in round 2: the sum fails its check word, so FedSM keeps
+    its round-1 global model bitwise, sends no SoftPull (each site keeps the personalized model it trained)
+    and finishes the run."""
+    from test_secagg_fedavg import _replay
+
+    cfg, logs, pulls = _cfg(rounds=2), [], []
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "one", stop_after=1, **QUIET)
+    _replay(monkeypatch, "site2", (1, 0), (2, 0), kind="train")
+    real_ask = InProcessTransport.ask
+
+    def ask(self, tasks, optional=False):
+        pulls.extend(t.config["round"] for t in tasks.values() if t.kind == "fedsm_pull")
+        return real_ask(self, tasks, optional)
+
+    monkeypatch.setattr(InProcessTransport, "ask", ask)
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "two", progress=False, log=logs.append)
+    assert any("exchange train-r2-" in m and "fails its check word" in m for m in logs)
+    assert any("fedsm round 2: the global model keeps the previous weights; each site keeps" in m for m in logs)
+    assert sorted(set(pulls)) == [1]
+    one, two = server_state(tmp_path / "one"), server_state(tmp_path / "two")
+    assert_same_arrays(strip_prefix("global", two), strip_prefix("global", one))
+    assert strip_prefix("global", two)

@@ -117,7 +117,9 @@ class FedAvg(Algorithm):
         new = dict(state)
         if ctx.cfg.privacy.secure_aggregation:  # the sites mask n_k · w_k (or w_k); the server unmasks the sum only
             result = secure_ask(ctx, {s: task for s in ctx.sites}, self.weighting())
-            new.update(result.mean())
+            if result.rejected:  # a replayed or misdirected masked input: no update this round
+                ctx.log(f"[secagg] round {rnd}: the global model keeps its previous weights")
+            new.update(result.mean())  # empty when rejected
             replies = result.replies
             return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in replies}}
         replies = ctx.ask({s: task for s in ctx.sites})

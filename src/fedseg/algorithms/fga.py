@@ -49,7 +49,9 @@ With ``privacy.secure_aggregation = true`` each step's gradients are one secure 
 (:func:`fedseg.algorithms.secure.secure_ask`, weighted by the public batch sizes): the server learns the
 averaged gradient it sends back and no site's own, at the price of three more exchanges per step
 (keys, shares, reveal).  The average equals the plain one to within the fixed-point bound, so FGA stays
-centralized training to that rounding rather than to float rounding.
+centralized training to that rounding rather than to float rounding.  A step whose secure sum fails its check
+word (a masked gradient replayed from another step) sends no average: no site applies a gradient for it, and the
+sites stay in lockstep.
 
 Site-side working state lives in ``site.scratch`` and is not saved with the site:
 ``site.scratch["fga/cursor"]`` is the site's position in the round's batches (rebuilt
@@ -444,7 +446,10 @@ def lockstep_round(
         if not ctx.cfg.privacy.secure_aggregation:
             return ctx.ask(tasks)
         result = secure_ask(ctx, tasks, weighting)
-        secure["avg"] = prefixed("avg", strip_prefix("grad", result.mean()))
+        secure["avg"] = prefixed("avg", strip_prefix("grad", result.mean()))  # empty when rejected
+        if result.rejected:  # a replayed or misdirected masked input: the sites apply nothing for this step
+            step = next(iter(tasks.values())).config.get("step")
+            ctx.log(f"[secagg] {kind} round {rnd} step {step}: no gradient is applied for this step")
         return result.replies
 
     def average(replies: Mapping[str, Reply], active: Sequence[str]) -> Arrays:

@@ -206,6 +206,12 @@ class Scaffold(Algorithm):
             result = secure_ask(ctx, tasks, self.params.weighting)
             replies, mean = result.replies, result.mean()
             names = list(replies)
+            if result.rejected:  # a replayed or misdirected masked input: no update this round
+                ctx.log(f"[secagg] round {rnd}: the global model and control variate keep their previous values")
+                return dict(state), {
+                    "train_loss": {s: replies[s].metrics.get("loss") for s in names},
+                    "correction_norm": {s: replies[s].metrics.get("correction_norm") for s in names},
+                }
             new_x = lerp(dict(x), strip_prefix("global", mean), self.params.server_lr)
             mean_dc = strip_prefix("dc", mean)
             fraction = len(names) / len(ctx.sites)

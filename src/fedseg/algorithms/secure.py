@@ -9,6 +9,16 @@ fails a step is left out of the rest of the exchange (a deployed transport has a
 whose step-3 reply does not arrive is removed from the sum with its masks.  The weights c_k are public:
 the sample count n_k each site declares (``weighting = "samples"``) or 1 (``"even"``).
 
+A sum whose check word is wrong (:class:`fedseg.privacy.protocol.SumRejected`: an input replayed from another
+exchange, or masked with another list of sites) is never returned: :func:`secure_ask` logs which exchange
+failed and what to do, and returns a :class:`SecureSum` with :attr:`~SecureSum.rejected` set and nothing to
+sum.  Each method then goes on without that aggregate: FedAvg, FedProx, FWA and SCAFFOLD keep the previous
+global model (and control variate) for the round, FGA's lockstep step applies no gradient (every site keeps
+its weights and optimizer state), FedSM keeps its previous global model and selector and leaves each site
+the personalized model it trained (no SoftPull that round).  The exchange is not retried: the sites' work
+for it (training, optimizer state, DP steps) is already spent, and a site that replays on purpose would
+replay again.
+
 A method whose server needs one site's arrays says why in ``Algorithm.secure_aggregation_unsupported``
 and a run asking for secure aggregation stops before training with that reason.
 """
@@ -25,7 +35,7 @@ import torch
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
-from fedseg.privacy.protocol import ServerParty
+from fedseg.privacy.protocol import ServerParty, SumRejected
 from fedseg.seams.algorithm import ServerContext
 
 __all__ = ["SecureSum", "secure_ask"]
@@ -43,12 +53,19 @@ class SecureSum:
         Σ_k c_k.
     dtypes
         Each name's dtype at the sites.
+    rejected
+        None, or why the sum was rejected (its check word was wrong); ``total`` is then empty and ``weight``
+        0: the caller goes on without this aggregate.
+    exchange
+        The exchange's id (task kind, round, step and a random suffix), as the log names it.
     """
 
     replies: dict[str, Reply]
     total: Arrays
     weight: float
     dtypes: dict[str, str] = field(default_factory=dict)
+    rejected: str | None = None
+    exchange: str = ""
 
     def weight_of(self, weighting: str) -> float:
         """Σ_k c_k over the summed sites for a weighting: Σ n_k (``"samples"``) or their number (``"even"``)."""
@@ -78,8 +95,8 @@ def secure_ask(
     prefixes otherwise than ``weighting`` (:func:`fedseg.site.secure.weights_by_name`); their Σ_k c_k is
     then :meth:`SecureSum.weight_of`, not :attr:`SecureSum.weight`."""
     first = next(iter(tasks.values()))
-    rnd = first.config.get("round")
-    exchange = f"{first.kind}-r{rnd}-{os.urandom(8).hex()}"
+    rnd, step = first.config.get("round"), first.config.get("step")
+    exchange = f"{first.kind}-r{rnd}{'' if step is None else f'-s{step}'}-{os.urandom(8).hex()}"
     server = ServerParty(exchange, ctx.cfg.privacy.secagg_fraction_bits)
 
     def step(kind: str, sites, config) -> dict[str, Reply]:
@@ -116,13 +133,30 @@ def secure_ask(
                 ctx.log(f"[secagg] site {s} could not open the shares of {info['unopened']}")
     reveal = server.reveal_config()
     reveals = step("secagg/reveal", reveal["survived"], lambda s: reveal)
-    total, weight, summed = server.unmask({s: r.metrics.get("secagg") for s, r in reveals.items()}, log=ctx.log)
+    try:
+        total, weight, summed = server.unmask({s: r.metrics.get("secagg") for s, r in reveals.items()}, log=ctx.log)
+    except SumRejected as e:
+        ctx.log(
+            f"[secagg] {e}. Which site's input it was cannot be told from the sum. If this repeats, a site or its "
+            "transport is resending old messages: check the sites' logs and connections, and remove a site that "
+            "replays on purpose from the federation"
+        )
+        assert server.layout is not None
+        return SecureSum(
+            {s: replies[s] for s in e.sites},
+            {},
+            0.0,
+            dict(zip(server.layout.names, server.layout.dtypes)),
+            rejected=str(e),
+            exchange=exchange,
+        )
     assert server.layout is not None
     return SecureSum(
         {s: replies[s] for s in summed},
         {k: v.to(ctx.device) for k, v in total.items()},
         weight,
         dict(zip(server.layout.names, server.layout.dtypes)),
+        exchange=exchange,
     )
 
 

@@ -17,7 +17,9 @@ step  server → site                             site → server
 :class:`SiteParty` is a site's side (kept between the steps of one exchange), :class:`ServerParty`
 the server's: it routes the sealed shares, checks every reply (a malformed one raises
 :class:`~fedseg.foundation.errors.PayloadError`, which the caller logs, leaving that site out) and
-returns the unmasked sum of the sites whose masked input arrived.
+returns the unmasked sum of the sites whose masked input arrived, after checking its check word
+(:func:`fedseg.privacy.secagg.canary`): a sum that holds an input masked for another exchange (replayed)
+or another list of sites raises :class:`SumRejected`.
 """
 
 from __future__ import annotations
@@ -33,10 +35,24 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.privacy import secagg
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["MASKED", "ServerParty", "SiteParty"]
+__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected"]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
+
+CANARY = MASKED + ".canary"
+"""The masked check word of a reply: one int64 (no array of a model has a name that starts with a dot)."""
+
+
+class SumRejected(PayloadError):
+    """The unmasked sum's check word is wrong: some masked input was not masked for this exchange (replayed
+    from another exchange or masked with another list of sites), so the sum is noise and must not be used.
+    ``exchange`` and ``sites`` (the sites summed) say which exchange failed."""
+
+    def __init__(self, message: str, exchange: str, sites: Sequence[str]):
+        super().__init__(message)
+        self.exchange, self.sites = exchange, list(sites)
+
 
 _SHARE = 1 + KEY_BYTES
 _BUNDLE = 1 + 2 * KEY_BYTES
@@ -118,7 +134,8 @@ class SiteParty:
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
         """Step 3: open the shares sealed for this site, then encode ``weight`` · arrays (a function of the
         array's name: per-name weights, :func:`fedseg.privacy.secagg.encode`) and mask them with every site
-        of ``order`` (U2).  Returns the masked arrays (``secagg/<name>``, int64), their
+        of ``order`` (U2), with this site's check word appended (:func:`fedseg.privacy.secagg.canary`).
+        Returns the masked arrays (``secagg/<name>``, int64, and the masked check word :data:`CANARY`), their
         dtypes and the senders whose share did not open (they are not held; the sum still works if
         enough others are)."""
         order = list(order)
@@ -139,6 +156,7 @@ class SiteParty:
             except (PayloadError, ValueError):
                 bad.append(sender)
         encoded, layout = secagg.encode(arrays, weight, fraction_bits, len(order), f"site {self.me}")
+        encoded = np.append(encoded, secagg.canary(self.exchange, self.me))
         publics = {u: self.keys[u]["s"] for u in order}
         y = secagg.mask(encoded, self.me, order, self.s.private, publics, self.b, self.exchange).view(np.int64)
         out, pos = {}, 0
@@ -146,6 +164,7 @@ class SiteParty:
             n = int(np.prod(shape, dtype=np.int64))
             out[MASKED + name] = torch.from_numpy(y[pos : pos + n].copy()).reshape(shape)
             pos += n
+        out[CANARY] = torch.from_numpy(y[pos:].copy())
         return out, dict(zip(layout.names, layout.dtypes)), bad
 
     def reveal(self, dropped: Sequence[str], survived: Sequence[str]) -> dict[str, dict[str, str]]:
@@ -233,10 +252,15 @@ class ServerParty:
 
     # step 3
     def accept_input(self, site: str, arrays: Mapping[str, torch.Tensor], dtypes: Any, weight: float) -> None:
-        """A site's masked arrays (all ``secagg/…`` int64, the layout of the first input) and public weight."""
+        """A site's masked arrays (all ``secagg/…`` int64, the layout of the first input, and the masked check
+        word :data:`CANARY`) and public weight."""
         what = f"masked input of site {site}"
         if site not in self.masking:
             raise PayloadError(f"{what}: the site was not part of the masking")
+        arrays = dict(arrays)
+        check = arrays.pop(CANARY, None)
+        if not isinstance(check, torch.Tensor) or check.dtype != torch.int64 or tuple(check.shape) != (1,):
+            raise PayloadError(f"{what}: no masked check word '{CANARY}' (one int64); the site runs another protocol")
         if not isinstance(dtypes, dict) or sorted(dtypes) != sorted(k[len(MASKED) :] for k in arrays):
             raise PayloadError(f"{what}: its dtype list does not name its arrays")
         bad = [k for k, v in arrays.items() if not k.startswith(MASKED) or v.dtype != torch.int64]
@@ -253,9 +277,8 @@ class ServerParty:
             raise PayloadError(f"{what}: names, shapes or dtypes differ from the other sites'")
         if not (weight >= 0 and weight < float("inf")):
             raise PayloadError(f"{what}: weight {weight}")
-        self.inputs[site] = np.concatenate([plain[k].detach().cpu().reshape(-1).numpy() for k in layout.names]).view(
-            np.uint64
-        )
+        parts = [plain[k].detach().cpu().reshape(-1).numpy() for k in layout.names]
+        self.inputs[site] = np.concatenate([*parts, check.detach().cpu().numpy()]).view(np.uint64)
         self.weights[site] = float(weight)
 
     def reveal_config(self) -> dict[str, Any]:
@@ -280,8 +303,9 @@ class ServerParty:
 
     def unmask(self, reveals: Mapping[str, Any], log=print) -> tuple[dict[str, torch.Tensor], float, list[str]]:
         """Rebuild b_u of the survivors and s_d of the dropped from the step-4 replies ``{holder: message}``,
-        remove their masks and decode: ``(Σ_u weight_u · arrays_u (float64; integer tensors summed), Σ_u
-        weight_u, the sites summed)``.  A malformed or non-fitting share is logged and set aside."""
+        remove their masks, check the sum's check word and decode: ``(Σ_u weight_u · arrays_u (float64; integer
+        tensors summed), Σ_u weight_u, the sites summed)``.  A malformed or non-fitting share is logged and set
+        aside; a wrong check word raises :class:`SumRejected` (the sum must not be used)."""
         cfg = self.reveal_config()
         dropped, survived = cfg["dropped"], cfg["survived"]
         t = secagg.threshold_for(len(self.order))
@@ -327,9 +351,17 @@ class ServerParty:
             {d: secrets[("s", d)] for d in dropped},
             self.exchange,
         )
+        if int(total[-1]) != sum(int(secagg.canary(self.exchange, u)) for u in survived) % 2**64:
+            raise SumRejected(
+                f"exchange {self.exchange}: the unmasked sum of sites {survived} fails its check word, so at least "
+                "one of their masked inputs was not masked for this exchange (replayed from an earlier exchange, "
+                "or masked with another list of sites); the sum is noise and is not used",
+                self.exchange,
+                survived,
+            )
         assert self.layout is not None
         return (
-            secagg.decode(total, self.layout, self.fraction_bits),
+            secagg.decode(total[:-1], self.layout, self.fraction_bits),
             sum(self.weights[u] for u in survived),
             survived,
         )

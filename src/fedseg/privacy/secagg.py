@@ -43,6 +43,14 @@ function:
 * **The server's unmasking** (:func:`unmask_sum`): Σ of the masked inputs it got, minus their self
   masks, minus the pairwise masks each of them shares with a site that dropped after the masks were
   fixed, decoded: the exact fixed-point sum of the surviving sites.
+* **The check word** (:func:`canary`).  Each site appends one 64-bit word to its encoding before masking:
+  a public value derived from the exchange and the site (SHA-256).  The unmasked sum's last word must be
+  the sum of the summed sites' words.  An input whose masks belong to another exchange (replayed from an
+  earlier round or step) or to another list of sites does not cancel against this exchange's masks, so
+  its check word comes out as a uniformly random word: wrong with probability 1 − 2^-64.  The word is
+  public and its masked value reveals nothing; the real coordinates' encodings and masks are unchanged
+  (a ChaCha20 keystream one word longer starts with the same words).  It does not detect a site that
+  masks a wrong value correctly for this exchange (poisoning): no check on the sum can.
 
 Keys and seeds come from the operating system's random source (``os.urandom``), not from the run's
 seed: a key derived from a seed the server knows would hide nothing.  Runs stay reproducible because
@@ -72,6 +80,7 @@ __all__ = [
     "KEY_BYTES",
     "KeyPair",
     "Layout",
+    "canary",
     "decode",
     "encode",
     "expand",
@@ -246,6 +255,14 @@ def expand(seed: bytes, count: int) -> np.ndarray:
     _, _, Cipher, algorithms, _, _ = _libs()
     enc = Cipher(algorithms.ChaCha20(seed, b"\0" * 16), mode=None).encryptor()
     return np.frombuffer(enc.update(bytes(8 * count)), dtype=_WORD)
+
+
+def canary(exchange: str, site: str) -> np.uint64:
+    """The check word ``site`` appends to its encoding in ``exchange``: the first 8 bytes of
+    SHA-256("fedseg secagg canary", exchange, site), public to every party.  The unmasked sum's check word
+    is the sum of the summed sites' words modulo 2^64 only if every input was masked for this exchange."""
+    digest = hashlib.sha256(b"fedseg secagg canary " + exchange.encode() + b" " + site.encode()).digest()
+    return np.frombuffer(digest[:8], dtype=_WORD)[0]
 
 
 def seed_digest(seed: bytes, exchange: str) -> bytes:

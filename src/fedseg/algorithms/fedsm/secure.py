@@ -102,6 +102,20 @@ def train_round(
     result = secure_ask(ctx, tasks, p.weighting, by_prefix)
     if len(result.replies) == 0:
         raise PayloadError(f"{alg.name}: no site's masked input was summed in round {rnd}")
+    if result.rejected:  # a replayed or misdirected masked input: no aggregate and no SoftPull this round
+        kept = [
+            name
+            for name, on in (("global model", train_models and not alg.global_by_fga), ("selector", train_sel))
+            if on
+        ]
+        ctx.log(
+            f"[secagg] {alg.name} round {rnd}: "
+            + (f"the {' and '.join(kept)} keep{'' if len(kept) > 1 else 's'} the previous weights; " if kept else "")
+            + "each site keeps the personalized model it trained (no SoftPull this round)"
+        )
+        for k in [k for k in new if k.startswith("personal/")]:
+            del new[k]
+        return result.replies
     mean = result.mean()  # the global model: Σ n_k w_k / Σ n_k (fedsm.weighting)
     if train_models and not alg.global_by_fga:
         new.update({k: v for k, v in mean.items() if k.startswith("global/")})
