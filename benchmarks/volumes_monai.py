@@ -162,7 +162,7 @@ def monai_run(fed, plan, stats, args, every_steps: int) -> dict[str, Any]:
         model.train()
         return float(np.mean(scores))
 
-    best, best_state, step, t0 = -1.0, None, 0, time.perf_counter()
+    best, best_state, step, t0, history = -1.0, None, 0, time.perf_counter(), []
     while step < args.steps:
         for batch in loader:
             opt.zero_grad()
@@ -172,6 +172,7 @@ def monai_run(fed, plan, stats, args, every_steps: int) -> dict[str, Any]:
             step += 1
             if step % every_steps == 0 or step == args.steps:
                 score = validate()
+                history.append([step, score])
                 if score > best:
                     best, best_state = score, copy.deepcopy(model.state_dict())
             if step >= args.steps:
@@ -201,6 +202,7 @@ def monai_run(fed, plan, stats, args, every_steps: int) -> dict[str, Any]:
         "per_site_dice": per_site,
         "client_avg_dice": float(np.mean(list(per_site.values()))),
         "best_val_dice": best,
+        "val_dice": history,
         "train_s": train_s,
         "wall_time_s": time.perf_counter() - t0,
     }
