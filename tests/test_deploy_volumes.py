@@ -16,13 +16,21 @@ from fedseg.apps.deploy.server import load_deploy_config, prepare_run, serve
 from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
 from fedseg.apps.deploy.volumes import plan_and_shape, site_cache_setting, site_operation
 from fedseg.data.spec import load_federation
-from fedseg.data.volumes.load import load_volume_site, pad_to_common_shape, plan_federation
+from fedseg.data.volumes.load import (
+    ensure_plan,
+    load_volume_site,
+    pad_to_common_shape,
+    plan_federation,
+    plan_path,
+)
+from fedseg.data.volumes.plan import save_plan
 from fedseg.execution.remote.params import deploy_params
 from fedseg.execution.remote.transport import LoopbackChannel, RemoteTransport
 from fedseg.foundation.errors import PayloadError
-from fedseg.simulation.runner import run
+from fedseg.simulation.runner import load_federation_data, plan_volume_run, run
 from fedseg.site.runtime import SiteData
 from helpers import assert_same_arrays, server_state
+from test_patches2d import patches2d_federation
 from test_volumes_run import write_federation
 
 RUN = ["rounds=2", "train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "eval.every=1"]
@@ -135,3 +143,91 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
     assert dep is not None and dep["plan"] == sim["plan"]
     assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
     assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
+
+
+def _deploy(spec, tmp_path, overrides, folder="dep"):
+    """Prepare and serve a deployed run over the in-process byte channel: ``(results, logs)``."""
+    cfg = load_deploy_config(spec, [*overrides, "deploy.round_deadline_s=120"])
+    prepare_run(cfg, tmp_path / folder)
+    logs: list[str] = []
+    dep = serve(tmp_path / folder, LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
+    return dep, logs
+
+
+@pytest.mark.slow
+def test_deployed_patches2d_fedavg_equals_simulation(tmp_path):
+    """``mode = "patches2d"`` deployed: the same plan over the wire, slices for training and volumes for
+    evaluation at every site, one common shape (the slices' in-plane axes and the volumes' three), the
+    plan's in-plane patch; FedAvg ends with the simulation's weights and Dice bitwise."""
+    spec = patches2d_federation(tmp_path / "data", n=(2, 1, 1))
+    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0"]
+    dep, logs = _deploy(spec, tmp_path, run2d)
+    sim = run(spec, out=tmp_path / "sim", overrides=[*run2d, "volume_cache=off"], progress=False, log=lambda m: None)
+    assert any("2D patches of axial slices" in m for m in logs)
+    assert dep["plan"] == sim["plan"]
+    assert load_deploy_config(tmp_path / "dep" / "config.toml").model.roi_size == (32, 32)
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"] and dep["num_cases"] == sim["num_cases"] == {"ras": 1, "lps": 1}
+
+
+def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
+    """``data.intensity = "window"`` travels in the data header: the plan made over the wire is the plan
+    `fedseg plan` makes on that spec; over a plan file beside the spec, the window replaces its scheme at
+    ``prepare_run`` exactly as a simulation's ``ensure_plan`` does."""
+    spec = patches2d_federation(tmp_path / "data", 'intensity = "window"\nwindow = [-100, 100]\n', n=(2, 1, 1))
+    fed = load_federation(spec)
+    cfg = load_deploy_config(spec, RUN)
+    desc = prepare_run(cfg, tmp_path / "dep")
+    assert desc["data"]["intensity"] == "window" and desc["data"]["window"] == [-100.0, 100.0]
+    transport = RemoteTransport(desc["sites"], LoopbackChannel(_runtimes(spec, tmp_path)), deploy_params(cfg))
+    _, header, plan = plan_and_shape(tmp_path / "dep", desc, cfg, transport, 60.0, lambda m: None)
+    assert plan.intensity == {"mode": "window", "window": [-100.0, 100.0]}
+    assert plan.to_json() == plan_federation(fed, log=lambda m: None).to_json()
+    # over a plan file made with the plan's own scheme ("ct"), the spec's window wins in both
+    save_plan(
+        plan_federation(load_federation(write_federation(tmp_path / "ct", n=(2, 1, 1))), log=print), plan_path(fed)
+    )
+    windowed = prepare_run(cfg, tmp_path / "dep2")["plan"]
+    assert windowed == ensure_plan(fed, log=lambda m: None).to_json()
+    assert windowed["intensity"]["mode"] == "window" and "mean" not in windowed["intensity"]
+    bad = {**header, "intensity": "hu"}
+    with pytest.raises(PayloadError, match="intensity 'hu'"):
+        site_operation("ras", fed.site("ras").datalist, "fingerprint", {"data": bad}, print)
+
+
+VALIDATE_OFTEN = ["train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "model.roi_size=[8, 8, 8]"]
+VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]"]
+
+
+def test_deployed_server_derives_the_simulations_validation_interval(tmp_path):
+    """The sites report their training and validation case counts with the volume shape; the server derives
+    ``eval.every`` from them and the agreed shape as a simulation does from its loaded splits: 50 sliding
+    windows of 8³ per validation volume against 2 training patches a round gives k = ⌈50·0.8 / (3·2·0.2)⌉ =
+    34, capped at rounds / 4 = 10."""
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    cfg = load_deploy_config(spec, ["rounds=40", *VALIDATE_OFTEN])
+    desc = prepare_run(cfg, tmp_path / "dep")
+    transport = RemoteTransport(desc["sites"], LoopbackChannel(_runtimes(spec, tmp_path)), deploy_params(cfg))
+    logs: list[str] = []
+    planned, _, _ = plan_and_shape(tmp_path / "dep", desc, cfg, transport, 60.0, logs.append)
+    fed, data = load_federation_data(spec, log=lambda m: None, volume_cache="off")
+    simulated, _ = plan_volume_run(cfg, fed, data, log=lambda m: None)
+    assert planned.eval.every == simulated.eval.every == 10
+    assert planned == simulated
+    assert any("eval.every = 10" in m for m in logs)
+    assert json.loads((tmp_path / "dep" / "deploy.json").read_text())["site_cases"] == {"ras": [2, 1], "lps": [2, 1]}
+    assert load_deploy_config(tmp_path / "dep" / "config.toml").eval.every == 10
+
+
+@pytest.mark.slow
+def test_deployed_volume_run_validating_every_k_rounds_equals_simulation(tmp_path):
+    """Eight rounds whose derived interval is 2 (rounds / 4): deployed and simulated validate in the same
+    rounds and end with the same weights and Dice."""
+    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    dep, _ = _deploy(spec, tmp_path, ["rounds=8", *VALIDATE_OFTEN])
+    sim = run(spec, out=tmp_path / "sim", overrides=["rounds=8", *VALIDATE_OFTEN], progress=False, log=lambda m: None)
+    assert load_deploy_config(tmp_path / "dep" / "config.toml").eval.every == 2
+    validated = [h["round"] for h in dep["history"] if "val_dice" in h]
+    assert validated == [h["round"] for h in sim["history"] if "val_dice" in h] == [2, 4, 6, 8]
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
+    assert dep["per_site_dice"] == sim["per_site_dice"]

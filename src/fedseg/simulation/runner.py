@@ -35,7 +35,16 @@ from fedseg.seams.checkpoint import save_json
 from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
 from fedseg.site.workload import Workload, workload_for
 
-__all__ = ["build_engine", "build_transport", "load_federation_data", "run", "simulate", "write_results"]
+__all__ = [
+    "build_engine",
+    "build_transport",
+    "load_federation_data",
+    "plan_volume_run",
+    "run",
+    "simulate",
+    "validation_work",
+    "write_results",
+]
 
 
 def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
@@ -227,6 +236,27 @@ def load_federation_data(
     return fed, data
 
 
+def validation_work(cfg: RunConfig, cases: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``{site: (validation cases, training patches per round)}`` from ``{site: (validation cases, training
+    cases)}``: what :func:`fedseg.data.volumes.plan.eval_interval` weighs (a simulation counts its loaded
+    splits, a deployed server the counts its sites report)."""
+    return {s: (v, steps_per_round(cfg.train, t) * cfg.train.batch_size) for s, (v, t) in cases.items()}
+
+
+def plan_volume_run(
+    cfg: RunConfig, fed: Any, data: Mapping[str, SiteData], log: Callable[[str], None] = print
+) -> tuple[RunConfig, Any]:
+    """The run config of a volume federation with its plan applied (:func:`fedseg.data.volumes.load.plan_for_run`:
+    patch, network, and for ``3d`` the validation interval from the loaded splits, padded to one shape) and
+    the plan (:func:`fedseg.data.volumes.load.ensure_plan`, already logged by :func:`load_federation_data`)."""
+    plan = ensure_plan(fed, log=lambda m: None)
+    work, volume = None, None
+    if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
+        work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
+        volume = list(next(iter(data.values())).val.images.shape[2:])  # every split is padded to one shape
+    return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
+
+
 def _check_slice_evaluation(cfg: RunConfig, algorithm: Algorithm) -> None:
     """Refuse, before any data is read, a method with its own predictors (FedSM's selector routing) on a
     ``patches2d`` federation, whose evaluation volumes only the workload's model predicts (slice by slice)."""
@@ -272,15 +302,7 @@ def run(
     fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache)
     plan = None
     if fed.volumes:
-        plan = ensure_plan(fed, log=lambda m: None)  # logged once, by load_federation_data
-        work, volume = None, None
-        if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
-            work = {
-                s: (dataset_len(d.val), steps_per_round(cfg.train, dataset_len(d.train)) * cfg.train.batch_size)
-                for s, d in data.items()
-            }
-            volume = list(next(iter(data.values())).val.images.shape[2:])  # every split is padded to one shape
-        cfg = plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode)
+        cfg, plan = plan_volume_run(cfg, fed, data, log=log)
     results = simulate(
         cfg,
         workload_for(fed, cfg),

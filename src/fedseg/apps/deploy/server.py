@@ -21,8 +21,8 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.apps.deploy.site import data_header, is_plain_name
 from fedseg.apps.deploy.volumes import plan_and_shape
-from fedseg.data.spec import load_federation
-from fedseg.data.volumes.load import plan_path
+from fedseg.data.spec import VOLUME_MODES, load_federation
+from fedseg.data.volumes.load import plan_path, with_spec_intensity
 from fedseg.data.volumes.plan import load_plan
 from fedseg.execution.engine import Engine
 from fedseg.execution.remote.params import deploy_params
@@ -147,8 +147,9 @@ def prepare_run(
         "data": data_header(fed),
         "resume": False,
     }
-    if fed.mode == "3d" and plan_path(fed).is_file():  # the federation's plan (edited or not) wins, as in simulation
-        desc["plan"] = load_plan(plan_path(fed)).to_json()
+    if fed.volumes and plan_path(fed).is_file():  # the federation's plan (edited or not) wins, as in simulation
+        path = plan_path(fed)
+        desc["plan"] = with_spec_intensity(load_plan(path), fed, str(path), log=print).to_json()
     save_json(desc, desc_path)
     return desc
 
@@ -171,7 +172,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         record.unlink(missing_ok=True)
     transport = RemoteTransport(desc["sites"], call, params, log=log, record=record, train=cfg.train)
     plan = None
-    if h["mode"] == "3d":  # the federated plan and one volume shape, before the sites set up
+    if h["mode"] in VOLUME_MODES:  # the federated plan and one volume shape, before the sites set up
         cfg, h, plan = plan_and_shape(out, desc, cfg, transport, params.setup_timeout_s, log)
     algorithm = get_algorithm(cfg)
     workload = workload_for(h, cfg)

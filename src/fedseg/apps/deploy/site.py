@@ -96,8 +96,9 @@ def read_site_config(path: str | Path) -> SiteConfig:
 
 
 def data_header(fed: Any) -> dict[str, Any]:
-    """The data layout of a federation spec without any site or path (what the server may send)."""
-    return {
+    """The data layout of a federation spec without any site or path (what the server may send); for volumes
+    also the spec's ``data.intensity`` and ``data.window``, which the deployed plan follows as ``fedseg plan``."""
+    header = {
         "mode": fed.mode,
         "spatial_dims": fed.spatial_dims,
         "in_channels": fed.in_channels,
@@ -105,13 +106,17 @@ def data_header(fed: Any) -> dict[str, Any]:
         "image_size": list(fed.image_size) if fed.image_size is not None else None,
         "foreground_only": fed.foreground_only,
     }
+    if fed.volumes:
+        header["intensity"] = fed.intensity
+        header["window"] = list(fed.window) if fed.window is not None else None
+    return header
 
 
 def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:
     """Load this site's splits from its own datalist, laid out as the server's header says (volumes: in the
     plan's grid the header carries, padded to its volume shape, through the site's cache)."""
     fed = local_spec(name, datalist, header)
-    if fed.mode == "3d":
+    if fed.volumes:
         if not isinstance(header.get("plan"), dict):
             raise PayloadError(
                 f"site {name}: a volume run's setup carries no plan; server and site must run the same fedseg version"

@@ -1,20 +1,24 @@
 """Volumes deployed: the federated plan made over the wire, and each site's splits in the plan's grid.
 
-Before the sites set up a volume run (``mode = "3d"``), the server (:func:`plan_and_shape`):
+Before the sites set up a volume run (``mode = "3d"`` or ``"patches2d"``), the server (:func:`plan_and_shape`):
 
 1. **plans** — unless the run carries a plan (the file beside the federation spec, which ``prepare_run``
-   copies into ``deploy.json``, or the one an earlier job of the run made), it asks every site for its
-   fingerprint (operation ``fingerprint``: per-case spacings and shapes, foreground moments; never a voxel),
-   then the accepted sites for their foreground histograms on the grid it fixes (``histogram``), and makes
-   the plan exactly as ``fedseg plan`` does (:func:`fedseg.data.volumes.plan.make_plan`, sites in
-   federation order, a malformed or missing reply rejected and the plan made from the others);
+   copies into ``deploy.json`` with the spec's ``data.intensity`` applied, or the one an earlier job of the
+   run made), it asks every site for its fingerprint (operation ``fingerprint``: per-case spacings and
+   shapes, foreground moments; never a voxel), then the accepted sites for their foreground histograms on the
+   grid it fixes (``histogram``), and makes the plan exactly as ``fedseg plan`` does
+   (:func:`fedseg.data.volumes.plan.make_plan`, sites in federation order, the spec's ``data.intensity`` /
+   ``data.window`` from the data header, a malformed or missing reply rejected and the plan made from the
+   others);
 2. **agrees one volume shape** — every site brings its splits into the plan's grid (``volumes``; the cases
-   land in the site's cache, so setup reads them back) and says the largest padded shape; the server takes
-   the largest over the sites, as the simulation pads every site to one shape;
-3. records both in ``deploy.json`` (a resumed or re-submitted job reuses them), the plan in ``OUT/plan.json``
-   and in the run config the plan's patch, U-Net and validation interval
-   (:func:`fedseg.data.volumes.load.plan_for_run`), and sends the plan and the shape in the setup's data
-   header.
+   land in the site's cache, so setup reads them back) and says the largest padded shape of each axis (a
+   ``patches2d`` training split of slices has the first two) and its training and validation case counts;
+   the server takes the largest shape over the sites, as the simulation pads every site to one shape;
+3. derives the run's settings from the plan as a simulation does (:func:`fedseg.data.volumes.load.plan_for_run`:
+   patch, U-Net, and for ``3d`` the validation interval from the sites' counts and the agreed shape), records
+   the plan, the shape and the counts in ``deploy.json`` (a resumed or re-submitted job reuses them), the plan
+   in ``OUT/plan.json`` and the settings in ``OUT/config.toml``, and sends the plan and the shape in the
+   setup's data header.
 
 The site's half (:func:`site_operation`, :func:`load_volume_site_data`) reads only its own datalist and
 writes its cache only beside it (:func:`site_cache_setting`).
@@ -28,14 +32,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.data.spec import INTENSITIES, VOLUME_MODES, FederationSpec, SiteSpec
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, training_cases
 from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
 from fedseg.foundation.config import RunConfig, dump_toml
 from fedseg.foundation.errors import PayloadError
 from fedseg.seams.checkpoint import save_json
-from fedseg.site.runtime import SiteData
+from fedseg.simulation.runner import validation_work
+from fedseg.site.runtime import SiteData, dataset_len
 
 __all__ = [
     "VOLUME_OPS",
@@ -53,6 +58,7 @@ VOLUME_OPS = ("fingerprint", "histogram", "volumes")
 def local_spec(name: str, datalist: str | Path, header: dict[str, Any]) -> FederationSpec:
     """A one-site federation spec of this site's own datalist, laid out as the server's data header says."""
     dl = Path(datalist).resolve()
+    intensity, window = _intensity(header, f"site {name}: the server's data header")
     return FederationSpec(
         name=f"{name}-local",
         path=dl,
@@ -63,7 +69,28 @@ def local_spec(name: str, datalist: str | Path, header: dict[str, Any]) -> Feder
         mode=header["mode"],
         image_size=tuple(header["image_size"]) if header.get("image_size") else None,
         foreground_only=bool(header.get("foreground_only", False)),
+        intensity=intensity,
+        window=window,
     )
+
+
+def _intensity(header: dict[str, Any], where: str) -> tuple[str, tuple[float, float] | None]:
+    """The spec's ``data.intensity`` and ``data.window`` as the data header carries them (absent: "auto")."""
+    intensity, window = header.get("intensity", "auto"), header.get("window")
+    if intensity not in INTENSITIES:
+        raise PayloadError(f"{where}: intensity {intensity!r} is not one of {list(INTENSITIES)}")
+    if window is None and intensity != "window":
+        return intensity, None
+    ok = (
+        intensity == "window"
+        and isinstance(window, list)
+        and len(window) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in window)
+        and window[0] < window[1]
+    )
+    if not ok:
+        raise PayloadError(f"{where}: window {window!r} with intensity {intensity!r} is not [low, high] of a window")
+    return intensity, (float(window[0]), float(window[1]))
 
 
 def _shape(value: Any, what: str) -> list[int]:
@@ -73,6 +100,12 @@ def _shape(value: Any, what: str) -> list[int]:
         and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16 for v in value)
     ):
         raise PayloadError(f"{what}: {value!r} is not three positive integers")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 31):
+        raise PayloadError(f"{what}: {value!r} is not a count of cases")
     return value
 
 
@@ -116,8 +149,8 @@ def site_operation(
     """A site's answer to one planning operation (:data:`VOLUME_OPS`); ``body`` holds the data header."""
     where = f"site {name}: {op}"
     header = body.get("data")
-    if not isinstance(header, dict) or header.get("mode") != "3d":
-        raise PayloadError(f"{where}: the request carries no volume data header (mode '3d')")
+    if not isinstance(header, dict) or header.get("mode") not in VOLUME_MODES:
+        raise PayloadError(f"{where}: the request carries no volume data header (mode {' or '.join(VOLUME_MODES)})")
     fed = local_spec(name, datalist, header)
     site = fed.sites[0]
     if op == "fingerprint":
@@ -127,8 +160,14 @@ def site_operation(
     if op == "volumes":
         cache = body.get("volume_cache", "auto")
         data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log)
-        shape = [max(ds.images.shape[2 + a] for ds in (data.train, data.val, data.test)) for a in range(3)]
-        return {"site": name, "volume_shape": shape}
+        sets = (data.train, data.val, data.test)  # a patches2d training split holds slices: two axes
+        shape = [max(ds.images.shape[2 + a] for ds in sets if ds.images.dim() > 2 + a) for a in range(3)]
+        return {
+            "site": name,
+            "volume_shape": shape,
+            "num_train": dataset_len(data.train),
+            "num_validation": dataset_len(data.val),
+        }
     raise PayloadError(f"{where}: not a planning operation")
 
 
@@ -142,7 +181,8 @@ def _deployed_plan(transport: Any, header: dict[str, Any], timeout: float, log: 
         got = transport.exchange("histogram", {"data": header, "edges": edges}, timeout, sites=asked)
         return {s: r.get("counts") for s, r in got.items()}
 
-    return make_plan(fingerprints, histograms, log=log)
+    intensity, window = _intensity(header, "the run's data header")
+    return make_plan(fingerprints, histograms, intensity=intensity, window=window, log=log)
 
 
 def plan_and_shape(
@@ -159,22 +199,40 @@ def plan_and_shape(
         log(f"[deploy] plan made from the fingerprints of {plan.sites} ({plan.cases} training cases)")
     plan = Plan.from_json(desc["plan"], where=f"{out / 'deploy.json'}: plan")
     save_plan(plan, out / "plan.json")
-    planned = plan_for_run(cfg, plan, log=log)
-    if planned != cfg:
-        (out / "config.toml").write_text(dump_toml(planned.to_dict()))
     header["plan"] = plan.to_json()
     if desc.get("volume_shape") is None:
-        body = {"data": header, "volume_cache": planned.volume_cache}
-        replies = transport.exchange("volumes", body, timeout)
-        shape = list(plan.patch_size)
-        for s, r in replies.items():
-            try:
-                got = _shape(r.get("volume_shape"), f"reply of site {s} to 'volumes'")
-            except PayloadError as e:
-                log(f"[deploy] {e}; its volume shape is left out")
-                continue
-            shape = [max(a, b) for a, b in zip(shape, got)]
-        desc["volume_shape"] = shape
+        desc["volume_shape"], desc["site_cases"] = _agree_shape(plan, header, cfg, transport, timeout, log)
     header["volume_shape"] = desc["volume_shape"]
+    work, volume = None, None
+    if header["mode"] == "3d":  # as a simulation: the validation interval weighs 3D sliding windows
+        counts = {s: (int(v), int(t)) for s, (t, v) in desc.get("site_cases", {}).items()}
+        work, volume = validation_work(cfg, counts), desc["volume_shape"]
+    planned = plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=header["mode"])
+    if planned != cfg:
+        (out / "config.toml").write_text(dump_toml(planned.to_dict()))
     save_json(desc, out / "deploy.json")
     return planned, header, plan
+
+
+def _agree_shape(
+    plan: Plan, header: dict[str, Any], cfg: RunConfig, transport: Any, timeout: float, log: Callable[[str], None]
+) -> tuple[list[int], dict[str, list[int]]]:
+    """The largest padded shape over the sites' replies to ``volumes`` (for ``3d`` at least the plan's patch,
+    as every 3D split is padded to it) and each site's ``[training, validation]`` case counts, in federation
+    order; a malformed reply is logged and left out."""
+    replies = transport.exchange("volumes", {"data": header, "volume_cache": cfg.volume_cache}, timeout)
+    shape = list(plan.patch_size) if header["mode"] == "3d" else [1, 1, 1]
+    cases: dict[str, list[int]] = {}
+    for s in transport.sites:
+        if s not in replies:
+            continue
+        r = replies[s]
+        try:
+            got = _shape(r.get("volume_shape"), f"reply of site {s} to 'volumes'")
+            counts = [_count(r.get(k), f"reply of site {s} to 'volumes': {k}") for k in ("num_train", "num_validation")]
+        except PayloadError as e:
+            log(f"[deploy] {e}; its volume shape is left out")
+            continue
+        shape = [max(a, b) for a, b in zip(shape, got)]
+        cases[s] = counts
+    return shape, cases

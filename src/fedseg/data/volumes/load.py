@@ -276,13 +276,15 @@ def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def pad_to_shape(sets: list[VolumeDataset], shape: list[int]) -> None:
-    """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own)."""
+def pad_to_shape(sets: list[VolumeDataset | SliceDataset], shape: list[int]) -> None:
+    """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own); a
+    split of slices (``patches2d`` training) to its first two axes, as :func:`pad_to_common_shape` does."""
     for ds in sets:
-        if any(s < h for s, h in zip(shape, ds.images.shape[2:])):
+        target = list(shape)[: ds.images.dim() - 2]
+        if any(s < h for s, h in zip(target, ds.images.shape[2:])):
             raise DataError(f"volume shape {list(shape)} is smaller than a split's {list(ds.images.shape[2:])}")
-        if list(ds.images.shape[2:]) != list(shape):
-            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), list(shape))
+        if list(ds.images.shape[2:]) != target:
+            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), target)
 
 
 def pad_to_common_shape(data: dict) -> dict:
