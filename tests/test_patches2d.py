@@ -143,13 +143,15 @@ def test_pooled_crop_centres_a_patch_on_foreground_of_any_slice_of_the_batch():
     assert torch.equal(px, py * 7)  # image and label cut from the same slice, at the same place
 
 
-def test_augmentation_is_seeded_and_keeps_labels_aligned():
+@pytest.mark.parametrize("square_plane", [False, True])
+def test_augmentation_is_seeded_and_keeps_labels_aligned(square_plane):
     """Same seed, same batch; another seed, another batch.  Labels move with their images: the image is
-    100 x label, so after any flip, rotation or scaling thresholding the image at 50 gives back the label
-    (intensity scale ±10 %, shift ±0.1 and noise sd 0.05 cannot cross 50), up to the voxels on the
-    blob's edge where bilinear and nearest interpolation differ; a flip applied to only one of them would
-    leave the off-centre blob disjoint from itself."""
-    aug = patch_augmenter(3)
+    100 x label, so after any flip, rotation (90° ones too, on a square plane) or scaling thresholding
+    the image at 50 gives back the label (intensity scale ±10 %, shift ±0.1 and noise sd 0.05 cannot
+    cross 50), up to the voxels on the blob's edge where bilinear and nearest interpolation differ; a
+    flip or 90° rotation applied to only one of them would leave the off-centre blob disjoint from
+    itself.  The shape never changes."""
+    aug = patch_augmenter(3, square_plane=square_plane)
     y = torch.zeros(4, 1, 16, 16, 8)
     y[:, 0, 2:7, 3:8, 1:4] = 1
     x = 100 * y
@@ -161,6 +163,7 @@ def test_augmentation_is_seeded_and_keeps_labels_aligned():
     moved = 0
     for seed in range(6):
         xa, ya = aug(x, y, seed)
+        assert xa.shape == x.shape and ya.shape == y.shape
         assert set(torch.unique(ya).tolist()) <= {0.0, 1.0}
         inter = ((xa > 50) & (ya > 0)).sum().item()
         dice = 2 * inter / ((xa > 50).sum().item() + (ya > 0).sum().item())

@@ -5,6 +5,9 @@ label channels ``(B, L, *spatial)`` (2D or 3D) goes through one MONAI ``Compose`
 with a seed the caller draws from its (run seed, site, round) generator:
 
 * a flip along each spatial axis, each with probability 1/2 (``RandFlipd``, image and label alike);
+* when the patch is square in the axial plane (``square_plane``), a rotation by 90°, 180° or 270° in
+  that plane with probability 1/2 (``RandRotate90d``; a non-square patch would change shape, so it is
+  left out there);
 * with probability 0.2, a rotation in the axial plane (the first two axes) by up to ±15° and a scaling
   by up to ±10 % per axis (``RandAffined``: the image bilinear with border padding, the label nearest
   with zeros, so its values stay in {0, 1});
@@ -29,12 +32,13 @@ ROTATION = math.pi / 12
 SCALE = 0.1
 
 
-def _compose(spatial_dims: int):
+def _compose(spatial_dims: int, square_plane: bool = False):
     from monai.transforms import (
         Compose,
         RandAffined,
         RandFlipd,
         RandGaussianNoised,
+        RandRotate90d,
         RandScaleIntensityd,
         RandShiftIntensityd,
     )
@@ -44,6 +48,7 @@ def _compose(spatial_dims: int):
     return Compose(
         [
             *(RandFlipd(keys=both, prob=0.5, spatial_axis=a) for a in range(spatial_dims)),
+            *([RandRotate90d(keys=both, prob=0.5, max_k=3, spatial_axes=(0, 1))] if square_plane else []),
             RandAffined(
                 keys=both,
                 prob=0.2,
@@ -60,11 +65,12 @@ def _compose(spatial_dims: int):
 
 
 def patch_augmenter(
-    spatial_dims: int,
+    spatial_dims: int, square_plane: bool = False
 ) -> Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
     """``augment(x, y, seed) -> (x, y)``: the batch augmented case by case (module docstring), every random
-    draw from MONAI's generators seeded with ``seed``; the same seed gives the same batch."""
-    compose = _compose(spatial_dims)
+    draw from MONAI's generators seeded with ``seed``; the same seed gives the same batch.  ``square_plane``:
+    the patches' first two sides are equal, so in-plane 90° rotations keep their shape."""
+    compose = _compose(spatial_dims, square_plane)
 
     def augment(x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         compose.set_random_state(seed=int(seed) % 2**32)

@@ -224,10 +224,11 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     return crop
 
 
-def _augmented(crop, spatial_dims: int):
+def _augmented(crop, spatial_dims: int, roi: Sequence[int] | None = None):
     """``crop`` (or the batch as drawn, when None) followed by :func:`fedseg.data.augment.patch_augmenter`,
-    seeded per batch from ``g`` (the site's (run seed, site, round) generator)."""
-    augment = patch_augmenter(spatial_dims)
+    seeded per batch from ``g`` (the site's (run seed, site, round) generator); 90° in-plane rotations
+    when the patch ``roi`` is square in its first two axes."""
+    augment = patch_augmenter(spatial_dims, square_plane=roi is not None and roi[0] == roi[1])
 
     def transform(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         if crop is not None:
@@ -307,7 +308,7 @@ def segmentation_workload(
     if slices:
         infer = _slicewise(infer or (lambda m, x: m(x)))
     if augment:
-        transform = _augmented(transform, spatial_dims)
+        transform = _augmented(transform, spatial_dims, roi)
     return Workload(
         build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=make_loss(train.loss),
