@@ -43,8 +43,8 @@ from fedseg.data.volumes.geometry import read_case
 from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, plan_federation, plan_for_run, plan_path
 from fedseg.data.volumes.plan import PERCENTILES, Plan, save_plan
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import simulate, write_results
-from fedseg.site.runtime import SiteData, dataset_len, steps_per_round
+from fedseg.simulation.runner import simulate, validation_work, write_results
+from fedseg.site.runtime import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 METHODS = {"centralized": "Centralized", "local": "Local (own site)", "fedavg": "FedAvg", "autofedavg": "Auto-FedAvg"}
@@ -101,10 +101,7 @@ def train(spec: Path, fed, plans: dict[str, Plan], method: str, overrides: list[
     cfg = load_run_config(spec, overrides, known_sections(), method=method, seed=seed)
     data = {s.name: SiteData(*(load_volume_split(fed, s, split, plans[s.name]) for split in SPLITS)) for s in fed.sites}
     data = pad_to_common_shape(data)
-    work = {
-        s: (dataset_len(d.val), steps_per_round(cfg.train, dataset_len(d.train)) * cfg.train.batch_size)
-        for s, d in data.items()
-    }
+    work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
     volume = list(next(iter(data.values())).val.images.shape[2:])
     cfg = plan_for_run(cfg, plans[fed.sites[0].name], log=lambda m: None, sites=work, volume=volume)
     t0 = time.perf_counter()

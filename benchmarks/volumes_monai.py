@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import platform
 import time
 from pathlib import Path
@@ -42,17 +41,13 @@ from typing import Any
 import numpy as np
 import torch
 from _report import emit, md_table
+from volumes import f, train
 
-from fedseg.algorithms import known_sections
 from fedseg.data.datalist import load_datalist
 from fedseg.data.spec import load_federation
 from fedseg.data.synth3d import synthesize_ct
-from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, plan_federation, plan_for_run, plan_path
+from fedseg.data.volumes.load import plan_federation, plan_path
 from fedseg.data.volumes.plan import PERCENTILES, save_plan
-from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import simulate, validation_work, write_results
-from fedseg.site.runtime import SiteData, dataset_len
-from fedseg.site.workload import workload_for
 
 SPLITS = ("training", "validation", "testing")
 
@@ -210,21 +205,7 @@ def monai_run(fed, plan, stats, args, every_steps: int) -> dict[str, Any]:
 
 def fedseg_run(spec: Path, fed, plan, overrides: list[str], seed: int, out: Path) -> dict[str, Any]:
     """fedseg's ``centralized`` method on the plan, as ``fedseg run`` does (interval derived, best round tested)."""
-    cfg = load_run_config(spec, overrides, known_sections(), method="centralized", seed=seed)
-    data = {s.name: SiteData(*(load_volume_split(fed, s, split, plan) for split in SPLITS)) for s in fed.sites}
-    data = pad_to_common_shape(data)
-    work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
-    volume = list(next(iter(data.values())).val.images.shape[2:])
-    cfg = plan_for_run(cfg, plan, log=lambda m: None, sites=work, volume=volume)
-    t0 = time.perf_counter()
-    res = simulate(cfg, workload_for(fed, cfg), data, out=None, progress=False, log=lambda m: None)
-    res["wall_time_s"] = time.perf_counter() - t0
-    write_results(res, out)
-    return res
-
-
-def f(v: Any, digits: int = 3) -> str:
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+    return train(spec, fed, {s.name: plan for s in fed.sites}, "centralized", overrides, seed, out)
 
 
 def main() -> None:

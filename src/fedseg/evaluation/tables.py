@@ -129,19 +129,9 @@ def _metric_table(
         cells += [mean_sd([r.get(f"global_{key}") for r in rows], digits)]
         if epsilon:
             dp = [r["privacy"] for r in rows if r.get("privacy") is not None]
-            cells.append(_epsilon_cell([p["epsilon"] for p in dp]) if dp else "∞")
+            cells.append(mean_sd([p["epsilon"] for p in dp], 2) if dp else "∞")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
-
-
-def _epsilon_cell(values: Sequence[float | None]) -> str:
-    """ε of a row's runs (mean ± sd over seeds), 2 decimals."""
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return "–"
-    if len(vals) == 1:
-        return f"{vals[0]:.2f}"
-    return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f}"
 
 
 def table5(rows: Sequence[Mapping[str, Any]], sites: Sequence[str]) -> str:
