@@ -108,7 +108,7 @@ def test_a_word_outside_its_literal_is_refused_naming_the_key_and_the_allowed_wo
 
 
 def test_a_config_built_in_python_gets_the_loaders_message():
-    with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'dice', 'dicece' or 'bce'")):
+    with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'auto', 'dice', 'dicece' or 'bce'")):
         TrainConfig(loss="l1").validate()
     TrainConfig(loss="dicece", precision="bf16", data="stream").validate()
 

@@ -8,6 +8,7 @@ see ``docs/python-api.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -175,10 +176,11 @@ def accuracy_metric(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def make_loss(name: str) -> Loss:
-    """Segmentation loss on logits with one sigmoid per channel (MONAI losses; FedSM uses Dice)."""
+    """Segmentation loss on logits with one sigmoid per channel (MONAI losses; FedSM uses Dice).  ``"auto"``
+    is Dice here; :func:`workload_for` makes it Dice + cross-entropy for volumes (``train.loss``)."""
     from monai.losses import DiceCELoss, DiceLoss
 
-    if name == "dice":
+    if name in ("dice", "auto"):
         return DiceLoss(sigmoid=True)
     if name == "dicece":
         return DiceCELoss(sigmoid=True)
@@ -332,8 +334,8 @@ class DataLayout(Protocol):
 
 def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
     """The segmentation workload of a run: its federation's data layout and the run's model, loss,
-    threshold, ``eval.empty_dice``, ``eval.hd95`` ("auto": on for volumes) and ``train.augment`` ("auto": on
-    for volumes) — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
+    threshold, ``eval.empty_dice``, ``eval.hd95`` ("auto": on for volumes), ``train.augment`` ("auto": on
+    for volumes) and ``train.loss`` ("auto": Dice + cross-entropy for volumes, Dice otherwise) — what ``fedseg run``, ``evaluate``, the FedSM studies, the report
     and both halves of a deployment build.
 
     ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
@@ -347,12 +349,15 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         mode = getattr(layout, "mode", None)
     volumes = mode in VOLUME_MODES
     augment = cfg.train.augment == "on" or (cfg.train.augment == "auto" and volumes)
+    train = cfg.train
+    if train.loss == "auto":
+        train = dataclasses.replace(train, loss="dicece" if volumes else "dice")
     return segmentation_workload(
         int(spatial_dims),
         int(in_channels),
         list(labels),
         cfg.model,
-        cfg.train,
+        train,
         cfg.eval.threshold,
         empty_dice=cfg.eval.empty_dice,
         sw_overlap=cfg.eval.sw_overlap,

@@ -319,14 +319,18 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``), each logged.
+    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``,
+    ``train.loss = "auto"``: Dice + cross-entropy), each logged.
 
     ``eval.every`` left at 1 becomes the plan's ``eval_every``, or when that is None (the default)
     :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
     patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1.
     ``mode = "patches2d"``: the 2D network stays as configured and the patch is the plan's in-plane
     patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
-    model, ev = cfg.model, cfg.eval
+    model, ev, train = cfg.model, cfg.eval, cfg.train
+    if train.loss == "auto":
+        train = dataclasses.replace(train, loss="dicece")
+        log("plan: train.loss = dicece (Dice + cross-entropy: a Dice loss alone can settle on empty predictions)")
     if mode == "patches2d":
         if model.roi_size is None:
             patch = slice_patch(plan, _downsampling(model))
@@ -351,4 +355,4 @@ def plan_for_run(
         if every is not None and every != ev.every:
             ev = dataclasses.replace(ev, every=every)
             log(f"plan: eval.every = {every} ({why})")
-    return dataclasses.replace(cfg, model=model, eval=ev)
+    return dataclasses.replace(cfg, model=model, eval=ev, train=train)
