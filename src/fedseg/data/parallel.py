@@ -1,0 +1,80 @@
+"""Independent per-case jobs over a pool of worker processes (the synthetic federations' cases).
+
+Each synthetic case draws from its own generator, seeded by (run seed, site, split, case), and writes its
+own files, so the files are the same bytes whatever the number of processes and whichever finishes first.
+Workers are started with ``spawn`` (no state copied from a parent that may hold threads) and run their
+numerical libraries single-threaded, so ``workers`` processes use ``workers`` cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fedseg.foundation.errors import ConfigError
+
+#: The most processes :func:`default_workers` picks.
+MAX_WORKERS = 8
+#: Estimated serial seconds of work per process below which fewer processes are used: starting one
+#: costs a fresh interpreter importing NumPy, SciPy and the writers (and whatever the main script imports).
+SECONDS_PER_WORKER = 3.0
+
+
+def default_workers() -> int:
+    """``min(cores this process may use, 8)``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+def pool_size(workers: int | None, jobs: int, serial_seconds: float) -> int:
+    """Processes to run ``jobs`` jobs with (1: in this process).
+
+    ``workers`` given: that many, at most one per job. ``None``: :func:`default_workers`, but no more than
+    one per :data:`SECONDS_PER_WORKER` of estimated serial work (``serial_seconds``), so a small federation
+    is written in this process rather than waiting for interpreters to start.
+    """
+    if workers is None:
+        return max(1, min(default_workers(), jobs, int(serial_seconds / SECONDS_PER_WORKER)))
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"synth: workers must be a positive integer, got {workers!r} -> pass e.g. workers=4")
+    return max(1, min(workers, jobs))
+
+
+def _single_threaded() -> None:
+    """Worker initializer: one thread for BLAS/OpenMP pools (the processes are the parallelism)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: without it the pools keep their size
+        return
+    threadpool_limits(1)
+
+
+def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: Callable[[], Any]) -> None:
+    """Call ``fn(job)`` for every job, in ``workers`` spawned processes (1: here, in order).
+
+    ``fn`` must be a module-level function and each job picklable; ``done()`` is called in this process
+    after each job. The first job that raises stops the rest and its error is raised here.
+    """
+    if workers <= 1:
+        for job in jobs:
+            fn(job)
+            done()
+        return
+    import multiprocessing
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_single_threaded) as pool:
+        pending = {pool.submit(fn, job) for job in jobs}
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in finished:
+                if future.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise future.exception()
+                done()
