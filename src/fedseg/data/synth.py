@@ -221,22 +221,27 @@ def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
 def _vessels(y, x, dcy, dcx, dr, theta, kappa, length, width) -> np.ndarray:
     """Vessel darkening (size, size) in [0, 1]: the strongest of K curves leaving the disc centre.
 
-    Curve k's centreline has angle ``theta_k + kappa_k * rho`` at distance ``rho`` from the disc centre
-    and ends at ``length_k``; beyond it the curve's term is exactly 0, so each curve is evaluated only
-    where ``rho < length_k`` (the same numbers as over the whole image, in a fraction of the time).
+    Curve k's centreline has angle ``theta_k + kappa_k * rho`` at distance ``rho`` from the disc centre,
+    ends at ``length_k`` and has the profile ``exp(-(dist / w)^2)``. It is evaluated only where it can
+    matter: where ``rho < length_k`` (beyond, its term is 0 exactly) and within 6.7 ``w`` of its centreline
+    (a bound from a cheap angle wrap; beyond, the term is below 1e-19 and left at 0). The image is
+    multiplied by ``1 - v * c`` with ``c < 1``, which rounds to exactly 1 for any ``v`` below 2^-54, so the
+    image is the same bit for bit as with every term evaluated everywhere.
     """
     rho = np.hypot(x - dcx, y - dcy)
     phi = np.arctan2(y - dcy, x - dcx)
-    v = np.zeros(rho.shape)
+    v = np.zeros(rho.size)
     for t, kap, ln, wd in zip(theta, kappa, length, width):
-        near = rho < ln
-        r, f = rho[near], phi[near]
-        delta = np.angle(np.exp(1j * (f - t - kap * r)))
-        dist = np.abs(delta) * r
+        near = np.flatnonzero(rho < ln)
+        r, a = rho.flat[near], phi.flat[near]
+        a = a - t - kap * r
         w = wd * (1.0 - 0.5 * np.clip(r / ln, 0, 1))
+        band = np.abs(np.remainder(a + np.pi, 2 * np.pi) - np.pi) * r / w < 6.7
+        r, a, w, idx = r[band], a[band], w[band], near[band]
+        dist = np.abs(np.angle(np.exp(1j * a))) * r
         vk = np.exp(-((dist / w) ** 2)) * np.clip((ln - r) / 0.05, 0, 1) * np.clip(r / (0.5 * dr), 0, 1)
-        v[near] = np.maximum(v[near], vk)
-    return v
+        v[idx] = np.maximum(v[idx], vk)
+    return v.reshape(rho.shape)
 
 
 def _soft_inside(e: np.ndarray, radius: float, size: int) -> np.ndarray:
