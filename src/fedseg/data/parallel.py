@@ -8,8 +8,9 @@ numerical libraries single-threaded, so ``workers`` processes use ``workers`` co
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fedseg.foundation.errors import ConfigError
@@ -53,6 +54,24 @@ def _single_threaded() -> None:
     threadpool_limits(1)
 
 
+#: glibc malloc settings of the workers (unless set already): keep freed megabyte-sized NumPy temporaries in
+#: the heap instead of returning them to the system, where each reuse costs page faults (a quarter of a
+#: 256 px fundus case's time). Allocation never changes a number.
+WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """Set :data:`WORKER_MALLOC` in ``os.environ`` for processes started inside; restore it after."""
+    added = {k: v for k, v in WORKER_MALLOC.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: Callable[[], Any]) -> None:
     """Call ``fn(job)`` for every job, in ``workers`` spawned processes (1: here, in order).
 
@@ -69,7 +88,8 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: 
 
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_single_threaded) as pool:
-        pending = {pool.submit(fn, job) for job in jobs}
+        with _worker_environment():  # the workers start while the first jobs are submitted
+            pending = {pool.submit(fn, job) for job in jobs}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for future in finished:

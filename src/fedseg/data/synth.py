@@ -228,20 +228,21 @@ def _vessels(y, x, dcy, dcx, dr, theta, kappa, length, width) -> np.ndarray:
     multiplied by ``1 - v * c`` with ``c < 1``, which rounds to exactly 1 for any ``v`` below 2^-54, so the
     image is the same bit for bit as with every term evaluated everywhere.
     """
-    rho = np.hypot(x - dcx, y - dcy)
-    phi = np.arctan2(y - dcy, x - dcx)
+    rho = np.hypot(x - dcx, y - dcy).ravel()
+    phi = np.arctan2(y - dcy, x - dcx).ravel()
     v = np.zeros(rho.size)
     for t, kap, ln, wd in zip(theta, kappa, length, width):
         near = np.flatnonzero(rho < ln)
-        r, a = rho.flat[near], phi.flat[near]
+        r, a = rho[near], phi[near]
         a = a - t - kap * r
         w = wd * (1.0 - 0.5 * np.clip(r / ln, 0, 1))
-        band = np.abs(np.remainder(a + np.pi, 2 * np.pi) - np.pi) * r / w < 6.7
+        wrapped = a - np.rint(a * (0.5 / np.pi)) * (2 * np.pi)  # a bound only: the profile uses np.angle's
+        band = np.flatnonzero(np.abs(wrapped) * r < 6.7 * w)
         r, a, w, idx = r[band], a[band], w[band], near[band]
         dist = np.abs(np.angle(np.exp(1j * a))) * r
         vk = np.exp(-((dist / w) ** 2)) * np.clip((ln - r) / 0.05, 0, 1) * np.clip(r / (0.5 * dr), 0, 1)
         v[idx] = np.maximum(v[idx], vk)
-    return v.reshape(rho.shape)
+    return v.reshape(x.shape)
 
 
 def _soft_inside(e: np.ndarray, radius: float, size: int) -> np.ndarray:
