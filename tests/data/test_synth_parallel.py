@@ -6,11 +6,13 @@ arranged to do less work; these tests compare against the direct formulas bitwis
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from fedseg.cli import build_parser
-from fedseg.data.parallel import MAX_WORKERS, default_workers, pool_size
+from fedseg.data.parallel import MAX_WORKERS, WORKER_ENV, _worker_environment, default_workers, pool_size
 from fedseg.data.synth import _grid, _vessels, split_sizes, synthesize
 from fedseg.data.synth3d import AIR, CORTEX, CT_SITES, DISC, FAT, MARROW, METAL, SOFT, ct_grid, draw_anatomy, tissue_at
 from fedseg.foundation.errors import ConfigError
@@ -139,3 +141,14 @@ def test_cli_takes_workers():
     args = build_parser().parse_args(["synth", "--preset", "fundus", "--out", "x", "--workers", "3"])
     assert args.workers == 3
     assert build_parser().parse_args(["synth", "--preset", "fundus", "--out", "x"]).workers is None
+
+
+def test_worker_environment_is_set_for_the_pool_only(monkeypatch):
+    # Prepare: the caller chose its own OpenMP threads; the malloc settings are unset
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    # Execute / Assert
+    with _worker_environment():
+        assert os.environ["OMP_NUM_THREADS"] == "3"  # never overridden
+        assert os.environ["MALLOC_TRIM_THRESHOLD_"] == WORKER_ENV["MALLOC_TRIM_THRESHOLD_"]
+    assert os.environ["OMP_NUM_THREADS"] == "3" and "MALLOC_TRIM_THRESHOLD_" not in os.environ

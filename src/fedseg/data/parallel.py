@@ -3,14 +3,16 @@
 Each synthetic case draws from its own generator, seeded by (run seed, site, split, case), and writes its
 own files, so the files are the same bytes whatever the number of processes and whichever finishes first.
 Workers are started with ``spawn`` (no state copied from a parent that may hold threads) and run their
-numerical libraries single-threaded, so ``workers`` processes use ``workers`` cores.
+numerical libraries single-threaded (:data:`WORKER_ENV`), so ``workers`` processes use ``workers`` cores.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from typing import Any
 
 from fedseg.foundation.errors import ConfigError
@@ -45,25 +47,23 @@ def pool_size(workers: int | None, jobs: int, serial_seconds: float) -> int:
     return max(1, min(workers, jobs))
 
 
-def _single_threaded() -> None:
-    """Worker initializer: one thread for BLAS/OpenMP pools (the processes are the parallelism)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: without it the pools keep their size
-        return
-    threadpool_limits(1)
-
-
-#: glibc malloc settings of the workers (unless set already): keep freed megabyte-sized NumPy temporaries in
-#: the heap instead of returning them to the system, where each reuse costs page faults (a quarter of a
-#: 256 px fundus case's time). Allocation never changes a number.
-WORKER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+#: Environment of the worker processes, where not set already: one thread for the BLAS and OpenMP pools
+#: (the processes are the parallelism), and glibc malloc settings that keep freed megabyte-sized NumPy
+#: temporaries in the heap instead of returning them to the system, where each reuse costs page faults (a
+#: quarter of a 256 px fundus case's time). Neither changes a number.
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+}
 
 
 @contextlib.contextmanager
 def _worker_environment() -> Iterator[None]:
-    """Set :data:`WORKER_MALLOC` in ``os.environ`` for processes started inside; restore it after."""
-    added = {k: v for k, v in WORKER_MALLOC.items() if k not in os.environ}
+    """Set :data:`WORKER_ENV` in ``os.environ`` for the processes started inside; restore it after."""
+    added = {k: v for k, v in WORKER_ENV.items() if k not in os.environ}
     os.environ.update(added)
     try:
         yield
@@ -83,11 +83,8 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: 
             fn(job)
             done()
         return
-    import multiprocessing
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_single_threaded) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         with _worker_environment():  # the workers start while the first jobs are submitted
             pending = {pool.submit(fn, job) for job in jobs}
         while pending:
