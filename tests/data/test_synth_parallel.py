@@ -144,11 +144,11 @@ def test_cli_takes_workers():
 
 
 def test_worker_environment_is_set_for_the_pool_only(monkeypatch):
-    # Prepare: the caller chose its own OpenMP threads; the malloc settings are unset
+    # Prepare: the caller chose its own OpenMP threads; OpenBLAS's are unset
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     # Execute / Assert
     with _worker_environment():
         assert os.environ["OMP_NUM_THREADS"] == "3"  # never overridden
-        assert os.environ["MALLOC_TRIM_THRESHOLD_"] == WORKER_ENV["MALLOC_TRIM_THRESHOLD_"]
-    assert os.environ["OMP_NUM_THREADS"] == "3" and "MALLOC_TRIM_THRESHOLD_" not in os.environ
+        assert os.environ["OPENBLAS_NUM_THREADS"] == WORKER_ENV["OPENBLAS_NUM_THREADS"] == "1"
+    assert os.environ["OMP_NUM_THREADS"] == "3" and "OPENBLAS_NUM_THREADS" not in os.environ

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from typing import Any
 
+import numpy as np
+
 from fedseg.foundation.errors import ConfigError
 
 #: The most processes :func:`default_workers` picks.
@@ -48,16 +50,19 @@ def pool_size(workers: int | None, jobs: int, serial_seconds: float) -> int:
 
 
 #: Environment of the worker processes, where not set already: one thread for the BLAS and OpenMP pools
-#: (the processes are the parallelism), and glibc malloc settings that keep freed megabyte-sized NumPy
-#: temporaries in the heap instead of returning them to the system, where each reuse costs page faults (a
-#: quarter of a 256 px fundus case's time). Neither changes a number.
-WORKER_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
-}
+#: (the processes are the parallelism).
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def keep_temporaries_in_heap() -> None:
+    """Allocate and free one 16 MiB block, so glibc's malloc serves blocks up to that size from its heap.
+
+    glibc raises its mmap threshold to the largest mapped block freed (up to 32 MiB) and trims its heap
+    beyond twice that; without this, the megabyte-sized NumPy temporaries of a case are mapped, faulted in
+    and unmapped again and again (a quarter of a 256 px fundus case's time, in system calls). With another
+    allocator it does nothing useful and nothing harmful; allocation never changes a number.
+    """
+    np.empty(2 << 20)
 
 
 @contextlib.contextmanager
@@ -79,12 +84,13 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: 
     after each job. The first job that raises stops the rest and its error is raised here.
     """
     if workers <= 1:
+        keep_temporaries_in_heap()
         for job in jobs:
             fn(job)
             done()
         return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_temporaries_in_heap) as pool:
         with _worker_environment():  # the workers start while the first jobs are submitted
             pending = {pool.submit(fn, job) for job in jobs}
         while pending:
