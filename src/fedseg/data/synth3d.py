@@ -334,7 +334,7 @@ def _spec_toml(n_sites: int) -> str:
 
 
 #: Estimated serial seconds per voxel of one case (CPU, one thread), to size the pool of processes.
-_SECONDS_PER_VOXEL = 1.5e-7
+_SECONDS_PER_VOXEL = 1e-7
 
 
 def _write_case(job: tuple[int, int, int, int, int, str, str]) -> None:
