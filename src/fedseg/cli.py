@@ -43,7 +43,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
-    spec = synthesize(a.preset, a.out, seed=a.seed, scale=a.scale, size=a.size, progress=True)
+    spec = synthesize(a.preset, a.out, seed=a.seed, scale=a.scale, size=a.size, progress=True, workers=a.workers)
     print(f"wrote {spec}")
     return 0
 
@@ -291,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="image side in pixels; ct-lesion: in-plane voxels, slices and anatomy scale with size/64 "
         "(512 gives 512x512x128-384 volumes)",
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes writing cases in parallel (default: min(cores, 8), fewer for a small federation; "
+        "1: one process); the files are the same bytes for any number",
     )
     s.set_defaults(func=cmd_synth)
 

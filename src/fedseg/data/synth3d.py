@@ -32,6 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fedseg.data.datalist import SPLITS, write_datalist
+from fedseg.data.parallel import pool_size, run_jobs
 from fedseg.foundation.errors import ConfigError
 
 #: Per-site (train, val, test) cases at ``scale = 1``.
@@ -139,37 +140,91 @@ def draw_anatomy(site: CTSite, rng: np.random.Generator, size: int = 64) -> Anat
     return Anatomy((bc, bs), fat, spine, disc_phase, organ, lesion, rods, 0.6 + 0.27 * u, u)
 
 
+def _columns_minus(p: np.ndarray, centre: np.ndarray) -> np.ndarray:
+    """``p - centre`` for points (N, 3), C-contiguous, one coordinate at a time (the same numbers, fewer loops)."""
+    d = np.empty(p.shape)
+    for i in range(3):
+        np.subtract(p[:, i], centre[i], out=d[:, i])
+    return d
+
+
 def _inside(p: np.ndarray, ellipsoid: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Whether each point (N, 3) lies inside the ellipsoid (centre, semi-axes[, rotation])."""
-    d = p - ellipsoid[0]
+    """Whether each point (N, 3) lies inside the ellipsoid (centre, semi-axes[, rotation]).
+
+    ``sum_i (d_i / semi_i)^2`` goes through :func:`numpy.einsum` over a C-contiguous (N, 3) array, whose
+    summation order decides the boundary points (the files' bytes depend on it); the subtraction and the
+    division run one coordinate at a time, which gives the same numbers as broadcasting.
+    """
+    d = _columns_minus(p, ellipsoid[0])
     if len(ellipsoid) == 3:
         d = d @ ellipsoid[2]  # world -> ellipsoid frame (the rotation's columns are its axes)
-    return np.einsum("ni,ni->n", d / ellipsoid[1], d / ellipsoid[1]) < 1.0
+    q = np.empty(d.shape)
+    for i in range(3):
+        np.divide(d[:, i], ellipsoid[1][i], out=q[:, i])
+    return np.einsum("ni,ni->n", q, q) < 1.0
+
+
+def _may_meet(p: np.ndarray, ellipsoid: tuple[np.ndarray, ...]) -> bool:
+    """False when no point (N, 3) can lie inside the ellipsoid: all are beyond its bounding sphere along z.
+
+    The margin (1e-6 relative) dwarfs rounding, so a False never hides a point :func:`_inside` would accept.
+    """
+    reach = float(np.max(ellipsoid[1])) * (1.0 + 1e-6) + 1e-9
+    z = p[:, 2]
+    return bool(z.min() - ellipsoid[0][2] < reach and ellipsoid[0][2] - z.max() < reach)
 
 
 def labels_at(anat: Anatomy, p: np.ndarray) -> np.ndarray:
     """Label of each world point (N, 3): 0 background, 1 organ, 2 lesion (always inside the organ)."""
+    if not _may_meet(p, anat.organ):
+        return np.zeros(len(p), np.uint8)
     organ = _inside(p, anat.organ)
+    if not _may_meet(p, anat.lesion):
+        return organ.astype(np.uint8)
     return (organ.astype(np.uint8) + (organ & _inside(p, anat.lesion))).astype(np.uint8)
 
 
-def hu_at(anat: Anatomy, site: CTSite, p: np.ndarray, lesion_hu: float) -> np.ndarray:
-    """Noise-free, uncalibrated attenuation (HU) of each world point (N, 3)."""
+def _within(p: np.ndarray, centre: Any, half: Any) -> np.ndarray:
+    """Indices of the points (N, 3) within the box ``|p_i - centre_i| < half_i (1 + 1e-6)`` (i < len(half)).
+
+    A shape whose bounding box this is can hold no point outside it, rounding included: the tests below
+    run on these points only, and the rest keep what they had.
+    """
+    keep = np.ones(len(p), bool)
+    for i in range(len(half)):
+        keep &= np.abs(p[:, i] - centre[i]) < half[i] * (1.0 + 1e-6)
+    return np.flatnonzero(keep)
+
+
+def tissue_at(anat: Anatomy, site: CTSite, p: np.ndarray, lesion_hu: float) -> tuple[np.ndarray, np.ndarray]:
+    """Noise-free, uncalibrated attenuation (HU) and label of each world point (N, 3).
+
+    Each structure is tested on the points of its bounding box only (same values as testing every point).
+    """
     u = anat.u
     hu = np.full(len(p), AIR)
     bc, bs = anat.body
-    hu[_inside(p, anat.body)] = FAT
-    hu[_inside(p, (bc, np.maximum(bs - anat.fat, u)))] = SOFT
+    box = _within(p, bc, bs)
+    pb = p[box]
+    hu[box[_inside(pb, anat.body)]] = FAT
+    hu[box[_inside(pb, (bc, np.maximum(bs - anat.fat, u)))]] = SOFT
     sx, sy, sr = anat.spine
-    r = np.hypot(p[:, 0] - sx, p[:, 1] - sy)
-    disc = np.mod(p[:, 2] - anat.disc_phase, 6.0 * u) < 1.0 * u
-    hu = np.where(r < sr, np.where(disc, DISC, np.where(r > 0.7 * sr, CORTEX, MARROW)), hu)
+    box = _within(p, (sx, sy), (sr, sr))  # outside it r >= sr: the spine leaves hu as it is
+    r = np.hypot(p[box, 0] - sx, p[box, 1] - sy)
+    disc = np.mod(p[box, 2] - anat.disc_phase, 6.0 * u) < 1.0 * u
+    hu[box] = np.where(r < sr, np.where(disc, DISC, np.where(r > 0.7 * sr, CORTEX, MARROW)), hu[box])
     lab = labels_at(anat, p)
     hu[lab == 1] = site.organ_hu
     hu[lab == 2] = lesion_hu
     for rx, ry in anat.rods:
-        hu[np.hypot(p[:, 0] - rx, p[:, 1] - ry) < anat.rod_radius] = METAL
-    return hu
+        box = _within(p, (rx, ry), (anat.rod_radius, anat.rod_radius))
+        hu[box[np.hypot(p[box, 0] - rx, p[box, 1] - ry) < anat.rod_radius]] = METAL
+    return hu, lab
+
+
+def hu_at(anat: Anatomy, site: CTSite, p: np.ndarray, lesion_hu: float) -> np.ndarray:
+    """Noise-free, uncalibrated attenuation (HU) of each world point (N, 3)."""
+    return tissue_at(anat, site, p, lesion_hu)[0]
 
 
 def ct_grid(site: CTSite, size: int = 64) -> tuple[tuple[int, int, int], np.ndarray]:
@@ -229,15 +284,19 @@ def render_ct(anat: Anatomy, site: CTSite, size: int, rng: np.random.Generator) 
     sigma, norm = 0.6, _noise_norm(0.6)
     stored = np.empty(shape, np.int16)
     label = np.empty(shape, np.uint8)
+    vox = np.empty((ii.size, 3))
+    vox[:, plane[0]], vox[:, plane[1]] = ii.ravel(), jj.ravel()
     for k in range(shape[ax]):
         hu = np.zeros(ii.shape)
         for m, t in enumerate(subs):
-            vox = np.empty((ii.size, 3))
-            vox[:, plane[0]], vox[:, plane[1]], vox[:, ax] = ii.ravel(), jj.ravel(), k + t
-            world = vox @ affine[:3, :3].T + affine[:3, 3]
-            hu += hu_at(anat, site, world, lesion_hu).reshape(ii.shape) / n_sub
+            vox[:, ax] = k + t
+            world = vox @ affine[:3, :3].T
+            for i in range(3):  # + affine[:3, 3], one coordinate at a time
+                world[:, i] += affine[i, 3]
+            hu_sub, lab_sub = tissue_at(anat, site, world, lesion_hu)
+            hu += hu_sub.reshape(ii.shape) / n_sub
             if m == n_sub // 2:  # the voxel centre
-                lab = labels_at(anat, world).reshape(ii.shape)
+                lab = lab_sub.reshape(ii.shape)
         noise = gaussian_filter(rng.standard_normal(ii.shape), sigma) / norm
         value = np.clip(np.rint(hu + site.hu_offset + site.noise * noise), -1024, 3071)
         if circle is not None:
@@ -274,7 +333,27 @@ def _spec_toml(n_sites: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def synthesize_ct(out: str | Path, seed: int = 0, scale: float = 1.0, size: int = 64, progress: bool = False) -> Path:
+#: Estimated serial seconds per voxel of one case (CPU, one thread), to size the pool of processes.
+_SECONDS_PER_VOXEL = 1e-7
+
+
+def _write_case(job: tuple[int, int, int, int, int, str, str]) -> None:
+    """Draw case ``i`` of split ``j`` at site ``s`` from its own generator and write its two NIfTI files."""
+    s, j, i, seed, size, root, name = job
+    site = CT_SITES[s]
+    stored, label, affine = ct_case(site, np.random.default_rng([seed, s, j, i]), size)
+    _save(Path(root) / "images" / name, stored, affine, site.intercept)
+    _save(Path(root) / "labels" / name, label, affine)
+
+
+def synthesize_ct(
+    out: str | Path,
+    seed: int = 0,
+    scale: float = 1.0,
+    size: int = 64,
+    progress: bool = False,
+    workers: int | None = None,
+) -> Path:
     """Write the ``ct-lesion`` federation: three sites of NIfTI CT volumes with their own geometry.
 
     Parameters
@@ -290,6 +369,9 @@ def synthesize_ct(out: str | Path, seed: int = 0, scale: float = 1.0, size: int 
         In-plane voxels (>= 16); slices, anatomy and coverage scale with ``size / 64``.
     progress : bool
         Show a tqdm bar; otherwise print nothing.
+    workers : int or None
+        Processes writing cases in parallel (1: this process only); ``None``: ``min(cores, 8)``, fewer for
+        a small federation. The files do not depend on it (each case has its own generator).
 
     Returns
     -------
@@ -305,23 +387,25 @@ def synthesize_ct(out: str | Path, seed: int = 0, scale: float = 1.0, size: int 
         )
     sizes = ct_split_sizes(scale)
     out = Path(out).expanduser().resolve()
-    bar = tqdm(total=sum(map(sum, sizes)), desc="synth ct-lesion", disable=not progress)
+    jobs, datalists, voxels = [], {}, 0
     for s, (site, counts) in enumerate(zip(CT_SITES, sizes)):
         root = out / f"site{s + 1}"
         (root / "images").mkdir(parents=True, exist_ok=True)
         (root / "labels").mkdir(parents=True, exist_ok=True)
-        splits: dict[str, list[dict[str, Path]]] = {}
+        splits: dict[str, list[dict[str, str | Path]]] = {}
         for j, (split, n) in enumerate(zip(SPLITS, counts)):
             splits[split] = []
             for i in range(n):
-                stored, label, affine = ct_case(site, np.random.default_rng([seed, s, j, i]), size)
                 name = f"{_FILE_SPLIT[split]}_{i}.nii.gz"
-                _save(root / "images" / name, stored, affine, site.intercept)
-                _save(root / "labels" / name, label, affine)
+                jobs.append((s, j, i, int(seed), size, str(root), name))
                 splits[split].append({"image": root / "images" / name, "label": root / "labels" / name})
-                bar.update()
-        write_datalist(root / "datalist.json", splits)
-    bar.close()
+                voxels += int(np.prod(ct_grid(site, size)[0]))
+        datalists[root / "datalist.json"] = splits
+    n_workers = pool_size(workers, len(jobs), voxels * _SECONDS_PER_VOXEL)
+    with tqdm(total=len(jobs), desc="synth ct-lesion", disable=not progress) as bar:
+        run_jobs(_write_case, jobs, n_workers, bar.update)
+    for path, splits in datalists.items():
+        write_datalist(path, splits)
     spec = out / "federation.toml"
     spec.write_text(_spec_toml(len(CT_SITES)), encoding="utf-8")
     return spec
