@@ -10,7 +10,8 @@ import pytest
 from conftest import tiny_config, tiny_sites
 from fedseg.apps.deploy.server import serve
 from fedseg.execution.remote.transport import LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply, encode_reply
+from fedseg.execution.remote.wire import decode_reply, decode_task, encode_reply
+from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_arrays, server_state
@@ -184,3 +185,58 @@ def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_mask
         masked = all(k.startswith("secagg/") and v == "torch.int64" for k, v in e["arrays"].items())
         assert clear_ok or masked, (e["kind"], e["round"], e["step"], sorted(e["arrays"])[:3])
     assert sum(1 for e in replies if e["kind"] == "train" and e["arrays"]) == 4  # 2 sites × 2 rounds, masked
+
+
+def _fedsm_cfg(rounds=2):
+    cfg = _cfg("fedsm", rounds=rounds)
+    fedsm = {"selector_width": 0.0625, "selector_hidden": 8}
+    return dataclasses.replace(cfg, params={**cfg.params, "fedsm": fedsm})
+
+
+class _ReplayChannel(LoopbackChannel):
+    """The byte channel, but ``site``'s masked ``"train"`` reply of round 2 is the bytes it carried in round 1
+    (a site or its transport resending an old message); records every task's (kind, round) sent."""
+
+    def __init__(self, runtimes, site: str):
+        super().__init__(runtimes)
+        self.site, self.saved, self.sent = site, {}, []
+
+    def __call__(self, site, op, payload, timeout):
+        out = super().__call__(site, op, payload, timeout)
+        if op != "task":
+            return out
+        task = decode_task(payload)
+        self.sent.append((task.kind, task.config.get("round")))
+        if site == self.site and task.kind == "train" and "secagg" in task.config:
+            self.saved.setdefault(task.config["round"], out)
+            if task.config["round"] == 2:
+                return self.saved[1]
+        return out
+
+
+@pytest.mark.parametrize("method", ["fedavg", pytest.param("fedsm", marks=pytest.mark.slow)])
+def test_deployed_replayed_masked_input_is_rejected_and_the_round_keeps_the_model(tmp_path, method):
+    """Deployed (bytes both ways), site2's channel resends in round 2 the masked training reply it carried in
+    round 1.  The bytes are a well-formed masked input, so the server accepts them, but their masks belong to
+    round 1's exchange: the unmasked check word is noise (right with probability 2^-64).  The deployed server
+    logs the failed exchange and what to do, drops the sum, and the run completes with the global model after
+    round 2 bitwise the one after round 1 (a deployment of the same run stopped there); FedSM also sends no
+    SoftPull in round 2, so each site keeps the personalized model it trained."""
+    cfg = _fedsm_cfg() if method == "fedsm" else _cfg(method)
+    names = ["site1", "site2", "site3"]
+    _prepare(tmp_path / "one", cfg, names, stop_after=1)
+    serve(tmp_path / "one", LoopbackChannel(_runtimes(tmp_path / "one", tiny_sites(3))), log=lambda m: None)
+    _prepare(tmp_path / "two", cfg, names)
+    logs: list[str] = []
+    channel = _ReplayChannel(_runtimes(tmp_path / "two", tiny_sites(3)), "site2")
+    dep = serve(tmp_path / "two", channel, log=logs.append)
+    failed = [m for m in logs if "fails its check word" in m]
+    assert len(failed) == 1 and "exchange train-r2-" in failed[0] and "check the sites' logs" in failed[0], logs
+    assert any("round 2: the global model" in m and "previous" in m for m in logs), logs
+    assert len(dep["history"]) == 2 and dep["per_site_dice"]
+    one, two = server_state(tmp_path / "one"), server_state(tmp_path / "two")
+    assert strip_prefix("global", two)
+    assert_same_arrays(strip_prefix("global", two), strip_prefix("global", one))
+    if method == "fedsm":
+        assert sorted({r for kind, r in channel.sent if kind == "fedsm_pull"}) == [1]
+        assert any(kind == "fedsm_release" for kind, _ in channel.sent)
