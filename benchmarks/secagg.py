@@ -1,10 +1,11 @@
-"""Cost of secure aggregation per round of FedAvg or FGA: CPU time and bytes, against a plain round of the method.
+"""Cost of secure aggregation per round of FedAvg, FGA or FedSM: CPU time and bytes, against a plain round of the method.
 
 K in-memory sites of random 3-channel images (``--size``², ``--cases`` training cases each, 2 labels), the
 default U-Net (``fedseg.foundation.config.ModelConfig``: channels 16…256, 2 residual units, instance norm),
 Adam, ``--steps`` local steps of batch ``--batch-size`` per round, one torch thread.  Each K runs ``--rounds`` + 1 rounds
-of ``--method`` (``fedavg``: one secure exchange per round; ``fga``: one per lockstep step, ``--steps`` per round)
-with ``privacy.secure_aggregation`` off and on (the same seeds) after one warm-up run; the
+of ``--method`` (``fedavg``: one secure exchange per round; ``fga``: one per lockstep step, ``--steps`` per round;
+``fedsm``: FedSM's defaults (SoftPull, the lockstep ``fga`` selector): one exchange a round for the global and
+the personalized models, one per selector step, ``--steps`` per round, and the SoftPull sum sent back) with ``privacy.secure_aggregation`` off and on (the same seeds) after one warm-up run; the
 table reports the median of the first ``--rounds`` (validation and the checkpoint come after the last)
 for the rounds and the bytes, and the minimum for the protocol's own times (tens of milliseconds, which
 other jobs on a shared machine disturb the most).  Per round:
@@ -23,6 +24,7 @@ other jobs on a shared machine disturb the most).  Per round:
 
     PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --sites 3,6
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --method fga --sites 3 --rounds 3 --steps 5
+    OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --method fedsm --sites 3 --rounds 3 --steps 5
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", default="fedavg", choices=("fedavg", "fga"))
+    parser.add_argument("--method", default="fedavg", choices=("fedavg", "fga", "fedsm"))
     parser.add_argument("--sites", default="3,6")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--cases", type=int, default=16)
@@ -167,7 +169,7 @@ def main() -> None:
         )
     first = next(iter(summary.values()))
     params, exchanges = first["plain"]["params"], first["secure"]["exchanges"]
-    title = {"fedavg": "FedAvg", "fga": "FGA"}[args.method]
+    title = {"fedavg": "FedAvg", "fga": "FGA", "fedsm": "FedSM"}[args.method]
     md = [
         f"Secure aggregation per {title} round ({exchanges:.0f} secure exchanges a round): default U-Net ({params / 1e6:.2f} M parameters), {args.size}² × 3 "
         f"channels, {args.steps} local steps of batch {args.batch_size}, 1 torch thread, {platform.processor() or 'CPU'} "
