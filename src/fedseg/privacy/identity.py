@@ -171,8 +171,11 @@ class Identity:
 
     def _chain_and_name(self, cert_pem: str, name: str) -> Any:
         """The loaded certificate if it chains to the root CA now and its common name is ``name``; else why not."""
-        if cert_pem in self._chained:
+        now = datetime.datetime.now(datetime.UTC)
+        if cert_pem in self._chained:  # its chain was checked before; its validity period is checked each time
             cert = self._chained[cert_pem]
+            if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+                return f"the certificate of site {name} is not valid now (valid {cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d})"
         else:
             x509, *_, verification, _ = _x509()
             try:
@@ -183,7 +186,7 @@ class Identity:
                 verifier = (
                     verification.PolicyBuilder()
                     .store(verification.Store(x509.load_pem_x509_certificates(self.roots)))
-                    .time(datetime.datetime.now(datetime.UTC))
+                    .time(now)
                     .extension_policies(
                         ca_policy=verification.ExtensionPolicy.webpki_defaults_ca(),
                         ee_policy=verification.ExtensionPolicy.permit_all(),
