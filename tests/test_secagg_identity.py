@@ -306,3 +306,23 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
     assert ("does not verify" if how == "replaced" else "not issued by this federation's root CA") in left[0]
     assert set(dep["history"][0]["train_loss"]) == {"site1", "site2"}
     assert_same_arrays(server_state(tmp_path / "refused"), server_state(tmp_path / "early"))
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_site_signs_with_its_kit_unless_identity_is_off(tmp_path, ca, setting):
+    """A deployed site set up for a run with secure aggregation reads its kit's identity under
+    ``privacy.secagg_identity = "auto"`` and none under ``"off"``; without secure aggregation it reads nothing."""
+    from conftest import tiny_sites
+    from fedseg.foundation.config import PrivacyConfig, dump_toml
+    from test_deploy import HEADER
+    from test_secagg_deploy import _cfg
+
+    data = tiny_sites(2)
+    kits = {n: ca.kit(tmp_path / "kits" / n / "startup", n) for n in data}
+    for secure in (True, False):
+        cfg = _cfg()
+        cfg = dataclasses.replace(cfg, privacy=PrivacyConfig(secure_aggregation=secure, secagg_identity=setting))
+        rt = _kit_runtimes(tmp_path / str(secure), data, kits)["site1"]
+        desc = {"run_id": "r", "sites": list(data), "data": HEADER, "config_toml": dump_toml(cfg.to_dict())}
+        rt.call("setup", json.dumps(desc).encode())
+        assert isinstance(rt.site.identity, Identity) == (secure and setting == "auto")
