@@ -87,7 +87,9 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
 @pytest.mark.slow
 def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     """FedAvg with secure aggregation over NVIDIA FLARE (provisioned kits, mutual TLS, site processes): the
-    four steps of each exchange cross FLARE's channel and the run ends with the simulation's weights bitwise."""
+    four steps of each exchange cross FLARE's channel, every site signs its keys with its kit's certificate
+    (RSA, as FLARE provisions) and checks the other's, and the run ends with the simulation's (unsigned)
+    weights bitwise."""
     pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
     import torch
     from safetensors.torch import load_file
@@ -104,6 +106,9 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
     b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("site1", "site2"):
+        site_log = (cluster.root / "logs" / f"{name}.log").read_text()
+        assert f"site {name}: signs its secure-aggregation keys with its kit's certificate" in site_log
 
 
 SERVER_SPY = """

@@ -6,7 +6,9 @@ and nothing of any one of them (protocol and guarantees: :mod:`fedseg.privacy.pr
 the key and share steps, sends the tasks with the shares (the sites mask their replies before they leave),
 asks the survivors for the shares of the secrets it may rebuild and returns the unmasked sum.  A site that
 fails a step is left out of the rest of the exchange (a deployed transport has already logged why); one
-whose step-3 reply does not arrive is removed from the sum with its masks.  The weights c_k are public:
+whose step-3 reply does not arrive is removed from the sum with its masks.  A site whose signed keys another
+site refused (:mod:`fedseg.privacy.identity`: a certificate from another CA or naming another site, keys
+replaced on the way) is left out before anyone masks, logged with the refusing site's reason and the fix.  The weights c_k are public:
 the sample count n_k each site declares (``weighting = "samples"``) or 1 (``"even"``).
 
 A sum whose check word is wrong (:class:`fedseg.privacy.protocol.SumRejected`: an input replayed from another
@@ -107,6 +109,11 @@ def secure_ask(
     request = server.share_request()
     for s, r in step("secagg/shares", server.order, lambda s: request).items():
         _accept(ctx, s, "share message", server.accept_shares, s, r.metrics.get("secagg"))
+    for s, why in server.left_out.items():
+        ctx.log(
+            f"[secagg] site {s} left out of exchange {exchange}: "
+            + "; ".join(f"site {u} refused its keys: {reason}" for u, reason in why.items())
+        )
     masked = {
         s: Task(
             tasks[s].kind,

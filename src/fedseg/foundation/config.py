@@ -243,6 +243,12 @@ class PrivacyConfig:
     """Fixed-point precision of secure aggregation: each value x is sent as round(n_k · x · 2^bits) modulo 2^64,
     so the weighted mean is off by at most K · 2^-(bits+1) / Σ n_k (K sites); K · n_k · max|x| · 2^bits must stay
     below 2^63 (a site refuses a value that could overflow, naming this setting).  From 8 to 52."""
+    secagg_identity: Literal["auto", "off"] = "auto"
+    """'auto': a site that has a certificate (a deployed site's NVIDIA FLARE startup kit: client.crt, client.key,
+    rootCA.pem) signs its secure-aggregation keys of each exchange with it and checks every peer's certificate
+    (issued by the federation's root CA, common name = the site's name) and signature before it shares with
+    it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
+    site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
     dp: Literal["off", "sample", "client"] = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
     ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""

@@ -1,15 +1,16 @@
 """Secure aggregation as messages: what a site and the server each do at each step of one exchange.
 
 One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, without the
-signatures and the consistency check; the arithmetic and its guarantees are
-:mod:`fedseg.privacy.secagg`'s).  Every message is JSON (keys and shares as hex strings) or the masked
+consistency check; the arithmetic and its guarantees are :mod:`fedseg.privacy.secagg`'s, the signatures
+:mod:`fedseg.privacy.identity`'s).  Every message is JSON (keys and shares as hex strings) or the masked
 arrays, so any transport carries it:
 
 ====  =======================================  =============================================
 step  server → site                             site → server
 ====  =======================================  =============================================
-1     ``keys``: the exchange id                 its public keys C_u, S_u and the hash of b_u
-2     ``shares``: everyone's public keys (U1)  its shares of s_u and b_u, sealed per peer
+1     ``keys``: the exchange id                 its public keys C_u, S_u and the hash of b_u (signed)
+2     ``shares``: everyone's public keys (U1)  its shares of s_u and b_u, sealed per peer; the peers
+                                               whose keys it refused
 3     the task + the shares sealed for it (U2) the task's arrays, encoded and masked
 4     ``reveal``: who dropped, who survived    shares of s_d (dropped) and of b_u (survived)
 ====  =======================================  =============================================
@@ -20,6 +21,12 @@ the server's: it routes the sealed shares, checks every reply (a malformed one r
 returns the unmasked sum of the sites whose masked input arrived, after checking its check word
 (:func:`fedseg.privacy.secagg.canary`): a sum that holds an input masked for another exchange (replayed)
 or another list of sites raises :class:`SumRejected`.
+
+**Signed keys.**  A site with an :class:`~fedseg.privacy.identity.Identity` (its certificate and private key)
+signs its step-1 keys and checks every peer's in step 2 (:meth:`~fedseg.privacy.identity.Identity.check_peer`).
+It makes no share for a peer whose check fails and reports it with the reason; the server leaves that peer out
+of the masking (:attr:`ServerParty.left_out`), so the others' sum comes out without it, and a site refuses to
+mask with a peer it refused.  A site without an identity signs nothing and checks nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 
 from fedseg.foundation.errors import PayloadError
 from fedseg.privacy import secagg
+from fedseg.privacy.identity import Identity
 from fedseg.privacy.secagg import KEY_BYTES
 
 __all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected"]
@@ -57,6 +65,8 @@ class SumRejected(PayloadError):
 _SHARE = 1 + KEY_BYTES
 _BUNDLE = 1 + 2 * KEY_BYTES
 _SEALED = 12 + _BUNDLE + 16
+_MAX_CERT = 16384  # characters of a PEM certificate relayed in step 1
+_MAX_REASON = 1000  # characters of a refusal's reason relayed in step 2
 
 
 def _hex(value: Any, length: int, what: str) -> bytes:
@@ -77,29 +87,33 @@ def _ad(exchange: str, sender: str, recipient: str) -> bytes:
 
 
 class SiteParty:
-    """A site's side of one exchange: its key pairs and self-mask seed, the shares it holds."""
+    """A site's side of one exchange: its key pairs and self-mask seed, the shares it holds; with an
+    ``identity``, it signs its keys and checks its peers' (see the module)."""
 
-    def __init__(self, me: str, exchange: str):
-        self.me, self.exchange = me, exchange
+    def __init__(self, me: str, exchange: str, identity: Identity | None = None):
+        self.me, self.exchange, self.identity = me, exchange, identity
         self.c = secagg.keypair()
         self.s = secagg.keypair()
         self.b = os.urandom(KEY_BYTES)
         self.order: list[str] = []  # U1, as the server sent it in step 2
         self.keys: dict[str, dict[str, bytes]] = {}
         self.held: dict[str, bytes] = {}  # owner -> index byte + share of s + share of b
+        self.refused: dict[str, str] = {}  # peer -> why its keys were refused (step 2)
         self.revealed = False
 
     def advertise(self) -> dict[str, str]:
-        """Step 1: the public keys and the self-mask seed's hash."""
-        return {
-            "c": self.c.public.hex(),
-            "s": self.s.public.hex(),
-            "b_digest": secagg.seed_digest(self.b, self.exchange).hex(),
-        }
+        """Step 1: the public keys and the self-mask seed's hash; with an identity also this site's certificate
+        and its signature of them (:meth:`fedseg.privacy.identity.Identity.sign`)."""
+        digest = secagg.seed_digest(self.b, self.exchange)
+        out = {"c": self.c.public.hex(), "s": self.s.public.hex(), "b_digest": digest.hex()}
+        if self.identity is not None:
+            out.update(self.identity.sign(self.exchange, self.c.public, self.s.public, digest))
+        return out
 
-    def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-        """Step 2: remember U1's keys; split s and b among U1 (own share kept); return each peer's share
-        sealed for it, ``{peer: hex}``."""
+    def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
+        """Step 2: remember U1's keys; with an identity, check each peer's certificate and signature; split s and
+        b among U1 (own share kept); return ``{"shares": {peer: hex}, "refused": {peer: reason}}``: each
+        accepted peer's share sealed for it, and the peers whose keys this site refused (no share made)."""
         order = list(order)
         if self.me not in order or len(set(order)) != len(order) or set(keys) != set(order):
             raise PayloadError(f"site {self.me}: the key list of exchange {self.exchange} does not name each site once")
@@ -111,6 +125,11 @@ class SiteParty:
         mine = self.keys[self.me]
         if mine["c"] != self.c.public or mine["s"] != self.s.public:
             raise PayloadError(f"site {self.me}: the server relayed other public keys than this site's own")
+        if self.identity is not None:
+            for u in order:
+                why = None if u == self.me else self.identity.check_peer(u, self.exchange, self.keys[u], keys[u])
+                if why is not None:
+                    self.refused[u] = why
         t = secagg.threshold_for(len(order))
         s_shares = secagg.split(self.s.private, t, len(order))
         b_shares = secagg.split(self.b, t, len(order))
@@ -120,9 +139,11 @@ class SiteParty:
             if v == self.me:
                 self.held[self.me] = bundle
                 continue
+            if v in self.refused:
+                continue
             key = secagg.shared_key(self.c.private, self.keys[v]["c"], "share", self.exchange)
             out[v] = secagg.seal(key, bundle, _ad(self.exchange, self.me, v)).hex()
-        return out
+        return {"shares": out, "refused": dict(self.refused)}
 
     def mask(
         self,
@@ -141,6 +162,12 @@ class SiteParty:
         order = list(order)
         if not self.order or self.me not in order or not set(order) <= set(self.order):
             raise PayloadError(f"site {self.me}: exchange {self.exchange} asks to mask with sites it did not key")
+        refused = sorted(set(order) & set(self.refused))
+        if refused:
+            raise PayloadError(
+                f"site {self.me}: exchange {self.exchange} asks to mask with {refused}, whose keys this site refused "
+                "in step 2; it does not mask with keys it could not check"
+            )
         me_index = self.order.index(self.me) + 1
         bad = []
         for sender in order:
@@ -196,8 +223,10 @@ class ServerParty:
     def __init__(self, exchange: str, fraction_bits: int):
         self.exchange, self.fraction_bits = exchange, fraction_bits
         self.keys: dict[str, dict[str, bytes]] = {}
+        self.signed: dict[str, dict[str, str]] = {}  # site -> its certificate and signature, relayed as sent
         self.order: list[str] = []  # U1
         self.sealed: dict[str, dict[str, str]] = {}  # sender -> {recipient: hex}
+        self.refusals: dict[str, dict[str, str]] = {}  # sender -> {peer whose keys it refused: reason}
         self.inputs: dict[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
         self.layout: secagg.Layout | None = None
@@ -209,6 +238,12 @@ class ServerParty:
         if not isinstance(message, dict):
             raise PayloadError(f"{what}: expected an object")
         self.keys[site] = {k: _hex(message.get(k), KEY_BYTES, f"{what}: {k}") for k in ("c", "s", "b_digest")}
+        signed = {k: message[k] for k in ("certificate", "signature") if k in message}
+        if any(not isinstance(v, str) or len(v) > _MAX_CERT for v in signed.values()):
+            raise PayloadError(
+                f"{what}: its certificate or signature is not a string of at most {_MAX_CERT} characters"
+            )
+        self.signed[site] = signed
         self.order.append(site)
 
     def share_request(self) -> dict[str, Any]:
@@ -220,23 +255,56 @@ class ServerParty:
         return {
             "exchange": self.exchange,
             "order": list(self.order),
-            "keys": {u: {k: v.hex() for k, v in self.keys[u].items()} for u in self.order},
+            "keys": {u: {**{k: v.hex() for k, v in self.keys[u].items()}, **self.signed[u]} for u in self.order},
         }
 
     # step 2
     def accept_shares(self, site: str, message: Any) -> None:
-        """A site's sealed shares: one per other site of U1, each of the sealed length."""
+        """A site's step-2 message: ``{"shares": {peer: sealed hex}, "refused": {peer: reason}}``, one sealed share
+        (of the sealed length) for each other site of U1 that it did not refuse."""
+        what = f"shares of site {site}"
+        if not isinstance(message, dict) or not isinstance(message.get("shares"), dict):
+            raise PayloadError(f"{what}: expected an object with 'shares'")
+        refused = message.get("refused") or {}
         peers = [u for u in self.order if u != site]
-        if not isinstance(message, dict) or sorted(message) != sorted(peers):
-            raise PayloadError(f"shares of site {site}: expected one sealed share for each of {peers}")
-        for v in peers:
-            _hex(message[v], _SEALED, f"share of site {site} for {v}")
-        self.sealed[site] = dict(message)
+        if not isinstance(refused, dict) or not set(refused) <= set(peers):
+            raise PayloadError(f"{what}: its refused peers {sorted(refused)[:5]} are not other sites of {peers}")
+        shares = message["shares"]
+        accepted = [u for u in peers if u not in refused]
+        if sorted(shares) != sorted(accepted):
+            raise PayloadError(f"{what}: expected one sealed share for each of {accepted}")
+        for v in accepted:
+            _hex(shares[v], _SEALED, f"share of site {site} for {v}")
+        self.sealed[site] = dict(shares)
+        self.refusals[site] = {u: str(why)[:_MAX_REASON] for u, why in refused.items()}
+
+    @property
+    def left_out(self) -> dict[str, dict[str, str]]:
+        """The sites left out of the masking because other sites refused their keys, ``{site: {refuser: reason}}``.
+
+        Among the sites that sent shares, the ones refused by the most others are left out, then their own
+        refusals no longer count, until no remaining site refuses another.  A site whose keys were replaced on
+        the way to some sites, or whose certificate is another CA's or names another site, is refused by those
+        sites and left out; a site that refuses everyone (its own root CA is not the federation's) is refused
+        by all the others and left out first."""
+        active = [u for u in self.order if u in self.sealed]
+        out: dict[str, dict[str, str]] = {}
+        while True:
+            against = {v: {u: self.refusals[u][v] for u in active if v in self.refusals.get(u, {})} for v in active}
+            top = max((len(r) for r in against.values()), default=0)
+            if top == 0:
+                return out
+            for v, r in against.items():
+                if len(r) == top:
+                    out[v] = r
+            active = [u for u in active if u not in out]
 
     @property
     def masking(self) -> list[str]:
-        """U2: the sites of U1 whose shares went out, in order; they mask with each other."""
-        return [u for u in self.order if u in self.sealed]
+        """U2: the sites of U1 whose shares went out and whose keys no other site refused (:attr:`left_out`), in
+        order; they mask with each other."""
+        out = self.left_out
+        return [u for u in self.order if u in self.sealed and u not in out]
 
     def input_config(self, site: str) -> dict[str, Any]:
         """Step 3: what the masking task for ``site`` carries."""

@@ -58,9 +58,9 @@ the masks cancel exactly — the unmasked sum, and so every model, does not depe
 masked bytes on the wire differ from run to run.  Functions that make keys take ``private=`` bytes for
 tests (e.g. from :func:`fedseg.foundation.seeding.generator`).
 
-Not implemented: Bonawitz's signatures and consistency-check round (they defend against a server that
-lies to sites about who dropped, i.e. an actively malicious server) and SecAgg+'s sparse neighbour
-graph (cost O(K²) pairs here, fine for cross-silo federations of a few to a few dozen sites).
+Bonawitz's signatures of the keys are :mod:`fedseg.privacy.identity`'s.  Not implemented: the
+consistency-check round (it defends against a server that lies to sites about who dropped, i.e. an
+actively malicious server) and SecAgg+'s sparse neighbour graph (cost O(K²) pairs here, fine for cross-silo federations of a few to a few dozen sites).
 """
 
 from __future__ import annotations

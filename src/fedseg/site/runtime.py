@@ -39,6 +39,7 @@ from fedseg.foundation.device import (
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
+from fedseg.privacy.identity import Identity
 from fedseg.site import secure
 from fedseg.site.dp import SiteDP
 from fedseg.site.workload import Workload
@@ -292,6 +293,9 @@ class Site:
         (a simulation that vectorizes its sites sets its :class:`SiteExecutor` here)."""
         self.dp = SiteDP(self)
         """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
+        self.identity: Identity | None = None
+        """The site's certificate and private key, which sign its secure-aggregation keys
+        (:mod:`fedseg.privacy.identity`); set by a deployed site from its startup kit, None in simulation."""
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: Task) -> Reply:

@@ -7,6 +7,11 @@ here whatever the method, and passes every reply whose task carries ``config["se
 encodings (``secagg/<name>``, int64), so no transport and no server code ever holds one site's plain
 arrays.  The exchange's keys and shares live in ``site.scratch`` (not saved: a site that restarts
 mid-exchange has lost its keys and counts as dropped; the others' sum still comes out).
+
+A site with an identity (``site.identity``: its certificate and private key, from its FLARE startup kit when
+deployed, :mod:`fedseg.privacy.identity`) signs its keys and checks its peers' before it shares with them; a
+site without one (the simulation's: every party is in one process there, so signing would prove nothing)
+signs and checks nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Protocol
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
+from fedseg.privacy.identity import Identity
 from fedseg.privacy.protocol import SiteParty
 
 
@@ -27,6 +33,7 @@ class Site(Protocol):
     name: str
     cfg: RunConfig
     scratch: dict[str, Any]
+    identity: Identity | None
 
 
 __all__ = ["KINDS", "handle", "mask_reply", "weights_by_name"]
@@ -54,7 +61,7 @@ def handle(site: Site, task: Task) -> Reply:
         exchange = task.config.get("exchange")
         if not isinstance(exchange, str) or not exchange:
             raise PayloadError(f"site {site.name}: a secure-aggregation exchange needs an id")
-        party = SiteParty(site.name, exchange)
+        party = SiteParty(site.name, exchange, site.identity)
         site.scratch[_SCRATCH] = party
         return Reply(metrics={"secagg": party.advertise()})
     party = _party(site, task.config)

@@ -8,6 +8,8 @@
   ``call(op, payload) -> bytes``, that hands the bytes to the site's long-lived
   :class:`fedseg.apps.deploy.site.SiteRuntime`.  The runtime reads the site's data
   paths from ``<site kit>/local/fedseg_site.json`` — they never travel.
+  Its identity for secure aggregation's signed keys is the kit's TLS certificate and key
+  (``<site kit>/startup/client.crt``, ``client.key``, ``rootCA.pem``).
 * :func:`make_job` builds the job folder.  fedseg must be installed at every
   participant, and each site's ``class_allow_list`` admits
   ``fedseg.apps.deploy.flare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
@@ -92,7 +94,10 @@ class FedsegSite:
                 or str(Path(collab.workspace.get_root_dir()) / "local" / SITE_CONFIG_NAME)
             )
             use_thread_count()
-            self._runtime = SiteRuntime(read_site_config(path))
+            kit = (
+                Path(collab.workspace.get_root_dir()) / "startup"
+            )  # its TLS identity signs its secure-aggregation keys
+            self._runtime = SiteRuntime(read_site_config(path), identity=kit)
         return self._runtime
 
     @collab.publish

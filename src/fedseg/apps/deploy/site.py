@@ -38,6 +38,7 @@ from fedseg.data.loading import load_split
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.privacy.identity import Identity, load_identity
 from fedseg.seams.checkpoint import restore_site, save_site
 from fedseg.site.runtime import Site, SiteData, dataset_len
 from fedseg.site.workload import Workload, workload_for
@@ -137,11 +138,22 @@ class SiteRuntime:
     loader
         ``loader(name, datalist, header, cfg) -> (SiteData, Workload)``; defaults to
         :func:`load_site_data` (tests pass in-memory data).
+    identity
+        What signs this site's secure-aggregation keys under ``privacy.secagg_identity = "auto"``: the
+        ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read when a run
+        with secure aggregation is set up; no ``client.crt`` there: unsigned), an
+        :class:`~fedseg.privacy.identity.Identity`, or None (unsigned).
     """
 
-    def __init__(self, config: SiteConfig, loader: Callable[..., tuple[SiteData, Workload]] | None = None):
+    def __init__(
+        self,
+        config: SiteConfig,
+        loader: Callable[..., tuple[SiteData, Workload]] | None = None,
+        identity: Identity | str | Path | None = None,
+    ):
         self.config = config
         self.loader = loader or load_site_data
+        self.identity = identity
         self.site: Site | None = None
         self.run_id: str | None = None
         self._lock = threading.Lock()
@@ -211,6 +223,8 @@ class SiteRuntime:
         algorithm = get_algorithm(cfg)
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
+        if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
+            self.site.identity = self._identity()
         log.info(
             "site %s set up for run %s (index %d, %d training cases)",
             self.name,
@@ -219,6 +233,16 @@ class SiteRuntime:
             self.site.num_train,
         )
         return self._summary()
+
+    def _identity(self) -> Identity | None:
+        """This site's identity for signed secure-aggregation keys (loaded from its kit once), or None."""
+        if isinstance(self.identity, (str, Path)):
+            self.identity = load_identity(self.identity, self.name)
+        if self.identity is None:
+            log.info("site %s: no certificate in its kit; its secure-aggregation keys go unsigned", self.name)
+        else:
+            log.info("site %s: signs its secure-aggregation keys with its kit's certificate", self.name)
+        return self.identity
 
     def _summary(self) -> dict[str, Any]:
         assert self.site is not None
