@@ -1,9 +1,9 @@
 """fedseg's ``centralized`` method against a plain MONAI pipeline written independently, on ``ct-lesion``.
 
 Both train one model on the pooled training cases of every site for the same number of steps, with the same
-patch, network, batch, optimizer and loss (``--loss``), and both score every test case in its scan's own grid (Dice per
-label channel, mean over the organ and lesion channels per case, then over a site's cases, then over the
-sites: the client average).
+patch, network, batch, optimizer and loss (``--loss``), and both score every test case in its scan's own grid
+(Dice per label channel, mean over the organ and lesion channels per case, then over a site's cases, then over
+the sites: the client average).
 
 The MONAI pipeline uses only MONAI and numpy; from fedseg it takes the synthetic data (``synthesize_ct``)
 and the plan's target spacing, patch and U-Net topology (so the two train the same network on the same
@@ -290,8 +290,8 @@ def main() -> None:
         "",
         f"{args.steps} steps of batch {args.batch}, Adam lr {args.lr}, patch {plan.patch_size}, U-Net channels "
         f"{plan.channels}, strides {plan.strides}, target spacing {[round(v, 3) for v in plan.target_spacing]} mm, "
-        f"loss {args.loss}; validation every {every * round_steps} steps, the best model tested; test Dice in each scan's "
-        f"own grid. Settings: `{flags}`. Machine: {platform.machine()}, {torch.get_num_threads()} torch "
+        f"loss {args.loss}; validation every {every * round_steps} steps, the best model tested; test Dice in each "
+        f"scan's own grid. Settings: `{flags}`. Machine: {platform.machine()}, {torch.get_num_threads()} torch "
         f"thread(s). Wall {wall:.0f} s.\n",
     ]
     summary["wall_s"] = wall

@@ -204,7 +204,7 @@ def test_reseeding_in_place_gives_monai_generator_states():
     own ``set_random_state`` gives it, seed after seed, and no generator is the class-wide default."""
     from monai.transforms import Randomizable
 
-    from fedseg.data.augment import _compose, reseed
+    from fedseg.data.augment import _compose, generators, reseed
 
     def states(compose):
         out, stack, seen = [], [compose], set()
@@ -222,8 +222,9 @@ def test_reseeding_in_place_gives_monai_generator_states():
 
     for dims in (2, 3):
         ours, theirs = _compose(dims, square_plane=True), _compose(dims, square_plane=True)
+        groups = generators(ours)
         for seed in (0, 1, 123, 2**31 - 1, 2**32 - 1):
-            reseed(ours, seed)
+            reseed(ours, groups, seed)
             theirs.set_random_state(seed=seed)
             a, b = states(ours), states(theirs)
             assert len(a) >= 10 and a == b and all(own for *_, own in a)

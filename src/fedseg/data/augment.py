@@ -74,36 +74,39 @@ def _compose(spatial_dims: int, square_plane: bool = False):
     )
 
 
-def reseed(compose, seed: int) -> None:
-    """``compose.set_random_state(seed=seed)`` for a MONAI ``Compose`` of random transforms seeded once before
-    (so every generator is the transform's own): the same generator states, reseeded in place.
-
-    MONAI seeds the ``Compose``'s generator with ``seed``, draws one ``uint32`` seed per random transform from
-    it, and each transform seeds itself and the random transforms it wraps (a dictionary transform's array
-    transform, ``RandAffine``'s grid) with that seed."""
+def generators(compose) -> list[list]:
+    """The random transforms of a MONAI ``Compose``, one group per transform in it: the transform and the random
+    transforms it wraps (a dictionary transform's array transform, ``RandAffine``'s grid).  Seeds the
+    ``Compose`` once, so that every one of them has a generator of its own (:func:`reseed` reseeds those)."""
     from monai.transforms import Randomizable
+
+    compose.set_random_state(seed=0)
+
+    def members(t, seen):
+        if isinstance(t, Randomizable) and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+            for v in vars(t).values():
+                yield from members(v, seen)
+
+    groups = [list(members(t, set())) for t in compose.transforms if isinstance(t, Randomizable)]
+    if any("R" not in vars(o) for g in groups for o in g):  # a generator shared with the class: not its own
+        raise AssertionError("a random transform has no generator of its own")
+    return groups
+
+
+def reseed(compose, groups: list[list], seed: int) -> None:
+    """``compose.set_random_state(seed=seed)`` with the generators reseeded in place (``groups`` from
+    :func:`generators`): the same states.  MONAI seeds the ``Compose``'s generator with ``seed``, draws one
+    ``uint32`` seed per random transform from it, and each transform seeds itself and the random transforms
+    it wraps with that seed."""
     from monai.utils import MAX_SEED
 
-    groups = getattr(compose, "_fedseg_groups", None)
-    if groups is None:
-        compose.set_random_state(seed=0)  # every transform gets a generator of its own
-
-        def members(t, seen):
-            if isinstance(t, Randomizable) and id(t) not in seen:
-                seen.add(id(t))
-                yield t
-                for v in vars(t).values():
-                    yield from members(v, seen)
-
-        groups = [list(members(t, set())) for t in compose.transforms if isinstance(t, Randomizable)]
-        if any("R" not in vars(o) for g in groups for o in g):  # a generator shared with the class: not ours
-            raise AssertionError("a random transform has no generator of its own")
-        compose._fedseg_groups = groups
     compose.R.seed(int(seed) % MAX_SEED)
     for group in groups:
         s = int(compose.R.randint(MAX_SEED, dtype="uint32")) % MAX_SEED
-        for o in group:
-            o.R.seed(s)
+        for t in group:
+            t.R.seed(s)
 
 
 def patch_augmenter(
@@ -115,6 +118,7 @@ def patch_augmenter(
     from monai.data import get_track_meta, set_track_meta
 
     compose = _compose(spatial_dims, square_plane)
+    groups = generators(compose)
 
     def augment(x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         xs, ys = [], []
@@ -122,7 +126,7 @@ def patch_augmenter(
             tracking = get_track_meta()
             set_track_meta(False)  # plain tensors in and out (module docstring)
             try:
-                reseed(compose, int(seed) % 2**32)
+                reseed(compose, groups, int(seed) % 2**32)
                 for i in range(x.shape[0]):
                     out = compose({"image": x[i], "label": y[i]})
                     xs.append(torch.as_tensor(out["image"]).as_subclass(torch.Tensor).to(x.dtype))
