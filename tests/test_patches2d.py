@@ -172,6 +172,64 @@ def test_augmentation_is_seeded_and_keeps_labels_aligned(square_plane):
     assert moved > 0
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_augmentation_without_metadata_equals_monai_with_it(dims):
+    """The augmenter runs MONAI's transforms on plain tensors with metadata tracking off; that changes the
+    container, not a value: every seed gives exactly the batch that the same ``Compose``, seeded the same
+    way, gives on ``MetaTensor``s (tracking on, MONAI's default).  The process-wide switch is back on
+    afterwards, and the outputs are plain tensors."""
+    from monai.data import MetaTensor, get_track_meta
+
+    from fedseg.data.augment import _compose
+
+    shape = (12, 12, 8) if dims == 3 else (12, 12)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, *shape, generator=g)
+    y = (torch.rand(3, 2, *shape, generator=g) > 0.6).float()
+    aug = patch_augmenter(dims, square_plane=True)
+    reference = _compose(dims, square_plane=True)
+    for seed in range(12):
+        xa, ya = aug(x, y, seed)
+        assert get_track_meta() and type(xa) is torch.Tensor and type(ya) is torch.Tensor
+        reference.set_random_state(seed=seed)
+        for i in range(3):
+            out = reference({"image": MetaTensor(x[i]), "label": MetaTensor(y[i])})
+            assert isinstance(out["image"], MetaTensor)
+            assert torch.equal(xa[i], out["image"].as_tensor()) and torch.equal(ya[i], out["label"].as_tensor())
+
+
+def test_reseeding_in_place_gives_monai_generator_states():
+    """:func:`fedseg.data.augment.reseed` reseeds the transforms' generators in place; every generator reachable
+    from the ``Compose`` (the transforms and the random transforms they wrap) ends in exactly the state MONAI's
+    own ``set_random_state`` gives it, seed after seed, and no generator is the class-wide default."""
+    from monai.transforms import Randomizable
+
+    from fedseg.data.augment import _compose, generators, reseed
+
+    def states(compose):
+        out, stack, seen = [], [compose], set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if isinstance(t, Randomizable):
+                key, pos = t.R.get_state()[1:3]
+                out.append((type(t).__name__, key.tobytes(), pos, t.R is not Randomizable.R))
+            fields = t if isinstance(t, list | tuple) else list(vars(t).values())
+            stack.extend(v for v in reversed(fields) if isinstance(v, Randomizable | list | tuple))
+        return sorted(out)
+
+    for dims in (2, 3):
+        ours, theirs = _compose(dims, square_plane=True), _compose(dims, square_plane=True)
+        groups = generators(ours)
+        for seed in (0, 1, 123, 2**31 - 1, 2**32 - 1):
+            reseed(ours, groups, seed)
+            theirs.set_random_state(seed=seed)
+            a, b = states(ours), states(theirs)
+            assert len(a) >= 10 and a == b and all(own for *_, own in a)
+
+
 def test_augment_setting_is_on_for_volumes_and_off_for_2d_images(tmp_path):
     vol = load_federation(patches2d_federation(tmp_path))
     cfg = RunConfig(federation="x")
