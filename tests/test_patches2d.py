@@ -230,9 +230,9 @@ def test_reseeding_in_place_gives_monai_generator_states():
             assert len(a) >= 10 and a == b and all(own for *_, own in a)
 
 
-def test_augment_setting_is_on_for_volumes_and_off_for_2d_images(tmp_path):
+def test_augment_setting_auto_is_on_for_volumes_and_off_for_2d_images(tmp_path):
     vol = load_federation(patches2d_federation(tmp_path))
-    cfg = RunConfig(federation="x")
+    cfg = RunConfig(federation="x", train=TrainConfig(augment="auto"))
     planned = plan_for_run(cfg, plan_federation(vol, log=lambda m: None), log=lambda m: None, mode="patches2d")
     x, y = torch.zeros(2, 1, 40, 40), torch.zeros(2, 1, 40, 40)
     t = workload_for(vol, planned).train_transform

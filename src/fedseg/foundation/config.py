@@ -124,10 +124,8 @@ class TrainConfig:
     foreground_share: float = 0.33
     """Patch training (``model.roi_size``, volumes): the share of patches centred on a random foreground
     voxel (the rest are placed uniformly); nnU-Net uses one third, 0 places every patch uniformly."""
-    augment: Literal["auto", "on", "off"] = "auto"
-    """Random augmentation of every training patch or image (MONAI: a flip along each axis, small
-    in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site
-    and round): 'on', 'off', or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images)."""
+    augment: Literal["auto", "on", "off"] = "off"
+    """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: on ct-lesion at 480 steps augmentation lowered Dice, docs/results.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
 
     def validate(self) -> None:
         check_literals(self, "train")
