@@ -112,6 +112,18 @@ def train(spec: Path, fed, plans: dict[str, Plan], method: str, overrides: list[
     return res
 
 
+def planned_federation(out: Path, seed: int, scale: float, size: int, patch_voxels: int):
+    """``(spec, federation, plan)`` of the ct-lesion preset under ``out/data`` (synthesized once, reused after),
+    planned as ``fedseg plan`` does with ``patch_voxels``, the plan written beside the spec."""
+    spec = out / "data" / "federation.toml"
+    if not spec.is_file():
+        synthesize_ct(out / "data", seed=seed, scale=scale, size=size)
+    fed = load_federation(spec)
+    plan = plan_federation(fed, patch_voxels=patch_voxels, log=lambda m: None)
+    save_plan(plan, plan_path(fed))
+    return spec, fed, plan
+
+
 def f(v: Any, digits: int = 3) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
@@ -136,12 +148,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     out = Path(args.out)
-    spec = out / "data" / "federation.toml"
-    if not spec.is_file():
-        synthesize_ct(out / "data", seed=args.seed, scale=args.scale, size=args.size)
-    fed = load_federation(spec)
-    plan = plan_federation(fed, patch_voxels=args.patch_voxels, log=lambda m: None)
-    save_plan(plan, plan_path(fed))
+    spec, fed, plan = planned_federation(out, args.seed, args.scale, args.size, args.patch_voxels)
     base = [
         f"rounds={args.rounds}",
         f"train.local_steps={args.steps}",

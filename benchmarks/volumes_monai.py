@@ -48,13 +48,10 @@ from typing import Any
 import numpy as np
 import torch
 from _report import emit, md_table
-from volumes import f, train
+from volumes import f, planned_federation, train
 
 from fedseg.data.datalist import load_datalist
-from fedseg.data.spec import load_federation
-from fedseg.data.synth3d import synthesize_ct
-from fedseg.data.volumes.load import plan_federation, plan_path
-from fedseg.data.volumes.plan import PERCENTILES, save_plan
+from fedseg.data.volumes.plan import PERCENTILES
 
 SPLITS = ("training", "validation", "testing")
 
@@ -237,12 +234,7 @@ def main() -> None:
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # the one-time import, before either clock starts
     t_start = time.perf_counter()
     out = Path(args.out)
-    spec = out / "data" / "federation.toml"
-    if not spec.is_file():
-        synthesize_ct(out / "data", seed=args.seed, scale=args.scale, size=args.size)
-    fed = load_federation(spec)
-    plan = plan_federation(fed, patch_voxels=args.patch_voxels, log=lambda m: None)
-    save_plan(plan, plan_path(fed))
+    spec, fed, plan = planned_federation(out, args.seed, args.scale, args.size, args.patch_voxels)
     round_steps = args.round_steps * len(fed.sites)  # centralized: K x train.local_steps per round
     if args.steps % round_steps:
         ap.error(f"--steps must be a multiple of {len(fed.sites)} sites x --round-steps = {round_steps}")
