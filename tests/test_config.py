@@ -129,3 +129,13 @@ def test_none_is_a_choice_where_a_setting_names_it_and_unset_elsewhere(tmp_path)
         _write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections()
     )
     assert get_algorithm(again).params.selector_augment == "none"
+
+
+def test_auto_loss_is_dice_on_images_and_dice_ce_on_volumes():
+    """train.loss = "auto": the papers' Dice on 2D images, Dice + cross-entropy on volumes (nnU-Net's);
+    an explicit loss is kept either way."""
+    assert TrainConfig().loss == "auto"
+    assert TrainConfig().loss_for(volumes=False) == "dice"
+    assert TrainConfig().loss_for(volumes=True) == "dicece"
+    assert TrainConfig(loss="dice").loss_for(volumes=True) == "dice"
+    assert TrainConfig(loss="bce").loss_for(volumes=False) == "bce"

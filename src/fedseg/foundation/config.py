@@ -127,6 +127,12 @@ class TrainConfig:
     augment: Literal["auto", "on", "off"] = "off"
     """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: on ct-lesion at 480 steps augmentation lowered Dice, docs/results.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
 
+    def loss_for(self, volumes: bool) -> str:
+        """The loss a run trains with: ``loss``, or for "auto" Dice + cross-entropy on volumes and Dice on 2D images."""
+        if self.loss != "auto":
+            return self.loss
+        return "dicece" if volumes else "dice"
+
     def validate(self) -> None:
         check_literals(self, "train")
         if not 0.0 <= self.foreground_share <= 1.0:

@@ -349,9 +349,7 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         mode = getattr(layout, "mode", None)
     volumes = mode in VOLUME_MODES
     augment = cfg.train.augment == "on" or (cfg.train.augment == "auto" and volumes)
-    train = cfg.train
-    if train.loss == "auto":
-        train = dataclasses.replace(train, loss="dicece" if volumes else "dice")
+    train = dataclasses.replace(cfg.train, loss=cfg.train.loss_for(volumes))
     return segmentation_workload(
         int(spatial_dims),
         int(in_channels),

@@ -104,9 +104,7 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
         )
     n_cases = min(len(data[site].train), opts.loss_cases or len(data[site].train))
     what = "distance along a random unit direction" if opts.normalize == "unit" else "α (filter-normalized direction)"
-    loss_name = models[0].cfg.train.loss
-    if loss_name == "auto":  # a 2D run's: volume runs record the loss their plan chose
-        loss_name = "dice"
+    loss_name = models[0].cfg.train.loss_for(volumes=False)  # a volume run records the loss its plan chose
     png = figures.loss_surface_figure(surfaces, what, f"train loss ({loss_name})", colors)
     caption = (
         f"1D loss surface (FedSM Fig. 4): training loss on {site}'s first {n_cases} training cases along "

@@ -328,9 +328,11 @@ def plan_for_run(
     ``mode = "patches2d"``: the 2D network stays as configured and the patch is the plan's in-plane
     patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
     model, ev, train = cfg.model, cfg.eval, cfg.train
-    if train.loss == "auto":
-        train = dataclasses.replace(train, loss="dicece")
-        log("plan: train.loss = dicece (Dice + cross-entropy: a Dice loss alone can settle on empty predictions)")
+    if train.loss != train.loss_for(volumes=True):
+        train = dataclasses.replace(train, loss=train.loss_for(volumes=True))
+        log(
+            f"plan: train.loss = {train.loss} (Dice + cross-entropy: a Dice loss alone can settle on empty predictions)"
+        )
     if mode == "patches2d":
         if model.roi_size is None:
             patch = slice_patch(plan, _downsampling(model))
