@@ -16,6 +16,10 @@ from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
+# every test here starts FLARE processes: one cluster at a time, on one pytest worker (make test: --dist loadgroup);
+# two clusters on two cores have made a job fail to start
+pytestmark = pytest.mark.xdist_group("flare")
+
 OVERRIDES = [
     "model.channels=[4,8,16]",
     "model.strides=[2,2]",
