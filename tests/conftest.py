@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +84,16 @@ def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
     for name in ("__float__", "item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
     return calls
+
+
+@pytest.fixture
+def flare_lock():
+    """One NVIDIA FLARE cluster at a time on this machine: a test that starts FLARE processes holds this lock
+    (an flock on a file in the temp folder) for its whole run, so pytest workers never run two clusters at
+    once (two clusters on two cores have made a site's job fail to start)."""
+    with (Path(tempfile.gettempdir()) / "fedseg-tests-flare.lock").open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

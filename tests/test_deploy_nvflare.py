@@ -16,9 +16,8 @@ from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
-# every test here starts FLARE processes: one cluster at a time, on one pytest worker (make test: --dist loadgroup);
-# two clusters on two cores have made a job fail to start
-pytestmark = pytest.mark.xdist_group("flare")
+# the tests here start FLARE processes: one cluster at a time (tests/conftest.py: flare_lock)
+pytestmark = pytest.mark.usefixtures("flare_lock")
 
 OVERRIDES = [
     "model.channels=[4,8,16]",

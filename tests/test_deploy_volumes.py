@@ -125,7 +125,7 @@ def test_planning_operations_refuse_a_malformed_request(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("flare")  # one FLARE cluster at a time (make test: --dist loadgroup)
+@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
 def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
     """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1; the plan is
     made from the fingerprints the sites send through FLARE."""

@@ -85,7 +85,7 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("flare")  # one FLARE cluster at a time (make test: --dist loadgroup)
+@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
 def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     """FedAvg with secure aggregation over NVIDIA FLARE (provisioned kits, mutual TLS, site processes): the
     four steps of each exchange cross FLARE's channel, every site signs its keys with its kit's certificate
@@ -138,7 +138,7 @@ _transport.RemoteTransport.ask = _recording_ask
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("flare")  # one FLARE cluster at a time (make test: --dist loadgroup)
+@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
 def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_masks(tmp_path):
     """FedSM (SoftPull, the lockstep ``fga`` selector) with secure aggregation over NVIDIA FLARE (provisioned
     kits, mutual TLS, site processes): 2 rounds end with the simulation's server state and test Dice bitwise,
