@@ -85,20 +85,26 @@ def test_malformed_fingerprint_over_the_wire_is_rejected_and_the_plan_uses_the_o
 
 
 @pytest.mark.slow
-def test_deployed_volume_run_plans_like_fedseg_plan_and_equals_simulation(tmp_path):
+@pytest.mark.parametrize("reads", ["auto", "cache"])
+def test_deployed_volume_run_plans_like_fedseg_plan_and_equals_simulation(tmp_path, reads, caplog):
     """No plan beside the spec: the server asks the sites for fingerprints and histograms, makes the plan
     (the same numbers `fedseg plan` combines, in the same order, so the same plan to the last bit), agrees
-    one volume shape, and the run is the simulation's (same grid, same padding, same seeds)."""
+    one volume shape, and the run is the simulation's (same grid, same padding, same seeds), also when the
+    sites read their volumes from their caches as used (``volume_reads = "cache"``) and the simulation
+    holds them in memory."""
     # Prepare
     spec = write_federation(tmp_path / "data", n=(2, 1, 1))
-    cfg = load_deploy_config(spec, [*RUN, "deploy.round_deadline_s=120"])
+    cfg = load_deploy_config(spec, [*RUN, "deploy.round_deadline_s=120", f"volume_reads={reads}"])
     prepare_run(cfg, tmp_path / "dep")
     logs: list[str] = []
     # Execute
-    dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
+    with caplog.at_level("INFO", logger="fedseg.apps.deploy.site"):
+        dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
     expected = plan_federation(load_federation(spec), log=lambda m: None)
     sim = run(spec, out=tmp_path / "sim", overrides=[*RUN, "volume_cache=off"], progress=False, log=lambda m: None)
     # Assert
+    sites_said = [r.getMessage() for r in caplog.records if r.name == "fedseg.apps.deploy.site"]
+    assert (reads == "cache") == any("read from the cache as used" in m for m in sites_said)
     deployed_plan = json.loads((tmp_path / "dep" / "plan.json").read_text())
     assert deployed_plan == expected.to_json() == sim["plan"] == dep["plan"]
     assert any("plan made from the fingerprints" in m for m in logs)

@@ -331,6 +331,12 @@ class RunConfig:
     under the same plan and source files: 'auto' (a `.fedseg-cache` folder beside the site's datalist),
     'off' (preprocess on every run) or a folder (one subfolder per site; a deployed site always caches
     beside its own datalist unless 'off'); see docs/data.md, "Cache"."""
+    volume_reads: str = "auto"
+    """Volumes: where a site keeps its cases while it trains: 'memory' (every split held, padded to the
+    federation's common shape), 'cache' (read from the site's volume cache as used: one batch of patches per
+    training step, one batch of volumes per evaluation step; needs volume_cache) or 'auto' (held while a
+    site's splits take at most a quarter of the machine's memory shared by the sites it runs, the rest read
+    from the cache). All three train on the same patches; see docs/data.md, "Memory"."""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -350,6 +356,13 @@ class RunConfig:
             )
         if not str(self.volume_cache).strip():
             raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
+        if self.volume_reads not in ("auto", "memory", "cache"):
+            raise ConfigError(f"volume_reads = {self.volume_reads!r} is not known; use 'auto', 'memory' or 'cache'")
+        if self.volume_reads == "cache" and self.volume_cache == "off":
+            raise ConfigError(
+                "volume_reads = 'cache' reads volumes from the site's cache, but volume_cache = 'off' -> set "
+                "volume_cache to 'auto' or a folder, or volume_reads to 'auto' or 'memory'"
+            )
         self.model.validate()
         self.train.validate()
         self.eval.validate()

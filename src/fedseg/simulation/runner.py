@@ -22,7 +22,8 @@ from fedseg.algorithms.centralized import POOLED
 from fedseg.data.loading import load_split
 from fedseg.data.spec import load_federation
 from fedseg.data.validate import raise_if_invalid
-from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run
+from fedseg.data.volumes.lazy import CachedVolumes
+from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run, split_shape
 from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
 from fedseg.execution.inprocess import InProcessTransport
@@ -49,6 +50,8 @@ __all__ = [
 
 def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     trains = [d.train for d in site_data.values()]
+    if all(isinstance(t, CachedVolumes) for t in trains):
+        return SiteData(train=CachedVolumes.concat(trains))
     if all(hasattr(t, "images") for t in trains):
         return SiteData(
             train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
@@ -213,20 +216,25 @@ def write_results(results: dict[str, Any], out: str | Path) -> None:
 
 
 def load_federation_data(
-    federation: str | Path, progress: bool = False, log: Callable[[str], None] = print, volume_cache: str = "auto"
+    federation: str | Path,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    volume_cache: str = "auto",
+    volume_reads: str = "auto",
 ) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory.
 
     Volumes (``mode = "3d"`` or ``"patches2d"``) are brought into the federation's plan grid (the plan
     file beside the spec, made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`),
     each case read from its site's cache of preprocessed cases when it is there (``volume_cache``, the run
-    setting); ``patches2d`` training splits are the volumes' axial slices."""
+    setting) and held in memory or read from there as used (``volume_reads``); ``patches2d`` training splits
+    are the volumes' axial slices."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
     if fed.volumes:
         plan = ensure_plan(fed, log=log)
         data = {
-            s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log=log))
+            s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log, volume_reads, len(fed.sites)))
             for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
         }
         return fed, pad_to_common_shape(data)
@@ -253,7 +261,7 @@ def plan_volume_run(
     work, volume = None, None
     if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
         work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
-        volume = list(next(iter(data.values())).val.images.shape[2:])  # every split is padded to one shape
+        volume = split_shape(next(iter(data.values())).val)  # every split is padded to one shape
     return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
 
 
@@ -299,7 +307,8 @@ def run(
     algorithm = get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     _check_slice_evaluation(cfg, algorithm)
-    fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache)
+    fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache, volume_reads=cfg.volume_reads
+    )
     plan = None
     if fed.volumes:
         cfg, plan = plan_volume_run(cfg, fed, data, log=log)

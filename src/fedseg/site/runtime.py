@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
+from fedseg.data.volumes.lazy import CachedVolumes
 from fedseg.foundation.arrays import Arrays, check_compatible, strip_prefix
 from fedseg.foundation.config import RunConfig, TrainConfig
 from fedseg.foundation.device import (
@@ -459,7 +460,9 @@ class Site:
         """Training batches of one round: successive seeded permutations cut into batches.
 
         Each pass over the data is a permutation drawn from the generator of
-        (seed, site, round, stream, pass); the last batch of a pass may be smaller.
+        (seed, site, round, stream, pass); the last batch of a pass may be smaller.  Volumes kept in the
+        site's cache (:class:`fedseg.data.volumes.lazy.CachedVolumes`) go to a patch transform as a
+        :class:`~fedseg.data.volumes.lazy.CaseBatch`, which reads only the patches.
         """
         ds = self.split_data(split)
         n = dataset_len(ds)
@@ -469,6 +472,7 @@ class Site:
         steps = self.steps_per_round(split) if steps is None else steps
         tf = self.workload.train_transform
         g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
+        lazy = isinstance(ds, CachedVolumes) and getattr(tf, "reads_cases", False)
         done, epoch = 0, 0
         while done < steps:
             perm = torch.randperm(
@@ -479,11 +483,17 @@ class Site:
             for start in range(0, n, bs):
                 if done >= steps:
                     break
-                x, y = batch_of(ds, perm[start : start + bs])
-                x = self._to_device(x, cast=True)
-                y = self._to_device(y, cast=y.is_floating_point())
-                if tf is not None:
-                    x, y = tf(x, y, g_tf)
+                idx = perm[start : start + bs]
+                if lazy:  # volumes in the site's cache: the transform reads only its patches
+                    cases = ds.batch(idx)
+                    cases.place = self._to_device
+                    x, y = tf(cases, cases, g_tf)
+                else:
+                    x, y = batch_of(ds, idx)
+                    x = self._to_device(x, cast=True)
+                    y = self._to_device(y, cast=y.is_floating_point())
+                    if tf is not None:
+                        x, y = tf(x, y, g_tf)
                 yield x, y
                 done += 1
             epoch += 1

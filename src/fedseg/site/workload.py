@@ -20,6 +20,7 @@ from torch import nn
 
 from fedseg.data.augment import patch_augmenter
 from fedseg.data.spec import VOLUME_MODES
+from fedseg.data.volumes.lazy import CaseBatch
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 
 __all__ = [
@@ -196,33 +197,57 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
     uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the foreground voxel is drawn from
     every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
-    its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``."""
+    its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``.
 
-    def crop(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
-        if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
-            pad = [p for d in reversed(short) for p in (0, d)]
-            x = torch.stack([nn.functional.pad(c, pad, value=float(c.min())) for c in x])
-            y = nn.functional.pad(y, pad)
-        spatial = x.shape[2:]
-        batch_fg = torch.nonzero(y.amax(dim=1) > 0) if pooled and foreground_share > 0 else None
-        xs, ys = [], []
-        for i in range(x.shape[0]):
+    ``x`` may be a :class:`fedseg.data.volumes.lazy.CaseBatch` (then ``y`` is the same batch): the patches
+    are placed by the same draws and only they are read from the site's cache."""
+
+    def place(n: int, spatial: Sequence[int], count, at, g: torch.Generator) -> list[tuple[int, list[int]]]:
+        """``(case, corner)`` of each of ``n`` patches; ``count(i)``/``at(i, k)``: foreground voxels of case ``i``."""
+        cuts = []
+        for i in range(n):
             src, starts = i, None
             if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
-                fg = batch_fg if pooled else torch.nonzero(y[i].amax(dim=0) > 0)
-                if len(fg):
-                    centre = fg[int(torch.randint(0, len(fg), (1,), generator=g))].tolist()
+                total = count(i)
+                if total:
+                    centre = at(i, int(torch.randint(0, total, (1,), generator=g)))
                     if pooled:
                         src, centre = centre[0], centre[1:]
                     starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, spatial, roi)]
             if starts is None:
                 starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
+            cuts.append((src, starts))
+        return cuts
+
+    def crop(x, y, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, CaseBatch):
+            spatial = [max(s, r) for s, r in zip(x.spatial, roi)]  # a case smaller than the patch: padded
+            return x.regions(place(len(x), spatial, x.foreground_count, x.foreground_at, g), roi)
+        short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
+        if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
+            pad = [p for d in reversed(short) for p in (0, d)]
+            x = torch.stack([nn.functional.pad(c, pad, value=float(c.min())) for c in x])
+            y = nn.functional.pad(y, pad)
+        if pooled and foreground_share > 0:
+            batch_fg = torch.nonzero(y.amax(dim=1) > 0)
+            count, at = (lambda i: len(batch_fg)), (lambda i, k: batch_fg[k].tolist())
+        else:
+            fgs: dict[int, torch.Tensor] = {}
+
+            def fg(i: int) -> torch.Tensor:
+                if i not in fgs:
+                    fgs[i] = torch.nonzero(y[i].amax(dim=0) > 0)
+                return fgs[i]
+
+            count, at = (lambda i: len(fg(i))), (lambda i, k: fg(i)[k].tolist())
+        xs, ys = [], []
+        for src, starts in place(x.shape[0], x.shape[2:], count, at, g):
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
             xs.append(x[(src, slice(None), *sl)])
             ys.append(y[(src, slice(None), *sl)])
         return torch.stack(xs), torch.stack(ys)
 
+    crop.reads_cases = True  # type: ignore[attr-defined]  # takes a CaseBatch (Site.batches)
     return crop
 
 
@@ -237,6 +262,7 @@ def _augmented(crop, spatial_dims: int, roi: Sequence[int] | None = None):
             x, y = crop(x, y, g)
         return augment(x, y, int(torch.randint(0, 2**31 - 1, (), generator=g)))
 
+    transform.reads_cases = getattr(crop, "reads_cases", False)  # type: ignore[attr-defined]
     return transform
 
 

@@ -122,7 +122,7 @@ def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg:
             raise PayloadError(
                 f"site {name}: a volume run's setup carries no plan; server and site must run the same fedseg version"
             )
-        data = load_volume_site_data(name, datalist, header, cfg.volume_cache, log.info)
+        data = load_volume_site_data(name, datalist, header, cfg.volume_cache, log.info, cfg.volume_reads)
     else:
         data = SiteData(*(load_split(fed, fed.sites[0], split) for split in ("training", "validation", "testing")))
     return data, workload_for(fed, cfg)

@@ -34,7 +34,7 @@ from typing import Any
 
 from fedseg.data.spec import INTENSITIES, VOLUME_MODES, FederationSpec, SiteSpec
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
-from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, training_cases
+from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, split_shape, training_cases
 from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
 from fedseg.foundation.config import RunConfig, dump_toml
 from fedseg.foundation.errors import PayloadError
@@ -131,13 +131,21 @@ def site_cache_setting(value: Any, name: str, log: Callable[[str], None]) -> str
 
 
 def load_volume_site_data(
-    name: str, datalist: str | Path, header: dict[str, Any], volume_cache: str, log: Callable[[str], None]
+    name: str,
+    datalist: str | Path,
+    header: dict[str, Any],
+    volume_cache: str,
+    log: Callable[[str], None],
+    volume_reads: str = "auto",
 ) -> SiteData:
     """This site's splits in the plan's grid of ``header["plan"]``, padded to ``header["volume_shape"]`` when
-    the server sent one (through the site's cache, ``volume_cache``)."""
+    the server sent one (through the site's cache, ``volume_cache``; held or read from there as used,
+    ``volume_reads``)."""
     fed = local_spec(name, datalist, header)
     plan = Plan.from_json(header["plan"], where=f"site {name}: the server's plan")
-    splits = load_volume_site(fed, fed.sites[0], plan, site_cache_setting(volume_cache, name, log), log=log)
+    cache = site_cache_setting(volume_cache, name, log)
+    reads = volume_reads if cache != "off" or volume_reads != "cache" else "memory"
+    splits = load_volume_site(fed, fed.sites[0], plan, cache, log, reads)
     if header.get("volume_shape") is not None:
         pad_to_shape(splits, _shape(header["volume_shape"], f"site {name}: the server's volume shape"))
     return SiteData(*splits)
@@ -158,10 +166,12 @@ def site_operation(
     if op == "histogram":
         return {"site": name, "counts": site_histogram(training_cases(fed, site), _edges(body.get("edges"), where))}
     if op == "volumes":
-        cache = body.get("volume_cache", "auto")
-        data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log)
+        cache = str(body.get("volume_cache", "auto"))
+        reads = str(body.get("volume_reads", "auto"))
+        data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log, reads)
         sets = (data.train, data.val, data.test)  # a patches2d training split holds slices: two axes
-        shape = [max(ds.images.shape[2 + a] for ds in sets if ds.images.dim() > 2 + a) for a in range(3)]
+        shapes = [split_shape(ds) for ds in sets]
+        shape = [max(s[a] for s in shapes if len(s) > a) for a in range(3)]
         return {
             "site": name,
             "volume_shape": shape,
@@ -220,7 +230,7 @@ def _agree_shape(
     """The largest padded shape over the sites' replies to ``volumes`` (for ``3d`` at least the plan's patch,
     as every 3D split is padded to it) and each site's ``[training, validation]`` case counts, in federation
     order; a malformed reply is logged and left out."""
-    replies = transport.exchange("volumes", {"data": header, "volume_cache": cfg.volume_cache}, timeout)
+    replies = transport.exchange("volumes", {"data": header, "volume_cache": cfg.volume_cache, "volume_reads": cfg.volume_reads}, timeout)
     shape = list(plan.patch_size) if header["mode"] == "3d" else [1, 1, 1]
     cases: dict[str, list[int]] = {}
     for s in transport.sites:

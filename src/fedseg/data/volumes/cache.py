@@ -153,6 +153,10 @@ class VolumeCache:
         base = self.folder / f"{stem}-{h}"
         return base.with_suffix(".safetensors"), base.with_suffix(".json")
 
+    def arrays_path(self, cid: str, image: str | Path, label: str | Path) -> Path:
+        """The safetensors file of a case (whether or not it is there yet)."""
+        return self._paths(cid, image, label)[0]
+
     def get(self, cid: str, image: str | Path, label: str | Path, keep_original: bool) -> CachedCase | None:
         """The cached case, or None when it must be preprocessed (absent, stale or corrupt: the latter logged)."""
         if self.disabled:

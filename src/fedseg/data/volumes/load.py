@@ -19,6 +19,7 @@ The spec's ``data.intensity`` (and ``data.window``) override the plan's intensit
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_k
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
+from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
     EVAL_SHARE,
     Plan,
@@ -46,11 +48,14 @@ from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
+    "VOLUME_READS",
+    "MemoryBudget",
     "SliceDataset",
     "VolumeDataset",
     "ensure_plan",
     "load_volume_site",
     "load_volume_split",
+    "memory_budget",
     "pad_to_common_shape",
     "pad_to_shape",
     "plan_federation",
@@ -58,6 +63,7 @@ __all__ = [
     "plan_path",
     "plan_spacing",
     "site_cache",
+    "split_shape",
     "training_cases",
     "with_spec_intensity",
 ]
@@ -207,59 +213,166 @@ def _preprocess(fed: FederationSpec, image_path, label_path, plan: Plan, keep: b
     return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
 
 
+VOLUME_READS = ("auto", "memory", "cache")
+"""Values of the run setting ``volume_reads`` (:func:`memory_budget`)."""
+
+
+@dataclasses.dataclass
+class MemoryBudget:
+    """Bytes a site's volumes may take in memory; a split that would exceed it is read from the site's
+    cache as it is used (:class:`fedseg.data.volumes.lazy.CachedVolumes`).  ``limit`` None: no limit
+    (every split in memory); 0: every split from the cache."""
+
+    limit: int | None
+    used: int = 0
+    cached: list[str] = dataclasses.field(default_factory=list)
+    """The splits read from the cache."""
+
+    def summary(self) -> str:
+        held = f"{self.used / 2**20:.1f} MiB of volumes in memory"
+        return held + (f"; {', '.join(self.cached)} read from the cache as used" if self.cached else "")
+
+
+def memory_budget(reads: str, sites: int = 1) -> MemoryBudget:
+    """The budget of each site for the run setting ``volume_reads``: ``"memory"`` (no limit), ``"cache"`` (0),
+    ``"auto"``: a quarter of the machine's physical memory shared by the ``sites`` loaded in this process
+    (no limit where the operating system does not say)."""
+    if reads not in VOLUME_READS:
+        raise ConfigError(f"volume_reads = {reads!r} is not known; use one of {', '.join(VOLUME_READS)}")
+    if reads == "memory":
+        return MemoryBudget(None)
+    if reads == "cache":
+        return MemoryBudget(0)
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return MemoryBudget(None)
+    return MemoryBudget(int(physical) // (4 * max(1, sites)))
+
+
 def load_volume_split(
-    fed: FederationSpec, site: SiteSpec, split: str, plan: Plan, cache: VolumeCache | None = None
-) -> VolumeDataset | SliceDataset:
+    fed: FederationSpec,
+    site: SiteSpec,
+    split: str,
+    plan: Plan,
+    cache: VolumeCache | None = None,
+    budget: MemoryBudget | None = None,
+) -> VolumeDataset | SliceDataset | CachedVolumes:
     """One split of one site in the plan's grid (module docstring): volumes, or for the training split of
     ``mode = "patches2d"`` their axial slices; each case read from ``cache`` when it holds it under this
-    plan and these source files, else preprocessed (and stored there)."""
+    plan and these source files, else preprocessed (and stored there).
+
+    A split whose cases would take ``budget`` past its limit stays in the cache and is read as it is used
+    (:class:`~fedseg.data.volumes.lazy.CachedVolumes`, the same items); the cases held so far are released.
+    A limit of 0 needs the cache (one error naming the fix when it is off or cannot be written); a
+    ``patches2d`` training split (slices) is always held."""
     keep = split != "training"
-    images, labels, ids, affines, originals, orig_labels = [], [], [], [], [], []
-    for cid, image_path, label_path in _entries(site, split):
+    slices = fed.mode == "patches2d" and not keep
+    can_defer = cache is not None and not slices and budget is not None and budget.limit is not None
+    if budget is not None and budget.limit == 0 and not slices and (cache is None or cache.disabled):
+        why = "off" if cache is None else f"not writable ({cache.disabled})"
+        raise ConfigError(
+            f"{site.name}: volume_reads = 'cache' reads volumes from the site's cache, which is {why} -> set "
+            "volume_cache to 'auto' or a writable folder, or volume_reads to 'auto' or 'memory'"
+        )
+    held: list[CachedCase] = []
+    files: list[CaseFile | None] = []
+    ids, affines, originals = [], [], []
+    deferred = can_defer and budget.limit == 0
+    held_bytes = 0
+    entries = list(_entries(site, split))
+
+    def read(cid: str, image_path: str, label_path: str) -> CachedCase:
         case = cache.get(cid, image_path, label_path, keep) if cache is not None else None
         if case is None:
             case = _preprocess(fed, image_path, label_path, plan, keep)
             if cache is not None:
                 cache.put(cid, image_path, label_path, case)
-        images.append(case.image)
-        labels.append(case.label)
+        return case
+
+    for n, (cid, image_path, label_path) in enumerate(entries):
+        case = read(cid, image_path, label_path)
+        path = cache.arrays_path(cid, image_path, label_path) if can_defer and not cache.disabled else None
+        files.append(CaseFile.of(cid, path, case.image, case.label, fed.labels) if path and path.is_file() else None)
         ids.append(cid)
         affines.append(case.affine)
         if keep:
             originals.append(Geometry(case.original_affine, case.original_shape))
-            orig_labels.append(torch.from_numpy(label_channels(case.original_label, fed.labels)))
-    if not images:
+        if deferred and files[-1] is None:  # the cache stopped taking cases (logged by it): hold them all
+            deferred = False
+            if budget.limit == 0:
+                raise ConfigError(
+                    f"{site.name}: volume_reads = 'cache' but the site's cache stopped taking cases ({cache.disabled})"
+                    " -> free space or set volume_cache to a writable folder, or volume_reads to 'auto' or 'memory'"
+                )
+            held = [read(*e) for e in entries[:n]]
+            held_bytes = sum(_case_bytes(c, len(fed.labels)) for c in held)
+            budget.used += held_bytes
+        if deferred:
+            continue
+        size = _case_bytes(case, len(fed.labels))
+        if can_defer and budget.used + size > budget.limit and all(f is not None for f in files):
+            deferred = True  # from here on the split stays in the cache; what was held is released
+            budget.used -= held_bytes
+            held = []
+            continue
+        held.append(case)
+        held_bytes += size
+        if budget is not None:
+            budget.used += size
+    if not ids:
         raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
+    if deferred:
+        budget.cached.append(split)
+        least = [0, 0, 0] if fed.mode == "patches2d" else list(plan.patch_size)
+        shape = [max([f.extent[a] for f in files] + [least[a]]) for a in range(3)]
+        return CachedVolumes(files, fed.labels, shape, affines if keep else None, originals if keep else None)
+    images = [c.image for c in held]
+    labels = [c.label for c in held]
+    if slices:
+        return _slices(images, [label_channels(lab, fed.labels) for lab in labels], ids, slice_patch(plan, 1))
     if fed.mode == "patches2d":
-        if not keep:
-            return _slices(images, [label_channels(lab, fed.labels) for lab in labels], ids, slice_patch(plan, 1))
         shape = [max(im.shape[1 + a] for im in images) for a in range(3)]
     else:
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
-    return VolumeDataset(
-        x,
-        y,
-        ids,
-        affines,
-        originals if keep else None,
-        orig_labels if keep else None,
-    )
+    orig_labels = [torch.from_numpy(label_channels(c.original_label, fed.labels)) for c in held] if keep else None
+    return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels)
+
+
+def _case_bytes(case: CachedCase, label_channels_: int) -> int:
+    """Bytes a case takes held in memory (float32 image and label channels, and its own-grid label channels)."""
+    voxels = int(np.prod(case.label.shape))
+    own = int(np.prod(case.original_label.shape)) if case.original_label is not None else 0
+    return 4 * (voxels * (case.image.shape[0] + label_channels_) + own * label_channels_)
 
 
 SPLITS = ("training", "validation", "testing")
 
 
 def load_volume_site(
-    fed: FederationSpec, site: SiteSpec, plan: Plan, volume_cache: str = "auto", log: Callable[[str], None] = print
-) -> list[VolumeDataset]:
-    """The three splits of one site in the plan's grid, through the site's cache (:func:`site_cache`); logs
-    one line saying how many cases came from the cache."""
+    fed: FederationSpec,
+    site: SiteSpec,
+    plan: Plan,
+    volume_cache: str = "auto",
+    log: Callable[[str], None] = print,
+    volume_reads: str = "auto",
+    sites: int = 1,
+) -> list[VolumeDataset | SliceDataset | CachedVolumes]:
+    """The three splits of one site in the plan's grid, through the site's cache (:func:`site_cache`), held in
+    memory or read from the cache as used (``volume_reads``, :func:`memory_budget` with ``sites`` loaded in
+    this process); logs one line saying how many cases came from the cache and where the volumes are."""
     cache = site_cache(volume_cache, fed, site, plan, log=log)
-    splits = [load_volume_split(fed, site, split, plan, cache) for split in SPLITS]
+    budget = memory_budget(volume_reads, sites)
+    splits = [load_volume_split(fed, site, split, plan, cache, budget) for split in SPLITS]
     if cache is not None:
-        log(f"{site.name}: {cache.summary()}")
+        log(f"{site.name}: {cache.summary()}; {budget.summary()}")
     return splits
+
+
+def split_shape(ds: VolumeDataset | SliceDataset | CachedVolumes) -> list[int]:
+    """The padded spatial shape of a volume split (two axes for a split of slices)."""
+    return list(ds.shape) if isinstance(ds, CachedVolumes) else list(ds.images.shape[2:])
 
 
 def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list[int]):
@@ -276,15 +389,22 @@ def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def pad_to_shape(sets: list[VolumeDataset | SliceDataset], shape: list[int]) -> None:
+def _pad_split(ds: VolumeDataset | SliceDataset | CachedVolumes, shape: list[int]) -> None:
+    if isinstance(ds, CachedVolumes):
+        ds.shape = list(shape)
+    elif list(ds.images.shape[2:]) != list(shape):
+        ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), list(shape))
+
+
+def pad_to_shape(sets: list[VolumeDataset | SliceDataset | CachedVolumes], shape: list[int]) -> None:
     """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own); a
     split of slices (``patches2d`` training) to its first two axes, as :func:`pad_to_common_shape` does."""
     for ds in sets:
-        target = list(shape)[: ds.images.dim() - 2]
-        if any(s < h for s, h in zip(target, ds.images.shape[2:])):
-            raise DataError(f"volume shape {list(shape)} is smaller than a split's {list(ds.images.shape[2:])}")
-        if list(ds.images.shape[2:]) != target:
-            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), target)
+        own = split_shape(ds)
+        target = list(shape)[: len(own)]
+        if any(s < h for s, h in zip(target, own)):
+            raise DataError(f"volume shape {list(shape)} is smaller than a split's {own}")
+        _pad_split(ds, target)
 
 
 def pad_to_common_shape(data: dict) -> dict:
@@ -292,13 +412,15 @@ def pad_to_common_shape(data: dict) -> dict:
     training, e.g. centralized, can stack them); the affines stay valid because the origin does not move.
     Slice splits (``patches2d``) share the volumes' in-plane shape."""
     sets = [
-        ds for d in data.values() for ds in (d.train, d.val, d.test) if isinstance(ds, (VolumeDataset, SliceDataset))
+        ds
+        for d in data.values()
+        for ds in (d.train, d.val, d.test)
+        if isinstance(ds, (VolumeDataset, SliceDataset, CachedVolumes))
     ]
-    dims = [ds.images.dim() - 2 for ds in sets]
-    shape = [max(ds.images.shape[2 + a] for ds, n in zip(sets, dims) if n > a) for a in range(max(dims))]
-    for ds, n in zip(sets, dims):
-        if list(ds.images.shape[2:]) != shape[:n]:
-            ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), shape[:n])
+    shapes = [split_shape(ds) for ds in sets]
+    shape = [max(s[a] for s in shapes if len(s) > a) for a in range(max(len(s) for s in shapes))]
+    for ds, own in zip(sets, shapes):
+        _pad_split(ds, shape[: len(own)])
     return data
 
 
