@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_checkpoints
 
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.lazy import CachedVolumes
@@ -24,6 +23,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
 from fedseg.simulation.runner import run
 from fedseg.site.workload import _random_crop
+from helpers import assert_same_checkpoints
 from test_volumes_run import write_federation
 
 

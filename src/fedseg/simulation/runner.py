@@ -307,7 +307,8 @@ def run(
     algorithm = get_algorithm(cfg)  # validate the method and its settings before loading data
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     _check_slice_evaluation(cfg, algorithm)
-    fed, data = load_federation_data(cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache, volume_reads=cfg.volume_reads
+    fed, data = load_federation_data(
+        cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache, volume_reads=cfg.volume_reads
     )
     plan = None
     if fed.volumes:

@@ -230,7 +230,9 @@ def _agree_shape(
     """The largest padded shape over the sites' replies to ``volumes`` (for ``3d`` at least the plan's patch,
     as every 3D split is padded to it) and each site's ``[training, validation]`` case counts, in federation
     order; a malformed reply is logged and left out."""
-    replies = transport.exchange("volumes", {"data": header, "volume_cache": cfg.volume_cache, "volume_reads": cfg.volume_reads}, timeout)
+    replies = transport.exchange(
+        "volumes", {"data": header, "volume_cache": cfg.volume_cache, "volume_reads": cfg.volume_reads}, timeout
+    )
     shape = list(plan.patch_size) if header["mode"] == "3d" else [1, 1, 1]
     cases: dict[str, list[int]] = {}
     for s in transport.sites:
