@@ -66,8 +66,8 @@ def test_items_and_original_grid_equal_the_volumes_held_in_memory(fed_plan, tmp_
 def test_patches_are_the_ones_cut_from_padded_volumes(fed_plan, tmp_path):
     """The crop draws each patch's place from the generator in the same order on a batch of padded volumes
     and on a batch of cached cases (foreground voxels listed in the same C order, the same padded shape), so
-    with the same seed both give the same patches, including patches reaching into the padding and a patch
-    larger than the volume along an axis."""
+    with the same seed both give the same patches, including a patch larger than the volume along an axis
+    (which reaches into the padding)."""
     fed, plan = fed_plan
     memory, cached = _both(fed, plan, "training", tmp_path)
     pad_to_shape([memory, cached], [s + 4 for s in cached.shape])
@@ -77,7 +77,7 @@ def test_patches_are_the_ones_cut_from_padded_volumes(fed_plan, tmp_path):
         crop = _random_crop(roi, share)
         for seed in range(4):
             g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-            x1, y1 = crop(memory.images[idx], memory.labels[idx], g1)
+            x1, y1 = crop(memory.images[idx], memory.labels[idx], g1, [memory.extents[i] for i in idx])
             batch = cached.batch(idx)
             x2, y2 = crop(batch, batch, g2)
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
@@ -144,3 +144,24 @@ def test_cache_reads_without_a_cache_or_with_a_lost_file_name_the_fix(fed_plan, 
     cached.cases[0].path.unlink()  # the cache changed under a running site
     with pytest.raises(DataError, match=f"{cached.cases[0].path.name}.*run again"):
         cached[0]
+
+
+def test_patches_stay_within_each_case_when_it_is_at_least_the_patch():
+    """Volumes padded to one shape: every patch of a case at least as large as the patch lies inside the
+    case's own extent (random corners drawn in [0, extent - patch], centred patches shifted back inside), so
+    none holds padding; along an axis where the case is shorter than the patch, the patch starts at 0."""
+    shape, roi = (20, 16, 12), [6, 6, 8]
+    extents = [(20, 16, 12), (9, 7, 12), (12, 16, 5)]  # the last is shorter than the patch along z
+    x = torch.full((3, 1, *shape), -1.0)
+    y = torch.zeros(3, 1, *shape)
+    for i, e in enumerate(extents):
+        x[(i, 0, *(slice(0, v) for v in e))] = 1.0
+        y[(i, 0, *(slice(v - 1, v) for v in e))] = 1.0  # foreground at the far corner of each case
+    for share in (0.0, 1.0):
+        crop = _random_crop(roi, share)
+        for seed in range(20):
+            px, py = crop(x, y, torch.Generator().manual_seed(seed), extents)
+            assert (px[:2] == 1).all()  # within the case
+            assert (px[2, 0, :, :, :5] == 1).all() and (px[2, 0, :, :, 5:] == -1).all()
+            if share == 1.0:
+                assert (py.flatten(1).sum(1) == 1).all()  # the centred foreground voxel is in every patch

@@ -53,10 +53,12 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
     if all(isinstance(t, CachedVolumes) for t in trains):
         return SiteData(train=CachedVolumes.concat(trains))
     if all(hasattr(t, "images") for t in trains):
-        return SiteData(
-            train=TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
-        )
-    return SiteData(train=ConcatDataset(trains))
+        pooled = TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
+    else:
+        pooled = ConcatDataset(trains)
+    if all(getattr(t, "extents", None) is not None for t in trains):
+        pooled.extents = [e for t in trains for e in t.extents]  # volumes: each case's own shape
+    return SiteData(train=pooled)
 
 
 def vectorized_schedule(steps: list[int]) -> list[tuple[int, int]]:

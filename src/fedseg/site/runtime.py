@@ -472,14 +472,16 @@ class Site:
         steps = self.steps_per_round(split) if steps is None else steps
         tf = self.workload.train_transform
         g_tf = generator(self.cfg.seed, self.index, rnd, stream, "transform") if tf is not None else None
-        lazy = isinstance(ds, CachedVolumes) and getattr(tf, "reads_cases", False)
+        cases_aware = getattr(tf, "reads_cases", False)
+        lazy = isinstance(ds, CachedVolumes) and cases_aware
+        # padded volumes: each case's own shape, so that patches stay within it (the workload's patch crop)
+        extents = getattr(self.data.split(split), "extents", None) if cases_aware and not lazy else None
         done, epoch = 0, 0
         while done < steps:
-            perm = torch.randperm(
+            order = torch.randperm(
                 n, generator=generator(self.cfg.seed, self.index, rnd, stream, epoch)
             )  # drawn on the CPU on every device
-            if isinstance(ds, _Placed):
-                perm = perm.to(self.device)  # one copy per pass, not one per batch
+            perm = order.to(self.device) if isinstance(ds, _Placed) else order  # one copy per pass
             for start in range(0, n, bs):
                 if done >= steps:
                     break
@@ -492,7 +494,9 @@ class Site:
                     x, y = batch_of(ds, idx)
                     x = self._to_device(x, cast=True)
                     y = self._to_device(y, cast=y.is_floating_point())
-                    if tf is not None:
+                    if extents is not None:
+                        x, y = tf(x, y, g_tf, [extents[i] for i in order[start : start + bs].tolist()])
+                    elif tf is not None:
                         x, y = tf(x, y, g_tf)
                 yield x, y
                 done += 1

@@ -199,30 +199,38 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
     its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``.
 
+    ``extents`` (volumes padded to one shape; a :class:`fedseg.data.volumes.lazy.CaseBatch` knows its own):
+    each case's own spatial shape before padding; a patch then stays within the case where the case is at
+    least as large as the patch (its corner is drawn, and a centred patch shifted, within the case), so no
+    patch is spent on the padding that only makes the federation's volumes one shape.
+
     ``x`` may be a :class:`fedseg.data.volumes.lazy.CaseBatch` (then ``y`` is the same batch): the patches
     are placed by the same draws and only they are read from the site's cache."""
 
-    def place(n: int, spatial: Sequence[int], count, at, g: torch.Generator) -> list[tuple[int, list[int]]]:
+    def place(
+        n: int, spatial: Sequence[int], count, at, g: torch.Generator, extents: Sequence[Sequence[int]] | None
+    ) -> list[tuple[int, list[int]]]:
         """``(case, corner)`` of each of ``n`` patches; ``count(i)``/``at(i, k)``: foreground voxels of case ``i``."""
         cuts = []
         for i in range(n):
             src, starts = i, None
+            bound = spatial if extents is None else [min(max(e, r), s) for e, r, s in zip(extents[i], roi, spatial)]
             if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
                 total = count(i)
                 if total:
                     centre = at(i, int(torch.randint(0, total, (1,), generator=g)))
                     if pooled:
                         src, centre = centre[0], centre[1:]
-                    starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, spatial, roi)]
+                    starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, bound, roi)]
             if starts is None:
-                starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(spatial, roi)]
+                starts = [int(torch.randint(0, max(1, s - r + 1), (1,), generator=g)) for s, r in zip(bound, roi)]
             cuts.append((src, starts))
         return cuts
 
-    def crop(x, y, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def crop(x, y, g: torch.Generator, extents: Sequence[Sequence[int]] | None = None):
         if isinstance(x, CaseBatch):
             spatial = [max(s, r) for s, r in zip(x.spatial, roi)]  # a case smaller than the patch: padded
-            return x.regions(place(len(x), spatial, x.foreground_count, x.foreground_at, g), roi)
+            return x.regions(place(len(x), spatial, x.foreground_count, x.foreground_at, g, x.extents), roi)
         short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
         if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
             pad = [p for d in reversed(short) for p in (0, d)]
@@ -241,13 +249,13 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
 
             count, at = (lambda i: len(fg(i))), (lambda i, k: fg(i)[k].tolist())
         xs, ys = [], []
-        for src, starts in place(x.shape[0], x.shape[2:], count, at, g):
+        for src, starts in place(x.shape[0], x.shape[2:], count, at, g, None if pooled else extents):
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
             xs.append(x[(src, slice(None), *sl)])
             ys.append(y[(src, slice(None), *sl)])
         return torch.stack(xs), torch.stack(ys)
 
-    crop.reads_cases = True  # type: ignore[attr-defined]  # takes a CaseBatch (Site.batches)
+    crop.reads_cases = True  # type: ignore[attr-defined]  # takes a CaseBatch and extents (Site.batches)
     return crop
 
 
@@ -257,9 +265,9 @@ def _augmented(crop, spatial_dims: int, roi: Sequence[int] | None = None):
     when the patch ``roi`` is square in its first two axes."""
     augment = patch_augmenter(spatial_dims, square_plane=roi is not None and roi[0] == roi[1])
 
-    def transform(x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def transform(x, y, g: torch.Generator, extents: Sequence[Sequence[int]] | None = None):
         if crop is not None:
-            x, y = crop(x, y, g)
+            x, y = crop(x, y, g, extents)
         return augment(x, y, int(torch.randint(0, 2**31 - 1, (), generator=g)))
 
     transform.reads_cases = getattr(crop, "reads_cases", False)  # type: ignore[attr-defined]

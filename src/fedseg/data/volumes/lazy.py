@@ -197,6 +197,11 @@ class CaseBatch:
         return len(self.cases)
 
     @property
+    def extents(self) -> list[tuple[int, ...]]:
+        """Each case's own spatial shape (before padding)."""
+        return [c.extent for c in self.cases]
+
+    @property
     def spatial(self) -> tuple[int, ...]:
         """The padded spatial shape every case of the batch is seen in."""
         return tuple(self.split.shape)

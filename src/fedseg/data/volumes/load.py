@@ -337,7 +337,9 @@ def load_volume_split(
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     orig_labels = [torch.from_numpy(label_channels(c.original_label, fed.labels)) for c in held] if keep else None
-    return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels)
+    volumes = VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels)
+    volumes.extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
+    return volumes
 
 
 def _case_bytes(case: CachedCase, label_channels_: int) -> int:
