@@ -41,7 +41,7 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
 from fedseg.privacy.identity import Identity
-from fedseg.site import secure
+from fedseg.site import extent, secure
 from fedseg.site.dp import SiteDP
 from fedseg.site.workload import Workload
 
@@ -670,13 +670,28 @@ class Site:
     # ------------------------------------------------------------- evaluation
     def eval_batches(self, split: str, cast_labels: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A split's cases in dataset order, ``eval.batch_size`` at a time, on the run's device: images in
-        the run's dtype, labels as stored (cast too with ``cast_labels``, when they are floating point)."""
-        ds = self.split_data(split)
-        n = dataset_len(ds)
-        bs = self.cfg.eval.batch_size
-        for start in range(0, n, bs):
-            x, y = batch_of(ds, torch.arange(start, min(n, start + bs)))
-            yield self._to_device(x, cast=True), self._to_device(y, cast=cast_labels and y.is_floating_point())
+        the run's dtype, labels as stored (cast too with ``cast_labels``, when they are floating point).
+        Volumes whose dataset records ``extents``: each case cut to its own extent (padded up to
+        ``model.roi_size`` where smaller), consecutive cases of one extent batched (:mod:`fedseg.site.extent`)."""
+        for _, _, x, y in self._eval_groups(split, cast_labels):
+            yield x, y
+
+    def _eval_groups(self, split: str, cast_labels: bool = False) -> Iterator[extent.EvalGroup]:
+        """:meth:`eval_batches` with each batch's first case index and extent (None: as stored)."""
+        groups = extent.eval_groups(
+            self.split_data(split),
+            getattr(self.data.split(split), "extents", None),
+            self.cfg.eval.batch_size,
+            batch_of,
+            self.cfg.model.roi_size,
+        )
+        for first, ext, x, y in groups:
+            yield (
+                first,
+                ext,
+                self._to_device(x, cast=True),
+                self._to_device(y, cast=cast_labels and y.is_floating_point()),
+            )
 
     def score(self, predict: Callable[[torch.Tensor], torch.Tensor], split: str) -> torch.Tensor:
         """Per-case metric (N, C) of ``predict`` on a split, in dataset order."""
@@ -690,13 +705,13 @@ class Site:
         workload's test metrics (``{name: (N, C)}``, e.g. HD95 in mm) computed on the same predictions.
 
         Volumes are scored in each scan's own grid (the prediction resampled back first), with that grid's
-        voxel spacing; other data with unit spacing."""
+        voxel spacing; other data with unit spacing.  A volume is predicted over its own extent
+        (:meth:`eval_batches`) and the prediction, cut back to that extent, resampled from there."""
         out = []
         extra: dict[str, list[torch.Tensor]] = {k: [] for k in (self.workload.test_metrics if test_metrics else {})}
         ds = self.data.split(split)
         restore = getattr(ds, "original_grid", None) if getattr(ds, "originals", None) is not None else None
-        first = 0
-        for x, y in self.eval_batches(split):
+        for first, ext, x, y in self._eval_groups(split):
             with self.autocast():
                 pred = predict(x)
             if restore is None:
@@ -705,12 +720,12 @@ class Site:
                     extra[k].append(self.workload.test_metrics[k](pred, y, None).double())
             else:
                 for j in range(pred.shape[0]):
-                    p, t = restore(first + j, pred[j].float())
+                    pj = pred[j] if ext is None else extent.crop_to_extent(pred[j], ext)
+                    p, t = restore(first + j, pj.float())
                     out.append(self.workload.metric(p[None], t[None]).double())
                     for k in extra:
                         spacing = ds.originals[first + j].spacing
                         extra[k].append(self.workload.test_metrics[k](p[None], t[None], spacing).double())
-            first += x.shape[0]
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         width = len(self.workload.metric_names)
         scores = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)

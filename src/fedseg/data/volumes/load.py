@@ -4,9 +4,10 @@
 simulation does; each site reads only its own files) and makes the plan.  :func:`load_volume_split`
 brings one split of one site into the plan's grid: read with the affine, normalized by the plan's
 intensity scheme, reoriented to RAS and resampled to the target spacing, padded at the far end of each
-axis to a common shape (padding at the end leaves the affine unchanged).  Validation and test cases keep
-their original geometry and label, and :class:`VolumeDataset.original_grid` resamples a prediction back
-into the scan's own voxels, where Dice is scored.
+axis to a common shape (padding at the end leaves the affine unchanged), each case's own extent recorded
+(:attr:`VolumeDataset.extents`; evaluation predicts over it).  Validation and test cases keep their
+original geometry and label, and :class:`VolumeDataset.original_grid` resamples a prediction back into the
+scan's own voxels, where Dice is scored.
 
 ``mode = "patches2d"`` (federated gradient averaging's protocol) goes through the same plan with the
 in-plane spacing only (each scan keeps its slice spacing), and its training split is the stack of every
@@ -161,17 +162,25 @@ class VolumeDataset(SegmentationDataset):
         The scan's own grid (validation and test splits).
     original_labels : list of torch.Tensor or None
         The label channels (L, X, Y, Z) in the scan's own grid (validation and test splits).
+    extents : list of tuple of int or None
+        Every case's own spatial shape in the plan's grid, before the padding at the far end (None: every
+        case fills the padded shape).  Evaluation runs its sliding windows over this region only
+        (:meth:`fedseg.site.runtime.Site.eval_batches`).
     """
 
-    def __init__(self, images, labels, case_ids, affines, originals=None, original_labels=None):
+    def __init__(self, images, labels, case_ids, affines, originals=None, original_labels=None, *, extents=None):
         super().__init__(images, labels, case_ids)
         self.affines = affines
         self.originals = originals
         self.original_labels = original_labels
+        self.extents = extents
 
     def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, label)`` of case ``i`` in its scan's own grid: the prediction (logits, C × plan
-        grid) resampled linearly back through the inverse of the plan's resampling and reorientation."""
+        grid: the padded shape or any region from the origin covering the case's extent) resampled linearly
+        back through the inverse of the plan's resampling and reorientation.  A scan voxel past the last
+        plan voxel of the region (by less than half a plan voxel, where the plan's shape rounds the scan's
+        field of view down) takes the region's border value."""
         if self.originals is None:
             raise ValueError("this split keeps no original geometry (training split)")
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
@@ -337,9 +346,8 @@ def load_volume_split(
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     orig_labels = [torch.from_numpy(label_channels(c.original_label, fed.labels)) for c in held] if keep else None
-    volumes = VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels)
-    volumes.extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
-    return volumes
+    extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
+    return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels, extents=extents)
 
 
 def _case_bytes(case: CachedCase, label_channels_: int) -> int:
