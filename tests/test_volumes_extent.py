@@ -222,6 +222,12 @@ def test_a_pointwise_model_scores_the_same_over_the_extent_as_over_the_padded_sh
     assert torch.all(d_e > 0.3) and torch.any(d_e < 1.0)  # a real segmentation, not a trivial one
     assert torch.allclose(d_e, d_p, atol=1e-12, rtol=0) and torch.allclose(h_e, h_p, atol=1e-9, rtol=0)
     assert w_e < w_p
+    # a split without original grids (training) is scored in the plan's grid: over each extent, which for
+    # this model is the padded path's score (air beyond an extent is predicted background, as labelled)
+    train = load_volume_split(fed, fed.sites[site_index], "training", plan)
+    padded_train = VolumeDataset(train.images, train.labels, train.case_ids, train.affines)
+    got = [_site(d).score(lambda x: model(x), "training") for d in (train, padded_train)]
+    assert torch.all(got[0] > 0.3) and torch.allclose(got[0], got[1], atol=1e-12, rtol=0)
 
 
 def test_2d_evaluation_is_unchanged(workload):

@@ -715,6 +715,8 @@ class Site:
             with self.autocast():
                 pred = predict(x)
             if restore is None:
+                if ext is not None:  # a volume split kept in the plan's grid: scored over the extents
+                    pred, y = extent.crop_to_extent(pred, ext), extent.crop_to_extent(y, ext)
                 out.append(self.workload.metric(pred, y).double())
                 for k in extra:
                     extra[k].append(self.workload.test_metrics[k](pred, y, None).double())
