@@ -106,3 +106,26 @@ def test_fedavg_on_volumes_scores_every_test_case_in_its_own_grid(tmp_path):
     assert "HD95 (mm)" in (tmp_path / "run" / "results.md").read_text()
     # the derived validation interval keeps at least 4 validations: a 2-round run validates every round
     assert saved["config"]["eval"]["every"] == 1 and not any(m.startswith("plan: eval.every") for m in logs)
+
+
+@pytest.mark.parametrize("method", ["fedsm", "fedsm-extra"])
+def test_fedsm_on_volumes_routes_whole_scans_through_sliding_windows(tmp_path, method):
+    """FedSM's selector and its oracle labels (Eq. 1) see each validation scan whole, predicted by every
+    model as the workload evaluates (sliding windows), so scans whose extent is not a multiple of the
+    U-Net's strides are routed and scored like any other."""
+    spec = write_federation(tmp_path)
+    saved = run(
+        spec,
+        out=tmp_path / "run",
+        overrides=[
+            f"method={method}",
+            "rounds=2",
+            "train.local_steps=2",
+            "train.batch_size=2",
+            "model.num_res_units=0",
+        ],
+        progress=False,
+        log=lambda m: None,
+    )
+    assert saved["num_cases"] == {"ras": 1, "lps": 1}
+    assert 0.0 <= saved["client_avg_dice"] <= 1.0

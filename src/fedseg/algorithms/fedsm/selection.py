@@ -74,7 +74,8 @@ def selector_probs(site: Site, selector: nn.Module, split: str) -> torch.Tensor:
 @torch.no_grad()
 def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module], split: str) -> float:
     """Fraction of a split's images whose selector argmax is Eq. 1's label (the model of ``models`` —
-    global first, then the personalized ones — with the lowest workload loss on the image); NaN if empty."""
+    global first, then the personalized ones — with the lowest workload loss on the image, each predicting
+    as the workload evaluates: sliding windows over volumes); NaN if empty."""
     ds = site.data.split(split)
     n = dataset_len(ds)
     if n == 0:
@@ -83,7 +84,7 @@ def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module]
     selector.eval()
     hits = 0
     for x, y in site.eval_batches(split, cast_labels=True):
-        labels = oracle_labels([m(x) for m in models], y, site.workload.loss)
+        labels = oracle_labels([site.workload.predict(m, x) for m in models], y, site.workload.loss)
         hits += int((selector(x).argmax(dim=1) == labels).sum())
     selector.train(was)
     return hits / n
