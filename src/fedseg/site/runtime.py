@@ -678,13 +678,15 @@ class Site:
 
     def _eval_groups(self, split: str, cast_labels: bool = False) -> Iterator[extent.EvalGroup]:
         """:meth:`eval_batches` with each batch's first case index and extent (None: as stored)."""
-        groups = extent.eval_groups(
-            self.split_data(split),
-            getattr(self.data.split(split), "extents", None),
-            self.cfg.eval.batch_size,
-            batch_of,
-            self.cfg.model.roi_size,
-        )
+        ds = self.split_data(split)
+        extents = getattr(self.data.split(split), "extents", None)
+        take = batch_of
+        if isinstance(ds, CachedVolumes) and extents is not None:  # read each case's extent only
+
+            def take(d: CachedVolumes, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return d.read(idx, d.extents[int(idx[0])])  # a group's cases share one extent
+
+        groups = extent.eval_groups(ds, extents, self.cfg.eval.batch_size, take, self.cfg.model.roi_size)
         for first, ext, x, y in groups:
             yield (
                 first,

@@ -152,6 +152,13 @@ class CachedVolumes(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return read_region(self.cases[int(i)], self.labels, [0] * len(self.shape), self.shape)
 
+    def read(self, idx: torch.Tensor | Sequence[int], size: Sequence[int] | None = None):
+        """Cases ``idx`` from the origin, ``size`` voxels along each axis (default: :attr:`shape`, the padded
+        items), stacked: ``(B, C, *size)`` images and ``(B, L, *size)`` label channels."""
+        size = list(self.shape if size is None else size)
+        xs, ys = zip(*(read_region(self.cases[int(i)], self.labels, [0] * len(size), size) for i in idx))
+        return torch.stack(xs), torch.stack(ys)
+
     def batch(self, idx: torch.Tensor | Sequence[int]) -> CaseBatch:
         """Cases ``idx`` as a :class:`CaseBatch` (nothing read yet)."""
         return CaseBatch(self, [int(i) for i in idx])
