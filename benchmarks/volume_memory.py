@@ -103,7 +103,7 @@ def main() -> None:
     )
     md = [
         f"ct-lesion size {a.size}, scale {a.scale}: {cases} cases in {len(fed.sites)} sites, padded to {shape} in "
-        f"the plan's grid; FedAvg {a.rounds} rounds, validation off, one process per setting.",
+        f"the plan's grid; FedAvg {a.rounds} rounds, validated after the last round only, one process per setting.",
         "",
         *md_table(["volume_reads", "peak RSS (MiB)", "wall (s)", "server weights (SHA-256)"], rows),
         "",
