@@ -125,7 +125,7 @@ class TrainConfig:
     """Patch training (``model.roi_size``, volumes): the share of patches centred on a random foreground
     voxel (the rest are placed uniformly); nnU-Net uses one third, 0 places every patch uniformly."""
     augment: Literal["auto", "on", "off"] = "off"
-    """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: on ct-lesion at 480 steps augmentation lowered Dice, docs/results.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
+    """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: on ct-lesion at 2,400 steps augmentation did not raise Dice on most seeds, docs/results.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
 
     def loss_for(self, volumes: bool) -> str:
         """The loss a run trains with: ``loss``, or for "auto" Dice + cross-entropy on volumes and Dice on 2D images."""
