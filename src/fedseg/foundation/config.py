@@ -300,6 +300,10 @@ class PrivacyConfig:
             )
 
 
+VOLUME_READS = ("auto", "memory", "cache")
+"""Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that defines one run.
@@ -356,8 +360,10 @@ class RunConfig:
             )
         if not str(self.volume_cache).strip():
             raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
-        if self.volume_reads not in ("auto", "memory", "cache"):
-            raise ConfigError(f"volume_reads = {self.volume_reads!r} is not known; use 'auto', 'memory' or 'cache'")
+        if self.volume_reads not in VOLUME_READS:
+            raise ConfigError(
+                f"volume_reads = {self.volume_reads!r} is not known; use one of {', '.join(VOLUME_READS)}"
+            )
         if self.volume_reads == "cache" and self.volume_cache == "off":
             raise ConfigError(
                 "volume_reads = 'cache' reads volumes from the site's cache, but volume_cache = 'off' -> set "

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.nn import functional
 
-__all__ = ["EvalGroup", "crop_to_extent", "eval_groups", "window_shape"]
+__all__ = ["EvalGroup", "crop_to_extent", "eval_groups", "pad_far_end", "window_shape"]
 
 EvalGroup = tuple[int, "tuple[int, ...] | None", torch.Tensor, torch.Tensor]
 """``(index of the first case, extent of its cases or None, images, labels)``: one evaluation batch."""
@@ -38,7 +38,7 @@ def crop_to_extent(t: torch.Tensor, extent: Sequence[int]) -> torch.Tensor:
     return t[(*[slice(None)] * lead, *(slice(0, int(e)) for e in extent))]
 
 
-def _pad_far_end(x: torch.Tensor, y: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_far_end(x: torch.Tensor, y: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (B, C, ...) and ``y`` (B, L, ...) padded at the far end of each spatial axis to ``shape``: each
     image with its own lowest value, labels with 0."""
     short = [int(s) - int(n) for s, n in zip(shape, x.shape[2:])]
@@ -80,6 +80,6 @@ def eval_groups(
         if any(e > s for e, s in zip(extent, x.shape[2:])):
             raise ValueError(f"case {start}: extent {list(extent)} exceeds its stored shape {list(x.shape[2:])}")
         x, y = crop_to_extent(x, extent).contiguous(), crop_to_extent(y, extent).contiguous()
-        x, y = _pad_far_end(x, y, window_shape(extent, roi))
+        x, y = pad_far_end(x, y, window_shape(extent, roi))
         yield start, extent, x, y
         start = end

@@ -22,6 +22,7 @@ from fedseg.data.augment import patch_augmenter
 from fedseg.data.spec import VOLUME_MODES
 from fedseg.data.volumes.lazy import CaseBatch
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
+from fedseg.site.extent import pad_far_end
 
 __all__ = [
     "DataLayout",
@@ -231,11 +232,8 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
         if isinstance(x, CaseBatch):
             spatial = [max(s, r) for s, r in zip(x.spatial, roi)]  # a case smaller than the patch: padded
             return x.regions(place(len(x), spatial, x.foreground_count, x.foreground_at, g, x.extents), roi)
-        short = [max(0, r - s) for s, r in zip(x.shape[2:], roi)]
-        if any(short):  # a case smaller than the patch: padded at the far end (image: its lowest value)
-            pad = [p for d in reversed(short) for p in (0, d)]
-            x = torch.stack([nn.functional.pad(c, pad, value=float(c.min())) for c in x])
-            y = nn.functional.pad(y, pad)
+        # a case smaller than the patch: padded at the far end (image: its lowest value)
+        x, y = pad_far_end(x, y, [max(s, r) for s, r in zip(x.shape[2:], roi)])
         if pooled and foreground_share > 0:
             batch_fg = torch.nonzero(y.amax(dim=1) > 0)
             count, at = (lambda i: len(batch_fg)), (lambda i, k: batch_fg[k].tolist())

@@ -143,9 +143,7 @@ def load_volume_site_data(
     ``volume_reads``)."""
     fed = local_spec(name, datalist, header)
     plan = Plan.from_json(header["plan"], where=f"site {name}: the server's plan")
-    cache = site_cache_setting(volume_cache, name, log)
-    reads = volume_reads if cache != "off" or volume_reads != "cache" else "memory"
-    splits = load_volume_site(fed, fed.sites[0], plan, cache, log, reads)
+    splits = load_volume_site(fed, fed.sites[0], plan, site_cache_setting(volume_cache, name, log), log, volume_reads)
     if header.get("volume_shape") is not None:
         pad_to_shape(splits, _shape(header["volume_shape"], f"site {name}: the server's volume shape"))
     return SiteData(*splits)

@@ -78,15 +78,20 @@ class CaseFile:
         return int(self.foreground.nbytes)
 
 
+def _unreadable(case: CaseFile, e: Exception) -> DataError:
+    """The error of a cache entry that cannot be read (removed or rewritten while the site runs)."""
+    return DataError(
+        f"{case.path}: the cached case {case.case_id} cannot be read ({type(e).__name__}: {e}) -> the site's "
+        "volume cache changed during the run; run again (the case is preprocessed again) or set "
+        "volume_reads = 'memory'"
+    )
+
+
 def _open(case: CaseFile):
     try:
         return safe_open(str(case.path), framework="pt")
-    except Exception as e:  # a file removed or rewritten during the run
-        raise DataError(
-            f"{case.path}: the cached case {case.case_id} cannot be read ({type(e).__name__}: {e}) -> the site's "
-            "volume cache changed during the run; run again (the case is preprocessed again) or set "
-            "volume_reads = 'memory'"
-        ) from e
+    except Exception as e:
+        raise _unreadable(case, e) from e
 
 
 def read_region(
@@ -104,10 +109,7 @@ def read_region(
             img = f.get_slice("image")[(slice(None), *inside)]
             lab = f.get_slice("label")[tuple(inside)]
         except Exception as e:
-            raise DataError(
-                f"{case.path}: the cached case {case.case_id} cannot be read ({type(e).__name__}: {e}) -> run again "
-                "(the case is preprocessed again) or set volume_reads = 'memory'"
-            ) from e
+            raise _unreadable(case, e) from e
         x[(slice(None), *dest)] = img.numpy()
         y[(slice(None), *dest)] = label_channels(lab.numpy().astype(np.int64), labels)
     return torch.from_numpy(x), torch.from_numpy(y)
@@ -173,10 +175,7 @@ class CachedVolumes(Dataset):
         try:
             lab = f.get_tensor("original_label").numpy().astype(np.int64)
         except Exception as e:
-            raise DataError(
-                f"{case.path}: the cached case {case.case_id} has no readable label in its own grid "
-                f"({type(e).__name__}: {e}) -> run again (the case is preprocessed again)"
-            ) from e
+            raise _unreadable(case, e) from e
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
         return pred.to(prediction.device), torch.from_numpy(label_channels(lab, self.labels)).to(prediction.device)
 

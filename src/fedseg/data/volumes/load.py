@@ -45,11 +45,10 @@ from fedseg.data.volumes.plan import (
     slice_patch,
     sliding_windows,
 )
-from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig
+from fedseg.foundation.config import VOLUME_READS, EvalConfig, ModelConfig, RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
-    "VOLUME_READS",
     "MemoryBudget",
     "SliceDataset",
     "VolumeDataset",
@@ -222,10 +221,6 @@ def _preprocess(fed: FederationSpec, image_path, label_path, plan: Plan, keep: b
     return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
 
 
-VOLUME_READS = ("auto", "memory", "cache")
-"""Values of the run setting ``volume_reads`` (:func:`memory_budget`)."""
-
-
 @dataclasses.dataclass
 class MemoryBudget:
     """Bytes a site's volumes may take in memory; a split that would exceed it is read from the site's
@@ -350,11 +345,12 @@ def load_volume_split(
     return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels, extents=extents)
 
 
-def _case_bytes(case: CachedCase, label_channels_: int) -> int:
-    """Bytes a case takes held in memory (float32 image and label channels, and its own-grid label channels)."""
+def _case_bytes(case: CachedCase, channels: int) -> int:
+    """Bytes a case takes held in memory: float32 image and ``channels`` label channels in the plan's grid,
+    and its label channels in its own grid."""
     voxels = int(np.prod(case.label.shape))
     own = int(np.prod(case.original_label.shape)) if case.original_label is not None else 0
-    return 4 * (voxels * (case.image.shape[0] + label_channels_) + own * label_channels_)
+    return 4 * (voxels * (case.image.shape[0] + channels) + own * channels)
 
 
 SPLITS = ("training", "validation", "testing")
