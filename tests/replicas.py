@@ -5,8 +5,9 @@ formats, label encodings and quirks (docs/datasets.md): Drishti-GS1 soft maps (o
 its image), RIGA's six annotators' outlines drawn on copies of the image (JPEG for BinRushed, one
 annotator in TIFF as in BinRushed1-Corrected), RIM-ONE r3 stereo pairs with full-width masks and
 two eyes of one patient, REFUGE's 0/128/255 BMP masks; DICOM series written with pydicom, MSD's 4D
-NIfTI with T2 first and a macOS ``._`` file, NCI-ISBI NRRD masks in the series' voxel order with a
-header whose row axis is flipped, PROMISE12 MetaImage pairs, ProstateX DICOM-SEG via highdicom.
+NIfTI with T2 first and a macOS ``._`` file, NCI-ISBI NRRD masks in InstanceNumber order (which runs
+head to feet in some series, feet to head in others) with or without a header geometry, PROMISE12
+MetaImage pairs, ProstateX DICOM-SEG via highdicom.
 Every writer returns what a correct preparation must give (cases, label values...).
 """
 
@@ -183,8 +184,13 @@ def _uid() -> str:
     return generate_uid()
 
 
-def dicom_series(arr: np.ndarray, folder: Path, patient: str, study: str | None = None) -> list:
-    """Write a (z, y, x) array as an axial MR series with pydicom, one file per slice; returns the datasets."""
+def dicom_series(
+    arr: np.ndarray, folder: Path, patient: str, study: str | None = None, head_first: bool = False, **tags
+) -> list:
+    """Write a (z, y, x) array as an axial MR series with pydicom, one file per slice; returns the datasets.
+    Slice k lies at z = 3k mm (LPS: k = 0 the most inferior); InstanceNumber runs feet to head (k + 1) or,
+    with ``head_first``, head to feet (n - k), and the files are named by InstanceNumber. ``tags`` are set on
+    every slice (e.g. RescaleIntercept)."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import ExplicitVRLittleEndian, MRImageStorage
 
@@ -203,7 +209,8 @@ def dicom_series(arr: np.ndarray, folder: Path, patient: str, study: str | None 
         ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, series, frame
         ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.StudyID = "20200101", "120000", "1", "1"
         ds.ReferringPhysicianName, ds.Manufacturer = "", "replica"
-        ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "MR", 1, k + 1
+        number = arr.shape[0] - k if head_first else k + 1
+        ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "MR", 1, number
         ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
         ds.ImagePositionPatient = [0.0, 0.0, 3.0 * k]
         ds.PixelSpacing, ds.SliceThickness = [0.5, 0.5], 3.0
@@ -211,7 +218,9 @@ def dicom_series(arr: np.ndarray, folder: Path, patient: str, study: str | None 
         ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
         ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
         ds.PixelData = np.ascontiguousarray(arr[k].astype(np.uint16)).tobytes()
-        ds.save_as(folder / f"1-{k + 1:02d}.dcm", enforce_file_format=True)
+        for key, value in tags.items():
+            setattr(ds, key, value)
+        ds.save_as(folder / f"1-{number:02d}.dcm", enforce_file_format=True)
         out.append(ds)
     return out
 
@@ -255,31 +264,71 @@ def msd(raw: Path, seed: int = 0) -> dict:
     return {"cases": ids, "patients": ids, "slices": 3 * len(ids)}
 
 
+def write_nrrd(arr: np.ndarray, path: Path, geometry: tuple | None) -> None:
+    """A raw-encoded NRRD of a (z, y, x) uint8 array as 3D Slicer writes one: ``space: left-posterior-superior``
+    with ``space directions`` (one column per axis, mm) and ``space origin`` when ``geometry = (origin,
+    directions)`` is given; without them (a header with no geometry) when it is None."""
+    lines = ["NRRD0004", "type: unsigned char", "dimension: 3", f"sizes: {arr.shape[2]} {arr.shape[1]} {arr.shape[0]}"]
+    if geometry is not None:
+        origin, directions = geometry
+        lines += [
+            "space: left-posterior-superior",
+            "space directions: " + " ".join("(" + ",".join(f"{v:g}" for v in d) + ")" for d in directions),
+            "kinds: domain domain domain",
+            "space origin: (" + ",".join(f"{v:g}" for v in origin) + ")",
+        ]
+    lines += ["endian: little", "encoding: raw"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(("\n".join(lines) + "\n\n").encode() + np.ascontiguousarray(arr, np.uint8).tobytes())
+
+
+#: NCI-ISBI replica: (InstanceNumber runs head to feet, the NRRD header has a geometry) per case.
+NCI_KINDS = ((False, True), (True, True), (True, False), (False, False))
+
+
+def nci_volume(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(image, mask) of 5 slices with prostate on slices 1 (20 px) and 2 (12 px) from the feet: a reversed
+    slice order puts them on slices 2 and 3 with the areas swapped."""
+    img = rng.integers(100, 400, size=MR).astype(np.uint16)
+    mask = np.zeros(MR, np.uint8)
+    mask[1, 4:8, 6:11] = 1
+    mask[2, 4:8, 6:9] = 1
+    img[mask > 0] += 2500
+    return img, mask
+
+
+NCI_AREAS = {"001": 20, "002": 12}
+
+
 def nci_isbi(raw: Path, seed: int = 0) -> dict:
     """NCI_ISBI: Image/<id>/<study>/<series>/*.dcm and Mask/{Training,Test,Leaderboard}/<id>[_truth].nrrd with
-    labels 1/2; the NRRD array is in the series' voxel order while its header's row axis points the other way.
-    ProstateDx-01-0055 is the release's mismatched case (left out)."""
-    import SimpleITK as sitk
-
+    labels 1/2. As the challenge's loaders read them, the NRRD's slice k is the DICOM slice with InstanceNumber
+    k + 1, rows and columns as the DICOM stores them; InstanceNumber runs feet to head in some series and head
+    to feet in others, and the NRRD header either carries the series' geometry (origin at the first instance's
+    ImagePositionPatient, the slice axis towards the next instance: as 3D Slicer writes it) or none
+    (:data:`NCI_KINDS`). ProstateDx-01-0055 is the release's mismatched case (left out)."""
     rng = np.random.default_rng(seed)
     ids = {"3T": [f"Prostate3T-01-{i:04d}" for i in (1, 2, 3, 4)]}
     ids["Dx"] = [f"ProstateDx-01-{i:04d}" for i in (6, 7, 8, 9, 55)]
     where = ["Training", "Training", "Test", "Leaderboard", "Training"]
     for group in ids.values():
-        for cid, split in zip(group, where):
-            img, mask = volume(rng)
-            dicom_series(img, raw / "NCI_ISBI" / "Image" / cid / "1.2.3-study" / "1.2.3-series", cid)
-            lab = sitk.GetImageFromArray((mask * 2).astype(np.uint8))  # central gland = 2
-            lab.SetDirection((1, 0, 0, 0, -1, 0, 0, 0, 1))  # header geometry that disagrees with the DICOM rows
-            lab.SetSpacing((0.5, 0.5, 3.0))
+        for i, (cid, split) in enumerate(zip(group, where)):
+            head_first, with_geometry = NCI_KINDS[i % len(NCI_KINDS)]
+            img, mask = nci_volume(rng)
+            dicom_series(
+                img, raw / "NCI_ISBI" / "Image" / cid / "1.2.3-study" / "1.2.3-series", cid, head_first=head_first
+            )
+            lab = (mask * 2)[::-1] if head_first else mask * 2  # central gland = 2, in InstanceNumber order
+            n = MR[0]
+            origin = (0.0, 0.0, 3.0 * (n - 1) if head_first else 0.0)
+            directions = ((0.5, 0, 0), (0, 0.5, 0), (0, 0, -3.0 if head_first else 3.0))
             suffix = "_truth" if split == "Test" else "_correctedLabels" if cid == "ProstateDx-01-0006" else ""
             out = raw / "NCI_ISBI" / "Mask" / split / f"{cid}{suffix}.nrrd"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            sitk.WriteImage(lab, str(out))
+            write_nrrd(lab, out, (origin, directions) if with_geometry else None)
     dx = [c for c in ids["Dx"] if not c.endswith("0055")]
     return {
-        "3t": {"cases": ids["3T"], "patients": ids["3T"], "slices": 12},
-        "dx": {"cases": dx, "patients": dx, "slices": 12},
+        "3t": {"cases": ids["3T"], "patients": ids["3T"], "slices": 8, "areas": NCI_AREAS},
+        "dx": {"cases": dx, "patients": dx, "slices": 8, "areas": NCI_AREAS},
     }
 
 

@@ -34,7 +34,8 @@ class Case:
     sources : tuple of Path
         Every raw file the case is converted from (hashed for the manifest).
     info : dict
-        Reader-specific details (which annotator files, which half of a stereo image...).
+        Reader-specific details (which annotator files, which half of a stereo image...); ``info["notes"]``
+        collects the remarks of :func:`note`.
     """
 
     case_id: str
@@ -196,6 +197,13 @@ def files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def safe_id(text: str) -> str:
     """A case id safe as a file name: spaces and path separators become '_'."""
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def note(case: Case, text: str) -> None:
+    """Record a remark on ``case`` (a quirk read around, not an error): printed under the summary table and
+    kept in the manifest."""
+    if text:
+        case.info.setdefault("notes", []).append(text)
 
 
 def all_files(folder: Path) -> list[Path]:

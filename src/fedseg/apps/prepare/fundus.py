@@ -12,8 +12,9 @@ channel containing the cup channel. The per-dataset steps (docs/datasets.md):
   k's copy). :func:`riga_annotation` finds each annotator's outlines as the pixels that differ
   from the original, fills them, and the masks are fused by strict majority of the annotators
   whose outlines could be filled (4 of 6).
-* **RIM-ONE r3**: the stereo pair is cut to the half that holds the annotated disc; the
-  experts' average masks (0/255) give disc and cup.
+* **RIM-ONE r3**: the stereo pair is cut to the annotated view: the left half of every pair
+  (``-L`` and ``-R`` name the eye, not the view), or the half holding the disc of a full-width
+  mask; the experts' average masks (0/255) give disc and cup.
 * **REFUGE**: one mask per image, 0 = cup, 128 = disc rim, 255 = background.
 
 All but RIM-ONE r3 (already disc-centred) are then cropped to a square around the optic disc
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedseg.apps.prepare.base import Case, Dataset, Unit, check_values, files, safe_id
+from fedseg.apps.prepare.base import Case, Dataset, Unit, check_values, files, note, safe_id
 from fedseg.foundation.errors import DataError
 
 #: Drishti-GS1 soft maps: a pixel is disc (cup) where its soft value is >= this (of 255): at least
@@ -43,18 +44,27 @@ CROP_FRACTION = 0.4
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 
 
-def _read_rgb(path: Path) -> np.ndarray:
+def _open(path: Path, mode: str | None) -> np.ndarray:
+    """The pixels of image ``path`` (converted to ``mode`` unless it is already ``mode`` or None), or one
+    DataError naming the file when it is missing, truncated or not an image."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+    if not path.is_file():
+        raise DataError(f"{path}: file missing -> unpack the dataset's archives as docs/datasets.md lays out")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return np.asarray(im if mode is None or im.mode == mode else im.convert(mode), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError) as e:  # PIL: truncated, corrupt or unknown format
+        raise DataError(f"{path}: cannot be read ({e}) -> download or extract the file again") from None
+
+
+def _read_rgb(path: Path) -> np.ndarray:
+    return _open(path, "RGB")
 
 
 def _read_grey(path: Path) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as im:
-        return np.asarray(im if im.mode == "L" else im.convert("L"), dtype=np.uint8)
+    return _open(path, "L")
 
 
 def _resize_nearest(mask: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -128,25 +138,68 @@ def _drishti_convert(case: Case) -> list[Unit]:
 
 # --- RIGA --------------------------------------------------------------------------------------
 
-_PRIME = re.compile(r"^(image\d+)prime$", re.IGNORECASE)
+_RIGA_NAME = re.compile(r"^(image\d+)(prime|-([1-6]))?$", re.IGNORECASE)
+#: RIGA's annotators: six ophthalmologists, ``imageN-1`` .. ``imageN-6``.
+RIGA_ANNOTATORS = 6
+
+
+def _riga_base(root: Path, part: str) -> Path | None:
+    """``root/part``, or the shallowest folder (three levels at most) named ``part`` or starting with it
+    (``BinRushedcorrected/BinRushed``, as one of the archives unpacks), case-insensitively."""
+    if (root / part).is_dir():
+        return root / part
+    for depth in ("*", "*/*", "*/*/*"):
+        dirs = sorted(p for p in root.glob(depth) if p.is_dir() and p.name.lower() == part.lower())
+        if dirs:
+            return dirs[0]
+    for depth in ("*", "*/*"):
+        dirs = sorted(p for p in root.glob(depth) if p.is_dir() and p.name.lower().startswith(part.lower()))
+        if dirs:
+            return dirs[0]
+    return None
 
 
 def _riga_discover(root: Path, ds: Dataset, part: str) -> list[Case]:
-    base = root / part
-    if not base.is_dir():
-        raise ds.missing(root, base)
-    cases, listings = [], {}
-    for prime in sorted(p for p in base.rglob("*") if p.is_file() and _PRIME.match(p.stem)):
-        if prime.suffix.lower() not in IMAGE_SUFFIXES or prime.name.startswith("._"):
+    base = _riga_base(root, part)
+    if base is None:
+        raise ds.missing(root, root / part)
+    groups: dict[tuple[Path, str], dict] = {}  # (folder, imageN lower case) -> originals and annotators
+    for path in sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        m = _RIGA_NAME.match(path.stem)
+        if m is None or path.suffix.lower() not in IMAGE_SUFFIXES:
             continue
-        stem = _PRIME.match(prime.stem).group(1)
-        if prime.parent not in listings:  # stem (lower case) -> file, one listing per folder
-            listings[prime.parent] = {p.stem.lower(): p for p in reversed(files(prime.parent, IMAGE_SUFFIXES))}
-        names = listings[prime.parent]
-        annotators = [names[f"{stem}-{k}".lower()] for k in range(1, 7) if f"{stem}-{k}".lower() in names]
-        rel = prime.parent.relative_to(base).as_posix()
-        case_id = safe_id(f"{rel}_{stem}" if rel != "." else stem)
-        cases.append(Case(case_id, case_id, (prime, *annotators)))
+        g = groups.setdefault((path.parent, m.group(1).lower()), {"stem": m.group(1), "annotators": {}})
+        if m.group(3):
+            g["annotators"].setdefault(int(m.group(3)), path)
+        else:
+            g.setdefault("prime" if m.group(2) else "plain", path)
+            if m.group(2):
+                g["stem"] = m.group(1)
+    cases = []
+    for (folder, _), g in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), len(kv[0][1]), kv[0][1])):
+        annotators = [g["annotators"][k] for k in sorted(g["annotators"])]
+        if not annotators and "prime" not in g:
+            continue  # an image without annotations is no case
+        rel = folder.relative_to(base).as_posix()
+        case_id = safe_id(f"{rel}_{g['stem']}" if rel != "." else g["stem"])
+        original = g.get("prime") or g.get("plain")
+        info: dict = {}
+        if original is None:
+            ext = annotators[0].suffix
+            original = folder / f"{g['stem']}prime{ext}"
+            info["missing"] = f"{original}: the original image (neither {g['stem']}prime nor {g['stem']}) is missing"
+        case = Case(case_id, case_id, (original, *annotators), info)
+        if "prime" not in g and "plain" in g:
+            note(case, f"{original.name}: original named without 'prime'; read as {g['stem']}prime")
+        missing = [k for k in range(1, RIGA_ANNOTATORS + 1) if k not in g["annotators"]]
+        if annotators and missing:
+            names = ", ".join(f"{g['stem']}-{k}" for k in missing)
+            note(
+                case,
+                f"{len(annotators)} of {RIGA_ANNOTATORS} annotators ({names} missing); fused by strict majority of "
+                f"the {len(annotators)}",
+            )
+        cases.append(case)
     return cases
 
 
@@ -185,6 +238,8 @@ def riga_annotation(original: np.ndarray, annotated: np.ndarray) -> tuple[np.nda
 
 def _riga_convert(case: Case) -> list[Unit]:
     prime, *annotators = case.sources
+    if "missing" in case.info:
+        raise DataError(f"{case.info['missing']} -> unpack it beside its annotated copies")
     image = _read_rgb(prime)
     masks = []
     for path in annotators:
@@ -242,9 +297,8 @@ def _rimone_convert(case: Case) -> list[Unit]:
         left = (xs.min() + xs.max()) / 2 < half
         sl = slice(0, half) if left else slice(half, 2 * half)
         return [("", image[:, sl], nested_label(disc[:, sl], cup[:, sl]))]
-    if disc.shape == (h, half) and cup.shape == disc.shape:  # a half-width mask: the half its name says
-        sl = slice(half, 2 * half) if case.case_id.endswith("R") else slice(0, half)
-        return [("", image[:, sl], nested_label(disc, cup))]
+    if disc.shape == (h, half) and cup.shape == disc.shape:  # a half-width mask: the left view, -L and -R alike
+        return [("", image[:, :half], nested_label(disc, cup))]
     raise DataError(
         f"{disc_path}: mask is {disc.shape[1]}x{disc.shape[0]}, neither the stereo image ({w}x{h}) nor one half "
         "-> check that the mask belongs to the image"
@@ -271,17 +325,28 @@ def _refuge_discover(root: Path, ds: Dataset) -> list[Case]:
         raise ds.missing(root, next((p for p in wanted if not p.is_dir()), root))
     cases = []
     for images, masks in layout:
+        seen = set()
         for path in sorted(p for p in (root / images).rglob("*") if p.suffix.lower() in (".jpg", ".png")):
             if path.name.startswith("._"):
                 continue
             sub = path.parent.relative_to(root / images)
             mask = root / masks / sub / f"{path.stem}.bmp"
+            seen.add(mask)
             cases.append(Case(safe_id(path.stem), safe_id(path.stem), (path, mask)))
-    return cases
+        for mask in sorted(p for p in (root / masks).rglob("*") if p.suffix.lower() == ".bmp"):
+            if mask not in seen and not mask.name.startswith("._"):  # a mask whose image is missing: reported
+                image = root / images / mask.parent.relative_to(root / masks) / f"{mask.stem}.jpg"
+                cases.append(Case(safe_id(mask.stem), safe_id(mask.stem), (image, mask)))
+    return sorted(cases, key=lambda c: c.case_id)
 
 
 def _refuge_convert(case: Case) -> list[Unit]:
     image_path, mask_path = case.sources
+    if not image_path.is_file():
+        raise DataError(
+            f"{image_path}: image missing beside its mask {mask_path.name} -> unpack the image archive "
+            f"({image_path.parent.name}) as docs/datasets.md lays out"
+        )
     if not mask_path.is_file():
         raise DataError(f"{mask_path}: mask missing -> unpack the annotation archive (docs/datasets.md)")
     image, mask = _read_rgb(image_path), _read_grey(mask_path)

@@ -2,12 +2,14 @@
 
 Each case is written as a NIfTI image and label with the image's own geometry (origin, spacing,
 direction: its affine), nothing resampled; the label is 1 for pancreas, tumour included, 0
-elsewhere. Per dataset (docs/datasets.md):
+elsewhere. Every label is placed by its own header (:func:`~fedseg.apps.prepare.volumes.align_label`):
+stored in another axis order it is reoriented by permutations and flips, but an origin, spacing or
+direction that differs from its image's stops the case with a message. Per dataset (docs/datasets.md):
 
 * **MSD Task07 Pancreas** (281 labelled cases): labels 1 (pancreas) and 2 (tumour) merged.
-* **TCIA Pancreas-CT** (82 cases): the DICOM series and the NIH label NIfTI (0/1). The label is
-  put into the image's orientation by axis permutations and flips (``SimpleITK.DICOMOrient``)
-  when its header says it is stored otherwise, then must have the image's size.
+* **TCIA Pancreas-CT** (80 cases; the label archive has 82: TCIA removed #25 and #70 from the
+  images on purpose, and they are left out): the DICOM series, stored in the smallest integer type
+  that holds it, and the NIH label NIfTI (0/1).
 * **BTCV Abdomen** (30 training cases): of its 13 organ labels, 11 (pancreas) is kept.
 
 Patients split 95/93/93, 28/27/27 and 10/10/10 as the paper: ``round(0.33 n)`` to validation and
@@ -23,8 +25,19 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.apps.prepare.base import Case, Dataset, Federation, Unit, all_files, check_values, files, require, safe_id
-from fedseg.apps.prepare.prostate import read_series
+from fedseg.apps.prepare.base import (
+    Case,
+    Dataset,
+    Federation,
+    Unit,
+    all_files,
+    check_values,
+    files,
+    note,
+    require,
+    safe_id,
+)
+from fedseg.apps.prepare.volumes import align_label, compact, read_series
 from fedseg.foundation.errors import DataError
 
 #: BTCV's label value for the pancreas (1 spleen, 2 right kidney, ... 11 pancreas, ... 13 left adrenal).
@@ -35,14 +48,26 @@ def _sitk(title: str) -> Any:
     return require("SimpleITK", title)
 
 
-def _on_grid(label: Any, image: Any, values: np.ndarray, title: str) -> Unit:
-    """(image, label on the image's grid with ``values`` as its voxels) as one volume unit."""
+def _on_grid(
+    case: Case, label: Any, image: Any, keep: Any, path: Path, title: str, what: str, remark: bool = True
+) -> Unit:
+    """(image, label on the image's grid) as one volume unit: the label placed by its own header
+    (:func:`~fedseg.apps.prepare.volumes.align_label`), its voxels ``keep(array)`` as 0/1; DataError
+    naming ``path`` when no voxel is kept (``what`` says which value was looked for)."""
     sitk = _sitk(title)
-    if tuple(label.GetSize()) != tuple(image.GetSize()):
-        raise DataError(f"label size {label.GetSize()} differs from image size {image.GetSize()} -> check the case")
+    placed, text = align_label(label, image, path, title)
+    if remark:
+        note(case, text)
+    values = keep(sitk.GetArrayFromImage(placed))
+    if not values.any():
+        present = sorted(np.unique(sitk.GetArrayViewFromImage(label)).tolist())
+        raise DataError(
+            f"{path}: no pancreas in the label ({what}; values present {present[:14]}) "
+            "-> check that the label file is the case's full annotation"
+        )
     out = sitk.GetImageFromArray(np.ascontiguousarray(values.astype(np.uint8)))
     out.CopyInformation(image)
-    return ("", image, out)
+    return ("", compact(image, title), out)
 
 
 def _pair_discover(root: Path, ds: Dataset, images: str, labels: str, label_name=lambda p: p.name) -> list[Case]:
@@ -63,9 +88,9 @@ def _msd_convert(case: Case) -> list[Unit]:
     if not label_path.is_file():
         raise DataError(f"{label_path}: label missing -> unpack labelsTr next to imagesTr")
     label = sitk.ReadImage(str(label_path))
-    arr = sitk.GetArrayFromImage(label)
-    check_values(arr, (0, 1, 2), label_path, "0 background, 1 pancreas, 2 tumour")
-    return [_on_grid(label, sitk.ReadImage(str(image_path)), arr > 0, "MSD Task07")]
+    check_values(sitk.GetArrayViewFromImage(label), (0, 1, 2), label_path, "0 background, 1 pancreas, 2 tumour")
+    image = sitk.ReadImage(str(image_path))
+    return [_on_grid(case, label, image, lambda a: a > 0, label_path, "MSD Task07", "values 1 or 2")]
 
 
 def _btcv_convert(case: Case) -> list[Unit]:
@@ -74,9 +99,10 @@ def _btcv_convert(case: Case) -> list[Unit]:
     if not label_path.is_file():
         raise DataError(f"{label_path}: label missing -> unpack RawData/Training/label next to img")
     label = sitk.ReadImage(str(label_path))
-    arr = sitk.GetArrayFromImage(label)
-    check_values(arr, range(14), label_path, "0 background, 1..13 organs (11 pancreas)")
-    return [_on_grid(label, sitk.ReadImage(str(image_path)), arr == BTCV_PANCREAS, "BTCV")]
+    check_values(sitk.GetArrayViewFromImage(label), range(14), label_path, "0 background, 1..13 organs (11 pancreas)")
+    image = sitk.ReadImage(str(image_path))
+    keep = lambda a: a == BTCV_PANCREAS  # noqa: E731
+    return [_on_grid(case, label, image, keep, label_path, "BTCV", f"value {BTCV_PANCREAS}, BTCV's pancreas")]
 
 
 def _tcia_discover(root: Path, ds: Dataset) -> list[Case]:
@@ -98,13 +124,10 @@ def _tcia_convert(case: Case) -> list[Unit]:
     label_path = case.sources[0]
     if not case.info["images"].is_dir():
         raise DataError(f"{case.info['images']}: the case's DICOM folder is missing -> unpack the TCIA download there")
-    image = read_series(case.info["images"], "Pancreas-CT")
+    image = read_series(case.info["images"], "Pancreas-CT").image
     label = sitk.ReadImage(str(label_path))
-    code = sitk.DICOMOrientImageFilter.GetOrientationFromDirectionCosines(image.GetDirection())
-    label = sitk.DICOMOrient(label, code)
-    arr = sitk.GetArrayFromImage(label)
-    check_values(arr, (0, 1), label_path, "0 background, 1 pancreas")
-    return [_on_grid(label, image, arr > 0, "Pancreas-CT")]
+    check_values(sitk.GetArrayViewFromImage(label), (0, 1), label_path, "0 background, 1 pancreas")
+    return [_on_grid(case, label, image, lambda a: a > 0, label_path, "Pancreas-CT", "value 1", remark=False)]
 
 
 def _make(site: str, discover, *args: Any, **kw: Any) -> Dataset:
@@ -142,7 +165,12 @@ TCIA = _make(
     layout="Pancreas-CT/PANCREAS_NNNN/<study>/<series>/*.dcm  (or Pancreas-CT/manifest-*/Pancreas-CT/PANCREAS_NNNN/...)\n"
     "Pancreas-CT/TCIA_pancreas_labels-02-05-2017/labelNNNN.nii.gz",
     convert=_tcia_convert,
-    steps=f"DICOM series; label reoriented to the image's axes (no resampling), 0/1; {_KEEP}",
+    steps=f"DICOM series (smallest integer type); label reoriented to the image's axes (no resampling), 0/1; {_KEEP}",
+    excluded={
+        f"PANCREAS_{n:04d}": "removed from the Pancreas-CT image collection by TCIA on purpose (its label file still "
+        "ships in the label archive); nothing to download"
+        for n in (25, 70)
+    },
 )
 BTCV = _make(
     "btcv",
@@ -171,5 +199,6 @@ AUTOFEDAVG_PANCREAS = Federation(
     fractions=(0.34, 0.33, 0.33),
     rest=0,
     mode="3d",
-    note="The paper's counts are the full releases (281, 82 and 30 labelled cases) split by its rule.",
+    note="The paper's counts are the full releases (281, 82 and 30 labelled cases) split by its rule; TCIA has "
+    "since removed PANCREAS_0025 and PANCREAS_0070 from Pancreas-CT (80 cases today).",
 )

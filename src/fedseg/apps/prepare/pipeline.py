@@ -21,12 +21,12 @@ import numpy as np
 
 from fedseg.apps.prepare.base import Case, Dataset, Federation, require
 from fedseg.apps.prepare.registry import federation
-from fedseg.data.datalist import SPLITS, write_datalist
+from fedseg.data.datalist import SPLITS, load_datalist, write_datalist
 from fedseg.foundation.errors import ConfigError, DataError
 from fedseg.foundation.seeding import derive_seed
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass
@@ -49,6 +49,8 @@ class SiteResult:
         Case id -> why it was skipped (corrupt or unexpected file).
     excluded : dict
         Case id -> why it is left out on purpose.
+    notes : dict
+        Case id -> remarks on a quirk of its files read around (converted, but worth a look).
     """
 
     site: str
@@ -59,15 +61,18 @@ class SiteResult:
     reused: int = 0
     bad: dict[str, str] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Summary:
-    """The result of :func:`prepare`: the spec written, one :class:`SiteResult` per site, the table."""
+    """The result of :func:`prepare`: the spec written, one :class:`SiteResult` per site, the table, and
+    the problems for which ``fedseg validate`` would refuse the spec (empty when it can run)."""
 
     spec: Path
     federation: Federation
     sites: list[SiteResult]
+    problems: list[str] = field(default_factory=list)
 
     def table(self) -> str:
         """Counts per site and split beside the paper's, and where and why they differ."""
@@ -92,6 +97,8 @@ class Summary:
                 notes.append(f"  {r.site}: {cid}: skipped: {why}")
             for cid, why in r.excluded.items():
                 notes.append(f"  {r.site}: {cid}: left out: {why}")
+            for cid, why in r.notes.items():
+                notes.append(f"  {r.site}: {cid}: note: {why}")
         total = tuple(sum(r.counts[s] for r in self.sites) for s in SPLITS)
         ptotal = tuple(sum(r.paper[i] for r in self.sites) for i in range(3))
         lines.append(f"{'all':<16} {total[0]:>6} {total[1]:>6} {total[2]:>6}   {'/'.join(map(str, ptotal)):>20}")
@@ -108,6 +115,8 @@ class Summary:
             lines += ["", *notes]
         if bad:
             lines.append(f"{bad} bad case(s) skipped in all (--strict stops at the first)")
+        if self.problems:
+            lines += ["", f"WARNING: fedseg validate will refuse {self.spec}:", *(f"  {p}" for p in self.problems)]
         return "\n".join(lines)
 
 
@@ -117,7 +126,9 @@ def split_patients(
     """Patient -> split: the sorted patients in a seeded random order, then ``round(n × f)`` patients to
     each split but ``rest``, which takes those left, in the order training, validation, testing.
     With the default (NVIDIA FLARE's rule; Python rounds halves to even) 101 images give 50/25/26 as
-    FedSM's Table 1; Auto-FedAvg's 95/93/93 of 281 is ``(0.34, 0.33, 0.33)`` with ``rest=0``."""
+    FedSM's Table 1; Auto-FedAvg's 95/93/93 of 281 is ``(0.34, 0.33, 0.33)`` with ``rest=0``. With at least
+    as many patients as splits none is left empty: an empty split takes one patient from the largest
+    (3 patients give 1/1/1, not 2/1/0)."""
     ordered = sorted(set(patients))
     rng = np.random.default_rng(derive_seed(seed, "prepare", key))
     order = [ordered[i] for i in rng.permutation(len(ordered))]
@@ -126,6 +137,9 @@ def split_patients(
     sizes[rest] = n - sum(sz for i, sz in enumerate(sizes) if i != rest)
     if sizes[rest] < 0:
         raise ConfigError(f"prepare: shares {fractions} do not fit {n} patients -> use shares summing to 1")
+    while n >= len(sizes) and min(sizes) == 0:
+        sizes[sizes.index(max(sizes))] -= 1
+        sizes[sizes.index(0)] += 1
     split = [SPLITS[i] for i, sz in enumerate(sizes) for _ in range(sz)]
     return dict(zip(order, split))
 
@@ -204,7 +218,6 @@ def _prepare_site(
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise DataError(f"{ds.title}: case ids {dup[:5]} occur twice under --raw -> keep one copy of each case")
-    split_of = split_patients([c.patient for c in cases], seed, ds.site, fed.fractions, fed.rest)
     manifest_path = site_dir / MANIFEST
     manifest = _load_manifest(manifest_path, ds, force)
     old = manifest["cases"]
@@ -221,7 +234,7 @@ def _prepare_site(
                 and entry.get("outputs")
                 and all((site_dir / rel).is_file() for pair in entry["outputs"] for rel in pair)
             ):
-                entry.update(patient=case.patient, split=split_of[case.patient])
+                entry["patient"] = case.patient
                 result.reused += 1
                 continue
             if entry is not None:
@@ -240,17 +253,22 @@ def _prepare_site(
                 continue
             old[case.case_id] = {
                 "patient": case.patient,
-                "split": split_of[case.patient],
                 "sources": prints,
                 "outputs": _write_units(site_dir, case, units),
+                "notes": list(case.info.get("notes", [])),
             }
             result.converted += 1
             if result.converted % 25 == 0:
                 _save_json(manifest_path, manifest)
                 log(f"  {ds.site}: {i + 1}/{len(cases)} cases")
     finally:
+        # the splits are drawn over the patients whose cases converted, so a skipped case leaves no hole
+        split_of = split_patients([e["patient"] for e in old.values()], seed, ds.site, fed.fractions, fed.rest)
+        for entry in old.values():
+            entry["split"] = split_of[entry["patient"]]
         manifest["bad"] = result.bad
         _save_json(manifest_path, manifest)
+    result.notes = {cid: "; ".join(old[cid]["notes"]) for cid in sorted(old) if old[cid].get("notes")}
     splits: dict[str, list[dict[str, Path]]] = {s: [] for s in SPLITS}
     patients: dict[str, set[str]] = {s: set() for s in SPLITS}
     for cid in sorted(old):
@@ -360,5 +378,33 @@ def prepare(
     # the spec names every site of the federation prepared in OUT, by this call or a previous one
     done = [d.site for d in fed.datasets if d in chosen or (out / d.site / "datalist.json").is_file()]
     spec = out / "federation.toml"
+    problems = _empty_splits(out, done, results)
+    for p in problems:
+        log(f"WARNING: {p}")
     spec.write_text(_spec_toml(fed, done), encoding="utf-8")
-    return Summary(spec, fed, results)
+    return Summary(spec, fed, results, problems)
+
+
+def _empty_splits(out: Path, sites: list[str], results: list[SiteResult]) -> list[str]:
+    """What ``fedseg validate`` refuses in the datalists written: a site with an empty split, and why."""
+    prepared = {r.site: r for r in results}
+    problems = []
+    for site in sites:
+        if site in prepared:
+            counts, patients, bad = prepared[site].counts, sum(prepared[site].patients.values()), prepared[site].bad
+        else:
+            try:
+                doc = load_datalist(out / site / "datalist.json", site=site)
+            except DataError as e:
+                problems.append(str(e))
+                continue
+            counts, patients, bad = {s: len(doc[s]) for s in SPLITS}, None, {}
+        empty = [s for s in SPLITS if counts[s] == 0]
+        if empty:
+            had = f" has {patients} patient(s) with converted cases" if patients is not None else ""
+            problems.append(
+                f"{site}: split(s) {', '.join(empty)} empty: the site{had}, each split needs one"
+                + (f" ({len(bad)} case(s) skipped as bad, listed above)" if bad else "")
+                + f" -> fix or add cases under --raw and run prepare again, or leave {site} out of the spec"
+            )
+    return problems

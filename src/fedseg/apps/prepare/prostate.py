@@ -19,15 +19,17 @@ zone segments merged into one, the urethra segment only where a zone is on the s
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, require, safe_id
+from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, note, require, safe_id
+from fedseg.apps.prepare.volumes import _series_dirs, align_label, read_series
 from fedseg.foundation.errors import DataError
+
+__all__ = ["DATASETS", "INTENSITY_MAX", "read_series", "slices"]
 
 #: Intensities are divided by this and clipped to [0, 1] before 8-bit quantization (NVIDIA FLARE's
 #: prostate 2D conversion).
@@ -40,33 +42,6 @@ SITK = ("SimpleITK",)
 
 def _sitk(title: str) -> Any:
     return require("SimpleITK", title)
-
-
-def _series_dirs(folder: Path) -> list[Path]:
-    return sorted(Path(d) for d, _, names in os.walk(folder) if any(not n.startswith(".") for n in names))
-
-
-def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -> Any:
-    """The DICOM series under ``folder`` (any depth) as a SimpleITK image; with several series, the one
-    whose size (x, y, z) is ``want`` (e.g. its mask's), else the one with the most slices."""
-    sitk = _sitk(title)
-    found = []
-    for d in _series_dirs(folder):
-        for sid in sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(d)) or ():
-            found.append(sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(d), sid))
-    if not found:
-        raise DataError(f"{folder}: no DICOM series found -> check that the DICOM files were unpacked there")
-    reader = sitk.ImageSeriesReader()
-    sizes = []
-    for names in sorted(found, key=len, reverse=True):
-        reader.SetFileNames(names)
-        image = reader.Execute()
-        if want is None or tuple(image.GetSize()) == tuple(want):
-            return image
-        sizes.append(tuple(image.GetSize()))
-    raise DataError(
-        f"{folder}: no DICOM series of size {tuple(want)} (the mask's); found {sizes} -> check the case's files"
-    )
 
 
 def slices(image: Any, mask: Any, title: str) -> list[Unit]:
@@ -111,8 +86,8 @@ def _i2cvb_convert(case: Case) -> list[Unit]:
     for key in ("t2", "gt"):
         if not all_files(case.info[key]):
             raise DataError(f"{case.info[key]}: folder missing or empty -> unpack the patient's T2W and GT/prostate")
-    image = read_series(case.info["t2"], "I2CVB")
-    mask = read_series(case.info["gt"], "I2CVB")
+    image = read_series(case.info["t2"], "I2CVB").image
+    mask = read_series(case.info["gt"], "I2CVB").image
     sitk = _sitk("I2CVB")
     arr = sitk.GetArrayFromImage(mask)
     return slices(image, _from_array(arr > 0, mask, "I2CVB"), "I2CVB")
@@ -143,8 +118,12 @@ def _msd_convert(case: Case) -> list[Unit]:
         size = list(image.GetSize())
         image = sitk.Extract(image, [*size[:3], 0], [0, 0, 0, 0])
     label = sitk.ReadImage(str(label_path))
+    check_values(
+        sitk.GetArrayViewFromImage(label), (0, 1, 2), label_path, "0 background, 1 peripheral zone, 2 transition zone"
+    )
+    label, remark = align_label(label, image, label_path, "MSD Task05")
+    note(case, remark)
     arr = sitk.GetArrayFromImage(label)
-    check_values(arr, (0, 1, 2), label_path, "0 background, 1 peripheral zone, 2 transition zone")
     return slices(image, _from_array(arr > 0, label, "MSD Task05"), "MSD Task05")
 
 
@@ -174,19 +153,65 @@ def _nci_discover(root: Path, ds: Dataset, subset: str) -> list[Case]:
     return cases
 
 
+def nrrd_header(path: Path) -> dict[str, str]:
+    """The fields of a NRRD file's text header (``key: value`` lines up to the first blank line)."""
+    fields: dict[str, str] = {}
+    with path.open("rb") as f:
+        magic = f.readline()
+        if not magic.startswith(b"NRRD"):
+            raise DataError(f"{path}: not a NRRD file (no NRRD magic line) -> download the label archive again")
+        for raw in iter(f.readline, b""):
+            line = raw.decode("latin-1").rstrip("\r\n")
+            if not line:
+                break
+            if line.startswith("#") or ":" not in line:
+                continue
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.lstrip("=").strip()
+    return fields
+
+
 def _nci_convert(case: Case) -> list[Unit]:
-    """The NRRD mask's voxel array lies in the DICOM series' native order (rows anterior to posterior,
-    slices as the series is sorted): it is placed on the image's grid as stored, its header geometry
-    unused. (NVIDIA FLARE flips the mask's second axis because dicom2nifti first reorients the
-    image to LAS; reading both with SimpleITK in native order needs no flip.)"""
+    """The NRRD mask is placed on the DICOM series by its header when the header has a geometry
+    (``space directions`` and ``space origin``): it must then describe the series' own grid
+    (ImagePositionPatient, ImageOrientationPatient, spacing), in any axis order; a mask whose header
+    disagrees stops with a message naming the case. A header without geometry falls back to the
+    public loaders' convention: the mask's slice k is the slice with the k-th smallest
+    InstanceNumber, rows and columns as the DICOM stores them."""
     sitk = _sitk("NCI-ISBI")
     mask_path = case.sources[0]
     if not case.info["images"].is_dir():
         raise DataError(f"{case.info['images']}: the case's DICOM folder is missing -> unpack the TCIA download there")
-    arr = sitk.GetArrayFromImage(sitk.ReadImage(str(mask_path)))
+    header = nrrd_header(mask_path)
+    mask = sitk.ReadImage(str(mask_path))
+    arr = sitk.GetArrayFromImage(mask)
     check_values(arr, (0, 1, 2), mask_path, "0 background, 1 peripheral zone, 2 central gland")
-    image = read_series(case.info["images"], "NCI-ISBI", want=(arr.shape[2], arr.shape[1], arr.shape[0]))
-    return slices(image, _from_array(arr > 0, image, "NCI-ISBI"), "NCI-ISBI")
+    series = read_series(case.info["images"], "NCI-ISBI", want=tuple(mask.GetSize()))
+    image = series.image
+    if "space origin" in header and "space directions" in header:
+        try:
+            placed, remark = align_label(mask, image, mask_path, "NCI-ISBI")
+        except DataError as e:
+            raise DataError(
+                f"{case.case_id}: the NRRD header's geometry disagrees with the DICOM series "
+                f"{case.info['images']}: {str(e).split(': ', 1)[1]}"
+            ) from None
+        note(case, remark)
+        return slices(image, _from_array(sitk.GetArrayFromImage(placed) > 0, image, "NCI-ISBI"), "NCI-ISBI")
+    numbers = series.instance_numbers
+    if any(n is None for n in numbers) or len(set(numbers)) != len(numbers):
+        raise DataError(
+            f"{case.case_id}: {mask_path.name} has no geometry in its header and the series' InstanceNumbers "
+            f"are missing or repeated ({numbers}) -> the slice order cannot be known; leave the case out"
+        )
+    order = np.argsort(numbers, kind="stable")  # position index of the mask's k-th slice
+    placed = np.zeros_like(arr)
+    placed[order] = arr
+    if order[0] != 0:
+        note(
+            case, f"{mask_path.name}: no geometry in its header; slices laid by InstanceNumber (descending in position)"
+        )
+    return slices(image, _from_array(placed > 0, image, "NCI-ISBI"), "NCI-ISBI")
 
 
 # --- PROMISE12 ---------------------------------------------------------------------------------
@@ -205,15 +230,34 @@ def _promise_discover(root: Path, ds: Dataset) -> list[Case]:
     return cases
 
 
+def _data_file(mhd: Path) -> Path | None:
+    """The file a MetaImage header's ElementDataFile names (None for LOCAL or a LIST)."""
+    for line in mhd.read_text(encoding="latin-1", errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "ElementDataFile":
+            value = value.strip()
+            return None if value.upper() in ("LOCAL", "LIST") or " " in value else mhd.parent / value
+    return None
+
+
 def _promise_convert(case: Case) -> list[Unit]:
     sitk = _sitk("PROMISE12")
     image_path, _, seg_path, _ = case.sources
     if not seg_path.is_file():
         raise DataError(f"{seg_path}: segmentation missing -> unpack all three training archives into Raw_Data")
+    for mhd in (image_path, seg_path):
+        data = _data_file(mhd)
+        if data is not None and not data.is_file():
+            raise DataError(
+                f"{data}: missing (the voxel data {mhd.name} points to) -> extract the .raw files of all three "
+                "training archives into Raw_Data with 7z"
+            )
+    image = sitk.ReadImage(str(image_path))
     label = sitk.ReadImage(str(seg_path))
-    arr = sitk.GetArrayFromImage(label)
-    check_values(arr, (0, 1), seg_path, "0 background, 1 prostate")
-    return slices(sitk.ReadImage(str(image_path)), _from_array(arr, label, "PROMISE12"), "PROMISE12")
+    check_values(sitk.GetArrayViewFromImage(label), (0, 1), seg_path, "0 background, 1 prostate")
+    label, remark = align_label(label, image, seg_path, "PROMISE12")
+    note(case, remark)
+    return slices(image, _from_array(sitk.GetArrayFromImage(label), label, "PROMISE12"), "PROMISE12")
 
 
 # --- ProstateX ---------------------------------------------------------------------------------
