@@ -78,8 +78,11 @@ def _outline(d: np.ndarray, r: float) -> np.ndarray:
     return np.abs(d - r) <= 1.0
 
 
-def riga(raw: Path, part: str, seed: int = 0) -> dict:
-    """RIGA/<part>: 4 images, each with ``imageNprime`` and six annotated copies ``imageN-k``."""
+def riga(raw: Path, part: str, seed: int = 0, nest: str = "", quirks: bool = False) -> dict:
+    """RIGA/<part>: 4 images, each with ``imageNprime`` and six annotated copies ``imageN-k``. ``nest`` puts
+    the part one folder deeper (``RIGA/BinRushedcorrected/BinRushed/...``, as one archive unpacks). With
+    ``quirks`` (MESSIDOR's): the fourth image is ``image48`` with its original named without ``prime`` and the
+    third has five annotators (``-4`` missing); ``notes`` says which case shows which."""
     rng = np.random.default_rng(seed)
     folders = {
         "BinRushed": ["BinRushed/BinRushed1-Corrected", "BinRushed/BinRushed2"],
@@ -87,16 +90,20 @@ def riga(raw: Path, part: str, seed: int = 0) -> dict:
         "MESSIDOR": ["MESSIDOR", "MESSIDOR"],
     }[part]
     ids, truth = [], {}
+    notes = {}
     for i in range(4):
-        folder = raw / "RIGA" / folders[i % 2]
-        n = i + 1
+        folder = raw / "RIGA" / nest / folders[i % 2]
+        n = 48 if quirks and i == 3 else i + 1
         cy, cx = _centre(rng)
         image = fundus_image(rng, cy, cx, 10, 5)
         ext = ".jpg" if part == "BinRushed" else ".tif"
         kw = {"quality": 98, "subsampling": 0} if ext == ".jpg" else {}
-        _save(image, folder / f"image{n}prime{ext}", **kw)
+        no_prime = quirks and n == 48
+        _save(image, folder / f"image{n}{'' if no_prime else 'prime'}{ext}", **kw)
         d = _dist(cy, cx)
         for k in range(1, 7):
+            if quirks and i == 2 and k == 4:
+                continue  # five of six annotators
             rd, rc = 10 + (k % 3) - 1, 5 + (k % 2)  # annotators disagree by a pixel
             drawn = image.copy()
             if k == 6:  # an annotator who drew no cup: ignored, the other five vote
@@ -109,11 +116,18 @@ def riga(raw: Path, part: str, seed: int = 0) -> dict:
         cid = cid.replace("/", "_").removeprefix("._")
         ids.append(cid)
         truth[cid] = (d <= 10.0, d <= 5.5)  # majority: disc radius 10, cup 5 (+ one pixel of outline)
-    return {"cases": ids, "patients": ids, "truth": truth}
+        if quirks and i == 2:
+            notes[cid] = f"5 of 6 annotators (image{n}-4 missing)"
+        if no_prime:
+            notes[cid] = f"image{n}{ext}: original named without 'prime'"
+    return {"cases": ids, "patients": ids, "truth": truth, "notes": notes}
 
 
-def rimone(raw: Path, seed: int = 0) -> dict:
-    """RIM-ONE r3: 5 stereo pairs of 4 patients (N-1-L and N-1-R are two eyes of one), full-width masks."""
+def rimone(raw: Path, seed: int = 0, half: bool = False) -> dict:
+    """RIM-ONE r3: 5 stereo pairs of 4 patients (N-1-L and N-1-R are two eyes of one), full-width masks; with
+    ``half``, masks of one view's width, as public loaders read them: the annotated view is the left half of
+    every stereo pair, for ``-L`` and ``-R`` eyes alike (L/R names the eye). The right view's disc is shifted by
+    8 px, so the wrong half would show."""
     rng = np.random.default_rng(seed)
     root = raw / "RIM-ONE r3"
     stems = [("Healthy", "N-1-L"), ("Healthy", "N-1-R"), ("Healthy", "N-2-L"), ("Glaucoma and suspects", "G-1-L")]
@@ -121,11 +135,12 @@ def rimone(raw: Path, seed: int = 0) -> dict:
     for group, stem in stems:
         cy, cx = _centre(rng)
         left = fundus_image(rng, cy, cx, 12, 6)
-        right = fundus_image(rng, cy + 1, cx - 1, 12, 6)  # the other view of the stereo pair
+        shift = 8 if half else 1
+        right = fundus_image(rng, cy + shift, cx - shift, 12, 6)  # the other view of the stereo pair
         _save(np.concatenate([left, right], axis=1), root / group / "Stereo Images" / f"{stem}.jpg", quality=95)
-        d = _dist(cy, cx, (SIZE, 2 * SIZE))
+        d = _dist(cy, cx, (SIZE, SIZE) if half else (SIZE, 2 * SIZE))
         for name, r in (("Disc", 12), ("Cup", 6)):
-            mask = np.where(d < r, 255, 0).astype(np.uint8)  # annotated on the left half, full width
+            mask = np.where(d < r, 255, 0).astype(np.uint8)  # annotated on the left half
             _save(mask, root / group / "Average_masks" / f"{stem}-{name}-Avg.png")
     return {"cases": [s for _, s in stems], "patients": ["N-1", "N-1", "N-2", "G-1", "G-2"]}
 
@@ -185,32 +200,40 @@ def _uid() -> str:
 
 
 def dicom_series(
-    arr: np.ndarray, folder: Path, patient: str, study: str | None = None, head_first: bool = False, **tags
+    arr: np.ndarray,
+    folder: Path,
+    patient: str,
+    study: str | None = None,
+    head_first: bool = False,
+    ct: bool = False,
+    **tags,
 ) -> list:
     """Write a (z, y, x) array as an axial MR series with pydicom, one file per slice; returns the datasets.
     Slice k lies at z = 3k mm (LPS: k = 0 the most inferior); InstanceNumber runs feet to head (k + 1) or,
     with ``head_first``, head to feet (n - k), and the files are named by InstanceNumber. ``tags`` are set on
-    every slice (e.g. RescaleIntercept)."""
+    every slice (e.g. RescaleIntercept); ``ct`` writes CT Image Storage instead of MR."""
     from pydicom.dataset import Dataset, FileMetaDataset
-    from pydicom.uid import ExplicitVRLittleEndian, MRImageStorage
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, MRImageStorage
+
+    sop_class = CTImageStorage if ct else MRImageStorage
 
     folder.mkdir(parents=True, exist_ok=True)
     study, series, frame = study or _uid(), _uid(), _uid()
     out = []
     for k in range(arr.shape[0]):
         meta = FileMetaDataset()
-        meta.MediaStorageSOPClassUID = MRImageStorage
+        meta.MediaStorageSOPClassUID = sop_class
         meta.MediaStorageSOPInstanceUID = _uid()
         meta.TransferSyntaxUID = ExplicitVRLittleEndian
         ds = Dataset()
         ds.file_meta = meta
-        ds.SOPClassUID, ds.SOPInstanceUID = MRImageStorage, meta.MediaStorageSOPInstanceUID
+        ds.SOPClassUID, ds.SOPInstanceUID = sop_class, meta.MediaStorageSOPInstanceUID
         ds.PatientName, ds.PatientID, ds.PatientBirthDate, ds.PatientSex = f"{patient}^", patient, "19700101", "M"
         ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, series, frame
         ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.StudyID = "20200101", "120000", "1", "1"
         ds.ReferringPhysicianName, ds.Manufacturer = "", "replica"
         number = arr.shape[0] - k if head_first else k + 1
-        ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "MR", 1, number
+        ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "CT" if ct else "MR", 1, number
         ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
         ds.ImagePositionPatient = [0.0, 0.0, 3.0 * k]
         ds.PixelSpacing, ds.SliceThickness = [0.5, 0.5], 3.0
@@ -332,14 +355,14 @@ def nci_isbi(raw: Path, seed: int = 0) -> dict:
     }
 
 
-def promise12(raw: Path, seed: int = 0) -> dict:
-    """Promise12/Raw_Data/CaseNN.mhd/.raw and CaseNN_segmentation.mhd/.raw (0/1)."""
+def promise12(raw: Path, seed: int = 0, n: int = 4) -> dict:
+    """Promise12/Raw_Data/CaseNN.mhd/.raw and CaseNN_segmentation.mhd/.raw (0/1), ``n`` cases."""
     import SimpleITK as sitk
 
     rng = np.random.default_rng(seed)
     base = raw / "Promise12" / "Raw_Data"
     base.mkdir(parents=True)
-    ids = [f"Case{i:02d}" for i in range(4)]
+    ids = [f"Case{i:02d}" for i in range(n)]
     for cid in ids:
         img, mask = volume(rng)
         im = sitk.GetImageFromArray(img.astype(np.int16))
@@ -348,7 +371,7 @@ def promise12(raw: Path, seed: int = 0) -> dict:
         lab.CopyInformation(im)
         sitk.WriteImage(im, str(base / f"{cid}.mhd"))
         sitk.WriteImage(lab, str(base / f"{cid}_segmentation.mhd"))
-    return {"cases": ids, "patients": ids, "slices": 12}
+    return {"cases": ids, "patients": ids, "slices": 3 * n}
 
 
 def prostatex(raw: Path, seed: int = 0) -> dict:
@@ -450,18 +473,29 @@ def msd_pancreas(raw: Path, seed: int = 0) -> dict:
     return {"cases": ids, "patients": ids, "masks": masks}
 
 
-def tcia_pancreas(raw: Path, seed: int = 0) -> dict:
+def tcia_pancreas(raw: Path, seed: int = 0, quirks: bool = False) -> dict:
     """Pancreas-CT: DICOM series per patient (NBIA nesting) and TCIA_pancreas_labels-02-05-2017/labelNNNN.nii.gz
-    stored head-first (z reversed, its header saying so)."""
+    stored head-first (z reversed, its header saying so). The series are unsigned (PixelRepresentation 0,
+    values 824..1224). With ``quirks``: PANCREAS_0002 is a CT series with RescaleIntercept -1024 (stored values
+    824..1224 are -200..200 HU), and label0025 / label0070 ship without images (TCIA removed those two
+    patients from the collection; the label archive still has them). ``values`` holds each image's voxels."""
     import SimpleITK as sitk
 
     rng = np.random.default_rng(seed)
     root = raw / "Pancreas-CT"
-    ids, masks = [], {}
-    for n in (1, 2, 3):
+    ids, masks, values = [], {}, {}
+    for n in (1, 2, 3, 25, 70) if quirks else (1, 2, 3):
         cid = f"PANCREAS_{n:04d}"
         img, mask = ct_volume(rng)
-        dicom_series(img.astype(np.uint16) + 1024, root / cid / "1.2-study" / "1.2-series", cid)
+        stored = (img.astype(np.int32) + 1024).astype(np.uint16)
+        if quirks and n == 2:
+            dicom_series(
+                stored, root / cid / "s" / "c", cid, ct=True, RescaleIntercept=-1024, RescaleSlope=1, RescaleType="HU"
+            )
+            values[cid] = img
+        elif n in (1, 2, 3):
+            dicom_series(stored, root / cid / "1.2-study" / "1.2-series", cid)
+            values[cid] = stored
         lab = sitk.GetImageFromArray(np.ascontiguousarray(mask[::-1] > 0).astype(np.uint8))
         lab.SetSpacing((0.5, 0.5, 3.0))
         lab.SetDirection((1, 0, 0, 0, 1, 0, 0, 0, -1))
@@ -469,9 +503,11 @@ def tcia_pancreas(raw: Path, seed: int = 0) -> dict:
         out = root / "TCIA_pancreas_labels-02-05-2017" / f"label{n:04d}.nii.gz"
         out.parent.mkdir(parents=True, exist_ok=True)
         sitk.WriteImage(lab, str(out))
+        if n in (25, 70):
+            continue
         ids.append(cid)
         masks[cid] = (mask > 0).astype(np.uint8)
-    return {"cases": ids, "patients": ids, "masks": masks}
+    return {"cases": ids, "patients": ids, "masks": masks, "values": values}
 
 
 def btcv(raw: Path, seed: int = 0) -> dict:
@@ -495,6 +531,47 @@ def btcv(raw: Path, seed: int = 0) -> dict:
         ids.append(f"img{n:04d}")
         masks[ids[-1]] = (mask > 0).astype(np.uint8)
     return {"cases": ids, "patients": ids, "masks": masks}
+
+
+def btcv_quirks(raw: Path, seed: int = 0) -> dict:
+    """BTCV with labels whose header is not their image's: img0001 as it should be; img0002's label origin
+    shifted by two voxels in x; img0003's label header with a flipped x axis over the same voxels (the
+    affine's first column negated, origin kept); img0004's label stored with x reversed and a header that
+    says so (the same physical grid); img0005's label without the pancreas value 11 (other organs only).
+    ``bad`` maps each case to be refused to a word its message holds; ``masks`` the pancreas of the others."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(seed)
+    base = raw / "BTCV" / "RawData" / "Training"
+    affine = np.diag([0.7, 0.7, 3.0, 1])
+    masks, bad = {}, {}
+    for n in range(1, 6):
+        img, mask = ct_volume(rng)
+        organs = np.where(mask > 0, 11, 0).astype(np.uint8)
+        organs[0, :2, :2] = 1
+        lab_affine, lab = affine.copy(), organs.transpose(2, 1, 0)
+        if n == 2:
+            lab_affine[0, 3] += 2 * 0.7
+            bad["img0002"] = "origin"
+        elif n == 3:
+            lab_affine[:, 0] *= -1
+            bad["img0003"] = "direction"
+        elif n == 4:
+            lab = lab[::-1]  # x reversed: voxel i holds what voxel (nx - 1 - i) held
+            lab_affine[:, 0] *= -1
+            lab_affine[0, 3] = (CT[2] - 1) * 0.7
+        elif n == 5:
+            lab = np.where(lab == 11, 0, lab).astype(np.uint8)
+            bad["img0005"] = "value 11"
+        for folder, name, arr, aff in (
+            ("img", "img", img.transpose(2, 1, 0), affine),
+            ("label", "label", lab, lab_affine),
+        ):
+            (base / folder).mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(np.ascontiguousarray(arr), aff), base / folder / f"{name}{n:04d}.nii.gz")
+        if f"img{n:04d}" not in bad:
+            masks[f"img{n:04d}"] = (mask > 0).astype(np.uint8)
+    return {"masks": masks, "bad": bad}
 
 
 def pancreas_all(raw: Path) -> dict[str, dict]:
