@@ -11,10 +11,13 @@ the orientation NVIDIA FLARE's 2D slices have.
 
 Per dataset (docs/datasets.md): I2CVB masks are DICOM series, any non-zero voxel is prostate;
 MSD Task05 images are 4D with T2 first (channel 0 is taken) and labels 1 (peripheral zone) and
-2 (transition zone) are merged; NCI-ISBI masks are NRRD with the same two zones, stored in the
-DICOM series' native voxel order (their header geometry is not used, see
+2 (transition zone) are merged; NCI-ISBI masks are NRRD with the same two zones, placed on the
+DICOM series by their header's geometry, or by InstanceNumber where the header has none (see
 :func:`_nci_convert`); PROMISE12 is MetaImage (0/1); ProstateX masks are DICOM-SEG with four
-zone segments merged into one, the urethra segment only where a zone is on the slice.
+zone segments merged into one, the urethra segment only where a zone is on the slice. MSD and
+PROMISE12 labels are placed by their own headers
+(:func:`~fedseg.apps.prepare.volumes.align_label`): one that does not lie on its image's grid is
+refused, not re-stamped.
 """
 
 from __future__ import annotations
@@ -255,7 +258,7 @@ def _promise_convert(case: Case) -> list[Unit]:
     image = sitk.ReadImage(str(image_path))
     label = sitk.ReadImage(str(seg_path))
     check_values(sitk.GetArrayViewFromImage(label), (0, 1), seg_path, "0 background, 1 prostate")
-    label, remark = align_label(label, image, seg_path, "PROMISE12")
+    label, remark = align_label(label, image, seg_path, "PROMISE12", bare_ok=True)
     note(case, remark)
     return slices(image, _from_array(sitk.GetArrayFromImage(label), label, "PROMISE12"), "PROMISE12")
 
@@ -386,7 +389,7 @@ NCI_3T = _make(
     "3T",
     title="NCI-ISBI 2013 (Prostate-3T)",
     layout=_NCI_LAYOUT.format(id="Prostate3T-NN-NNNN", collection="Prostate-3T"),
-    steps=f"DICOM series + NRRD mask in the series' voxel order; labels 1+2 merged; {_SLICES}",
+    steps=f"DICOM series + NRRD mask placed by its header (or InstanceNumber); labels 1+2 merged; {_SLICES}",
     **_NCI,
 )
 NCI_DX = _make(
@@ -395,7 +398,7 @@ NCI_DX = _make(
     "Dx",
     title="NCI-ISBI 2013 (PROSTATE-DIAGNOSIS)",
     layout=_NCI_LAYOUT.format(id="ProstateDx-NN-NNNN", collection="PROSTATE-DIAGNOSIS"),
-    steps=f"DICOM series + NRRD mask in the series' voxel order; labels 1+2 merged; {_SLICES}",
+    steps=f"DICOM series + NRRD mask placed by its header (or InstanceNumber); labels 1+2 merged; {_SLICES}",
     excluded={"ProstateDx-01-0055": "its image and label do not match (left out by NVIDIA FLARE's preparation)"},
     **_NCI,
 )

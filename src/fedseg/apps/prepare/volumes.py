@@ -100,14 +100,7 @@ def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -
             names = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(d), sid)
             found.append(names)
             listed |= {str(Path(n).resolve()) for n in names}
-        unread += [
-            p
-            for p in sorted(d.iterdir())
-            if p.is_file()
-            and p.suffix.lower() == ".dcm"
-            and not p.name.startswith(".")
-            and str(p.resolve()) not in listed
-        ]
+        unread += [p for p in sorted(d.iterdir()) if _slice_file(p) and str(p.resolve()) not in listed]
     if unread:
         raise DataError(
             f"{unread[0]}: not a readable DICOM slice (truncated or corrupt)"
@@ -130,10 +123,44 @@ def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -
         if want is None or sorted(image.GetSize()) == sorted(want):
             numbers = _check_slices(reader, list(names), folder)
             return Series(compact(image, title), list(names), numbers)
-        sizes.append(tuple(image.GetSize()))
+        sizes.append(f"{tuple(image.GetSize())}{_number_gaps(reader, len(names))}")
+    found_text = "; ".join(sizes)
     raise DataError(
-        f"{folder}: no DICOM series of size {tuple(want)} (the mask's); found {sizes} -> check the case's files"
+        f"{folder}: no DICOM series of size {tuple(want)} (the mask's); found {found_text} -> check the case's "
+        "files (a slice file missing from the download makes a series one slice short)"
     )
+
+
+def _slice_file(p: Path) -> bool:
+    """A file that should be a slice of a series: ``.dcm``/``.ima`` or no suffix, not hidden, not a DICOMDIR."""
+    return (
+        p.is_file()
+        and p.suffix.lower() in (".dcm", ".ima", "")
+        and not p.name.startswith(".")
+        and p.name.upper() != "DICOMDIR"
+    )
+
+
+def _readable(name: str, sitk: Any) -> bool:
+    try:
+        sitk.ReadImage(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _number_gaps(reader: Any, n: int) -> str:
+    """ " (InstanceNumber k missing)" when the slices' InstanceNumbers skip some between their first and last."""
+    numbers = []
+    for i in range(n):
+        if not reader.HasMetaDataKey(i, "0020|0013"):
+            return ""
+        try:
+            numbers.append(int(float(reader.GetMetaData(i, "0020|0013"))))
+        except ValueError:
+            return ""
+    missing = sorted(set(range(min(numbers), max(numbers) + 1)) - set(numbers)) if numbers else []
+    return f" (InstanceNumber {', '.join(map(str, missing[:5]))} missing)" if missing else ""
 
 
 def compact(image: Any, title: str) -> Any:
@@ -163,15 +190,31 @@ def geometry_text(image: Any) -> str:
     )
 
 
-def align_label(label: Any, image: Any, path: Path, title: str) -> tuple[Any, str]:
+def _bare(image: Any) -> bool:
+    """Whether ``image`` has the default geometry a header without one reads as (origin 0, spacing 1, identity)."""
+    n = image.GetDimension()
+    return (
+        np.allclose(image.GetOrigin(), 0)
+        and np.allclose(image.GetSpacing(), 1)
+        and np.allclose(image.GetDirection(), np.eye(n).ravel())
+    )
+
+
+def align_label(label: Any, image: Any, path: Path, title: str, bare_ok: bool = False) -> tuple[Any, str]:
     """``label`` on ``image``'s voxel grid, by the label's own header, and a note ("" or how it was stored).
 
     The label may be stored in another axis order than the image (permutations and flips): it is
     reoriented to the image's (``SimpleITK.DICOMOrient``, no resampling). Then its size must equal
     the image's, its spacing and direction cosines agree within :data:`DIRECTION_TOLERANCE` and its
     origin within :data:`POSITION_TOLERANCE` of a voxel; otherwise DataError names ``path`` and both
-    geometries. The result carries the image's geometry exactly (they agreed within tolerance)."""
+    geometries. The result carries the image's geometry exactly (they agreed within tolerance). With
+    ``bare_ok``, a label of the image's size whose header has no geometry at all (origin 0, spacing 1,
+    identity) is placed voxel for voxel, with a note."""
     sitk = _sitk(title)
+    if bare_ok and _bare(label) and not _bare(image) and tuple(label.GetSize()) == tuple(image.GetSize()):
+        label = sitk.Image(label)
+        label.CopyInformation(image)
+        return label, f"{path.name}: label header without geometry; placed voxel for voxel on its image"
     if label.GetDimension() != image.GetDimension():
         raise DataError(
             f"{path}: label is {label.GetDimension()}D, its image {image.GetDimension()}D -> check the pair"
@@ -181,10 +224,15 @@ def align_label(label: Any, image: Any, path: Path, title: str) -> tuple[Any, st
     if own != code:
         label = sitk.DICOMOrient(label, code)
         note = f"{path.name}: label stored in {own} axis order, reoriented to its image's {code} (no resampling)"
+    if tuple(label.GetSize()) != tuple(image.GetSize()):
+        raise DataError(
+            f"{path}: label size {tuple(label.GetSize())} (in the image's axis order) differs from its image's "
+            f"{tuple(image.GetSize())} -> check that the label belongs to the image; an image with fewer slices "
+            "than its label has slice files missing from the download"
+        )
     spacing = np.asarray(image.GetSpacing())
     ok = (
-        tuple(label.GetSize()) == tuple(image.GetSize())
-        and np.allclose(label.GetSpacing(), spacing, rtol=DIRECTION_TOLERANCE, atol=0)
+        np.allclose(label.GetSpacing(), spacing, rtol=DIRECTION_TOLERANCE, atol=0)
         and np.allclose(label.GetDirection(), image.GetDirection(), rtol=0, atol=DIRECTION_TOLERANCE)
         and np.allclose(label.GetOrigin(), image.GetOrigin(), rtol=0, atol=POSITION_TOLERANCE * spacing.min())
     )
