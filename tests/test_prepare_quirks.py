@@ -245,16 +245,24 @@ def test_msd_pancreas_label_with_a_shifted_origin_is_refused(tmp_path):
 
 def test_tcia_removed_cases_are_said_so_and_series_keep_a_small_integer_type(tmp_path):
     """label0025 / label0070 without images: left out with the reason (removed by TCIA), not "unpack the
-    download". An unsigned series is written uint16 with its stored values; a CT series with
+    download". A label whose header origin is not its image's (the release does not document its label
+    headers) is placed voxel for voxel after reorientation, with a note. An unsigned series is written uint16 with its stored values; a CT series with
     RescaleIntercept -1024 as int16 Hounsfield units."""
     import SimpleITK as sitk
 
     raw = tmp_path / "raw"
     expected = replicas.tcia_pancreas(raw, quirks=True)
+    shifted = raw / "Pancreas-CT" / "TCIA_pancreas_labels-02-05-2017" / "label0003.nii.gz"
+    label = sitk.ReadImage(str(shifted))
+    label.SetOrigin((0.0, 0.0, 0.0))  # a header that does not place it (the release does not document them)
+    sitk.WriteImage(label, str(shifted))
     out = tmp_path / "out"
     summary = prepare(AUTOFEDAVG_PANCREAS, raw, out, sites=["tcia-pancreas-ct"], **QUIET)
     r = summary.sites[0]
     assert not r.bad and set(r.excluded) == {"PANCREAS_0025", "PANCREAS_0070"}
+    assert set(r.notes) == {"PANCREAS_0003"} and "placed voxel for voxel" in r.notes["PANCREAS_0003"]
+    got = sitk.GetArrayFromImage(sitk.ReadImage(str(out / "tcia-pancreas-ct" / "labels" / "PANCREAS_0003.nii.gz")))
+    np.testing.assert_array_equal(got, expected["masks"]["PANCREAS_0003"])
     assert all("removed" in why and "on purpose" in why for why in r.excluded.values())
     assert "unpack" not in summary.table()
     for cid, want in (("PANCREAS_0001", sitk.sitkUInt16), ("PANCREAS_0002", sitk.sitkInt16)):

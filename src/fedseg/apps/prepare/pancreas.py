@@ -3,8 +3,9 @@
 Each case is written as a NIfTI image and label with the image's own geometry (origin, spacing,
 direction: its affine), nothing resampled; the label is 1 for pancreas, tumour included, 0
 elsewhere. Every label is placed by its own header (:func:`~fedseg.apps.prepare.volumes.align_label`):
-stored in another axis order it is reoriented by permutations and flips, but an origin, spacing or
-direction that differs from its image's stops the case with a message. Per dataset (docs/datasets.md):
+stored in another axis order it is reoriented by permutations and flips; an origin, spacing or
+direction that differs from its image's stops an MSD or BTCV case with a message (TCIA's labels are
+then placed voxel for voxel, with a note). Per dataset (docs/datasets.md):
 
 * **MSD Task07 Pancreas** (281 labelled cases): labels 1 (pancreas) and 2 (tumour) merged.
 * **TCIA Pancreas-CT** (80 cases; the label archive has 82: TCIA removed #25 and #70 from the
@@ -49,14 +50,14 @@ def _sitk(title: str) -> Any:
 
 
 def _on_grid(
-    case: Case, label: Any, image: Any, keep: Any, path: Path, title: str, what: str, remark: bool = True
+    case: Case, label: Any, image: Any, keep: Any, path: Path, title: str, what: str, lenient: bool = False
 ) -> Unit:
     """(image, label on the image's grid) as one volume unit: the label placed by its own header
     (:func:`~fedseg.apps.prepare.volumes.align_label`), its voxels ``keep(array)`` as 0/1; DataError
     naming ``path`` when no voxel is kept (``what`` says which value was looked for)."""
     sitk = _sitk(title)
-    placed, text = align_label(label, image, path, title)
-    if remark:
+    placed, text = align_label(label, image, path, title, lenient=lenient)
+    if not lenient or "voxel for voxel" in text:
         note(case, text)
     values = keep(sitk.GetArrayFromImage(placed))
     if not values.any():
@@ -127,7 +128,7 @@ def _tcia_convert(case: Case) -> list[Unit]:
     image = read_series(case.info["images"], "Pancreas-CT").image
     label = sitk.ReadImage(str(label_path))
     check_values(sitk.GetArrayViewFromImage(label), (0, 1), label_path, "0 background, 1 pancreas")
-    return [_on_grid(case, label, image, lambda a: a > 0, label_path, "Pancreas-CT", "value 1", remark=False)]
+    return [_on_grid(case, label, image, lambda a: a > 0, label_path, "Pancreas-CT", "value 1", lenient=True)]
 
 
 def _make(site: str, discover, *args: Any, **kw: Any) -> Dataset:

@@ -14,10 +14,10 @@ MSD Task05 images are 4D with T2 first (channel 0 is taken) and labels 1 (periph
 2 (transition zone) are merged; NCI-ISBI masks are NRRD with the same two zones, placed on the
 DICOM series by their header's geometry, or by InstanceNumber where the header has none (see
 :func:`_nci_convert`); PROMISE12 is MetaImage (0/1); ProstateX masks are DICOM-SEG with four
-zone segments merged into one, the urethra segment only where a zone is on the slice. MSD and
-PROMISE12 labels are placed by their own headers
-(:func:`~fedseg.apps.prepare.volumes.align_label`): one that does not lie on its image's grid is
-refused, not re-stamped.
+zone segments merged into one, the urethra segment only where a zone is on the slice. MSD labels
+are placed by their own headers (:func:`~fedseg.apps.prepare.volumes.align_label`): one that does
+not lie on its image's grid is refused, not re-stamped; a PROMISE12 segmentation whose header
+differs from its image's is placed voxel for voxel, with a note.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def _promise_convert(case: Case) -> list[Unit]:
     image = sitk.ReadImage(str(image_path))
     label = sitk.ReadImage(str(seg_path))
     check_values(sitk.GetArrayViewFromImage(label), (0, 1), seg_path, "0 background, 1 prostate")
-    label, remark = align_label(label, image, seg_path, "PROMISE12", bare_ok=True)
+    label, remark = align_label(label, image, seg_path, "PROMISE12", lenient=True)
     note(case, remark)
     return slices(image, _from_array(sitk.GetArrayFromImage(label), label, "PROMISE12"), "PROMISE12")
 

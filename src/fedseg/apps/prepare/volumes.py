@@ -190,31 +190,18 @@ def geometry_text(image: Any) -> str:
     )
 
 
-def _bare(image: Any) -> bool:
-    """Whether ``image`` has the default geometry a header without one reads as (origin 0, spacing 1, identity)."""
-    n = image.GetDimension()
-    return (
-        np.allclose(image.GetOrigin(), 0)
-        and np.allclose(image.GetSpacing(), 1)
-        and np.allclose(image.GetDirection(), np.eye(n).ravel())
-    )
-
-
-def align_label(label: Any, image: Any, path: Path, title: str, bare_ok: bool = False) -> tuple[Any, str]:
+def align_label(label: Any, image: Any, path: Path, title: str, lenient: bool = False) -> tuple[Any, str]:
     """``label`` on ``image``'s voxel grid, by the label's own header, and a note ("" or how it was stored).
 
     The label may be stored in another axis order than the image (permutations and flips): it is
     reoriented to the image's (``SimpleITK.DICOMOrient``, no resampling). Then its size must equal
     the image's, its spacing and direction cosines agree within :data:`DIRECTION_TOLERANCE` and its
     origin within :data:`POSITION_TOLERANCE` of a voxel; otherwise DataError names ``path`` and both
-    geometries. The result carries the image's geometry exactly (they agreed within tolerance). With
-    ``bare_ok``, a label of the image's size whose header has no geometry at all (origin 0, spacing 1,
-    identity) is placed voxel for voxel, with a note."""
+    geometries. The result carries the image's geometry exactly (they agreed within tolerance).
+    ``lenient`` (releases whose label headers are not documented to match their images: TCIA
+    Pancreas-CT, PROMISE12) places a label of the right size that disagrees voxel for voxel after the
+    reorientation, and says so in the note instead of raising."""
     sitk = _sitk(title)
-    if bare_ok and _bare(label) and not _bare(image) and tuple(label.GetSize()) == tuple(image.GetSize()):
-        label = sitk.Image(label)
-        label.CopyInformation(image)
-        return label, f"{path.name}: label header without geometry; placed voxel for voxel on its image"
     if label.GetDimension() != image.GetDimension():
         raise DataError(
             f"{path}: label is {label.GetDimension()}D, its image {image.GetDimension()}D -> check the pair"
@@ -236,7 +223,17 @@ def align_label(label: Any, image: Any, path: Path, title: str, bare_ok: bool = 
         and np.allclose(label.GetDirection(), image.GetDirection(), rtol=0, atol=DIRECTION_TOLERANCE)
         and np.allclose(label.GetOrigin(), image.GetOrigin(), rtol=0, atol=POSITION_TOLERANCE * spacing.min())
     )
-    if not ok:
+    if not ok and lenient:
+        note = "; ".join(
+            filter(
+                None,
+                (
+                    note,
+                    f"{path.name}: label header ({geometry_text(label)}) is not its image's; placed voxel for voxel",
+                ),
+            )
+        )
+    elif not ok:
         raise DataError(
             f"{path}: the label's header does not place it on its image: label {geometry_text(label)}; "
             f"image {geometry_text(image)} -> check that the label belongs to the image and that neither header was "
