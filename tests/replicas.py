@@ -206,10 +206,11 @@ def dicom_series(
     study: str | None = None,
     head_first: bool = False,
     ct: bool = False,
+    origin: tuple[float, float, float] = (0.0, 0.0, 0.0),
     **tags,
 ) -> list:
     """Write a (z, y, x) array as an axial MR series with pydicom, one file per slice; returns the datasets.
-    Slice k lies at z = 3k mm (LPS: k = 0 the most inferior); InstanceNumber runs feet to head (k + 1) or,
+    Slice k lies at ``origin`` + (0, 0, 3k) mm (LPS: k = 0 the most inferior); InstanceNumber runs feet to head (k + 1) or,
     with ``head_first``, head to feet (n - k), and the files are named by InstanceNumber. ``tags`` are set on
     every slice (e.g. RescaleIntercept); ``ct`` writes CT Image Storage instead of MR."""
     from pydicom.dataset import Dataset, FileMetaDataset
@@ -235,7 +236,7 @@ def dicom_series(
         number = arr.shape[0] - k if head_first else k + 1
         ds.Modality, ds.SeriesNumber, ds.InstanceNumber = "CT" if ct else "MR", 1, number
         ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
-        ds.ImagePositionPatient = [0.0, 0.0, 3.0 * k]
+        ds.ImagePositionPatient = [origin[0], origin[1], origin[2] + 3.0 * k]
         ds.PixelSpacing, ds.SliceThickness = [0.5, 0.5], 3.0
         ds.Rows, ds.Columns = arr.shape[1], arr.shape[2]
         ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
@@ -305,8 +306,14 @@ def write_nrrd(arr: np.ndarray, path: Path, geometry: tuple | None) -> None:
     path.write_bytes(("\n".join(lines) + "\n\n").encode() + np.ascontiguousarray(arr, np.uint8).tobytes())
 
 
-#: NCI-ISBI replica: (InstanceNumber runs head to feet, the NRRD header has a geometry) per case.
-NCI_KINDS = ((False, True), (True, True), (True, False), (False, False))
+#: NCI-ISBI replica, per case of each collection: (InstanceNumber runs head to feet, the NRRD header's geometry:
+#: "series" as 3D Slicer writes it, "none" without space fields, "default" the identity a writer leaves).
+NCI_KINDS = {
+    "3T": ((False, "series"), (True, "series"), (True, "none"), (False, "none"), (False, "series")),
+    "Dx": ((True, "series"), (False, "series"), (True, "default"), (False, "default"), (False, "series")),
+}
+#: Where the NCI-ISBI replica's series lie (ImagePositionPatient of the most inferior slice, mm).
+NCI_ORIGIN = (-4.0, -3.5, -12.0)
 
 
 def nci_volume(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -329,25 +336,29 @@ def nci_isbi(raw: Path, seed: int = 0) -> dict:
     k + 1, rows and columns as the DICOM stores them; InstanceNumber runs feet to head in some series and head
     to feet in others, and the NRRD header either carries the series' geometry (origin at the first instance's
     ImagePositionPatient, the slice axis towards the next instance: as 3D Slicer writes it) or none
-    (:data:`NCI_KINDS`). ProstateDx-01-0055 is the release's mismatched case (left out)."""
+    or the default one a writer leaves (:data:`NCI_KINDS`). ProstateDx-01-0055 is the release's mismatched case
+    (left out)."""
     rng = np.random.default_rng(seed)
     ids = {"3T": [f"Prostate3T-01-{i:04d}" for i in (1, 2, 3, 4)]}
     ids["Dx"] = [f"ProstateDx-01-{i:04d}" for i in (6, 7, 8, 9, 55)]
     where = ["Training", "Training", "Test", "Leaderboard", "Training"]
-    for group in ids.values():
-        for i, (cid, split) in enumerate(zip(group, where)):
-            head_first, with_geometry = NCI_KINDS[i % len(NCI_KINDS)]
+    for key, group in ids.items():
+        for (cid, split), (head_first, header) in zip(zip(group, where), NCI_KINDS[key]):
             img, mask = nci_volume(rng)
-            dicom_series(
-                img, raw / "NCI_ISBI" / "Image" / cid / "1.2.3-study" / "1.2.3-series", cid, head_first=head_first
-            )
+            folder = raw / "NCI_ISBI" / "Image" / cid / "1.2.3-study" / "1.2.3-series"
+            dicom_series(img, folder, cid, head_first=head_first, origin=NCI_ORIGIN)
             lab = (mask * 2)[::-1] if head_first else mask * 2  # central gland = 2, in InstanceNumber order
-            n = MR[0]
-            origin = (0.0, 0.0, 3.0 * (n - 1) if head_first else 0.0)
-            directions = ((0.5, 0, 0), (0, 0.5, 0), (0, 0, -3.0 if head_first else 3.0))
+            top = NCI_ORIGIN[2] + 3.0 * (MR[0] - 1)
+            geometry = {
+                "series": (
+                    (*NCI_ORIGIN[:2], top if head_first else NCI_ORIGIN[2]),
+                    ((0.5, 0, 0), (0, 0.5, 0), (0, 0, -3.0 if head_first else 3.0)),
+                ),
+                "default": ((0, 0, 0), ((1, 0, 0), (0, 1, 0), (0, 0, 1))),
+                "none": None,
+            }[header]
             suffix = "_truth" if split == "Test" else "_correctedLabels" if cid == "ProstateDx-01-0006" else ""
-            out = raw / "NCI_ISBI" / "Mask" / split / f"{cid}{suffix}.nrrd"
-            write_nrrd(lab, out, (origin, directions) if with_geometry else None)
+            write_nrrd(lab, raw / "NCI_ISBI" / "Mask" / split / f"{cid}{suffix}.nrrd", geometry)
     dx = [c for c in ids["Dx"] if not c.endswith("0055")]
     return {
         "3t": {"cases": ids["3T"], "patients": ids["3T"], "slices": 8, "areas": NCI_AREAS},

@@ -43,7 +43,7 @@ def test_nci_isbi_labels_land_on_their_slices_whichever_way_instance_numbers_run
     """Replicas as the challenge's loaders read them: NRRD slice k is InstanceNumber k + 1. Prostate on the
     LPS slices 1 (20 px) and 2 (12 px) of 5; a mask laid the wrong way round would land on slices 2 and 3 with
     the areas swapped. Cases cover InstanceNumber head-to-feet and feet-to-head, with a header geometry
-    (placed by it) and without one (placed by InstanceNumber). A second run converts nothing and leaves the
+    (placed by it), without one or with the default one a writer leaves (placed by InstanceNumber). A second run converts nothing and leaves the
     output byte-identical."""
     raw = tmp_path / "raw"
     expected = replicas.nci_isbi(raw)
@@ -58,8 +58,9 @@ def test_nci_isbi_labels_land_on_their_slices_whichever_way_instance_numbers_run
             assert areas == expected[key]["areas"], (cid, areas)
             for p in labels:
                 assert np.nonzero(_png(p).any(axis=1))[0].tolist() == [4, 5, 6, 7], p
-    # the headerless case whose InstanceNumbers run head to feet is noted as laid by InstanceNumber
+    # the cases without a header geometry whose InstanceNumbers run head to feet are noted as laid by them
     assert "InstanceNumber" in summary.sites[0].notes["Prostate3T-01-0003"]
+    assert "(the default one)" in summary.sites[1].notes["ProstateDx-01-0008"]
     before = _tree_hash(out)
     again = prepare("fedsm-prostate", raw, out, sites=["nci-isbi-3t", "nci-isbi-dx"], **QUIET)
     assert sum(r.converted for r in again.sites) == 0 and _tree_hash(out) == before
@@ -72,7 +73,10 @@ def test_nci_isbi_header_that_disagrees_with_the_series_stops_naming_the_case(tm
     replicas.nci_isbi(raw)
     path = raw / "NCI_ISBI" / "Mask" / "Training" / "Prostate3T-01-0001.nrrd"
     header, _, data = path.read_bytes().partition(b"\n\n")
-    shifted = header.replace(b"space origin: (0,0,0)", b"space origin: (0,0,6)")
+    x, y, z = replicas.NCI_ORIGIN
+    shifted = header.replace(
+        f"space origin: ({x:g},{y:g},{z:g})".encode(), f"space origin: ({x:g},{y:g},{z + 6:g})".encode()
+    )
     assert shifted != header
     path.write_bytes(shifted + b"\n\n" + data)
     summary = prepare("fedsm-prostate", raw, tmp_path / "out", sites=["nci-isbi-3t"], **QUIET)

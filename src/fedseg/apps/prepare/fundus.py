@@ -344,8 +344,8 @@ def _refuge_convert(case: Case) -> list[Unit]:
     image_path, mask_path = case.sources
     if not image_path.is_file():
         raise DataError(
-            f"{image_path}: image missing beside its mask {mask_path.name} -> unpack the image archive "
-            f"({image_path.parent.name}) as docs/datasets.md lays out"
+            f"{image_path}: image missing beside its mask {mask_path.name} -> unpack the images of the "
+            "training and validation archives as docs/datasets.md lays out, or remove the mask"
         )
     if not mask_path.is_file():
         raise DataError(f"{mask_path}: mask missing -> unpack the annotation archive (docs/datasets.md)")

@@ -404,7 +404,7 @@ def _empty_splits(out: Path, sites: list[str], results: list[SiteResult]) -> lis
             had = f" has {patients} patient(s) with converted cases" if patients is not None else ""
             problems.append(
                 f"{site}: split(s) {', '.join(empty)} empty: the site{had}, each split needs one"
-                + (f" ({len(bad)} case(s) skipped as bad, listed above)" if bad else "")
+                + (f" ({len(bad)} case(s) skipped as bad, listed in the table)" if bad else "")
                 + f" -> fix or add cases under --raw and run prepare again, or leave {site} out of the spec"
             )
     return problems

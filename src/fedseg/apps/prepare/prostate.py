@@ -178,9 +178,10 @@ def _nci_convert(case: Case) -> list[Unit]:
     """The NRRD mask is placed on the DICOM series by its header when the header has a geometry
     (``space directions`` and ``space origin``): it must then describe the series' own grid
     (ImagePositionPatient, ImageOrientationPatient, spacing), in any axis order; a mask whose header
-    disagrees stops with a message naming the case. A header without geometry falls back to the
-    public loaders' convention: the mask's slice k is the slice with the k-th smallest
-    InstanceNumber, rows and columns as the DICOM stores them."""
+    disagrees stops with a message naming the case. A header without geometry (or with the default
+    one a writer leaves: origin 0, unit spacing, identity directions) falls back to the public
+    loaders' convention: the mask's slice k is the slice with the k-th smallest InstanceNumber,
+    rows and columns as the DICOM stores them."""
     sitk = _sitk("NCI-ISBI")
     mask_path = case.sources[0]
     if not case.info["images"].is_dir():
@@ -191,7 +192,12 @@ def _nci_convert(case: Case) -> list[Unit]:
     check_values(arr, (0, 1, 2), mask_path, "0 background, 1 peripheral zone, 2 central gland")
     series = read_series(case.info["images"], "NCI-ISBI", want=tuple(mask.GetSize()))
     image = series.image
-    if "space origin" in header and "space directions" in header:
+    default = (
+        np.allclose(mask.GetOrigin(), 0)
+        and np.allclose(mask.GetSpacing(), 1)
+        and np.allclose(mask.GetDirection(), np.eye(3).ravel())
+    )
+    if "space origin" in header and "space directions" in header and not default:
         try:
             placed, remark = align_label(mask, image, mask_path, "NCI-ISBI")
         except DataError as e:
@@ -212,7 +218,9 @@ def _nci_convert(case: Case) -> list[Unit]:
     placed[order] = arr
     if order[0] != 0:
         note(
-            case, f"{mask_path.name}: no geometry in its header; slices laid by InstanceNumber (descending in position)"
+            case,
+            f"{mask_path.name}: no geometry in its header{' (the default one)' if default else ''}; slices laid by "
+            "InstanceNumber, which runs against the slice positions",
         )
     return slices(image, _from_array(placed > 0, image, "NCI-ISBI"), "NCI-ISBI")
 
