@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, note, require, safe_id
-from fedseg.apps.prepare.volumes import _series_dirs, align_label, read_series
+from fedseg.apps.prepare.volumes import align_label, read_series
 from fedseg.foundation.errors import DataError
 
 __all__ = ["DATASETS", "INTENSITY_MAX", "read_series", "slices"]
@@ -300,7 +300,7 @@ def _prostatex_discover(root: Path, ds: Dataset) -> list[Case]:
 
 
 def _prostatex_convert(case: Case) -> list[Unit]:
-    sitk = _sitk("ProstateX")
+    _sitk("ProstateX")
     pydicom = require("pydicom", "ProstateX")
     hd = require("highdicom", "ProstateX")
     if len(case.info["seg"]) != 1:
@@ -314,18 +314,11 @@ def _prostatex_convert(case: Case) -> list[Unit]:
     image_dir = case.info["images"]
     if not image_dir.is_dir():
         raise DataError(f"{image_dir}: the case's T2 series is missing -> unpack the TCIA image download there")
-    reader = sitk.ImageSeriesReader()
-    names = None
-    for d in _series_dirs(image_dir):
-        for sid in reader.GetGDCMSeriesIDs(str(d)) or ():
-            if not series or sid in series:
-                names = reader.GetGDCMSeriesFileNames(str(d), sid)
-    if names is None:
-        raise DataError(
-            f"{image_dir}: no DICOM series referenced by {seg_path.name} -> download the referenced T2 series"
-        )
-    reader.SetFileNames(names)
-    image = reader.Execute()
+    try:
+        read = read_series(image_dir, "ProstateX", series=series or None)
+    except DataError as e:
+        raise DataError(f"{e} (the series {seg_path.name} references)") from None
+    image, names = read.image, read.files
     uids = [pydicom.dcmread(n, stop_before_pixels=True).SOPInstanceUID for n in names]
     numbers = [int(s.SegmentNumber) for s in seg.SegmentSequence]
     present = [u for u in uids if u in referenced]

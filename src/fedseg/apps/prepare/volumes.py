@@ -87,10 +87,13 @@ def _check_slices(reader: Any, names: list[str], folder: Path) -> list[int | Non
     return numbers
 
 
-def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -> Series:
+def read_series(
+    folder: Path, title: str, want: tuple[int, ...] | None = None, series: set[str] | None = None
+) -> Series:
     """The DICOM series under ``folder`` (any depth); with several series, the one whose size (x, y, z) is
     ``want`` in some axis order (e.g. its mask's), else the one with the most slices. A ``.dcm`` file that belongs to no
-    readable series (truncated, corrupt) or a gap in the slice positions raises DataError naming the file."""
+    readable series (truncated, corrupt) or a gap in the slice positions raises DataError naming the file.
+    ``series``: only the series with these SeriesInstanceUIDs (e.g. those a DICOM-SEG references)."""
     sitk = _sitk(title)
     found = []
     unread = []
@@ -98,7 +101,8 @@ def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -
         listed: set[str] = set()
         for sid in sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(d)) or ():
             names = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(d), sid)
-            found.append(names)
+            if not series or sid in series:
+                found.append(names)
             listed |= {str(Path(n).resolve()) for n in names}
         unread += [p for p in sorted(d.iterdir()) if _slice_file(p) and str(p.resolve()) not in listed]
     if unread:
@@ -106,6 +110,10 @@ def read_series(folder: Path, title: str, want: tuple[int, ...] | None = None) -
             f"{unread[0]}: not a readable DICOM slice (truncated or corrupt)"
             + (f", and {len(unread) - 1} more in {folder}" if len(unread) > 1 else "")
             + " -> download the series again"
+        )
+    if not found and series:
+        raise DataError(
+            f"{folder}: none of the DICOM series {sorted(series)[:3]} found -> download the referenced series there"
         )
     if not found:
         raise DataError(f"{folder}: no DICOM series found -> check that the DICOM files were unpacked there")
