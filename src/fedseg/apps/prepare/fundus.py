@@ -424,8 +424,8 @@ RIMONE = _make(
     layout="RIM-ONE r3/{Healthy,Glaucoma and suspects}/Stereo Images/{N,G}-K-{L,R}.jpg\n"
     "RIM-ONE r3/{Healthy,Glaucoma and suspects}/Average_masks/{N,G}-K-{L,R}-{Disc,Cup}-Avg.png",
     convert=_rimone_convert,
-    steps="stereo pair cut to the annotated view (left half; full-width masks: the disc's half); average masks > 0; no crop (already disc-centred); "
-    "patient = name without -L/-R",
+    steps="stereo pair cut to the annotated view (left half; full-width masks: the disc's half); "
+    "average masks > 0; no crop (already disc-centred); patient = name without -L/-R",
 )
 REFUGE = _make(
     "refuge",

@@ -13,8 +13,9 @@ then placed voxel for voxel, with a note). Per dataset (docs/datasets.md):
   that holds it, and the NIH label NIfTI (0/1).
 * **BTCV Abdomen** (30 training cases): of its 13 organ labels, 11 (pancreas) is kept.
 
-Patients split 95/93/93, 28/27/27 (28/26/26 of today's 80) and 10/10/10 as the paper: ``round(0.33 n)`` to validation and
-to testing, the rest to training (``Federation(fractions=(0.34, 0.33, 0.33), rest=0)``).
+Patients split 95/93/93, 28/27/27 (28/26/26 of today's 80) and 10/10/10 as the paper:
+``round(0.33 n)`` to validation and to testing, the rest to training
+(``Federation(fractions=(0.34, 0.33, 0.33), rest=0)``).
 :data:`AUTOFEDAVG_PANCREAS` is the federation; ``prepare(AUTOFEDAVG_PANCREAS, raw, out)`` builds
 it (a ``mode = "3d"`` spec without ``image_size``).
 """

@@ -405,6 +405,7 @@ def _empty_splits(out: Path, sites: list[str], results: list[SiteResult]) -> lis
             problems.append(
                 f"{site}: split(s) {', '.join(empty)} empty: the site{had}, each split needs one"
                 + (f" ({len(bad)} case(s) skipped as bad, listed in the table)" if bad else "")
-                + f" -> fix or add cases under --raw and run prepare again, or leave {site} out of the spec"
+                + " -> fix or add cases under --raw and run prepare again, or prepare the other sites into "
+                "another --out with --sites"
             )
     return problems

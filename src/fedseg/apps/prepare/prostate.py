@@ -207,6 +207,11 @@ def _nci_convert(case: Case) -> list[Unit]:
             ) from None
         note(case, remark)
         return slices(image, _from_array(sitk.GetArrayFromImage(placed) > 0, image, "NCI-ISBI"), "NCI-ISBI")
+    if tuple(mask.GetSize()) != tuple(image.GetSize()):
+        raise DataError(
+            f"{case.case_id}: {mask_path.name} is {tuple(mask.GetSize())} with no geometry in its header, its series "
+            f"{tuple(image.GetSize())} -> check that the mask belongs to the series"
+        )
     numbers = series.instance_numbers
     if any(n is None for n in numbers) or len(set(numbers)) != len(numbers):
         raise DataError(
