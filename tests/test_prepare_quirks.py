@@ -149,18 +149,21 @@ def test_dicom_slice_missing_or_corrupt_is_named(tmp_path):
 
 
 def test_promise12_missing_raw_is_named_and_splits_are_drawn_after_skips(tmp_path):
-    """Five cases, two without their voxel data: the message names the missing .raw (not the .mhd that
-    points to it); the three good patients fill training, validation and testing (1/1/1), and
-    ``fedseg validate`` accepts the spec."""
+    """Six cases, two without their voxel data and one segmentation without its image: the message names the
+    missing .raw (not the .mhd that points to it) and the missing image; the three good patients fill
+    training, validation and testing (1/1/1), and ``fedseg validate`` accepts the spec."""
     raw = tmp_path / "raw"
-    replicas.promise12(raw, n=5)
+    replicas.promise12(raw, n=6)
     base = raw / "Promise12" / "Raw_Data"
     (base / "Case01.raw").unlink()
     (base / "Case03_segmentation.raw").unlink()
+    (base / "Case05.mhd").unlink()
+    (base / "Case05.raw").unlink()
     summary = prepare("fedsm-prostate", raw, tmp_path / "out", sites=["promise12"], **QUIET)
     r = summary.sites[0]
     assert r.bad["Case01"].startswith(f"{base / 'Case01.raw'}: missing")
     assert r.bad["Case03"].startswith(f"{base / 'Case03_segmentation.raw'}: missing")
+    assert r.bad["Case05"].startswith(f"{base / 'Case05.mhd'}: image missing beside its label Case05_segmentation.mhd")
     assert r.patients == {"training": 1, "validation": 1, "testing": 1}
     assert not summary.problems and validate_federation(summary.spec) == []
 
@@ -231,20 +234,21 @@ def test_btcv_labels_with_another_geometry_are_refused_and_a_missing_pancreas_fl
     assert "reoriented" in r.notes["img0004"]
 
 
-def test_msd_pancreas_label_with_a_shifted_origin_is_refused(tmp_path):
+def test_msd_pancreas_label_with_a_shifted_origin_or_without_its_image_is_refused(tmp_path):
     import nibabel as nib
 
     raw = tmp_path / "raw"
     replicas.msd_pancreas(raw)
+    (raw / "MSD" / "Task07_Pancreas" / "imagesTr" / "pancreas_005.nii.gz").unlink()
     path = raw / "MSD" / "Task07_Pancreas" / "labelsTr" / "pancreas_004.nii.gz"
     lab = nib.load(path)
     affine = lab.affine.copy()
     affine[2, 3] += 2.5  # one slice up
     nib.save(nib.Nifti1Image(np.asarray(lab.dataobj), affine), path)
     bad = prepare(AUTOFEDAVG_PANCREAS, raw, tmp_path / "out", sites=["msd-pancreas"], **QUIET).sites[0].bad
-    assert (
-        set(bad) == {"pancreas_004"} and "pancreas_004.nii.gz: the label's header does not place" in bad["pancreas_004"]
-    )
+    assert set(bad) == {"pancreas_004", "pancreas_005"}
+    assert "pancreas_004.nii.gz: the label's header does not place" in bad["pancreas_004"]
+    assert "pancreas_005.nii.gz: image missing beside its label" in bad["pancreas_005"]
 
 
 def test_tcia_removed_cases_are_said_so_and_series_keep_a_small_integer_type(tmp_path):

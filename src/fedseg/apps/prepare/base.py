@@ -199,6 +199,16 @@ def safe_id(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
 
+def image_beside(image: Path, label: Path) -> None:
+    """DataError naming ``image`` when it is missing beside its ``label`` (a label whose image is missing is a
+    reported case, not a silent drop)."""
+    if not image.is_file():
+        raise DataError(
+            f"{image}: image missing beside its label {label.name} -> unpack the images as docs/datasets.md lays "
+            "out, or remove the label"
+        )
+
+
 def note(case: Case, text: str) -> None:
     """Record a remark on ``case`` (a quirk read around, not an error): printed under the summary table and
     kept in the manifest."""

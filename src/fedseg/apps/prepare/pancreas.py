@@ -35,6 +35,7 @@ from fedseg.apps.prepare.base import (
     all_files,
     check_values,
     files,
+    image_beside,
     note,
     require,
     safe_id,
@@ -72,15 +73,24 @@ def _on_grid(
     return ("", compact(image, title), out)
 
 
-def _pair_discover(root: Path, ds: Dataset, images: str, labels: str, label_name=lambda p: p.name) -> list[Case]:
+def _pair_discover(
+    root: Path, ds: Dataset, images: str, labels: str, label_name=lambda n: n, image_name=lambda n: n
+) -> list[Case]:
     img_dir, lab_dir = root / images, root / labels
     for folder in (img_dir, lab_dir):
         if not folder.is_dir():
             raise ds.missing(root, folder)
     cases = []
-    for path in files(img_dir, (".gz", ".nii")):
+    found = files(img_dir, (".gz", ".nii"))
+    for path in found:
         cid = safe_id(path.name.split(".")[0])
-        cases.append(Case(cid, cid, (path, lab_dir / label_name(path))))
+        cases.append(Case(cid, cid, (path, lab_dir / label_name(path.name))))
+    names = {p.name for p in found}
+    for lab in files(lab_dir, (".gz", ".nii")):
+        if image_name(lab.name) not in names:  # a label whose image is missing: reported
+            image = img_dir / image_name(lab.name)
+            cid = safe_id(image.name.split(".")[0])
+            cases.append(Case(cid, cid, (image, lab)))
     return cases
 
 
@@ -89,6 +99,7 @@ def _msd_convert(case: Case) -> list[Unit]:
     image_path, label_path = case.sources
     if not label_path.is_file():
         raise DataError(f"{label_path}: label missing -> unpack labelsTr next to imagesTr")
+    image_beside(image_path, label_path)
     label = sitk.ReadImage(str(label_path))
     check_values(sitk.GetArrayViewFromImage(label), (0, 1, 2), label_path, "0 background, 1 pancreas, 2 tumour")
     image = sitk.ReadImage(str(image_path))
@@ -100,6 +111,7 @@ def _btcv_convert(case: Case) -> list[Unit]:
     image_path, label_path = case.sources
     if not label_path.is_file():
         raise DataError(f"{label_path}: label missing -> unpack RawData/Training/label next to img")
+    image_beside(image_path, label_path)
     label = sitk.ReadImage(str(label_path))
     check_values(sitk.GetArrayViewFromImage(label), range(14), label_path, "0 background, 1..13 organs (11 pancreas)")
     image = sitk.ReadImage(str(image_path))
@@ -179,7 +191,8 @@ BTCV = _make(
     _pair_discover,
     "RawData/Training/img",
     "RawData/Training/label",
-    lambda p: p.name.replace("img", "label", 1),
+    lambda n: n.replace("img", "label", 1),
+    lambda n: n.replace("label", "img", 1),
     title="BTCV Abdomen",
     folder="BTCV",
     source="https://www.synapse.org/#!Synapse:syn3193805 (Multi-Atlas Labeling Beyond the Cranial Vault, RawData.zip)",

@@ -28,7 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.apps.prepare.base import Case, Dataset, Unit, all_files, check_values, files, note, require, safe_id
+from fedseg.apps.prepare.base import (
+    Case,
+    Dataset,
+    Unit,
+    all_files,
+    check_values,
+    files,
+    image_beside,
+    note,
+    require,
+    safe_id,
+)
 from fedseg.apps.prepare.volumes import align_label, read_series
 from fedseg.foundation.errors import DataError
 
@@ -105,9 +116,15 @@ def _msd_discover(root: Path, ds: Dataset) -> list[Case]:
         if not folder.is_dir():
             raise ds.missing(root, folder)
     cases = []
-    for path in files(images, (".gz", ".nii")):
+    found = files(images, (".gz", ".nii"))
+    for path in found:
         cid = safe_id(path.name.split(".")[0])
         cases.append(Case(cid, cid, (path, labels / path.name)))
+    names = {p.name for p in found}
+    for lab in files(labels, (".gz", ".nii")):
+        if lab.name not in names:  # a label whose image is missing: reported
+            cid = safe_id(lab.name.split(".")[0])
+            cases.append(Case(cid, cid, (images / lab.name, lab)))
     return cases
 
 
@@ -116,6 +133,7 @@ def _msd_convert(case: Case) -> list[Unit]:
     image_path, label_path = case.sources
     if not label_path.is_file():
         raise DataError(f"{label_path}: label missing -> unpack labelsTr next to imagesTr")
+    image_beside(image_path, label_path)
     image = sitk.ReadImage(str(image_path))
     if image.GetDimension() == 4:  # (x, y, z, modality): T2 first, ADC second
         size = list(image.GetSize())
@@ -238,11 +256,14 @@ def _promise_discover(root: Path, ds: Dataset) -> list[Case]:
     if not raw.is_dir():
         raise ds.missing(root, raw)
     cases = []
-    for path in files(raw, (".mhd",)):
-        if re.fullmatch(r"Case\d+", path.stem):
-            seg = raw / f"{path.stem}_segmentation.mhd"
-            srcs = (path, path.with_suffix(".raw"), seg, seg.with_suffix(".raw"))
-            cases.append(Case(path.stem, path.stem, srcs))
+    stems = {p.stem for p in files(raw, (".mhd",))}
+    for stem in sorted(stems):
+        m = re.fullmatch(r"(Case\d+)(_segmentation)?", stem)
+        if m is None or (m.group(2) and m.group(1) in stems):
+            continue  # not a case, or a segmentation listed with its image
+        path, seg = raw / f"{m.group(1)}.mhd", raw / f"{m.group(1)}_segmentation.mhd"
+        srcs = (path, path.with_suffix(".raw"), seg, seg.with_suffix(".raw"))
+        cases.append(Case(m.group(1), m.group(1), srcs))
     return cases
 
 
@@ -261,6 +282,7 @@ def _promise_convert(case: Case) -> list[Unit]:
     image_path, _, seg_path, _ = case.sources
     if not seg_path.is_file():
         raise DataError(f"{seg_path}: segmentation missing -> unpack all three training archives into Raw_Data")
+    image_beside(image_path, seg_path)
     for mhd in (image_path, seg_path):
         data = _data_file(mhd)
         if data is not None and not data.is_file():

@@ -65,7 +65,10 @@ def _check_slices(reader: Any, names: list[str], folder: Path) -> list[int | Non
     positions = []
     for i in range(len(names)):
         number = reader.GetMetaData(i, "0020|0013").strip() if reader.HasMetaDataKey(i, "0020|0013") else ""
-        numbers.append(int(float(number)) if number else None)
+        try:
+            numbers.append(int(float(number)))
+        except ValueError:
+            numbers.append(None)
         if reader.HasMetaDataKey(i, "0020|0032"):
             positions.append([float(v) for v in reader.GetMetaData(i, "0020|0032").split("\\")])
     if len(positions) == len(names) >= 3:
@@ -91,8 +94,9 @@ def read_series(
     folder: Path, title: str, want: tuple[int, ...] | None = None, series: set[str] | None = None
 ) -> Series:
     """The DICOM series under ``folder`` (any depth); with several series, the one whose size (x, y, z) is
-    ``want`` in some axis order (e.g. its mask's), else the one with the most slices. A ``.dcm`` file that belongs to no
-    readable series (truncated, corrupt) or a gap in the slice positions raises DataError naming the file.
+    ``want`` in some axis order (e.g. its mask's), else the one with the most slices. A slice file that
+    belongs to no readable series (truncated, corrupt) or a gap in the slice positions raises DataError
+    naming the file.
     ``series``: only the series with these SeriesInstanceUIDs (e.g. those a DICOM-SEG references)."""
     sitk = _sitk(title)
     found = []
