@@ -39,6 +39,7 @@ def _tree_hash(root: Path) -> str:
 # --- NCI-ISBI: the NRRD's slice order -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nci_isbi_labels_land_on_their_slices_whichever_way_instance_numbers_run(tmp_path):
     """Replicas as the challenge's loaders read them: NRRD slice k is InstanceNumber k + 1. Prostate on the
     LPS slices 1 (20 px) and 2 (12 px) of 5; a mask laid the wrong way round would land on slices 2 and 3 with
