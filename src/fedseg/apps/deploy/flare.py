@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from nvflare.collab import collab
 
+from fedseg.apps.deploy.policy import SitePolicy
 from fedseg.apps.deploy.server import serve
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
 
@@ -97,7 +98,9 @@ class FedsegSite:
             kit = (
                 Path(collab.workspace.get_root_dir()) / "startup"
             )  # its TLS identity signs its secure-aggregation keys
-            self._runtime = SiteRuntime(read_site_config(path), identity=kit)
+            config = read_site_config(path)
+            # a site config that names no policy file: the policy's defaults (SiteRuntime alone would enforce none)
+            self._runtime = SiteRuntime(config, identity=kit, policy=None if config.policy else SitePolicy())
         return self._runtime
 
     @collab.publish
