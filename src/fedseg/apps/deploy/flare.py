@@ -34,8 +34,9 @@ import torch
 from nvflare.collab import collab
 
 from fedseg.apps.deploy.policy import SitePolicy
-from fedseg.apps.deploy.server import serve
+from fedseg.apps.deploy.server import REFUSED, serve
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
+from fedseg.execution.remote.transport import DeployError
 
 __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
 
@@ -76,7 +77,13 @@ class FedsegServer:
             log.info(msg)
             print(msg, flush=True)
 
-        results = serve(self.run_dir, call, log=say)
+        try:
+            results = serve(self.run_dir, call, log=say)
+        except DeployError as e:
+            if (Path(self.run_dir) / REFUSED).is_file():  # the sites' policies refused the run: a clean stop
+                say(f"[deploy] the run stops: {e}")
+                return None
+            raise
         return None if results is None else {"client_avg_dice": results.get("client_avg_dice")}
 
 
