@@ -302,16 +302,27 @@ def test_deployments_default_to_secure_aggregation(tmp_path):
         load_deploy_config(run, ["deploy.max_update_ratio=10"])
 
 
-def test_fedsm_selector_gradients_in_the_clear_are_warned_about_at_the_site(tmp_path, caplog):
-    """FedSM with ``selector_training = "fga"`` and no secure aggregation: the site warns at setup that its
-    selector gradient of every step reaches the server in the clear (the server logs the same after setup)."""
+def test_fedsm_selector_gradients_in_the_clear_are_warned_about_at_both_ends(tmp_path, caplog):
+    """FedSM with ``selector_training = "fga"`` and no secure aggregation: at setup every site warns that its
+    selector gradient of every step reaches the server in the clear, and the server logs the same (the sites
+    here stop answering after setup: the warnings come before any task)."""
     cfg = _cfg("fedsm")
     cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": {"selector_training": "fga"}})
-    rt = _runtimes(tmp_path, tiny_sites(3), {"site1": OPEN})["site1"]
-    with caplog.at_level(logging.WARNING, logger="fedseg.apps.deploy.site"):
-        reply = json.loads(rt.call("setup", _setup_desc(cfg).encode()))
-    assert "refused" not in reply
+    data = tiny_sites(2)
+    _prepare(tmp_path / "dep", cfg, list(data))
+    inner = LoopbackChannel(_runtimes(tmp_path, data, {"site1": OPEN}))
+
+    def channel(site, op, payload, timeout):
+        if op == "task":
+            raise ConnectionError(f"site {site} is gone")
+        return inner(site, op, payload, timeout)
+
+    logs: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="fedseg.apps.deploy.site"), pytest.raises(DeployError):
+        serve(tmp_path / "dep", channel, log=logs.append)
+    assert "site site1: fedsm.selector_training = 'fga'" in caplog.text
     assert "selector gradient of every step to the server in the clear" in caplog.text
+    assert any(m.startswith("[deploy] warning: fedsm.selector_training = 'fga'") for m in logs), logs
 
 
 @pytest.mark.slow
