@@ -15,6 +15,7 @@ from pathlib import Path
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
+from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -198,8 +199,6 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return 0
     if a.deploy_verb == "site":
         cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name, device=a.device, policy=a.policy)
-        from fedseg.apps.deploy.site import read_site_config
-
         print(f"site policy: {read_site_config(cfg).policy} (edit it to change what this site accepts)")
         print(f"wrote {cfg}; starting the site (it connects out to the server; Ctrl-C stops it)")
         return dep.foreground(dep.start_site(a.kit, log=Path(a.workdir) / "fedseg-site.log"))
