@@ -43,6 +43,9 @@ from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
+CLEAR = {"secure_aggregation": False}
+"""The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure)."""
+
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:
     """Channels (c, 2c, 4c, 8c) whose MONAI U-Net (1 residual unit) has float32 parameters closest to ``mb`` MB."""
@@ -70,6 +73,7 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
             f"model.channels={ch}",
             "model.strides=[2,2,2]",
             "model.num_res_units=1",
+            "privacy.secure_aggregation=false",  # measured in the clear (a deployment's default is secure aggregation)
             "train.batch_size=4",
             f"rounds={a.rounds}",
             "eval.every=1000",
@@ -77,7 +81,7 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
         ]
         tag = f"fga-{mb:g}mb"
         t0 = time.perf_counter()
-        dep = rehearse(run_toml, a.sites, out / f"dep-{tag}", overrides=ov, method="fga")
+        dep = rehearse(run_toml, a.sites, out / f"dep-{tag}", overrides=ov, method="fga", policy=CLEAR)
         dep_wall = time.perf_counter() - t0
         sim = run(
             load_deploy_config(run_toml, ov, method="fga", federation=str(sim_spec)),
@@ -185,6 +189,7 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
         f"model.channels={a.channels}",
         "model.strides=[2,2]",
         "model.num_res_units=1",
+        "privacy.secure_aggregation=false",  # measured in the clear (a deployment's default is secure aggregation)
         "train.batch_size=4",
         f"rounds={a.rounds}",
         "train.local_steps=20",
@@ -199,7 +204,9 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     run_dir = out / "drill"
     prepare_run(load_deploy_config(run_toml, ov, method="fedavg"), run_dir, sites=names)
     events: dict[str, float] = {}
-    with LocalCluster(out / "drill-nv", {n: fed.site(n).datalist for n in names}, out / "drill-sites") as cl:
+    with LocalCluster(
+        out / "drill-nv", {n: fed.site(n).datalist for n in names}, out / "drill-sites", policy=CLEAR
+    ) as cl:
         first = threading.Thread(
             target=lambda: _quiet(submit_run, cl.kits["admin"], run_dir, names, 600, None, lambda m: None), daemon=True
         )
@@ -264,6 +271,7 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
         f"model.channels={a.channels}",
         "model.strides=[2,2]",
         "model.num_res_units=1",
+        "privacy.secure_aggregation=false",  # measured in the clear (a deployment's default is secure aggregation)
         "train.batch_size=4",
         f"rounds={a.rounds}",
         "train.local_steps=20",
@@ -278,7 +286,9 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     prepare_run(load_deploy_config(run_toml, ov, method="fedavg"), run_dir, sites=names)
     grace = deploy_params(load_deploy_config(run_toml, ov)).shutdown_grace_s
     ev: dict[str, float] = {}
-    with LocalCluster(out / "dead-nv", {n: fed.site(n).datalist for n in names}, out / "dead-sites") as cl:
+    with LocalCluster(
+        out / "dead-nv", {n: fed.site(n).datalist for n in names}, out / "dead-sites", policy=CLEAR
+    ) as cl:
 
         def supervised():
             submit_run(cl.kits["admin"], run_dir, names, 900, None, lambda m: print(m, flush=True))
@@ -349,6 +359,7 @@ def main() -> None:
         f"model.channels={a.channels}",
         f"model.strides={strides}",
         "model.num_res_units=1",
+        "privacy.secure_aggregation=false",  # measured in the clear (a deployment's default is secure aggregation)
         "train.batch_size=4",
         f"rounds={a.rounds}",
     ]
@@ -363,7 +374,7 @@ def main() -> None:
     rows = []
     for m in a.methods.split(","):
         t0 = time.perf_counter()
-        dep = rehearse(run_toml, a.sites, out / f"dep-{m}", overrides=ov, method=m)
+        dep = rehearse(run_toml, a.sites, out / f"dep-{m}", overrides=ov, method=m, policy=CLEAR)
         dep_wall = time.perf_counter() - t0
         t0 = time.perf_counter()
         sim = run(

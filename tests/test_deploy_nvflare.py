@@ -27,7 +27,10 @@ OVERRIDES = [
     "rounds=2",
     "deploy.round_deadline_s=60",
     "deploy.setup_timeout_s=90",
+    "privacy.secure_aggregation=false",  # a deployment's default is on; these runs equal a plain simulation
 ]
+POLICY = {"secure_aggregation": False}
+"""The sites' policy in these rehearsals: they join runs without secure aggregation too."""
 
 
 def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):
@@ -40,7 +43,7 @@ def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "
     from fedseg.data.spec import load_federation
 
     fed = load_federation(spec)
-    cluster = LocalCluster(tmp_path / "nv", {n: fed.site(n).datalist for n in names}, tmp_path / "sites")
+    cluster = LocalCluster(tmp_path / "nv", {n: fed.site(n).datalist for n in names}, tmp_path / "sites", policy=POLICY)
     return spec, run_toml, out, fed, cluster
 
 

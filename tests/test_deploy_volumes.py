@@ -33,7 +33,15 @@ from helpers import assert_same_arrays, server_state
 from test_patches2d import patches2d_federation
 from test_volumes_run import write_federation
 
-RUN = ["rounds=2", "train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "eval.every=1"]
+# deployed in the clear (a deployment's default is secure aggregation) to equal the simulation bitwise
+RUN = [
+    "rounds=2",
+    "train.local_steps=1",
+    "train.batch_size=2",
+    "model.num_res_units=0",
+    "eval.every=1",
+    "privacy.secure_aggregation=false",
+]
 
 
 def _runtimes(spec, tmp_path):
@@ -141,7 +149,9 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
     spec = write_federation(tmp_path / "data", n=(2, 1, 1))
     overrides = [*RUN, "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
     try:
-        dep = rehearse(spec, 2, tmp_path / "dep", overrides=overrides, timeout=150)
+        dep = rehearse(
+            spec, 2, tmp_path / "dep", overrides=overrides, timeout=150, policy={"secure_aggregation": False}
+        )
     except Exception as e:  # pragma: no cover - environment without a working nvflare
         if "provision" in str(e):
             pytest.skip(f"nvflare cannot provision here: {e}")
@@ -154,7 +164,8 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
 
 def _deploy(spec, tmp_path, overrides, folder="dep"):
     """Prepare and serve a deployed run over the in-process byte channel: ``(results, logs)``."""
-    cfg = load_deploy_config(spec, [*overrides, "deploy.round_deadline_s=120"])
+    # in the clear, as the simulations these runs are compared with
+    cfg = load_deploy_config(spec, ["privacy.secure_aggregation=false", *overrides, "deploy.round_deadline_s=120"])
     prepare_run(cfg, tmp_path / folder)
     logs: list[str] = []
     dep = serve(tmp_path / folder, LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)

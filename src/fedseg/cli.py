@@ -15,6 +15,7 @@ from pathlib import Path
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
+from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -197,7 +198,8 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         )
         return 0
     if a.deploy_verb == "site":
-        cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name, device=a.device)
+        cfg = dep.configure_site(a.kit, a.datalist, a.workdir, a.name, device=a.device, policy=a.policy)
+        print(f"site policy: {read_site_config(cfg).policy} (edit it to change what this site accepts)")
         print(f"wrote {cfg}; starting the site (it connects out to the server; Ctrl-C stops it)")
         return dep.foreground(dep.start_site(a.kit, log=Path(a.workdir) / "fedseg-site.log"))
     if a.deploy_verb == "server":
@@ -455,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         metavar="DEVICE",
         help="where this site trains: auto (CUDA when available, else cpu), cpu, cuda or cuda:N; each site picks its own",
+    )
+    x.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="this site's privacy policy (JSON; docs/deploy.md 'Site policy'): the floors it enforces whatever the "
+        "server's job says (default: KIT/local/fedseg_policy.json, written with the defaults when absent)",
     )
     x = dsub.add_parser("server", help="start the server from its kit")
     x.add_argument("--kit", required=True)

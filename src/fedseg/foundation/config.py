@@ -237,12 +237,14 @@ class SimulationConfig:
 @dataclass(frozen=True)
 class PrivacyConfig:
     """What a site's messages reveal: secure aggregation of the sums the server needs, and differential
-    privacy (``docs/privacy.md``).  Both off by default: a run then sends what it always sent."""
+    privacy (``docs/privacy.md``).  Both off by default in a simulation; a deployment turns secure
+    aggregation on unless the run config sets it."""
 
     secure_aggregation: bool = False
     """Sites add pairwise masks (X25519 key agreement, expanded by a seeded stream cipher) to fixed-point
     encodings of what the server only sums, so the server learns the sum and nothing of one site; methods
-    that need one site's arrays at the server refuse it with the reason."""
+    that need one site's arrays at the server refuse it with the reason.  A deployment runs with true unless
+    the run config sets it (docs/deploy.md), and a site's policy may require it."""
     secagg_fraction_bits: int = 32
     """Fixed-point precision of secure aggregation: each value x is sent as round(n_k · x · 2^bits) modulo 2^64,
     so the weighted mean is off by at most K · 2^-(bits+1) / Σ n_k (K sites); K · n_k · max|x| · 2^bits must stay

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 from nvflare.collab import collab
 
-from fedseg.apps.deploy.server import serve
+from fedseg.apps.deploy.policy import SitePolicy
+from fedseg.apps.deploy.server import REFUSED, serve
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
+from fedseg.execution.remote.transport import DeployError
 
 __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
 
@@ -75,7 +77,13 @@ class FedsegServer:
             log.info(msg)
             print(msg, flush=True)
 
-        results = serve(self.run_dir, call, log=say)
+        try:
+            results = serve(self.run_dir, call, log=say)
+        except DeployError as e:
+            if (Path(self.run_dir) / REFUSED).is_file():  # the sites' policies refused the run: a clean stop
+                say(f"[deploy] the run stops: {e}")
+                return None
+            raise
         return None if results is None else {"client_avg_dice": results.get("client_avg_dice")}
 
 
@@ -97,7 +105,9 @@ class FedsegSite:
             kit = (
                 Path(collab.workspace.get_root_dir()) / "startup"
             )  # its TLS identity signs its secure-aggregation keys
-            self._runtime = SiteRuntime(read_site_config(path), identity=kit)
+            config = read_site_config(path)
+            # a site config that names no policy file: the policy's defaults (SiteRuntime alone would enforce none)
+            self._runtime = SiteRuntime(config, identity=kit, policy=None if config.policy else SitePolicy())
         return self._runtime
 
     @collab.publish

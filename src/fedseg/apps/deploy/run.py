@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fedseg.apps.deploy.policy import POLICY_NAME, policy_from_dict, read_policy, write_policy
 from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
 from fedseg.apps.deploy.supervise import Supervisor
@@ -62,9 +63,16 @@ def provision(sites: list[str], server: str, out: str | Path) -> dict[str, Path]
 
 
 def configure_site(
-    kit: str | Path, datalist: str | Path, workdir: str | Path, name: str | None = None, device: str = "auto"
+    kit: str | Path,
+    datalist: str | Path,
+    workdir: str | Path,
+    name: str | None = None,
+    device: str = "auto",
+    policy: str | Path | None = None,
 ) -> Path:
-    """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder and device (never sent anywhere)."""
+    """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder, device and policy file (never
+    sent anywhere).  ``policy``: the site's policy file (checked); by default ``<kit>/local/fedseg_policy.json``,
+    written with the defaults when it does not exist (:mod:`fedseg.apps.deploy.policy`)."""
 
     resolve_device(device)  # --device cuda on a machine without CUDA stops here
     kit = Path(kit).resolve()
@@ -76,9 +84,15 @@ def configure_site(
     if not Path(datalist).is_file():
         raise ConfigError(f"datalist {datalist} does not exist; give this site's datalist JSON")
     Path(workdir).mkdir(parents=True, exist_ok=True)
+    if policy is None:
+        policy = kit / "local" / POLICY_NAME
+        if not policy.is_file():
+            write_policy(policy)
+    policy = Path(policy).resolve()
+    read_policy(policy)  # a bad policy stops here, one line per bad key
     return write_site_config(
         kit / "local" / SITE_CONFIG_NAME,
-        SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device),
+        SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device, str(policy)),
     )
 
 
@@ -219,12 +233,19 @@ class LocalCluster:
     Use as a context manager; every process group it started is killed on exit.  The server and the sites
     compute with ``threads`` intra-op threads (``FEDSEG_TORCH_THREADS``, ``OMP_NUM_THREADS``); by default
     this process's :func:`torch.get_num_threads`, the count a simulation started here uses, so that their
-    weights equal that simulation's bit for bit.
+    weights equal that simulation's bit for bit.  ``policy``: settings of every site's policy file (the
+    others keep their defaults, :mod:`fedseg.apps.deploy.policy`).
     """
 
     def __init__(
-        self, root: str | Path, site_data: dict[str, str | Path], workdir: str | Path, threads: int | None = None
+        self,
+        root: str | Path,
+        site_data: dict[str, str | Path],
+        workdir: str | Path,
+        threads: int | None = None,
+        policy: dict[str, Any] | None = None,
     ):
+        self.policy = policy_from_dict(policy or {}, "policy")
         if threads is None:
             threads = torch.get_num_threads()
         self.root = Path(root).resolve()
@@ -247,6 +268,7 @@ class LocalCluster:
         admin_port = free_port()
         self.kits = provision_kits(self.root / "kits", list(self.site_data), "localhost", port, admin_port)
         for name, dl in self.site_data.items():
+            write_policy(self.kits[name] / "local" / POLICY_NAME, self.policy)
             configure_site(self.kits[name], dl, self.workdir / name, name)
 
     def start_server(self) -> None:
@@ -290,10 +312,12 @@ def rehearse(
     timeout: float = 0.0,
     stop_after: int | None = None,
     progress: bool = False,
+    policy: dict[str, Any] | None = None,
     **fields: Any,
 ) -> dict[str, Any] | None:
     """Run ``config`` deployed on this machine: the first ``sites`` sites of its federation, each in its own
-    process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation."""
+    process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation.
+    ``policy``: settings of every site's policy (default: the policy's defaults)."""
     cfg = load_deploy_config(config, overrides, **fields)
     fed = load_federation(cfg.federation)
     if not 1 <= sites <= len(fed.sites):
@@ -307,7 +331,9 @@ def rehearse(
     save_json(desc, out / "deploy.json")
     with (
         terminate_as_interrupt(),
-        LocalCluster(out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites") as cluster,
+        LocalCluster(
+            out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites", policy=policy
+        ) as cluster,
     ):
         submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"

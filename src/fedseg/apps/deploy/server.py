@@ -11,8 +11,10 @@ same call) and writes ``results.json`` / ``results.md`` like a simulation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+import tomllib
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +30,7 @@ from fedseg.execution.engine import Engine
 from fedseg.execution.remote.params import deploy_params
 from fedseg.execution.remote.transport import Call, DeployError, RemoteTransport
 from fedseg.foundation.arrays import Arrays, is_float, nonfinite
-from fedseg.foundation.config import RunConfig, dump_toml, load_run_config
+from fedseg.foundation.config import RunConfig, apply_overrides, dump_toml, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import PROGRESS, save_json
 from fedseg.simulation.runner import write_results
@@ -36,6 +38,7 @@ from fedseg.site.workload import workload_for
 
 __all__ = [
     "CONTROL_RESTART",
+    "REFUSED",
     "check_aggregate",
     "load_deploy_config",
     "prepare_run",
@@ -46,6 +49,10 @@ __all__ = [
 
 CONTROL_RESTART = Path("control") / "restart"
 """A file the server polls: the supervisor asks the job to end after the current round (a site rejoins)."""
+
+REFUSED = "refused.json"
+"""Written by the server when too few sites accepted the run (``{site: why}`` of the sites that refused it
+by their policy): the supervisor then stops instead of re-submitting a job the same sites would refuse."""
 
 
 def check_aggregate(state: Arrays, max_abs: float) -> None:
@@ -100,10 +107,59 @@ def read_dropouts(path: Path, log: Callable[[str], None] = print) -> list[dict[s
     return out
 
 
+def _given(path: str | Path | None, overrides: list[str], key: str) -> bool:
+    """Whether the run config file or the overrides set the dotted ``key`` (unreadable files: no; the
+    config's loader names their error)."""
+    raw: dict[str, Any] = {}
+    try:
+        if path is not None and Path(path).is_file():
+            raw = tomllib.loads(Path(path).read_text())
+        raw = apply_overrides(raw, overrides)
+    except (OSError, ValueError):
+        return False
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def load_deploy_config(path: str | Path, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
-    """A run config that may carry a ``[deploy]`` section."""
+    """A run config that may carry a ``[deploy]`` section.
+
+    A deployment runs with secure aggregation unless the config or the overrides set
+    ``privacy.secure_aggregation`` (then, unless they set it too, with ``deploy.max_update_ratio = 0``, the
+    rule that compares single sites' updates the server no longer sees); a method whose server reads each
+    site's reply then stops here with the setting that deploys it in the clear."""
+    overrides = list(overrides or [])
+    default_secure = not _given(path, overrides, "privacy.secure_aggregation")
+    if default_secure:
+        ratio = [] if _given(path, overrides, "deploy.max_update_ratio") else ["deploy.max_update_ratio=0"]
+        overrides = ["privacy.secure_aggregation=true", *ratio, *overrides]
     cfg = load_run_config(path, overrides, known_sections(), **fields)
-    deploy_params(cfg)
+    if default_secure:
+        clear = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, secure_aggregation=False))
+        try:
+            why = get_algorithm(clear).secure_aggregation_unsupported()
+        except ConfigError:
+            why = None  # any other error of the config: raised below as usual
+        if why:
+            raise ConfigError(
+                f"a deployment runs with privacy.secure_aggregation = true unless the run config says otherwise, and "
+                f"{cfg.method} cannot: {why}; to deploy it with each site's reply in the clear, set "
+                "--set privacy.secure_aggregation=false (and every site's policy must then say "
+                '"secure_aggregation": false, or that site refuses the run)'
+            )
+    try:
+        deploy_params(cfg)
+    except ConfigError as e:
+        if default_secure and "secure_aggregation" in str(e):
+            raise ConfigError(
+                f"{e} (a deployment turns privacy.secure_aggregation on unless the run config sets it: "
+                "--set privacy.secure_aggregation=false deploys in the clear)"
+            ) from None
+        raise
     return cfg
 
 
@@ -179,10 +235,26 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     transport.num_metrics = len(workload.metric_names)
     transport.reply_check = algorithm.check_reply
     transport.train = cfg.train
-    setup = transport.setup(
-        {"run_id": desc["run_id"], "sites": desc["sites"], "data": h, "config_toml": (out / "config.toml").read_text()}
-    )
+    (out / REFUSED).unlink(missing_ok=True)
+    try:
+        setup = transport.setup(
+            {
+                "run_id": desc["run_id"],
+                "sites": desc["sites"],
+                "data": h,
+                "config_toml": (out / "config.toml").read_text(),
+            }
+        )
+    except DeployError:
+        if transport.refusals:  # the sites' own policies: a new job would be refused the same way
+            save_json(transport.refusals, out / REFUSED)
+        raise
     log(f"[deploy] sites set up: {json.dumps(setup)}")
+    if getattr(algorithm.params, "selector_training", None) == "fga" and not cfg.privacy.secure_aggregation:
+        log(
+            "[deploy] warning: fedsm.selector_training = 'fga' without privacy.secure_aggregation: every site's "
+            "selector gradient of every step reaches the server in the clear"
+        )
     t_setup = time.perf_counter() - t0
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=log)
     engine.check_state = lambda state: check_aggregate(state, params.max_abs_value)
@@ -201,6 +273,8 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
         "declared_samples": transport.declared,
         "dropouts": read_dropouts(record, log),
         "wire_bytes": transport.wire_bytes,
+        "refused": transport.refusals,
+        "aggregate_evaluation": sorted(transport.aggregated),
     }
     if plan is not None:
         results["plan"] = plan.to_json()

@@ -16,23 +16,33 @@ between tasks) and answers operations:
                 a volume run's planning before setup (:mod:`fedseg.apps.deploy.volumes`)
 
 Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
+
+The site's own policy (:mod:`fedseg.apps.deploy.policy`, a file the site config names) decides which runs
+and tasks it takes part in: a run below its floors is refused at setup, a task kind it does not allow is
+refused, and evaluation replies carry aggregates only where it says so.  Every reply that leaves the site
+is recorded in its release log (``WORKDIR/releases.jsonl``: sha256 of the reply bytes, operation, task
+kind, round, step, exchange, time), which no checkpoint or restore touches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, read_policy
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
@@ -44,6 +54,7 @@ from fedseg.site.runtime import Site, SiteData, dataset_len
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = [
+    "RELEASE_LOG",
     "SITE_CONFIG_NAME",
     "SiteConfig",
     "SiteRuntime",
@@ -55,6 +66,9 @@ __all__ = [
 
 SITE_CONFIG_NAME = "fedseg_site.json"
 """File name of a site's config inside its kit's ``local/`` folder."""
+
+RELEASE_LOG = "releases.jsonl"
+"""A site's release log in its working folder: one JSON line per reply it sent (append-only)."""
 
 log = logging.getLogger("fedseg.apps.deploy.site")
 _KEEP = 2
@@ -69,17 +83,18 @@ class SiteConfig:
     workdir: str
     device: str = "auto"
     """Where this site trains ('auto', 'cpu', 'cuda', 'cuda:N'); replaces the run config's device at this site."""
+    policy: str = ""
+    """The site's policy file (:mod:`fedseg.apps.deploy.policy`); '' names none (a deployed site then keeps
+    the policy's defaults)."""
 
 
 def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device},
-            indent=1,
-        )
-    )
+    body = {"name": cfg.name, "datalist": str(cfg.datalist), "workdir": str(cfg.workdir), "device": cfg.device}
+    if cfg.policy:
+        body["policy"] = str(cfg.policy)
+    path.write_text(json.dumps(body, indent=1))
     return path
 
 
@@ -93,7 +108,9 @@ def read_site_config(path: str | Path) -> SiteConfig:
     missing = [k for k in ("name", "datalist", "workdir") if not raw.get(k)]
     if missing:
         raise ConfigError(f"site config {path} lacks {missing}; rewrite it with `fedseg deploy site`")
-    return SiteConfig(raw["name"], raw["datalist"], raw["workdir"], str(raw.get("device", "auto")))
+    return SiteConfig(
+        raw["name"], raw["datalist"], raw["workdir"], str(raw.get("device", "auto")), str(raw.get("policy") or "")
+    )
 
 
 def data_header(fed: Any) -> dict[str, Any]:
@@ -143,6 +160,9 @@ class SiteRuntime:
         ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read when a run
         with secure aggregation is set up; no ``client.crt`` there: unsigned), an
         :class:`~fedseg.privacy.identity.Identity`, or None (unsigned).
+    policy
+        The site's :class:`~fedseg.apps.deploy.policy.SitePolicy`; None: the file ``config.policy`` names, or
+        no policy when it names none (tests and benchmarks of the server; a deployed site is always given one).
     """
 
     def __init__(
@@ -150,13 +170,18 @@ class SiteRuntime:
         config: SiteConfig,
         loader: Callable[..., tuple[SiteData, Workload]] | None = None,
         identity: Identity | str | Path | None = None,
+        policy: SitePolicy | None = None,
     ):
         self.config = config
         self.loader = loader or load_site_data
         self.identity = identity
+        self.policy = policy if policy is not None else (read_policy(config.policy) if config.policy else None)
         self.site: Site | None = None
         self.run_id: str | None = None
+        self.refused: str | None = None
+        """Why this site refused the run set up last (None: it took part)."""
         self._lock = threading.Lock()
+        self._sending: dict[str, Any] = {}
 
     @property
     def name(self) -> str:
@@ -169,24 +194,58 @@ class SiteRuntime:
 
     # ------------------------------------------------------------- operations
     def call(self, op: str, payload: bytes) -> bytes:
-        """Dispatch one operation (thread-safe: one at a time)."""
+        """Dispatch one operation (thread-safe: one at a time); what it sends back is recorded in the release log."""
         with self._lock:
-            if op == "task":
-                return self._task(payload)
-            if op == "setup":
-                return _json(self._setup(parse_json_object(payload, f"site {self.name}: setup")))
-            if op == "checkpoint":
-                return _json(self._checkpoint(self._round(payload, op)))
-            if op == "restore":
-                return _json(self._restore(self._round(payload, op)))
-            if op == "ping":
-                return _json({"site": self.name, "ready": self.site is not None})
-            if op in VOLUME_OPS:
-                body = parse_json_object(payload, f"site {self.name}: {op}")
-                return _json(site_operation(self.name, self.config.datalist, op, body, log.info))
-            raise PayloadError(
-                f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
-            )
+            self._sending = {"op": op}
+            try:
+                out = self._dispatch(op, payload)
+            except Exception as e:
+                self._record(None, f"{type(e).__name__}: {e}")
+                raise
+            self._record(out)
+            return out
+
+    def release_log(self) -> Path:
+        """The site's release log (:data:`RELEASE_LOG` in its working folder)."""
+        return Path(self.config.workdir) / RELEASE_LOG
+
+    def _record(self, out: bytes | None, error: str | None = None) -> None:
+        """Append one line to the release log: what left the site (sha256 and size of the reply bytes, or the
+        error text the server receives instead), for which operation, task kind, round, step and exchange."""
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "run_id": self.run_id,
+            **self._sending,
+            "to": "server",
+        }
+        if out is not None:
+            entry.update(sha256=hashlib.sha256(out).hexdigest(), bytes=len(out))
+        else:
+            entry["error"] = (error or "")[:500]
+        path = self.release_log()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:  # one line per reply, synced before the reply leaves
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _dispatch(self, op: str, payload: bytes) -> bytes:
+        if op == "task":
+            return self._task(payload)
+        if op == "setup":
+            return _json(self._setup(parse_json_object(payload, f"site {self.name}: setup")))
+        if op == "checkpoint":
+            return _json(self._checkpoint(self._round(payload, op)))
+        if op == "restore":
+            return _json(self._restore(self._round(payload, op)))
+        if op == "ping":
+            return _json({"site": self.name, "ready": self.site is not None})
+        if op in VOLUME_OPS:
+            body = parse_json_object(payload, f"site {self.name}: {op}")
+            return _json(site_operation(self.name, self.config.datalist, op, body, log.info))
+        raise PayloadError(
+            f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
+        )
 
     def _round(self, payload: bytes, op: str) -> int:
         """The round of a checkpoint/restore request: an integer in 0..rounds of the run set up."""
@@ -212,6 +271,9 @@ class SiteRuntime:
             )
         if self.site is not None and self.run_id == run_id:
             return self._summary()
+        if self.refused is not None and self.run_id == run_id:
+            return {"site": self.name, "refused": self.refused}
+        self.site, self.refused = None, None
         self.run_id = run_id
         self.run_dir().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -220,9 +282,25 @@ class SiteRuntime:
             cfg = load_run_config(p, known_sections=known_sections() | {"deploy"})
         cfg = dataclasses.replace(cfg, device=self.config.device)  # each site trains on its own device
         (self.run_dir() / "config.toml").write_text(desc["config_toml"])
+        if self.policy is not None:
+            why = self.policy.refusals(cfg, sites)
+            if why:
+                return self._refuse(why)
+            cfg = self._own_privacy(cfg)
         algorithm = get_algorithm(cfg)
+        if getattr(algorithm.params, "selector_training", None) == "fga" and not cfg.privacy.secure_aggregation:
+            log.warning(
+                "site %s: fedsm.selector_training = 'fga' without privacy.secure_aggregation sends this site's "
+                "selector gradient of every step to the server in the clear",
+                self.name,
+            )
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
+        if self.policy is not None and self.policy.min_noise_multiplier is not None and cfg.privacy.dp != "off":
+            why = self.policy.refusals(cfg, sites, sigma=float(self.site.dp.sigma))
+            if why:
+                self.site = None
+                return self._refuse(why)
         if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
             self.site.identity = self._identity()
         log.info(
@@ -233,6 +311,25 @@ class SiteRuntime:
             self.site.num_train,
         )
         return self._summary()
+
+    def _refuse(self, why: list[str]) -> dict[str, Any]:
+        """Refuse the run being set up (logged here; the reply tells the server why)."""
+        where = self.config.policy or "its default policy"
+        self.refused = f"site {self.name} refuses run {self.run_id} by its policy ({where}): " + "; ".join(why)
+        log.warning("%s", self.refused)
+        return {"site": self.name, "refused": self.refused}
+
+    def _own_privacy(self, cfg: Any) -> Any:
+        """The run config as this site runs it: its policy's secure aggregation and participant minimum
+        (``privacy.secagg_min_sites`` where the run has that setting) replace the server's."""
+        p = cfg.privacy
+        changes: dict[str, Any] = {}
+        if self.policy.secure_aggregation:
+            changes["secure_aggregation"] = True
+        floor = getattr(p, "secagg_min_sites", None)
+        if isinstance(floor, int) and floor < self.policy.min_sites:
+            changes["secagg_min_sites"] = self.policy.min_sites
+        return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
 
     def _identity(self) -> Identity | None:
         """This site's identity for signed secure-aggregation keys (loaded from its kit once), or None."""
@@ -256,11 +353,27 @@ class SiteRuntime:
         }
 
     def _task(self, payload: bytes) -> bytes:
+        if self.refused is not None:
+            raise PayloadError(self.refused)
         if self.site is None:
             raise PayloadError(f"site {self.name}: received a task before setup")
         task = decode_task(payload)
+        secagg = task.config.get("secagg")
+        self._sending.update(
+            kind=task.kind,
+            round=task.config.get("round"),
+            step=task.config.get("step"),
+            exchange=task.config.get("exchange") or (secagg.get("exchange") if isinstance(secagg, dict) else None),
+            masked=isinstance(secagg, dict),
+        )
         check_arrays(task.arrays, f"site {self.name}: task {task.kind!r} from the server")
+        why = self.policy.task_refusal(task.kind) if self.policy is not None else None
+        if why:
+            log.warning("site %s refuses a task: %s", self.name, why)
+            raise PayloadError(f"site {self.name} refuses by its policy: {why}")
         reply = self.site.handle(task)
+        if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
+            reply = dataclasses.replace(reply, metrics=aggregate_scores(reply.metrics))
         return encode_reply(reply)
 
     def _checkpoint(self, rnd: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fedseg.apps.deploy.server import CONTROL_RESTART, read_deploy_json
+from fedseg.apps.deploy.server import CONTROL_RESTART, REFUSED, read_deploy_json
 from fedseg.execution.remote.params import DeployParams
 from fedseg.execution.remote.transport import DeployError
 from fedseg.foundation.errors import ConfigError
@@ -147,6 +147,18 @@ class Supervisor:
             if set(self.sites) <= have or time.monotonic() >= end:
                 return [s for s in self.sites if s in have]
             time.sleep(min(self.poll_s, 0.5))
+
+    def _refused_since(self, t_wall: float) -> dict[str, str]:
+        """``{site: why}`` when the server recorded, during the job started at ``t_wall``, that sites refused
+        the run by their policies (:data:`fedseg.apps.deploy.server.REFUSED`)."""
+        path = self.run_dir / REFUSED
+        try:
+            if path.stat().st_mtime < t_wall - 1.0:
+                return {}
+            got = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
 
     def _results_since(self, t_wall: float) -> bool:
         p = self.run_dir / "results.json"
@@ -283,6 +295,13 @@ class Supervisor:
             stop_after = self._desc().get("stop_after")
             if stop_after is not None and rnd >= int(stop_after) and not rejoining:
                 return record
+            refused = self._refused_since(t_wall)
+            if refused:  # the sites' own policies refused the job: a new one would be refused the same way
+                raise DeployError(
+                    f"job {job_id} stopped: too few sites accepted the run; "
+                    + "; ".join(refused.values())
+                    + " — change the run config (or the sites change their policies), then submit it again"
+                )
             t_end = time.monotonic()
             if rejoining:
                 reason = f"rejoin of {rejoining}"

@@ -213,6 +213,8 @@ class RemoteTransport:
         self._down: set[str] = set()  # sites whose last exchange failed: pinged before the next one
         self.num_metrics = num_metrics
         self.declared: dict[str, dict[str, int]] = {}  # each site's case counts, from its setup reply
+        self.refusals: dict[str, str] = {}  # sites that refused the run by their own policy: why
+        self.aggregated: set[str] = set()  # sites that answered an evaluation with per-site means only
         self._exact: dict[tuple[str, str], bool] = {}  # (site, task key): its replies claim exactly the declared count
         self._names: dict[
             str, tuple[frozenset[str], tuple]
@@ -257,6 +259,11 @@ class RemoteTransport:
         """Send the run description to every site (they load their data); returns their summaries."""
         out = self._control("setup", desc, self.params.setup_timeout_s)
         for site, summary in list(out.items()):
+            if "refused" in summary:  # the site's own policy: it takes no part in this run
+                del out[site]
+                self.refusals[site] = str(summary["refused"])[:2000]
+                self._drop(site, "setup", f"refused the run: {self.refusals[site]}")
+                continue
             try:
                 self.declared[site] = _declared_counts(summary)
             except Exception as e:
@@ -264,8 +271,10 @@ class RemoteTransport:
                 self._drop(site, "setup", f"rejected: setup summary {str(summary)[:200]}: {type(e).__name__}: {e}")
         need = min(self.params.min_sites, len(self.sites))
         if len(out) < need:
+            refused = "".join(f"; {why}" for why in self.refusals.values())
             raise DeployError(
-                f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = {self.params.min_sites}; check the sites' logs"
+                f"only {len(out)} of {len(self.sites)} sites ({sorted(out)}) set up the run; deploy.min_sites = "
+                f"{self.params.min_sites}; check the sites' logs{refused}"
             )
         return out
 
@@ -323,6 +332,8 @@ class RemoteTransport:
                 check_reply(task, reply, self._schema.get((s, task.kind)), what=what)
                 self._check_samples(s, task, reply, what)
                 if task.kind == "evaluate":
+                    if "per_case" not in reply.metrics and "mean" in reply.metrics:
+                        reply = self._expand_means(s, task, reply, what)
                     self._check_scores(s, task, reply, what)
                 if self.reply_check is not None:  # the algorithm's own task kinds (Algorithm.check_reply)
                     self.reply_check(task, reply)
@@ -395,6 +406,41 @@ class RemoteTransport:
             raise PayloadError(
                 f"{what}: claims {n} training samples, but the site declared {n_train} at setup (and claimed them before)"
             )
+
+    def _expand_means(self, site: str, task: Task, reply: Reply, what: str) -> Reply:
+        """An evaluation reply of a site whose policy sends aggregates only (``mean``: each candidate's mean
+        scores over its cases; ``test_mean`` likewise per test metric) as the per-case layout the engine reads:
+        the mean once per case of the site's declared count.  Each site's mean, and every mean over cases
+        pooled across sites, are then exact; a spread over the site's cases, paired per-case statistics and
+        the per-case lists in results.json are not available for it (its cases all show its mean)."""
+        n = reply.num_samples
+        split = task.config.get("split")
+        want = (self.declared.get(site) or {}).get(SPLITS.get(split, ""))
+        if want is not None and n != want:
+            raise PayloadError(f"{what}: claims {n} {split} cases, but the site declared {want} at setup")
+
+        def expand(means: Any, label: str) -> dict[str, list[list[float]]]:
+            if not isinstance(means, dict):
+                raise PayloadError(f"{what}: {label} is a {type(means).__name__}, not {{candidate: mean scores}}")
+            out = {}
+            for name, m in means.items():
+                if m is None and n == 0:
+                    out[name] = []
+                elif isinstance(m, list) and n > 0:
+                    out[name] = [list(m) for _ in range(n)]
+                else:
+                    raise PayloadError(f"{what}: {label} of {name!r} is {str(m)[:80]}, not one mean per metric")
+            return out
+
+        metrics = {k: v for k, v in reply.metrics.items() if k not in ("mean", "test_mean")}
+        metrics["per_case"] = expand(reply.metrics["mean"], "mean")
+        if "test_mean" in reply.metrics:
+            test = reply.metrics["test_mean"]
+            if not isinstance(test, dict):
+                raise PayloadError(f"{what}: test_mean is a {type(test).__name__}, not a mapping")
+            metrics["test_metrics"] = {k: expand(v, f"test_mean {k!r}") for k, v in test.items()}
+        self.aggregated.add(site)
+        return Reply(reply.arrays, metrics, n)
 
     def _check_scores(self, site: str, task: Task, reply: Reply, what: str) -> None:
         """Evaluation metrics: exactly the candidates asked for, the site's declared number of cases of the
