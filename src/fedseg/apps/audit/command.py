@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+import torch
+
 from fedseg.apps.audit.inversion import AttackConfig
 from fedseg.apps.audit.messages import METHOD_MESSAGES
 from fedseg.apps.audit.observe import PROTECTIONS
@@ -27,8 +29,6 @@ GPU_ITERATIONS = 4_000
 def default_iterations(device: str | None) -> int:
     """``--iterations``' default for a device (``--device``, else the config's): :data:`GPU_ITERATIONS` on
     CUDA (or ``auto`` with CUDA present), :data:`CPU_ITERATIONS` otherwise."""
-    import torch
-
     if device is None or device == "auto":
         return GPU_ITERATIONS if torch.cuda.is_available() else CPU_ITERATIONS
     return GPU_ITERATIONS if str(device).startswith("cuda") else CPU_ITERATIONS

@@ -38,6 +38,7 @@ from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.algorithms.secure import secure_ask
 from fedseg.apps.audit.inversion import LocalOptimizer
+from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, FedsegError
@@ -404,8 +405,6 @@ def server_isolated(
     cfg = dataclasses.replace(cfg, method=asked.method, privacy=privacy)
     algorithm = get_algorithm(cfg)
     sites = [Site(name, i, d, workload, cfg, algorithm) for i, (name, d) in enumerate(data.items())]
-    from fedseg.execution.inprocess import InProcessTransport
-
     logged: list[str] = []
     ctx = ServerContext(
         InProcessTransport(sites), tuple(names), cfg, lambda role: asked.init, log=logged.append, workload=workload
