@@ -26,18 +26,19 @@ GPU_ITERATIONS = 4_000
 """``--iterations``' default on a GPU: closer to the reference attack's 24,000 (an hour or so for every message)."""
 
 
-def default_iterations(device: str | None) -> int:
-    """``--iterations``' default for a device (``--device``, else the config's): :data:`GPU_ITERATIONS` on
-    CUDA (or ``auto`` with CUDA present), :data:`CPU_ITERATIONS` otherwise."""
-    if device is None or device == "auto":
-        return GPU_ITERATIONS if torch.cuda.is_available() else CPU_ITERATIONS
-    return GPU_ITERATIONS if str(device).startswith("cuda") else CPU_ITERATIONS
+def default_iterations(device: torch.device) -> int:
+    """``--iterations``' default on the run's device (``--device``, else the config's ``device``):
+    :data:`GPU_ITERATIONS` on CUDA, :data:`CPU_ITERATIONS` otherwise."""
+    return GPU_ITERATIONS if device.type == "cuda" else CPU_ITERATIONS
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    iterations = a.iterations if a.iterations is not None else default_iterations(a.device)
     attack = AttackConfig(
-        iterations=iterations, restarts=a.restarts, tv=a.tv, layers=_csv(a.layers) or None, unroll=not a.no_unroll
+        iterations=a.iterations or CPU_ITERATIONS,
+        restarts=a.restarts,
+        tv=a.tv,
+        layers=_csv(a.layers) or None,
+        unroll=not a.no_unroll,
     )
     opts = AuditOptions(
         messages=messages_for(a.method),
@@ -48,8 +49,16 @@ def cmd_audit(a: argparse.Namespace) -> int:
         sigma=a.sigma,
         attack=attack,
     )
-    _, rows, json_path, page = audit_federation(a.config, a.out, opts, overrides=a.set, seed=a.seed, device=a.device)
-    print("\n" + audit_table(rows, attack))
+    doc, rows, json_path, page = audit_federation(
+        a.config,
+        a.out,
+        opts,
+        overrides=a.set,
+        seed=a.seed,
+        device=a.device,
+        iterations_for=default_iterations if a.iterations is None else None,
+    )
+    print("\n" + audit_table(rows, AttackConfig(**doc["attack"])))
     print(f"numbers: {json_path.resolve()}\nreconstructions beside the originals: {page.resolve()}")
     return 0
 

@@ -465,14 +465,18 @@ def audit_federation(
     seed: int | None = None,
     device: str | None = None,
     log: Callable[[str], None] = print,
+    iterations_for: Callable[[torch.device], int] | None = None,
 ) -> tuple[dict[str, Any], list[AuditRow], Path, Path]:
     """``fedseg audit``: load a run config or federation spec (with ``overrides``), load its sites' data,
-    attack, and write ``out/audit.json`` and ``out/audit.html``."""
+    attack, and write ``out/audit.json`` and ``out/audit.html``.  ``iterations_for(device)``, when given, sets
+    the attack's iterations for the run's device (``fedseg audit`` without ``--iterations``)."""
     fields: dict[str, Any] = {"seed": seed}
     if device is not None:
         fields["device"] = device
     cfg = load_run_config(config, list(overrides), known_sections(), **fields)
-    resolve_device(cfg.device)  # a missing CUDA stops here, before any data is read
+    resolved = resolve_device(cfg.device)  # a missing CUDA stops here, before any data is read
+    if iterations_for is not None:
+        opts = dataclasses.replace(opts, attack=dataclasses.replace(opts.attack, iterations=iterations_for(resolved)))
     fed, data = load_federation_data(cfg.federation)
     doc, rows = run_audit(cfg, workload_for(fed, cfg), data, opts, log=log)
     json_path, page = write_audit(doc, rows, out)
