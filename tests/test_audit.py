@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.apps.audit import (
@@ -428,3 +429,17 @@ def test_the_default_attack_budget_follows_the_device():
 
     assert default_iterations(torch.device("cuda", 0)) == 4_000
     assert default_iterations(torch.device("cpu")) == 200
+
+
+def test_the_re_identification_pool_leaves_out_flipped_copies_of_the_attacked_images():
+    """The selector sees its batch flipped: the site's unflipped copy of an attacked image is the same image,
+    not a rival for its reconstruction; other images stay."""
+    from fedseg.apps.audit.run import _pool
+    from fedseg.site.runtime import SiteData
+
+    images = _site_images(5)
+    seen = images[1:2].flip(3)
+    site = SiteData(TensorDataset(images, images), TensorDataset(images[:0], images[:0]), None)
+    pool = _pool(seen, [site])
+    assert pool.shape[0] == 5 and torch.equal(pool[0], seen[0])
+    assert not any(torch.equal(p, images[1]) for p in pool)

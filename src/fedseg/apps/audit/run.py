@@ -196,16 +196,18 @@ def _mean_image(data: SiteData, n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _same_up_to_flips(candidates: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-    """For each candidate image, whether it equals one of ``truth`` up to flips of its spatial axes (the
-    selector's augmentation): (N,) bool."""
-    dims = list(range(2, candidates.dim()))
-    found = torch.zeros(candidates.shape[0], dtype=torch.bool)
-    for mask in range(1 << len(dims)):
-        flip = [d for i, d in enumerate(dims) if mask >> i & 1]
-        c = candidates.flip(flip) if flip else candidates
-        eq = (c[:, None] == truth[None]).flatten(2).all(dim=2).any(dim=1)
-        found |= eq
-    return found
+    """For each candidate image, whether it equals one of ``truth`` exactly up to flips of its spatial axes
+    (the selector's augmentation): (N,) bool."""
+    dims = list(range(1, candidates.dim() - 1))  # the spatial axes of one image (C, *spatial)
+    known = {t.contiguous().numpy().tobytes() for t in truth.detach().cpu()}
+    flips = [[d for i, d in enumerate(dims) if mask >> i & 1] for mask in range(1 << len(dims))]
+    return torch.tensor(
+        [
+            any((c.flip(f) if f else c).contiguous().numpy().tobytes() in known for f in flips)
+            for c in candidates.detach().cpu()
+        ],
+        dtype=torch.bool,
+    )
 
 
 def _pool(truth: torch.Tensor, sites: Sequence[SiteData]) -> torch.Tensor:
