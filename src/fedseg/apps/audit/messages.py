@@ -435,7 +435,8 @@ def server_isolated(
         return Isolated(None, f"a site refused: {e}")
     recovered = {k: v.to(torch.float32) for k, v in _message(asked, sites[0], got).items()}
     err = _norm({n: recovered[n] - sent.message[n] for n in sent.message}) / max(_norm(sent.message), 1e-30)
-    return Isolated(recovered, f"{how}: the attacked site's message recovered to relative error {err:.2g}", err)
+    what = "recovered" if err < 1e-3 else "NOT recovered (the sites did not do what the server asked)"
+    return Isolated(recovered, f"{how}: the attacked site's message {what}, relative error {err:.2g}", err)
 
 
 def weights_of(sent: Sequence[Sent]) -> list[float]:
