@@ -17,17 +17,23 @@ uniform noise of which the one with the lowest matching cost is kept.
 
 A message may be a sum of several batches' gradients (``parts``: secure aggregation shows the
 server only the weighted sum over the sites, and the attacker then models every site's batch) and
-it may be a model difference after local steps rather than a gradient: the attacker treats an
-update w_before − w_after as a (scaled) gradient, the standard "update as gradient" approximation
-— exact for one SGD step (Δ = η g, and the cosine ignores η), approximate for Adam (whose first
-step is η g / (|g| + ε), close to η · sign(g)) and for several steps (Δ is then a sum of gradients at
-different weights).
+it may be a model difference after local steps rather than a gradient.  An update w_0 − w_T after T
+local steps is modelled by unrolling the site's optimizer on one dummy batch per step (:class:`Update`,
+:func:`unrolled_update`; Geiping et al. 2020, §6 "multiple local steps"): w_{t+1} = step(w_t,
+∇_w L(x̂_t)) with the site's Adam (moments and bias correction) or SGD (momentum), differentiated
+through all T steps with respect to every x̂_t.  For the true batches the unrolled update is the
+site's own (``tests/test_audit.py``), so the attack's optimum is the true data.  ``AttackConfig.unroll =
+False`` attacks the update as one gradient of the first batch instead (exact only for one SGD step).
+
+The reference budget is that of Geiping et al.'s released code (:data:`REFERENCE_ATTACK`): 24,000
+iterations per restart; the audit states its own budget against it.
 
 Every random draw comes from the ``torch.Generator`` handed in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +43,27 @@ from torch import nn
 from torch.func import functional_call
 
 __all__ = [
+    "REFERENCE_ATTACK",
     "AttackConfig",
     "Inversion",
+    "LocalOptimizer",
     "Part",
+    "Update",
     "fc_inversion",
     "gradient_cost",
     "invert",
     "matched_names",
     "total_variation",
+    "unrolled_update",
 ]
+
+REFERENCE_ATTACK = {
+    "iterations": 24_000,
+    "restarts": 1,
+    "source": "Geiping et al. 2020, 'Inverting Gradients' (NeurIPS), released code JonasGeiping/invertinggradients: "
+    "reconstruct_image.py (max_iterations=24_000, --restarts default 1, --tv default 1e-4)",
+}
+"""The reference attack's budget per reconstruction, against which the audit states its own."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,9 @@ class AttackConfig:
     layers
         Match only the parameters whose names start with one of these prefixes (None: every parameter
         the message carries), e.g. the first convolutions of a U-Net.
+    unroll
+        Model an update after local steps by unrolling the site's optimizer (:class:`Update`); False: as one
+        gradient of its first batch.
     """
 
     iterations: int = 200
@@ -76,6 +97,7 @@ class AttackConfig:
     signed: bool = True
     per_layer: bool = False
     layers: tuple[str, ...] | None = None
+    unroll: bool = True
 
     def validate(self) -> None:
         if self.iterations < 1 or self.restarts < 1:
@@ -95,6 +117,35 @@ class Part:
     shape: tuple[int, ...]
     target: Any
     loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class LocalOptimizer:
+    """A site's local optimizer as the attacker models it: ``train.optimizer`` (``"adam"`` or ``"sgd"``) with
+    ``train.lr``, ``train.betas``, ``train.momentum`` and ``train.weight_decay`` (torch's Adam and SGD, fresh
+    state: the first round, or ``train.reset_optimizer``)."""
+
+    kind: str
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("adam", "sgd"):
+            raise ValueError(f"the attack unrolls train.optimizer 'adam' or 'sgd', got {self.kind!r}")
+
+
+@dataclass
+class Update:
+    """A site's update w_0 − w_T after ``len(steps)`` local steps of ``optimizer``, one batch per step (each
+    :class:`Part` gives the step's batch shape, target and loss; its weight is unused); the message is modelled
+    as ``weight`` · (w_0 − w_T) (:func:`unrolled_update`)."""
+
+    steps: list[Part]
+    optimizer: LocalOptimizer
     weight: float = 1.0
 
 
@@ -150,20 +201,74 @@ def _milestones(iterations: int) -> list[int]:
     return sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
 
 
+def unrolled_update(
+    model: nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    steps: Sequence[Part],
+    opt: LocalOptimizer,
+    create_graph: bool = True,
+) -> dict[str, torch.Tensor]:
+    """w_0 − w_T after one local step of ``opt`` per batch ``xs[t]`` (with ``steps[t]``'s target and loss) from
+    ``weights`` (every trainable parameter of ``model``; its buffers are the model's own), as torch's
+    optimizers compute it: Adam with m_t = β₁m + (1 − β₁)g, v_t = β₂v + (1 − β₂)g², w −= lr/(1 − β₁ᵗ) ·
+    m_t / (√v_t / √(1 − β₂ᵗ) + ε); SGD with a momentum buffer (the first step's is g); weight decay added to g.
+    A parameter the loss does not reach is not stepped (torch skips a None gradient).  With ``create_graph``
+    the result is differentiable with respect to ``xs`` through every step."""
+    if len(xs) != len(steps):
+        raise ValueError(f"{len(xs)} batches for {len(steps)} local steps; give one batch per step")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    w0 = {n: weights[n].detach() for n in names}
+    w = {n: w0[n].clone().requires_grad_(True) for n in names}
+    state: dict[str, dict[str, Any]] = {n: {"t": 0} for n in names}
+    b1, b2 = opt.betas
+    for x, part in zip(xs, steps):
+        if not create_graph:
+            w = {n: v.detach().requires_grad_(True) for n, v in w.items()}
+        value = part.loss(functional_call(model, w, (x,)), part.target)
+        grads = torch.autograd.grad(value, [w[n] for n in names], create_graph=create_graph, allow_unused=True)
+        new = {}
+        for n, g in zip(names, grads):
+            p = w[n]
+            if g is None:
+                new[n] = p
+                continue
+            if opt.weight_decay:
+                g = g + opt.weight_decay * p
+            st = state[n]
+            st["t"] += 1
+            if opt.kind == "adam":
+                st["m"] = (1 - b1) * g if "m" not in st else b1 * st["m"] + (1 - b1) * g
+                st["v"] = (1 - b2) * g * g if "v" not in st else b2 * st["v"] + (1 - b2) * g * g
+                bc1, bc2 = 1 - b1 ** st["t"], 1 - b2 ** st["t"]
+                # √ clamped away from 0: its derivative there is infinite (times a zero gradient: NaN)
+                denom = st["v"].clamp_min(1e-30).sqrt() / bc2**0.5 + opt.eps
+                new[n] = p - (opt.lr / bc1) * st["m"] / denom
+            else:
+                if opt.momentum:
+                    st["b"] = g if "b" not in st else opt.momentum * st["b"] + g
+                    g = st["b"]
+                new[n] = p - opt.lr * g
+        w = new
+    return {n: w0[n] - w[n] for n in names}
+
+
 def invert(
     model: nn.Module,
     weights: Mapping[str, torch.Tensor],
     observed: Mapping[str, torch.Tensor],
-    parts: Sequence[Part],
+    parts: Sequence[Part | Update],
     cfg: AttackConfig,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
 ) -> Inversion:
     """Reconstruct the images of ``parts`` from the ``observed`` message (parameter name → gradient or
-    update) of ``model`` at ``weights`` (parameter name → tensor; buffers are the model's own).
+    update) of ``model`` at ``weights`` (parameter name → tensor; buffers are the model's own): a
+    :class:`Part` is one batch whose gradient the message (partly) is, an :class:`Update` one site's local
+    steps (one batch per step), unrolled.
 
     The model runs in training mode, as at the site.  Returns the best restart's images (on the CPU,
-    in [0, 1]) and the matching costs.
+    in [0, 1]; one tensor per part, or per local step of an update) and the matching costs.
     """
     cfg.validate()
     device = torch.device(device)
@@ -173,21 +278,37 @@ def invert(
     leaves = {n: params[n].clone().requires_grad_(True) for n in names}
     full = {**params, **leaves}
     target_grad = [observed[n].detach().to(device=device, dtype=params[n].dtype) for n in names]
-    targets = [_to(p.target, device) for p in parts]
+    batches: list[Part] = []  # every dummy batch, in order: a part's, or each local step's of an update
+    for p in parts:
+        batches += p.steps if isinstance(p, Update) else [p]
+    moved = [dataclasses.replace(b, target=_to(b.target, device)) for b in batches]
 
     def cost_of(xs: Sequence[torch.Tensor], create_graph: bool) -> torch.Tensor:
         total = None
-        for x, part, target in zip(xs, parts, targets):
-            value = part.weight * part.loss(functional_call(model, full, (x,)), target)
+        modelled: list[torch.Tensor] | None = None
+        i = 0
+        for part in parts:
+            if isinstance(part, Update):
+                k = len(part.steps)
+                upd = unrolled_update(model, params, xs[i : i + k], moved[i : i + k], part.optimizer, create_graph)
+                contrib = [part.weight * upd[n] for n in names]
+                modelled = contrib if modelled is None else [a + b for a, b in zip(modelled, contrib)]
+                i += k
+                continue
+            value = part.weight * part.loss(functional_call(model, full, (xs[i],)), moved[i].target)
             total = value if total is None else total + value
-        grads = torch.autograd.grad(total, [leaves[n] for n in names], create_graph=create_graph)
-        return gradient_cost(grads, target_grad, cfg.per_layer)
+            i += 1
+        if total is not None:
+            grads = list(torch.autograd.grad(total, [leaves[n] for n in names], create_graph=create_graph))
+            modelled = grads if modelled is None else [a + b for a, b in zip(modelled, grads)]
+        assert modelled is not None
+        return gradient_cost(modelled, target_grad, cfg.per_layer)
 
     best: list[torch.Tensor] | None = None
     best_cost = float("inf")
     costs: list[float] = []
     for _ in range(cfg.restarts):
-        xs = [torch.rand(p.shape, generator=generator).to(device).requires_grad_(True) for p in parts]
+        xs = [torch.rand(b.shape, generator=generator).to(device).requires_grad_(True) for b in batches]
         opt = torch.optim.Adam(xs, lr=cfg.lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=_milestones(cfg.iterations), gamma=0.1)
         for _ in range(cfg.iterations):
@@ -203,7 +324,7 @@ def invert(
             with torch.no_grad():
                 for x in xs:
                     x.clamp_(0, 1)
-        final = float(cost_of([x.detach() for x in xs], create_graph=False))
+        final = float(cost_of([x.detach() for x in xs], create_graph=False).detach())
         costs.append(final)
         if final < best_cost or best is None:
             best_cost, best = final, [x.detach().cpu() for x in xs]

@@ -17,7 +17,10 @@ A recording :class:`~fedseg.site.runtime.SiteExecutor` computes each call at the
 executor does, and keeps what the site computed with — the batch as the network saw it (after the
 selector's flips), its target and loss, the weights — which is the ground truth the attack is scored
 against and the labels the attacker is assumed to know.  :func:`private_messages` sends the same tasks to
-sites that run fedseg's differential privacy (``privacy.dp``), whose replies are what the server then sees.
+sites that run fedseg's differential privacy (``privacy.dp``), whose replies are what the server then sees;
+:func:`known_seed_message` subtracts from such a reply the noise regenerated from the run seed as the
+sites' DP code draws it (:mod:`fedseg.site.dp`), and says whether it matched; :func:`server_isolated` is
+an active server that isolates one site's message under secure aggregation with the sites' own code.
 """
 
 from __future__ import annotations
@@ -33,15 +36,33 @@ from torch import nn
 
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm.selection import selector_role
+from fedseg.algorithms.secure import secure_ask
+from fedseg.apps.audit.inversion import LocalOptimizer
+from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.config import RunConfig
-from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.foundation.messages import Task
-from fedseg.foundation.seeding import derive_seed
+from fedseg.foundation.seeding import derive_seed, generator
+from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients
+from fedseg.seams.algorithm import ServerContext
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import Workload
 
-__all__ = ["MESSAGES", "METHOD_MESSAGES", "Sent", "init_weights", "private_messages", "sent_by_sites", "weights_of"]
+__all__ = [
+    "MESSAGES",
+    "METHOD_MESSAGES",
+    "Isolated",
+    "KnownSeed",
+    "Sent",
+    "init_weights",
+    "known_seed_message",
+    "local_optimizer",
+    "private_messages",
+    "sent_by_sites",
+    "server_isolated",
+    "weights_of",
+]
 
 MESSAGES = ("fga", "fedsm-selector", "fedavg-1step", "fedavg-local")
 """The messages the audit attacks, in table order."""
@@ -77,6 +98,14 @@ class Sent:
     num_samples: int
     """The site's weight in the server's sum (batch size for a gradient, training cases for an update)."""
     steps: int
+    batches: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)
+    """Every local step's batch (images as the network saw them, target), in order (one for a gradient)."""
+    optimizer: LocalOptimizer | None = None
+    """The site's local optimizer (an update's)."""
+    index: int = 0
+    """The site's index in the federation (its DP noise key)."""
+    role: str = "global"
+    """The role whose model sent the message."""
 
 
 class _Recorder:
@@ -114,6 +143,18 @@ def _detached(target: Any) -> Any:
     if isinstance(target, (tuple, list)):
         return type(target)(_detached(t) for t in target)
     return target
+
+
+def local_optimizer(cfg: RunConfig) -> LocalOptimizer:
+    """The site's local optimizer from ``train`` (:meth:`fedseg.site.runtime.Site.optimizer`: torch's Adam or SGD)."""
+    t = cfg.train
+    return LocalOptimizer(
+        t.optimizer,
+        t.lr,
+        tuple(t.betas),
+        weight_decay=t.weight_decay,
+        momentum=t.momentum if t.optimizer == "sgd" else 0,
+    )
 
 
 def init_weights(cfg: RunConfig, role: str, factory: Callable[[], nn.Module]) -> Arrays:
@@ -201,32 +242,39 @@ def sent_by_sites(message: str, cfg: RunConfig, workload: Workload, data: Mappin
         if asked.kind == "gradient":
             rec = site.executor.gradients[-1]  # type: ignore[attr-defined]
             weights = {n: t.detach().clone() for n, t in rec["weights"].items()}
-            batch, target, loss, seen, count, steps = (
-                rec["x"].cpu(),
-                rec["target"],
-                rec["loss"],
-                rec["x"].cpu(),
-                int(rec["x"].shape[0]),
-                1,
+            x = rec["x"].cpu()
+            batches = [(x, rec["target"])]
+            item = Sent(
+                site.name, "gradient", sent, weights, model, x, rec["target"], rec["loss"], x, int(x.shape[0]), 1
             )
         else:
-            batches = list(site.batches(1, "train", asked.steps))  # the seeded batches the local loop used
+            # the seeded batches the local loop used
+            batches = [(x.cpu(), y.detach().clone()) for x, y in site.batches(1, "train", asked.steps)]
             weights = {n: asked.init[n].clone() for n in sent}
-            batch, target = batches[0][0].cpu(), batches[0][1].detach().clone()
-            loss, seen = site.workload.loss, torch.unique(torch.cat([x for x, _ in batches]).cpu(), dim=0)
-            count, steps = reply.num_samples, len(batches)
-        out.append(Sent(site.name, asked.kind, sent, weights, model, batch, target, loss, seen, count, steps))
+            seen = torch.unique(torch.cat([x for x, _ in batches]), dim=0)
+            x, y = batches[0]
+            item = Sent(
+                site.name,
+                "update",
+                sent,
+                weights,
+                model,
+                x,
+                y,
+                site.workload.loss,
+                seen,
+                reply.num_samples,
+                len(batches),
+            )
+            item.optimizer = local_optimizer(cfg)
+        item.batches, item.index, item.role = batches, site.index, asked.role
+        out.append(item)
     return out
 
 
-def private_messages(
+def _private_replies(
     message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], clip: float, sigma: float
-) -> list[Arrays]:
-    """Every site's ``message`` as fedseg's differential privacy sends it (:mod:`fedseg.site.dp`): a gradient
-    under ``privacy.dp = "sample"`` (DP-SGD's privatized gradient of the same batch), an update under
-    ``privacy.dp = "client"`` (clipped, with the site's share of the noise; FedAvg with even weights, the
-    weighting client-level DP runs with), at ``privacy.clip`` = ``clip`` and ``privacy.noise_multiplier`` =
-    ``sigma``; the noise from the sites' own seeded generators."""
+) -> tuple[_Asked, list[tuple[Site, Arrays]]]:
     asked = _asked(message, cfg, workload, list(data))
     mode = "sample" if asked.kind == "gradient" else "client"
     privacy = dataclasses.replace(cfg.privacy, dp=mode, clip=clip, noise_multiplier=sigma, epsilon=None)
@@ -236,8 +284,159 @@ def private_messages(
     out = []
     for i, (name, d) in enumerate(data.items()):
         site = Site(name, i, d, workload, cfg, algorithm)
-        out.append({k: v.detach() for k, v in _message(asked, site, site.handle(asked.task).arrays).items()})
-    return out
+        out.append((site, site.handle(asked.task).arrays))
+    return asked, out
+
+
+def private_messages(
+    message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], clip: float, sigma: float
+) -> list[Arrays]:
+    """Every site's ``message`` as fedseg's differential privacy sends it (:mod:`fedseg.site.dp`): a gradient
+    under ``privacy.dp = "sample"`` (DP-SGD's privatized gradient of the same batch), an update under
+    ``privacy.dp = "client"`` (clipped, with the site's share of the noise; FedAvg with even weights, the
+    weighting client-level DP runs with), at ``privacy.clip`` = ``clip`` and ``privacy.noise_multiplier`` =
+    ``sigma``; the noise as the sites' own DP code draws it."""
+    asked, replies = _private_replies(message, cfg, workload, data, clip, sigma)
+    return [{k: v.detach() for k, v in _message(asked, site, arrays).items()} for site, arrays in replies]
+
+
+def _norm(arrays: Mapping[str, torch.Tensor]) -> float:
+    return float(sum(v.double().pow(2).sum() for v in arrays.values()) ** 0.5)
+
+
+@dataclass
+class KnownSeed:
+    """The attacked site's DP message with the noise regenerated from the run seed subtracted."""
+
+    message: Arrays
+    """The DP message minus the regenerated noise (the attacked message)."""
+    residual: float
+    """‖message − signal‖: what is left of the real noise (0 when the regenerated noise was the site's)."""
+    signal: float
+    """‖signal‖: the clipped message without noise (what DP hides)."""
+    noise: float
+    """‖regenerated noise‖ as it enters the message."""
+
+    @property
+    def matched(self) -> bool:
+        """The regenerated noise was the site's: the residual is below 1e-3 of the signal."""
+        return self.residual <= 1e-3 * self.signal
+
+    def note(self) -> str:
+        how = "matched" if self.matched else "did NOT match"
+        return (
+            f"noise regenerated from the run seed {how} the site's: residual ‖{self.residual:.3g}‖ vs signal "
+            f"‖{self.signal:.3g}‖ (noise ‖{self.noise:.3g}‖)"
+        )
+
+
+def known_seed_message(
+    message: str,
+    cfg: RunConfig,
+    workload: Workload,
+    data: Mapping[str, SiteData],
+    clip: float,
+    sigma: float,
+    sent: Sent,
+) -> KnownSeed:
+    """An attacker who knows the run seed and the site's index regenerates the attacked site's (the first's)
+    DP noise as :mod:`fedseg.site.dp` draws it for a site's first DP step — DP-SGD's gradient: N(0, σ²C²) from
+    ``generator(seed, index, "dp", role, 0)`` over the trainable parameters, divided by the batch size;
+    client-level DP: N(0, σ²C²/K) from ``generator(seed, index, "dp-client", role, 0)`` over the shared
+    floating-point arrays, the update sent as w_0 − w = −(clipped + noise) — and subtracts it from the site's
+    DP message (computed by the sites' own DP code, :func:`private_messages`).  ``sent`` is the site's plain
+    message (:func:`sent_by_sites`), from which the clipped signal is computed to say whether the noise
+    matched.  If the sites draw their noise from anything but the run seed, it does not."""
+    asked, replies = _private_replies(message, cfg, workload, data, clip, sigma)
+    site, arrays = replies[0]
+    dp_message = {k: v.detach() for k, v in _message(asked, site, arrays).items()}
+    if asked.kind == "gradient":
+        names = [n for n, p in sent.model.named_parameters() if p.requires_grad and n in dp_message]
+        g = generator(cfg.seed, sent.index, "dp", sent.role, 0)
+        b = int(sent.batch.shape[0])
+        noise = {k: v / b for k, v in noise_like({n: dp_message[n] for n in names}, sigma * clip, g).items()}
+        denoised = {n: dp_message[n] - noise[n] for n in dp_message}
+        grads, _ = per_sample_gradients(sent.model, sent.loss, sent.batch, sent.target, sent.weights)
+        summed, _ = clip_per_sample(grads, clip)
+        signal = {n: summed[n] / b for n in dp_message}
+    else:
+        shared = strip_prefix(asked.role, arrays)
+        floating = {k: v for k, v in shared.items() if v.is_floating_point()}
+        g = generator(cfg.seed, sent.index, "dp-client", asked.role, 0)
+        full = noise_like(floating, sigma * clip / len(data) ** 0.5, g)
+        noise = {n: -full[n] for n in dp_message}  # the message is w_0 − w = −(clipped + noise)
+        denoised = {n: dp_message[n] - noise[n] for n in dp_message}
+        signal, _ = clip_update(sent.message, clip)
+    residual = _norm({n: denoised[n] - signal[n].to(denoised[n]) for n in denoised})
+    return KnownSeed(denoised, residual, _norm(signal), _norm(noise))
+
+
+@dataclass
+class Isolated:
+    """What an active server got of the attacked site's message under secure aggregation."""
+
+    message: Arrays | None
+    """The attacked site's message as the server recovered it (None: the sites did not let it)."""
+    how: str
+    """What the server did and what came of it."""
+    error: float | None = None
+    """‖recovered − sent‖ / ‖sent‖ (None when nothing was recovered)."""
+
+
+def server_isolated(
+    message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], sent: Sent
+) -> Isolated:
+    """An active server against secure aggregation, run through the sites' own code
+    (:meth:`fedseg.site.runtime.Site.handle`, :mod:`fedseg.site.secure`) with the server's own exchange
+    (:func:`fedseg.algorithms.secure.secure_ask`), the sites' ``privacy.secure_aggregation`` on:
+
+    * a gradient: the same (round, step) asked twice, of all K sites and of all but the attacked one; the
+      difference of the two sums over the difference of their weights is the attacked site's gradient;
+    * an update: ``steps = 0`` sent to every other site, whose replies are then the weights the server sent;
+      the sum less their known part, over the attacked site's weight, is its trained model.
+
+    ``sent`` is the attacked (first) site's plain message, to measure what was recovered.  A site that refuses
+    (an error from its code) or leaves itself out ends the attack: ``message`` is None and ``how`` says why."""
+    names = list(data)
+    if len(names) < 3:
+        return Isolated(None, f"needs 3 or more sites (--sites), got {len(names)}")
+    privacy = dataclasses.replace(cfg.privacy, secure_aggregation=True, dp="off")
+    asked = _asked(message, dataclasses.replace(cfg, privacy=privacy), workload, names)
+    cfg = dataclasses.replace(cfg, method=asked.method, privacy=privacy)
+    algorithm = get_algorithm(cfg)
+    sites = [Site(name, i, d, workload, cfg, algorithm) for i, (name, d) in enumerate(data.items())]
+    logged: list[str] = []
+    ctx = ServerContext(
+        InProcessTransport(sites), tuple(names), cfg, lambda role: asked.init, log=logged.append, workload=workload
+    )
+    me, others = names[0], names[1:]
+    try:
+        if asked.kind == "gradient":
+            weighting = "samples"
+            first = secure_ask(ctx, {s: asked.task for s in names}, weighting)
+            second = secure_ask(ctx, {s: asked.task for s in others}, weighting)
+            if first.rejected or second.rejected or me not in first.replies or me in second.replies:
+                return Isolated(None, "the sums were refused or left the site out: " + "; ".join(logged[-3:]))
+            w = first.weight - second.weight
+            got = {k: (first.total[k] - second.total.get(k, 0)) / w for k in first.total}
+            how = "asked the same (round, step) of all sites, then of all but the attacked one; difference of the sums"
+        else:
+            weighting = algorithm.weighting() if hasattr(algorithm, "weighting") else "samples"
+            zero = Task(asked.task.kind, asked.task.arrays, {**asked.task.config, "steps": 0})
+            total = secure_ask(ctx, {me: asked.task, **{s: zero for s in others}}, weighting)
+            if total.rejected or me not in total.replies:
+                return Isolated(None, "the sum was refused or left the site out: " + "; ".join(logged[-3:]))
+            start = prefixed(asked.role, asked.init)
+            c = {s: (float(r.num_samples) if weighting == "samples" else 1.0) for s, r in total.replies.items()}
+            known = {k: sum(c[s] * start[k].double() for s in others) for k in total.total if k in start}
+            got = {k: (total.total[k] - known[k]) / c[me] for k in known}
+            how = "steps = 0 sent to every other site; the sum less their known weights"
+    except FedsegError as e:
+        return Isolated(None, f"a site refused: {e}")
+    recovered = {k: v.to(torch.float32) for k, v in _message(asked, sites[0], got).items()}
+    err = _norm({n: recovered[n] - sent.message[n] for n in sent.message}) / max(_norm(sent.message), 1e-30)
+    what = "recovered" if err < 1e-3 else "NOT recovered (the sites did not do what the server asked)"
+    return Isolated(recovered, f"{how}: the attacked site's message {what}, relative error {err:.2g}", err)
 
 
 def weights_of(sent: Sequence[Sent]) -> list[float]:

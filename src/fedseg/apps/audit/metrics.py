@@ -1,15 +1,18 @@
 """How close a reconstruction is to the images a site used: PSNR and SSIM (scikit-image), each
 reconstruction matched to one true image by the assignment of highest total PSNR (SciPy's
-``linear_sum_assignment``), since a batch's gradient does not say which image is which."""
+``linear_sum_assignment``), since a batch's gradient does not say which image is which; re-identification
+(each reconstruction's nearest neighbour among the site's images under normalized cross-correlation: is it
+the attacked image?); and the audit's verdict, which needs both (:func:`verdict`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["match_scores", "psnr", "ssim"]
+__all__ = ["VERDICTS", "match_scores", "ncc", "psnr", "reidentification", "ssim", "standardized", "verdict"]
 
 
 def _channels_last(x: torch.Tensor) -> tuple[np.ndarray, int | None]:
@@ -68,3 +71,60 @@ def match_scores(recon: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
         "ssim_mean": float(np.mean(s)),
         "ssim_max": float(np.max(s)),
     }
+
+
+def standardized(images: torch.Tensor) -> torch.Tensor:
+    """Each image of ``images`` (N, C, *spatial) flattened and standardized to mean 0 and standard deviation 1
+    (float64; a constant image stays 0): what is left of an image after its brightness and contrast."""
+    flat = images.detach().to("cpu", torch.float64).reshape(images.shape[0], -1)
+    flat = flat - flat.mean(dim=1, keepdim=True)
+    return flat / flat.std(dim=1, unbiased=False, keepdim=True).clamp_min(1e-12)
+
+
+def ncc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Normalized cross-correlation of every image of ``a`` (N, C, *spatial) with every image of ``b``
+    (M, C, *spatial): the (N, M) matrix of the mean product of the standardized images, in [-1, 1] (1: the same
+    image up to brightness and a positive contrast factor, -1: its negative, 0 for a constant image)."""
+    if a.shape[1:] != b.shape[1:]:
+        raise ValueError(f"images {tuple(a.shape)} and {tuple(b.shape)} differ in shape")
+    sa, sb = standardized(a), standardized(b)
+    return sa @ sb.T / sa.shape[1]
+
+
+def reidentification(recon: torch.Tensor, pool: torch.Tensor, true: Sequence[int]) -> dict[str, Any]:
+    """Re-identification of the attacked images: each reconstruction's nearest neighbour in ``pool`` (M, C,
+    *spatial; the site's images: those the message was computed from and every other) under normalized
+    cross-correlation (:func:`ncc`: brightness and contrast do not count), and whether it is one of the true
+    images (the indices ``true`` into ``pool``).  The rate is the fraction of reconstructions whose nearest
+    neighbour is a true image; chance is the rate of a guess uniform over the pool, len(true) / M (1/M for one
+    attacked image)."""
+    m = int(pool.shape[0])
+    truth = {int(i) for i in true}
+    if not truth or min(truth) < 0 or max(truth) >= m:
+        raise ValueError(f"the true images' indices {sorted(truth)} must be among the pool's {m} images")
+    scores = ncc(recon, pool)
+    nearest = scores.argmax(dim=1).tolist()
+    hits = [int(j) in truth for j in nearest]
+    return {
+        "nearest": [int(j) for j in nearest],
+        "ncc_nearest": [float(scores[i, j]) for i, j in enumerate(nearest)],
+        "ncc_true_best": [float(scores[i, sorted(truth)].max()) for i in range(scores.shape[0])],
+        "hits": hits,
+        "rate": float(np.mean(hits)) if hits else 0.0,
+        "chance": len(truth) / m,
+        "pool": m,
+    }
+
+
+VERDICTS = ("leaks", "no leak shown")
+"""The audit's verdicts: :func:`verdict`."""
+
+
+def verdict(psnr_mean: float, mean_image_psnr: float, reid_rate: float, chance: float) -> str:
+    """``"leaks"`` when the reconstructions are closer to the attacked images than the site's mean image is
+    (mean PSNR above the mean image's: more than knowing what the site's images look like) AND they re-identify
+    the attacked images above chance (top-1 rate of :func:`reidentification` above len(true) / pool size: they
+    point at *these* images, not at a typical one); ``"no leak shown"`` otherwise.  Either alone is not enough:
+    the mean image beats unrelated images in PSNR without any message, and a reconstruction with the right
+    structure but the wrong contrast re-identifies its image at a PSNR no higher than noise."""
+    return VERDICTS[0] if psnr_mean > mean_image_psnr and reid_rate > chance else VERDICTS[1]

@@ -11,7 +11,13 @@ The audit attacks the server's view, so a protection enters it as what the serve
   every sample's gradient clipped to L2 norm C, N(0, σ²C²) noise on their sum, divided by the batch size),
   an update is clipped to norm C with the site's share N(0, σ²C²/K) of client-level DP's noise
   (``privacy.dp = "client"``);
-* ``"secagg+dp"`` — the sum over the sites of their DP messages.
+* ``"secagg+dp"`` — the sum over the sites of their DP messages;
+* ``"dp-known-seed"`` — the attacked site's DP message less the noise regenerated from the run seed, as
+  the sites' DP code draws it (:func:`fedseg.apps.audit.messages.known_seed_message`; the row says whether
+  the regenerated noise matched);
+* ``"malicious-server"`` — an active server under secure aggregation that isolates the attacked site's
+  message with the sites' own code (:func:`fedseg.apps.audit.messages.server_isolated`: the same step asked
+  twice with one site fewer, or ``steps = 0`` sent to the others).
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from fedseg.foundation.arrays import Arrays
 
 __all__ = ["PROTECTIONS", "Protection", "secure_sum"]
 
-Protection = Literal["plain", "secagg", "dp", "secagg+dp"]
-PROTECTIONS: tuple[Protection, ...] = ("plain", "secagg", "dp", "secagg+dp")
+Protection = Literal["plain", "secagg", "dp", "secagg+dp", "dp-known-seed", "malicious-server"]
+PROTECTIONS: tuple[Protection, ...] = ("plain", "secagg", "dp", "secagg+dp", "dp-known-seed", "malicious-server")
 
 
 def secure_sum(messages: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> Arrays:

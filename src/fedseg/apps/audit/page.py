@@ -60,7 +60,13 @@ def audit_page(doc: Mapping[str, Any], rows: Sequence[Any], table_md: str) -> st
         f"from an honest-but-curious server's point of view, on {', '.join(doc['sites'])} "
         f"(attacked site: {doc['attacked_site']}; {doc['images_per_batch']} image(s) per batch; "
         f"{attack['iterations']} iterations × {attack['restarts']} restarts, TV weight {attack['tv']}"
-        f"{', layers ' + ', '.join(attack['layers']) if attack.get('layers') else ''}; device {doc['device']})."
+        f"{', layers ' + ', '.join(attack['layers']) if attack.get('layers') else ''}; device {doc['device']}). "
+        + (
+            f"Budget: {100 * doc['budget']['fraction_of_reference']:.2g}% of the reference attack's "
+            f"{doc['budget']['reference_iterations']:,} iterations × {doc['budget']['reference_restarts']} restart(s)."
+            if "budget" in doc
+            else ""
+        )
     )
     assumptions = "".join(f"<li>{html.escape(a)}</li>" for a in doc["assumptions"])
     page.add(
@@ -69,8 +75,11 @@ def audit_page(doc: Mapping[str, Any], rows: Sequence[Any], table_md: str) -> st
         markdown_html(table_md)
         + para(
             "PSNR/SSIM: mean over the reconstructions, each matched to a different true image (best assignment). "
-            "Unrelated image: as many other images of the attacked site, scored the same way — a reconstruction "
-            "below it shows nothing an attacker would not guess."
+            "Mean image: the per-pixel mean of the site's training images, scored the same way — what an attacker "
+            "who knows what the site's images look like has without any message. Unrelated: other images of the "
+            "same sites. Re-identified: the fraction of reconstructions whose nearest neighbour among the sites' "
+            "images (normalized cross-correlation) is an attacked image, beside chance. "
+            f"Verdict: {doc.get('verdict_rule', '')}."
         )
         + f"<ul>{assumptions}</ul>",
     )
@@ -79,7 +88,9 @@ def audit_page(doc: Mapping[str, Any], rows: Sequence[Any], table_md: str) -> st
         caption = (
             f"{r.message}, {r.protection}: true images (top), reconstructions (bottom); PSNR "
             f"{r.scores['psnr_mean']:.2f} dB, SSIM {r.scores['ssim_mean']:.3f} "
-            f"(unrelated image {r.baseline['psnr_mean']:.2f} dB)"
+            f"(mean image {r.mean_image.get('psnr_mean', float('nan')):.2f} dB, unrelated image "
+            f"{r.baseline['psnr_mean']:.2f} dB); re-identified {r.reid.get('rate', float('nan')):.2f} "
+            f"(chance {r.reid.get('chance', float('nan')):.2f}): {r.verdict}"
         )
         body.append(
             figure(f"{r.message}-{r.protection}", pair_strip(r.truth, r.reconstructions, r.scores["pairs"]), caption)
