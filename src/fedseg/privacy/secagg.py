@@ -91,6 +91,7 @@ __all__ = [
     "recover",
     "seal",
     "seed_digest",
+    "share_commitment",
     "shared_key",
     "split",
     "threshold_for",
@@ -268,6 +269,15 @@ def canary(exchange: str, site: str) -> np.uint64:
 def seed_digest(seed: bytes, exchange: str) -> bytes:
     """SHA-256 of a self-mask seed and the exchange: what its owner publishes so a rebuilt seed can be checked."""
     return hashlib.sha256(b"fedseg secagg self-mask " + exchange.encode() + b" " + seed).digest()
+
+
+def share_commitment(exchange: str, owner: str, kind: str, index: int, share: bytes) -> bytes:
+    """SHA-256 of one Shamir share (``kind`` "s" or "b" of ``owner``'s secrets, holder ``index``) bound to the
+    exchange: what the owner publishes for each share it deals (step 2), so that the server checks each revealed
+    share on its own, O(K) hashes, instead of trying subsets of t shares.  A share is 32 bytes that hold two
+    uniformly distributed field elements, so its hash hides it (inverting it is a 2^128 search)."""
+    head = f"fedseg secagg share {exchange} {owner} {kind} {index} ".encode()
+    return hashlib.sha256(head + share).digest()
 
 
 def mask(
