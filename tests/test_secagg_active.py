@@ -290,3 +290,36 @@ def test_the_same_task_again_with_the_same_sites_and_input_is_answered():
         sites[s].load_state_arrays(*saved[s])
     with pytest.raises(PayloadError, match="already"):
         _honest(sites, names[1:], "e-c", state)
+
+
+@pytest.mark.slow
+def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
+    """A deployed site keeps its record in WORKDIR/<run_id>/secagg_record.json, outside its checkpoints: after a
+    restore (the server's ``restore`` operation) and after a restart of the site process it still knows what it
+    masked and attested, so neither rewinds its one-reply-per-(kind, round, step) rule."""
+    import json
+
+    from fedseg.apps.deploy.server import serve
+    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.site.secure import RECORD_NAME
+    from test_deploy import _prepare, _runtimes
+    from test_secagg_deploy import _cfg
+
+    cfg, data = _cfg(rounds=1), tiny_sites(3)
+    _prepare(tmp_path / "dep", cfg, list(data))
+    runtimes = _runtimes(tmp_path, data)
+    setups = {}
+
+    def channel(site, op, payload, timeout):
+        if op == "setup":
+            setups[site] = payload
+        return LoopbackChannel(runtimes)(site, op, payload, timeout)
+
+    serve(tmp_path / "dep", channel, log=lambda m: None)
+    key, names = "train|1|None", list(data)
+    runtimes["site1"].call("restore", json.dumps({"round": 0}).encode())
+    assert runtimes["site1"].site.secagg_record.get(key)["masked"] == names
+    assert json.loads((tmp_path / "sites" / "site1" / "run-1" / RECORD_NAME).read_text())[key]["survived"] == names
+    restarted = _runtimes(tmp_path, data)["site1"]  # a new process on the same work folder
+    restarted.call("setup", setups["site1"])
+    assert restarted.site.secagg_record.get(key) == runtimes["site1"].site.secagg_record.get(key)
