@@ -314,3 +314,67 @@ def test_input_masked_with_another_site_list_fails_the_check_word():
     assert sorted(reveals) == ["site1", "site2"]
     with pytest.raises(SumRejected, match="exchange e:"):
         server.unmask(reveals, log=lambda m: None)
+
+
+def _keyed(k: int, exchange: str = "e", min_sites: int = 3):
+    """k parties through step 2 with the server's own lists; returns (server, parties, inputs)."""
+    inputs = {f"site{i}": _arrays(i) for i in range(k)}
+    server = ServerParty(exchange, BITS)
+    parties = {u: SiteParty(u, exchange, min_sites=min_sites) for u in inputs}
+    for u in inputs:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in inputs:
+        server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    return server, parties, inputs
+
+
+def _masked(k: int, exchange: str = "e", min_sites: int = 3):
+    """k parties through step 3 with the server's own lists; returns (server, parties)."""
+    server, parties, inputs = _keyed(k, exchange, min_sites)
+    for u in inputs:
+        cfg = server.input_config(u)
+        arrays, dtypes, _ = parties[u].mask(inputs[u], 1.0, cfg["order"], cfg["shares"], BITS)
+        server.accept_input(u, arrays, dtypes, 1.0)
+    return server, parties
+
+
+def test_attestations_that_are_not_the_peers_do_not_count():
+    """Without identities a survivor's attestation is an HMAC per peer under the key the pair derives from its c
+    keys.  The server holds no such key: a MAC it alters, site0's own MAC for site1 reflected back as site1's
+    (the statement names the attesting site), or site1's MAC from a parallel exchange under the same id (other
+    keys) does not count, and with fewer than t valid attestations (t = 3 of 4 sites: site0's own, site2's and
+    the forged one) site0 refuses to reveal."""
+    _, p = _masked(4)
+    dropped, survived = ["site3"], ["site0", "site1", "site2"]
+    att = {u: p[u].attest(dropped, survived) for u in survived}
+    _, other = _masked(4)
+    forged = (
+        {"macs": {**att["site1"]["macs"], "site0": "00" * 32}},
+        {"macs": {"site0": att["site0"]["macs"]["site1"]}},
+        other["site1"].attest(dropped, survived),
+    )
+    for bad in forged:
+        with pytest.raises(PayloadError, match="2 survivors attested the survivor set"):
+            p["site0"].reveal(dropped, survived, {**att, "site1": bad})
+    shares = p["site0"].reveal(dropped, survived, att)
+    assert sorted(shares["s"]) == ["site3"] and sorted(shares["b"]) == survived
+
+
+def test_a_site_refuses_fewer_than_min_sites_or_t():
+    """U1 shorter than privacy.secagg_min_sites is refused in step 2; U2 shorter than t of U1 in step 3; lists
+    with fewer than t survivors in the consistency round."""
+    server = ServerParty("e", BITS)
+    parties = {u: SiteParty(u, "e", min_sites=3) for u in ("a", "b")}
+    for u in parties:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    with pytest.raises(PayloadError, match="secagg_min_sites = 3"):
+        parties["a"].share(req["order"], req["keys"])
+    server, p, inputs = _keyed(5, min_sites=2)  # t = 3 of 5
+    cfg = server.input_config("site0")
+    with pytest.raises(PayloadError, match="masks with at least 3"):
+        p["site0"].mask(inputs["site0"], 1.0, ["site0", "site1"], cfg["shares"], BITS)
+    _, p = _masked(5, min_sites=2)
+    with pytest.raises(PayloadError, match="at least t = 3"):
+        p["site0"].attest(["site2", "site3", "site4"], ["site0", "site1"])

@@ -323,3 +323,39 @@ def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
     restarted = _runtimes(tmp_path, data)["site1"]  # a new process on the same work folder
     restarted.call("setup", setups["site1"])
     assert restarted.site.secagg_record.get(key) == runtimes["site1"].site.secagg_record.get(key)
+
+
+def test_the_record_is_written_through_and_read_back(tmp_path):
+    """A record with a path writes every change at once and a new record on that path reads it back; a damaged
+    file is one error naming it and why not to delete it."""
+    from fedseg.site.secure import Record
+
+    path = tmp_path / "run" / "secagg_record.json"
+    record = Record(path)
+    record.put("train|1|None", {"masked": ["a", "b", "c"], "input": "ab", "survived": None})
+    assert Record(path).get("train|1|None") == {"masked": ["a", "b", "c"], "input": "ab", "survived": None}
+    path.write_text("{not json")
+    with pytest.raises(PayloadError, match="secagg_record.json is unreadable.*deleting it lets the server ask"):
+        Record(path)
+
+
+@pytest.mark.parametrize("least", [3, 2])
+def test_a_run_with_fewer_sites_than_the_minimum_stops_at_once(least):
+    """Two sites under secure aggregation: with the default privacy.secagg_min_sites = 3 every site would refuse
+    every exchange, so the run stops before training with the setting named; with 2 it runs."""
+    from fedseg.execution.engine import Engine
+    from fedseg.execution.inprocess import InProcessTransport
+    from fedseg.foundation.errors import ConfigError
+
+    cfg = tiny_config("fedavg", rounds=1)
+    cfg = dataclasses.replace(cfg, privacy=PrivacyConfig(secure_aggregation=True, secagg_min_sites=least))
+    workload = segmentation_workload(2, 1, ["fg"], TINY_MODEL)
+    algorithm = get_algorithm(cfg)
+    data = tiny_sites(2)
+    sites = {s: Site(s, i, d, workload, cfg, algorithm) for i, (s, d) in enumerate(data.items())}
+    transport = InProcessTransport(list(sites.values()))
+    if least == 3:
+        with pytest.raises(ConfigError, match="privacy.secagg_min_sites = 3"):
+            Engine(cfg, algorithm, transport, workload, progress=False, log=lambda m: None)
+    else:
+        Engine(cfg, algorithm, transport, workload, progress=False, log=lambda m: None)

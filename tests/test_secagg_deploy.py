@@ -91,7 +91,8 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     """FedAvg with secure aggregation over NVIDIA FLARE (provisioned kits, mutual TLS, site processes): the
     four steps of each exchange cross FLARE's channel, every site signs its keys with its kit's certificate
     (RSA, as FLARE provisions) and checks the other's, and the run ends with the simulation's (unsigned)
-    weights bitwise."""
+    weights bitwise.  The rehearsal has two sites, so they accept masking with two (privacy.secagg_min_sites =
+    2): the protocol, the signatures and the consistency check are what it tests."""
     pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
     import torch
     from safetensors.torch import load_file
@@ -99,7 +100,12 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     from fedseg.apps.deploy.run import submit_run
     from test_deploy_nvflare import OVERRIDES, _prepared_run, _provision, _simulate_same
 
-    overrides = [*OVERRIDES, "privacy.secure_aggregation=true", "deploy.max_update_ratio=0"]
+    overrides = [
+        *OVERRIDES,
+        "privacy.secure_aggregation=true",
+        "privacy.secagg_min_sites=2",
+        "deploy.max_update_ratio=0",
+    ]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
     _provision(cluster)
     with cluster:
@@ -159,6 +165,7 @@ def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_mask
     overrides = [
         *OVERRIDES,
         "privacy.secure_aggregation=true",
+        "privacy.secagg_min_sites=2",  # the rehearsal's two sites
         "deploy.max_update_ratio=0",
         "fedsm.selector_width=0.0625",
         "fedsm.selector_hidden=8",

@@ -14,7 +14,7 @@ import torch
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity, load_identity, statement
-from fedseg.privacy.protocol import ServerParty, SiteParty
+from fedseg.privacy.protocol import ServerParty, SiteParty, survivors_statement
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
@@ -333,3 +333,26 @@ def test_site_signs_with_its_kit_unless_identity_is_off(tmp_path, ca, setting):
         desc = {"run_id": "r", "sites": list(data), "data": HEADER, "config_toml": dump_toml(cfg.to_dict())}
         rt.call("setup", json.dumps(desc).encode())
         assert isinstance(rt.site.identity, Identity) == (secure and setting == "auto")
+
+
+def test_signed_attestations_count_only_from_their_signer(identities):
+    """With identities a survivor attests U3 with its certificate's signature.  A signature of another survivor
+    set, or site2's signature presented as site1's, does not count: with t = 3 of 4 sites and one of the two
+    other attestations not valid, site0 refuses to reveal."""
+    server = ServerParty("e1", BITS)
+    parties = {u: SiteParty(u, "e1", identities[u]) for u in SITES}
+    for u in SITES:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in SITES:
+        server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    for u in SITES:
+        cfg = server.input_config(u)
+        parties[u].mask(_arrays(0), 1.0, cfg["order"], cfg["shares"], BITS)
+    dropped, survived = ["site3"], ["site0", "site1", "site2"]
+    att = {u: parties[u].attest(dropped, survived) for u in survived}
+    other_set = {"signature": identities["site1"].sign_bytes(survivors_statement("e1", "site1", SITES))}
+    for bad in (other_set, att["site2"]):
+        with pytest.raises(PayloadError, match="2 survivors attested"):
+            parties["site0"].reveal(dropped, survived, {**att, "site1": bad})
+    assert sorted(parties["site0"].reveal(dropped, survived, att)["b"]) == survived

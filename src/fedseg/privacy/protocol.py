@@ -1,7 +1,7 @@
 """Secure aggregation as messages: what a site and the server each do at each step of one exchange.
 
-One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, without the
-consistency check; the arithmetic and its guarantees are :mod:`fedseg.privacy.secagg`'s, the signatures
+One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, the consistency
+check included; the arithmetic and its guarantees are :mod:`fedseg.privacy.secagg`'s, the signatures
 :mod:`fedseg.privacy.identity`'s).  Every message is JSON (keys and shares as hex strings) or the masked
 arrays, so any transport carries it:
 
@@ -10,10 +10,30 @@ step  server → site                             site → server
 ====  =======================================  =============================================
 1     ``keys``: the exchange id                 its public keys C_u, S_u and the hash of b_u (signed)
 2     ``shares``: everyone's public keys (U1)  its shares of s_u and b_u, sealed per peer; the peers
-                                               whose keys it refused
+                                               whose keys it refused; the hash of every share
 3     the task + the shares sealed for it (U2) the task's arrays, encoded and masked
-4     ``reveal``: who dropped, who survived    shares of s_d (dropped) and of b_u (survived)
+4a    ``consistency``: who dropped, who        its attestation of U3
+      survived (U3)
+4b    ``reveal``: the same lists and the       shares of s_d (dropped) and of b_u (survived)
+      survivors' attestations
 ====  =======================================  =============================================
+
+**What a site checks** (against an active server, Bonawitz et al. Section 6 and Flower's SecAgg+ client):
+U1 and U2 hold at least ``min_sites`` sites (``privacy.secagg_min_sites``) and U2 at least t = ⌊|U1|/2⌋ + 1;
+it masks once per exchange and remembers U2; the lists of 4a and 4b must split U2 exactly with itself and at
+least t sites among the survivors; it attests one U3 per exchange, and reveals only for the U3 it attested
+and only after at least t survivors (itself counted) attested that same U3.  Two different survivor sets
+would each need t > |U1|/2 attestations, so some honest site would have attested both: at most one survivor
+set per exchange gets any shares, and the server never gets both secrets of one site.  The attestation is the
+site's certificate's signature of :func:`survivors_statement` when it has an identity; without one, an
+HMAC-SHA256 of it for each other survivor under the key the pair derives from its ``c`` keys (X25519 + HKDF,
+purpose "consistency"), which a server that relayed the ``c`` keys unchanged cannot compute (one that replaced
+them holds every pair's key: only signed keys stop it).
+
+**Share commitments.**  In step 2 each site sends the hash of every share it dealt
+(:func:`fedseg.privacy.secagg.share_commitment`); the server checks each revealed share against its
+owner's commitment and rebuilds each secret from the shares that match: a bad share costs one hash, not a
+search over subsets of t shares.
 
 :class:`SiteParty` is a site's side (kept between the steps of one exchange), :class:`ServerParty`
 the server's: it routes the sealed shares, checks every reply (a malformed one raises

@@ -173,6 +173,12 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     their dtypes and which peers' shares did not open."""
     config = task.config["secagg"]
     party = _party(site, config)
+    rnd = task.config.get("round")
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or not 1 <= rnd <= site.cfg.rounds:
+        raise PayloadError(
+            f"site {site.name}: a masked reply for round {rnd!r}; this site's run has rounds 1..{site.cfg.rounds} "
+            "and sends one masked reply per task kind, round and step"
+        )
     bits = site.cfg.privacy.secagg_fraction_bits
     if config.get("fraction_bits") != bits:
         raise PayloadError(
