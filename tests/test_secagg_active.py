@@ -359,3 +359,18 @@ def test_a_run_with_fewer_sites_than_the_minimum_stops_at_once(least):
             Engine(cfg, algorithm, transport, workload, progress=False, log=lambda m: None)
     else:
         Engine(cfg, algorithm, transport, workload, progress=False, log=lambda m: None)
+
+
+def test_a_reveal_tells_the_sites_dp_what_it_masked_with_and_who_survived():
+    """After a reveal the site calls ``site.dp.on_reveal(exchange, masked, survived)`` when its DP has that hook
+    (its privacy ledger books the sum over the survivors), with the set it masked with and the survivor set."""
+    sites, state = _federation(4)
+    calls = []
+
+    class Ledger:
+        def on_reveal(self, exchange, masked, survived):
+            calls.append((exchange, sorted(masked), sorted(survived)))
+
+    sites["site2"].dp = Ledger()
+    _honest(sites, list(sites), "e-hook", state)
+    assert calls == [("e-hook", sorted(sites), sorted(sites))]
