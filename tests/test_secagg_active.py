@@ -294,10 +294,11 @@ def test_the_same_task_again_with_the_same_sites_and_input_is_answered():
 
 @pytest.mark.slow
 def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
-    """A deployed site keeps its record in WORKDIR/<run_id>/secagg_record.json, outside its checkpoints: after a
+    """A deployed site keeps its record in WORKDIR/<run_id>/secagg_record.jsonl, outside its checkpoints: after a
     restore (the server's ``restore`` operation) and after a restart of the site process it still knows what it
     masked and attested, so neither rewinds its one-reply-per-(kind, round, step) rule."""
     import json
+    from unittest.mock import ANY
 
     from fedseg.apps.deploy.server import serve
     from fedseg.execution.remote.transport import LoopbackChannel
@@ -319,23 +320,31 @@ def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
     key, names = "train|1|None", list(data)
     runtimes["site1"].call("restore", json.dumps({"round": 0}).encode())
     assert runtimes["site1"].site.secagg_record.get(key)["masked"] == names
-    assert json.loads((tmp_path / "sites" / "site1" / "run-1" / RECORD_NAME).read_text())[key]["survived"] == names
+    lines = (tmp_path / "sites" / "site1" / "run-1" / RECORD_NAME).read_text().splitlines()
+    assert json.loads(lines[-1]) == {"key": key, "entry": {"masked": names, "input": ANY, "survived": names}}
     restarted = _runtimes(tmp_path, data)["site1"]  # a new process on the same work folder
     restarted.call("setup", setups["site1"])
     assert restarted.site.secagg_record.get(key) == runtimes["site1"].site.secagg_record.get(key)
 
 
 def test_the_record_is_written_through_and_read_back(tmp_path):
-    """A record with a path writes every change at once and a new record on that path reads it back; a damaged
-    file is one error naming it and why not to delete it."""
+    """A record with a path appends every change at once and a new record on that path reads it back (the last
+    change of a key holds); a last line cut short by a crash is ignored (that change never left the site), a
+    damaged line before it is one error naming the file and why not to delete it."""
     from fedseg.site.secure import Record
 
-    path = tmp_path / "run" / "secagg_record.json"
+    path = tmp_path / "run" / "secagg_record.jsonl"
     record = Record(path)
     record.put("train|1|None", {"masked": ["a", "b", "c"], "input": "ab", "survived": None})
-    assert Record(path).get("train|1|None") == {"masked": ["a", "b", "c"], "input": "ab", "survived": None}
-    path.write_text("{not json")
-    with pytest.raises(PayloadError, match="secagg_record.json is unreadable.*deleting it lets the server ask"):
+    record.put("train|1|None", {"masked": ["a", "b", "c"], "input": "ab", "survived": ["a", "b"]})
+    record.put("train|2|None", {"masked": ["a", "b", "c"], "input": "cd", "survived": None})
+    assert Record(path).entries == record.entries
+    assert Record(path).get("train|1|None")["survived"] == ["a", "b"]
+    with open(path, "a") as f:
+        f.write('{"key": "train|3|None", "ent')
+    assert Record(path).entries == record.entries
+    path.write_text("{not json\n" + path.read_text())
+    with pytest.raises(PayloadError, match="secagg_record.jsonl is unreadable at line 1.*deleting it lets the server"):
         Record(path)
 
 

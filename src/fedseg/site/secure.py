@@ -17,7 +17,7 @@ second masked reply for the same (kind, round, step) goes out only for the same 
 and it attests no other survivor set, so two sums over different sets of sites, whose difference would be
 one site's input, never both come out.  The record is not part of the site's saved state
 (:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not rewind it; a deployed site
-keeps it in ``WORKDIR/<run_id>/secagg_record.json``.  With ``privacy.secure_aggregation`` on in the site's
+keeps it in ``WORKDIR/<run_id>/secagg_record.jsonl``.  With ``privacy.secure_aggregation`` on in the site's
 own config, :meth:`~fedseg.site.runtime.Site.handle` refuses a task whose reply the method sums
 (:meth:`fedseg.seams.algorithm.Algorithm.summed`) when it comes without the ``secagg`` field or with a
 ``steps`` count (the local work comes from the site's config).
@@ -58,7 +58,7 @@ __all__ = ["KINDS", "RECORD_NAME", "Record", "handle", "mask_reply", "record_of"
 KINDS = ("secagg/keys", "secagg/shares", "secagg/consistency", "secagg/reveal")
 """The task kinds of secure aggregation's setup, consistency and unmasking steps, answered by every site."""
 
-RECORD_NAME = "secagg_record.json"
+RECORD_NAME = "secagg_record.jsonl"
 """File name of a deployed site's :class:`Record` in its run folder."""
 
 _SCRATCH = "secagg"
@@ -67,22 +67,35 @@ _SCRATCH = "secagg"
 class Record:
     """What a site masked, per ``"<task kind>|<round>|<step>"``: ``{"masked": U2 (sorted), "input": SHA-256 of the
     encoded input (hex), "survived": the U3 it attested (sorted) or None}``.  In memory, and with ``path`` also
-    in a JSON file, rewritten whole (temporary file + rename) at every change and read back on creation."""
+    in an append-only file of JSON lines (``{"key": …, "entry": …}``, the last line of a key holding), each
+    change appended and flushed to disk before the reply leaves the site, read back on creation."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else None
         self.entries: dict[str, dict[str, Any]] = {}
         if self.path is not None and self.path.is_file():
+            fix = (
+                "restore it from a backup (deleting it lets the server ask this site again for replies it already sent)"
+            )
             try:
-                entries = json.loads(self.path.read_text())
-            except (OSError, ValueError) as e:
-                raise PayloadError(
-                    f"the secure-aggregation record {self.path} is unreadable ({e}); restore it from a backup (deleting "
-                    "it lets the server ask this site again for replies it already sent)"
-                ) from None
-            if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
-                raise PayloadError(f"the secure-aggregation record {self.path} is not an object of entries")
-            self.entries = entries
+                lines = self.path.read_text().splitlines()
+            except OSError as e:
+                raise PayloadError(f"the secure-aggregation record {self.path} is unreadable ({e}); {fix}") from None
+            for i, line in enumerate(lines):
+                try:
+                    item = json.loads(line)
+                    key, entry = item["key"], item["entry"]
+                except (ValueError, KeyError, TypeError) as e:
+                    if i == len(lines) - 1:  # a last line cut short by a crash: that change never left the site
+                        break
+                    raise PayloadError(
+                        f"the secure-aggregation record {self.path} is unreadable at line {i + 1} ({e}); {fix}"
+                    ) from None
+                if not isinstance(key, str) or not isinstance(entry, dict):
+                    raise PayloadError(
+                        f"the secure-aggregation record {self.path}: line {i + 1} is not a key and an entry; {fix}"
+                    )
+                self.entries[key] = entry
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.entries.get(key)
@@ -91,12 +104,10 @@ class Record:
         self.entries[key] = entry
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(self.entries, f)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": key, "entry": entry}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
 
 
 def record_of(site: Site) -> Record:
