@@ -383,3 +383,42 @@ def test_a_reveal_tells_the_sites_dp_what_it_masked_with_and_who_survived():
     sites["site2"].dp = Ledger()
     _honest(sites, list(sites), "e-hook", state)
     assert calls == [("e-hook", sorted(sites), sorted(sites))]
+
+
+def test_a_round_cut_short_is_answered_again_by_its_survivors_only():
+    """A round whose exchange lost site4 after masking (survivors site1–site3 attested and revealed) is resumed
+    from the sites' checkpoints with the survivors: they answer again (the same inputs, masked with the set they
+    attested), and the sum is the first one bitwise.  Asked once more with site1 left out as well, the others
+    refuse: that would be a second sum over another set."""
+    sites, state = _federation(4, reset_optimizer=True)
+    names = list(sites)
+    saved = {s: sites[s].state_arrays() for s in names}
+    first = _honest_dropping(sites, names, "e-a", state, drop="site4")
+    for s in names:
+        sites[s].load_state_arrays(*saved[s])
+    again = _honest(sites, names[:3], "e-b", state)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    for s in names:
+        sites[s].load_state_arrays(*saved[s])
+    with pytest.raises(PayloadError, match="already"):
+        _honest(sites, [*names[1:3], "site4"], "e-c", state)
+
+
+def _honest_dropping(sites, names, exchange, state, drop):
+    """:func:`_honest` where ``drop``'s masked input is lost on the way: the others' sum."""
+    server = ServerParty(exchange, BITS)
+    for s in names:
+        server.accept_keys(s, _ask(sites, s, "secagg/keys", {"exchange": exchange}).metrics["secagg"])
+    req = server.share_request()
+    for s in names:
+        server.accept_shares(s, _ask(sites, s, "secagg/shares", req).metrics["secagg"])
+    for s in server.masking:
+        r = _ask(sites, s, "train", {"secagg": {**server.input_config(s), "weighting": "samples"}}, state)
+        if s != drop:
+            server.accept_input(s, r.arrays, r.metrics["secagg"]["dtypes"], float(r.num_samples))
+    c = server.consistency_config()
+    for s in c["survived"]:
+        server.accept_attestation(s, _ask(sites, s, "secagg/consistency", c).metrics["secagg"])
+    cfg = server.reveal_config()
+    reveals = {s: _ask(sites, s, "secagg/reveal", cfg).metrics["secagg"] for s in cfg["attestations"]}
+    return server.unmask(reveals, log=lambda m: None)[0]

@@ -13,9 +13,11 @@ least ``privacy.secagg_min_sites`` sites and a majority t of those keyed; it att
 that split the set it masked with exactly, and reveals only after t survivors attested the same survivor set
 (:class:`~fedseg.privacy.protocol.SiteParty`).  Its :class:`Record` (``site.secagg_record``) keeps, per
 (task kind, round, step), the set it masked with, the hash of its input and the survivor set it attested: a
-second masked reply for the same (kind, round, step) goes out only for the same set and the same input bits,
-and it attests no other survivor set, so two sums over different sets of sites, whose difference would be
-one site's input, never both come out.  The record is not part of the site's saved state
+second masked reply for the same (kind, round, step) goes out only for the same input bits, masked with the
+same set or with the survivor set it attested (a round resumed after a site dropped), and it attests no other
+survivor set.  Every honest site attests at most one set per key, and a sum needs t > K/2 attestations, so
+all the sums of one key that come out are over one set of sites and the same inputs: two sums whose
+difference would be one site's input never both come out.  The record is not part of the site's saved state
 (:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not rewind it; a deployed site
 keeps it in ``WORKDIR/<run_id>/secagg_record.jsonl``.  With ``privacy.secure_aggregation`` on in the site's
 own config, :meth:`~fedseg.site.runtime.Site.handle` refuses a task whose reply the method sums
@@ -203,11 +205,14 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     key, record = _key(task), record_of(site)
     entry = record.get(key)
     masked = sorted(party.masked_with)
-    if entry is not None and (entry.get("masked") != masked or entry.get("input") != party.input_digest):
+    if entry is not None and (
+        entry.get("input") != party.input_digest or masked not in (entry.get("masked"), entry.get("survived"))
+    ):
         raise PayloadError(
-            f"site {site.name}: sent its masked reply for {key} already (masked with {entry.get('masked')}); it "
-            f"sends another only with the same sites and the same input, not with {masked} or another input "
-            "(the difference of two sums over different sets is one site's input)"
+            f"site {site.name}: sent its masked reply for {key} already (masked with {entry.get('masked')}, "
+            f"survivors attested {entry.get('survived')}); it sends another only with the same input and the same "
+            f"sites or the survivors it attested, not with {masked} or another input (the difference of two sums "
+            "over different sets is one site's input)"
         )
     if entry is None:
         record.put(key, {"masked": masked, "input": party.input_digest, "survived": None})
