@@ -89,7 +89,17 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
 
     for name in ("handle", "mask_reply"):
         timed(site_secure, name, "site")
-    for name in ("accept_keys", "share_request", "accept_shares", "input_config", "accept_input", "unmask"):
+    for name in (
+        "accept_keys",
+        "share_request",
+        "accept_shares",
+        "input_config",
+        "accept_input",
+        "consistency_config",
+        "accept_attestation",
+        "reveal_config",
+        "unmask",
+    ):
         timed(ServerParty, name, "server")
     real_request = ServerParty.share_request
 

@@ -29,6 +29,19 @@ def _arrays(k: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def _consistency(server, parties):
+    """The consistency round and step 4's requests: each survivor attests the survivor set (a site that refuses
+    is left out), then the attesting survivors reveal; returns their step-4 replies."""
+    cfg = server.consistency_config()
+    for u in cfg["survived"]:
+        try:
+            server.accept_attestation(u, parties[u].attest(cfg["dropped"], cfg["survived"]))
+        except PayloadError:
+            pass
+    cfg = server.reveal_config()
+    return {u: parties[u].reveal(cfg["dropped"], cfg["survived"], cfg["attestations"]) for u in cfg["attestations"]}
+
+
 def _exchange(
     inputs, weights, drop_after_shares=(), drop_after_masking=(), tamper=None, log=None, exchange="x1", send=None
 ):
@@ -53,8 +66,7 @@ def _exchange(
             arrays = send(u, arrays)
         if u not in drop_after_masking:
             server.accept_input(u, arrays, dtypes, weights[u])
-    cfg = server.reveal_config()
-    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    reveals = _consistency(server, parties)
     if tamper is not None:
         tamper(reveals, parties)
     total, weight, summed = server.unmask(reveals, log=log or (lambda m: None))
@@ -153,7 +165,7 @@ def test_replayed_and_bad_shares_set_aside_and_sum_still_exact():
 
     logged = []
     total, _, summed, _, _ = _exchange(inputs, weights, drop_after_masking=("site4",), tamper=replay, log=logged.append)
-    assert any("from site site2 does not fit" in m for m in logged), logged
+    assert any("from site site2 is not the one site site4 committed to" in m for m in logged), logged
     assert any("index 255" in m for m in logged), logged
     want = _encoded_sum(inputs, weights, summed)
     assert all(torch.equal(total[k], want[k]) for k in want)
@@ -162,13 +174,14 @@ def test_replayed_and_bad_shares_set_aside_and_sum_still_exact():
         reveals["site0"]["s"]["site4"] = old["site0"]["s"]["site4"]
         reveals["site1"]["s"]["site4"] = old["site1"]["s"]["site4"]
 
-    with pytest.raises(PayloadError, match="rebuild the published secret"):
+    with pytest.raises(PayloadError, match="2 well-formed shares, 3 needed"):
         _exchange(inputs, weights, drop_after_masking=("site4",), tamper=ruin)
 
 
 def test_site_refuses_a_second_or_overlapping_reveal():
     """An honest site never gives out both shares of a peer: a request naming one site as dropped and
-    survived, or a second request in the same exchange, is refused."""
+    survived, lists that do not split the set it masked with, a survivor set it did not attest, or a second
+    request in the same exchange, is refused."""
     inputs = {f"site{k}": _arrays(k) for k in range(3)}
     s = {u: SiteParty(u, "e") for u in inputs}
     server = ServerParty("e", BITS)
@@ -176,12 +189,20 @@ def test_site_refuses_a_second_or_overlapping_reveal():
         server.accept_keys(u, s[u].advertise())
     req = server.share_request()
     for u in s:
-        s[u].share(req["order"], req["keys"])
+        server.accept_shares(u, s[u].share(req["order"], req["keys"]))
+    for u in s:
+        cfg = server.input_config(u)
+        s[u].mask(inputs[u], 1.0, cfg["order"], cfg["shares"], BITS)
     with pytest.raises(PayloadError, match="refuses"):
-        s["site0"].reveal(["site1"], ["site0", "site1"])
-    s["site0"].reveal(["site1"], ["site0", "site2"])
+        s["site0"].attest(["site1"], ["site0", "site1"])
     with pytest.raises(PayloadError, match="refuses"):
-        s["site0"].reveal([], ["site0", "site1", "site2"])
+        s["site0"].attest([], ["site0", "site2"])  # site1 is in neither list
+    att = {u: s[u].attest(["site1"], ["site0", "site2"]) for u in ("site0", "site2")}
+    with pytest.raises(PayloadError, match="it attested"):
+        s["site0"].reveal([], ["site0", "site1", "site2"], att)
+    s["site0"].reveal(["site1"], ["site0", "site2"], att)
+    with pytest.raises(PayloadError, match="already"):
+        s["site0"].reveal(["site1"], ["site0", "site2"], att)
 
 
 def test_tampered_sealed_share_does_not_open():
@@ -275,7 +296,7 @@ def test_input_masked_with_another_site_list_fails_the_check_word():
     cancel and the sum is rejected.  An input without its check word is malformed and leaves its site out."""
     inputs = {f"site{k}": _arrays(k) for k in range(3)}
     server = ServerParty("e", BITS)
-    parties = {u: SiteParty(u, "e") for u in inputs}
+    parties = {u: SiteParty(u, "e", min_sites=2) for u in inputs}  # site0 masks with 2 of the 3
     for u in inputs:
         server.accept_keys(u, parties[u].advertise())
     req = server.share_request()
@@ -289,7 +310,71 @@ def test_input_masked_with_another_site_list_fails_the_check_word():
             with pytest.raises(PayloadError, match="no masked check word"):
                 server.accept_input(u, {k: v for k, v in arrays.items() if k != CANARY}, dtypes, 1.0)
         server.accept_input(u, arrays, dtypes, 1.0)
-    cfg = server.reveal_config()
-    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    reveals = _consistency(server, parties)  # site0 masked with 2 sites, not the survivors' 3: it does not attest
+    assert sorted(reveals) == ["site1", "site2"]
     with pytest.raises(SumRejected, match="exchange e:"):
         server.unmask(reveals, log=lambda m: None)
+
+
+def _keyed(k: int, exchange: str = "e", min_sites: int = 3):
+    """k parties through step 2 with the server's own lists; returns (server, parties, inputs)."""
+    inputs = {f"site{i}": _arrays(i) for i in range(k)}
+    server = ServerParty(exchange, BITS)
+    parties = {u: SiteParty(u, exchange, min_sites=min_sites) for u in inputs}
+    for u in inputs:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in inputs:
+        server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    return server, parties, inputs
+
+
+def _masked(k: int, exchange: str = "e", min_sites: int = 3):
+    """k parties through step 3 with the server's own lists; returns (server, parties)."""
+    server, parties, inputs = _keyed(k, exchange, min_sites)
+    for u in inputs:
+        cfg = server.input_config(u)
+        arrays, dtypes, _ = parties[u].mask(inputs[u], 1.0, cfg["order"], cfg["shares"], BITS)
+        server.accept_input(u, arrays, dtypes, 1.0)
+    return server, parties
+
+
+def test_attestations_that_are_not_the_peers_do_not_count():
+    """Without identities a survivor's attestation is an HMAC per peer under the key the pair derives from its c
+    keys.  The server holds no such key: a MAC it alters, site0's own MAC for site1 reflected back as site1's
+    (the statement names the attesting site), or site1's MAC from a parallel exchange under the same id (other
+    keys) does not count, and with fewer than t valid attestations (t = 3 of 4 sites: site0's own, site2's and
+    the forged one) site0 refuses to reveal."""
+    _, p = _masked(4)
+    dropped, survived = ["site3"], ["site0", "site1", "site2"]
+    att = {u: p[u].attest(dropped, survived) for u in survived}
+    _, other = _masked(4)
+    forged = (
+        {"macs": {**att["site1"]["macs"], "site0": "00" * 32}},
+        {"macs": {"site0": att["site0"]["macs"]["site1"]}},
+        other["site1"].attest(dropped, survived),
+    )
+    for bad in forged:
+        with pytest.raises(PayloadError, match="2 survivors attested the survivor set"):
+            p["site0"].reveal(dropped, survived, {**att, "site1": bad})
+    shares = p["site0"].reveal(dropped, survived, att)
+    assert sorted(shares["s"]) == ["site3"] and sorted(shares["b"]) == survived
+
+
+def test_a_site_refuses_fewer_than_min_sites_or_t():
+    """U1 shorter than privacy.secagg_min_sites is refused in step 2; U2 shorter than t of U1 in step 3; lists
+    with fewer than t survivors in the consistency round."""
+    server = ServerParty("e", BITS)
+    parties = {u: SiteParty(u, "e", min_sites=3) for u in ("a", "b")}
+    for u in parties:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    with pytest.raises(PayloadError, match="secagg_min_sites = 3"):
+        parties["a"].share(req["order"], req["keys"])
+    server, p, inputs = _keyed(5, min_sites=2)  # t = 3 of 5
+    cfg = server.input_config("site0")
+    with pytest.raises(PayloadError, match="masks with at least 3"):
+        p["site0"].mask(inputs["site0"], 1.0, ["site0", "site1"], cfg["shares"], BITS)
+    _, p = _masked(5, min_sites=2)
+    with pytest.raises(PayloadError, match="at least t = 3"):
+        p["site0"].attest(["site2", "site3", "site4"], ["site0", "site1"])

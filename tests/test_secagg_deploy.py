@@ -21,11 +21,11 @@ pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
 
 
-def _cfg(method="fedavg", rounds=2):
+def _cfg(method="fedavg", rounds=2, min_sites=3):
     cfg = tiny_config(method, rounds=rounds)
     return dataclasses.replace(
         cfg,
-        privacy=PrivacyConfig(secure_aggregation=True),
+        privacy=PrivacyConfig(secure_aggregation=True, secagg_min_sites=min_sites),
         params={**cfg.params, "deploy": {"round_deadline_s": 30.0, "max_update_ratio": 0}},
     )
 
@@ -47,8 +47,9 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
     """site3 masks its update and then its reply is lost (or arrives malformed and is rejected): the survivors
     reveal its mask key, the server removes its pairwise masks and the round's model is bitwise the one of a
     deployment where site3 was gone from the start of the exchange (the same fixed-point sum of site1 and
-    site2)."""
-    cfg, data = _cfg(rounds=1), tiny_sites(3)
+    site2).  Two sites are left when site3 is gone at the keys, so the sites accept masking with two
+    (privacy.secagg_min_sites = 2; with the default 3 they refuse, tests/test_secagg_active.py)."""
+    cfg, data = _cfg(rounds=1, min_sites=2), tiny_sites(3)
     logs = []
 
     def lose_masked(op, blob):
@@ -90,7 +91,8 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     """FedAvg with secure aggregation over NVIDIA FLARE (provisioned kits, mutual TLS, site processes): the
     four steps of each exchange cross FLARE's channel, every site signs its keys with its kit's certificate
     (RSA, as FLARE provisions) and checks the other's, and the run ends with the simulation's (unsigned)
-    weights bitwise."""
+    weights bitwise.  The rehearsal has two sites, so they accept masking with two (privacy.secagg_min_sites =
+    2): the protocol, the signatures and the consistency check are what it tests."""
     pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
     import torch
     from safetensors.torch import load_file
@@ -98,7 +100,12 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
     from fedseg.apps.deploy.run import submit_run
     from test_deploy_nvflare import OVERRIDES, _prepared_run, _provision, _simulate_same
 
-    overrides = [*OVERRIDES, "privacy.secure_aggregation=true", "deploy.max_update_ratio=0"]
+    overrides = [
+        *OVERRIDES,
+        "privacy.secure_aggregation=true",
+        "privacy.secagg_min_sites=2",
+        "deploy.max_update_ratio=0",
+    ]
     spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
     _provision(cluster)
     with cluster:
@@ -158,6 +165,7 @@ def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_mask
     overrides = [
         *OVERRIDES,
         "privacy.secure_aggregation=true",
+        "privacy.secagg_min_sites=2",  # the rehearsal's two sites
         "deploy.max_update_ratio=0",
         "fedsm.selector_width=0.0625",
         "fedsm.selector_hidden=8",

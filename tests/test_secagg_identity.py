@@ -14,7 +14,7 @@ import torch
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity, load_identity, statement
-from fedseg.privacy.protocol import ServerParty, SiteParty
+from fedseg.privacy.protocol import ServerParty, SiteParty, survivors_statement
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")
@@ -56,8 +56,11 @@ def _signed_exchange(identities, exchange="e1", relay=None, log=None):
         arrays, dtypes, bad = parties[u].mask(inputs[u], weights[u], cfg["order"], cfg["shares"], BITS)
         assert bad == []
         server.accept_input(u, arrays, dtypes, weights[u])
+    cfg = server.consistency_config()
+    for u in cfg["survived"]:
+        server.accept_attestation(u, parties[u].attest(cfg["dropped"], cfg["survived"]))
     cfg = server.reveal_config()
-    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"]) for u in cfg["survived"]}
+    reveals = {u: parties[u].reveal(cfg["dropped"], cfg["survived"], cfg["attestations"]) for u in cfg["attestations"]}
     total, weight, summed = server.unmask(reveals, log=log or (lambda m: None))
     return total, weight, summed, server, parties, inputs, weights
 
@@ -165,7 +168,10 @@ def test_server_checks_refusals_and_share_lists():
     with pytest.raises(PayloadError, match="one sealed share for each of"):
         server.accept_shares("site0", {**msg, "refused": {"site1": "no"}})  # refused, but a share for it
     shares = {k: v for k, v in msg["shares"].items() if k != "site1"}
-    server.accept_shares("site0", {"shares": shares, "refused": {"site1": "its certificate is another CA's"}})
+    server.accept_shares(
+        "site0",
+        {"shares": shares, "refused": {"site1": "its certificate is another CA's"}, "commitments": msg["commitments"]},
+    )
     assert server.refusals["site0"] == {"site1": "its certificate is another CA's"}
 
 
@@ -274,7 +280,8 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
     """Deployed, site3's keys are refused: replaced on the way to site1 (site1 refuses them), or signed under a
     certificate of another federation's CA (everyone refuses them, and site3 refuses everyone).  The server logs
     who refused site3 and why, leaves it out of the exchange before anyone masks, and the round's model is
-    bitwise the one of a deployment where site3 was gone from the start of the exchange."""
+    bitwise the one of a deployment where site3 was gone from the start of the exchange.  Two sites are left
+    without site3, so the sites accept masking with two (privacy.secagg_min_sites = 2)."""
     from conftest import tiny_sites
     from fedseg.apps.deploy.server import serve
     from fedseg.execution.remote.transport import LoopbackChannel
@@ -283,7 +290,7 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
     from test_deploy import _prepare
     from test_secagg_deploy import _cfg
 
-    cfg, names = _cfg(rounds=1), ["site1", "site2", "site3"]
+    cfg, names = _cfg(rounds=1, min_sites=2), ["site1", "site2", "site3"]
     kits = {n: ca.kit(tmp_path / "kits" / n / "startup", n) for n in names}
     if how == "other_ca":
         kits["site3"] = CA("another-root").kit(tmp_path / "kits" / "other" / "startup", "site3")
@@ -326,3 +333,26 @@ def test_site_signs_with_its_kit_unless_identity_is_off(tmp_path, ca, setting):
         desc = {"run_id": "r", "sites": list(data), "data": HEADER, "config_toml": dump_toml(cfg.to_dict())}
         rt.call("setup", json.dumps(desc).encode())
         assert isinstance(rt.site.identity, Identity) == (secure and setting == "auto")
+
+
+def test_signed_attestations_count_only_from_their_signer(identities):
+    """With identities a survivor attests U3 with its certificate's signature.  A signature of another survivor
+    set, or site2's signature presented as site1's, does not count: with t = 3 of 4 sites and one of the two
+    other attestations not valid, site0 refuses to reveal."""
+    server = ServerParty("e1", BITS)
+    parties = {u: SiteParty(u, "e1", identities[u]) for u in SITES}
+    for u in SITES:
+        server.accept_keys(u, parties[u].advertise())
+    req = server.share_request()
+    for u in SITES:
+        server.accept_shares(u, parties[u].share(req["order"], req["keys"]))
+    for u in SITES:
+        cfg = server.input_config(u)
+        parties[u].mask(_arrays(0), 1.0, cfg["order"], cfg["shares"], BITS)
+    dropped, survived = ["site3"], ["site0", "site1", "site2"]
+    att = {u: parties[u].attest(dropped, survived) for u in survived}
+    other_set = {"signature": identities["site1"].sign_bytes(survivors_statement("e1", "site1", SITES))}
+    for bad in (other_set, att["site2"]):
+        with pytest.raises(PayloadError, match="2 survivors attested"):
+            parties["site0"].reveal(dropped, survived, {**att, "site1": bad})
+    assert sorted(parties["site0"].reveal(dropped, survived, att)["b"]) == survived

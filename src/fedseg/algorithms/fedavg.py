@@ -96,6 +96,7 @@ class FedAvg(Algorithm):
     Params = FedAvgParams
     sends_clipped_update: ClassVar[bool] = True
     """Its site half sends :func:`sent_update` (client-level DP's clipped, noised update when asked)."""
+    summed_kinds: ClassVar[frozenset[str]] = frozenset({"train"})
 
     def weighting(self) -> str:
         return self.params.weighting

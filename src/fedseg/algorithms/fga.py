@@ -542,6 +542,10 @@ class FGA(Algorithm):
     section = "fga"
     Params = FGAParams
 
+    def summed(self, task: Task) -> bool:
+        """A lockstep step's gradient (``step`` set) is summed; the closing task (``step`` None) only applies."""
+        return task.kind == "fga_step" and task.config.get("step") is not None
+
     def secure_aggregation_unsupported(self) -> str | None:
         return None  # each step's average is one secure sum of the sites' gradients (lockstep_round)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -194,6 +194,8 @@ class Scaffold(Algorithm):
     title = "Scaffold"
     section = "scaffold"
     Params = ScaffoldParams
+
+    summed_kinds: ClassVar[frozenset[str]] = frozenset({"train"})
 
     def secure_aggregation_unsupported(self) -> str | None:
         return None  # x and c are updated from Σ p_i y_i and Σ p_i Δc_i only

@@ -4,7 +4,9 @@ and nothing of any one of them (protocol and guarantees: :mod:`fedseg.privacy.pr
 
 :func:`secure_ask` replaces ``ctx.ask(tasks)`` for a server step that needs only Σ_k c_k · arrays_k: it runs
 the key and share steps, sends the tasks with the shares (the sites mask their replies before they leave),
-asks the survivors for the shares of the secrets it may rebuild and returns the unmasked sum.  A site that
+sends the survivor set to the survivors (each attests it), asks the survivors that attested for the shares
+of the secrets it may rebuild, with the attestations (a site reveals only after t of them), and returns the
+unmasked sum.  A site that
 fails a step is left out of the rest of the exchange (a deployed transport has already logged why); one
 whose step-3 reply does not arrive is removed from the sum with its masks.  A site whose signed keys another
 site refused (:mod:`fedseg.privacy.identity`: a certificate from another CA or naming another site, keys
@@ -138,8 +140,11 @@ def secure_ask(
             replies[s] = Reply({}, metrics, r.num_samples)
             if info.get("unopened"):
                 ctx.log(f"[secagg] site {s} could not open the shares of {info['unopened']}")
+    consistency = server.consistency_config()
+    for s, r in step("secagg/consistency", consistency["survived"], lambda s: consistency).items():
+        _accept(ctx, s, "attestation", server.accept_attestation, s, r.metrics.get("secagg"))
     reveal = server.reveal_config()
-    reveals = step("secagg/reveal", reveal["survived"], lambda s: reveal)
+    reveals = step("secagg/reveal", list(reveal["attestations"]), lambda s: reveal)
     try:
         total, weight, summed = server.unmask({s: r.metrics.get("secagg") for s, r in reveals.items()}, log=ctx.log)
     except SumRejected as e:

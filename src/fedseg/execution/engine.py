@@ -108,6 +108,14 @@ class Engine:
             device=self.device,
             workload=workload,
         )
+        k, least = len(self.ctx.sites), cfg.privacy.secagg_min_sites
+        if cfg.privacy.secure_aggregation and not algorithm.needs_pooled_site and k < least:
+            raise ConfigError(
+                f"privacy.secure_aggregation = true with {k} sites: every site masks only with at least "
+                f"privacy.secagg_min_sites = {least} sites and would refuse each exchange; run with at least {least} "
+                f"sites or set privacy.secagg_min_sites (≥ 2) at every site, knowing that with 2 sites one site's input "
+                "is all that hides the other's"
+            )
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Best] = {}
         self.state: Arrays = {}

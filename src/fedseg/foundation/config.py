@@ -249,6 +249,10 @@ class PrivacyConfig:
     """Fixed-point precision of secure aggregation: each value x is sent as round(n_k · x · 2^bits) modulo 2^64,
     so the weighted mean is off by at most K · 2^-(bits+1) / Σ n_k (K sites); K · n_k · max|x| · 2^bits must stay
     below 2^63 (a site refuses a value that could overflow, naming this setting).  From 8 to 52."""
+    secagg_min_sites: int = 3
+    """The fewest sites a site masks with (checked by each site, whatever the server sends): a site refuses an
+    exchange whose key list or masking list is shorter, and needs a majority t = ⌊K/2⌋ + 1 of the K sites keyed
+    at every later step.  With 2, the other site's input is all that hides this site's in the sum.  At least 2."""
     secagg_identity: Literal["auto", "off"] = "auto"
     """'auto': a site that has a certificate (a deployed site's NVIDIA FLARE startup kit: client.crt, client.key,
     rootCA.pem) signs its secure-aggregation keys of each exchange with it and checks every peer's certificate
@@ -294,6 +298,15 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.dp = {self.dp!r} needs privacy.epsilon (a target, e.g. --set privacy.epsilon=8) "
                 "or privacy.noise_multiplier (e.g. --set privacy.noise_multiplier=1.0)"
+            )
+        if (
+            isinstance(self.secagg_min_sites, bool)
+            or not isinstance(self.secagg_min_sites, int)
+            or self.secagg_min_sites < 2
+        ):
+            raise ConfigError(
+                f"privacy.secagg_min_sites = {self.secagg_min_sites!r}; give an integer ≥ 2 "
+                "(e.g. --set privacy.secagg_min_sites=3)"
             )
         if not 8 <= self.secagg_fraction_bits <= 52:
             raise ConfigError(

@@ -143,6 +143,25 @@ class Identity:
             "signature": _sign(self.private_key, statement(exchange, self.name, c, s, b_digest)).hex(),
         }
 
+    def sign_bytes(self, data: bytes) -> str:
+        """This site's signature (hex) of ``data`` with its certificate's key (the consistency round's survivor
+        statement, :mod:`fedseg.privacy.protocol`)."""
+        return _sign(self.private_key, data).hex()
+
+    def verify_peer(self, peer: str, certificate: Any, signature: Any, data: bytes) -> bool:
+        """True if ``certificate`` (PEM) chains to the root CA, names ``peer`` and its key verifies ``signature``
+        (hex) over ``data``."""
+        if not isinstance(certificate, str) or not isinstance(signature, str):
+            return False
+        cert = self._chain_and_name(certificate, peer)
+        if isinstance(cert, str):
+            return False
+        try:
+            raw = bytes.fromhex(signature)
+        except ValueError:
+            return False
+        return _verify(cert.public_key(), raw, data)
+
     def check_peer(self, peer: str, exchange: str, keys: dict[str, bytes], sent: dict[str, Any]) -> str | None:
         """None if ``peer``'s step-1 message ``sent`` (its ``certificate`` and ``signature``) proves that ``keys``
         (its C_u, S_u and hash of b_u, as relayed) are its own for ``exchange``; else the reason and the fix."""

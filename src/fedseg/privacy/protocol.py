@@ -1,7 +1,7 @@
 """Secure aggregation as messages: what a site and the server each do at each step of one exchange.
 
-One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, without the
-consistency check; the arithmetic and its guarantees are :mod:`fedseg.privacy.secagg`'s, the signatures
+One exchange sums one array dictionary over the sites (Bonawitz et al. 2017, Fig. 4, the consistency
+check included; the arithmetic and its guarantees are :mod:`fedseg.privacy.secagg`'s, the signatures
 :mod:`fedseg.privacy.identity`'s).  Every message is JSON (keys and shares as hex strings) or the masked
 arrays, so any transport carries it:
 
@@ -10,10 +10,30 @@ step  server → site                             site → server
 ====  =======================================  =============================================
 1     ``keys``: the exchange id                 its public keys C_u, S_u and the hash of b_u (signed)
 2     ``shares``: everyone's public keys (U1)  its shares of s_u and b_u, sealed per peer; the peers
-                                               whose keys it refused
+                                               whose keys it refused; the hash of every share
 3     the task + the shares sealed for it (U2) the task's arrays, encoded and masked
-4     ``reveal``: who dropped, who survived    shares of s_d (dropped) and of b_u (survived)
+4a    ``consistency``: who dropped, who        its attestation of U3
+      survived (U3)
+4b    ``reveal``: the same lists and the       shares of s_d (dropped) and of b_u (survived)
+      survivors' attestations
 ====  =======================================  =============================================
+
+**What a site checks** (against an active server, Bonawitz et al. Section 6 and Flower's SecAgg+ client):
+U1 and U2 hold at least ``min_sites`` sites (``privacy.secagg_min_sites``) and U2 at least t = ⌊|U1|/2⌋ + 1;
+it masks once per exchange and remembers U2; the lists of 4a and 4b must split U2 exactly with itself and at
+least t sites among the survivors; it attests one U3 per exchange, and reveals only for the U3 it attested
+and only after at least t survivors (itself counted) attested that same U3.  Two different survivor sets
+would each need t > |U1|/2 attestations, so some honest site would have attested both: at most one survivor
+set per exchange gets any shares, and the server never gets both secrets of one site.  The attestation is the
+site's certificate's signature of :func:`survivors_statement` when it has an identity; without one, an
+HMAC-SHA256 of it for each other survivor under the key the pair derives from its ``c`` keys (X25519 + HKDF,
+purpose "consistency"), which a server that relayed the ``c`` keys unchanged cannot compute (one that replaced
+them holds every pair's key: only signed keys stop it).
+
+**Share commitments.**  In step 2 each site sends the hash of every share it dealt
+(:func:`fedseg.privacy.secagg.share_commitment`); the server checks each revealed share against its
+owner's commitment and rebuilds each secret from the shares that match: a bad share costs one hash, not a
+search over subsets of t shares.
 
 :class:`SiteParty` is a site's side (kept between the steps of one exchange), :class:`ServerParty`
 the server's: it routes the sealed shares, checks every reply (a malformed one raises
@@ -31,7 +51,10 @@ mask with a peer it refused.  A site without an identity signs nothing and check
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,7 +66,7 @@ from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected"]
+__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected", "survivors_statement"]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
@@ -86,12 +109,38 @@ def _ad(exchange: str, sender: str, recipient: str) -> bytes:
     return f"{exchange}|{sender}|{recipient}".encode()
 
 
+_SURVIVORS = b"fedseg secagg survivors v1"
+
+
+def survivors_statement(exchange: str, signer: str, survived: Sequence[str]) -> bytes:
+    """What a site attests in the consistency round: a label, the exchange, the attesting site and the survivor
+    set U3 (sorted), each prefixed by its length (no two different tuples give the same bytes)."""
+    out = bytearray(_SURVIVORS)
+    for part in (exchange, signer, *sorted(survived)):
+        raw = part.encode()
+        out += struct.pack(">I", len(raw)) + raw
+    return bytes(out)
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
 class SiteParty:
     """A site's side of one exchange: its key pairs and self-mask seed, the shares it holds; with an
-    ``identity``, it signs its keys and checks its peers' (see the module)."""
+    ``identity``, it signs its keys and checks its peers' (see the module).  It masks only with at least
+    ``min_sites`` sites (``privacy.secagg_min_sites``) and t = ⌊|U1|/2⌋ + 1 (:func:`fedseg.privacy.secagg.threshold_for`),
+    remembers the set it masked with (U2) and reveals only for a survivor set it attested and that at least t
+    survivors attested (the consistency round, see the module)."""
 
-    def __init__(self, me: str, exchange: str, identity: Identity | None = None):
+    def __init__(self, me: str, exchange: str, identity: Identity | None = None, min_sites: int = 3):
         self.me, self.exchange, self.identity = me, exchange, identity
+        self.min_sites = max(2, int(min_sites))
+        self.certs: dict[str, Any] = {}  # peer -> its certificate (PEM) as relayed in step 1, with an identity
+        self.masked_with: list[str] = []  # U2, once this site masked
+        self.input_digest = ""  # SHA-256 of the encoded input it masked (hex)
+        self.attested: list[str] | None = None  # U3 (sorted), once this site attested it
+        self.record_key: str | None = None  # what the site files its masked input under (fedseg.site.secure.Record)
         self.c = secagg.keypair()
         self.s = secagg.keypair()
         self.b = os.urandom(KEY_BYTES)
@@ -111,12 +160,22 @@ class SiteParty:
         return out
 
     def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
-        """Step 2: remember U1's keys; with an identity, check each peer's certificate and signature; split s and
-        b among U1 (own share kept); return ``{"shares": {peer: hex}, "refused": {peer: reason}}``: each
-        accepted peer's share sealed for it, and the peers whose keys this site refused (no share made)."""
+        """Step 2: remember U1's keys (refused when U1 has fewer than ``min_sites`` sites); with an identity, check
+        each peer's certificate and signature; split s and b among U1 (own share kept); return ``{"shares": {peer:
+        hex}, "refused": {peer: reason}, "commitments": {"s": [hex], "b": [hex]}}``: each accepted peer's share
+        sealed for it, the peers whose keys this site refused (no share made) and the hash of every share it dealt
+        in U1's order (:func:`fedseg.privacy.secagg.share_commitment`)."""
         order = list(order)
         if self.me not in order or len(set(order)) != len(order) or set(keys) != set(order):
             raise PayloadError(f"site {self.me}: the key list of exchange {self.exchange} does not name each site once")
+        if self.order:
+            raise PayloadError(f"site {self.me}: exchange {self.exchange} was keyed already; it deals its shares once")
+        if len(order) < self.min_sites:
+            raise PayloadError(
+                f"site {self.me}: exchange {self.exchange} lists {len(order)} sites {order}; this site masks only with "
+                f"at least privacy.secagg_min_sites = {self.min_sites} (with fewer the others' inputs, known to or "
+                "forged by the server, can be subtracted from the sum): run the exchange with more sites"
+            )
         self.order = order
         self.keys = {
             u: {k: _hex((keys[u] or {}).get(k), KEY_BYTES, f"{k} key of {u}") for k in ("c", "s", "b_digest")}
@@ -126,6 +185,7 @@ class SiteParty:
         if mine["c"] != self.c.public or mine["s"] != self.s.public:
             raise PayloadError(f"site {self.me}: the server relayed other public keys than this site's own")
         if self.identity is not None:
+            self.certs = {u: (keys[u] or {}).get("certificate") for u in order}
             for u in order:
                 why = None if u == self.me else self.identity.check_peer(u, self.exchange, self.keys[u], keys[u])
                 if why is not None:
@@ -134,6 +194,10 @@ class SiteParty:
         s_shares = secagg.split(self.s.private, t, len(order))
         b_shares = secagg.split(self.b, t, len(order))
         out = {}
+        commitments: dict[str, list[str]] = {"s": [], "b": []}
+        for i in range(len(order)):
+            commitments["s"].append(secagg.share_commitment(self.exchange, self.me, "s", i + 1, s_shares[i]).hex())
+            commitments["b"].append(secagg.share_commitment(self.exchange, self.me, "b", i + 1, b_shares[i]).hex())
         for i, v in enumerate(order):
             bundle = bytes([i + 1]) + s_shares[i] + b_shares[i]
             if v == self.me:
@@ -143,7 +207,7 @@ class SiteParty:
                 continue
             key = secagg.shared_key(self.c.private, self.keys[v]["c"], "share", self.exchange)
             out[v] = secagg.seal(key, bundle, _ad(self.exchange, self.me, v)).hex()
-        return {"shares": out, "refused": dict(self.refused)}
+        return {"shares": out, "refused": dict(self.refused), "commitments": commitments}
 
     def mask(
         self,
@@ -160,8 +224,19 @@ class SiteParty:
         dtypes and the senders whose share did not open (they are not held; the sum still works if
         enough others are)."""
         order = list(order)
-        if not self.order or self.me not in order or not set(order) <= set(self.order):
+        if not self.order or self.me not in order or not set(order) <= set(self.order) or len(set(order)) != len(order):
             raise PayloadError(f"site {self.me}: exchange {self.exchange} asks to mask with sites it did not key")
+        if self.masked_with:
+            raise PayloadError(
+                f"site {self.me}: exchange {self.exchange} was masked already; a site masks once per exchange"
+            )
+        t = secagg.threshold_for(len(self.order))
+        if len(order) < max(self.min_sites, t):
+            raise PayloadError(
+                f"site {self.me}: exchange {self.exchange} asks to mask with {len(order)} sites {order}; this site masks "
+                f"with at least {max(self.min_sites, t)} (privacy.secagg_min_sites = {self.min_sites} and the threshold "
+                f"t = {t} of the {len(self.order)} sites keyed)"
+            )
         refused = sorted(set(order) & set(self.refused))
         if refused:
             raise PayloadError(
@@ -183,6 +258,11 @@ class SiteParty:
             except (PayloadError, ValueError):
                 bad.append(sender)
         encoded, layout = secagg.encode(arrays, weight, fraction_bits, len(order), f"site {self.me}")
+        self.masked_with = order
+        self.input_digest = hashlib.sha256(
+            "|".join(f"{n}:{s}:{d}" for n, s, d in zip(layout.names, layout.shapes, layout.dtypes)).encode()
+            + encoded.tobytes()
+        ).hexdigest()
         encoded = np.append(encoded, secagg.canary(self.exchange, self.me))
         publics = {u: self.keys[u]["s"] for u in order}
         y = secagg.mask(encoded, self.me, order, self.s.private, publics, self.b, self.exchange).view(np.int64)
@@ -194,21 +274,93 @@ class SiteParty:
         out[CANARY] = torch.from_numpy(y[pos:].copy())
         return out, dict(zip(layout.names, layout.dtypes)), bad
 
-    def reveal(self, dropped: Sequence[str], survived: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Step 4: shares of s_d for each dropped site and of b_u for each surviving one (this site among
-        them), ``{"s": {d: hex}, "b": {u: hex}}``.  Refused when the lists overlap, name a site outside the
-        exchange or leave this site out, or when this exchange was revealed before: an honest site never
-        gives out both shares of one peer."""
+    def _check_lists(self, dropped: Sequence[str], survived: Sequence[str], what: str) -> tuple[list[str], list[str]]:
+        """The lists of the consistency round and of step 4, checked: they split U2 exactly (each site once), name
+        this site among the survivors and hold at least t survivors; :class:`PayloadError` otherwise."""
         dropped, survived = list(dropped), list(survived)
+        t = secagg.threshold_for(len(self.order)) if self.order else 0
         if (
-            self.revealed
+            not self.masked_with
+            or len(set(dropped)) != len(dropped)
+            or len(set(survived)) != len(survived)
             or set(dropped) & set(survived)
+            or set(dropped) | set(survived) != set(self.masked_with)
             or self.me not in survived
-            or not set(dropped) | set(survived) <= set(self.order)
+            or len(survived) < t
         ):
             raise PayloadError(
-                f"site {self.me}: refuses to reveal shares of exchange {self.exchange} for dropped {dropped} "
-                f"and survived {survived} (overlapping, unknown or repeated request)"
+                f"site {self.me}: refuses to {what} for exchange {self.exchange} with dropped {dropped} and survived "
+                f"{survived}: they must split the {len(self.masked_with)} sites it masked with {self.masked_with} "
+                f"exactly, name this site among at least t = {t} survivors"
+            )
+        return dropped, survived
+
+    def attest(self, dropped: Sequence[str], survived: Sequence[str]) -> dict[str, Any]:
+        """The consistency round (after step 3): attest the survivor set U3 if the lists split U2 exactly and
+        U3 holds at least t sites.  With an identity: ``{"signature": hex}``, its certificate's signature of
+        :func:`survivors_statement`; without: ``{"macs": {peer: hex}}``, HMAC-SHA256 of the statement under the
+        key this site shares with each other survivor (X25519 of their ``c`` keys + HKDF, purpose
+        "consistency").  A site attests one survivor set per exchange."""
+        dropped, survived = self._check_lists(dropped, survived, "attest the survivors")
+        if self.attested is not None and self.attested != sorted(survived):
+            raise PayloadError(
+                f"site {self.me}: attested the survivors {self.attested} of exchange {self.exchange} already; it "
+                f"does not attest another set {sorted(survived)}"
+            )
+        self.attested = sorted(survived)
+        data = survivors_statement(self.exchange, self.me, survived)
+        if self.identity is not None:
+            return {"signature": self.identity.sign_bytes(data)}
+        return {"macs": {v: _mac(self._pair_key(v), data).hex() for v in survived if v != self.me}}
+
+    def _pair_key(self, peer: str) -> bytes:
+        return secagg.shared_key(self.c.private, self.keys[peer]["c"], "consistency", self.exchange)
+
+    def _attested_by(self, peer: str, attestation: Any, survived: Sequence[str]) -> bool:
+        """Whether ``attestation`` (as relayed) is ``peer``'s valid attestation of ``survived``."""
+        if not isinstance(attestation, dict):
+            return False
+        data = survivors_statement(self.exchange, peer, survived)
+        if self.identity is not None:
+            return self.identity.verify_peer(peer, self.certs.get(peer), attestation.get("signature"), data)
+        macs = attestation.get("macs")
+        tag = macs.get(self.me) if isinstance(macs, dict) else None
+        if not isinstance(tag, str):
+            return False
+        try:
+            raw = bytes.fromhex(tag)
+        except ValueError:
+            return False
+        return hmac.compare_digest(raw, _mac(self._pair_key(peer), data))
+
+    def reveal(
+        self, dropped: Sequence[str], survived: Sequence[str], attestations: Mapping[str, Any] | None = None
+    ) -> dict[str, dict[str, str]]:
+        """Step 4: shares of s_d for each dropped site and of b_u for each surviving one (this site among
+        them), ``{"s": {d: hex}, "b": {u: hex}}``.  Refused unless the lists split U2 exactly with at least t
+        survivors, this site attested that survivor set and ``attestations`` ({survivor: its attestation, as
+        relayed}) hold valid attestations of it from at least t survivors (this site's own counted); refused
+        as well when this exchange was revealed before: an honest site never gives out both shares of one peer."""
+        if self.revealed:
+            raise PayloadError(f"site {self.me}: revealed its shares of exchange {self.exchange} already")
+        dropped, survived = self._check_lists(dropped, survived, "reveal shares")
+        if self.attested != sorted(survived):
+            raise PayloadError(
+                f"site {self.me}: refuses to reveal shares of exchange {self.exchange} for survivors {sorted(survived)}: "
+                f"it attested {self.attested} in the consistency round"
+            )
+        attestations = attestations if isinstance(attestations, Mapping) else {}
+        t = secagg.threshold_for(len(self.order))
+        valid = 1 + sum(
+            1
+            for u in survived
+            if u != self.me and u in attestations and self._attested_by(u, attestations[u], survived)
+        )
+        if valid < t:
+            raise PayloadError(
+                f"site {self.me}: refuses to reveal shares of exchange {self.exchange}: {valid} survivors attested "
+                f"the survivor set {sorted(survived)} validly, t = {t} needed (the server sent different survivor "
+                "lists to different sites, or altered their attestations)"
             )
         self.revealed = True
         return {
@@ -227,9 +379,11 @@ class ServerParty:
         self.order: list[str] = []  # U1
         self.sealed: dict[str, dict[str, str]] = {}  # sender -> {recipient: hex}
         self.refusals: dict[str, dict[str, str]] = {}  # sender -> {peer whose keys it refused: reason}
+        self.commitments: dict[str, dict[str, list[bytes]]] = {}  # dealer -> {"s"|"b": hash per holder index}
         self.inputs: dict[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
         self.layout: secagg.Layout | None = None
+        self.attestations: dict[str, Any] = {}  # survivor -> its attestation of the survivor set, relayed as sent
 
     # step 1
     def accept_keys(self, site: str, message: Any) -> None:
@@ -260,8 +414,9 @@ class ServerParty:
 
     # step 2
     def accept_shares(self, site: str, message: Any) -> None:
-        """A site's step-2 message: ``{"shares": {peer: sealed hex}, "refused": {peer: reason}}``, one sealed share
-        (of the sealed length) for each other site of U1 that it did not refuse."""
+        """A site's step-2 message: ``{"shares": {peer: sealed hex}, "refused": {peer: reason}, "commitments": {"s":
+        [hex], "b": [hex]}}``, one sealed share (of the sealed length) for each other site of U1 that it did not
+        refuse and one hash of each share it dealt (U1's order)."""
         what = f"shares of site {site}"
         if not isinstance(message, dict) or not isinstance(message.get("shares"), dict):
             raise PayloadError(f"{what}: expected an object with 'shares'")
@@ -275,6 +430,15 @@ class ServerParty:
             raise PayloadError(f"{what}: expected one sealed share for each of {accepted}")
         for v in accepted:
             _hex(shares[v], _SEALED, f"share of site {site} for {v}")
+        commitments = message.get("commitments")
+        if not isinstance(commitments, dict) or any(
+            not isinstance(commitments.get(k), list) or len(commitments[k]) != len(self.order) for k in ("s", "b")
+        ):
+            raise PayloadError(f"{what}: expected 'commitments' with {len(self.order)} hashes under 's' and 'b'")
+        self.commitments[site] = {
+            k: [_hex(h, KEY_BYTES, f"{what}: commitment {k}[{i}]") for i, h in enumerate(commitments[k])]
+            for k in ("s", "b")
+        }
         self.sealed[site] = dict(shares)
         self.refusals[site] = {u: str(why)[:_MAX_REASON] for u, why in refused.items()}
 
@@ -349,8 +513,9 @@ class ServerParty:
         self.inputs[site] = np.concatenate([*parts, check.detach().cpu().numpy()]).view(np.uint64)
         self.weights[site] = float(weight)
 
-    def reveal_config(self) -> dict[str, Any]:
-        """Step 4's task config: who dropped after masking and who survived."""
+    def consistency_config(self) -> dict[str, Any]:
+        """The consistency round's task config: who dropped after masking and who survived (U3), the same for
+        every survivor."""
         survived = [u for u in self.masking if u in self.inputs]
         if len(survived) < 2:
             raise PayloadError(f"secure aggregation needs at least 2 masked inputs; {len(survived)} arrived")
@@ -359,6 +524,36 @@ class ServerParty:
             "dropped": [u for u in self.masking if u not in self.inputs],
             "survived": survived,
         }
+
+    def accept_attestation(self, site: str, message: Any) -> None:
+        """A survivor's attestation of U3 (``{"signature": hex}`` or ``{"macs": {peer: hex}}``, checked by the
+        sites, not here: the server holds no key that verifies a MAC); :class:`PayloadError` if malformed."""
+        what = f"attestation of site {site}"
+        if site not in self.consistency_config()["survived"]:
+            raise PayloadError(f"{what}: the site is not a survivor")
+        ok = isinstance(message, dict) and (
+            (isinstance(message.get("signature"), str) and len(message["signature"]) <= _MAX_CERT)
+            or (
+                isinstance(message.get("macs"), dict)
+                and all(isinstance(v, str) and len(v) == 64 for v in message["macs"].values())
+                and set(message["macs"]) <= set(self.order)
+            )
+        )
+        if not ok:
+            raise PayloadError(f"{what}: expected {{'signature': hex}} or {{'macs': {{peer: hex}}}}")
+        self.attestations[site] = message
+
+    def reveal_config(self) -> dict[str, Any]:
+        """Step 4's task config: who dropped after masking, who survived and the survivors' attestations; sent to
+        the survivors that attested (at least t of them, or :class:`PayloadError`)."""
+        cfg = self.consistency_config()
+        t = secagg.threshold_for(len(self.order))
+        attested = {u: self.attestations[u] for u in cfg["survived"] if u in self.attestations}
+        if len(attested) < t:
+            raise PayloadError(
+                f"exchange {self.exchange}: {len(attested)} survivors attested the survivor set, t = {t} needed"
+            )
+        return {**cfg, "attestations": attested}
 
     # step 4
     def check_share(self, holder: str, owner: str, value: Any) -> tuple[int, bytes]:
@@ -372,11 +567,13 @@ class ServerParty:
     def unmask(self, reveals: Mapping[str, Any], log=print) -> tuple[dict[str, torch.Tensor], float, list[str]]:
         """Rebuild b_u of the survivors and s_d of the dropped from the step-4 replies ``{holder: message}``,
         remove their masks, check the sum's check word and decode: ``(Σ_u weight_u · arrays_u (float64; integer
-        tensors summed), Σ_u weight_u, the sites summed)``.  A malformed or non-fitting share is logged and set
-        aside; a wrong check word raises :class:`SumRejected` (the sum must not be used)."""
-        cfg = self.reveal_config()
+        tensors summed), Σ_u weight_u, the sites summed)``.  A malformed share, or one whose hash is not the one
+        its owner committed to in step 2, is logged and set aside (one hash per share: O(K), no search over
+        subsets of t shares); a wrong check word raises :class:`SumRejected` (the sum must not be used)."""
+        cfg = self.consistency_config()
         dropped, survived = cfg["dropped"], cfg["survived"]
         t = secagg.threshold_for(len(self.order))
+        holders = {self.order.index(u) + 1: u for u in self.order}
         collected: dict[tuple[str, str], dict[int, bytes]] = {}
         for holder, message in reveals.items():
             if holder not in survived or not isinstance(message, dict):
@@ -392,8 +589,17 @@ class ServerParty:
                     except PayloadError as e:
                         log(f"[secagg] rejected: {e}")
                         continue
+                    committed = self.commitments.get(owner, {}).get(kind)
+                    if (
+                        committed is not None
+                        and secagg.share_commitment(self.exchange, owner, kind, i, share) != committed[i - 1]
+                    ):
+                        log(
+                            f"[secagg] rejected: the share of site {owner}'s {'mask key' if kind == 's' else 'self-mask seed'} "
+                            f"from site {holder} is not the one site {owner} committed to"
+                        )
+                        continue
                     collected.setdefault((kind, owner), {})[i] = share
-        holders = {self.order.index(u) + 1: u for u in self.order}
         secrets: dict[tuple[str, str], bytes] = {}
         for kind, owners in (("s", dropped), ("b", survived)):
             for owner in owners:

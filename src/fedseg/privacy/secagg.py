@@ -31,11 +31,14 @@ function:
   are split with Shamir's scheme (pycryptodome's ``Shamir``, which shares 16-byte secrets: each secret
   is two halves shared with the same indices) among all K sites of the exchange, the owner included,
   with threshold t = ⌊K/2⌋ + 1.  Any t surviving sites can rebuild the secret the server is entitled to;
-  fewer cannot, and since an honest site reveals for each peer only one of its two shares, a server
-  cannot collect t shares of both secrets of one site.  A rebuilt secret is checked against what its
-  owner published before masking (the public key S_u, the hash of b_u), and a share that does not fit
-  is set aside (:func:`recover` tries the other subsets of t shares), so a malformed or replayed share
-  is rejected with :class:`~fedseg.foundation.errors.PayloadError` and the sum still comes out.
+  fewer cannot, and since an honest site reveals for each peer only one of its two shares, and only for
+  the one survivor set that t sites attested (:mod:`fedseg.privacy.protocol`), a server cannot
+  collect t shares of both secrets of one site.  A rebuilt secret is checked against what its
+  owner published before masking (the public key S_u, the hash of b_u).  The server first checks each share
+  against the hash its dealer published (:func:`share_commitment`) and sets aside one that does not
+  match; :func:`recover` still tries other subsets of t shares if the matching ones do not rebuild the
+  published secret, so a malformed or replayed share is rejected with
+  :class:`~fedseg.foundation.errors.PayloadError` and the sum still comes out.
 * **Sealed shares** (:func:`seal`, :func:`unseal`).  A share travels through the server encrypted and
   authenticated with ChaCha20-Poly1305 under a key both sites derive from their ``c`` key pairs, with
   the exchange, sender and recipient as associated data: the server cannot read it, and one replayed
@@ -58,9 +61,9 @@ the masks cancel exactly — the unmasked sum, and so every model, does not depe
 masked bytes on the wire differ from run to run.  Functions that make keys take ``private=`` bytes for
 tests (e.g. from :func:`fedseg.foundation.seeding.generator`).
 
-Bonawitz's signatures of the keys are :mod:`fedseg.privacy.identity`'s.  Not implemented: the
-consistency-check round (it defends against a server that lies to sites about who dropped, i.e. an
-actively malicious server) and SecAgg+'s sparse neighbour graph (cost O(K²) pairs here, fine for cross-silo federations of a few to a few dozen sites).
+Bonawitz's signatures of the keys are :mod:`fedseg.privacy.identity`'s, the consistency check and the
+sites' own checks against an active server :mod:`fedseg.privacy.protocol`'s.  Not implemented: SecAgg+'s
+sparse neighbour graph (cost O(K²) pairs here, fine for cross-silo federations of a few to a few dozen sites).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ __all__ = [
     "recover",
     "seal",
     "seed_digest",
+    "share_commitment",
     "shared_key",
     "split",
     "threshold_for",
@@ -268,6 +272,15 @@ def canary(exchange: str, site: str) -> np.uint64:
 def seed_digest(seed: bytes, exchange: str) -> bytes:
     """SHA-256 of a self-mask seed and the exchange: what its owner publishes so a rebuilt seed can be checked."""
     return hashlib.sha256(b"fedseg secagg self-mask " + exchange.encode() + b" " + seed).digest()
+
+
+def share_commitment(exchange: str, owner: str, kind: str, index: int, share: bytes) -> bytes:
+    """SHA-256 of one Shamir share (``kind`` "s" or "b" of ``owner``'s secrets, holder ``index``) bound to the
+    exchange: what the owner publishes for each share it deals (step 2), so that the server checks each revealed
+    share on its own, O(K) hashes, instead of trying subsets of t shares.  A share is 32 bytes that hold two
+    uniformly distributed field elements, so its hash hides it (inverting it is a 2^128 search)."""
+    head = f"fedseg secagg share {exchange} {owner} {kind} {index} ".encode()
+    return hashlib.sha256(head + share).digest()
 
 
 def mask(

@@ -168,6 +168,16 @@ class Algorithm:
         a run asking for it then stops at once with this reason."""
         return "its server reads each site's reply on its own, not only their sum"
 
+    summed_kinds: ClassVar[frozenset[str]] = frozenset()
+    """The site task kinds whose replies this method's server sums under ``privacy.secure_aggregation`` (its
+    site half's declaration, :meth:`summed`)."""
+
+    def summed(self, task: Task) -> bool:
+        """Whether the server sums the reply to ``task`` under secure aggregation: a site whose own config has
+        ``privacy.secure_aggregation`` on then never sends it unmasked (:meth:`fedseg.site.runtime.Site.handle`
+        refuses such a task without the ``secagg`` field).  Default: ``task.kind`` in :attr:`summed_kinds`."""
+        return task.kind in self.summed_kinds
+
     def fp16_unsupported(self) -> str | None:
         """The part of this method's site work that fp16 loss scaling cannot serve (it uses raw
         gradients outside an optimizer step), or None; a run asking for fp16 then stops at once."""

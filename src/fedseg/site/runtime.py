@@ -61,6 +61,8 @@ class SiteHalf(Protocol):
 
     def optimizer_params(self, site: Site, role: str) -> list[torch.Tensor]: ...
 
+    def summed(self, task: Task) -> bool: ...
+
 
 __all__ = [
     "LocalExecutor",
@@ -294,6 +296,9 @@ class Site:
         (a simulation that vectorizes its sites sets its :class:`SiteExecutor` here)."""
         self.dp = SiteDP(self)
         """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
+        self.secagg_record = secure.Record()
+        """What this site masked per (task kind, round, step) (:class:`fedseg.site.secure.Record`): not part of
+        its saved state, so restoring a checkpoint does not rewind it; a deployed site keeps it in a file."""
         self.identity: Identity | None = None
         """The site's certificate and private key, which sign its secure-aggregation keys
         (:mod:`fedseg.privacy.identity`); set by a deployed site from its startup kit, None in simulation."""
@@ -313,6 +318,19 @@ class Site:
                 f"site {self.name}: task kind {task.kind!r} is not handled by method {self.algorithm.name!r} "
                 f"(known: {[*sorted(self._handlers), 'evaluate']}); server and site must run the same method"
             )
+        if self.cfg.privacy.secure_aggregation and self.algorithm.summed(task):
+            if "secagg" not in task.config:
+                raise PayloadError(
+                    f"site {self.name}: privacy.secure_aggregation is on in this site's config and the server sums "
+                    f"the reply to {task.kind!r}; this task comes without secure aggregation, so the site refuses it "
+                    "(it never sends such a reply unmasked)"
+                )
+            if task.config.get("steps") is not None:
+                raise PayloadError(
+                    f"site {self.name}: a {task.kind!r} task that the server sums securely sets steps = "
+                    f"{task.config['steps']!r}; the site's local work comes from its own config "
+                    "(train.local_steps / train.local_epochs), not from the task"
+                )
         reply = handler(self, task)
         if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
             reply = secure.mask_reply(self, task, reply)

@@ -1,12 +1,28 @@
 """A site's half of secure aggregation (:mod:`fedseg.privacy.protocol`): the built-in task kinds of its
-steps 1, 2 and 4, and the masking of a reply whose task asks for it (step 3).
+steps 1, 2, the consistency round and step 4, and the masking of a reply whose task asks for it (step 3).
 
-:meth:`fedseg.site.runtime.Site.handle` answers ``secagg/keys``, ``secagg/shares`` and ``secagg/reveal``
-here whatever the method, and passes every reply whose task carries ``config["secagg"]`` through
-:func:`mask_reply` before it leaves the site: the reply's arrays are replaced by their masked fixed-point
-encodings (``secagg/<name>``, int64), so no transport and no server code ever holds one site's plain
-arrays.  The exchange's keys and shares live in ``site.scratch`` (not saved: a site that restarts
-mid-exchange has lost its keys and counts as dropped; the others' sum still comes out).
+:meth:`fedseg.site.runtime.Site.handle` answers ``secagg/keys``, ``secagg/shares``, ``secagg/consistency``
+and ``secagg/reveal`` here whatever the method, and passes every reply whose task carries
+``config["secagg"]`` through :func:`mask_reply` before it leaves the site: the reply's arrays are replaced
+by their masked fixed-point encodings (``secagg/<name>``, int64), so no transport and no server code ever
+holds one site's plain arrays.  The exchange's keys and shares live in ``site.scratch`` (not saved: a site
+that restarts mid-exchange has lost its keys and counts as dropped; the others' sum still comes out).
+
+**What the site checks itself** (against a server that sends what it likes): it keys and masks only with at
+least ``privacy.secagg_min_sites`` sites and a majority t of those keyed; it attests and reveals only for lists
+that split the set it masked with exactly, and reveals only after t survivors attested the same survivor set
+(:class:`~fedseg.privacy.protocol.SiteParty`).  Its :class:`Record` (``site.secagg_record``) keeps, per
+(task kind, round, step), the set it masked with, the hash of its input and the survivor set it attested: a
+second masked reply for the same (kind, round, step) goes out only for the same input bits, masked with the
+same set or with the survivor set it attested (a round resumed after a site dropped), and it attests no other
+survivor set.  Every honest site attests at most one set per key, and a sum needs t > K/2 attestations, so
+all the sums of one key that come out are over one set of sites and the same inputs: two sums whose
+difference would be one site's input never both come out.  The record is not part of the site's saved state
+(:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not rewind it; a deployed site
+keeps it in ``WORKDIR/<run_id>/secagg_record.jsonl``.  With ``privacy.secure_aggregation`` on in the site's
+own config, :meth:`~fedseg.site.runtime.Site.handle` refuses a task whose reply the method sums
+(:meth:`fedseg.seams.algorithm.Algorithm.summed`) when it comes without the ``secagg`` field or with a
+``steps`` count (the local work comes from the site's config).
 
 A site with an identity (``site.identity``: its certificate and private key, from its FLARE startup kit when
 deployed, :mod:`fedseg.privacy.identity`) signs its keys and checks its peers' before it shares with them; a
@@ -16,7 +32,10 @@ signs and checks nothing.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from fedseg.foundation.config import RunConfig
@@ -36,12 +55,74 @@ class Site(Protocol):
     identity: Identity | None
 
 
-__all__ = ["KINDS", "handle", "mask_reply", "weights_by_name"]
+__all__ = ["KINDS", "RECORD_NAME", "Record", "handle", "mask_reply", "record_of", "weights_by_name"]
 
-KINDS = ("secagg/keys", "secagg/shares", "secagg/reveal")
-"""The task kinds of secure aggregation's setup and unmasking steps, answered by every site."""
+KINDS = ("secagg/keys", "secagg/shares", "secagg/consistency", "secagg/reveal")
+"""The task kinds of secure aggregation's setup, consistency and unmasking steps, answered by every site."""
+
+RECORD_NAME = "secagg_record.jsonl"
+"""File name of a deployed site's :class:`Record` in its run folder."""
 
 _SCRATCH = "secagg"
+
+
+class Record:
+    """What a site masked, per ``"<task kind>|<round>|<step>"``: ``{"masked": U2 (sorted), "input": SHA-256 of the
+    encoded input (hex), "survived": the U3 it attested (sorted) or None}``.  In memory, and with ``path`` also
+    in an append-only file of JSON lines (``{"key": …, "entry": …}``, the last line of a key holding), each
+    change appended and flushed to disk before the reply leaves the site, read back on creation."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else None
+        self.entries: dict[str, dict[str, Any]] = {}
+        if self.path is not None and self.path.is_file():
+            fix = (
+                "restore it from a backup (deleting it lets the server ask this site again for replies it already sent)"
+            )
+            try:
+                lines = self.path.read_text().splitlines()
+            except OSError as e:
+                raise PayloadError(f"the secure-aggregation record {self.path} is unreadable ({e}); {fix}") from None
+            for i, line in enumerate(lines):
+                try:
+                    item = json.loads(line)
+                    key, entry = item["key"], item["entry"]
+                except (ValueError, KeyError, TypeError) as e:
+                    if i == len(lines) - 1:  # a last line cut short by a crash: that change never left the site
+                        break
+                    raise PayloadError(
+                        f"the secure-aggregation record {self.path} is unreadable at line {i + 1} ({e}); {fix}"
+                    ) from None
+                if not isinstance(key, str) or not isinstance(entry, dict):
+                    raise PayloadError(
+                        f"the secure-aggregation record {self.path}: line {i + 1} is not a key and an entry; {fix}"
+                    )
+                self.entries[key] = entry
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        self.entries[key] = entry
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": key, "entry": entry}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def record_of(site: Site) -> Record:
+    """``site.secagg_record``, an in-memory :class:`Record` made on first use when the site has none."""
+    record = getattr(site, "secagg_record", None)
+    if record is None:
+        record = Record()
+        site.secagg_record = record  # type: ignore[attr-defined]
+    return record
+
+
+def _key(task: Task) -> str:
+    return f"{task.kind}|{task.config.get('round')}|{task.config.get('step')}"
 
 
 def _party(site: Site, config: dict[str, Any]) -> SiteParty:
@@ -56,20 +137,45 @@ def _party(site: Site, config: dict[str, Any]) -> SiteParty:
 
 
 def handle(site: Site, task: Task) -> Reply:
-    """Steps 1, 2 and 4: advertise fresh keys, send sealed shares, reveal the shares the server may have."""
+    """Steps 1, 2, the consistency round and step 4: advertise fresh keys, send sealed shares, attest the
+    survivor set (once per (kind, round, step), :class:`Record`), reveal the shares the server may have; after
+    a reveal, ``site.dp.on_reveal(exchange, masked, survived)`` when the site's DP has that hook."""
     if task.kind == "secagg/keys":
         exchange = task.config.get("exchange")
         if not isinstance(exchange, str) or not exchange:
             raise PayloadError(f"site {site.name}: a secure-aggregation exchange needs an id")
-        party = SiteParty(site.name, exchange, site.identity)
+        party = SiteParty(site.name, exchange, site.identity, site.cfg.privacy.secagg_min_sites)
         site.scratch[_SCRATCH] = party
         return Reply(metrics={"secagg": party.advertise()})
     party = _party(site, task.config)
     if task.kind == "secagg/shares":
         return Reply(metrics={"secagg": party.share(task.config.get("order", []), task.config.get("keys", {}))})
+    dropped, survived = task.config.get("dropped", []), task.config.get("survived", [])
+    if task.kind == "secagg/consistency":
+        key = party.record_key
+        if key is None:
+            raise PayloadError(f"site {site.name}: exchange {party.exchange} has no masked input of this site")
+        record = record_of(site)
+        entry = record.get(key) or {}
+        if not isinstance(survived, list) or not all(isinstance(u, str) for u in survived):
+            raise PayloadError(
+                f"site {site.name}: the survivor list of exchange {party.exchange} is not a list of names"
+            )
+        before = entry.get("survived")
+        if before is not None and before != sorted(survived):
+            raise PayloadError(
+                f"site {site.name}: attested the survivors {before} for {key} already; it does not attest "
+                f"{sorted(survived)} (two sums over different sets would give the difference of their inputs)"
+            )
+        attestation = party.attest(dropped, survived)
+        record.put(key, {**entry, "survived": sorted(survived)})
+        return Reply(metrics={"secagg": attestation})
     if task.kind == "secagg/reveal":
-        shares = party.reveal(task.config.get("dropped", []), task.config.get("survived", []))
+        shares = party.reveal(dropped, survived, task.config.get("attestations"))
         site.scratch.pop(_SCRATCH, None)  # the exchange is over for this site
+        hook = getattr(getattr(site, "dp", None), "on_reveal", None)
+        if hook is not None:
+            hook(party.exchange, list(party.masked_with), list(survived))
         return Reply(metrics={"secagg": shares})
     raise PayloadError(f"site {site.name}: unknown secure-aggregation task {task.kind!r}")
 
@@ -80,6 +186,12 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     their dtypes and which peers' shares did not open."""
     config = task.config["secagg"]
     party = _party(site, config)
+    rnd = task.config.get("round")
+    if isinstance(rnd, bool) or not isinstance(rnd, int) or not 1 <= rnd <= site.cfg.rounds:
+        raise PayloadError(
+            f"site {site.name}: a masked reply for round {rnd!r}; this site's run has rounds 1..{site.cfg.rounds} "
+            "and sends one masked reply per task kind, round and step"
+        )
     bits = site.cfg.privacy.secagg_fraction_bits
     if config.get("fraction_bits") != bits:
         raise PayloadError(
@@ -90,6 +202,21 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     arrays, dtypes, unopened = party.mask(
         reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits
     )
+    key, record = _key(task), record_of(site)
+    entry = record.get(key)
+    masked = sorted(party.masked_with)
+    if entry is not None and (
+        entry.get("input") != party.input_digest or masked not in (entry.get("masked"), entry.get("survived"))
+    ):
+        raise PayloadError(
+            f"site {site.name}: sent its masked reply for {key} already (masked with {entry.get('masked')}, "
+            f"survivors attested {entry.get('survived')}); it sends another only with the same input and the same "
+            f"sites or the survivors it attested, not with {masked} or another input (the difference of two sums "
+            "over different sets is one site's input)"
+        )
+    if entry is None:
+        record.put(key, {"masked": masked, "input": party.input_digest, "survived": None})
+    party.record_key = key
     metrics = {**reply.metrics, "secagg": {"dtypes": dtypes, "unopened": unopened}}
     return Reply(arrays=arrays, metrics=metrics, num_samples=reply.num_samples)
 

@@ -309,6 +309,13 @@ class FedSM(Algorithm):
     def secure_aggregation_unsupported(self) -> str | None:
         return sm_secure.unsupported(self)
 
+    def summed(self, task: Task) -> bool:
+        """The round's ``"train"`` reply (:func:`.secure.train_round`) and each lockstep step's gradient of the
+        selector or the global model (``step`` set) are summed."""
+        if task.kind in ("selector_step", "global_step"):
+            return task.config.get("step") is not None
+        return task.kind == "train"
+
     def _fedaws_step(self, ctx: ServerContext, averaged: Arrays, replied: dict[str, Reply]) -> Arrays:
         """FedAwS's server step on the averaged Eq. 2 selector (:func:`.fedaws.server_step`): each class
         embedding from its site, then the spread-out step."""

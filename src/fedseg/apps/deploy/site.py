@@ -51,6 +51,7 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy.identity import Identity, load_identity
 from fedseg.seams.checkpoint import restore_site, save_site
 from fedseg.site.runtime import Site, SiteData, dataset_len
+from fedseg.site.secure import RECORD_NAME, Record
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = [
@@ -301,6 +302,7 @@ class SiteRuntime:
             if why:
                 self.site = None
                 return self._refuse(why)
+        self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
         if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
             self.site.identity = self._identity()
         log.info(
