@@ -411,8 +411,11 @@ class Engine:
                 "epsilon_budget": cfg.privacy.epsilon,
                 "accountant": cfg.privacy.accountant,
                 "clip": cfg.privacy.clip,
+                "dp_randomness": cfg.privacy.dp_randomness,
+                # "seeded": the server knows the seed, regenerates the noise and the batches: no ε holds against it
+                "epsilon_against_server": "inf" if cfg.privacy.dp_randomness == "seeded" else "epsilon",
                 "sites": {
-                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps")}
+                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches")}
                     for s, r in report.items()
                 },
                 "stopped_after_round": stopped_at,

@@ -268,9 +268,16 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
     planned rounds (one of the two must be set when dp is on)."""
+    dp_randomness: Literal["os", "seeded"] = "os"
+    """Where DP noise and DP batch sampling come from.  'os': a fresh key from the operating system's
+    CSPRNG for every draw, never stored or sent, so no other party (the server, which knows the run seed,
+    included) can regenerate the noise or predict the batches.  'seeded': keys derived from the run seed
+    and the site index, for bitwise reproducible tests only; the server can then regenerate every draw, so
+    the results record ε against the server as ∞."""
     budget_action: Literal["stop", "warn"] = "stop"
-    """When a round would take a site's ε past ``epsilon``: 'stop' ends training before that round (the
-    checkpoint of the last round saved, the run then tested), 'warn' says so in the log and trains on."""
+    """When the server's forecast says a round would take a site's ε past ``epsilon``: 'stop' ends training
+    before that round (the checkpoint of the last round saved, the run then tested), 'warn' says so in the
+    log and trains on.  Either way each site refuses any privatized step past ``epsilon`` itself."""
     accountant: Literal["rdp", "prv"] = "rdp"
     """Opacus' accountant of the ε per site: 'rdp' (Rényi DP of the subsampled Gaussian mechanism) or
     'prv' (privacy random variables, tighter)."""
@@ -292,6 +299,12 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.dp = {self.dp!r} needs privacy.epsilon (a target, e.g. --set privacy.epsilon=8) "
                 "or privacy.noise_multiplier (e.g. --set privacy.noise_multiplier=1.0)"
+            )
+        if self.dp == "client" and not self.secure_aggregation:
+            raise ConfigError(
+                "privacy.dp = 'client' needs privacy.secure_aggregation = true: each site adds only 1/K of the "
+                "noise's variance, which covers the server's sum but not one site's update seen in the clear "
+                "(--set privacy.secure_aggregation=true)"
             )
         if not 8 <= self.secagg_fraction_bits <= 52:
             raise ConfigError(

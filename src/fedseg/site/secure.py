@@ -34,6 +34,7 @@ class Site(Protocol):
     cfg: RunConfig
     scratch: dict[str, Any]
     identity: Identity | None
+    dp: Any  # fedseg.site.dp.SiteDP: books client-level DP's noise by the survivors when the site reveals
 
 
 __all__ = ["KINDS", "handle", "mask_reply", "weights_by_name"]
@@ -69,6 +70,7 @@ def handle(site: Site, task: Task) -> Reply:
         return Reply(metrics={"secagg": party.share(task.config.get("order", []), task.config.get("keys", {}))})
     if task.kind == "secagg/reveal":
         shares = party.reveal(task.config.get("dropped", []), task.config.get("survived", []))
+        site.dp.on_reveal(party.exchange, list(party.order), list(task.config.get("survived", [])))  # ε booked first
         site.scratch.pop(_SCRATCH, None)  # the exchange is over for this site
         return Reply(metrics={"secagg": shares})
     raise PayloadError(f"site {site.name}: unknown secure-aggregation task {task.kind!r}")

@@ -223,6 +223,8 @@ class SiteRuntime:
         algorithm = get_algorithm(cfg)
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
+        if cfg.privacy.dp != "off":  # the site's privacy ledger: outside the round checkpoints, never restored
+            self.site.dp.ledger.attach(Path(self.config.workdir) / "privacy-ledger.jsonl", run=run_id)
         if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
             self.site.identity = self._identity()
         log.info(
