@@ -254,8 +254,10 @@ class PrivacyConfig:
     it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
     site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
     dp: Literal["off", "sample", "client"] = "off"
-    """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
-    ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
+    """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise on Poisson-sampled
+    batches; each site books ε in its own ledger and refuses steps past ``epsilon``); 'client': each site's
+    update clipped with its share of the Gaussian noise, masked under secure aggregation (needs
+    ``secure_aggregation = true``); 'off': none."""
     epsilon: float | None = None
     """Privacy budget ε per site for the whole run (> 0).  Without ``noise_multiplier`` the noise multiplier
     is derived so that the planned rounds spend at most ε; with it, ε is a budget the run checks before
