@@ -309,3 +309,43 @@ def test_client_level_k_comes_from_the_keyed_exchange_and_dropouts_are_charged(w
     with pytest.raises(PayloadError, match="privacy.epsilon"):
         tight.dp.client_update("global", start, task)
     assert tight.dp.ledger.entries == []
+
+
+# ------------------------------------------------------------------------------ a deployed site's ledger
+def test_a_deployed_sites_restore_does_not_rewind_its_ledger(wl, tmp_path):
+    """Acting as the server over a deployed site's operations (setup, task, checkpoint, restore): ε after a
+    ``restore`` of the round-0 checkpoint is the ε before it; the ledger is a JSON-lines file in the site's
+    workdir outside the round checkpoints, and a restarted site (a new runtime set up for the same run)
+    reads it back."""
+    import json
+
+    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.execution.remote.wire import decode_reply, encode_task
+    from fedseg.foundation.config import dump_toml
+
+    cfg = dataclasses.replace(tiny_config("fga", rounds=2), privacy=_privacy())
+    data = tiny_sites(2)
+
+    def runtime() -> SiteRuntime:
+        rt = SiteRuntime(
+            SiteConfig("site1", "(in memory)", str(tmp_path / "work")), loader=lambda *a: (data["site1"], wl)
+        )
+        desc = {"run_id": "r1", "sites": list(data), "data": {}, "config_toml": dump_toml(cfg.to_dict())}
+        rt.call("setup", json.dumps(desc).encode())
+        return rt
+
+    def epsilon(rt: SiteRuntime) -> float:
+        return decode_reply(rt.call("task", encode_task(Task("privacy", {}, {})))).metrics["epsilon"]
+
+    rt = runtime()
+    rt.call("checkpoint", b'{"round": 0}')
+    rt.call("task", encode_task(_fga_task(wl)))
+    spent = epsilon(rt)
+    assert spent > 0
+    rt.call("restore", b'{"round": 0}')
+    assert epsilon(rt) == spent
+    ledger = tmp_path / "work" / "privacy-ledger.jsonl"
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [e["kind"] for e in lines] == ["sample"] and lines[0]["run"] == "r1"
+    assert not list((tmp_path / "work" / "r1").glob("round-*/**/privacy-ledger.jsonl"))
+    assert epsilon(runtime()) == spent
