@@ -350,3 +350,17 @@ def test_client_level_dp_clips_each_update_and_accounts_per_round(wl, tmp_path):
     assert res["privacy"]["sites"]["site1"]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5))
     with pytest.raises(ConfigError, match="fedavg.weighting = 'even'"):
         get_algorithm(dataclasses.replace(cfg, method="fedavg"))
+
+
+@pytest.mark.slow
+def test_lockstep_overshoot_stops_cleanly_before_a_site_refuses(wl):
+    """FGA with sites of 6, 8 and 10 cases (2, 2 and 3 batches a round): lockstep takes 3 steps a round at every
+    site, more than the smaller sites planned their σ for.  Each site's forecast repeats what it booked in the
+    last round, so the server stops before the round a site would refuse (its own budget), every site ends
+    within privacy.epsilon and no site refuses a step."""
+    cfg = _dp_config("fga", rounds=4, epsilon=8.0, noise_multiplier=None)
+    lines: list[str] = []
+    res = simulate(cfg, wl, tiny_sites(3), progress=False, log=lines.append)
+    assert res["privacy"]["stopped_after_round"] == 2
+    assert all(v["epsilon"] <= 8.0 for v in res["privacy"]["sites"].values())
+    assert all(v["steps"] == 6 for v in res["privacy"]["sites"].values())

@@ -142,6 +142,7 @@ class SiteDP:
         self._drawn: dict[tuple[int, str, str, int], tuple[str, torch.Tensor]] = {}
         self._current: str | None = None
         self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
+        self._reported: int | None = None  # ledger entries at the last report (in this process)
 
     # ------------------------------------------------------------- accounting
     @property
@@ -262,12 +263,24 @@ class SiteDP:
         (``dp_randomness = "seeded"``: it can)."""
         return "∞" if self.random.seeded else "ε"
 
+    def forecast(self) -> float:
+        """ε after one more round: the larger of the planned round's and a repeat of what was booked since the
+        last report (a lockstep round can take more batches than this site's plan: the largest site's)."""
+        planned = self.epsilon(extra_rounds=1)
+        entries = self.ledger.entries
+        if self._reported is None or self.client:
+            return planned
+        again = [{**e, "batch": f"{e['batch']}+next"} for e in entries[self._reported :] if e.get("kind") == "sample"]
+        return max(planned, self.epsilon(extra=again)) if again else planned
+
     def report(self) -> dict[str, Any]:
-        """What the engine records per site and round: ε spent, ε after one more planned round, σ, q, releases
-        booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞)."""
+        """What the engine records per site and round: ε spent, ε after one more round (:meth:`forecast`), σ, q,
+        releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞)."""
+        epsilon_next = self.forecast()
+        self._reported = len(self.ledger.entries)
         return {
             "epsilon": self.epsilon(),
-            "epsilon_next": self.epsilon(extra_rounds=1),
+            "epsilon_next": epsilon_next,
             "noise_multiplier": self.sigma,
             "sample_rate": self.sample_rate,
             "steps": self.steps(),
