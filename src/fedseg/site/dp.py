@@ -127,6 +127,40 @@ class Ledger:
         self.entries.append(entry)
 
 
+class _Tally:
+    """The accountant's view of ledger entries: per batch (σ, q, models), per exchange its latest (σ_eff, q),
+    and the count of each (σ_eff, q) — :meth:`SiteDP.history`."""
+
+    def __init__(self, counts: dict[tuple[float, float], int], source: list | None = None):
+        self.counts = counts
+        self.batches: dict[str, tuple[float, float, int]] = {}
+        self.exchanges: dict[str, tuple[float, float]] = {}
+        self.source, self.seen = source, 0
+
+    def add(self, e: dict[str, Any], fallback: _Tally | None = None) -> None:
+        if e["kind"] == "sample":
+            key = e["batch"]
+            prior = self.batches.get(key) or (fallback.batches.get(key) if fallback is not None else None)
+            if prior is not None:
+                self._count((prior[0] / math.sqrt(prior[2]), prior[1]), -1)
+            if prior is not None:
+                sigma, q, m = prior[0], prior[1], prior[2] + 1
+            else:
+                sigma, q, m = e["sigma"], e["q"], 1
+            self.batches[key] = (sigma, q, m)
+            self._count((sigma / math.sqrt(m), q), 1)
+        else:  # "client" / "reveal": the exchange's latest booking replaces its earlier one
+            key = e["exchange"]
+            prior = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
+            if prior is not None:
+                self._count(prior, -1)
+            self.exchanges[key] = (e["sigma"], e["q"])
+            self._count((e["sigma"], e["q"]), 1)
+
+    def _count(self, key: tuple[float, float], n: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+
 class SiteDP:
     """The differential privacy of one :class:`~fedseg.site.runtime.Site` (``site.dp``; module docstring)."""
 
@@ -143,6 +177,7 @@ class SiteDP:
         self._current: str | None = None
         self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
         self._reported: int | None = None  # ledger entries at the last report (in this process)
+        self._tallied: _Tally | None = None
 
     # ------------------------------------------------------------- accounting
     @property
@@ -211,22 +246,25 @@ class SiteDP:
     def history(self, extra: list[dict[str, Any]] | None = None) -> list[tuple[float, float, int]]:
         """The accountant history ``[(σ_eff, q, count)]`` of the ledger (plus ``extra`` entries not booked):
         a batch released by m models counts once at σ/√m; an update of a secure-aggregation exchange counts
-        once at its latest booking (the worst case, or what the revealed survivors give)."""
-        batches: dict[str, tuple[float, float, int]] = {}
-        exchanges: dict[str, tuple[float, float]] = {}
-        for e in [*self.ledger.entries, *(extra or [])]:
-            if e["kind"] == "sample":
-                sigma, q, m = batches.get(e["batch"], (e["sigma"], e["q"], 0))
-                batches[e["batch"]] = (sigma, q, m + 1)
-            else:  # "client" / "reveal": the latest booking of the exchange
-                exchanges[e["exchange"]] = (e["sigma"], e["q"])
-        counts: dict[tuple[float, float], int] = {}
-        for sigma, q, m in batches.values():
-            key = (sigma / math.sqrt(m), q)
-            counts[key] = counts.get(key, 0) + 1
-        for key in exchanges.values():
-            counts[key] = counts.get(key, 0) + 1
-        return [(s, q, t) for (s, q), t in sorted(counts.items())]
+        once at its latest booking (the worst case, or what the revealed survivors give).  The ledger's tally
+        is kept up to date incrementally (it only grows), so a check before every step costs O(1) entries."""
+        tally = self._tally()
+        counts = dict(tally.counts)
+        if extra:
+            overlay = _Tally(counts)
+            for e in extra:
+                overlay.add(e, fallback=tally)
+        return [(s, q, t) for (s, q), t in sorted(counts.items()) if t > 0]
+
+    def _tally(self) -> _Tally:
+        entries = self.ledger.entries
+        t = self._tallied
+        if t is None or t.source is not entries or t.seen > len(entries):
+            t = self._tallied = _Tally({}, source=entries)
+        for e in entries[t.seen :]:
+            t.add(e)
+        t.seen = len(entries)
+        return t
 
     def epsilon(self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None) -> float:
         """ε at ``privacy.delta`` of the ledger (plus ``extra_rounds`` planned rounds and ``extra`` entries)."""
@@ -245,6 +283,10 @@ class SiteDP:
         budget = self.settings.epsilon
         if budget is None:
             return
+        if self.settings.accountant != "rdp":  # RDP bounds the true ε: within it the step fits (PRV is slow)
+            hist = self.history([entry])
+            if accountant.epsilon(hist, self.settings.delta, "rdp") <= budget:
+                return
         after = self.epsilon(extra=[entry])
         if after > budget:
             raise PayloadError(
