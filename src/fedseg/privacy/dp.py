@@ -15,7 +15,7 @@ module type (MONAI's U-Net has ``InstanceNorm`` layers without affine weights, P
 convolutions), while ``torch.func`` differentiates whatever the model computes, the way fedseg's vectorized
 simulation already runs the workload loss.
 
-The noise of a step is drawn on the CPU (the same noise on every device) by the caller's ``normal(count, std)``:
+The noise of a step is drawn by the caller's ``normal(count, std)`` (on the device of the step):
 a site's :class:`fedseg.privacy.randomness.Randomness`, keyed by the operating system's CSPRNG so that no
 other party can regenerate it (or, in the test mode ``privacy.dp_randomness = "seeded"``, by the run seed).
 
@@ -122,13 +122,13 @@ def clip_per_sample(grads: Mapping[str, torch.Tensor], clip: float) -> tuple[dic
 
 
 Normal = Callable[[int, float], torch.Tensor]
-"""``normal(count, std)``: ``count`` draws of N(0, std²), float64 on the CPU
+"""``normal(count, std)``: ``count`` draws of N(0, std²) as one float64 vector, on any device
 (:meth:`fedseg.privacy.randomness.Randomness.normal` with its key bound)."""
 
 
 def noise_like(tensors: Mapping[str, torch.Tensor], std: float, normal: Normal) -> dict[str, torch.Tensor]:
-    """N(0, std²) for every element of ``tensors`` (same names, shapes, dtypes and devices), drawn on the
-    CPU by ``normal`` as one vector in the order of the names (so the same on every device)."""
+    """N(0, std²) for every element of ``tensors`` (same names, shapes, dtypes and devices), drawn by
+    ``normal`` as one vector in the order of the names."""
     total = sum(t.numel() for t in tensors.values())
     flat = normal(total, std)
     out, start = {}, 0

@@ -23,7 +23,8 @@ deviation s is then Opacus' ``secure_mode`` mitigation of floating-point attacks
 variance s² and whose floating-point value no longer exposes the single draw behind it.  ChaCha20 rather
 than ``torch.Generator`` seeded per draw: torch's Mersenne Twister is not a cryptographic generator, a
 64-bit seed is a smaller key than ChaCha20's 256 bits, and the cipher is the one secure aggregation already
-trusts.  The draws run on the CPU, so every device gets the same noise for the same key.
+trusts.  The keystream is drawn on the CPU; its conversion to uniforms and normals runs on the device
+the noise is for (the seeded mode is therefore bitwise reproducible on one kind of device).
 """
 
 from __future__ import annotations
@@ -69,17 +70,23 @@ class Randomness:
         text = repr((self._seed, self._index, *position)).encode()
         return hashlib.sha256(b"fedseg dp randomness " + text).digest()
 
-    def uniform(self, count: int, *position: object) -> torch.Tensor:
-        """``count`` uniforms in (0, 1), float64, on the CPU."""
-        words = expand(self.key(*position), max(int(count), 0))
-        u = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
-        return torch.from_numpy(u)
+    def uniform(self, count: int, *position: object, device: torch.device | str | None = None) -> torch.Tensor:
+        """``count`` uniforms in (0, 1), float64, on ``device`` (default the CPU; the keystream is always
+        the CPU's, its conversion runs on the device)."""
+        words = expand(self.key(*position), max(int(count), 0)).view(np.int64)
+        x = torch.from_numpy(words.copy()).to(device or "cpu")
+        # the word's top 53 bits (an arithmetic shift of its signed view, masked), as a float in (0, 1)
+        top = torch.bitwise_and(torch.bitwise_right_shift(x, 11), (1 << 53) - 1)
+        return top.to(torch.float64).add_(0.5).mul_(2.0**-53)
 
-    def normal(self, count: int, std: float, *position: object) -> torch.Tensor:
-        """``count`` draws of N(0, std²), float64, on the CPU: each the sum of 4 Box–Muller normals × std / 2."""
+    def normal(
+        self, count: int, std: float, *position: object, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """``count`` draws of N(0, std²), float64 on ``device`` (default the CPU): each the sum of 4
+        Box–Muller normals × std / 2."""
         count = max(int(count), 0)
         pairs = math.ceil(_SUMMED * count / 2)
-        u = self.uniform(2 * pairs, *position).view(pairs, 2)
+        u = self.uniform(2 * pairs, *position, device=device).view(pairs, 2)
         r = torch.sqrt(-2.0 * torch.log(u[:, 0]))
         theta = 2.0 * math.pi * u[:, 1]
         z = torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).reshape(-1)[: _SUMMED * count]

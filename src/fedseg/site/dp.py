@@ -381,7 +381,7 @@ class SiteDP:
             target,
             self.settings.clip,
             self.sigma,
-            lambda count, std: self.random.normal(count, std, *position),
+            lambda count, std: self.random.normal(count, std, *position, device=site.device),
             params=at,
             autocast=site.autocast,
             batch_size=self.batch_size,
@@ -473,7 +473,11 @@ class SiteDP:
         if self.random.seeded:
             site.store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
         position = ("client-noise", role, draw)
-        noise = noise_like(clipped, self.sigma * s.clip / k**0.5, lambda c, std: self.random.normal(c, std, *position))
+        noise = noise_like(
+            clipped,
+            self.sigma * s.clip / k**0.5,
+            lambda c, std: self.random.normal(c, std, *position, device=site.device),
+        )
         out = dict(arrays)
         out.update({n: start[n].to(clipped[n]) + clipped[n] + noise[n] for n in clipped})
         return out
