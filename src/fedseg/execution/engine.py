@@ -209,7 +209,7 @@ class Engine:
     # --------------------------------------------------------------- privacy
     def privacy_report(self) -> dict[str, dict[str, Any]] | None:
         """Under ``privacy.dp``: each site's ε so far, its ε after one more planned round, σ, q and its
-        privatized steps (a ``"privacy"`` task, answered by the site's accountant); None with dp off."""
+        privatized steps (a ``"privacy"`` task, answered by the site from its privacy ledger); None with dp off."""
         if self.cfg.privacy.dp == "off":
             return None
         replies = self.transport.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})

@@ -20,7 +20,8 @@ normals by Box–Muller (√(−2 ln u₁) cos 2πu₂, √(−2 ln u₁) sin 2�
 deviation s is then Opacus' ``secure_mode`` mitigation of floating-point attacks (Holohan & Braghin,
 "Secure random sampling in differential privacy", ESORICS 2021, §5.1 with n = 2; Opacus'
 ``opacus.optimizers.optimizer._generate_noise``): the sum of 2n = 4 standard normals times s / 2, which has
-variance s² and whose floating-point value no longer exposes the single draw behind it.  ChaCha20 rather
+variance s² and whose floating-point value no longer exposes the single draw behind it.  (Opacus also
+throws one draw away after seeding its generator; a ChaCha20 key used for one draw has no state to warm.)  ChaCha20 rather
 than ``torch.Generator`` seeded per draw: torch's Mersenne Twister is not a cryptographic generator, a
 64-bit seed is a smaller key than ChaCha20's 256 bits, and the cipher is the one secure aggregation already
 trusts.  The keystream is drawn on the CPU; its conversion to uniforms and normals runs on the device
