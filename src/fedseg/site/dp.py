@@ -173,8 +173,8 @@ class SiteDP:
         self.ledger = Ledger()
         """Every privatized release of this site (:class:`Ledger`); ε is computed from it."""
         self._sigma: float | None = None
-        self._drawn: dict[tuple[int, str, str, int], tuple[str, torch.Tensor]] = {}
-        self._current: str | None = None
+        self._drawn: dict[tuple[int, str, str, int], tuple[str, torch.Tensor, float, int]] = {}
+        self._current: tuple[str, float, int] | None = None  # the last batch drawn: (name, q, B)
         self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
         self._reported: int | None = None  # ledger entries at the last report (in this process)
         self._tallied: _Tally | None = None
@@ -345,8 +345,8 @@ class SiteDP:
             q = accountant.sample_rate(batch_size, n)
             idx = self.random.poisson(n, q, "batch", *key)
             name = f"{rnd}/{stream}/{split}/{step}" if self.random.seeded else os.urandom(8).hex()
-            got = self._drawn[key] = (name, idx)
-        self._current = got[0]
+            got = self._drawn[key] = (name, idx, q, int(batch_size))
+        self._current = (got[0], got[2], got[3])
         return got[1]
 
     # ------------------------------------------------------------------ steps
@@ -364,11 +364,13 @@ class SiteDP:
         site = self.site
         model = site.model(role)
         model.train()
-        batch = self._current
-        if batch is None:
-            batch = f"draw/{len(self.ledger.entries)}" if self.random.seeded else os.urandom(8).hex()
+        current = self._current
+        if current is None:  # not from :meth:`batch`: a batch of its own at the configured rate
+            name = f"draw/{len(self.ledger.entries)}" if self.random.seeded else os.urandom(8).hex()
+            current = (name, self.sample_rate, self.batch_size)
         self._current = None
-        entry = {"kind": "sample", "batch": batch, "role": role, "sigma": self.sigma, "q": self.sample_rate}
+        batch, q, expected = current
+        entry = {"kind": "sample", "batch": batch, "role": role, "sigma": self.sigma, "q": q}
         self._book(entry, f"a privatized step of model {role!r}")
         draw = int(site.store[_DRAWS]) if _DRAWS in site.store else 0
         if self.random.seeded:
@@ -384,7 +386,7 @@ class SiteDP:
             lambda count, std: self.random.normal(count, std, *position, device=site.device),
             params=at,
             autocast=site.autocast,
-            batch_size=self.batch_size,
+            batch_size=expected,
         )
 
     def fit(
