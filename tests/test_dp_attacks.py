@@ -349,3 +349,35 @@ def test_a_deployed_sites_restore_does_not_rewind_its_ledger(wl, tmp_path):
     assert [e["kind"] for e in lines] == ["sample"] and lines[0]["run"] == "r1"
     assert not list((tmp_path / "work" / "r1").glob("round-*/**/privacy-ledger.jsonl"))
     assert epsilon(runtime()) == spent
+
+
+def test_a_dropout_after_masking_is_charged_to_the_survivors(wl):
+    """Client-level DP under secure aggregation with K = 5 sites, one of whose masked updates is lost after
+    masking (the server drops it): the unmasked sum holds the noise of the 4 survivors only, and each survivor
+    books σ√(4/5) when it reveals (the site's hook in ``secagg/reveal``); the dropped site keeps the worst case
+    it booked before masking, σ√(t/K) with t = 3."""
+    from fedseg.algorithms.secure import secure_ask
+    from fedseg.simulation.runner import build_engine
+
+    cfg = dataclasses.replace(
+        tiny_config("fedavg-even", rounds=1),
+        privacy=PrivacyConfig(dp="client", noise_multiplier=SIGMA, clip=CLIP, secure_aggregation=True),
+    )
+    engine = build_engine(cfg, wl, tiny_sites(5), progress=False, log=lambda m: None)
+    ctx = engine.ctx
+    ask = ctx.ask
+
+    def lossy(tasks, optional=False):
+        replies = ask(tasks, optional)
+        if any(t.kind == "train" for t in tasks.values()):
+            replies.pop("site5", None)  # lost after it was masked
+        return replies
+
+    ctx.ask = lossy
+    state = _init(wl)
+    result = secure_ask(ctx, {s: Task("train", state, {"round": 1}) for s in ctx.sites}, "even")
+    assert sorted(result.replies) == [f"site{i}" for i in range(1, 5)]
+    for name in ctx.sites:
+        dp = engine.transport.site(name).dp
+        survivors = 4 if name != "site5" else 3  # site5: the worst case it booked, t = 3
+        assert dp.epsilon() == pytest.approx(accountant.epsilon([(SIGMA * math.sqrt(survivors / 5), 1.0, 1)], 1e-5))
