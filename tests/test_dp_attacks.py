@@ -381,3 +381,26 @@ def test_a_dropout_after_masking_is_charged_to_the_survivors(wl):
         dp = engine.transport.site(name).dp
         survivors = 4 if name != "site5" else 3  # site5: the worst case it booked, t = 3
         assert dp.epsilon() == pytest.approx(accountant.epsilon([(SIGMA * math.sqrt(survivors / 5), 1.0, 1)], 1e-5))
+
+
+def test_client_level_noise_is_not_regenerated_from_the_seed(wl):
+    """(a) at client level: the server regenerates a site's noise share N(0, σ²C²/K) from the seeded generator
+    of (seed, site index, "dp-client", role, 0) that fedseg drew it from, with K = the sites it masked with,
+    and subtracts it from the site's update; the OS-keyed share leaves an error larger than the update."""
+    site = _client_site(wl, noise_multiplier=SIGMA)
+    start = {k[len("global/") :]: v for k, v in _init(wl).items()}
+    model = site.load("global", start)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    trained = site.arrays("global")
+    order = [f"site{i}" for i in range(1, 6)]
+    site.scratch["secagg"] = _Party("x1", order)
+    out = site.dp.client_update("global", start, Task("train", {}, {"round": 1, "secagg": {"exchange": "x1"}}))
+    names = [k for k in out if out[k].is_floating_point()]
+    truth = torch.cat([(trained[k] - start[k]).double().flatten() for k in names])
+    assert float(truth.norm()) < CLIP  # not clipped: the update itself is what the noise hides
+    sent = torch.cat([(out[k] - start[k]).double().flatten() for k in names])
+    g = generator(site.cfg.seed, site.index, "dp-client", "global", 0)
+    regenerated = torch.randn(sent.numel(), generator=g, dtype=torch.float64) * SIGMA * CLIP / math.sqrt(5)
+    assert float((sent - regenerated - truth).norm() / truth.norm()) > 1.0
