@@ -1,5 +1,6 @@
-"""Differential privacy: DP-SGD's per-sample clipping and seeded noise, the accountant against Opacus' own,
-and DP-SGD in runs (ε recorded, budgets, refusals)."""
+"""Differential privacy: DP-SGD's per-sample clipping, its noise and Poisson sampling from the site's CSPRNG,
+the accountant against Opacus' own, and DP-SGD in runs (ε recorded, budgets, refusals).  Attacks by the server
+on the noise, the ledger and the budget: tests/test_dp_attacks.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from torch import nn
 
 from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.foundation.config import PrivacyConfig, RunConfig, SimulationConfig, load_run_config
-from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import accountant
 from fedseg.privacy.dp import clip_per_sample, per_sample_gradients, privatized_gradient, refuse_batch_norm
+from fedseg.privacy.randomness import Randomness
 from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 from helpers import assert_same_checkpoints, server_state, strip_times
@@ -82,22 +84,60 @@ def test_clipping_bounds_each_samples_contribution():
     assert diff <= 2 * clip + 1e-5
 
 
-def test_noise_is_seeded():
-    """The same generator seed gives bitwise the same privatized gradient; another seed another one."""
+def test_noise_is_fresh_unless_seeded():
+    """``dp_randomness = "os"``: the same run seed, site and draw position give other noise every time (a fresh
+    OS key per draw); ``"seeded"``: bitwise the same noise for the same (seed, site, position), other noise for
+    another seed."""
     torch.manual_seed(0)
     model = nn.Linear(6, 2)
     x, y = torch.randn(5, 6), torch.randn(5, 2)
 
-    def grad(seed: int) -> dict[str, torch.Tensor]:
-        return privatized_gradient(model, _mse, x, y, 1.0, 1.0, torch.Generator().manual_seed(seed))[0]
+    def grad(mode: str, seed: int) -> dict[str, torch.Tensor]:
+        rand = Randomness(mode, seed, 0)
+        return privatized_gradient(model, _mse, x, y, 1.0, 1.0, lambda n, s: rand.normal(n, s, "noise", 0))[0]
 
-    a, b, c = grad(1), grad(1), grad(2)
+    a, b, c = grad("seeded", 1), grad("seeded", 1), grad("seeded", 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not any(torch.equal(a[k], c[k]) for k in a)
+    d, e = grad("os", 1), grad("os", 1)
+    assert not any(torch.equal(d[k], e[k]) for k in d)
+
+
+def test_csprng_gaussian_and_uniform_distributions():
+    """The ChaCha20 → Box–Muller → sum-of-4 Gaussian is N(0, s²): for N = 200 000 draws the sample standard
+    deviation is within 5 standard errors (5 · s/√(2N)) of s, the mean within 5 s/√N, and a Kolmogorov–Smirnov
+    test against N(0, s²) does not reject at p = 10⁻⁶; the uniforms lie in the open interval (0, 1)."""
+    from scipy import stats
+
+    n, s = 200_000, 2.5
+    z = Randomness("os", 0, 0).normal(n, s).numpy()
+    assert z.dtype.name == "float64" and z.shape == (n,)
+    assert abs(z.std() - s) < 5 * s / math.sqrt(2 * n)
+    assert abs(z.mean()) < 5 * s / math.sqrt(n)
+    assert stats.kstest(z / s, "norm").pvalue > 1e-6
+    u = Randomness("os", 0, 0).uniform(n)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+
+
+def test_poisson_sampling_includes_each_case_with_probability_q():
+    """Poisson sampling at q: over T = 2 000 batches of n = 10 cases each case's inclusion count is Binomial(T, q);
+    every case's frequency lies within 5 standard errors √(q(1−q)/T) of q, and batch sizes vary (not fixed-size
+    batches)."""
+    rand, n, q, t = Randomness("os", 0, 0), 10, 0.3, 2000
+    counts = torch.zeros(n)
+    sizes = set()
+    for _ in range(t):
+        idx = rand.poisson(n, q)
+        counts[idx] += 1
+        sizes.add(int(idx.numel()))
+    se = math.sqrt(q * (1 - q) / t)
+    assert bool(((counts / t - q).abs() < 5 * se).all())
+    assert len(sizes) > 3
 
 
 def test_noise_scale_is_sigma_clip_over_batch():
-    """With zero per-sample gradients the privatized gradient is pure noise N(0, (σC/B)²) per element.  The
+    """With zero per-sample gradients the privatized gradient is pure noise N(0, (σC/B)²) per element (B the
+    expected batch size when given: an empty Poisson batch gives the noise over B too).  The
     sample standard deviation s of N = 60 000 such elements has a relative standard error 1/√(2N) ≈ 0.29 %;
     the test allows 5 standard errors (1.4 %), and a mean within 5 σ_mean = 5 (σC/B)/√N."""
     model = nn.Linear(300, 200)  # 60 200 parameters
@@ -107,11 +147,16 @@ def test_noise_scale_is_sigma_clip_over_batch():
     def nothing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return 0.0 * out.sum()
 
-    g, _ = privatized_gradient(model, nothing, x, y, clip, sigma, torch.Generator().manual_seed(0))
+    g, _ = privatized_gradient(model, nothing, x, y, clip, sigma, Randomness("os", 0, 0).normal)
     flat = torch.cat([v.flatten() for v in g.values()]).double()
     n, expected = flat.numel(), sigma * clip / b
     assert flat.std().item() == pytest.approx(expected, rel=5 / math.sqrt(2 * n))
     assert abs(flat.mean().item()) < 5 * expected / math.sqrt(n)
+    empty, value = privatized_gradient(
+        model, nothing, x[:0], y[:0], clip, sigma, Randomness("os", 0, 0).normal, batch_size=b
+    )
+    flat = torch.cat([v.flatten() for v in empty.values()]).double()
+    assert float(value) == 0.0 and flat.std().item() == pytest.approx(expected, rel=5 / math.sqrt(2 * n))
 
 
 def test_batch_norm_refused():
@@ -131,6 +176,10 @@ def test_settings_refused_with_the_fix(tmp_path):
         dataclasses.replace(_dp_config(), simulation=SimulationConfig(vectorize="on")).validate()
     with pytest.raises(ConfigError, match="privacy.delta"):
         load_run_config(fed, ["privacy.dp=sample", "privacy.epsilon=8", "privacy.delta=2"])
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation = true"):
+        load_run_config(fed, ["privacy.dp=client", "privacy.epsilon=8"])
+    with pytest.raises(ConfigError, match="dp_randomness"):
+        load_run_config(fed, ["privacy.dp=sample", "privacy.epsilon=8", "privacy.dp_randomness=seed"])
     cfg = load_run_config(fed, ["privacy.dp=sample", "privacy.epsilon=8", "privacy.delta=1e-5"])
     assert cfg.privacy.epsilon == 8.0 and cfg.privacy.noise_multiplier is None
 
@@ -190,18 +239,21 @@ def test_fedavg_run_records_epsilon_equal_to_opacus(wl, tmp_path):
 
 
 @pytest.mark.slow
-def test_same_seed_same_weights_and_resume_bitwise(wl, tmp_path):
-    """DP-SGD's noise comes from the run's seeded generators: the same seed gives bitwise the same
-    checkpoint, a resumed run equals an uninterrupted one (the step counts that key the noise are saved
-    with the sites), and another seed gives other weights."""
+def test_seeded_mode_same_weights_and_resume_bitwise(wl, tmp_path):
+    """``privacy.dp_randomness = "seeded"`` (the test mode): the same seed gives bitwise the same checkpoint, a
+    resumed run equals an uninterrupted one (the draw count that keys the noise is saved with the sites, the
+    privacy ledger continues from its file), the results record ε against the server as ∞, and a run without
+    DP gives other weights."""
     sites = tiny_sites(2)
-    cfg = _dp_config(rounds=2)
+    cfg = _dp_config(rounds=2, dp_randomness="seeded")
     quiet = {"progress": False, "log": lambda m: None}
     a = simulate(cfg, wl, sites, out=tmp_path / "a", **quiet)
     simulate(cfg, wl, sites, out=tmp_path / "b", stop_after=1, **quiet)
     b = simulate(cfg, wl, sites, out=tmp_path / "b", resume=True, **quiet)
     assert_same_checkpoints(tmp_path / "a", tmp_path / "b")
     assert strip_times(a["privacy"]) == strip_times(b["privacy"])
+    assert a["privacy"]["dp_randomness"] == "seeded" and a["privacy"]["epsilon_against_server"] == "inf"
+    assert a["privacy"]["sites"]["site1"]["steps"] == 4  # both rounds' bookings, the first read back on resume
     no_dp = simulate(dataclasses.replace(cfg, privacy=PrivacyConfig()), wl, sites, out=tmp_path / "c", **quiet)
     assert "privacy" not in no_dp
     other = server_state(tmp_path / "c")
@@ -212,7 +264,8 @@ def test_same_seed_same_weights_and_resume_bitwise(wl, tmp_path):
 def test_budget_exhausted_stops_cleanly_with_checkpoint(wl, tmp_path):
     """With σ = 1 and a budget that one round fits but two do not, the run stops before round 2 with the
     round-1 checkpoint saved, tests its models, and says which setting to raise; a budget that not even
-    one round fits is refused before training."""
+    one round fits is refused before training.  With ``budget_action = "warn"`` the server trains on, and
+    each site refuses the first step past its budget itself (naming privacy.epsilon)."""
     sites = tiny_sites(2)
     lines: list[str] = []
     one_round = accountant.epsilon([(1.0, 4 / 6, 2)], 1e-5)
@@ -226,14 +279,14 @@ def test_budget_exhausted_stops_cleanly_with_checkpoint(wl, tmp_path):
     assert progress["round"] == 1 and len(res["history"]) == 1
     assert res["client_avg_dice"] is not None
     assert any("privacy.epsilon" in line and "stops after round 1" in line for line in lines)
-    warned = simulate(
-        dataclasses.replace(cfg, rounds=2, privacy=dataclasses.replace(cfg.privacy, budget_action="warn")),
-        wl,
-        sites,
-        progress=False,
-        log=lines.append,
-    )
-    assert warned["privacy"]["stopped_after_round"] is None and len(warned["history"]) == 2
+    with pytest.raises(PayloadError, match="privacy.epsilon"):
+        simulate(
+            dataclasses.replace(cfg, rounds=2, privacy=dataclasses.replace(cfg.privacy, budget_action="warn")),
+            wl,
+            sites,
+            progress=False,
+            log=lines.append,
+        )
     with pytest.raises(ConfigError, match="not even one round fits"):
         simulate(
             dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, epsilon=one_round / 2)),
@@ -247,7 +300,8 @@ def test_budget_exhausted_stops_cleanly_with_checkpoint(wl, tmp_path):
 @pytest.mark.slow
 def test_fedprox_fga_and_fedsm_run_with_dp_sample(wl):
     """FedProx (its proximal term added after the noise), FGA (privatized exchanged gradients) and FedSM
-    (global, personalized models and selector) train with DP-SGD and count every privatized step."""
+    (global, personalized models and selector, on the same batches) train with DP-SGD and count every
+    privatized step; FedSM's steps fall on the round's batches only (three models on each)."""
     sites = tiny_sites(2)
     for method in ("fedprox", "fga", "fedsm"):
         cfg = _dp_config(method, rounds=1, budget_action="warn")
@@ -258,24 +312,26 @@ def test_fedprox_fga_and_fedsm_run_with_dp_sample(wl):
             assert steps == per_round
         elif method == "fga":  # lockstep: every site takes the largest site's steps
             assert set(steps.values()) == {max(per_round.values())}
-        else:  # global + personalized models, then the selector's lockstep steps
+        else:  # global + personalized models, then the selector's lockstep steps, on the same batches
             assert steps == {s: 2 * per_round[s] + max(per_round.values()) for s in sites}
+            batches = {s: v["batches"] for s, v in res["privacy"]["sites"].items()}
+            assert batches == {s: max(per_round.values()) for s in sites}
 
 
 # ------------------------------------------------------------------ client level
 def test_client_level_dp_clips_each_update_and_accounts_per_round(wl, tmp_path):
-    """``privacy.dp = "client"`` with FedAvg-even: each site sends w + clip(w_k − w, C) + its noise share
-    N(0, σ²C²/K), so with negligible noise (σ = 10⁻⁶) the mean update has norm ≤ C; ε per site is Opacus'
-    for q = 1 and one step per round."""
+    """``privacy.dp = "client"`` with FedAvg-even under secure aggregation: each site sends w + clip(w_k − w, C)
+    + its noise share N(0, σ²C²/K) masked, so with negligible noise (σ = 10⁻⁶) the mean update has norm ≤ C;
+    ε per site is Opacus' for q = 1 and one update per round at σ (every site survived: σ√(K/K))."""
     from opacus.accountants import RDPAccountant
 
     from fedseg.foundation.arrays import strip_prefix
 
-    sites = tiny_sites(2)
+    sites = tiny_sites(3)
     clip = 1e-3
     cfg = dataclasses.replace(
         tiny_config("fedavg-even", rounds=1),
-        privacy=PrivacyConfig(dp="client", noise_multiplier=1e-6, clip=clip),
+        privacy=PrivacyConfig(dp="client", noise_multiplier=1e-6, clip=clip, secure_aggregation=True),
     )
     res = simulate(cfg, wl, sites, out=tmp_path / "run", progress=False, log=lambda m: None)
     from fedseg.algorithms import get_algorithm
@@ -294,3 +350,17 @@ def test_client_level_dp_clips_each_update_and_accounts_per_round(wl, tmp_path):
     assert res["privacy"]["sites"]["site1"]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5))
     with pytest.raises(ConfigError, match="fedavg.weighting = 'even'"):
         get_algorithm(dataclasses.replace(cfg, method="fedavg"))
+
+
+@pytest.mark.slow
+def test_lockstep_overshoot_stops_cleanly_before_a_site_refuses(wl):
+    """FGA with sites of 6, 8 and 10 cases (2, 2 and 3 batches a round): lockstep takes 3 steps a round at every
+    site, more than the smaller sites planned their σ for.  Each site's forecast repeats what it booked in the
+    last round, so the server stops before the round a site would refuse (its own budget), every site ends
+    within privacy.epsilon and no site refuses a step."""
+    cfg = _dp_config("fga", rounds=4, epsilon=8.0, noise_multiplier=None)
+    lines: list[str] = []
+    res = simulate(cfg, wl, tiny_sites(3), progress=False, log=lines.append)
+    assert res["privacy"]["stopped_after_round"] == 2
+    assert all(v["epsilon"] <= 8.0 for v in res["privacy"]["sites"].values())
+    assert all(v["steps"] == 6 for v in res["privacy"]["sites"].values())

@@ -73,3 +73,26 @@ def test_report_shows_epsilon_per_site(two_runs, tmp_path):
     assert "FedAvg (dp=sample)" in headline  # its own variant, not a seed of the run without DP
     plain = build_report([two_runs / "plain"], tmp_path / "p.html", ReportOptions(models=False), progress=False)
     assert 'id="privacy"' not in plain.read_text()
+
+
+def test_seeded_randomness_shows_infinite_epsilon_against_the_server(two_runs, tmp_path):
+    """A run with ``privacy.dp_randomness = "seeded"`` (results: ``epsilon_against_server = "inf"``) shows its ε
+    with "(∞ vs server)" in the table, a note saying why, and "∞ (seeded)" per site in the report; a run with
+    the OS-keyed randomness shows neither."""
+    import shutil
+
+    dp = _results(two_runs / "dp")
+    assert dp["privacy"]["dp_randomness"] == "os" and dp["privacy"]["epsilon_against_server"] == "epsilon"
+    assert "∞ vs server" not in table3([dp])
+    seeded = json.loads(json.dumps(dp))
+    seeded["privacy"].update(dp_randomness="seeded", epsilon_against_server="inf")
+    assert privacy_of(seeded)["seeded"] and not privacy_of(dp)["seeded"]
+    md = table3([seeded])
+    row = next(line for line in md.splitlines() if line.startswith("| FedAvg (dp=sample)"))
+    assert row.rstrip(" |").endswith("(∞ vs server)") and "the server knows the seed" in md
+    run = tmp_path / "seeded"
+    shutil.copytree(two_runs / "dp", run)
+    (run / "results.json").write_text(json.dumps(seeded))
+    text = build_report([run], tmp_path / "s.html", ReportOptions(models=False), progress=False).read_text()
+    section = text.split('<section id="privacy">')[1].split("</section>")[0]
+    assert "<td>∞ (seeded)</td>" in section

@@ -74,9 +74,9 @@ class FedAvgParams:
 def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:
     """What a FedAvg-style site sends after training ``role`` from ``start``: its weights, or under
     ``privacy.dp = "client"`` ``start`` plus its clipped update with its share of the noise
-    (``site.dp.client_update``; the task's ``num_sites`` = K)."""
+    (``site.dp.client_update``; K = the sites it masks with under secure aggregation)."""
     if site.cfg.privacy.dp == "client":
-        return prefixed(role, site.dp.client_update(role, start, int(task.config["num_sites"])))
+        return prefixed(role, site.dp.client_update(role, start, task))
     return prefixed(role, site.arrays(role))
 
 
@@ -112,8 +112,6 @@ class FedAvg(Algorithm):
 
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         config: dict[str, Any] = {"round": rnd}
-        if ctx.cfg.privacy.dp == "client":
-            config["num_sites"] = len(ctx.sites)  # K: each site adds 1/K of the noise's variance
         task = Task("train", state, config)
         new = dict(state)
         if ctx.cfg.privacy.secure_aggregation:  # the sites mask n_k · w_k (or w_k); the server unmasks the sum only

@@ -378,7 +378,8 @@ def gradient_step(
                 y = target(x, y)
         grads, value = site.gradient(role, x, y, loss)
         arrays = {f"grad/{n}": g for n, g in grads.items()}
-        num = int(x.shape[0])
+        # under DP-SGD the expected batch size B: a Poisson batch's own size depends on who is in it
+        num = site.cfg.train.batch_size if site.cfg.privacy.dp == "sample" else int(x.shape[0])
         metrics["loss"] = float(value.detach())  # one read per task: the reply's only scalar
         if step == 0:
             metrics["steps_per_round"] = site.steps_per_round()
@@ -479,7 +480,7 @@ def lockstep_round(
     total = federation_steps([replies[s].metrics["steps_per_round"] for s in active], steps)
     if max_steps is not None:
         total = min(total, max_steps)
-    losses = {s: [replies[s].metrics["loss"]] for s in active}
+    losses = {s: [replies[s].metrics.get("loss")] for s in active}
     for step in range(1, total):
         avg = average(replies, active)  # once per step (the transport copies it for each site)
         replies = gather({s: Task(kind, avg, {**base, "step": step}) for s in active})
@@ -487,7 +488,7 @@ def lockstep_round(
         if not active:
             raise PayloadError(f"{kind}: no site answered step {step} of round {rnd}")
         for s in active:
-            losses[s].append(replies[s].metrics["loss"])
+            losses[s].append(replies[s].metrics.get("loss"))
     avg = average(replies, active)
     ref = active[0]
     last = ctx.ask(
@@ -511,7 +512,8 @@ def lockstep_round(
         weights.update(prefixed(f"{ns}/weights", strip_prefix(prefix, last[ref].arrays)))
         weights.update(prefixed(f"{ns}/optim", strip_prefix("optim", last[ref].arrays)))
         weights[f"{ns}/stale"] = torch.tensor([s in stale for s in sites], dtype=torch.int8)
-    metrics: dict[str, Any] = {"train_loss": {s: sum(v) / len(v) for s, v in losses.items()}, "steps": total}
+    mean_loss = {s: None if None in v else sum(v) / len(v) for s, v in losses.items()}  # None: not sent (DP)
+    metrics: dict[str, Any] = {"train_loss": mean_loss, "steps": total}
     if stale:
         metrics["stale"] = sorted(stale, key=sites.index)
     if check_sync:

@@ -13,7 +13,8 @@ __all__ = ["mean_sd", "method_rows", "privacy_of", "table3", "table5"]
 def privacy_of(results: Mapping[str, Any]) -> dict[str, Any] | None:
     """A DP run's guarantee from ``results["privacy"]``: ``dp``, ``epsilon`` (the largest ε spent by any
     site: each site holds its own (ε, δ) guarantee and the federation's is its weakest), ``delta``,
-    ``accountant``; None for a run without ``privacy.dp``."""
+    ``accountant``, ``seeded`` (``privacy.dp_randomness = "seeded"``: the server can regenerate the noise and
+    the batches, so against it ε is ∞); None for a run without ``privacy.dp``."""
     priv = results.get("privacy")
     if not isinstance(priv, Mapping):
         return None
@@ -24,6 +25,7 @@ def privacy_of(results: Mapping[str, Any]) -> dict[str, Any] | None:
         "epsilon": max(eps) if eps else None,
         "delta": priv.get("delta"),
         "accountant": priv.get("accountant"),
+        "seeded": priv.get("epsilon_against_server") == "inf",
     }
 
 
@@ -101,6 +103,11 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
             f"δ = {d:g}, accountant {a}" if isinstance(d, int | float) else f"accountant {a}" for d, a in guarantees
         )
         note += f"ε = the largest ε spent by any site over the run ({at}); ∞ = no differential privacy.\n"
+        if any(p.get("seeded") for p in private):
+            note += (
+                "∞ vs server: privacy.dp_randomness = seeded (a test mode): the server knows the seed, so it can "
+                "regenerate the noise and the batches; the ε shown holds against other parties only.\n"
+            )
     out = "\n".join(lines) + "\n" + note
     if any("client_avg_hd95" in r for rows in grouped.values() for r in rows):
         out += (
@@ -129,7 +136,8 @@ def _metric_table(
         cells += [mean_sd([r.get(f"global_{key}") for r in rows], digits)]
         if epsilon:
             dp = [r["privacy"] for r in rows if r.get("privacy") is not None]
-            cells.append(mean_sd([p["epsilon"] for p in dp], 2) if dp else "∞")
+            eps = mean_sd([p["epsilon"] for p in dp], 2) if dp else "∞"
+            cells.append(f"{eps} (∞ vs server)" if any(p.get("seeded") for p in dp) else eps)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

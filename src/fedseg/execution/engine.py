@@ -217,7 +217,7 @@ class Engine:
     # --------------------------------------------------------------- privacy
     def privacy_report(self) -> dict[str, dict[str, Any]] | None:
         """Under ``privacy.dp``: each site's ε so far, its ε after one more planned round, σ, q and its
-        privatized steps (a ``"privacy"`` task, answered by the site's accountant); None with dp off."""
+        privatized steps (a ``"privacy"`` task, answered by the site from its privacy ledger); None with dp off."""
         if self.cfg.privacy.dp == "off":
             return None
         replies = self.transport.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
@@ -419,8 +419,11 @@ class Engine:
                 "epsilon_budget": cfg.privacy.epsilon,
                 "accountant": cfg.privacy.accountant,
                 "clip": cfg.privacy.clip,
+                "dp_randomness": cfg.privacy.dp_randomness,
+                # "seeded": the server knows the seed, regenerates the noise and the batches: no ε holds against it
+                "epsilon_against_server": "inf" if cfg.privacy.dp_randomness == "seeded" else "epsilon",
                 "sites": {
-                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps")}
+                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches")}
                     for s, r in report.items()
                 },
                 "stopped_after_round": stopped_at,

@@ -260,8 +260,10 @@ class PrivacyConfig:
     it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
     site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
     dp: Literal["off", "sample", "client"] = "off"
-    """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise, an accountant reports
-    ε per site); 'client': each site's update clipped and Gaussian noise added to the sum; 'off': none."""
+    """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise on Poisson-sampled
+    batches; each site books ε in its own ledger and refuses steps past ``epsilon``); 'client': each site's
+    update clipped with its share of the Gaussian noise, masked under secure aggregation (needs
+    ``secure_aggregation = true``); 'off': none."""
     epsilon: float | None = None
     """Privacy budget ε per site for the whole run (> 0).  Without ``noise_multiplier`` the noise multiplier
     is derived so that the planned rounds spend at most ε; with it, ε is a budget the run checks before
@@ -274,9 +276,16 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
     planned rounds (one of the two must be set when dp is on)."""
+    dp_randomness: Literal["os", "seeded"] = "os"
+    """Where DP noise and DP batch sampling come from.  'os': a fresh key from the operating system's
+    CSPRNG for every draw, never stored or sent, so no other party (the server, which knows the run seed,
+    included) can regenerate the noise or predict the batches.  'seeded': keys derived from the run seed
+    and the site index, for bitwise reproducible tests only; the server can then regenerate every draw, so
+    the results record ε against the server as ∞."""
     budget_action: Literal["stop", "warn"] = "stop"
-    """When a round would take a site's ε past ``epsilon``: 'stop' ends training before that round (the
-    checkpoint of the last round saved, the run then tested), 'warn' says so in the log and trains on."""
+    """When the server's forecast says a round would take a site's ε past ``epsilon``: 'stop' ends training
+    before that round (the checkpoint of the last round saved, the run then tested), 'warn' says so in the
+    log and trains on.  Either way each site refuses any privatized step past ``epsilon`` itself."""
     accountant: Literal["rdp", "prv"] = "rdp"
     """Opacus' accountant of the ε per site: 'rdp' (Rényi DP of the subsampled Gaussian mechanism) or
     'prv' (privacy random variables, tighter)."""
@@ -307,6 +316,12 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.secagg_min_sites = {self.secagg_min_sites!r}; give an integer ≥ 2 "
                 "(e.g. --set privacy.secagg_min_sites=3)"
+            )
+        if self.dp == "client" and not self.secure_aggregation:
+            raise ConfigError(
+                "privacy.dp = 'client' needs privacy.secure_aggregation = true: each site adds only 1/K of the "
+                "noise's variance, which covers the server's sum but not one site's update seen in the clear "
+                "(--set privacy.secure_aggregation=true)"
             )
         if not 8 <= self.secagg_fraction_bits <= 52:
             raise ConfigError(

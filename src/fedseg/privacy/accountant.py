@@ -6,12 +6,12 @@ They are kept as Opacus' accountant history, ``[(σ, q, steps), ...]``, and ε i
 (``opacus.accountants.RDPAccountant`` or ``PRVAccountant``).
 
 **Sampling assumption.**  Both accountants analyse Poisson subsampling: every case enters a batch
-independently with probability q.  fedseg's batches are not drawn that way: each pass over a site's data is
-a seeded permutation cut into batches of ``train.batch_size`` (:meth:`fedseg.site.runtime.Site.batches`),
-i.e. fixed-size batches without replacement within a pass (shuffling).  The ε reported here is the
-Poisson-subsampling ε at q = B / n, the convention of Opacus and of most DP-SGD papers for shuffled
-batches; it is not a proof for shuffling, whose exact analysis differs (and can be weaker at the same
-σ and q).  ``docs/privacy.md`` says so where the numbers are shown.
+independently with probability q.  fedseg's DP runs draw their batches that way
+(:meth:`fedseg.site.runtime.Site.batches` under ``privacy.dp = "sample"``), each case's coin from the site's
+DP randomness (:mod:`fedseg.privacy.randomness`), which the server cannot predict.  The privatized sum is
+divided by the expected batch size B (:func:`fedseg.privacy.dp.privatized_gradient`), so the accountant's
+mechanism is the one run.  With ``privacy.dp_randomness = "seeded"`` the server can regenerate the batches
+and the noise: ε holds against other parties, not against the server (ε = ∞ there).
 
 Opacus is imported inside the functions (a heavy optional dependency).
 """
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+
+import numpy as np
 
 __all__ = ["History", "epsilon", "noise_multiplier", "sample_rate"]
 
@@ -32,6 +34,26 @@ def sample_rate(batch_size: int, n: int) -> float:
     if n < 1:
         raise ValueError(f"a site with {n} training cases has no sampling rate")
     return min(1.0, batch_size / n)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_one_step(sigma: float, q: float) -> np.ndarray:
+    from opacus.accountants.analysis.rdp import compute_rdp
+    from opacus.accountants.rdp import RDPAccountant
+
+    return np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS))
+
+
+def _rdp_epsilon(history: tuple[tuple[float, float, int], ...], delta: float) -> float:
+    """Opacus' ``RDPAccountant.get_epsilon`` for ``history``, its per-step RDP cached per (σ, q): the RDP of
+    t steps is t times one step's (``compute_rdp`` multiplies the same way), so a site can check its budget
+    before every step without recomputing the orders."""
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+    from opacus.accountants.rdp import RDPAccountant
+
+    rdp = sum(_rdp_one_step(s, q) * t for s, q, t in history)
+    eps, _ = get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+    return float(eps)
 
 
 def _accountant(kind: str, history: History):
@@ -52,6 +74,8 @@ def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
 def _epsilon(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
     if not history:
         return 0.0
+    if accountant == "rdp":
+        return _rdp_epsilon(history, delta)
     return float(_accountant(accountant, history).get_epsilon(delta=delta))
 
 

@@ -15,8 +15,13 @@ module type (MONAI's U-Net has ``InstanceNorm`` layers without affine weights, P
 convolutions), while ``torch.func`` differentiates whatever the model computes, the way fedseg's vectorized
 simulation already runs the workload loss.
 
-The noise of a step is drawn on the CPU (the same noise on every device) from a generator the caller seeds
-by (run seed, site, round, role, step): the same seed gives bitwise the same noise.
+The noise of a step is drawn by the caller's ``normal(count, std)`` (on the device of the step):
+a site's :class:`fedseg.privacy.randomness.Randomness`, keyed by the operating system's CSPRNG so that no
+other party can regenerate it (or, in the test mode ``privacy.dp_randomness = "seeded"``, by the run seed).
+
+Under Poisson sampling (each case enters the batch independently with probability q = B / n) the batch
+size varies and itself depends on whether a case is present; the privatized sum is therefore divided by
+the *expected* batch size B (``batch_size``), as Opacus does (``expected_batch_size``), not by the size drawn.
 
 **Client level** (``privacy.dp = "client"``; McMahan et al., "Learning Differentially Private Recurrent
 Language Models", ICLR 2018): see :func:`clip_update` and :func:`noise_like`.
@@ -116,11 +121,16 @@ def clip_per_sample(grads: Mapping[str, torch.Tensor], clip: float) -> tuple[dic
     return out, norms
 
 
-def noise_like(tensors: Mapping[str, torch.Tensor], std: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """N(0, std²) for every element of ``tensors`` (same names, shapes, dtypes and devices), drawn on the
-    CPU from ``generator`` as one vector in the order of the names (so the same on every device)."""
+Normal = Callable[[int, float], torch.Tensor]
+"""``normal(count, std)``: ``count`` draws of N(0, std²) as one float64 vector, on any device
+(:meth:`fedseg.privacy.randomness.Randomness.normal` with its key bound)."""
+
+
+def noise_like(tensors: Mapping[str, torch.Tensor], std: float, normal: Normal) -> dict[str, torch.Tensor]:
+    """N(0, std²) for every element of ``tensors`` (same names, shapes, dtypes and devices), drawn by
+    ``normal`` as one vector in the order of the names."""
     total = sum(t.numel() for t in tensors.values())
-    flat = torch.randn(total, generator=generator, dtype=torch.float64) * std
+    flat = normal(total, std)
     out, start = {}, 0
     for k, t in tensors.items():
         n = t.numel()
@@ -136,17 +146,26 @@ def privatized_gradient(
     target: Any,
     clip: float,
     sigma: float,
-    generator: torch.Generator,
+    normal: Normal,
     params: Mapping[str, torch.Tensor] | None = None,
     autocast: Callable[[], Any] | None = None,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """DP-SGD's gradient of one batch: ``(Σ_i clip(g_i) + N(0, σ²C²)) / B`` and the mean per-sample loss
-    (detached).  See the module docstring."""
-    grads, losses = per_sample_gradients(model, loss, x, target, params, autocast)
-    summed, _ = clip_per_sample(grads, clip)
-    noise = noise_like(summed, sigma * clip, generator)
-    b = x.shape[0]
-    return {k: (summed[k] + noise[k]) / b for k in summed}, losses.detach().mean()
+    (detached; 0 for an empty batch).  B is ``batch_size`` (the expected batch size under Poisson sampling)
+    or else the batch's own size.  An empty batch (Poisson sampling may draw one) gives the noise alone, over
+    every trainable parameter.  See the module docstring."""
+    b = int(batch_size) if batch_size is not None else int(x.shape[0])
+    if x.shape[0] == 0:
+        source = params if params is not None else {k: p for k, p in model.named_parameters() if p.requires_grad}
+        summed = {k: torch.zeros_like(p.detach()) for k, p in source.items()}
+        value = torch.zeros((), dtype=torch.float32, device=x.device)
+    else:
+        grads, losses = per_sample_gradients(model, loss, x, target, params, autocast)
+        summed, _ = clip_per_sample(grads, clip)
+        value = losses.detach().mean()
+    noise = noise_like(summed, sigma * clip, normal)
+    return {k: (summed[k] + noise[k]) / max(b, 1) for k in summed}, value
 
 
 def clip_update(update: Mapping[str, torch.Tensor], clip: float) -> tuple[dict[str, torch.Tensor], float]:

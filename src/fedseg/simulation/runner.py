@@ -195,6 +195,9 @@ def simulate(
         Called with each round's history entry (see :class:`fedseg.execution.engine.Engine`).
     """
     engine = build_engine(cfg, workload, site_data, out=out, progress=progress, log=log, on_round=on_round)
+    if out is not None and cfg.privacy.dp != "off":  # each site's privacy ledger, outside its checkpoints
+        for name in engine.transport.sites:
+            engine.transport.site(name).dp.ledger.attach(Path(out) / "privacy" / f"{name}.jsonl", fresh=not resume)
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
         write_results(results, out)

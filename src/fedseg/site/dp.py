@@ -1,48 +1,183 @@
-"""A site's DP-SGD (``privacy.dp = "sample"``): its privatized local steps and gradients, and its ε.
+"""A site's differential privacy: its privatized local steps and gradients, its batches, and its ε, kept by
+the site in a ledger that no one else can rewind.
 
-With ``privacy.dp = "sample"`` every :meth:`Site.fit <fedseg.site.runtime.Site.fit>` step and every
-:meth:`Site.gradient <fedseg.site.runtime.Site.gradient>` (lockstep gradient averaging: FGA, FedSM's
-selector) of a site uses DP-SGD's privatized gradient (:func:`fedseg.privacy.dp.privatized_gradient`)
-instead of the batch gradient, and counts the step.  A data-independent extra loss (FedProx's proximal
-term) is added after the noise, as is SCAFFOLD's correction (``after_backward``): neither reads the data.
+**Sample level** (``privacy.dp = "sample"``).  Every :meth:`Site.fit <fedseg.site.runtime.Site.fit>` step
+and every :meth:`Site.gradient <fedseg.site.runtime.Site.gradient>` (lockstep gradient averaging: FGA,
+FedSM's global model by FGA and its selector) uses DP-SGD's privatized gradient
+(:func:`fedseg.privacy.dp.privatized_gradient`) instead of the batch gradient.  A data-independent extra
+loss (FedProx's proximal term) is added after the noise, as is SCAFFOLD's correction (``after_backward``):
+neither reads the data.  The batches are Poisson samples (:meth:`SiteDP.batch`): each training case enters
+batch j of round r independently with probability q = B / n, and the privatized sum is divided by the
+expected batch size B — the mechanism the accountant analyses.
 
-The site keeps its count of privatized steps per batch size in ``site.store`` (``privacy/steps/<B>``),
-so a restarted or resumed site accounts for the steps it took before.  Its ε is the accountant's
-(:mod:`fedseg.privacy.accountant`) for those steps at σ and q = B / n.  σ is ``privacy.noise_multiplier``,
-or, when that is unset, the σ whose planned steps (the method's privatized steps per round,
-``algorithm.dp_steps_per_round(n)``, times ``rounds``) spend ``privacy.epsilon``.
+**Randomness** (:mod:`fedseg.privacy.randomness`).  Noise and sampling are keyed by the operating system's
+CSPRNG, fresh per draw, so the server — which ships the run seed and assigns the site indices — cannot
+regenerate either.  ``privacy.dp_randomness = "seeded"`` keys them by the run seed instead, for bitwise
+reproducible tests; such a run records ε against the server as ∞.
 
-With ``privacy.dp = "client"`` a site instead clips and noises its round's update
-(:meth:`SiteDP.client_update`), counted as one step at q = 1 (every site takes part in every round).
+**Ledger** (:class:`Ledger`).  Every privatized release is booked before it leaves the site, in an
+append-only ledger outside the site's checkpointed state: the server's ``restore`` reloads models and
+optimizers but cannot rewind ε.  In simulation the ledger is kept in memory and, with an output folder,
+in ``<out>/privacy/<site>.jsonl``; a deployed site keeps it in ``<workdir>/privacy-ledger.jsonl`` (one line per
+booking, each naming its run).  ε is computed from the ledger only, and a site refuses (:class:`PayloadError`
+naming ``privacy.epsilon``) a privatized step or update that would take it past ``privacy.epsilon``,
+whatever the server asks — ``privacy.budget_action`` only decides whether the server stops before a round
+its forecast says would not fit.
+
+**Several models on one batch.**  FedSM trains its global and personalized models (and, in its joint
+phase, its selector) on the same batches of a round.  m models privatized with noise multiplier σ on one
+batch are booked as one subsampled Gaussian mechanism with noise multiplier σ/√m (:meth:`SiteDP.history`).
+Derivation: each model's release is ``Σ_i clip(g_i) + N(0, σ²C²I)``; adding or removing one case changes
+each clipped sum by at most C, so the m releases together are a Gaussian mechanism on their concatenation
+with L2 sensitivity √(m C²) = C√m and noise σC per coordinate, i.e. noise multiplier σC / (C√m) = σ/√m.
+The models are trained one after another, each release depending on the earlier ones; Gaussian mechanisms
+compose adaptively exactly as their concatenation does (Dong, Roth & Su, "Gaussian Differential Privacy",
+2022: μ_i-GDP mechanisms compose to √(Σμ_i²)-GDP, adaptively), and the batch is one Poisson sample for all m,
+so the subsampling is applied once.  Booking them as m independent subsampled steps instead counts m
+subsamplings that never happened and under-states ε.
+
+**Client level** (``privacy.dp = "client"``, which needs ``privacy.secure_aggregation = true``).  A site clips
+its round's update and adds its share N(0, σ²C²/K) of the noise, where K is the number of sites it masks
+with under secure aggregation (the participant list it was keyed with, never a task field): the server's
+unmasked sum holds the survivors' shares only, N(0, |U| σ²C²/K) for the |U| sites whose inputs survived,
+i.e. noise multiplier σ√(|U|/K).  Before masking the site books the worst case |U| = t
+(:func:`fedseg.privacy.secagg.threshold_for`) and refuses if even that would pass its budget; when it reveals
+(:meth:`SiteDP.on_reveal`) it books what the survivors' noise gives.  Without secure aggregation the server
+would see each update with only σ/√K of noise: the setting is refused (``privacy.secure_aggregation``).
+
+**Losses.**  Under DP a site sends no training loss (:meth:`fedseg.site.runtime.Site.handle` blanks every
+``*loss`` metric): a loss of one batch is a membership signal that no noise covers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fedseg.foundation.errors import ConfigError
-from fedseg.foundation.seeding import generator
+from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import accountant
 from fedseg.privacy.dp import clip_update, noise_like, privatized_gradient
+from fedseg.privacy.randomness import Randomness
+from fedseg.privacy.secagg import threshold_for
 
-__all__ = ["SiteDP"]
+__all__ = ["Ledger", "SiteDP"]
 
-_PREFIX = "privacy/steps/"
-_CLIENT = "privacy/client_rounds"
+_DRAWS = "privacy/draws"
+"""``site.store`` key of the seeded mode's draw counter (keys the seeded noise; restored with the site)."""
+
+WORST_CASE_SURVIVORS = 0.5
+"""Client level: the fewest survivors secure aggregation unmasks with are t = ⌊K/2⌋ + 1 > K/2, so every booking
+is at noise multiplier at least σ√(1/2); a σ derived from ``privacy.epsilon`` plans for that worst case."""
+
+
+class Ledger:
+    """A site's append-only privacy ledger: one JSON object per booking (``kind`` "sample", "client" or
+    "reveal"), kept in memory and, once :meth:`attach`-ed, appended and fsynced to a JSON-lines file.  No
+    method removes or rewrites an entry; the site's checkpoint does not hold it, so ``restore`` cannot
+    rewind it."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self.path: Path | None = None
+        self.run: str | None = None
+        self._per_batch: dict[str, int] = {}
+
+    def attach(self, path: str | Path, run: str | None = None, fresh: bool = False) -> None:
+        """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds.
+        ``fresh`` starts the file anew (a simulation started from scratch in the same folder)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and path.exists():
+            path.unlink()
+        kept = self.entries
+        self.entries, self._per_batch, self.path, self.run = [], {}, path, run
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    entry = json.loads(line)
+                    if entry.get("run") == run:
+                        self._index(entry)
+                        self.entries.append(entry)
+        for entry in kept:  # bookings made before the file was attached
+            self.append(entry)
+
+    def _index(self, entry: dict[str, Any]) -> None:
+        if entry.get("kind") == "sample":
+            self._per_batch[entry["batch"]] = self._per_batch.get(entry["batch"], 0) + 1
+
+    def models_on(self, batch: str) -> int:
+        """How many model releases are booked on ``batch`` so far."""
+        return self._per_batch.get(batch, 0)
+
+    def append(self, entry: dict[str, Any]) -> None:
+        entry = {**entry, "run": self.run}
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(entry, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self._index(entry)
+        self.entries.append(entry)
+
+
+class _Tally:
+    """The accountant's view of ledger entries: per batch (σ, q, models), per exchange its latest (σ_eff, q),
+    and the count of each (σ_eff, q) — :meth:`SiteDP.history`."""
+
+    def __init__(self, counts: dict[tuple[float, float], int], source: list | None = None):
+        self.counts = counts
+        self.batches: dict[str, tuple[float, float, int]] = {}
+        self.exchanges: dict[str, tuple[float, float]] = {}
+        self.source, self.seen = source, 0
+
+    def add(self, e: dict[str, Any], fallback: _Tally | None = None) -> None:
+        if e["kind"] == "sample":
+            key = e["batch"]
+            prior = self.batches.get(key) or (fallback.batches.get(key) if fallback is not None else None)
+            if prior is not None:
+                self._count((prior[0] / math.sqrt(prior[2]), prior[1]), -1)
+            if prior is not None:
+                sigma, q, m = prior[0], prior[1], prior[2] + 1
+            else:
+                sigma, q, m = e["sigma"], e["q"], 1
+            self.batches[key] = (sigma, q, m)
+            self._count((sigma / math.sqrt(m), q), 1)
+        else:  # "client" / "reveal": the exchange's latest booking replaces its earlier one
+            key = e["exchange"]
+            prior = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
+            if prior is not None:
+                self._count(prior, -1)
+            self.exchanges[key] = (e["sigma"], e["q"])
+            self._count((e["sigma"], e["q"]), 1)
+
+    def _count(self, key: tuple[float, float], n: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
 
 
 class SiteDP:
-    """The DP-SGD state and steps of one :class:`~fedseg.site.runtime.Site` (``site.dp``)."""
+    """The differential privacy of one :class:`~fedseg.site.runtime.Site` (``site.dp``; module docstring)."""
 
     def __init__(self, site: Any):
         self.site = site
         """The :class:`~fedseg.site.runtime.Site` (typed loosely: the runtime imports this module)."""
         self.settings = site.cfg.privacy
+        self.random = Randomness(self.settings.dp_randomness, site.cfg.seed, site.index)
+        """Where the noise and the batches come from (:mod:`fedseg.privacy.randomness`)."""
+        self.ledger = Ledger()
+        """Every privatized release of this site (:class:`Ledger`); ε is computed from it."""
         self._sigma: float | None = None
+        self._drawn: dict[tuple[int, str, str, int], tuple[str, torch.Tensor, float, int]] = {}
+        self._current: tuple[str, float, int] | None = None  # the last batch drawn: (name, q, B)
+        self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
+        self._reported: int | None = None  # ledger entries at the last report (in this process)
+        self._tallied: _Tally | None = None
 
     # ------------------------------------------------------------- accounting
     @property
@@ -50,77 +185,169 @@ class SiteDP:
         """Client-level DP (``privacy.dp = "client"``): one clipped, noised update per round."""
         return self.settings.dp == "client"
 
-    def planned_steps_per_round(self) -> int:
-        """The method's privatized steps in one round of this site (``algorithm.dp_steps_per_round(n)``;
-        client level: its one update)."""
+    def plan(self) -> tuple[int, int]:
+        """``(batches, models per batch)`` of one planned round: the method's privatized batches
+        (``algorithm.dp_batches_per_round``, else ``dp_steps_per_round`` batches of one model each);
+        client level: one update."""
         if self.client:
-            return 1
-        plan = getattr(self.site.algorithm, "dp_steps_per_round", None)
+            return 1, 1
+        algo = self.site.algorithm
+        batches = getattr(algo, "dp_batches_per_round", None)
+        if batches is not None:
+            got = batches(self.site.cfg, self.site.num_train)
+            if got is not None:
+                return int(got[0]), int(got[1])
+        plan = getattr(algo, "dp_steps_per_round", None)
         steps = plan(self.site.cfg, self.site.num_train) if plan is not None else None
         if steps is None:
             raise ConfigError(
-                f"privacy.dp = 'sample' is not available for method {self.site.algorithm.name!r}; "
+                f"privacy.dp = 'sample' is not available for method {algo.name!r}; "
                 "use --set privacy.dp=off or a method whose local steps it privatizes"
             )
-        return int(steps)
+        return int(steps), 1
+
+    def planned_steps_per_round(self) -> int:
+        """Privatized batches of one planned round (client level: its one update)."""
+        return self.plan()[0]
 
     @property
     def batch_size(self) -> int:
         return self.site.cfg.train.batch_size
 
     @property
+    def sample_rate(self) -> float:
+        """q = B / n (client level: 1, every site's update in every round)."""
+        return 1.0 if self.client else accountant.sample_rate(self.batch_size, self.site.num_train)
+
+    @property
     def sigma(self) -> float:
-        """The site's noise multiplier σ (given, or derived from ``privacy.epsilon`` once)."""
+        """The site's noise multiplier σ (given, or derived from ``privacy.epsilon`` once).  Derived: the σ_b
+        whose planned batches (``plan()``'s batches × ``rounds``) spend ``privacy.epsilon`` at q, times √m for
+        m models per batch (each batch is booked at σ/√m = σ_b); client level: times √2, the worst case of
+        dropouts (:data:`WORST_CASE_SURVIVORS`)."""
         if self._sigma is None:
             s = self.settings
             if s.noise_multiplier is not None:
                 self._sigma = float(s.noise_multiplier)
-            elif self.client:  # every site's update in every round: q = 1
-                planned = self.site.cfg.rounds
-                self._sigma = accountant.noise_multiplier(s.epsilon, s.delta, 1.0, planned, s.accountant)
             else:
-                q = accountant.sample_rate(self.batch_size, self.site.num_train)
-                planned = self.planned_steps_per_round() * self.site.cfg.rounds
-                self._sigma = accountant.noise_multiplier(s.epsilon, s.delta, q, planned, s.accountant)
+                batches, models = self.plan()
+                planned = batches * self.site.cfg.rounds
+                base = accountant.noise_multiplier(s.epsilon, s.delta, self.sample_rate, planned, s.accountant)
+                factor = 1.0 / math.sqrt(WORST_CASE_SURVIVORS) if self.client else math.sqrt(models)
+                self._sigma = base * factor
         return self._sigma
 
-    def steps(self) -> dict[int, int]:
-        """Privatized steps taken so far, per (nominal) batch size (client level: ``{0: updates sent}``)."""
+    def _planned_sigma(self) -> float:
+        """The noise multiplier each planned batch (or update) is booked at."""
         if self.client:
-            return {0: int(self.site.store[_CLIENT])} if _CLIENT in self.site.store else {}
-        return {int(k[len(_PREFIX) :]): int(v) for k, v in self.site.store.items() if k.startswith(_PREFIX)}
+            return self.sigma * math.sqrt(WORST_CASE_SURVIVORS)
+        return self.sigma / math.sqrt(self.plan()[1])
 
-    def _count(self, batch_size: int) -> int:
-        """Count one step at ``batch_size``; returns the site's total before it (the step's noise key)."""
-        steps = self.steps()
-        total = sum(steps.values())
-        self.site.store[f"{_PREFIX}{batch_size}"] = torch.tensor(steps.get(batch_size, 0) + 1, dtype=torch.int64)
-        return total
+    def history(self, extra: list[dict[str, Any]] | None = None) -> list[tuple[float, float, int]]:
+        """The accountant history ``[(σ_eff, q, count)]`` of the ledger (plus ``extra`` entries not booked):
+        a batch released by m models counts once at σ/√m; an update of a secure-aggregation exchange counts
+        once at its latest booking (the worst case, or what the revealed survivors give).  The ledger's tally
+        is kept up to date incrementally (it only grows), so a check before every step costs O(1) entries."""
+        tally = self._tally()
+        counts = dict(tally.counts)
+        if extra:
+            overlay = _Tally(counts)
+            for e in extra:
+                overlay.add(e, fallback=tally)
+        return [(s, q, t) for (s, q), t in sorted(counts.items()) if t > 0]
 
-    def history(self, extra_steps: int = 0) -> list[tuple[float, float, int]]:
-        """The accountant history of the steps taken (plus ``extra_steps`` more at ``train.batch_size``)."""
-        steps = self.steps()
-        if self.client:
-            return [(self.sigma, 1.0, steps.get(0, 0) + extra_steps)]
-        steps[self.batch_size] = steps.get(self.batch_size, 0) + extra_steps
-        n = self.site.num_train
-        return [(self.sigma, accountant.sample_rate(b, n), t) for b, t in sorted(steps.items()) if t > 0]
+    def _tally(self) -> _Tally:
+        entries = self.ledger.entries
+        t = self._tallied
+        if t is None or t.source is not entries or t.seen > len(entries):
+            t = self._tallied = _Tally({}, source=entries)
+        for e in entries[t.seen :]:
+            t.add(e)
+        t.seen = len(entries)
+        return t
 
-    def epsilon(self, extra_steps: int = 0) -> float:
-        """ε at ``privacy.delta`` of the steps taken (plus ``extra_steps`` planned ones)."""
+    def epsilon(self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None) -> float:
+        """ε at ``privacy.delta`` of the ledger (plus ``extra_rounds`` planned rounds and ``extra`` entries)."""
         s = self.settings
-        return accountant.epsilon(self.history(extra_steps), s.delta, s.accountant)
+        hist = self.history(extra)
+        if extra_rounds:
+            hist.append((self._planned_sigma(), self.sample_rate, self.plan()[0] * extra_rounds))
+        return accountant.epsilon(hist, s.delta, s.accountant)
+
+    def steps(self) -> int:
+        """Privatized releases booked so far (model steps on batches; client level: updates)."""
+        return sum(1 for e in self.ledger.entries if e["kind"] in ("sample", "client"))
+
+    def _refuse_past_budget(self, entry: dict[str, Any], what: str) -> None:
+        """A :class:`PayloadError` naming ``privacy.epsilon`` if booking ``entry`` would pass the budget."""
+        budget = self.settings.epsilon
+        if budget is None:
+            return
+        if self.settings.accountant != "rdp":  # RDP bounds the true ε: within it the step fits (PRV is slow)
+            hist = self.history([entry])
+            if accountant.epsilon(hist, self.settings.delta, "rdp") <= budget:
+                return
+        after = self.epsilon(extra=[entry])
+        if after > budget:
+            raise PayloadError(
+                f"site {self.site.name}: {what} would take its ε to {after:.4g} > privacy.epsilon = {budget:g} "
+                f"(δ = {self.settings.delta:g}, {self.steps()} releases booked); the site refuses it whatever the "
+                "server asks; raise privacy.epsilon or privacy.noise_multiplier for a new run"
+            )
+
+    def _book(self, entry: dict[str, Any], what: str) -> None:
+        self._refuse_past_budget(entry, what)
+        self.ledger.append(entry)
+
+    @property
+    def against_server(self) -> str:
+        """What the reported ε means against the server: "ε" (it cannot regenerate noise or batches) or "∞"
+        (``dp_randomness = "seeded"``: it can)."""
+        return "∞" if self.random.seeded else "ε"
+
+    def forecast(self) -> float:
+        """ε after one more round: the larger of the planned round's and a repeat of what was booked since the
+        last report (a lockstep round can take more batches than this site's plan: the largest site's)."""
+        planned = self.epsilon(extra_rounds=1)
+        entries = self.ledger.entries
+        if self._reported is None or self.client:
+            return planned
+        again = [{**e, "batch": f"{e['batch']}+next"} for e in entries[self._reported :] if e.get("kind") == "sample"]
+        return max(planned, self.epsilon(extra=again)) if again else planned
 
     def report(self) -> dict[str, Any]:
-        """What the engine records per site and round: ε spent, ε after one more planned round, σ, q, steps."""
-        steps = self.steps()
+        """What the engine records per site and round: ε spent, ε after one more round (:meth:`forecast`), σ, q,
+        releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞)."""
+        epsilon_next = self.forecast()
+        self._reported = len(self.ledger.entries)
         return {
             "epsilon": self.epsilon(),
-            "epsilon_next": self.epsilon(self.planned_steps_per_round()),
+            "epsilon_next": epsilon_next,
             "noise_multiplier": self.sigma,
-            "sample_rate": 1.0 if self.client else accountant.sample_rate(self.batch_size, self.site.num_train),
-            "steps": sum(steps.values()),
+            "sample_rate": self.sample_rate,
+            "steps": self.steps(),
+            "batches": len({e["batch"] for e in self.ledger.entries if e["kind"] == "sample"}),
+            "dp_randomness": self.random.mode,
+            "epsilon_against_server": "inf" if self.random.seeded else "epsilon",
         }
+
+    # ---------------------------------------------------------------- batches
+    def batch(self, rnd: int, stream: str, split: str, step: int, n: int, batch_size: int) -> torch.Tensor:
+        """The case indices of batch ``step`` of round ``rnd`` (a Poisson sample at q = B / n), drawn once per
+        round and stream: a second model trained on the same round's batches gets the same ones (and its
+        release is booked on the same batch).  Marks the batch current: the next privatized gradient is
+        booked on it."""
+        key = (int(rnd), stream, split, int(step))
+        got = self._drawn.get(key)
+        if got is None:
+            if any(k[0] != key[0] for k in self._drawn):  # one round's draws are kept at a time
+                self._drawn.clear()
+            q = accountant.sample_rate(batch_size, n)
+            idx = self.random.poisson(n, q, "batch", *key)
+            name = f"{rnd}/{stream}/{split}/{step}" if self.random.seeded else os.urandom(8).hex()
+            got = self._drawn[key] = (name, idx, q, int(batch_size))
+        self._current = (got[0], got[2], got[3])
+        return got[1]
 
     # ------------------------------------------------------------------ steps
     def gradient(
@@ -131,14 +358,24 @@ class SiteDP:
         loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         at: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The privatized gradient of one batch of the role's model (counted as one step) and the mean loss.
-        Its noise comes from the generator of (run seed, site, "dp", role, the site's privatized steps so far):
-        a key no other step of the run shares, kept across a restart (the count is saved with the site)."""
+        """The privatized gradient of one batch of the role's model and its mean loss (kept at the site).
+        Booked first on the current batch (:meth:`batch`; a batch that did not come from it is booked as one
+        of its own), refused past the budget."""
         site = self.site
         model = site.model(role)
         model.train()
-        key = self._count(max(self.batch_size, int(x.shape[0])))
-        g = generator(site.cfg.seed, site.index, "dp", role, key)
+        current = self._current
+        if current is None:  # not from :meth:`batch`: a batch of its own at the configured rate
+            name = f"draw/{len(self.ledger.entries)}" if self.random.seeded else os.urandom(8).hex()
+            current = (name, self.sample_rate, self.batch_size)
+        self._current = None
+        batch, q, expected = current
+        entry = {"kind": "sample", "batch": batch, "role": role, "sigma": self.sigma, "q": q}
+        self._book(entry, f"a privatized step of model {role!r}")
+        draw = int(site.store[_DRAWS]) if _DRAWS in site.store else 0
+        if self.random.seeded:
+            site.store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
+        position = ("noise", role, draw)
         return privatized_gradient(
             model,
             site.workload.loss if loss is None else loss,
@@ -146,9 +383,10 @@ class SiteDP:
             target,
             self.settings.clip,
             self.sigma,
-            g,
+            lambda count, std: self.random.normal(count, std, *position, device=site.device),
             params=at,
             autocast=site.autocast,
+            batch_size=expected,
         )
 
     def fit(
@@ -191,20 +429,86 @@ class SiteDP:
             count += 1
         return {"loss": float(total) / max(count, 1), "steps": count}
 
-    def client_update(self, role: str, start: Mapping[str, torch.Tensor], num_sites: int) -> dict[str, torch.Tensor]:
-        """Client-level DP (``privacy.dp = "client"``): the role's shared arrays as ``start + Δ̃``, where
-        Δ̃ = clip(w_k − start, C) + N(0, σ²C² / K) for K = ``num_sites``.  The noise is distributed: the K
-        sites' shares sum to N(0, σ²C²) on the server's sum, so neither the server nor a sum under secure
-        aggregation ever holds an un-noised update.  Counted as one update of the site; the noise comes from
-        the generator of (run seed, site, "dp-client", role, updates so far)."""
+    # ----------------------------------------------------------- client level
+    def masked_with(self, task: Any) -> tuple[str, int]:
+        """``(exchange, K)`` of the secure-aggregation exchange this client-level update is masked in: K is the
+        size of the participant list the site was keyed with (``secagg/shares``), never a task field.  A
+        task without secure aggregation is refused (``privacy.secure_aggregation``)."""
+        config = task.config.get("secagg")
+        if not isinstance(config, dict):
+            raise PayloadError(
+                f"site {self.site.name}: privacy.dp = 'client' sends its update only masked under secure "
+                "aggregation (the server would otherwise see it with σ/√K of noise); the task asks for a plain "
+                "reply: set privacy.secure_aggregation = true"
+            )
+        party = self.site.scratch.get("secagg")
+        order = list(getattr(party, "order", []) or [])
+        if party is None or party.exchange != config.get("exchange") or not order:
+            raise PayloadError(
+                f"site {self.site.name}: no keyed secure-aggregation exchange {config.get('exchange')!r} to mask "
+                "its client-level update with"
+            )
+        return str(party.exchange), len(order)
+
+    def client_update(self, role: str, start: Mapping[str, torch.Tensor], task: Any) -> dict[str, torch.Tensor]:
+        """Client-level DP: the role's shared arrays as ``start + Δ̃``, where Δ̃ = clip(w_k − start, C) +
+        N(0, σ²C²/K) for the K sites it masks with (:meth:`masked_with`).  Booked before it leaves the site at
+        the worst case of dropouts, |U| = t survivors (noise multiplier σ√(t/K)), and refused if even that
+        would pass the budget; :meth:`on_reveal` books what the survivors give."""
         site, s = self.site, self.settings
+        exchange, k = self.masked_with(task)
+        t = threshold_for(k)
+        entry = {
+            "kind": "client",
+            "exchange": exchange,
+            "sigma": self.sigma * math.sqrt(t / k),
+            "q": 1.0,
+            "masked": k,
+            "threshold": t,
+        }
+        self._book(entry, f"the client-level update of exchange {exchange!r}")
+        self._pending[exchange] = (k, t)
         arrays = site.arrays(role)
-        delta = {k: v - start[k].to(v) for k, v in arrays.items() if v.is_floating_point()}
+        delta = {n: v - start[n].to(v) for n, v in arrays.items() if v.is_floating_point()}
         clipped, _ = clip_update(delta, s.clip)
-        done = self.steps().get(0, 0)
-        site.store[_CLIENT] = torch.tensor(done + 1, dtype=torch.int64)
-        g = generator(site.cfg.seed, site.index, "dp-client", role, done)
-        noise = noise_like(clipped, self.sigma * s.clip / num_sites**0.5, g)
+        draw = int(site.store[_DRAWS]) if _DRAWS in site.store else 0
+        if self.random.seeded:
+            site.store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
+        position = ("client-noise", role, draw)
+        noise = noise_like(
+            clipped,
+            self.sigma * s.clip / k**0.5,
+            lambda c, std: self.random.normal(c, std, *position, device=site.device),
+        )
         out = dict(arrays)
-        out.update({k: start[k].to(clipped[k]) + clipped[k] + noise[k] for k in clipped})
+        out.update({n: start[n].to(clipped[n]) + clipped[n] + noise[n] for n in clipped})
         return out
+
+    def on_reveal(self, exchange: str, masked: list[str], survived: list[str]) -> None:
+        """Secure aggregation's step 4 at this site (called by :mod:`fedseg.site.secure` before it reveals):
+        the server's sum of ``exchange`` holds the noise of the ``survived`` sites only, σ√(|U|/K) with K =
+        ``len(masked)``; booked for an exchange that carried this site's client-level update."""
+        pending = self._pending.pop(exchange, None)
+        if pending is None:
+            return
+        k = len(masked) or pending[0]
+        u = len(set(survived) & set(masked)) if masked else len(survived)
+        if u < pending[1]:
+            raise PayloadError(
+                f"site {self.site.name}: exchange {exchange!r} would be unmasked with {u} survivors, fewer than the "
+                f"threshold t = {pending[1]} its client-level noise was booked for"
+            )
+        entry = {
+            "kind": "reveal",
+            "exchange": exchange,
+            "sigma": self.sigma * math.sqrt(u / k),
+            "q": 1.0,
+            "survived": u,
+        }
+        self.ledger.append(entry)  # less noise than booked only if u < t, refused above: never past the budget
+
+
+def draw_batches(dp: SiteDP, rnd: int, stream: str, split: str, steps: int, n: int, bs: int) -> Iterator[torch.Tensor]:
+    """Poisson batches ``0..steps-1`` of round ``rnd`` (:meth:`SiteDP.batch`), lazily."""
+    for step in range(steps):
+        yield dp.batch(rnd, stream, split, step, n, bs)

@@ -42,7 +42,7 @@ from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
 from fedseg.privacy.identity import Identity
 from fedseg.site import extent, secure
-from fedseg.site.dp import SiteDP
+from fedseg.site.dp import SiteDP, draw_batches
 from fedseg.site.workload import Workload
 
 
@@ -332,6 +332,8 @@ class Site:
                     "(train.local_steps / train.local_epochs), not from the task"
                 )
         reply = handler(self, task)
+        if self.cfg.privacy.dp != "off":  # no training loss leaves the site under DP (fedseg.site.dp)
+            reply.metrics.update({k: None for k in reply.metrics if k.endswith("loss")})
         if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
             reply = secure.mask_reply(self, task, reply)
         return reply
@@ -478,7 +480,10 @@ class Site:
         """Training batches of one round: successive seeded permutations cut into batches.
 
         Each pass over the data is a permutation drawn from the generator of
-        (seed, site, round, stream, pass); the last batch of a pass may be smaller.  Volumes kept in the
+        (seed, site, round, stream, pass); the last batch of a pass may be smaller.  Under
+        ``privacy.dp = "sample"`` each batch is instead a Poisson sample (every case with probability
+        q = B / n) from the site's DP randomness, the same for every model trained on the round's
+        batches (:meth:`fedseg.site.dp.SiteDP.batch`); an empty sample is a batch of zero rows.  Volumes kept in the
         site's cache (:class:`fedseg.data.volumes.lazy.CachedVolumes`) go to a patch transform as a
         :class:`~fedseg.data.volumes.lazy.CaseBatch`, which reads only the patches.
         """
@@ -494,6 +499,14 @@ class Site:
         lazy = isinstance(ds, CachedVolumes) and cases_aware
         # padded volumes: each case's own shape, so that patches stay within it (the workload's patch crop)
         extents = getattr(self.data.split(split), "extents", None) if cases_aware and not lazy else None
+        if self.cfg.privacy.dp == "sample":  # Poisson batches from the site's DP randomness (fedseg.site.dp)
+            for idx in draw_batches(self.dp, rnd, stream, split, steps, n, bs):
+                empty = idx.numel() == 0  # a batch of no case: one case's shapes, cut to zero rows
+                take = torch.zeros(1, dtype=torch.int64) if empty else idx
+                placed = take.to(self.device) if isinstance(ds, _Placed) else take
+                x, y = self._batch_of(ds, placed, take, tf, g_tf, lazy, extents)
+                yield (x[:0], y[:0]) if empty else (x, y)
+            return
         done, epoch = 0, 0
         while done < steps:
             order = torch.randperm(
@@ -503,22 +516,27 @@ class Site:
             for start in range(0, n, bs):
                 if done >= steps:
                     break
-                idx = perm[start : start + bs]
-                if lazy:  # volumes in the site's cache: the transform reads only its patches
-                    cases = ds.batch(idx)
-                    cases.place = self._to_device
-                    x, y = tf(cases, cases, g_tf)
-                else:
-                    x, y = batch_of(ds, idx)
-                    x = self._to_device(x, cast=True)
-                    y = self._to_device(y, cast=y.is_floating_point())
-                    if extents is not None:
-                        x, y = tf(x, y, g_tf, [extents[i] for i in order[start : start + bs].tolist()])
-                    elif tf is not None:
-                        x, y = tf(x, y, g_tf)
-                yield x, y
+                yield self._batch_of(ds, perm[start : start + bs], order[start : start + bs], tf, g_tf, lazy, extents)
                 done += 1
             epoch += 1
+
+    def _batch_of(
+        self, ds: Dataset, idx: torch.Tensor, order: torch.Tensor, tf: Any, g_tf: Any, lazy: bool, extents: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training cases ``idx`` (on the dataset's device; ``order``: the same on the CPU) as a batch on the
+        run's device, through the workload's transform."""
+        if lazy:  # volumes in the site's cache: the transform reads only its patches
+            cases = ds.batch(idx)
+            cases.place = self._to_device
+            return tf(cases, cases, g_tf)
+        x, y = batch_of(ds, idx)
+        x = self._to_device(x, cast=True)
+        y = self._to_device(y, cast=y.is_floating_point())
+        if extents is not None:
+            return tf(x, y, g_tf, [extents[i] for i in order.tolist()])
+        if tf is not None:
+            return tf(x, y, g_tf)
+        return x, y
 
     def fit(
         self,

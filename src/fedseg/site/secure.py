@@ -53,6 +53,7 @@ class Site(Protocol):
     cfg: RunConfig
     scratch: dict[str, Any]
     identity: Identity | None
+    dp: Any  # fedseg.site.dp.SiteDP: books client-level DP's noise by the survivors when the site reveals
 
 
 __all__ = ["KINDS", "RECORD_NAME", "Record", "handle", "mask_reply", "record_of", "weights_by_name"]

@@ -549,6 +549,19 @@ class FedSM(Algorithm):
         selector = spr if cap is None else min(cap, spr)
         return max(2 * spr, selector) if self.two_phase else 2 * spr + selector
 
+    def dp_batches_per_round(self, cfg: RunConfig, n: int) -> tuple[int, int]:
+        """The round's privatized batches and the models trained on each: the global and personalized
+        models train on the same batches of a round (``site.batches(round, "train")``), and in the joint phase
+        the selector's lockstep steps take the first of them again, so each batch is booked once at σ/√m
+        (:mod:`fedseg.site.dp`).  Planned: the site's steps per round, each with 3 models (joint, with a
+        selector step) or 2 — an over-count where some batches carry fewer models."""
+        spr = steps_per_round(cfg.train, n)
+        cap = self.params.max_selector_steps
+        selector = spr if cap is None else min(cap, spr)
+        if self.two_phase:
+            return max(spr, selector), 2
+        return spr, 3 if selector > 0 else 2
+
     def predictors(self):
         def make(site: Site, arrays: Arrays, config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
             sel, models = load_composite(site, arrays, config, self.selector_factory, "fedsm-eval/")

@@ -297,6 +297,8 @@ class SiteRuntime:
             )
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
+        if cfg.privacy.dp != "off":  # the site's privacy ledger: outside the round checkpoints, never restored
+            self.site.dp.ledger.attach(Path(self.config.workdir) / "privacy-ledger.jsonl", run=run_id)
         if self.policy is not None and self.policy.min_noise_multiplier is not None and cfg.privacy.dp != "off":
             why = self.policy.refusals(cfg, sites, sigma=float(self.site.dp.sigma))
             if why:

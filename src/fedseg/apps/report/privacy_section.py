@@ -33,6 +33,7 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
                     site,
                     priv.get("dp", "–"),
                     _num(s.get("epsilon"), ".3f"),
+                    "∞ (seeded)" if priv.get("epsilon_against_server") == "inf" else _num(s.get("epsilon"), ".3f"),
                     _num(priv.get("delta"), "g"),
                     priv.get("accountant", "–"),
                     _num(priv.get("epsilon_budget"), "g"),
@@ -50,6 +51,8 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
         "Differential privacy of each run with privacy.dp on: the ε each site has spent over the run at the given δ, "
         "by the accountant named (Poisson-sampling analysis at q = batch size / training cases; docs/privacy.md), "
         "with the noise multiplier σ, the clipping bound C and the privatized steps it counts. "
+        "'ε vs server' is ∞ for a run with privacy.dp_randomness = seeded (a test mode): the server knows the seed "
+        "and can regenerate the noise and the batches. "
         "'stopped after' is the last round trained when the ε budget stopped the run."
     )
     head = [
@@ -57,6 +60,7 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
         "Site",
         "DP",
         "ε",
+        "ε vs server",
         "δ",
         "accountant",
         "ε budget",
