@@ -21,6 +21,7 @@ from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
+from fedseg.apps.studies.grid import sweep as grid_sweep
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
@@ -153,9 +154,32 @@ def cmd_compare(a: argparse.Namespace) -> int:
         seeds=[int(s) for s in _csv(a.seeds)],
         rounds=a.rounds,
         overrides=overrides,
+        tune=a.tune,
+        jobs=a.jobs,
+        devices=_csv(a.devices) if a.devices else None,
     )
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
+    if a.tune:
+        print(f"tuning record: {Path(a.out).resolve() / 'tuning.json'}; report: fedseg report {a.out}")
+    return 0
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    overrides = a.set + ([f"device={a.device}"] if a.device else [])
+    _, table = grid_sweep(
+        a.config,
+        a.method,
+        a.grid,
+        a.out,
+        seeds=[int(s) for s in _csv(a.seeds)],
+        rounds=a.rounds,
+        overrides=overrides,
+        jobs=a.jobs,
+        devices=_csv(a.devices) if a.devices else None,
+    )
+    print("\n" + table)
+    print(f"table: {Path(a.out).resolve() / 'sweep.md'}, figure: {Path(a.out).resolve() / 'sweep.png'}")
     return 0
 
 
@@ -245,6 +269,22 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
         help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
         "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
         "printed at the start and recorded in results.json and config.toml",
+    )
+
+
+def _jobs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="independent runs in N processes with one torch thread each (default 1: one after another; "
+        "the same results either way)",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="D1,D2",
+        help="one process per device, e.g. cuda:0,cuda:1 (or cpu,cpu); each run on its process's device",
     )
 
 
@@ -408,8 +448,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=int)
     c.add_argument("--out", required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="tune a setting per method on validation, e.g. train.lr=3e-4,1e-3,3e-3 (repeatable: a grid; "
+        "fedsm:lam=0.3,0.5 for one method's); each method's row is its setting with the best mean validation "
+        "score over the seeds, reported on test",
+    )
+    _jobs_arguments(c)
     _device_argument(c)
     c.set_defaults(func=cmd_compare)
+    sw = sub.add_parser(
+        "sweep",
+        help="one method over a grid of any settings: one run per point (resumable), a table and a plot of "
+        "validation Dice over the grid",
+    )
+    sw.add_argument("config", help="run config TOML or federation spec")
+    sw.add_argument("--method", required=True, choices=sorted(REGISTRY))
+    sw.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2",
+        help="a setting and its values, e.g. train.lr=3e-4,1e-3 (repeatable: the product of all)",
+    )
+    sw.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    sw.add_argument("--rounds", type=int)
+    sw.add_argument("--out", required=True, help="output folder: one subfolder per grid point, seed<k> below it")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _jobs_arguments(sw)
+    _device_argument(sw)
+    sw.set_defaults(func=cmd_sweep)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
     fsub = f.add_subparsers(dest="fedsm_verb", required=True, metavar="STUDY")
     for study, text in (

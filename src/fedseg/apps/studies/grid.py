@@ -1,0 +1,472 @@
+"""Grids of runs: any setting swept, each point trained and judged on validation, runs resumable and parallel.
+
+* :func:`parse_grid` reads ``train.lr=3e-4,1e-3`` (optionally ``fedsm:lam=0.1,0.5``, one method's) and
+  :func:`grid_points` makes the cartesian product of several such specs.
+* :func:`run_point` is one run of a grid: reused when its folder holds a finished run of the same settings,
+  resumed (the engine's resume) when it holds a checkpoint of them, else run.
+* :func:`run_jobs` runs independent runs one after another or in ``jobs`` spawned processes (one torch thread
+  each, optionally one process per device); each process writes its run's folder and the parent reads
+  ``results.json`` back, so the results are those of the runs one after another.
+* :func:`validation_score` is the score a run selects its best round by (its method's row: the primary
+  candidate's best validation score, or the mean over the sites of each site's own model's), and
+  :func:`choose` picks the grid point with the highest mean of it over the seeds; neither reads a test number.
+* :func:`tune` runs a grid per method entry over seeds and returns the tuning record (``tuning.json``) that
+  ``fedseg compare --tune`` and ``fedseg sweep`` write, and :func:`tuning_markdown` / :func:`grid_figure`
+  its table and figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
+from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
+from fedseg.evaluation.tables import mean_sd
+from fedseg.foundation.config import load_run_config
+from fedseg.foundation.errors import ConfigError
+from fedseg.seams.checkpoint import save_json
+from fedseg.simulation.runner import run
+
+__all__ = [
+    "Job",
+    "choose",
+    "chosen_results",
+    "grid_figure",
+    "grid_points",
+    "parse_grid",
+    "point_text",
+    "requested_config",
+    "run_jobs",
+    "run_point",
+    "split_values",
+    "sweep",
+    "tune",
+    "tuning_markdown",
+    "validation_score",
+]
+
+POINT_FILE = "point.json"
+"""Written into a grid run's folder before it starts: the resolved settings it was asked to run with (defaults
+filled in, before a volume federation's plan), by which a later call recognizes the run as its own."""
+
+IGNORED = ("device",)
+"""Settings that do not make a run another one (``--devices`` places runs of one grid on several devices)."""
+
+
+def split_values(text: str) -> list[str]:
+    """``"3e-4,1e-3"`` → ``["3e-4", "1e-3"]``; commas inside brackets belong to a value
+    (``"[4,8],[8,16]"`` → ``["[4,8]", "[8,16]"]``)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [v for v in out if v]
+
+
+def parse_grid(spec: str) -> tuple[str | None, str, list[str]]:
+    """One axis of a grid: ``"train.lr=3e-4,1e-3"`` → ``(None, "train.lr", ["3e-4", "1e-3"])``.
+
+    ``"fedsm:lam=0.1,0.5"`` is one method's axis: a key without a dot is a setting of that method's section
+    (``fedsm.lam``), as in ``compare --methods fedsm:lam=0.5``.
+    """
+    method = None
+    head, eq, values = spec.partition("=")
+    if ":" in head:
+        method, _, head = head.partition(":")
+        method = method.strip()
+        if method not in REGISTRY:
+            raise ConfigError(
+                f"--tune/--grid {spec!r}: unknown method {method!r}; known methods: {', '.join(sorted(REGISTRY))}"
+            )
+    key = head.strip()
+    vals = split_values(values)
+    if not eq or not key or not vals:
+        raise ConfigError(
+            f"--tune/--grid {spec!r}: expected KEY=V1,V2,… (e.g. train.lr=3e-4,1e-3,3e-3, or fedsm:lam=0.3,0.5 "
+            "for one method's setting)"
+        )
+    if method is not None and "." not in key:
+        key = f"{REGISTRY[method].section}.{key}"
+    if key == "seed":
+        raise ConfigError(f"--tune/--grid {spec!r}: seeds are not a setting to tune; give them with --seeds")
+    if len(set(vals)) != len(vals):
+        raise ConfigError(f"--tune/--grid {spec!r}: a value is given twice; give each value once")
+    return method, key, vals
+
+
+def grid_points(axes: Sequence[tuple[str, Sequence[str]]]) -> list[dict[str, str]]:
+    """The cartesian product of ``(key, values)`` axes, first axis slowest: ``[{key: value, …}, …]``;
+    no axes → one empty point (the run as given)."""
+    keys = [k for k, _ in axes]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"the grid names a setting twice ({keys}); give each setting in one --tune/--grid")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in axes))]
+
+
+def point_text(point: Mapping[str, str]) -> str:
+    """``{"train.lr": "1e-3"}`` → ``"train.lr=1e-3"`` (several settings joined by ``", "``)."""
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def point_folder(point: Mapping[str, str]) -> str:
+    """A folder name for a grid point: ``train.lr=1e-3`` (``_`` between settings, odd characters replaced)."""
+    text = "_".join(f"{k}={v}" for k, v in point.items())
+    return "".join(c if c.isalnum() or c in "._=-" else "-" for c in text) or "default"
+
+
+def _plain(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=list))
+
+
+def requested_config(
+    config: str | Path, overrides: Sequence[str], method: str, seed: int, rounds: int | None
+) -> dict[str, Any]:
+    """The resolved settings of one run (the method's defaults filled in), as JSON, without :data:`IGNORED`;
+    a bad key or value fails here, before anything runs."""
+    fields: dict[str, Any] = {"method": method, "seed": seed}
+    if rounds is not None:
+        fields["rounds"] = rounds
+    cfg = load_run_config(config, list(overrides), known_sections(), **fields)
+    d = _plain(get_algorithm(cfg).resolved_config().to_dict())
+    for k in IGNORED:
+        d.pop(k, None)
+    return d
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of a grid: the run config or federation spec, its output folder, its overrides (the grid point's
+    among them), method, seed, rounds, and the grid point (its text goes into the run's label)."""
+
+    config: str
+    folder: str
+    overrides: tuple[str, ...]
+    method: str
+    seed: int
+    rounds: int | None = None
+    point: tuple[tuple[str, str], ...] = ()
+
+    def requested(self) -> dict[str, Any]:
+        return requested_config(self.config, self.overrides, self.method, self.seed, self.rounds)
+
+
+def run_point(
+    job: Job, progress: bool = False, log: Callable[[str], None] = print, device: str | None = None
+) -> dict[str, Any]:
+    """Run one grid point into ``job.folder``, or reuse / resume what is there; returns its ``results.json``.
+
+    * ``results.json`` present and ``point.json`` equal to the settings asked for → reused;
+    * a checkpoint of those settings → continued with the engine's resume (bitwise the uninterrupted run);
+    * a folder of a run with other settings → one error naming the settings that differ;
+    * else the run starts.  A run's label gets its grid point (``FedAvg [train.lr=1e-3]``).
+    """
+    folder = Path(job.folder)
+    want = job.requested()
+    marker, done = folder / POINT_FILE, folder / "results.json"
+    if marker.is_file():
+        diff = _differences(want, json.loads(marker.read_text()))
+        if diff:
+            raise ConfigError(
+                f"{folder} holds a run with other settings ({', '.join(diff[:8])}); remove the folder or give "
+                "another --out"
+            )
+    if done.is_file():  # a folder without point.json (written before grids had it) is taken as it is
+        log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: already done ({done})")
+        return json.loads(done.read_text())
+    overrides = [*job.overrides, *([f"device={device}"] if device else [])]
+    t0 = time.perf_counter()
+    if (folder / "checkpoints" / "progress.json").is_file() and (folder / "config.toml").is_file():
+        log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: resuming {folder}")
+        res = run(
+            None, out=folder, overrides=[f"device={device}"] if device else [], resume=True, progress=progress, log=log
+        )
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_json(want, marker)
+        res = run(
+            job.config,
+            out=folder,
+            overrides=overrides,
+            progress=progress,
+            log=log,
+            method=job.method,
+            seed=job.seed,
+            **({"rounds": job.rounds} if job.rounds is not None else {}),
+        )
+    if res is None:
+        raise ConfigError(f"{folder}: the run stopped before its last round; run the same command again to resume it")
+    if job.point:
+        res["label"] = f"{res['label']} [{point_text(dict(job.point))}]"
+        save_json(res, done)
+    log(
+        f"{res['label']} seed {job.seed}: client avg Dice {res['client_avg_dice']:.4f} in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    return res
+
+
+# ------------------------------------------------------------- parallel runs
+_DEVICE: str | None = None
+
+
+def _init_worker(devices: Any) -> None:
+    """A worker process: one torch thread (the runs share the machine's cores), and its device from the queue."""
+    import torch
+
+    torch.set_num_threads(1)
+    global _DEVICE
+    _DEVICE = devices.get() if devices is not None else None
+
+
+def _run_in_worker(job: Job) -> str:
+    run_point(job, progress=False, device=_DEVICE)
+    return job.folder  # the parent reads results.json from the folder: nothing but names crosses processes
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    n_jobs: int = 1,
+    devices: Sequence[str] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Run ``jobs`` (each :func:`run_point`) and return their results in order.
+
+    ``n_jobs`` > 1 runs them in that many spawned processes with one torch thread each; ``devices``
+    (``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``) runs one process per device, each run on its process's
+    device.  A run computes the same numbers in a process of its own: every random draw is seeded by
+    (run seed, site, round), so the results equal those of the runs one after another with one torch thread.
+    """
+    for j in jobs:  # every bad setting fails before anything runs
+        j.requested()
+    if devices:
+        n_jobs = len(devices)
+    if n_jobs < 1:
+        raise ConfigError(f"--jobs {n_jobs}: give at least 1")
+    if n_jobs == 1 or len(jobs) <= 1:
+        dev = devices[0] if devices else None
+        return [run_point(j, progress=progress, log=log, device=dev) for j in jobs]
+    ctx = multiprocessing.get_context("spawn")
+    queue = None
+    if devices:
+        queue = ctx.Manager().Queue()
+        for d in devices:
+            queue.put(d)
+    log(f"running {len(jobs)} runs in {n_jobs} processes" + (f" on {', '.join(devices)}" if devices else ""))
+    with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+        folders = list(pool.map(_run_in_worker, jobs))
+    out = [json.loads((Path(f) / "results.json").read_text()) for f in folders]
+    for j, r in zip(jobs, out):
+        log(f"{r['label']} seed {j.seed}: client avg Dice {r['client_avg_dice']:.4f}")
+    return out
+
+
+# ------------------------------------------------------------- choosing on validation
+def validation_score(results: Mapping[str, Any]) -> float:
+    """The validation score a run selects its best round by, for its method's row (``eval.best_criterion``):
+    the primary candidate's best validation score, or — a method whose models belong to the sites
+    (``primary = None``: local, personalization) — the mean over the sites of each site's own model's best
+    validation score.  Reads ``rows[*].best_val_dice`` only: no test number."""
+    rows = results["rows"]
+    primary = results.get("primary")
+    if primary is not None:
+        found = [r["best_val_dice"] for r in rows if r["name"] == primary]
+        if not found:
+            raise ConfigError(f"results of {results.get('method')!r} have no row of its primary candidate {primary!r}")
+        return float(found[0])
+    homes = {r["home_site"]: r["best_val_dice"] for r in rows if r.get("home_site") in results["sites"]}
+    if not homes:
+        raise ConfigError(f"results of {results.get('method')!r} have no site's own model to score")
+    return float(sum(homes.values()) / len(homes))
+
+
+def choose(scores: Sequence[Sequence[float]]) -> int:
+    """The index of the grid point with the highest mean validation score over its seeds (``scores[i]``: point
+    i's score per seed); a tie goes to the earlier point; a NaN mean never wins over a number."""
+
+    def key(i: int) -> float:
+        m = sum(scores[i]) / len(scores[i]) if scores[i] else math.nan
+        return -math.inf if math.isnan(m) else m
+
+    if not scores:
+        raise ConfigError("nothing to choose from: the grid has no point")
+    return max(range(len(scores)), key=lambda i: (key(i), -i))
+
+
+def tune(
+    config: str | Path,
+    entries: Sequence[tuple[str, str, list[str], str]],
+    axes: Sequence[tuple[str | None, str, list[str]]],
+    out: str | Path,
+    seeds: Sequence[int] = (0,),
+    rounds: int | None = None,
+    overrides: Sequence[str] = (),
+    jobs: int = 1,
+    devices: Sequence[str] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    flat: bool = False,
+) -> dict[str, Any]:
+    """Train every grid point of every method entry over ``seeds``, judge each on validation
+    (:func:`validation_score`) and choose per entry the point with the highest mean over the seeds (:func:`choose`).
+
+    ``entries``: ``(entry text, method, the entry's own overrides, label)``; ``axes``: :func:`parse_grid`'s
+    (an axis with a method applies to that method's entries only).  Runs go to
+    ``out/<entry>/<point>/seed<k>`` (``flat``: ``out/<point>/seed<k>``, one entry).  Returns the tuning
+    record (also ``out/tuning.json``): per entry its points with their validation scores per seed, the chosen
+    point, and the folders of the chosen point's runs (whose test numbers are the comparison's).
+    """
+    out = Path(out)
+    plan: list[tuple[str, str, str, list[dict[str, str]]]] = []
+    all_jobs: list[Job] = []
+    for entry, method, own, label in entries:
+        mine = [(k, v) for m, k, v in axes if m is None or m == method]
+        points = grid_points(mine)
+        base = out if flat else out / entry.replace(":", "-").replace(",", "-").replace(" ", "")
+        plan.append((entry, method, label, points))
+        for p in points:
+            for s in seeds:
+                folder = (base / point_folder(p) if p else base) / f"seed{s}"
+                all_jobs.append(
+                    Job(
+                        str(config),
+                        str(folder),
+                        (*overrides, *own, *(f"{k}={v}" for k, v in p.items())),
+                        method,
+                        int(s),
+                        rounds,
+                        tuple(p.items()),
+                    )
+                )
+    results = run_jobs(all_jobs, jobs, devices, progress=progress, log=log)
+    record: dict[str, Any] = {
+        "selection": (
+            "per method, the grid point with the highest mean over the seeds of the best validation score its runs "
+            "select their best round by (eval.best_criterion); test numbers are read only for the chosen point"
+        ),
+        "seeds": list(seeds),
+        "methods": [],
+    }
+    i = 0
+    for entry, method, label, points in plan:
+        rows = []
+        for p in points:
+            runs = [(all_jobs[i + k], results[i + k]) for k in range(len(seeds))]
+            i += len(seeds)
+            rows.append(
+                {
+                    "point": p,
+                    "text": point_text(p),
+                    "validation": [validation_score(r) for _, r in runs],
+                    "folders": [Path(j.folder).relative_to(out).as_posix() for j, _ in runs],
+                }
+            )
+        c = choose([r["validation"] for r in rows])
+        record["methods"].append(
+            {"entry": entry, "method": method, "label": label, "points": rows, "chosen": c, "keys": list(points[0])}
+        )
+    if any(p for *_, points in plan for p in points):  # a grid: the record of the choice
+        out.mkdir(parents=True, exist_ok=True)
+        save_json(record, out / TUNING_FILE)
+    return record
+
+
+def chosen_results(out: str | Path, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``results.json`` of every chosen point's runs (seeds in order), method after method."""
+    return [json.loads((f / "results.json").read_text()) for f in chosen_folders(out, record)]
+
+
+def sweep(
+    config: str | Path,
+    method: str,
+    grid: Sequence[str],
+    out: str | Path,
+    seeds: Sequence[int] = (0,),
+    rounds: int | None = None,
+    overrides: Sequence[str] = (),
+    jobs: int = 1,
+    devices: Sequence[str] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[dict[str, Any], str]:
+    """``fedseg sweep``: ``method`` over the grid of ``grid`` (``["train.lr=3e-4,1e-3", …]``), one run per point
+    and seed in ``out/<point>/seed<k>`` (resumable: :func:`run_point`).
+
+    Writes ``out/tuning.json`` (validation score per point and seed, the best point), ``out/sweep.md`` (per point:
+    validation score, test Client Avg and Global Dice, mean ± sd over the seeds; the best on validation marked)
+    and ``out/sweep.png`` (validation score over the grid).  Returns the record and the table.
+    """
+    if method not in REGISTRY:
+        raise ConfigError(f"unknown method {method!r}; known methods: {', '.join(sorted(REGISTRY))}")
+    axes = [parse_grid(g) for g in grid]
+    if not axes:
+        raise ConfigError("give at least one --grid KEY=V1,V2")
+    other = sorted({m for m, _, _ in axes if m is not None and m != method})
+    if other:
+        raise ConfigError(f"--grid names {other}, not the swept method {method!r}; use {method}:KEY or a dotted KEY")
+    out = Path(out)
+    record = tune(
+        config,
+        [(method, method, [], method)],
+        axes,
+        out,
+        seeds=seeds,
+        rounds=rounds,
+        overrides=overrides,
+        jobs=jobs,
+        devices=devices,
+        progress=progress,
+        log=log,
+        flat=True,
+    )
+    m = record["methods"][0]
+    keys = m["keys"]
+    lines = [
+        "| " + " | ".join([*keys, "Validation score", "Client Avg Dice (test)", "Global Dice (test)", ""]) + " |",
+        "|" + "---|" * (len(keys) + 4),
+    ]
+    for i, p in enumerate(m["points"]):
+        res = [json.loads((out / f / "results.json").read_text()) for f in p["folders"]]
+        cells = [
+            *(p["point"][k] for k in keys),
+            mean_sd(p["validation"]),
+            mean_sd([r["client_avg_dice"] for r in res]),
+            mean_sd([r["global_dice"] for r in res]),
+            "best on validation" if i == m["chosen"] else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = (
+        f"{method} over the grid, mean ± sd over {len(seeds)} seed(s); validation score: the best validation score "
+        "each run selects its best round by (eval.best_criterion)\n\n" + "\n".join(lines) + "\n"
+    )
+    (out / "sweep.md").write_text(table)
+    (out / "sweep.png").write_bytes(grid_figure(record))
+    return record, table
