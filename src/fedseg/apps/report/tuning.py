@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedseg.apps.report.figures import to_png
+from fedseg.apps.report.markup import figure, markdown_html
 from fedseg.evaluation.tables import mean_sd
 
 __all__ = [
@@ -73,8 +75,6 @@ def grid_figure(record: Mapping[str, Any]) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedseg.apps.report.figures import to_png
-
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     log_x = False
     for m in record["methods"]:
@@ -109,8 +109,6 @@ def tuning_section(records: Sequence[tuple[str, Mapping[str, Any]]]) -> str | No
     """HTML: per tuned folder the table of validation scores over the grid and their figure; None without one."""
     if not records:
         return None
-    from fedseg.apps.report.markup import figure, markdown_html
-
     parts = []
     for i, (name, rec) in enumerate(records):
         head = f"<p>{name}: the runs of the chosen settings are the report's runs.</p>" if len(records) > 1 else ""

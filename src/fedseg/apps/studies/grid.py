@@ -28,6 +28,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
 from fedseg.evaluation.tables import mean_sd
@@ -239,8 +241,6 @@ _DEVICE: str | None = None
 
 def _init_worker(devices: Any) -> None:
     """A worker process: one torch thread (the runs share the machine's cores), and its device from the queue."""
-    import torch
-
     torch.set_num_threads(1)
     global _DEVICE
     _DEVICE = devices.get() if devices is not None else None
