@@ -22,6 +22,7 @@ from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
 from fedseg.apps.studies.grid import sweep as grid_sweep
+from fedseg.apps.tracking import tracker_for
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
@@ -95,6 +96,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.resume is None and a.config is None:
         raise FedsegError("give a run config or federation spec, or --resume OUT to continue a run")
     out = a.resume or a.out
+    tracker = tracker_for(a.track, out, a.config or Path(out) / "config.toml", a.set)
     logger = None
     if getattr(a, "tensorboard", False):
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
@@ -118,6 +120,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"results: {Path(out).resolve() / 'results.json'}")
     if logger is not None:
         print(f"tensorboard: tensorboard --logdir {logger.logdir.resolve()}")
+    if tracker is not None and res is not None:
+        print(f"MLflow run {tracker.log_run(out)} in {tracker.uri}")
     return 0 if res is not None else 1
 
 
@@ -157,6 +161,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         tune=a.tune,
         jobs=a.jobs,
         devices=_csv(a.devices) if a.devices else None,
+        track=a.track,
     )
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
@@ -177,6 +182,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         overrides=overrides,
         jobs=a.jobs,
         devices=_csv(a.devices) if a.devices else None,
+        track=a.track,
     )
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'sweep.md'}, figure: {Path(a.out).resolve() / 'sweep.png'}")
@@ -269,6 +275,16 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
         help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
         "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
         "printed at the start and recorded in results.json and config.toml",
+    )
+
+
+def _track_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--track",
+        choices=["mlflow", "off"],
+        help="log runs to MLflow (parameters, per-round metrics, results, best checkpoints; a compare or sweep "
+        "nests its runs under one parent run): a SQLite store OUT/mlflow.db, or MLFLOW_TRACKING_URI when set; "
+        "default: the config's [tracking] section (off)",
     )
 
 
@@ -388,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard",
     )
     r.add_argument("--tensorboard-dir", metavar="DIR", help="with --tensorboard: write the scalars to DIR instead")
+    _track_argument(r)
     r.set_defaults(func=cmd_run)
 
     rp = sub.add_parser(
@@ -458,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         "score over the seeds, reported on test",
     )
     _jobs_arguments(c)
+    _track_argument(c)
     _device_argument(c)
     c.set_defaults(func=cmd_compare)
     sw = sub.add_parser(
@@ -479,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", required=True, help="output folder: one subfolder per grid point, seed<k> below it")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     _jobs_arguments(sw)
+    _track_argument(sw)
     _device_argument(sw)
     sw.set_defaults(func=cmd_sweep)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")

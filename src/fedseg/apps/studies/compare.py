@@ -12,6 +12,7 @@ from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tuning import tuning_markdown
 from fedseg.apps.studies.grid import parse_grid
 from fedseg.apps.studies.grid import tune as run_grid
+from fedseg.apps.tracking import tracker_for
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
@@ -78,6 +79,7 @@ def compare(
     tune: Sequence[str] = (),
     jobs: int = 1,
     devices: Sequence[str] | None = None,
+    track: str | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run every method with every seed into ``out/<entry>/seed<k>`` and tabulate them.
 
@@ -95,7 +97,9 @@ def compare(
     each point's validation score and the choice, also in ``out/tuning.json``.
 
     ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each; ``devices``
-    one process per device.  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
+    one process per device.  ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
+    MLflow run, nested under one parent run that holds the table, the tuning record and the HTML report
+    (``out/report.html``, without the model sections; :mod:`fedseg.apps.tracking`).  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
     ``out/comparison.json``; returns the reported runs' results and the table.
     """
     out = Path(out)
@@ -104,6 +108,16 @@ def compare(
     missing = sorted({m for m, _, _ in axes if m is not None} - {p[0] for p in parsed})
     if missing:
         raise ConfigError(f"--tune names {missing}, which --methods does not run; add them or drop that --tune")
+    tracker = tracker_for(track, out, config, overrides)
+    parent = (
+        tracker.parent(
+            out,
+            "compare",
+            {"config": str(config), "methods": list(methods), "seeds": list(seeds), "tune": list(tune)},
+        )
+        if tracker is not None
+        else None
+    )
     record = run_grid(
         config,
         [(entry, method, own, label) for entry, (method, own, label) in zip(methods, parsed)],
@@ -116,6 +130,8 @@ def compare(
         devices=devices,
         progress=progress,
         log=log,
+        tracker=tracker,
+        parent_id=parent,
     )
     runs = []
     keys = ("method", "label", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s")
@@ -137,6 +153,15 @@ def compare(
         table += "\nTuning on validation:\n\n" + tuning_markdown(record)
     (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(summary, indent=1))
+    if tracker is not None and parent is not None:
+        report = build_report([out], out / "report.html", ReportOptions(models=False), progress=progress, log=log)
+        names = ("comparison.md", "comparison.json", "tuning.json")
+        tracker.log_files(parent, [*(out / n for n in names), report])
+        for m in record["methods"]:
+            chosen = m["points"][m["chosen"]]
+            test = [json.loads((out / f / "results.json").read_text())["client_avg_dice"] for f in chosen["folders"]]
+            tracker.log_metrics(parent, {f"{m['entry']}/client_avg_dice": sum(test) / len(test)})
+        tracker.end(parent)
     return runs, table
 
 

@@ -32,6 +32,7 @@ import torch
 
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
+from fedseg.apps.tracking import MlflowTracker, tracker_for
 from fedseg.evaluation.tables import mean_sd
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
@@ -60,8 +61,9 @@ POINT_FILE = "point.json"
 """Written into a grid run's folder before it starts: the resolved settings it was asked to run with (defaults
 filled in, before a volume federation's plan), by which a later call recognizes the run as its own."""
 
-IGNORED = ("device",)
-"""Settings that do not make a run another one (``--devices`` places runs of one grid on several devices)."""
+IGNORED = ("device", "tracking")
+"""Settings that do not make a run another one (``--devices`` places runs of one grid on several devices;
+``[tracking]`` says where a finished run is logged)."""
 
 
 def split_values(text: str) -> list[str]:
@@ -334,6 +336,8 @@ def tune(
     progress: bool = True,
     log: Callable[[str], None] = print,
     flat: bool = False,
+    tracker: MlflowTracker | None = None,
+    parent_id: str | None = None,
 ) -> dict[str, Any]:
     """Train every grid point of every method entry over ``seeds``, judge each on validation
     (:func:`validation_score`) and choose per entry the point with the highest mean over the seeds (:func:`choose`).
@@ -343,6 +347,8 @@ def tune(
     ``out/<entry>/<point>/seed<k>`` (``flat``: ``out/<point>/seed<k>``, one entry).  Returns the tuning
     record (also ``out/tuning.json``): per entry its points with their validation scores per seed, the chosen
     point, and the folders of the chosen point's runs (whose test numbers are the comparison's).
+    ``tracker``: every run is logged as an MLflow run under ``parent_id`` with its grid point, validation score
+    and whether it was chosen.
     """
     out = Path(out)
     plan: list[tuple[str, str, str, list[dict[str, str]]]] = []
@@ -390,9 +396,21 @@ def tune(
                 }
             )
         c = choose([r["validation"] for r in rows])
+        if label == method:  # a plain method entry: its display name (FedAvg, FedAvg - even)
+            label = str(results[i - 1]["label"]).split(" [")[0]
         record["methods"].append(
             {"entry": entry, "method": method, "label": label, "points": rows, "chosen": c, "keys": list(points[0])}
         )
+    if tracker is not None:
+        for m in record["methods"]:
+            for k, p in enumerate(m["points"]):
+                for f, v in zip(p["folders"], p["validation"]):
+                    tracker.log_run(
+                        out / f,
+                        parent_id,
+                        params={"fedseg.grid_point": p["text"]} if p["point"] else None,
+                        metrics={"validation_score": v, "chosen": float(k == m["chosen"])},
+                    )
     if any(p for *_, points in plan for p in points):  # a grid: the record of the choice
         out.mkdir(parents=True, exist_ok=True)
         save_json(record, out / TUNING_FILE)
@@ -416,13 +434,16 @@ def sweep(
     devices: Sequence[str] | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    track: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """``fedseg sweep``: ``method`` over the grid of ``grid`` (``["train.lr=3e-4,1e-3", …]``), one run per point
     and seed in ``out/<point>/seed<k>`` (resumable: :func:`run_point`).
 
     Writes ``out/tuning.json`` (validation score per point and seed, the best point), ``out/sweep.md`` (per point:
     validation score, test Client Avg and Global Dice, mean ± sd over the seeds; the best on validation marked)
-    and ``out/sweep.png`` (validation score over the grid).  Returns the record and the table.
+    and ``out/sweep.png`` (validation score over the grid).  ``track`` (``"mlflow"``, or the config's
+    ``[tracking]``): every run an MLflow run under one parent run holding these files.  Returns the record and
+    the table.
     """
     if method not in REGISTRY:
         raise ConfigError(f"unknown method {method!r}; known methods: {', '.join(sorted(REGISTRY))}")
@@ -433,6 +454,12 @@ def sweep(
     if other:
         raise ConfigError(f"--grid names {other}, not the swept method {method!r}; use {method}:KEY or a dotted KEY")
     out = Path(out)
+    tracker = tracker_for(track, out, config, overrides)
+    parent = (
+        tracker.parent(out, "sweep", {"config": str(config), "method": method, "grid": list(grid), "seeds": seeds})
+        if tracker is not None
+        else None
+    )
     record = tune(
         config,
         [(method, method, [], method)],
@@ -446,6 +473,8 @@ def sweep(
         progress=progress,
         log=log,
         flat=True,
+        tracker=tracker,
+        parent_id=parent,
     )
     m = record["methods"][0]
     keys = m["keys"]
@@ -469,4 +498,7 @@ def sweep(
     )
     (out / "sweep.md").write_text(table)
     (out / "sweep.png").write_bytes(grid_figure(record))
+    if tracker is not None and parent is not None:
+        tracker.log_files(parent, [out / "sweep.md", out / "sweep.png", out / TUNING_FILE])
+        tracker.end(parent)
     return record, table
