@@ -17,7 +17,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow", reason="MLflow is not installed (pip install 'fedseg[track]')")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from fedseg.apps.studies import grid  # noqa: E402
+from fedseg.apps.studies import jobs  # noqa: E402
 from fedseg.apps.tracking import flatten, round_metrics, tracking_params  # noqa: E402
 from fedseg.cli import main  # noqa: E402
 from fedseg.foundation.errors import ConfigError  # noqa: E402
@@ -122,7 +122,7 @@ ARGS = ["--methods", "fedavg", "--seeds", "0,1", "--tune", "train.lr=1e-3,1e-2",
 
 @pytest.mark.slow
 def test_compare_logs_nested_runs_to_a_local_store(spec, tmp_path, monkeypatch):
-    monkeypatch.setattr(grid, "run", _fake_run)
+    monkeypatch.setattr(jobs, "run", _fake_run)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "cmp"
     assert main(["compare", str(spec), *ARGS, "--out", str(out)]) == 0
@@ -185,7 +185,7 @@ def test_compare_logs_to_a_tracking_server(spec, tmp_path, monkeypatch):
                 tail = (tmp_path / "server.log").read_text()[-600:]
                 pytest.skip(f"mlflow server did not start on 127.0.0.1 (needs the full 'mlflow' package): {tail}")
             time.sleep(1)
-        monkeypatch.setattr(grid, "run", _fake_run)
+        monkeypatch.setattr(jobs, "run", _fake_run)
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         out = tmp_path / "cmp"
         assert main(["compare", str(spec), *ARGS, "--out", str(out)]) == 0

@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fedseg.apps.studies import grid
-from fedseg.apps.studies.grid import (
-    Job,
-    choose,
-    grid_points,
-    parse_grid,
-    requested_config,
-    run_point,
-    split_values,
-    validation_score,
-)
+from fedseg.apps.studies import jobs
+from fedseg.apps.studies.grid import choose, grid_points, parse_grid, split_values, validation_score
+from fedseg.apps.studies.jobs import Job, requested_config, run_point
 from fedseg.cli import main
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
@@ -120,7 +112,7 @@ def test_compare_tune_chooses_on_validation_and_reports_test(spec, tmp_path, mon
     """Per method the grid point with the best mean validation score over the seeds is chosen (1e-3), though
     another point has the best test Dice; its test Dice (mean over seeds) is the table's; changing every test
     number leaves the choice as it is."""
-    monkeypatch.setattr(grid, "run", _fake_run(TEST))
+    monkeypatch.setattr(jobs, "run", _fake_run(TEST))
     args = ["compare", str(spec), "--methods", "fedavg", "--seeds", "0,1", "--tune", "train.lr=3e-4,1e-3,3e-3"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     rec = json.loads((tmp_path / "a" / "tuning.json").read_text())
@@ -135,7 +127,7 @@ def test_compare_tune_chooses_on_validation_and_reports_test(spec, tmp_path, mon
     assert {r["tuning"]["chosen"]["train.lr"] for r in summary} == {"1e-3"}
     # every test number changed (the validation-best now worst on test): the same choice
     flipped = {k: 1.0 - v for k, v in TEST.items()}
-    monkeypatch.setattr(grid, "run", _fake_run(flipped))
+    monkeypatch.setattr(jobs, "run", _fake_run(flipped))
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     m2 = json.loads((tmp_path / "b" / "tuning.json").read_text())["methods"][0]
     assert m2["chosen"] == m["chosen"]
@@ -146,7 +138,7 @@ def test_compare_tune_chooses_on_validation_and_reports_test(spec, tmp_path, mon
 
 
 def test_per_method_axis_and_its_errors(spec, tmp_path, monkeypatch):
-    monkeypatch.setattr(grid, "run", _fake_run(TEST))
+    monkeypatch.setattr(jobs, "run", _fake_run(TEST))
     out = tmp_path / "c"
     args = ["compare", str(spec), "--methods", "fedavg,fedavg-even", "--out", str(out)]
     assert main([*args, "--tune", "fedavg:train.lr=3e-4,1e-3"]) == 0

@@ -2,11 +2,9 @@
 
 * :func:`parse_grid` reads ``train.lr=3e-4,1e-3`` (optionally ``fedsm:lam=0.1,0.5``, one method's) and
   :func:`grid_points` makes the cartesian product of several such specs.
-* :func:`run_point` is one run of a grid: reused when its folder holds a finished run of the same settings,
-  resumed (the engine's resume) when it holds a checkpoint of them, else run.
-* :func:`run_jobs` runs independent runs one after another or in ``jobs`` spawned processes (one torch thread
-  each, optionally one process per device); each process writes its run's folder and the parent reads
-  ``results.json`` back, so the results are those of the runs one after another.
+* Every run goes through :mod:`fedseg.apps.studies.jobs`: reused when its folder holds a finished run of the
+  same settings, resumed (the engine's resume) when it holds a checkpoint of them, else run; one after another
+  or in spawned processes with the same results.
 * :func:`validation_score` is the score a run selects its best round by (its method's row: the primary
   candidate's best validation score, or the mean over the sites of each site's own model's), and
   :func:`choose` picks the grid point with the highest mean of it over the seeds; neither reads a test number.
@@ -17,27 +15,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
-import multiprocessing
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
+from fedseg.algorithms import REGISTRY
 from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
+from fedseg.apps.studies.jobs import Job, point_text, requested_config, run_jobs, run_point
 from fedseg.apps.tracking import MlflowTracker, tracker_for
 from fedseg.evaluation.tables import mean_sd
-from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
-from fedseg.simulation.runner import run
 
 __all__ = [
     "Job",
@@ -56,14 +47,6 @@ __all__ = [
     "tuning_markdown",
     "validation_score",
 ]
-
-POINT_FILE = "point.json"
-"""Written into a grid run's folder before it starts: the resolved settings it was asked to run with (defaults
-filled in, before a volume federation's plan), by which a later call recognizes the run as its own."""
-
-IGNORED = ("device", "tracking")
-"""Settings that do not make a run another one (``--devices`` places runs of one grid on several devices;
-``[tracking]`` says where a finished run is logged)."""
 
 
 def split_values(text: str) -> list[str]:
@@ -124,171 +107,10 @@ def grid_points(axes: Sequence[tuple[str, Sequence[str]]]) -> list[dict[str, str
     return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in axes))]
 
 
-def point_text(point: Mapping[str, str]) -> str:
-    """``{"train.lr": "1e-3"}`` → ``"train.lr=1e-3"`` (several settings joined by ``", "``)."""
-    return ", ".join(f"{k}={v}" for k, v in point.items())
-
-
 def point_folder(point: Mapping[str, str]) -> str:
     """A folder name for a grid point: ``train.lr=1e-3`` (``_`` between settings, odd characters replaced)."""
     text = "_".join(f"{k}={v}" for k, v in point.items())
     return "".join(c if c.isalnum() or c in "._=-" else "-" for c in text) or "default"
-
-
-def _plain(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=list))
-
-
-def requested_config(
-    config: str | Path, overrides: Sequence[str], method: str, seed: int, rounds: int | None
-) -> dict[str, Any]:
-    """The resolved settings of one run (the method's defaults filled in), as JSON, without :data:`IGNORED`;
-    a bad key or value fails here, before anything runs."""
-    fields: dict[str, Any] = {"method": method, "seed": seed}
-    if rounds is not None:
-        fields["rounds"] = rounds
-    cfg = load_run_config(config, list(overrides), known_sections(), **fields)
-    d = _plain(get_algorithm(cfg).resolved_config().to_dict())
-    for k in IGNORED:
-        d.pop(k, None)
-    return d
-
-
-def _differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += _differences(x, y, f"{prefix}{k}.")
-        elif x != y:
-            out.append(f"{prefix}{k}")
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One run of a grid: the run config or federation spec, its output folder, its overrides (the grid point's
-    among them), method, seed, rounds, and the grid point (its text goes into the run's label)."""
-
-    config: str
-    folder: str
-    overrides: tuple[str, ...]
-    method: str
-    seed: int
-    rounds: int | None = None
-    point: tuple[tuple[str, str], ...] = ()
-
-    def requested(self) -> dict[str, Any]:
-        return requested_config(self.config, self.overrides, self.method, self.seed, self.rounds)
-
-
-def run_point(
-    job: Job, progress: bool = False, log: Callable[[str], None] = print, device: str | None = None
-) -> dict[str, Any]:
-    """Run one grid point into ``job.folder``, or reuse / resume what is there; returns its ``results.json``.
-
-    * ``results.json`` present and ``point.json`` equal to the settings asked for → reused;
-    * a checkpoint of those settings → continued with the engine's resume (bitwise the uninterrupted run);
-    * a folder of a run with other settings → one error naming the settings that differ;
-    * else the run starts.  A run's label gets its grid point (``FedAvg [train.lr=1e-3]``).
-    """
-    folder = Path(job.folder)
-    want = job.requested()
-    marker, done = folder / POINT_FILE, folder / "results.json"
-    if marker.is_file():
-        diff = _differences(want, json.loads(marker.read_text()))
-        if diff:
-            raise ConfigError(
-                f"{folder} holds a run with other settings ({', '.join(diff[:8])}); remove the folder or give "
-                "another --out"
-            )
-    if done.is_file():  # a folder without point.json (written before grids had it) is taken as it is
-        log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: already done ({done})")
-        return json.loads(done.read_text())
-    overrides = [*job.overrides, *([f"device={device}"] if device else [])]
-    t0 = time.perf_counter()
-    if (folder / "checkpoints" / "progress.json").is_file() and (folder / "config.toml").is_file():
-        log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: resuming {folder}")
-        res = run(
-            None, out=folder, overrides=[f"device={device}"] if device else [], resume=True, progress=progress, log=log
-        )
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_json(want, marker)
-        res = run(
-            job.config,
-            out=folder,
-            overrides=overrides,
-            progress=progress,
-            log=log,
-            method=job.method,
-            seed=job.seed,
-            **({"rounds": job.rounds} if job.rounds is not None else {}),
-        )
-    if res is None:
-        raise ConfigError(f"{folder}: the run stopped before its last round; run the same command again to resume it")
-    if job.point:
-        res["label"] = f"{res['label']} [{point_text(dict(job.point))}]"
-        save_json(res, done)
-    log(
-        f"{res['label']} seed {job.seed}: client avg Dice {res['client_avg_dice']:.4f} in "
-        f"{time.perf_counter() - t0:.0f} s"
-    )
-    return res
-
-
-# ------------------------------------------------------------- parallel runs
-_DEVICE: str | None = None
-
-
-def _init_worker(devices: Any) -> None:
-    """A worker process: one torch thread (the runs share the machine's cores), and its device from the queue."""
-    torch.set_num_threads(1)
-    global _DEVICE
-    _DEVICE = devices.get() if devices is not None else None
-
-
-def _run_in_worker(job: Job) -> str:
-    run_point(job, progress=False, device=_DEVICE)
-    return job.folder  # the parent reads results.json from the folder: nothing but names crosses processes
-
-
-def run_jobs(
-    jobs: Sequence[Job],
-    n_jobs: int = 1,
-    devices: Sequence[str] | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> list[dict[str, Any]]:
-    """Run ``jobs`` (each :func:`run_point`) and return their results in order.
-
-    ``n_jobs`` > 1 runs them in that many spawned processes with one torch thread each; ``devices``
-    (``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``) runs one process per device, each run on its process's
-    device.  A run computes the same numbers in a process of its own: every random draw is seeded by
-    (run seed, site, round), so the results equal those of the runs one after another with one torch thread.
-    """
-    for j in jobs:  # every bad setting fails before anything runs
-        j.requested()
-    if devices:
-        n_jobs = len(devices)
-    if n_jobs < 1:
-        raise ConfigError(f"--jobs {n_jobs}: give at least 1")
-    if n_jobs == 1 or len(jobs) <= 1:
-        dev = devices[0] if devices else None
-        return [run_point(j, progress=progress, log=log, device=dev) for j in jobs]
-    ctx = multiprocessing.get_context("spawn")
-    queue = None
-    if devices:
-        queue = ctx.Manager().Queue()
-        for d in devices:
-            queue.put(d)
-    log(f"running {len(jobs)} runs in {n_jobs} processes" + (f" on {', '.join(devices)}" if devices else ""))
-    with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
-        folders = list(pool.map(_run_in_worker, jobs))
-    out = [json.loads((Path(f) / "results.json").read_text()) for f in folders]
-    for j, r in zip(jobs, out):
-        log(f"{r['label']} seed {j.seed}: client avg Dice {r['client_avg_dice']:.4f}")
-    return out
 
 
 # ------------------------------------------------------------- choosing on validation
