@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedseg.apps.studies import jobs
-from fedseg.apps.studies.grid import choose, grid_points, parse_grid, split_values, validation_score
+from fedseg.apps.studies.grid import _own_key, choose, grid_points, parse_grid, split_values, validation_score
 from fedseg.apps.studies.jobs import Job, requested_config, run_point
 from fedseg.cli import main
 from fedseg.foundation.errors import ConfigError
@@ -34,6 +34,9 @@ def test_grid_axes_and_points():
     pts = grid_points([("train.lr", ["1", "2"]), ("train.batch_size", ["4", "8", "16"])])
     assert len(pts) == 6 and pts[0] == {"train.lr": "1", "train.batch_size": "4"}
     assert grid_points([]) == [{}]
+    assert _own_key("fedsm", "lam=0.3,0.5") == "fedsm:lam=0.3,0.5"
+    assert _own_key("fedsm", "rounds=2,4") == "rounds=2,4"  # a top-level setting
+    assert _own_key("fedsm", "train.lr=1") == "train.lr=1"
     with pytest.raises(ConfigError, match="expected KEY=V1,V2"):
         parse_grid("train.lr")
     with pytest.raises(ConfigError, match="unknown method 'nope'"):

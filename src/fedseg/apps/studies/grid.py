@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -27,6 +28,7 @@ from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, 
 from fedseg.apps.studies.jobs import Job, point_text, requested_config, run_jobs, run_point
 from fedseg.apps.tracking import MlflowTracker, tracker_for
 from fedseg.evaluation.tables import mean_sd
+from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
 
@@ -244,6 +246,14 @@ def chosen_results(out: str | Path, record: Mapping[str, Any]) -> list[dict[str,
     return [json.loads((f / "results.json").read_text()) for f in chosen_folders(out, record)]
 
 
+def _own_key(method: str, spec: str) -> str:
+    """A sweep's axis whose key has no dot and is not a top-level setting is a setting of the method's own
+    section: ``lam=0.3,0.5`` for fedsm is ``fedsm:lam=0.3,0.5``."""
+    key = spec.partition("=")[0].strip()
+    top = {f.name for f in dataclasses.fields(RunConfig)}
+    return f"{method}:{spec}" if "." not in key and key not in top and REGISTRY[method].section else spec
+
+
 def sweep(
     config: str | Path,
     method: str,
@@ -269,7 +279,7 @@ def sweep(
     """
     if method not in REGISTRY:
         raise ConfigError(f"unknown method {method!r}; known methods: {', '.join(sorted(REGISTRY))}")
-    axes = [parse_grid(g) for g in grid]
+    axes = [parse_grid(g if ":" in g.partition("=")[0] else _own_key(method, g)) for g in grid]
     if not axes:
         raise ConfigError("give at least one --grid KEY=V1,V2")
     other = sorted({m for m, _, _ in axes if m is not None and m != method})

@@ -188,7 +188,7 @@ def run_jobs(
     ctx = multiprocessing.get_context("spawn")
     queue = None
     if devices:
-        queue = ctx.Manager().Queue()
+        queue = ctx.Queue()  # handed to each worker as it starts: one device per process
         for d in devices:
             queue.put(d)
     log(f"running {len(jobs)} runs in {n_jobs} processes" + (f" on {', '.join(devices)}" if devices else ""))
