@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench-tuning")
     p.add_argument("--md")
     p.add_argument("--methods", default="fedavg,fedsm")
-    p.add_argument("--lrs", default="3e-4,1e-3,3e-3")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="local steps per round")
