@@ -218,3 +218,14 @@ def test_jobs_give_the_runs_one_after_another(spec, tmp_path):
     assert 'id="tuning"' in text and 'id="fig-tuning-0"' in text
     chosen = json.loads((tmp_path / "seq" / "tuning.json").read_text())["methods"][0]
     assert f"FedAvg [{chosen['points'][chosen['chosen']]['text']}]" in text
+
+
+def test_track_mlflow_without_mlflow_is_one_clear_error(spec, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    args = ["sweep", str(spec), "--method", "fedavg", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "s")]
+    assert main([*args, "--track", "mlflow"]) == 2
+    assert "pip install 'fedseg[track]'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # refused before any run
