@@ -229,3 +229,17 @@ def test_track_mlflow_without_mlflow_is_one_clear_error(spec, tmp_path, monkeypa
     assert main([*args, "--track", "mlflow"]) == 2
     assert "pip install 'fedseg[track]'" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()  # refused before any run
+
+
+@pytest.mark.slow
+def test_fedsm_study_seeds_in_processes_give_the_numbers_of_one_after_another(spec, tmp_path):
+    """`fedseg fedsm sweep --seeds 0,1 --jobs 2`: each seed's study in its own process, the same rows."""
+    args = ["fedsm", "sweep", str(spec), "--lam", "0.7", "--gamma", "0", "--rounds", "1", "--seeds", "0,1", *SETS]
+    args += ["--set", "device=cpu"]
+    assert main([*args, "--out", str(tmp_path / "seq")]) == 0
+    assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    for seed in (0, 1):
+        a, b = (json.loads((tmp_path / x / f"seed{seed}" / "sweep.json").read_text()) for x in ("seq", "par"))
+        keys = ("lam", "client_avg_dice", "global_dice", "dice_by_gamma")
+        assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+    assert (tmp_path / "seq" / "sweep.md").read_text() == (tmp_path / "par" / "sweep.md").read_text()

@@ -209,7 +209,8 @@ def cmd_fedsm(a: argparse.Namespace) -> int:
         if a.seed is not None:
             raise ConfigError("give --seed (one run) or --seeds (one run per seed), not both")
         fields.pop("seed", None)
-        _, table = over_seeds(a.fedsm_verb, a.config, a.out, [int(s) for s in _csv(a.seeds)], **kwargs, **fields)
+        seeds = [int(s) for s in _csv(a.seeds)]
+        _, table = over_seeds(a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, **kwargs, **fields)
     else:
         _, table = (unseen if a.fedsm_verb == "unseen" else sweep)(a.config, a.out, **kwargs, **fields)
     print("\n" + table)
@@ -515,6 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--seeds", help="comma-separated seeds: one study per seed in OUT/seed<N>, then one table (mean ± sd)"
         )
         x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
+        x.add_argument(
+            "--jobs",
+            type=int,
+            default=1,
+            metavar="N",
+            help="with --seeds: the seeds' studies in N processes with one torch thread each (the same numbers)",
+        )
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if study == "unseen":
             x.add_argument("--sites", help="comma-separated sites to hold out (default: each site)")

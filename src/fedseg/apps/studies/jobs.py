@@ -28,7 +28,16 @@ from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
 from fedseg.simulation.runner import run
 
-__all__ = ["IGNORED", "POINT_FILE", "Job", "point_text", "requested_config", "run_jobs", "run_point"]
+__all__ = [
+    "IGNORED",
+    "POINT_FILE",
+    "Job",
+    "map_in_processes",
+    "point_text",
+    "requested_config",
+    "run_jobs",
+    "run_point",
+]
 
 POINT_FILE = "point.json"
 """Written into a grid run's folder before it starts: the resolved settings it was asked to run with (defaults
@@ -198,3 +207,23 @@ def run_jobs(
     for j, r in zip(jobs, out):
         log(f"{r['label']} seed {j.seed}: client avg Dice {r['client_avg_dice']:.4f}")
     return out
+
+
+def _call(call: tuple[Callable[..., Any], tuple, dict]) -> Any:
+    fn, args, kwargs = call
+    return fn(*args, **kwargs)
+
+
+def map_in_processes(
+    fn: Callable[..., Any], calls: Sequence[tuple[tuple, dict]], n_jobs: int, log: Callable[[str], None] = print
+) -> list[Any]:
+    """``[fn(*args, **kwargs) for args, kwargs in calls]``, in ``n_jobs`` spawned processes with one torch thread
+    each when ``n_jobs`` > 1 (``fn`` a module-level function; what it returns crosses back to this process)."""
+    if n_jobs < 1:
+        raise ConfigError(f"--jobs {n_jobs}: give at least 1")
+    if n_jobs == 1 or len(calls) <= 1:
+        return [fn(*args, **kwargs) for args, kwargs in calls]
+    log(f"running {len(calls)} studies in {n_jobs} processes")
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(None,)) as pool:
+        return list(pool.map(_call, [(fn, a, k) for a, k in calls]))
