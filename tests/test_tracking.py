@@ -199,3 +199,25 @@ def test_compare_logs_to_a_tracking_server(spec, tmp_path, monkeypatch):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.slow
+def test_deploy_rehearse_logs_the_servers_results(spec, tmp_path, monkeypatch):
+    """`fedseg deploy rehearse --track mlflow` logs the run the server wrote into OUT (FLARE replaced by a
+    stand-in that writes a finished run's folder)."""
+    from fedseg import cli
+
+    def rehearse(config, sites, out, **kw):
+        res = _fake_run(config, out=Path(out), seed=0)
+        (Path(out) / "results.md").write_text("| FedAvg |\n")
+        return res
+
+    monkeypatch.setattr(cli.dep, "rehearse", rehearse)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "dep"
+    out.mkdir()
+    assert main(["deploy", "rehearse", str(spec), "--out", str(out), "--track", "mlflow"]) == 0
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    (r,) = client.search_runs([client.get_experiment_by_name("fedseg").experiment_id])
+    assert r.data.tags["fedseg.folder"] == str(out.resolve()) and r.data.params["train.lr"] == "0.001"
+    assert "checkpoints" in {a.path for a in client.list_artifacts(r.info.run_id)}

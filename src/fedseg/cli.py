@@ -234,8 +234,9 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     if a.deploy_verb == "server":
         print("starting the server (sites connect to it; Ctrl-C stops it)")
         return dep.foreground(dep.start_server(a.kit))
+    out = (a.resume or a.out) if a.deploy_verb == "run" else a.out
+    tracker = tracker_for(a.track, out, a.config or Path(out) / "config.toml", a.set)
     if a.deploy_verb == "run":
-        out = a.resume or a.out
         res = dep.deploy_run(
             a.config,
             a.kits,
@@ -248,7 +249,6 @@ def cmd_deploy(a: argparse.Namespace) -> int:
             seed=a.seed,
         )
     else:
-        out = a.out
         res = dep.rehearse(
             a.config, a.sites, out, overrides=a.set, progress=True, method=a.method, rounds=a.rounds, seed=a.seed
         )
@@ -259,6 +259,8 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return 1
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
+    if tracker is not None:  # the server's results, checkpoints and config, logged where the run was submitted
+        print(f"MLflow run {tracker.log_run(out)} in {tracker.uri}")
     return 0
 
 
@@ -569,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--rounds", type=int)
         x.add_argument("--seed", type=int)
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        _track_argument(x)
         if verb == "run":
             x.add_argument(
                 "--kits", required=True, help="folder written by `fedseg deploy provision` (uses kits/admin)"

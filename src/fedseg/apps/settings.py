@@ -47,7 +47,7 @@ def sections() -> dict[str, tuple[type, list[Setting], str]]:
     out[TRACKING] = (
         TrackingParams,
         describe(TrackingParams, TRACKING),
-        "Read by `fedseg run`, `compare` and `sweep` (`--track mlflow` also turns it on).",
+        "Read by `fedseg run`, `compare`, `sweep` and `deploy run` / `rehearse` (`--track mlflow` also turns it on).",
     )
     return out
 

@@ -41,7 +41,7 @@ class TrackingParams:
     """Experiment tracking of finished runs (MLflow).
 
     backend
-        'mlflow' logs every run of ``fedseg run``, ``compare`` and ``sweep`` as an MLflow run; 'off' (default)
+        'mlflow' logs every run of ``fedseg run``, ``compare``, ``sweep`` and ``deploy run|rehearse`` as an MLflow run; 'off' (default)
         logs nothing.  ``--track mlflow`` on the command line turns it on as well.
     experiment
         The MLflow experiment the runs go to.
