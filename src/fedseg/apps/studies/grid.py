@@ -147,6 +147,16 @@ def choose(scores: Sequence[Sequence[float]]) -> int:
     return max(range(len(scores)), key=lambda i: (key(i), -i))
 
 
+def _score(results: Mapping[str, Any], needed: bool) -> float:
+    """:func:`validation_score`, or NaN where nothing is chosen (one point) and the run has none to give."""
+    try:
+        return validation_score(results)
+    except ConfigError:
+        if needed:
+            raise
+        return math.nan
+
+
 def tune(
     config: str | Path,
     entries: Sequence[tuple[str, str, list[str], str]],
@@ -175,6 +185,8 @@ def tune(
     and whether it was chosen.
     """
     out = Path(out)
+    if not seeds:
+        raise ConfigError("give at least one seed, e.g. --seeds 0,1,2")
     plan: list[tuple[str, str, str, list[dict[str, str]]]] = []
     all_jobs: list[Job] = []
     for entry, method, own, label in entries:
@@ -215,7 +227,7 @@ def tune(
                 {
                     "point": p,
                     "text": point_text(p),
-                    "validation": [validation_score(r) for _, r in runs],
+                    "validation": [_score(r, needed=len(points) > 1) for _, r in runs],
                     "folders": [Path(j.folder).relative_to(out).as_posix() for j, _ in runs],
                 }
             )

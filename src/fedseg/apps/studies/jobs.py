@@ -25,7 +25,7 @@ import torch
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
-from fedseg.seams.checkpoint import save_json
+from fedseg.seams.checkpoint import PROGRESS, save_json
 from fedseg.simulation.runner import run
 
 __all__ = [
@@ -125,7 +125,10 @@ def run_point(
         return json.loads(done.read_text())
     overrides = [*job.overrides, *([f"device={device}"] if device else [])]
     t0 = time.perf_counter()
-    if (folder / "checkpoints" / "progress.json").is_file() and (folder / "config.toml").is_file():
+    checkpoints = folder / "checkpoints"
+    if (folder / "config.toml").is_file() and (
+        (checkpoints / PROGRESS).is_file() or (checkpoints / f"{PROGRESS}.next").is_file()  # a commit cut short
+    ):
         log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: resuming {folder}")
         res = run(
             None, out=folder, overrides=[f"device={device}"] if device else [], resume=True, progress=progress, log=log
