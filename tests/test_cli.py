@@ -26,7 +26,7 @@ def test_help_lists_every_verb_with_a_purpose():
     out = subprocess.run(
         [sys.executable, "-m", "fedseg.cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for verb in ("demo", "synth", "validate", "run", "evaluate", "compare"):
+    for verb in ("demo", "synth", "validate", "run", "evaluate", "compare", "sweep"):
         assert verb in out
 
 

@@ -62,6 +62,7 @@ ALGORITHM_THIRD_PARTY = ("torch",)
 
 DEFERRED = (
     "nvflare",
+    "mlflow",
     "fedseg.apps.deploy.flare",  # imports nvflare
     "matplotlib",
     "PIL",

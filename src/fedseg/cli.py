@@ -22,6 +22,8 @@ from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
+from fedseg.apps.studies.grid import sweep as grid_sweep
+from fedseg.apps.tracking import tracker_for
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
@@ -95,6 +97,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.resume is None and a.config is None:
         raise FedsegError("give a run config or federation spec, or --resume OUT to continue a run")
     out = a.resume or a.out
+    tracker = tracker_for(a.track, out, a.config or Path(out) / "config.toml", a.set)
     logger = None
     if getattr(a, "tensorboard", False):
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
@@ -118,6 +121,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"results: {Path(out).resolve() / 'results.json'}")
     if logger is not None:
         print(f"tensorboard: tensorboard --logdir {logger.logdir.resolve()}")
+    if tracker is not None and res is not None:
+        print(f"MLflow run {tracker.log_run(out)} in {tracker.uri}")
     return 0 if res is not None else 1
 
 
@@ -154,9 +159,34 @@ def cmd_compare(a: argparse.Namespace) -> int:
         seeds=[int(s) for s in _csv(a.seeds)],
         rounds=a.rounds,
         overrides=overrides,
+        tune=a.tune,
+        jobs=a.jobs,
+        devices=_csv(a.devices) if a.devices else None,
+        track=a.track,
     )
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
+    if a.tune:
+        print(f"tuning record: {Path(a.out).resolve() / 'tuning.json'}; report: fedseg report {a.out}")
+    return 0
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    overrides = a.set + ([f"device={a.device}"] if a.device else [])
+    _, table = grid_sweep(
+        a.config,
+        a.method,
+        a.grid,
+        a.out,
+        seeds=[int(s) for s in _csv(a.seeds)],
+        rounds=a.rounds,
+        overrides=overrides,
+        jobs=a.jobs,
+        devices=_csv(a.devices) if a.devices else None,
+        track=a.track,
+    )
+    print("\n" + table)
+    print(f"table: {Path(a.out).resolve() / 'sweep.md'}, figure: {Path(a.out).resolve() / 'sweep.png'}")
     return 0
 
 
@@ -180,7 +210,8 @@ def cmd_fedsm(a: argparse.Namespace) -> int:
         if a.seed is not None:
             raise ConfigError("give --seed (one run) or --seeds (one run per seed), not both")
         fields.pop("seed", None)
-        _, table = over_seeds(a.fedsm_verb, a.config, a.out, [int(s) for s in _csv(a.seeds)], **kwargs, **fields)
+        seeds = [int(s) for s in _csv(a.seeds)]
+        _, table = over_seeds(a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, **kwargs, **fields)
     else:
         _, table = (unseen if a.fedsm_verb == "unseen" else sweep)(a.config, a.out, **kwargs, **fields)
     print("\n" + table)
@@ -205,8 +236,9 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     if a.deploy_verb == "server":
         print("starting the server (sites connect to it; Ctrl-C stops it)")
         return dep.foreground(dep.start_server(a.kit))
+    out = (a.resume or a.out) if a.deploy_verb == "run" else a.out
+    tracker = tracker_for(a.track, out, a.config or Path(out) / "config.toml", a.set)
     if a.deploy_verb == "run":
-        out = a.resume or a.out
         res = dep.deploy_run(
             a.config,
             a.kits,
@@ -219,7 +251,6 @@ def cmd_deploy(a: argparse.Namespace) -> int:
             seed=a.seed,
         )
     else:
-        out = a.out
         res = dep.rehearse(
             a.config, a.sites, out, overrides=a.set, progress=True, method=a.method, rounds=a.rounds, seed=a.seed
         )
@@ -230,6 +261,8 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         return 1
     print(Path(out, "results.md").read_text())
     print(f"results: {Path(out).resolve() / 'results.json'}")
+    if tracker is not None:  # the server's results, checkpoints and config, logged where the run was submitted
+        print(f"MLflow run {tracker.log_run(out)} in {tracker.uri}")
     return 0
 
 
@@ -247,6 +280,32 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
         help="auto (the config's default: CUDA when available, else cpu), cpu, cuda or cuda:N (same as --set device=...); "
         "mixed precision: --set train.precision=bf16 or fp16 (default fp32). The device and precision used are "
         "printed at the start and recorded in results.json and config.toml",
+    )
+
+
+def _track_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--track",
+        choices=["mlflow", "off"],
+        help="log runs to MLflow (parameters, per-round metrics, results, best checkpoints; a compare or sweep "
+        "nests its runs under one parent run): a SQLite store OUT/mlflow.db, or MLFLOW_TRACKING_URI when set; "
+        "default: the config's [tracking] section (off)",
+    )
+
+
+def _jobs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="independent runs in N processes with one torch thread each (default 1: one after another; "
+        "the same results either way)",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="D1,D2",
+        help="one process per device, e.g. cuda:0,cuda:1 (or cpu,cpu); each run on its process's device",
     )
 
 
@@ -350,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write per-round TensorBoard scalars (losses, Dice, bytes, alpha) to OUT/tensorboard",
     )
     r.add_argument("--tensorboard-dir", metavar="DIR", help="with --tensorboard: write the scalars to DIR instead")
+    _track_argument(r)
     r.set_defaults(func=cmd_run)
 
     rp = sub.add_parser(
@@ -410,8 +470,41 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=int)
     c.add_argument("--out", required=True)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="tune a setting per method on validation, e.g. train.lr=3e-4,1e-3,3e-3 (repeatable: a grid; "
+        "fedsm:lam=0.3,0.5 for one method's); each method's row is its setting with the best mean validation "
+        "score over the seeds, reported on test",
+    )
+    _jobs_arguments(c)
+    _track_argument(c)
     _device_argument(c)
     c.set_defaults(func=cmd_compare)
+    sw = sub.add_parser(
+        "sweep",
+        help="one method over a grid of any settings: one run per point (resumable), a table and a plot of "
+        "validation Dice over the grid",
+    )
+    sw.add_argument("config", help="run config TOML or federation spec")
+    sw.add_argument("--method", required=True, choices=sorted(REGISTRY))
+    sw.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2",
+        help="a setting and its values, e.g. train.lr=3e-4,1e-3 (repeatable: the product of all)",
+    )
+    sw.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    sw.add_argument("--rounds", type=int)
+    sw.add_argument("--out", required=True, help="output folder: one subfolder per grid point, seed<k> below it")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _jobs_arguments(sw)
+    _track_argument(sw)
+    _device_argument(sw)
+    sw.set_defaults(func=cmd_sweep)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
     fsub = f.add_subparsers(dest="fedsm_verb", required=True, metavar="STUDY")
     for study, text in (
@@ -427,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--seeds", help="comma-separated seeds: one study per seed in OUT/seed<N>, then one table (mean ± sd)"
         )
         x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
+        x.add_argument(
+            "--jobs",
+            type=int,
+            default=1,
+            metavar="N",
+            help="with --seeds: the seeds' studies in N processes with one torch thread each (the same numbers)",
+        )
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if study == "unseen":
             x.add_argument("--sites", help="comma-separated sites to hold out (default: each site)")
@@ -479,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("--rounds", type=int)
         x.add_argument("--seed", type=int)
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        _track_argument(x)
         if verb == "run":
             x.add_argument(
                 "--kits", required=True, help="folder written by `fedseg deploy provision` (uses kits/admin)"

@@ -57,8 +57,9 @@ for _cls in (
 
 # Sections that are not a method's but may appear in any run config: ``[deploy]``
 # (deadlines, minimum sites) is read by ``fedseg deploy`` and ignored by a simulation,
-# so ``fedseg run OUT/config.toml`` also works on the folder of a deployed run.
-EXTRA_SECTIONS = frozenset({"deploy"})
+# so ``fedseg run OUT/config.toml`` also works on the folder of a deployed run; ``[tracking]``
+# (MLflow) is read by the commands that log runs (``fedseg.apps.tracking``).
+EXTRA_SECTIONS = frozenset({"deploy", "tracking"})
 
 
 def known_sections() -> set[str]:

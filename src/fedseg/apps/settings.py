@@ -2,7 +2,7 @@
 
 The sections are the foundation's (:func:`fedseg.foundation.settings.run_sections`), each
 method's own (``[fedavg]``, ``[fedsm]``…, from :data:`fedseg.algorithms.REGISTRY`) and
-``[deploy]``; each row comes from its dataclass field (type, default, allowed values) and the
+``[deploy]`` and ``[tracking]``; each row comes from its dataclass field (type, default, allowed values) and the
 field's docstring (description).  ``docs/settings.md`` is :func:`markdown`'s output
 (``fedseg settings --markdown > docs/settings.md``); a test fails when it is stale.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 import inspect
 
 from fedseg.algorithms import REGISTRY
+from fedseg.apps.tracking import SECTION as TRACKING
+from fedseg.apps.tracking import TrackingParams
 from fedseg.execution.remote.params import SECTION as DEPLOY
 from fedseg.execution.remote.params import DeployParams
 from fedseg.foundation.errors import ConfigError
@@ -41,6 +43,11 @@ def sections() -> dict[str, tuple[type, list[Setting], str]]:
         DeployParams,
         describe(DeployParams, DEPLOY),
         "Read by `fedseg deploy run` / `rehearse`; a simulation ignores it.",
+    )
+    out[TRACKING] = (
+        TrackingParams,
+        describe(TrackingParams, TRACKING),
+        "Read by `fedseg run`, `compare`, `sweep` and `deploy run` / `rehearse` (`--track mlflow` also turns it on).",
     )
     return out
 

@@ -14,6 +14,9 @@ section id             shown when
                        Δ to FedAvg and centralized, best round, test cases per site
 ``table3``             always: Dice per site (FedSM Table 3 layout; ε of DP runs); for
                        volumes, HD95 (mm) per site below it
+``tuning``             a folder of ``fedseg compare --tune`` or ``fedseg sweep``: the
+                       validation score of every grid point and the choice (its chosen
+                       runs are the report's runs)
 ``privacy``            a run with ``privacy.dp``: ε per site, δ, accountant, σ, steps
 ``distributions``      per-case Dice stored: box + dot plots per site, Wilcoxon vs FedAvg
 ``table2``             an ``autofedavg`` and a ``fedavg`` run (Auto-FedAvg Table 2 layout)
@@ -52,6 +55,7 @@ from fedseg.apps.report.markup import Doc, figure, markdown_html, note
 from fedseg.apps.report.numbers import is_fedsm
 from fedseg.apps.report.privacy_section import privacy_section
 from fedseg.apps.report.runs import DataCache, Run, RunModels, load_runs, variants_of
+from fedseg.apps.report.tuning import tuned_paths, tuning_section
 from fedseg.foundation.errors import ConfigError
 
 __all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
@@ -60,6 +64,7 @@ __all__ = ["SECTIONS", "ReportOptions", "build_report", "markdown_html"]
 SECTIONS = (
     ("headline", "Headline"),
     ("table3", "Dice (and HD95) per site"),
+    ("tuning", "Tuning on validation"),
     ("privacy", "Differential privacy"),
     ("distributions", "Per-case Dice and paired comparisons"),
     ("table2", "Auto-FedAvg comparison (Table 2 layout, Wilcoxon tests)"),
@@ -161,6 +166,7 @@ def build_report(
         Settings of the model sections (:class:`ReportOptions`).
     """
     opts = options or ReportOptions()
+    paths, tunings = tuned_paths(paths)  # a tuned comparison or sweep: its chosen runs, and the record of the choice
     runs = load_runs(paths)
     out = Path(html_path)
     base = out.parent
@@ -179,6 +185,7 @@ def build_report(
         if step == "tables":
             got["headline"] = sections.headline_section(runs, seed=opts.seed)
             got["table3"] = sections.table3_section(runs)
+            got["tuning"] = tuning_section(tunings)
             got["privacy"] = privacy_section(runs)
             dist, png = sections.distributions_section(runs)
             got["distributions"] = (

@@ -85,7 +85,12 @@ def find_run_dirs(paths: Iterable[str | Path], max_depth: int = 3) -> list[Path]
             found = [p.parent]
         elif p.is_dir():
             found = sorted(
-                {f.parent for d in range(1, max_depth + 1) for f in p.glob("/".join(["*"] * d) + "/results.json")}
+                {
+                    f.parent
+                    for d in range(1, max_depth + 1)
+                    for f in p.glob("/".join(["*"] * d) + "/results.json")
+                    if "mlartifacts" not in f.relative_to(p).parts  # copies logged to a local MLflow store
+                }
             )
         else:
             raise ConfigError(f"{p} does not exist; give the output folder of a finished run (it holds results.json)")

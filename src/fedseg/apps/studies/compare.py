@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import REGISTRY, known_sections
 from fedseg.apps.report import ReportOptions, build_report
+from fedseg.apps.report.tuning import tuning_markdown
+from fedseg.apps.studies.grid import parse_grid
+from fedseg.apps.studies.grid import tune as run_grid
+from fedseg.apps.tracking import tracker_for
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import load_best
-from fedseg.simulation.runner import build_engine, load_federation_data, run
+from fedseg.simulation.runner import build_engine, load_federation_data
 from fedseg.site.workload import workload_for
 
 __all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
@@ -45,6 +48,8 @@ def split_method_entries(text: str) -> list[str]:
 def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
     """``"fedsm:personalization=ft,lam=0.5"`` → (method, overrides in the method's section, label).
 
+    A dotted key is any setting (``fedavg:train.lr=1e-3`` → ``train.lr=1e-3``).
+
     A plain name (``"fedavg"``) has no overrides and is its own label.  The section is
     the method's config section (``fedsm-extra`` uses ``[fedsm]``).
     """
@@ -57,7 +62,7 @@ def parse_method_entry(entry: str) -> tuple[str, list[str], str]:
     bad = [p for p in pairs if "=" not in p]
     if bad:
         raise ConfigError(f"{entry!r}: settings must be key=value (e.g. fedsm:personalization=ft), got {bad}")
-    overrides = [f"{cls.section}.{p}" for p in pairs]
+    overrides = [p if "." in p.partition("=")[0] else f"{cls.section}.{p}" for p in pairs]
     label = f"{method} ({', '.join(pairs)})" if pairs else method
     return method, overrides, label
 
@@ -71,49 +76,92 @@ def compare(
     overrides: Sequence[str] = (),
     progress: bool = True,
     log: Callable[[str], None] = print,
+    tune: Sequence[str] = (),
+    jobs: int = 1,
+    devices: Sequence[str] | None = None,
+    track: str | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run every method with every seed into ``out/<entry>/seed<k>`` and tabulate them.
 
     An entry is a method name, optionally with settings of its own section
-    (``fedsm:personalization=ft``), so variants of one method get their own rows
-    (e.g. the FedSM paper's Table 6).  Runs whose ``results.json`` already exists are
-    read instead of re-run, so an interrupted comparison continues where it stopped.
-    Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
-    ``out/comparison.json``; returns the runs' results and the table.
+    (``fedsm:personalization=ft``) or any dotted setting (``fedavg:train.lr=1e-3``), so variants of one
+    method get their own rows (e.g. the FedSM paper's Table 6).  Runs whose ``results.json`` already exists
+    are read instead of re-run and a checkpointed run is resumed, so an interrupted comparison continues where
+    it stopped.
+
+    ``tune``: grid axes (``"train.lr=3e-4,1e-3,3e-3"``; ``"fedsm:lam=0.3,0.5"`` for one method's entries;
+    several make a grid): every point of every entry is trained over the seeds into
+    ``out/<entry>/<point>/seed<k>``, judged on validation by the score its runs select their best round by,
+    and the point with the highest mean over the seeds is the entry's row (its test Dice, mean ± sd over the
+    seeds); test numbers never enter the choice (:mod:`fedseg.apps.studies.grid`).  The table is followed by
+    each point's validation score and the choice, also in ``out/tuning.json``.
+
+    ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each; ``devices``
+    one process per device.  ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
+    MLflow run, nested under one parent run that holds the table, the tuning record and the HTML report
+    (``out/report.html``, without the model sections; :mod:`fedseg.apps.tracking`).  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
+    ``out/comparison.json``; returns the reported runs' results and the table.
     """
     out = Path(out)
-    entries = [parse_method_entry(m) for m in methods]
+    parsed = [parse_method_entry(m) for m in methods]
+    axes = [parse_grid(t) for t in tune]
+    missing = sorted({m for m, _, _ in axes if m is not None} - {p[0] for p in parsed})
+    if missing:
+        raise ConfigError(f"--tune names {missing}, which --methods does not run; add them or drop that --tune")
+    tracker = tracker_for(track, out, config, overrides)
+    parent = (
+        tracker.parent(
+            out,
+            "compare",
+            {"config": str(config), "methods": list(methods), "seeds": list(seeds), "tune": list(tune)},
+        )
+        if tracker is not None
+        else None
+    )
+    record = run_grid(
+        config,
+        [(entry, method, own, label) for entry, (method, own, label) in zip(methods, parsed)],
+        axes,
+        out,
+        seeds=seeds,
+        rounds=rounds,
+        overrides=overrides,
+        jobs=jobs,
+        devices=devices,
+        progress=progress,
+        log=log,
+        tracker=tracker,
+        parent_id=parent,
+    )
     runs = []
-    for (method, own, label), entry in zip(entries, methods):
-        for seed in seeds:
-            folder = out / entry.replace(":", "-").replace(",", "-").replace(" ", "") / f"seed{seed}"
-            done = folder / "results.json"
-            if done.is_file():
-                log(f"{label} seed {seed}: already done ({done})")
-                res = json.loads(done.read_text())
-            else:
-                t0 = time.perf_counter()
-                res = run(
-                    config,
-                    out=folder,
-                    overrides=[*overrides, *own],
-                    progress=progress,
-                    log=log,
-                    method=method,
-                    seed=seed,
-                    rounds=rounds,
-                )
-                log(
-                    f"{label} seed {seed}: client avg Dice {res['client_avg_dice']:.4f} in {time.perf_counter() - t0:.0f} s"
-                )
-            if own:
-                res["label"] = label
-            runs.append(res)
-    table = table3(runs)
-    (out / "comparison.md").write_text(table)
     keys = ("method", "label", "seed", "per_site_dice", "client_avg_dice", "global_dice", "wall_time_s")
-    summary = [{k: r[k] for k in keys if k in r} for r in runs]
+    summary = []
+    for m, (_, own, label) in zip(record["methods"], parsed):
+        chosen = m["points"][m["chosen"]]
+        scores = {p["text"]: sum(p["validation"]) / len(p["validation"]) for p in m["points"]}
+        for f in chosen["folders"]:
+            res = json.loads((out / f / "results.json").read_text())
+            if own:
+                res["label"] = label + (f" [{chosen['text']}]" if chosen["text"] else "")
+            runs.append(res)
+            row = {k: res[k] for k in keys if k in res}
+            if axes:
+                row["tuning"] = {"chosen": chosen["point"], "validation_by_setting": scores}
+            summary.append(row)
+    table = table3(runs)
+    if axes:
+        table += "\nTuning on validation:\n\n" + tuning_markdown(record)
+    (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(summary, indent=1))
+    if tracker is not None and parent is not None:
+        report = build_report([out], out / "report.html", ReportOptions(models=False), progress=progress, log=log)
+        names = ("comparison.md", "comparison.json", "tuning.json")
+        tracker.log_files(parent, [*(out / n for n in names), report])
+        for m in record["methods"]:
+            chosen = m["points"][m["chosen"]]
+            test = [json.loads((out / f / "results.json").read_text())["client_avg_dice"] for f in chosen["folders"]]
+            tracker.log_metrics(parent, {f"{m['entry']}/client_avg_dice": sum(test) / len(test)})
+        tracker.end(parent)
     return runs, table
 
 

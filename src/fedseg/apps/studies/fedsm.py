@@ -26,6 +26,7 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
 from fedseg.algorithms.fedsm.selection import PER_MODEL
+from fedseg.apps.studies.jobs import map_in_processes
 from fedseg.evaluation.tables import mean_sd, table5
 from fedseg.execution.engine import Engine
 from fedseg.foundation.config import RunConfig, load_run_config
@@ -367,20 +368,24 @@ def over_seeds(
     out: str | Path,
     seeds: Sequence[int],
     log: Callable[[str], None] = print,
+    jobs: int = 1,
     **kwargs: Any,
 ) -> tuple[dict[int, list[dict[str, Any]]], str]:
     """Run ``study`` (``"sweep"`` or ``"unseen"``, with :func:`sweep`'s / :func:`unseen`'s arguments)
-    once per seed into ``out/seed<N>``, then write their table over seeds (:func:`tabulate`) to
-    ``out/<study>.md``. Returns the rows by seed and that table."""
+    once per seed into ``out/seed<N>`` (``jobs`` > 1: the seeds in that many processes, one torch thread
+    each, the same numbers), then write their table over seeds (:func:`tabulate`) to ``out/<study>.md``.
+    Returns the rows by seed and that table."""
     if study not in STUDY_FILES:
         raise ConfigError(f"unknown FedSM study {study!r}; use 'sweep' or 'unseen'")
     if not seeds:
         raise ConfigError("over_seeds needs at least one seed, e.g. --seeds 0,1,2")
     fn = sweep if study == "sweep" else unseen
     out = Path(out)
-    rows: dict[int, list[dict[str, Any]]] = {}
-    for seed in seeds:
-        rows[seed], _ = fn(config, out / f"seed{seed}", log=log, seed=seed, **kwargs)
+    if jobs > 1:
+        kwargs["progress"] = False
+    calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
+    done = map_in_processes(fn, calls, jobs, log) if jobs > 1 else [fn(*a, log=log, **k) for a, k in calls]
+    rows = {seed: r for seed, (r, _) in zip(seeds, done)}
     _, table = tabulate([out / f"seed{s}" for s in seeds], out / f"{STUDY_FILES[study]}.md")
     return rows, table
 
