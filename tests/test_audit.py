@@ -151,7 +151,8 @@ def test_the_attackers_model_of_a_gradient_message_is_exact(tiny, message):
 def test_dp_messages_are_the_sites_own_and_seeded(tiny):
     """``privacy.dp`` at the sites: with a bound no gradient or update reaches and negligible noise, DP-SGD's
     gradient is the plain gradient and client-level DP's update the plain update (FedAvg with even weights
-    trains the same local steps); a small bound clips the update to it; the noise is the sites' seeded one."""
+    trains the same local steps); a small bound clips the update to it; the noise is the sites' own: the same
+    in the seeded test mode, fresh from the OS by default."""
     cfg, workload, data = tiny
     for message in ("fga", "fedavg-1step"):
         plain = sent_by_sites(message, cfg, workload, data)[0].message
@@ -160,10 +161,14 @@ def test_dp_messages_are_the_sites_own_and_seeded(tiny):
             assert torch.allclose(loose[n], g, atol=1e-5), (message, n)
     tight = private_messages("fedavg-1step", cfg, workload, data, clip=1e-3, sigma=1e-9)[0]
     assert float(sum(v.double().pow(2).sum() for v in tight.values()) ** 0.5) == pytest.approx(1e-3, rel=1e-3)
-    noisy = private_messages("fga", cfg, workload, data, clip=1.0, sigma=1.0)
-    again = private_messages("fga", cfg, workload, data, clip=1.0, sigma=1.0)
+    seeded = _seeded(cfg)
+    noisy = private_messages("fga", seeded, workload, data, clip=1.0, sigma=1.0)
+    again = private_messages("fga", seeded, workload, data, clip=1.0, sigma=1.0)
+    first = next(iter(noisy[0]))
     assert all(torch.equal(noisy[0][n], again[0][n]) for n in noisy[0])
-    assert not torch.equal(noisy[0][next(iter(noisy[0]))], noisy[1][next(iter(noisy[1]))])
+    assert not torch.equal(noisy[0][first], noisy[1][first])
+    fresh = private_messages("fga", cfg, workload, data, clip=1.0, sigma=1.0)
+    assert not torch.equal(fresh[0][first], noisy[0][first])
 
 
 def test_a_fedavg_sgd_step_is_the_fga_gradient_scaled(tiny):
@@ -373,14 +378,11 @@ def test_dp_noise_regenerated_from_the_seed_is_subtracted_and_reported(tiny, mes
     assert "matched" in known.note() and "NOT" not in known.note()
 
 
-def test_noise_the_seed_does_not_give_is_reported_as_not_matched(tiny, monkeypatch):
-    """Sites whose DP noise does not come from the run seed (here: another key) leave the regenerated noise
-    useless, and the row says so: the residual is the size of the noise, not of the signal."""
-    import fedseg.site.dp as site_dp
-    from fedseg.foundation.seeding import generator
-
+def test_noise_the_seed_does_not_give_is_reported_as_not_matched(tiny):
+    """Sites whose DP noise does not come from the run seed (the default: every draw keyed by fresh OS
+    bytes) leave the regenerated noise useless, and the row says so: the residual is the size of the noise,
+    not of the signal."""
     cfg, workload, data = tiny
-    monkeypatch.setattr(site_dp, "generator", lambda *keys: generator(*keys, "elsewhere"), raising=False)
     sent = sent_by_sites("fga", cfg, workload, data)[0]
     known = known_seed_message("fga", cfg, workload, data, 1.0, 1.0, sent)
     assert not known.matched and known.residual > known.signal

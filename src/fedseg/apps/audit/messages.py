@@ -43,8 +43,9 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.foundation.messages import Task
-from fedseg.foundation.seeding import derive_seed, generator
-from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients
+from fedseg.foundation.seeding import derive_seed
+from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients, privatized_gradient
+from fedseg.privacy.randomness import Randomness
 from fedseg.seams.algorithm import ServerContext
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import Workload
@@ -272,32 +273,60 @@ def sent_by_sites(message: str, cfg: RunConfig, workload: Workload, data: Mappin
     return out
 
 
-def _private_replies(
-    message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], clip: float, sigma: float
-) -> tuple[_Asked, list[tuple[Site, Arrays]]]:
-    asked = _asked(message, cfg, workload, list(data))
-    mode = "sample" if asked.kind == "gradient" else "client"
-    privacy = dataclasses.replace(cfg.privacy, dp=mode, clip=clip, noise_multiplier=sigma, epsilon=None)
-    method = "fedavg-even" if mode == "client" else asked.method
-    cfg = dataclasses.replace(cfg, method=method, privacy=privacy)
-    algorithm = get_algorithm(cfg)
-    out = []
-    for i, (name, d) in enumerate(data.items()):
-        site = Site(name, i, d, workload, cfg, algorithm)
-        out.append((site, site.handle(asked.task).arrays))
-    return asked, out
+def _dp_sites(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], mode: str, clip: float, sigma: float):
+    """The sites with their ``privacy.dp = mode`` settings at C = ``clip``, σ = ``sigma`` (their own
+    :class:`~fedseg.site.dp.SiteDP` and its randomness, ``privacy.dp_randomness`` as configured)."""
+    privacy = dataclasses.replace(
+        cfg.privacy,
+        dp=mode,
+        clip=clip,
+        noise_multiplier=sigma,
+        epsilon=None,
+        secure_aggregation=mode == "client" or cfg.privacy.secure_aggregation,
+    )
+    cfg = dataclasses.replace(cfg, privacy=privacy)
+    algorithm = get_algorithm(dataclasses.replace(cfg, method="fedavg-even" if mode == "client" else cfg.method))
+    return [Site(name, i, d, workload, cfg, algorithm) for i, (name, d) in enumerate(data.items())]
 
 
 def private_messages(
     message: str, cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], clip: float, sigma: float
 ) -> list[Arrays]:
-    """Every site's ``message`` as fedseg's differential privacy sends it (:mod:`fedseg.site.dp`): a gradient
-    under ``privacy.dp = "sample"`` (DP-SGD's privatized gradient of the same batch), an update under
-    ``privacy.dp = "client"`` (clipped, with the site's share of the noise; FedAvg with even weights, the
-    weighting client-level DP runs with), at ``privacy.clip`` = ``clip`` and ``privacy.noise_multiplier`` =
-    ``sigma``; the noise as the sites' own DP code draws it."""
-    asked, replies = _private_replies(message, cfg, workload, data, clip, sigma)
-    return [{k: v.detach() for k, v in _message(asked, site, arrays).items()} for site, arrays in replies]
+    """Every site's ``message`` as fedseg's differential privacy sends it, at ``privacy.clip`` = ``clip`` and
+    ``privacy.noise_multiplier`` = ``sigma``, computed on the plain message's own batch (so that the two are
+    comparable: :func:`sent_by_sites`) with the noise drawn by each site's own DP randomness
+    (:mod:`fedseg.privacy.randomness`) at the position of its first privatized step:
+
+    * a gradient — DP-SGD's (``privacy.dp = "sample"``, :func:`fedseg.privacy.dp.privatized_gradient`): every
+      sample's gradient clipped to C, N(0, σ²C²) on their sum, divided by the batch size.  A DP site draws
+      its batches by Poisson sampling; the audit attacks the plain message's batch, which is one such draw;
+    * an update — client-level DP's (``privacy.dp = "client"``): the update clipped to C plus the site's
+      share N(0, σ²C²/K) of the noise.  fedseg sends it only under secure aggregation (the server sees the
+      sum); the single share is what the server would see of one site without it."""
+    plain = sent_by_sites(message, cfg, workload, data)
+    gradient = plain[0].kind == "gradient"
+    sites = _dp_sites(cfg, workload, data, "sample" if gradient else "client", clip, sigma)
+    out = []
+    for site, sent in zip(sites, plain):
+        if gradient:
+
+            def normal(count: int, std: float, site: Site = site, sent: Sent = sent) -> torch.Tensor:
+                return site.dp.random.normal(count, std, "noise", sent.role, 0)
+
+            grads, _ = privatized_gradient(
+                sent.model, sent.loss, sent.batch, sent.target, clip, sigma, normal, params=sent.weights
+            )
+            out.append({n: grads[n].detach() for n in sent.message})
+        else:
+            k = len(sites)
+
+            def normal(count: int, std: float, site: Site = site, sent: Sent = sent) -> torch.Tensor:
+                return site.dp.random.normal(count, std, "client-noise", sent.role, 0)
+
+            clipped, _ = clip_update({n: -v for n, v in sent.message.items()}, clip)  # w − w_0 = −message
+            noise = noise_like(clipped, sigma * clip / k**0.5, normal)
+            out.append({n: -(clipped[n] + noise[n]) for n in clipped})
+    return out
 
 
 def _norm(arrays: Mapping[str, torch.Tensor]) -> float:
@@ -340,33 +369,35 @@ def known_seed_message(
     sent: Sent,
 ) -> KnownSeed:
     """An attacker who knows the run seed and the site's index regenerates the attacked site's (the first's)
-    DP noise as :mod:`fedseg.site.dp` draws it for a site's first DP step — DP-SGD's gradient: N(0, σ²C²) from
-    ``generator(seed, index, "dp", role, 0)`` over the trainable parameters, divided by the batch size;
-    client-level DP: N(0, σ²C²/K) from ``generator(seed, index, "dp-client", role, 0)`` over the shared
-    floating-point arrays, the update sent as w_0 − w = −(clipped + noise) — and subtracts it from the site's
-    DP message (computed by the sites' own DP code, :func:`private_messages`).  ``sent`` is the site's plain
-    message (:func:`sent_by_sites`), from which the clipped signal is computed to say whether the noise
-    matched.  If the sites draw their noise from anything but the run seed, it does not."""
-    asked, replies = _private_replies(message, cfg, workload, data, clip, sigma)
-    site, arrays = replies[0]
-    dp_message = {k: v.detach() for k, v in _message(asked, site, arrays).items()}
-    if asked.kind == "gradient":
-        names = [n for n, p in sent.model.named_parameters() if p.requires_grad and n in dp_message]
-        g = generator(cfg.seed, sent.index, "dp", sent.role, 0)
+    DP noise as a site draws it in the test mode ``privacy.dp_randomness = "seeded"``
+    (:class:`fedseg.privacy.randomness.Randomness` keyed by the seed and the index, at the position of the
+    site's first privatized step) — DP-SGD's gradient: N(0, σ²C²) over the trainable parameters, divided by
+    the batch size; client-level DP: N(0, σ²C²/K) over the update, sent as w_0 − w = −(clipped + noise) — and
+    subtracts it from the site's DP message (:func:`private_messages`).  ``sent`` is the site's plain message
+    (:func:`sent_by_sites`), from which the clipped signal is computed to say whether the noise matched.
+    With the default ``"os"`` randomness every draw is keyed by fresh OS bytes, and it does not."""
+    dp_message = private_messages(message, cfg, workload, data, clip, sigma)[0]
+    guess = Randomness("seeded", cfg.seed, sent.index)  # what the run seed and the site's index give
+    if sent.kind == "gradient":
         b = int(sent.batch.shape[0])
-        noise = {k: v / b for k, v in noise_like({n: dp_message[n] for n in names}, sigma * clip, g).items()}
-        denoised = {n: dp_message[n] - noise[n] for n in dp_message}
+        names = [n for n in sent.weights if n in dp_message]
+
+        def regenerated(count: int, std: float) -> torch.Tensor:
+            return guess.normal(count, std, "noise", sent.role, 0)
+
+        noise = {k: v / b for k, v in noise_like({n: dp_message[n] for n in names}, sigma * clip, regenerated).items()}
         grads, _ = per_sample_gradients(sent.model, sent.loss, sent.batch, sent.target, sent.weights)
         summed, _ = clip_per_sample(grads, clip)
         signal = {n: summed[n] / b for n in dp_message}
     else:
-        shared = strip_prefix(asked.role, arrays)
-        floating = {k: v for k, v in shared.items() if v.is_floating_point()}
-        g = generator(cfg.seed, sent.index, "dp-client", asked.role, 0)
-        full = noise_like(floating, sigma * clip / len(data) ** 0.5, g)
+
+        def regenerated(count: int, std: float) -> torch.Tensor:
+            return guess.normal(count, std, "client-noise", sent.role, 0)
+
+        full = noise_like(dict(dp_message), sigma * clip / len(data) ** 0.5, regenerated)
         noise = {n: -full[n] for n in dp_message}  # the message is w_0 − w = −(clipped + noise)
-        denoised = {n: dp_message[n] - noise[n] for n in dp_message}
         signal, _ = clip_update(sent.message, clip)
+    denoised = {n: dp_message[n] - noise[n] for n in dp_message}
     residual = _norm({n: denoised[n] - signal[n].to(denoised[n]) for n in denoised})
     return KnownSeed(denoised, residual, _norm(signal), _norm(noise))
 
