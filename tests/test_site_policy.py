@@ -144,6 +144,19 @@ def test_site_takes_a_run_that_meets_its_floors_and_keeps_its_own_participant_mi
     assert rt.site.cfg.privacy.secure_aggregation
 
 
+def test_site_runs_with_its_own_participant_minimum_when_the_server_asks_for_fewer(tmp_path):
+    """The server's job asks secure aggregation to sum with 2 sites; a site whose policy says 4 runs with 4
+    (``privacy.secagg_min_sites``), and one whose policy says 2 keeps the server's 3."""
+    cfg = _cfg(privacy=PrivacyConfig(secure_aggregation=True, secagg_min_sites=2))
+    strict = _runtimes(tmp_path / "a", tiny_sites(4), {"site1": SitePolicy(min_sites=4)})["site1"]
+    reply = json.loads(strict.call("setup", _setup_desc(cfg, ("site1", "site2", "site3", "site4")).encode()))
+    assert "refused" not in reply and strict.site.cfg.privacy.secagg_min_sites == 4
+    cfg3 = _cfg(privacy=PrivacyConfig(secure_aggregation=True, secagg_min_sites=3))
+    lax = _runtimes(tmp_path / "b", tiny_sites(3), {"site1": SitePolicy(min_sites=2)})["site1"]
+    reply = json.loads(lax.call("setup", _setup_desc(cfg3).encode()))
+    assert "refused" not in reply and lax.site.cfg.privacy.secagg_min_sites == 3
+
+
 # ------------------------------------------------------------------ per task
 def test_site_refuses_task_kinds_its_policy_does_not_allow(tmp_path):
     """site2's policy answers training but not evaluation: its evaluation replies are refused (logged by the
