@@ -330,8 +330,9 @@ class PrivacyConfig:
             )
 
 
-VOLUME_READS = ("auto", "memory", "cache")
+VolumeReads = Literal["auto", "memory", "cache"]
 """Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
+VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 
 @dataclass(frozen=True)
@@ -365,7 +366,7 @@ class RunConfig:
     under the same plan and source files: 'auto' (a `.fedseg-cache` folder beside the site's datalist),
     'off' (preprocess on every run) or a folder (one subfolder per site; a deployed site always caches
     beside its own datalist unless 'off'); see docs/data.md, "Cache"."""
-    volume_reads: str = "auto"
+    volume_reads: VolumeReads = "auto"
     """Volumes: where a site keeps its cases while it trains: 'memory' (every split held, padded to the
     federation's common shape), 'cache' (read from the site's volume cache as used: one batch of patches per
     training step, one batch of volumes per evaluation step; needs volume_cache) or 'auto' (held while a
@@ -390,10 +391,7 @@ class RunConfig:
             )
         if not str(self.volume_cache).strip():
             raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
-        if self.volume_reads not in VOLUME_READS:
-            raise ConfigError(
-                f"volume_reads = {self.volume_reads!r} is not known; use one of {', '.join(VOLUME_READS)}"
-            )
+        _coerce(self.volume_reads, VolumeReads, "volume_reads")
         if self.volume_reads == "cache" and self.volume_cache == "off":
             raise ConfigError(
                 "volume_reads = 'cache' reads volumes from the site's cache, but volume_cache = 'off' -> set "

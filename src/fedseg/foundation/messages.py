@@ -13,25 +13,26 @@ from typing import Any
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
-__all__ = ["SPLITS", "Reply", "Task", "split_name"]
+__all__ = ["SPLITS", "SPLIT_NAMES", "Reply", "Task", "split_name"]
 
-SPLITS = {
-    "training": "training",
+SPLITS = ("training", "validation", "testing")
+"""The data splits by their canonical names: a datalist's keys, in datalist order."""
+
+SPLIT_NAMES = {
+    **{s: s for s in SPLITS},
     "train": "training",
-    "validation": "validation",
     "val": "validation",
-    "testing": "testing",
     "test": "testing",
 }
-"""Every name a task may give a data split (``task.config["split"]``) → its canonical name (the
-datalist's key: ``training``, ``validation``, ``testing``)."""
+"""Every name a task may give a data split (``task.config["split"]``) → its canonical name (one of
+:data:`SPLITS`)."""
 
 
 def split_name(name: str) -> str:
     """The canonical name of a split (``"val"`` → ``"validation"``); one error naming the allowed names."""
-    canonical = SPLITS.get(name) if isinstance(name, str) else None
+    canonical = SPLIT_NAMES.get(name) if isinstance(name, str) else None
     if canonical is None:
-        raise PayloadError(f"unknown data split {name!r}; a split is one of {sorted(SPLITS)}")
+        raise PayloadError(f"unknown data split {name!r}; a split is one of {sorted(SPLIT_NAMES)}")
     return canonical
 
 

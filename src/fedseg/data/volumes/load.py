@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedseg.data.datalist import load_datalist
+from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
@@ -351,9 +351,6 @@ def _case_bytes(case: CachedCase, channels: int) -> int:
     voxels = int(np.prod(case.label.shape))
     own = int(np.prod(case.original_label.shape)) if case.original_label is not None else 0
     return 4 * (voxels * (case.image.shape[0] + channels) + own * channels)
-
-
-SPLITS = ("training", "validation", "testing")
 
 
 def load_volume_site(
