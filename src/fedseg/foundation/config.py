@@ -162,8 +162,9 @@ class TrainConfig:
 class EvalConfig:
     """Evaluation schedule and Dice computation."""
 
-    every: int = 1
-    """Validate every this many rounds (and always after the last round)."""
+    every: int | None = None
+    """Validate every this many rounds (and always after the last round); unset: every round, or for volumes
+    the plan's interval (the plan's ``eval_every``, else validation kept to a share of the computation)."""
     threshold: float = 0.5
     """Sigmoid output above this is foreground."""
     batch_size: int = 16
@@ -190,7 +191,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_literals(self, "eval")
-        if self.every < 1:
+        if self.every is not None and self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
@@ -419,8 +420,9 @@ class RunConfig:
             )
 
     def is_eval_round(self, rnd: int) -> bool:
-        """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""
-        return rnd % self.eval.every == 0 or rnd == self.rounds
+        """True on the rounds the engine validates after: every ``eval.every`` rounds (every round when unset)
+        and the last one."""
+        return rnd % (self.eval.every or 1) == 0 or rnd == self.rounds
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -452,7 +452,7 @@ def bookkeeping_config(runs: Sequence[Run], base: Path) -> str:
             t.get("batch_size", "–"),
             work,
             t.get("loss", "–"),
-            e.get("every", "–"),
+            (e.get("every") or 1) if e else "–",  # unset: every round (a volume run records its interval)
             extra or "–",
         ]
         rows.append(

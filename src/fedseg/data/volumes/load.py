@@ -45,7 +45,7 @@ from fedseg.data.volumes.plan import (
     slice_patch,
     sliding_windows,
 )
-from fedseg.foundation.config import VOLUME_READS, EvalConfig, ModelConfig, RunConfig
+from fedseg.foundation.config import VOLUME_READS, ModelConfig, RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
@@ -444,12 +444,13 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``,
+    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every`` unset,
     ``train.loss = "auto"``: Dice + cross-entropy), each logged.
 
-    ``eval.every`` left at 1 becomes the plan's ``eval_every``, or when that is None (the default)
+    ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
     :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
-    patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1.
+    patches per round)}``) and ``volume`` (the padded volume shape); without them it becomes 1.  A value the
+    run sets, 1 included, is kept.
     ``mode = "patches2d"``: the 2D network stays as configured and the patch is the plan's in-plane
     patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
     model, ev, train = cfg.model, cfg.eval, cfg.train
@@ -470,7 +471,7 @@ def plan_for_run(
     if mode != "patches2d" and model.channels == default.channels and model.strides == default.strides:
         model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
         log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
-    if ev.every == EvalConfig().every:
+    if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:
             every = eval_interval(sites, volume, model.roi_size, ev.sw_overlap, cfg.rounds)
@@ -479,7 +480,7 @@ def plan_for_run(
                 f"validation at most {EVAL_SHARE:.0%} of the computation: {windows} sliding windows per volume, "
                 f"{max(v for v, _ in sites.values())} validation volumes at most per site"
             )
-        if every is not None and every != ev.every:
-            ev = dataclasses.replace(ev, every=every)
+        ev = dataclasses.replace(ev, every=every or 1)
+        if ev.every != 1:
             log(f"plan: eval.every = {every} ({why})")
     return dataclasses.replace(cfg, model=model, eval=ev, train=train)
