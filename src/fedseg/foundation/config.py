@@ -44,21 +44,29 @@ __all__ = [
 ]
 
 
+UNET_CHANNELS = (16, 32, 64, 128, 256)
+"""``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
+UNET_STRIDES = (2, 2, 2, 2)
+"""``model.strides`` when unset outside a volume plan."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
-    strides 2, 2 residual units, instance norm.
+    strides 2 (:meth:`levels`; a volume run's plan sets both where the run leaves them unset),
+    2 residual units, instance norm.
     """
 
     name: Literal["unet", "fga-unet"] = "unet"
     """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
-    channels: tuple[int, ...] = (16, 32, 64, 128, 256)
-    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's)."""
-    strides: tuple[int | tuple[int, ...], ...] = (2, 2, 2, 2)
+    channels: tuple[int, ...] | None = None
+    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's); unset: [16, 32, 64, 128, 256], or for volumes (``mode = "3d"``) the plan's when strides is unset too."""
+    strides: tuple[int | tuple[int, ...], ...] | None = None
     """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
-    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less)."""
+    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less); unset:
+    [2, 2, 2, 2], or for volumes (``mode = "3d"``) the plan's when channels is unset too."""
     num_res_units: int = 2
     """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
@@ -69,11 +77,19 @@ class ModelConfig:
     """Patch size for training and sliding-window inference; for volumes (``mode = "3d"``) unset means the
     plan's patch size."""
 
+    def levels(self) -> tuple[tuple[int, ...], tuple[int | tuple[int, ...], ...]]:
+        """``(channels, strides)`` of the network, each unset one at :data:`UNET_CHANNELS` or :data:`UNET_STRIDES`."""
+        return (
+            UNET_CHANNELS if self.channels is None else tuple(self.channels),
+            UNET_STRIDES if self.strides is None else tuple(self.strides),
+        )
+
     def validate(self) -> None:
         check_literals(self, "model")
-        if len(self.strides) != len(self.channels) - 1:
+        channels, strides = self.levels()
+        if len(strides) != len(channels) - 1:
             raise ConfigError(
-                f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
+                f"model.strides has {len(strides)} entries but model.channels has {len(channels)}; "
                 "give one stride fewer than channels"
             )
 

@@ -430,7 +430,7 @@ def pad_to_common_shape(data: dict) -> dict:
 def _downsampling(model: ModelConfig) -> int:
     """The 2D network's total down-sampling along the first axis (product of its strides)."""
     factor = 1
-    for s in model.strides:
+    for s in model.levels()[1]:
         factor *= int(s) if isinstance(s, int) else int(s[0])
     return factor
 
@@ -444,7 +444,7 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every`` unset,
+    (``model.roi_size`` unset, ``model.channels`` and ``strides`` unset, ``eval.every`` unset,
     ``train.loss = "auto"``: Dice + cross-entropy), each logged.
 
     ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
@@ -467,8 +467,7 @@ def plan_for_run(
     elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
-    default = ModelConfig()
-    if mode != "patches2d" and model.channels == default.channels and model.strides == default.strides:
+    if mode != "patches2d" and model.channels is None and model.strides is None:
         model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
         log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
     if ev.every is None:
