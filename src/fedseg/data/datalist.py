@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from fedseg.foundation.errors import DataError
-from fedseg.foundation.messages import SPLITS
+from fedseg.foundation.messages import SPLIT_KEYS as SPLITS
 
 _ALIASES = {"testing": ("testing", "test")}
 

@@ -18,7 +18,7 @@ from fedseg.data.datalist import load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.foundation.errors import ConfigError, DataError
-from fedseg.foundation.messages import SPLIT_NAMES
+from fedseg.foundation.messages import SPLITS as SPLIT_NAMES
 
 
 class SegmentationDataset(torch.utils.data.Dataset):

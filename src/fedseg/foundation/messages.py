@@ -13,26 +13,27 @@ from typing import Any
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
-__all__ = ["SPLITS", "SPLIT_NAMES", "Reply", "Task", "split_name"]
+__all__ = ["SPLITS", "SPLIT_KEYS", "Reply", "Task", "split_name"]
 
-SPLITS = ("training", "validation", "testing")
-"""The data splits by their canonical names: a datalist's keys, in datalist order."""
+SPLIT_KEYS = ("training", "validation", "testing")
+"""The data splits by their canonical names: a datalist's keys, in datalist order
+(:data:`fedseg.data.datalist.SPLITS`)."""
 
-SPLIT_NAMES = {
-    **{s: s for s in SPLITS},
+SPLITS = {
+    **{s: s for s in SPLIT_KEYS},
     "train": "training",
     "val": "validation",
     "test": "testing",
 }
 """Every name a task may give a data split (``task.config["split"]``) → its canonical name (one of
-:data:`SPLITS`)."""
+:data:`SPLIT_KEYS`)."""
 
 
 def split_name(name: str) -> str:
     """The canonical name of a split (``"val"`` → ``"validation"``); one error naming the allowed names."""
-    canonical = SPLIT_NAMES.get(name) if isinstance(name, str) else None
+    canonical = SPLITS.get(name) if isinstance(name, str) else None
     if canonical is None:
-        raise PayloadError(f"unknown data split {name!r}; a split is one of {sorted(SPLIT_NAMES)}")
+        raise PayloadError(f"unknown data split {name!r}; a split is one of {sorted(SPLITS)}")
     return canonical
 
 
