@@ -443,9 +443,9 @@ def plan_for_run(
     volume: Sequence[int] | None = None,
     mode: str = "3d",
 ) -> RunConfig:
-    """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels`` and ``strides`` unset, ``eval.every`` unset,
-    ``train.loss = "auto"``: Dice + cross-entropy), each logged.
+    """The run config with the plan's network, patch and validation interval where the run leaves them unset
+    (``model.roi_size``, ``model.channels`` and ``strides`` both, ``eval.every``: None) and
+    ``train.loss = "auto"`` as Dice + cross-entropy, each logged.
 
     ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
     :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
