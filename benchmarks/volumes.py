@@ -35,7 +35,7 @@ import torch
 from _report import emit, md_table
 
 from fedseg.algorithms import known_sections
-from fedseg.data.datalist import load_datalist
+from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.spec import load_federation
 from fedseg.data.synth3d import synthesize_ct
 from fedseg.data.volumes.fingerprint import site_fingerprint
@@ -48,7 +48,6 @@ from fedseg.site.runtime import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 METHODS = {"centralized": "Centralized", "local": "Local (own site)", "fedavg": "FedAvg", "autofedavg": "Auto-FedAvg"}
-SPLITS = ("training", "validation", "testing")
 
 
 def site_statistics(fed, site) -> dict[str, float]:

@@ -53,8 +53,6 @@ from volumes import f, planned_federation, train
 from fedseg.data.datalist import load_datalist
 from fedseg.data.volumes.plan import PERCENTILES
 
-SPLITS = ("training", "validation", "testing")
-
 
 def files(fed, split: str) -> dict[str, list[dict[str, str]]]:
     """``{site: [{"image", "label"}]}`` of one split (absolute paths)."""

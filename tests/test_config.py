@@ -21,7 +21,7 @@ def test_defaults_overrides_and_roundtrip(tmp_path):
     assert cfg.train.lr == 0.01 and cfg.train.batch_size == 2 and cfg.rounds == 5
     assert cfg.federation == str((tmp_path / "fed.toml").resolve())
     assert cfg.params["fedavg"] == {"weighting": "even"}
-    assert cfg.model.channels == (16, 32, 64, 128, 256)
+    assert cfg.model.channels is None and cfg.model.levels()[0] == (16, 32, 64, 128, 256)
     # the resolved config written beside results loads back to the same config
     again = load_run_config(
         _write(tmp_path, dump_toml(cfg.to_dict()), "resolved.toml"), known_sections=known_sections()

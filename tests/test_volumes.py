@@ -230,6 +230,32 @@ def test_intensity_modes():
         normalize_volume(x, "hu")
 
 
+def test_plan_fills_only_what_the_run_left_unset():
+    """``eval.every`` unset takes the plan's interval and ``model.channels``/``strides`` unset the plan's U-Net;
+    set to any value, the one an unset setting has in a run without a plan included (every round; the 2D
+    U-Net's levels), each is kept."""
+    from fedseg.data.volumes.load import plan_for_run
+    from fedseg.foundation.config import UNET_CHANNELS, UNET_STRIDES, EvalConfig, ModelConfig, RunConfig
+
+    plan = Plan([1.0, 1.0, 2.0], [64, 64, 32], [32, 32, 16], [16, 32], [[2, 2, 2]], {"mode": "zscore"}, eval_every=5)
+    quiet = dict(log=lambda m: None)
+    unset = RunConfig(federation="f.toml", rounds=20)
+    assert unset.eval.every is None and all(unset.is_eval_round(r) for r in range(1, 21))
+    planned = plan_for_run(unset, plan, **quiet)
+    assert planned.eval.every == 5
+    assert planned.model.levels() == ((16, 32), ((2, 2, 2),))
+    assert unset.model.levels() == (UNET_CHANNELS, UNET_STRIDES)
+    shipped = ModelConfig(channels=UNET_CHANNELS, strides=UNET_STRIDES)
+    kept = plan_for_run(RunConfig(federation="f.toml", model=shipped), plan, **quiet)
+    assert kept.model.levels() == (UNET_CHANNELS, UNET_STRIDES)
+    for every in (1, 3):
+        explicit = RunConfig(federation="f.toml", rounds=20, eval=EvalConfig(every=every))
+        assert plan_for_run(explicit, plan, **quiet).eval.every == every
+    # without a plan interval and without case counts to derive one, an unset interval becomes 1
+    plan.eval_every = None
+    assert plan_for_run(unset, plan, **quiet).eval.every == 1
+
+
 def test_plan_file_refuses_edits_that_do_not_fit(tmp_path):
     good = Plan([1.0, 1.0, 2.0], [64, 64, 32], [32, 32, 16], [16, 32], [[2, 2, 2]], {"mode": "zscore"})
     good.check()

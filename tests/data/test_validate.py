@@ -8,8 +8,6 @@ import pytest
 from fedseg.data.validate import Problem, raise_if_invalid, validate_federation
 from fedseg.foundation.errors import DataError
 
-SPLITS = ("training", "validation", "testing")
-
 
 def _federation(tmp_path, h, *, training=None, **spec_kwargs):
     """One-site federation; ``training`` replaces the training cases."""

@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 
 from fedseg.foundation.errors import DataError
+from fedseg.foundation.messages import SPLIT_KEYS as SPLITS
 
-SPLITS = ("training", "validation", "testing")
 _ALIASES = {"testing": ("testing", "test")}
 
 

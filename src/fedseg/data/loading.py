@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fedseg.data.datalist import SPLITS, load_datalist
+from fedseg.data.datalist import load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.foundation.errors import ConfigError, DataError
@@ -140,7 +140,7 @@ def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *, progres
     """
     site = fed.site(site) if isinstance(site, str) else site
     canonical = SPLIT_NAMES.get(split) if isinstance(split, str) else None
-    if canonical is None or canonical not in SPLITS:
+    if canonical is None:
         raise ConfigError(f"{site.name}: unknown split {split!r} -> use one of {sorted(SPLIT_NAMES)}")
     split = canonical
     entries = load_datalist(site.datalist, site=site.name)[split]

@@ -26,15 +26,18 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from fedseg.foundation.errors import ConfigError
 
 MODES = ("2d", "slices", "3d", "patches2d")
 #: Modes whose files are volumes with their geometry, brought into a federated plan's grid.
 VOLUME_MODES = ("3d", "patches2d")
+IntensityMode = Literal["ct", "zscore", "window", "minmax"]
+"""The intensity schemes of volumes (:func:`fedseg.data.volumes.intensity.normalize_volume`)."""
+INTENSITY_MODES: tuple[str, ...] = get_args(IntensityMode)
 #: ``data.intensity``: "auto" takes the plan's choice; the others override it (fedseg.data.volumes.intensity).
-INTENSITIES = ("auto", "ct", "zscore", "window", "minmax")
+INTENSITIES = ("auto", *INTENSITY_MODES)
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TOP_KEYS = {"name", "data", "sites"}
 _DATA_KEYS = {"mode", "spatial_dims", "in_channels", "image_size", "foreground_only", "labels", "intensity", "window"}

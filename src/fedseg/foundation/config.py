@@ -44,21 +44,29 @@ __all__ = [
 ]
 
 
+UNET_CHANNELS = (16, 32, 64, 128, 256)
+"""``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
+UNET_STRIDES = (2, 2, 2, 2)
+"""``model.strides`` when unset outside a volume plan."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
-    strides 2, 2 residual units, instance norm.
+    strides 2 (:meth:`levels`; a volume run's plan sets both where the run leaves them unset),
+    2 residual units, instance norm.
     """
 
     name: Literal["unet", "fga-unet"] = "unet"
     """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
-    channels: tuple[int, ...] = (16, 32, 64, 128, 256)
-    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's)."""
-    strides: tuple[int | tuple[int, ...], ...] = (2, 2, 2, 2)
+    channels: tuple[int, ...] | None = None
+    """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's); unset: [16, 32, 64, 128, 256], or for volumes (``mode = "3d"``) the plan's when strides is unset too."""
+    strides: tuple[int | tuple[int, ...], ...] | None = None
     """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
-    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less)."""
+    list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less); unset:
+    [2, 2, 2, 2], or for volumes (``mode = "3d"``) the plan's when channels is unset too."""
     num_res_units: int = 2
     """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
@@ -69,11 +77,19 @@ class ModelConfig:
     """Patch size for training and sliding-window inference; for volumes (``mode = "3d"``) unset means the
     plan's patch size."""
 
+    def levels(self) -> tuple[tuple[int, ...], tuple[int | tuple[int, ...], ...]]:
+        """``(channels, strides)`` of the network, each unset one at :data:`UNET_CHANNELS` or :data:`UNET_STRIDES`."""
+        return (
+            UNET_CHANNELS if self.channels is None else tuple(self.channels),
+            UNET_STRIDES if self.strides is None else tuple(self.strides),
+        )
+
     def validate(self) -> None:
         check_literals(self, "model")
-        if len(self.strides) != len(self.channels) - 1:
+        channels, strides = self.levels()
+        if len(strides) != len(channels) - 1:
             raise ConfigError(
-                f"model.strides has {len(self.strides)} entries but model.channels has {len(self.channels)}; "
+                f"model.strides has {len(strides)} entries but model.channels has {len(channels)}; "
                 "give one stride fewer than channels"
             )
 
@@ -162,8 +178,9 @@ class TrainConfig:
 class EvalConfig:
     """Evaluation schedule and Dice computation."""
 
-    every: int = 1
-    """Validate every this many rounds (and always after the last round)."""
+    every: int | None = None
+    """Validate every this many rounds (and always after the last round); unset: every round, or for volumes
+    the plan's interval (the plan's ``eval_every``, else validation kept to a share of the computation)."""
     threshold: float = 0.5
     """Sigmoid output above this is foreground."""
     batch_size: int = 16
@@ -190,7 +207,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         check_literals(self, "eval")
-        if self.every < 1:
+        if self.every is not None and self.every < 1:
             raise ConfigError(f"eval.every must be >= 1, got {self.every}")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"eval.threshold must be in (0, 1), got {self.threshold}")
@@ -330,8 +347,9 @@ class PrivacyConfig:
             )
 
 
-VOLUME_READS = ("auto", "memory", "cache")
+VolumeReads = Literal["auto", "memory", "cache"]
 """Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
+VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 
 @dataclass(frozen=True)
@@ -365,7 +383,7 @@ class RunConfig:
     under the same plan and source files: 'auto' (a `.fedseg-cache` folder beside the site's datalist),
     'off' (preprocess on every run) or a folder (one subfolder per site; a deployed site always caches
     beside its own datalist unless 'off'); see docs/data.md, "Cache"."""
-    volume_reads: str = "auto"
+    volume_reads: VolumeReads = "auto"
     """Volumes: where a site keeps its cases while it trains: 'memory' (every split held, padded to the
     federation's common shape), 'cache' (read from the site's volume cache as used: one batch of patches per
     training step, one batch of volumes per evaluation step; needs volume_cache) or 'auto' (held while a
@@ -390,10 +408,7 @@ class RunConfig:
             )
         if not str(self.volume_cache).strip():
             raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
-        if self.volume_reads not in VOLUME_READS:
-            raise ConfigError(
-                f"volume_reads = {self.volume_reads!r} is not known; use one of {', '.join(VOLUME_READS)}"
-            )
+        _coerce(self.volume_reads, VolumeReads, "volume_reads")
         if self.volume_reads == "cache" and self.volume_cache == "off":
             raise ConfigError(
                 "volume_reads = 'cache' reads volumes from the site's cache, but volume_cache = 'off' -> set "
@@ -421,8 +436,9 @@ class RunConfig:
             )
 
     def is_eval_round(self, rnd: int) -> bool:
-        """True on the rounds the engine validates after: every ``eval.every`` rounds and the last one."""
-        return rnd % self.eval.every == 0 or rnd == self.rounds
+        """True on the rounds the engine validates after: every ``eval.every`` rounds (every round when unset)
+        and the last one."""
+        return rnd % (self.eval.every or 1) == 0 or rnd == self.rounds
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

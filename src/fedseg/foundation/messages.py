@@ -13,18 +13,20 @@ from typing import Any
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
-__all__ = ["SPLITS", "Reply", "Task", "split_name"]
+__all__ = ["SPLITS", "SPLIT_KEYS", "Reply", "Task", "split_name"]
+
+SPLIT_KEYS = ("training", "validation", "testing")
+"""The data splits by their canonical names: a datalist's keys, in datalist order
+(:data:`fedseg.data.datalist.SPLITS`)."""
 
 SPLITS = {
-    "training": "training",
+    **{s: s for s in SPLIT_KEYS},
     "train": "training",
-    "validation": "validation",
     "val": "validation",
-    "testing": "testing",
     "test": "testing",
 }
-"""Every name a task may give a data split (``task.config["split"]``) → its canonical name (the
-datalist's key: ``training``, ``validation``, ``testing``)."""
+"""Every name a task may give a data split (``task.config["split"]``) → its canonical name (one of
+:data:`SPLIT_KEYS`)."""
 
 
 def split_name(name: str) -> str:

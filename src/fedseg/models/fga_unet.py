@@ -124,4 +124,4 @@ def build_fga_unet(spatial_dims: int, in_channels: int, out_channels: int, cfg: 
     :data:`PAPER_STRIDES`); ``num_res_units``, ``norm`` and ``dropout`` do not apply to it."""
     cfg = cfg or ModelConfig(name="fga-unet", channels=PAPER_CHANNELS, strides=PAPER_STRIDES)
     cfg.validate()
-    return FGAUNet(spatial_dims, in_channels, out_channels, tuple(cfg.channels), tuple(cfg.strides))
+    return FGAUNet(spatial_dims, in_channels, out_channels, *cfg.levels())

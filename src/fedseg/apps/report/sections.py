@@ -25,6 +25,7 @@ from fedseg.apps.report.numbers import (
 from fedseg.apps.report.runs import Run, method_settings, primary_of, sites_of, variants_of
 from fedseg.evaluation.stats import table2, wilcoxon_signed_rank
 from fedseg.evaluation.tables import table3, table5
+from fedseg.foundation.config import UNET_CHANNELS, UNET_STRIDES
 
 __all__ = [
     "alpha_section",
@@ -447,12 +448,12 @@ def bookkeeping_config(runs: Sequence[Run], base: Path) -> str:
             r.label,
             Path(str(c.get("federation", "–"))).name,
             c.get("rounds", "–"),
-            f"U-Net {m.get('channels')} strides {m.get('strides')}",
+            f"U-Net {m.get('channels') or list(UNET_CHANNELS)} strides {m.get('strides') or list(UNET_STRIDES)}",
             f"{t.get('optimizer')} lr {t.get('lr')}",
             t.get("batch_size", "–"),
             work,
             t.get("loss", "–"),
-            e.get("every", "–"),
+            (e.get("every") or 1) if e else "–",  # unset: every round (a volume run records its interval)
             extra or "–",
         ]
         rows.append(

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["INTENSITY_MODES", "normalize_volume"]
+from fedseg.data.spec import INTENSITY_MODES
 
-INTENSITY_MODES = ("ct", "zscore", "window", "minmax")
+__all__ = ["INTENSITY_MODES", "normalize_volume"]
 
 
 def normalize_volume(image: np.ndarray, mode: str, stats: Mapping[str, Any] | None = None) -> np.ndarray:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedseg.data.datalist import load_datalist
+from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
@@ -45,7 +45,7 @@ from fedseg.data.volumes.plan import (
     slice_patch,
     sliding_windows,
 )
-from fedseg.foundation.config import VOLUME_READS, EvalConfig, ModelConfig, RunConfig
+from fedseg.foundation.config import VOLUME_READS, ModelConfig, RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
@@ -353,9 +353,6 @@ def _case_bytes(case: CachedCase, channels: int) -> int:
     return 4 * (voxels * (case.image.shape[0] + channels) + own * channels)
 
 
-SPLITS = ("training", "validation", "testing")
-
-
 def load_volume_site(
     fed: FederationSpec,
     site: SiteSpec,
@@ -433,7 +430,7 @@ def pad_to_common_shape(data: dict) -> dict:
 def _downsampling(model: ModelConfig) -> int:
     """The 2D network's total down-sampling along the first axis (product of its strides)."""
     factor = 1
-    for s in model.strides:
+    for s in model.levels()[1]:
         factor *= int(s) if isinstance(s, int) else int(s[0])
     return factor
 
@@ -446,13 +443,14 @@ def plan_for_run(
     volume: Sequence[int] | None = None,
     mode: str = "3d",
 ) -> RunConfig:
-    """The run config with the plan's network and patch where the run leaves them at their defaults
-    (``model.roi_size`` unset, ``model.channels``/``strides`` as shipped, ``eval.every = 1``,
-    ``train.loss = "auto"``: Dice + cross-entropy), each logged.
+    """The run config with the plan's network, patch and validation interval where the run leaves them unset
+    (``model.roi_size``, ``model.channels`` and ``strides`` both, ``eval.every``: None) and
+    ``train.loss = "auto"`` as Dice + cross-entropy, each logged.
 
-    ``eval.every`` left at 1 becomes the plan's ``eval_every``, or when that is None (the default)
+    ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
     :func:`fedseg.data.volumes.plan.eval_interval` of ``sites`` (``{site: (validation cases, training
-    patches per round)}``) and ``volume`` (the padded volume shape); without them it stays 1.
+    patches per round)}``) and ``volume`` (the padded volume shape); without them it becomes 1.  A value the
+    run sets, 1 included, is kept.
     ``mode = "patches2d"``: the 2D network stays as configured and the patch is the plan's in-plane
     patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
     model, ev, train = cfg.model, cfg.eval, cfg.train
@@ -469,11 +467,10 @@ def plan_for_run(
     elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
-    default = ModelConfig()
-    if mode != "patches2d" and model.channels == default.channels and model.strides == default.strides:
+    if mode != "patches2d" and model.channels is None and model.strides is None:
         model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
         log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
-    if ev.every == EvalConfig().every:
+    if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:
             every = eval_interval(sites, volume, model.roi_size, ev.sw_overlap, cfg.rounds)
@@ -482,7 +479,7 @@ def plan_for_run(
                 f"validation at most {EVAL_SHARE:.0%} of the computation: {windows} sliding windows per volume, "
                 f"{max(v for v, _ in sites.values())} validation volumes at most per site"
             )
-        if every is not None and every != ev.every:
-            ev = dataclasses.replace(ev, every=every)
+        ev = dataclasses.replace(ev, every=every or 1)
+        if ev.every != 1:
             log(f"plan: eval.every = {every} ({why})")
     return dataclasses.replace(cfg, model=model, eval=ev, train=train)

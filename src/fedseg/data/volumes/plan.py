@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from fedseg.data.spec import INTENSITY_MODES
 from fedseg.data.volumes.fingerprint import check_fingerprint, check_histogram, combine_moments
 from fedseg.foundation.errors import ConfigError, DataError
 
@@ -130,8 +131,8 @@ class Plan:
             raise ConfigError(f"{where}: intensity mode 'ct' needs lo, hi, mean and sd")
         if mode == "window" and len(self.intensity.get("window", ())) != 2:
             raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
-        if mode not in ("ct", "zscore", "window", "minmax"):
-            raise ConfigError(f"{where}: intensity mode {mode!r}; use 'ct', 'zscore', 'window' or 'minmax'")
+        if mode not in INTENSITY_MODES:
+            raise ConfigError(f"{where}: intensity mode {mode!r}; use {', '.join(map(repr, INTENSITY_MODES))}")
 
 
 def sliding_windows(volume: Sequence[int], patch: Sequence[int], overlap: float) -> int:
