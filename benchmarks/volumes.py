@@ -13,7 +13,7 @@ federated plan's exact pooled intensity statistics buy over per-site and average
    The table gives the statistics, how far the averaged ones are from the pooled voxels', and the test
    Dice and HD95 per site.
 
-    .venv/bin/python benchmarks/volumes.py --md docs/results/volumes.md
+    .venv/bin/python benchmarks/volumes.py --md volumes.md      # the tables of docs/results/volumes.md
 
 The default (``--size 48 --scale 0.5``, 30 rounds of 16 steps) takes a few minutes on 2 CPU cores with
 one torch thread; ``--size 64 --scale 1 --rounds 50 --patch-voxels 32768`` is the preset's full size.

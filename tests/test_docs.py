@@ -4,7 +4,7 @@ Every line of ``src``, ``tests``, ``benchmarks``, ``docs`` and ``README.md`` des
 does; none speaks of the team's working process (work sessions, issue numbers, tickets, who ran
 what on which lent machine), cites a file outside the repository (``shared/``) or links a run's
 output folder (``runs/``, which is not in git). History lives in git and ``CHANGELOG.md``.
-Every relative Markdown link in ``docs/*.md`` and ``README.md`` points to a file that exists, and
+Every relative Markdown link in ``docs/**/*.md`` and ``README.md`` points to a file that exists, and
 an ``#anchor`` into a Markdown file to one of its headings.
 """
 
@@ -178,7 +178,9 @@ def test_the_link_check_finds_a_broken_link(tmp_path):
     assert bad == ["a.md:3: c.md (no such file)", "a.md:3: b.md#nothing (no such heading)"]
 
 
-@pytest.mark.parametrize("md", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "md", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_every_relative_markdown_link_points_to_a_file_that_exists(md):
     # Act
     bad = broken_links(md)

@@ -160,8 +160,8 @@ def test_params_reject_bad_settings_naming_the_key(settings, message):
 
 
 def test_fedsm_extra_trains_on_eq1_by_default_and_on_the_experts_objective_when_set():
-    """Both profiles: Eq. 1's cross-entropy (the paper's; the experts objective measured no better,
-    docs/results.md); ``extra_objective = "experts"``: the mixture-of-experts objective (τ =
+    """Both profiles: Eq. 1's cross-entropy (the paper's; the experts objective did not beat it on the
+    synthetic benchmark); ``extra_objective = "experts"``: the mixture-of-experts objective (τ =
     ensemble_tau).  FedSM-extra's selector is trained on the setting's objective."""
     from fedseg.algorithms import get_algorithm
     from fedseg.algorithms.fedsm.selector import ExpertsLoss, selector_objective

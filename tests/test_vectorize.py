@@ -476,7 +476,7 @@ def test_an_error_in_one_site_ends_the_ask_and_its_threads():
 def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps_its_count(monkeypatch):
     """Each site thread that enters a parallel CPU kernel gets an OpenMP team of its own; K such teams
     on a 2-core machine slowed the main thread's stacked steps (libgomp's workers stop spinning when it
-    manages more threads than cores; docs/results.md).  So a site's handler runs with one intra-op thread,
+    manages more threads than cores).  So a site's handler runs with one intra-op thread,
     its sequential fallback fit with the full count, and after the ask the main thread and any new thread
     have the count they had before."""
     from fedseg.execution.vectorize.scheduler import _SEQUENTIAL

@@ -27,7 +27,7 @@ Conventions (the paper uses SGD and p_i = 1/|S|):
     (the paper's line 10 read literally).  With Adam this mixes scales: c_i is a
     mean Adam direction (entries of order 1) while gradients of a Dice loss are
     orders of magnitude smaller, so after Adam's normalization the correction
-    dominates the step.  The benchmark (docs/results.md) shows the damage.
+    dominates the step.  The benchmark (docs/results/baselines.md) shows the damage.
 
   Either way round 1 (c = c_i = 0) is FedAvg bitwise.
 * With ``privacy.secure_aggregation = true`` the sites' y_i and Δc_i are one secure sum weighted by the

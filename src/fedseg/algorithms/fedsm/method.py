@@ -349,10 +349,10 @@ class FedSM(Algorithm):
         """The composite (once there is a selector) and the global and personalized models.  FedSM-extra
         and the ensemble offer their models in the selector phase too: they are the last model round's,
         frozen, and that round is validated only if ``eval.every`` divides it — without this the
-        assembled composite could hold older models than those its selector was trained against
-        (fundus, 320 rounds: the round-200 models instead of round 213's, 0.680 instead of 0.737 test
-        Dice of the ensemble's mix; ``docs/results.md``).  Re-validating unchanged weights gives the
-        same score, and a tie keeps the earlier round."""
+        assembled composite could hold older models than those its selector was trained against (with
+        ``eval.every = 20`` and 213 model rounds: round 200's models under a selector trained against
+        round 213's).  Re-validating unchanged weights gives the same score, and a tie keeps the
+        earlier round."""
         if self.secure:  # the personalized models are at their sites: no composite until they are released
             return [Candidate("global", strip_prefix("global", state)), *sm_secure.held_candidates(ctx.sites)]
         have_selector = any(k.startswith("selector/") for k in state)
@@ -654,9 +654,8 @@ class FedSMEnsemble(FedSM):
 
     selector_criterion = "dice"
     """The validation Dice of the assembled mix, always measured on the assembled models: the output is the
-    mix, and a selector with Eq. 1's argmax but flatter weights mixes in worse models (a half-trained one was
-    kept by routing accuracy on fundus, 0.54 of its weight on the global model: ``CHANGELOG.md``,
-    FedSM)."""
+    mix, and a selector with Eq. 1's argmax but flatter weights mixes in worse models (routing accuracy can
+    keep a half-trained selector that still puts much of its weight on the global model)."""
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)

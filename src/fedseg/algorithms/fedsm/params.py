@@ -16,14 +16,14 @@ __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "Fe
 DEFAULT_GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 #: ``fedsm.gamma_margin`` of the default profile where it applies (``gamma = "auto-per-model"``, 1.0 in the
-#: grid); 0 elsewhere and in the reference profile (docs/results.md, FedSM, "Main result").
+#: grid); 0 elsewhere and in the reference profile (docs/results/fedsm.md, "Main result").
 DEFAULT_GAMMA_MARGIN = 0.01
 
 PersonalizationName = Literal["softpull", "ft", "apfl", "perfedavg", "pfedme", "ditto"]
 """``fedsm.personalization`` choices (FedSM Table 6 rows); the keys of :data:`fedseg.algorithms.fedsm.PERSONALIZATIONS`."""
 
 #: What each profile fills in for the settings left unset (None).  "default": settings
-#: that learn on the synthetic benchmark (docs/results.md); "reference": the reference
+#: that learn on the synthetic benchmark (docs/results/fedsm.md); "reference": the reference
 #: code's literal ones (γ 0.9, n_k/n weights, every local step, averaged selector).
 PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
     "default": {
@@ -134,7 +134,7 @@ class FedSMParams:
         Selector optimizer steps per round, on the first batches of the round's local
         work: an integer, or ``"all"`` (every local step, Alg. 1).  Unset: ``"all"``,
         except with ``selector_training = "fedavg"`` under the default profile, where it
-        is 1 (``"fedrs"``, ``"fedaws"``: every local step, the point of their local losses) (measured, ``docs/results.md``: with 5 local steps per round the averaged
+        is 1 (``"fedrs"``, ``"fedaws"``: every local step, the point of their local losses) (``docs/results/fedsm-selector.md``, "Selector training": with 5 local steps per round the averaged
         selector collapses to one class, with 1 it learns slowly).
     ensemble_objective
         fedsm-ensemble only: what its K + 1-class selector is trained on.  ``"experts"``
@@ -143,8 +143,8 @@ class FedSMParams:
         each model given the image; τ → 0 gives Eq. 1's cross-entropy).  ``"mix"`` (reference
         profile, the paper's Section 3.1.1): the workload loss of the mixed output
         L(Σ_k ŷ_k h_k, y), whose gradient vanishes once the softmax saturates — it drove the
-        selector to the global model on every image (``docs/results.md``, "FedSM-extra and
-        the ensemble"; derivation in ``docs/algorithms.md``).  Inference is the mix
+        selector to the global model on every image (``docs/results/fedsm-extra.md``; derivation in
+        ``docs/algorithms.md``).  Inference is the mix
         Σ_k ŷ_k h_k either way.
     extra_objective
         fedsm-extra only: what its K + 1-class selector is trained on.  ``"oracle"`` (both
@@ -152,9 +152,8 @@ class FedSMParams:
         with the lowest loss on the training image.  ``"experts"``: the ensemble's mixture-of-experts
         objective above (τ = ``ensemble_tau``; τ → 0 gives Eq. 1's cross-entropy), which shares the
         target between models whose losses on the image are within about τ; its selectors are
-        compared by the composite's validation Dice.  Measured on the 320-round benchmark, 3 seeds,
-        both presets: the two within 0.4 points of each other, Eq. 1 slightly ahead
-        (``CHANGELOG.md``, FedSM).  Inference is the argmax either way;
+        compared by the composite's validation Dice.  ``"oracle"`` stays the default: on the synthetic
+        benchmark the mixture objective did not beat it.  Inference is the argmax either way;
         routing is measured against Eq. 1's labels.
     ensemble_tau
         τ > 0 of the ``"experts"`` objective (``ensemble_objective``, ``extra_objective``), in units
@@ -167,7 +166,7 @@ class FedSMParams:
         Default profile 'even' (1/K), a departure from Alg. 1's n_k/n (reference
         profile): every site holds exactly one selector class (Eq. 2), and with n_k/n the
         averaged selector collapsed to the largest site's class on the synthetic fundus
-        preset (``docs/results.md``).
+        preset (``docs/results/fedsm-selector.md``, "Selector training").
     global_training
         How the global model is trained.  ``"fedavg"`` (both profiles; Alg. 1): local steps at every
         site, then the server averages the sites' models (``weighting``, ``aggregation``).  ``"fga"``:
@@ -247,7 +246,7 @@ class FedSMParams:
         """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns
         Eq. 2's site labels (FedSM); False for FedSM-extra and the ensemble, whose selector targets come from
         the models' losses on the image: no flips there by default (a flip keeps an image's site, not which
-        model segments it best — fundus, 3 seeds: FedSM-extra 2.8 points lower with flips, docs/results.md)."""
+        model segments it best — fundus, 3 seeds: FedSM-extra 2.8 points lower with flips, docs/results/fedsm-extra.md)."""
         fill = dict(PROFILE_DEFAULTS[self.profile])
         if not site_labels:
             fill["selector_augment"] = "none"

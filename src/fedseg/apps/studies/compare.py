@@ -177,7 +177,7 @@ def demo(
     """Synthesize a small fundus-like federation (6 sites), compare local, centralized, FedAvg and FedSM
     (default settings), and write the HTML report of the runs.
 
-    Sized for about 5 minutes on 2 CPU cores (docs/results.md, "Demo"): a U-Net of the default's depth at
+    Sized for about 5 minutes on 2 CPU cores (docs/results/demo.md): a U-Net of the default's depth at
     half its width with one residual unit (the cost of a CPU step is its number of small operations more
     than the image size), validation every 2 rounds.
 

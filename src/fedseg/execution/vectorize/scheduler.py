@@ -94,8 +94,8 @@ class _IntraOpThreads:
     OpenMP team of its own.  With K site threads each holding a team, the process manages more OpenMP
     threads than there are cores, and libgomp then lets the workers of *every* team (the main thread's
     as well) spin only briefly before sleeping, so each parallel region of the stacked step waits for its
-    workers to be woken: at torch's default 2 threads on the 2-core development CPU the vectorized rounds
-    were slower than sequential ones (docs/results.md, "Vectorized simulation").  The handlers'
+    workers to be woken, which makes the vectorized rounds slower than sequential ones at torch's default
+    2 threads on a 2-core CPU.  The handlers'
     own work between parks is small, so their threads run with one intra-op thread (no team); a fit or
     gradient a site thread computes itself (the sequential fallback) gets the full count back while it runs.
 
