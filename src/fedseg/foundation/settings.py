@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.foundation.config import _SECTIONS, RunConfig
+from fedseg.foundation.config import SECTIONS, RunConfig
 
 __all__ = ["TOP", "Setting", "describe", "field_docs", "plain", "run_sections"]
 
@@ -134,7 +134,7 @@ def describe(cls: type, section: str, skip: typing.Collection[str] = ()) -> list
 
 def run_sections() -> dict[str, tuple[type, list[Setting]]]:
     """The foundation's sections: ``{name: (dataclass, rows)}``, the top-level settings first."""
-    out = {TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *_SECTIONS}))}
-    for name, cls in _SECTIONS.items():
+    out = {TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *SECTIONS}))}
+    for name, cls in SECTIONS.items():
         out[name] = (cls, describe(cls, name))
     return out
