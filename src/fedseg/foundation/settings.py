@@ -138,7 +138,9 @@ def describe(cls: type, section: str, skip: typing.Collection[str] = ()) -> list
 
 def run_sections() -> dict[str, tuple[type, list[Setting]]]:
     """The foundation's sections: ``{name: (dataclass, rows)}``, the top-level settings first."""
-    out = {TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *SECTIONS}))}
+    out: dict[str, tuple[type, list[Setting]]] = {
+        TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *SECTIONS}))
+    }
     for name, cls in SECTIONS.items():
         out[name] = (cls, describe(cls, name))
     return out

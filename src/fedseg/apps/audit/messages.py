@@ -35,12 +35,13 @@ import torch
 from torch import nn
 
 from fedseg.algorithms import get_algorithm
+from fedseg.algorithms.fedsm import FedSM
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.algorithms.secure import secure_ask
 from fedseg.apps.audit.inversion import LocalOptimizer
 from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
-from fedseg.foundation.config import RunConfig
+from fedseg.foundation.config import DPMode, RunConfig
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
@@ -152,7 +153,7 @@ def local_optimizer(cfg: RunConfig) -> LocalOptimizer:
     return LocalOptimizer(
         t.optimizer,
         t.lr,
-        tuple(t.betas),
+        (t.betas[0], t.betas[1]),
         weight_decay=t.weight_decay,
         momentum=t.momentum if t.optimizer == "sgd" else 0,
     )
@@ -194,7 +195,7 @@ def _asked(message: str, cfg: RunConfig, workload: Workload, names: Sequence[str
             "fga", "global", "gradient", Task("fga_step", prefixed("global", init), {"round": 1, "step": 0}), init, None
         )
     if message == "fedsm-selector":
-        alg = get_algorithm(dataclasses.replace(cfg, method="fedsm"))
+        alg = FedSM(dataclasses.replace(cfg, method="fedsm"))
         p = alg.params
         if p.selector_training != "fga":
             raise ConfigError(
@@ -273,7 +274,9 @@ def sent_by_sites(message: str, cfg: RunConfig, workload: Workload, data: Mappin
     return out
 
 
-def _dp_sites(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], mode: str, clip: float, sigma: float):
+def _dp_sites(
+    cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], mode: DPMode, clip: float, sigma: float
+):
     """The sites with their ``privacy.dp = mode`` settings at C = ``clip``, σ = ``sigma`` (their own
     :class:`~fedseg.site.dp.SiteDP` and its randomness, ``privacy.dp_randomness`` as configured)."""
     privacy = dataclasses.replace(

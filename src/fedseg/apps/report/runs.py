@@ -207,7 +207,7 @@ def method_settings(run: Run) -> dict[str, Any]:
     try:
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         params = get_algorithm(cfg).params
-        return dataclasses.asdict(params) if dataclasses.is_dataclass(params) else {}
+        return dataclasses.asdict(params) if dataclasses.is_dataclass(params) and not isinstance(params, type) else {}
     except Exception:  # an unknown method, or a config from another version
         return {}
 

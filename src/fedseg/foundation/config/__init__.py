@@ -20,11 +20,13 @@ from fedseg.foundation.config.loader import (
     toml_value,
 )
 from fedseg.foundation.config.schema import (
+    DP_MODES,
     EXCLUSIVE,
     SECTIONS,
     UNET_CHANNELS,
     UNET_STRIDES,
     VOLUME_READS,
+    DPMode,
     EvalConfig,
     ModelConfig,
     PrivacyConfig,
@@ -35,11 +37,13 @@ from fedseg.foundation.config.schema import (
 )
 
 __all__ = [
+    "DP_MODES",
     "EXCLUSIVE",
     "SECTIONS",
     "UNET_CHANNELS",
     "UNET_STRIDES",
     "VOLUME_READS",
+    "DPMode",
     "EvalConfig",
     "ModelConfig",
     "PrivacyConfig",

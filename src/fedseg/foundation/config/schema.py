@@ -23,11 +23,13 @@ from fedseg.foundation.config.coerce import check_literals
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "DP_MODES",
     "EXCLUSIVE",
     "SECTIONS",
     "UNET_CHANNELS",
     "UNET_STRIDES",
     "VOLUME_READS",
+    "DPMode",
     "EvalConfig",
     "ModelConfig",
     "PrivacyConfig",
@@ -245,6 +247,11 @@ class SimulationConfig:
             )
 
 
+DPMode = Literal["off", "sample", "client"]
+"""Values of ``privacy.dp``."""
+DP_MODES: tuple[str, ...] = typing.get_args(DPMode)
+
+
 @dataclass(frozen=True)
 class PrivacyConfig:
     """What a site's messages reveal: secure aggregation of the sums the server needs, and differential
@@ -270,7 +277,7 @@ class PrivacyConfig:
     (issued by the federation's root CA, common name = the site's name) and signature before it shares with
     it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
     site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
-    dp: Literal["off", "sample", "client"] = "off"
+    dp: DPMode = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise on Poisson-sampled
     batches; each site books ε in its own ledger and refuses steps past ``epsilon``); 'client': each site's
     update clipped with its share of the Gaussian noise, masked under secure aggregation (needs
