@@ -42,6 +42,7 @@ from fedseg.apps.audit.inversion import LocalOptimizer
 from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.config import DPMode, RunConfig
+from fedseg.foundation.device import DTYPES
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
@@ -165,7 +166,7 @@ def init_weights(cfg: RunConfig, role: str, factory: Callable[[], nn.Module]) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "init", role))
         model = factory()
-    dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.train.dtype]
+    dtype = DTYPES[cfg.train.dtype]
     return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
 
 

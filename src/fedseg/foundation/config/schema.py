@@ -30,8 +30,11 @@ __all__ = [
     "UNET_STRIDES",
     "VOLUME_READS",
     "DPMode",
+    "DPRandomness",
     "EvalConfig",
+    "FloatDtype",
     "ModelConfig",
+    "Precision",
     "PrivacyConfig",
     "RunConfig",
     "SimulationConfig",
@@ -39,6 +42,19 @@ __all__ = [
     "VolumeReads",
 ]
 
+
+FloatDtype = Literal["float32", "float64"]
+"""Values of ``train.dtype`` (:data:`fedseg.foundation.device.DTYPES` maps them to torch's)."""
+Precision = Literal["fp32", "bf16", "fp16"]
+"""Values of ``train.precision`` (:data:`fedseg.foundation.device.PRECISIONS` maps them to autocast's dtype)."""
+DPMode = Literal["off", "sample", "client"]
+"""Values of ``privacy.dp``."""
+DP_MODES: tuple[str, ...] = typing.get_args(DPMode)
+DPRandomness = Literal["os", "seeded"]
+"""Values of ``privacy.dp_randomness`` (:class:`fedseg.privacy.randomness.Randomness`)."""
+VolumeReads = Literal["auto", "memory", "cache"]
+"""Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
+VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 UNET_CHANNELS = (16, 32, 64, 128, 256)
 """``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
@@ -123,9 +139,9 @@ class TrainConfig:
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
     loss: Literal["auto", "dice", "dicece", "bce"] = "auto"
     """Training loss on the sigmoid outputs: 'dice' (MONAI DiceLoss), 'dicece' (Dice + cross-entropy) or 'bce' (binary cross-entropy); 'auto': 'dice' for 2D images (the papers'), 'dicece' for volumes (nnU-Net's; a Dice loss alone can settle on empty predictions when most patches hold no foreground)."""
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: FloatDtype = "float32"
     """Floating-point type of weights, optimizer state and aggregation: 'float32' or 'float64'."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
     scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
     that use raw gradients outside an optimizer step (APFL, pFedMe, Per-FedAvg, FGA, FedSM's 'fga'
@@ -247,11 +263,6 @@ class SimulationConfig:
             )
 
 
-DPMode = Literal["off", "sample", "client"]
-"""Values of ``privacy.dp``."""
-DP_MODES: tuple[str, ...] = typing.get_args(DPMode)
-
-
 @dataclass(frozen=True)
 class PrivacyConfig:
     """What a site's messages reveal: secure aggregation of the sums the server needs, and differential
@@ -294,7 +305,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
     planned rounds (one of the two must be set when dp is on)."""
-    dp_randomness: Literal["os", "seeded"] = "os"
+    dp_randomness: DPRandomness = "os"
     """Where DP noise and DP batch sampling come from.  'os': a fresh key from the operating system's
     CSPRNG for every draw, never stored or sent, so no other party (the server, which knows the run seed,
     included) can regenerate the noise or predict the batches.  'seeded': keys derived from the run seed
@@ -346,11 +357,6 @@ class PrivacyConfig:
                 f"privacy.secagg_fraction_bits = {self.secagg_fraction_bits}; use 8 to 52 "
                 "(e.g. --set privacy.secagg_fraction_bits=32)"
             )
-
-
-VolumeReads = Literal["auto", "memory", "cache"]
-"""Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
-VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 
 @dataclass(frozen=True)
