@@ -44,6 +44,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedseg.foundation.config import OPTIMIZERS, OptimizerName
+
 __all__ = [
     "REFERENCE_ATTACK",
     "AttackConfig",
@@ -128,7 +130,7 @@ class LocalOptimizer:
     ``train.lr``, ``train.betas``, ``train.momentum`` and ``train.weight_decay`` (torch's Adam and SGD, fresh
     state: the first round, or ``train.reset_optimizer``)."""
 
-    kind: str
+    kind: OptimizerName
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -136,8 +138,10 @@ class LocalOptimizer:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("adam", "sgd"):
-            raise ValueError(f"the attack unrolls train.optimizer 'adam' or 'sgd', got {self.kind!r}")
+        if self.kind not in OPTIMIZERS:
+            raise ValueError(
+                f"the attack unrolls train.optimizer {' or '.join(map(repr, OPTIMIZERS))}, got {self.kind!r}"
+            )
 
 
 @dataclass

@@ -23,17 +23,21 @@ from fedseg.foundation.config.coerce import check_literals
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "BEST_CRITERIA",
     "DP_MODES",
     "EXCLUSIVE",
+    "OPTIMIZERS",
     "SECTIONS",
     "UNET_CHANNELS",
     "UNET_STRIDES",
     "VOLUME_READS",
+    "BestCriterion",
     "DPMode",
     "DPRandomness",
     "EvalConfig",
     "FloatDtype",
     "ModelConfig",
+    "OptimizerName",
     "Precision",
     "PrivacyConfig",
     "RunConfig",
@@ -45,6 +49,12 @@ __all__ = [
 
 FloatDtype = Literal["float32", "float64"]
 """Values of ``train.dtype`` (:data:`fedseg.foundation.device.DTYPES` maps them to torch's)."""
+BestCriterion = Literal["cases", "sites"]
+"""Values of ``eval.best_criterion``."""
+BEST_CRITERIA: tuple[str, ...] = typing.get_args(BestCriterion)
+OptimizerName = Literal["adam", "sgd"]
+"""Values of ``train.optimizer``."""
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 Precision = Literal["fp32", "bf16", "fp16"]
 """Values of ``train.precision`` (:data:`fedseg.foundation.device.PRECISIONS` maps them to autocast's dtype)."""
 DPMode = Literal["off", "sample", "client"]
@@ -123,7 +133,7 @@ class TrainConfig:
     """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps (--set of either replaces the other)."""
     local_steps: int | None = None
     """Local work per round in optimizer steps (>= 1); exclusive with local_epochs (--set of either replaces the other)."""
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: OptimizerName = "adam"
     """Local optimizer: 'adam' (with betas) or 'sgd' (with momentum)."""
     lr: float = 1e-3
     """Learning rate of the local optimizer (> 0)."""
@@ -212,7 +222,7 @@ class EvalConfig:
     for volumes, in pixels for 2D images): 'auto' (default) for 3D runs only, 'on' also for 2D, 'off'
     never.  Both masks empty scores 0 and exactly one empty the diagonal of the grid's field of view;
     it is reported, never used to pick a best round."""
-    best_criterion: Literal["cases", "sites"] = "cases"
+    best_criterion: BestCriterion = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
     client average)."""
