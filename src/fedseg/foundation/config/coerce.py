@@ -56,7 +56,7 @@ def check_literals(obj: Any, where: str) -> None:
     for f in dataclasses.fields(obj):
         tp = _literal_type(hints[f.name])
         if tp is not None:
-            coerce(getattr(obj, f.name), tp, f"{where}.{f.name}")
+            coerce(getattr(obj, f.name), tp, f"{where}.{f.name}" if where else f.name)
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:
