@@ -116,7 +116,7 @@ def test_a_config_built_in_python_gets_the_loaders_message():
     with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'auto', 'dice', 'dicece' or 'bce'")):
         TrainConfig(loss="l1").validate()
     TrainConfig(loss="dicece", precision="bf16", data="stream").validate()
-    with pytest.raises(ConfigError, match=re.escape("volume_reads = 'disk'; use 'auto', 'memory' or 'cache'")):
+    with pytest.raises(ConfigError, match="^" + re.escape("volume_reads = 'disk'; use 'auto', 'memory' or 'cache'")):
         RunConfig(federation="f", volume_reads="disk").validate()  # type: ignore[arg-type]
     for params, section in ((FedProxParams, "fedprox"), (FedSMParams, "fedsm")):
         with pytest.raises(ConfigError, match=rf"^{section}\.trim"):
