@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.fedseg-installed
 # torch; otherwise pip resolves a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-fast lint format venv bench clean
+.PHONY: demo test test-fast lint typecheck format venv bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+
+# mypy over src/fedseg (configured in pyproject.toml, [tool.mypy])
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks

@@ -1,8 +1,10 @@
-"""Test helpers shared by the test files: bitwise comparison of checkpoints and run folders."""
+"""Test helpers shared by the test files: bitwise comparison of checkpoints and run folders; a small
+synthetic federation and stand-ins for finished runs (``jobs.run``) of the grid and tracking tests."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +12,19 @@ import torch
 from safetensors.torch import load_file
 
 __all__ = [
+    "SETS",
+    "SMALL",
     "assert_same_arrays",
     "assert_same_checkpoints",
+    "fake_results",
+    "fake_run",
     "load_arrays",
+    "override_value",
     "same_arrays",
     "server_state",
     "site_state",
     "strip_times",
+    "synth_fundus",
 ]
 
 TIMES = ("time_s", "wall_time_s")
@@ -77,3 +85,75 @@ def assert_same_checkpoints(a: str | Path, b: str | Path, sites: bool = True, be
                 assert_same_arrays(load_arrays(a / "sites" / n), load_arrays(b / "sites" / n), f"site state {n}")
             else:
                 assert json.loads((a / "sites" / n).read_text()) == json.loads((b / "sites" / n).read_text()), n
+
+
+SMALL = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=8"]
+"""``--set`` overrides of a small U-Net for runs on :func:`synth_fundus`'s images."""
+SETS = [x for s in SMALL for x in ("--set", s)]
+""":data:`SMALL` as command-line arguments."""
+
+
+def synth_fundus(folder: Path) -> Path:
+    """A small synthetic fundus federation (5 % of the paper's cases, 32² images) in ``folder``; its spec."""
+    from fedseg.cli import main
+
+    out = Path(folder) / "fundus"
+    assert main(["synth", "--preset", "fundus", "--out", str(out), "--scale", "0.05", "--size", "32"]) == 0
+    return out / "federation.toml"
+
+
+def override_value(overrides: Sequence[str], key: str, default: str) -> str:
+    """The value ``--set key=value`` gives ``key`` among ``overrides`` (as written), else ``default``."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), default)
+
+
+def fake_results(val: float, test: float, primary: str | None = "global", seed: int = 0) -> dict[str, Any]:
+    """A results document of two sites s1, s2 with validation score ``val`` and test Dice ``test``: of a
+    method with a ``primary`` candidate (FedAvg), or for None of one whose sites own their models (Local:
+    site models at ``val`` ± 0.1, mean ``val``)."""
+    rows = (
+        [{"name": "global", "home_site": None, "best_val_dice": val, "client_avg_dice": test}]
+        if primary
+        else [
+            {"name": f"local/s{i}", "home_site": f"s{i}", "best_val_dice": val + d, "client_avg_dice": test}
+            for i, d in ((1, 0.1), (2, -0.1))
+        ]
+    )
+    return {
+        "method": "fedavg" if primary else "local",
+        "label": "FedAvg" if primary else "Local",
+        "primary": primary,
+        "sites": ["s1", "s2"],
+        "seed": seed,
+        "rows": rows,
+        "per_site_dice": {"s1": test, "s2": test},
+        "client_avg_dice": test,
+        "global_dice": test,
+    }
+
+
+def fake_run(scores: Callable[[str, int], tuple[float, float]], folder: bool = False) -> Callable[..., dict]:
+    """A stand-in for :func:`fedseg.apps.studies.jobs.run` that trains nothing: the FedAvg results
+    (:func:`fake_results`) whose validation and test scores ``scores(lr, seed)`` gives for the run's
+    ``train.lr`` override (as written, default "1e-3") and seed, saved as ``OUT/results.json``.  ``folder``:
+    also what a finished run's folder holds beside it (the resolved config with ``train.lr``, a two-round
+    history of s1's validation Dice ``val`` · round / 2, ``config.toml`` and a best checkpoint)."""
+    from fedseg.seams.checkpoint import save_json
+
+    def run(config: Any, out: Any = None, overrides: Sequence[str] = (), **kw: Any) -> dict:
+        lr, seed = override_value(overrides, "train.lr", "1e-3"), kw["seed"]
+        val, test = scores(lr, seed)
+        res = fake_results(val, test, seed=seed)
+        if folder:
+            res["config"] = {"method": "fedavg", "seed": seed, "train": {"lr": float(lr)}}
+            res["history"] = [
+                {"round": r, "train_loss": {"s1": 1.0 / r}, "val_dice": {"global": {"s1": val * r / 2}}} for r in (1, 2)
+            ]
+        save_json(res, Path(out) / "results.json")
+        if folder:
+            (Path(out) / "config.toml").write_text("method = 'fedavg'\n")
+            (Path(out) / "checkpoints").mkdir(exist_ok=True)
+            (Path(out) / "checkpoints" / "best.safetensors").write_bytes(b"x")
+        return res
+
+    return run

@@ -5,7 +5,9 @@ import re
 import pytest
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.foundation.config import TrainConfig, dump_toml, load_run_config
+from fedseg.algorithms.fedprox import FedProxParams
+from fedseg.algorithms.fedsm import FedSMParams
+from fedseg.foundation.config import RunConfig, TrainConfig, dump_toml, load_run_config
 from fedseg.foundation.errors import ConfigError
 
 
@@ -98,6 +100,7 @@ def test_missing_file():
             "fedavg.weighting = 'median'; use 'samples' or 'even' (e.g. --set fedavg.weighting=samples)",
         ),
         ("fedavg.aggregation=avg", "fedavg.aggregation = 'avg'; use 'mean', 'trimmed_mean' or 'median'"),
+        ("volume_reads=disk", "volume_reads = 'disk'; use 'auto', 'memory' or 'cache' (e.g. --set volume_reads=auto)"),
     ],
 )
 def test_a_word_outside_its_literal_is_refused_naming_the_key_and_the_allowed_words(tmp_path, override, message):
@@ -108,9 +111,16 @@ def test_a_word_outside_its_literal_is_refused_naming_the_key_and_the_allowed_wo
 
 
 def test_a_config_built_in_python_gets_the_loaders_message():
+    """Sections and top-level settings built in Python are checked as the loader checks them, and a method's
+    settings that extend FedAvg's (FedProx, FedSM) name their own section in the checks they inherit."""
     with pytest.raises(ConfigError, match=re.escape("train.loss = 'l1'; use 'auto', 'dice', 'dicece' or 'bce'")):
         TrainConfig(loss="l1").validate()
     TrainConfig(loss="dicece", precision="bf16", data="stream").validate()
+    with pytest.raises(ConfigError, match="^" + re.escape("volume_reads = 'disk'; use 'auto', 'memory' or 'cache'")):
+        RunConfig(federation="f", volume_reads="disk").validate()  # type: ignore[arg-type]
+    for params, section in ((FedProxParams, "fedprox"), (FedSMParams, "fedsm")):
+        with pytest.raises(ConfigError, match=rf"^{section}\.trim"):
+            params(aggregation="trimmed_mean", trim=0.7).validate()
 
 
 def test_none_is_a_choice_where_a_setting_names_it_and_unset_elsewhere(tmp_path):

@@ -14,7 +14,7 @@ from fedseg.apps.settings import MARKDOWN_COMMAND, markdown, sections
 from fedseg.apps.tracking import TrackingParams
 from fedseg.cli import main
 from fedseg.execution.remote.params import DeployParams
-from fedseg.foundation.config import _SECTIONS, RunConfig
+from fedseg.foundation.config import SECTIONS, RunConfig
 from fedseg.foundation.settings import describe, field_docs
 from fedseg.seams.algorithm import NoParams
 
@@ -23,8 +23,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
 def _settings_classes() -> dict[type, set[str]]:
     """Every settings dataclass, found without the reference's own list: ``{class: fields to describe}``."""
-    out: dict[type, set[str]] = {RunConfig: {f.name for f in dataclasses.fields(RunConfig)} - {"params", *_SECTIONS}}
-    for cls in [*_SECTIONS.values(), DeployParams, TrackingParams, *(c.Params for c in REGISTRY.values())]:
+    out: dict[type, set[str]] = {RunConfig: {f.name for f in dataclasses.fields(RunConfig)} - {"params", *SECTIONS}}
+    for cls in [*SECTIONS.values(), DeployParams, TrackingParams, *(c.Params for c in REGISTRY.values())]:
         if cls is not NoParams:
             out[cls] = {f.name for f in dataclasses.fields(cls)}
     return out

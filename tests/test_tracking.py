@@ -21,17 +21,12 @@ from fedseg.apps.studies import jobs  # noqa: E402
 from fedseg.apps.tracking import flatten, round_metrics, tracking_params  # noqa: E402
 from fedseg.cli import main  # noqa: E402
 from fedseg.foundation.errors import ConfigError  # noqa: E402
-from fedseg.seams.checkpoint import save_json  # noqa: E402
-
-SMALL = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=8"]
-SETS = [x for s in SMALL for x in ("--set", s)]
+from helpers import SETS, fake_run, synth_fundus  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fed") / "fundus"
-    assert main(["synth", "--preset", "fundus", "--out", str(out), "--scale", "0.05", "--size", "32"]) == 0
-    return out / "federation.toml"
+    return synth_fundus(tmp_path_factory.mktemp("fed"))
 
 
 def test_flatten_metrics_and_settings():
@@ -63,31 +58,8 @@ def test_flatten_metrics_and_settings():
         tracking_params({"backend": "wandb"})
 
 
-def _fake_run(config, out=None, overrides=(), **kw):
-    """A finished run's folder without training: results.json with a history, config.toml, a checkpoint."""
-    lr = float(next((o.split("=", 1)[1] for o in overrides if o.startswith("train.lr=")), "1e-3"))
-    val = {1e-3: 0.8, 1e-2: 0.6}[lr]
-    res = {
-        "method": "fedavg",
-        "label": "FedAvg",
-        "primary": "global",
-        "sites": ["site1", "site2"],
-        "seed": kw["seed"],
-        "rows": [{"name": "global", "home_site": None, "best_val_dice": val}],
-        "per_site_dice": {"site1": 0.5, "site2": 0.6},
-        "client_avg_dice": 0.55,
-        "global_dice": 0.56,
-        "config": {"method": "fedavg", "seed": kw["seed"], "train": {"lr": lr}},
-        "history": [
-            {"round": r, "train_loss": {"site1": 1.0 / r}, "val_dice": {"global": {"site1": val * r / 2}}}
-            for r in (1, 2)
-        ],
-    }
-    save_json(res, Path(out) / "results.json")
-    (Path(out) / "config.toml").write_text("method = 'fedavg'\n")
-    (Path(out) / "checkpoints").mkdir(exist_ok=True)
-    (Path(out) / "checkpoints" / "best.safetensors").write_bytes(b"x")
-    return res
+_fake_run = fake_run(lambda lr, seed: ({"1e-3": 0.8, "1e-2": 0.6}[lr], 0.55), folder=True)
+"""Finished runs' folders without training: validation score 0.8 at train.lr=1e-3, 0.6 at 1e-2; client average 0.55."""
 
 
 def _check_store(client: MlflowClient, out: Path) -> None:
@@ -105,7 +77,7 @@ def _check_store(client: MlflowClient, out: Path) -> None:
     c = chosen[0]
     assert c.data.params["fedseg.grid_point"] == "train.lr=1e-3"
     assert c.data.metrics["validation_score"] == pytest.approx(0.8)
-    hist = client.get_metric_history(c.info.run_id, "val_dice/global/site1")
+    hist = client.get_metric_history(c.info.run_id, "val_dice/global/s1")
     assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(1, 0.4), (2, 0.8)]
     files = {a.path for a in client.list_artifacts(c.info.run_id)}
     assert {"results.json", "config.toml", "checkpoints"} <= files

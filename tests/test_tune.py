@@ -14,16 +14,12 @@ from fedseg.apps.studies.jobs import Job, requested_config, run_point
 from fedseg.cli import main
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
-
-SMALL = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=8"]
-SETS = [x for s in SMALL for x in ("--set", s)]
+from helpers import SETS, SMALL, fake_results, fake_run, synth_fundus
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fed") / "fundus"
-    assert main(["synth", "--preset", "fundus", "--out", str(out), "--scale", "0.05", "--size", "32"]) == 0
-    return out / "federation.toml"
+    return synth_fundus(tmp_path_factory.mktemp("fed"))
 
 
 def test_grid_axes_and_points():
@@ -61,34 +57,12 @@ class _ValidationOnly(dict):
         return super().get(k, default)
 
 
-def _results(val: float, test: float, primary: str | None = "global") -> dict:
-    rows = (
-        [{"name": "global", "home_site": None, "best_val_dice": val, "client_avg_dice": test}]
-        if primary
-        else [
-            {"name": f"local/s{i}", "home_site": f"s{i}", "best_val_dice": val + d, "client_avg_dice": test}
-            for i, d in ((1, 0.1), (2, -0.1))
-        ]
-    )
-    return {
-        "method": "fedavg" if primary else "local",
-        "label": "FedAvg" if primary else "Local",
-        "primary": primary,
-        "sites": ["s1", "s2"],
-        "seed": 0,
-        "rows": rows,
-        "per_site_dice": {"s1": test, "s2": test},
-        "client_avg_dice": test,
-        "global_dice": test,
-    }
-
-
 def test_validation_score_is_the_rows_selection_score_and_reads_no_test_number():
     """A primary method is scored by its primary candidate's best validation score, a method of site-owned
     models by the mean of each site's own model's; the test numbers are never read."""
-    r = _results(0.7, 0.1)
+    r = fake_results(0.7, 0.1)
     assert validation_score(_ValidationOnly(r, rows=[_ValidationOnly(x) for x in r["rows"]])) == 0.7
-    r = _results(0.5, 0.9, primary=None)
+    r = fake_results(0.5, 0.9, primary=None)
     assert validation_score(_ValidationOnly(r, rows=[_ValidationOnly(x) for x in r["rows"]])) == pytest.approx(0.5)
     assert choose([[0.5, 0.7], [0.65, 0.6], [float("nan")]]) == 1  # means 0.6 < 0.625; NaN never wins
     assert choose([[0.5], [0.5]]) == 0  # a tie: the earlier point
@@ -100,15 +74,8 @@ TEST = {"3e-4": 0.90, "1e-3": 0.50, "3e-3": 0.95}
 
 
 def _fake_run(test: dict):
-    def fake(config, out=None, overrides=(), **kw):
-        lr = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.lr=")), "1e-3")
-        seed = kw["seed"]
-        res = _results(VAL[lr] + 0.01 * seed, test[lr] - 0.01 * seed)
-        res["seed"] = seed
-        save_json(res, Path(out) / "results.json")
-        return res
-
-    return fake
+    """Runs whose validation score is VAL's and test Dice ``test``'s for their learning rate, each seed 0.01 apart."""
+    return fake_run(lambda lr, seed: (VAL[lr] + 0.01 * seed, test[lr] - 0.01 * seed))
 
 
 def test_compare_tune_chooses_on_validation_and_reports_test(spec, tmp_path, monkeypatch, capsys):

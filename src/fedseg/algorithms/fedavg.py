@@ -58,8 +58,12 @@ class FedAvgParams:
         (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.foundation.arrays.aggregate`).
     trim
         Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5).
+
+    The settings of FedProx and FedSM extend these (:class:`~fedseg.algorithms.fedprox.FedProxParams`,
+    :class:`~fedseg.algorithms.fedsm.params.FedSMParams`); ``section`` names their config section in errors.
     """
 
+    section: ClassVar[str] = "fedavg"
     weighting: Weighting = "samples"
     """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     aggregation: Aggregation = "mean"
@@ -68,7 +72,7 @@ class FedAvgParams:
     """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def validate(self) -> None:
-        check_aggregation(self.aggregation, self.trim, "fedavg")
+        check_aggregation(self.aggregation, self.trim, self.section)
 
 
 def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:

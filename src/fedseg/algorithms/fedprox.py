@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from fedseg.algorithms.fedavg import FedAvg, Weighting, sent_update
-from fedseg.foundation.arrays import Aggregation, check_aggregation, strip_prefix
+from fedseg.algorithms.fedavg import FedAvg, FedAvgParams, sent_update
+from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site.runtime import Site
@@ -70,32 +71,25 @@ def proximal_loss(anchor: Mapping[str, torch.Tensor], mu: float) -> Callable[[nn
 
 
 @dataclass(frozen=True)
-class FedProxParams:
+class FedProxParams(FedAvgParams):
     """Settings of FedProx (``[fedprox]``).
+
+    FedAvg's settings (:class:`~fedseg.algorithms.fedavg.FedAvgParams`: weighting, aggregation, trim) and:
 
     mu
         Proximal coefficient μ ≥ 0 (paper Eq. 2); 0 gives FedAvg.
-    weighting
-        Aggregation weights: 'samples' (n_k / n) or 'even' (1 / K), as in FedAvg.
-    aggregation, trim
-        'mean' (the paper's), 'trimmed_mean' or 'median', and the trimmed fraction, as in FedAvg.
     """
 
+    section: ClassVar[str] = "fedprox"
     mu: float = 0.01
     """Proximal coefficient mu >= 0; 0 gives FedAvg."""
-    weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
-    aggregation: Aggregation = "mean"
-    """How site models are combined: 'mean', 'trimmed_mean' or 'median', as in FedAvg."""
-    trim: float = 0.1
-    """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def validate(self) -> None:
         if not (self.mu >= 0.0 and self.mu < float("inf")):
             raise ConfigError(
                 f"fedprox.mu = {self.mu}; it must be a finite number >= 0 (e.g. --set fedprox.mu=0.01; 0 gives FedAvg)"
             )
-        check_aggregation(self.aggregation, self.trim, "fedprox")
+        super().validate()
 
 
 def train_prox(site: Site, task: Task) -> Reply:

@@ -145,7 +145,9 @@ def load_split(fed: FederationSpec, site: SiteSpec | str, split: str, *, progres
     split = canonical
     entries = load_datalist(site.datalist, site=site.name)[split]
     root = site.datalist.parent
-    images, labels, ids = [], [], []
+    images: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    ids: list[str] = []
     for entry in tqdm(entries, desc=f"{site.name} {split}", disable=not progress, leave=False):
         case, issues = check_case(fed, entry["image"], entry["label"])
         if case is None:

@@ -96,8 +96,9 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int, done: 
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for future in finished:
-                if future.exception() is not None:
+                error = future.exception()
+                if error is not None:
                     for other in pending:
                         other.cancel()
-                    raise future.exception()
+                    raise error
                 done()

@@ -175,7 +175,7 @@ def check_case(fed: FederationSpec, image_path: Path, label_path: Path) -> tuple
                 "save the label as one channel of integer class values",
             )
         )
-    if issues:
+    if issues or image is None or label is None:  # either None has its issue
         return None, issues
 
     if image.dtype.kind == "f" and not np.isfinite(image).all():

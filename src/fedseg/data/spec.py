@@ -330,13 +330,12 @@ def _parse_intensity(path: Path, data: dict, mode: str) -> tuple[str, tuple[floa
             'set intensity = "window" to use the window, or remove window',
         )
     if intensity == "window":
-        ok = (
+        if not (
             isinstance(window, list)
             and len(window) == 2
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in window)
             and window[0] < window[1]
-        )
-        if not ok:
+        ):
             raise _err(
                 path,
                 f'data.intensity = "window" needs data.window = [low, high] with low < high, got {window!r}',

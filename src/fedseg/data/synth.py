@@ -206,7 +206,9 @@ def split_sizes(preset: str, scale: float) -> list[tuple[int, int, int]]:
         return ct_split_sizes(scale)
     if preset not in PRESETS:
         raise ConfigError(f"unknown synthetic preset {preset!r} -> use one of {sorted(PRESET_NAMES)}")
-    return [tuple(max(2, round(n * scale)) for n in row) for row in PRESETS[preset][0]]
+    return [
+        (max(2, round(a * scale)), max(2, round(b * scale)), max(2, round(c * scale))) for a, b, c in PRESETS[preset][0]
+    ]
 
 
 @functools.lru_cache(maxsize=4)
@@ -412,8 +414,11 @@ def _write_case(job: tuple[str, int, int, int, int, int, str, str]) -> None:
     from PIL import Image  # deferred: only writing the files needs it
 
     preset, s, j, i, seed, size, root, name = job
-    site, draw = (FUNDUS_SITES[s], fundus_case) if preset == "fundus" else (PROSTATE_SITES[s], prostate_case)
-    image, label = draw(site, np.random.default_rng([seed, s, j, i]), size)
+    rng = np.random.default_rng([seed, s, j, i])
+    if preset == "fundus":
+        image, label = fundus_case(FUNDUS_SITES[s], rng, size)
+    else:
+        image, label = prostate_case(PROSTATE_SITES[s], rng, size)
     Image.fromarray(image).save(Path(root) / "images" / name)
     Image.fromarray(label).save(Path(root) / "labels" / name)
 

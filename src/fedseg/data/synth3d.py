@@ -101,7 +101,7 @@ class Anatomy:
 
 def ct_split_sizes(scale: float) -> list[tuple[int, int, int]]:
     """Per-site (train, val, test) cases: :data:`CT_COUNTS` x ``scale``, rounded, at least 2."""
-    return [tuple(max(2, round(n * scale)) for n in row) for row in CT_COUNTS]
+    return [(max(2, round(a * scale)), max(2, round(b * scale)), max(2, round(c * scale))) for a, b, c in CT_COUNTS]
 
 
 def _rot_z(angle: float) -> np.ndarray:

@@ -155,7 +155,9 @@ def compare_runs(
     version of "global test avg".
     """
     cands = [candidate_runs] if isinstance(candidate_runs, Mapping) else list(candidate_runs)
-    bases = {r.get("seed"): r for r in ([baseline_runs] if isinstance(baseline_runs, Mapping) else baseline_runs)}
+    bases: dict[Any, Any] = {
+        r.get("seed"): r for r in ([baseline_runs] if isinstance(baseline_runs, Mapping) else baseline_runs)
+    }
     sites = list(sites or cands[0]["sites"])
     a: dict[str, list[float]] = {s: [] for s in sites}
     b: dict[str, list[float]] = {s: [] for s in sites}
@@ -296,7 +298,8 @@ def table2(runs: Sequence[Mapping[str, Any]], baseline: str = "FedAvg", alpha: f
         cells.append(_fmt([r["global_test_avg"] for r in rows], pct) + mark("all"))
         cells += [_fmt([r["local_avg"] for r in rows], pct), _fmt([r["local_gen"] for r in rows], pct)]
         lines.append("| " + " | ".join(cells) + " |")
-    seeds = sorted({r.get("seed") for r in runs})
+    found: set[Any] = {r.get("seed") for r in runs}
+    seeds = sorted(found)
     out = "\n".join(lines) + "\n"
     out += (
         f"\nDice{' (%)' if pct else ''}; {len(seeds)} seed(s) {seeds}"

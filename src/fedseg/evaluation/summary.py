@@ -121,7 +121,7 @@ def summarize(
         rows.append(row)
     homes = {best[name].candidate.home_site: name for name in per_case}
 
-    def method_cases(cases_of: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    def method_cases(cases_of: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
         if primary is not None:
             return cases_of[primary] if cases_of is per_case else cases_of.get(primary, {})
         # a site's own model; none for a deployed site that never answered (no own model was trained)

@@ -18,8 +18,8 @@ def privacy_of(results: Mapping[str, Any]) -> dict[str, Any] | None:
     priv = results.get("privacy")
     if not isinstance(priv, Mapping):
         return None
-    eps = [s.get("epsilon") for s in (priv.get("sites") or {}).values() if isinstance(s, Mapping)]
-    eps = [float(e) for e in eps if isinstance(e, int | float)]
+    given = [s.get("epsilon") for s in (priv.get("sites") or {}).values() if isinstance(s, Mapping)]
+    eps = [float(e) for e in given if isinstance(e, int | float)]
     return {
         "dp": priv.get("dp"),
         "epsilon": max(eps) if eps else None,
@@ -89,7 +89,8 @@ def table3(runs: Sequence[dict[str, Any]], sites: Sequence[str] | None = None) -
     for res in runs:
         for row in method_rows(res):
             grouped.setdefault(row["label"], []).append(row)
-    seeds = sorted({r.get("seed") for r in runs})
+    found: set[Any] = {r.get("seed") for r in runs}
+    seeds = sorted(found)
     private = [p for p in (privacy_of(r) for r in runs) if p is not None]
     lines = _metric_table(grouped, sites, "dice", "Dice", 4, epsilon=bool(private))
     note = (

@@ -11,7 +11,7 @@ floats: aggregation functions take them from the first input unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -122,12 +122,10 @@ def weighted_mean(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     return out
 
 
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
-"""Rules of :func:`aggregate`: ``mean`` is the papers' FedAvg; the other two bound one site's influence."""
-
-
 Aggregation = Literal["mean", "trimmed_mean", "median"]
 """The aggregation rule of :func:`aggregate` (the ``aggregation`` setting): 'mean' is the papers' FedAvg."""
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+"""Rules of :func:`aggregate`: ``mean`` is the papers' FedAvg; the other two bound one site's influence."""
 
 
 def check_aggregation(rule: str, trim: float, section: str) -> None:

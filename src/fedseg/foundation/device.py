@@ -16,9 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
+from fedseg.foundation.config.schema import FloatDtype, Precision
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "DTYPES",
     "PRECISIONS",
     "autocast",
     "configure_determinism",
@@ -31,8 +33,10 @@ __all__ = [
     "to_host",
 ]
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS: dict[Precision, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``train.precision`` → the autocast dtype (None: no autocast, plain float32/float64)."""
+DTYPES: dict[FloatDtype, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+"""``train.dtype`` → the torch dtype of weights, optimizer state and aggregation."""
 
 CUBLAS_WORKSPACE = ":4096:8"
 """cuBLAS workspace setting PyTorch requires for deterministic matrix products on CUDA."""
@@ -100,7 +104,7 @@ def configure_determinism(device: torch.device, deterministic: bool = True) -> N
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default; TF32 matmuls change results visibly
 
 
-def autocast(device: torch.device, precision: str, cache: bool = True) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, precision: Precision, cache: bool = True) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32); ``cache=False`` turns
     off autocast's cache of cast weights (required inside a CUDA graph capture; the same numbers)."""
     dtype = PRECISIONS[precision]
@@ -109,7 +113,7 @@ def autocast(device: torch.device, precision: str, cache: bool = True) -> contex
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
-def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+def grad_scaler(device: torch.device, precision: Precision) -> torch.amp.GradScaler | None:
     """A gradient scaler for fp16 (its small exponent range underflows gradients); None otherwise."""
     if precision != "fp16":
         return None

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.foundation.config import _SECTIONS, RunConfig
+from fedseg.foundation.config import SECTIONS, RunConfig
 
 __all__ = ["TOP", "Setting", "describe", "field_docs", "plain", "run_sections"]
 
@@ -55,19 +55,23 @@ class Setting:
 
 def field_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` of the dataclass ``cls``: each string literal that directly follows an
-    annotated field in the class body, whitespace collapsed to one line."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+    annotated field in the class body, whitespace collapsed to one line; a field a base class declares has
+    the base's docstring unless ``cls`` restates it."""
     out: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            out[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+        for node, nxt in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                out[node.target.id] = " ".join(nxt.value.value.split())
     return out
 
 
@@ -134,7 +138,9 @@ def describe(cls: type, section: str, skip: typing.Collection[str] = ()) -> list
 
 def run_sections() -> dict[str, tuple[type, list[Setting]]]:
     """The foundation's sections: ``{name: (dataclass, rows)}``, the top-level settings first."""
-    out = {TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *_SECTIONS}))}
-    for name, cls in _SECTIONS.items():
+    out: dict[str, tuple[type, list[Setting]]] = {
+        TOP: (RunConfig, describe(RunConfig, TOP, skip={"params", *SECTIONS}))
+    }
+    for name, cls in SECTIONS.items():
         out[name] = (cls, describe(cls, name))
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,7 @@ class Identity:
             return False
         return _verify(cert.public_key(), raw, data)
 
-    def check_peer(self, peer: str, exchange: str, keys: dict[str, bytes], sent: dict[str, Any]) -> str | None:
+    def check_peer(self, peer: str, exchange: str, keys: dict[str, bytes], sent: Mapping[str, Any]) -> str | None:
         """None if ``peer``'s step-1 message ``sent`` (its ``certificate`` and ``signature``) proves that ``keys``
         (its C_u, S_u and hash of b_u, as relayed) are its own for ``exchange``; else the reason and the fix."""
         cert_pem, sig_hex = sent.get("certificate"), sent.get("signature")

@@ -159,7 +159,7 @@ class SiteParty:
             out.update(self.identity.sign(self.exchange, self.c.public, self.s.public, digest))
         return out
 
-    def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
+    def share(self, order: Sequence[str], keys: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, Any]]:
         """Step 2: remember U1's keys (refused when U1 has fewer than ``min_sites`` sites); with an identity, check
         each peer's certificate and signature; split s and b among U1 (own share kept); return ``{"shares": {peer:
         hex}, "refused": {peer: reason}, "commitments": {"s": [hex], "b": [hex]}}``: each accepted peer's share

@@ -33,16 +33,17 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from typing import Literal
+from typing import get_args
 
 import numpy as np
 import torch
 
+from fedseg.foundation.config import DPRandomness
 from fedseg.privacy.secagg import expand
 
 __all__ = ["MODES", "Randomness"]
 
-MODES = ("os", "seeded")
+MODES: tuple[str, ...] = get_args(DPRandomness)
 """Values of ``privacy.dp_randomness``."""
 
 _SUMMED = 4
@@ -52,7 +53,7 @@ _SUMMED = 4
 class Randomness:
     """A site's source of DP noise and sampling (module docstring)."""
 
-    def __init__(self, mode: Literal["os", "seeded"], seed: int, site_index: int):
+    def __init__(self, mode: DPRandomness, seed: int, site_index: int):
         if mode not in MODES:
             raise ValueError(f"privacy.dp_randomness = {mode!r}; use one of {MODES}")
         self.mode = mode

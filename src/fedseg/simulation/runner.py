@@ -49,9 +49,10 @@ __all__ = [
 
 
 def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
-    trains = [d.train for d in site_data.values()]
+    trains: list[Any] = [d.train for d in site_data.values()]  # in-memory, cached or other datasets
     if all(isinstance(t, CachedVolumes) for t in trains):
         return SiteData(train=CachedVolumes.concat(trains))
+    pooled: Any
     if all(hasattr(t, "images") for t in trains):
         pooled = TensorDataset(torch.cat([t.images for t in trains]), torch.cat([t.labels for t in trains]))
     else:
@@ -195,9 +196,10 @@ def simulate(
         Called with each round's history entry (see :class:`fedseg.execution.engine.Engine`).
     """
     engine = build_engine(cfg, workload, site_data, out=out, progress=progress, log=log, on_round=on_round)
-    if out is not None and cfg.privacy.dp != "off":  # each site's privacy ledger, outside its checkpoints
-        for name in engine.transport.sites:
-            engine.transport.site(name).dp.ledger.attach(Path(out) / "privacy" / f"{name}.jsonl", fresh=not resume)
+    transport = engine.transport
+    if out is not None and cfg.privacy.dp != "off" and isinstance(transport, InProcessTransport):
+        for name in transport.sites:  # each site's privacy ledger, outside its checkpoints
+            transport.site(name).dp.ledger.attach(Path(out) / "privacy" / f"{name}.jsonl", fresh=not resume)
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
         write_results(results, out)
@@ -266,7 +268,8 @@ def plan_volume_run(
     work, volume = None, None
     if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
         work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
-        volume = split_shape(next(iter(data.values())).val)  # every split is padded to one shape
+        val = next(iter(data.values())).val
+        volume = None if val is None else split_shape(val)  # every split is padded to one shape
     return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from fedseg.algorithms.fedavg import Weighting
-from fedseg.foundation.arrays import Aggregation, check_aggregation
+from fedseg.algorithms.fedavg import FedAvgParams, Weighting
 from fedseg.foundation.errors import ConfigError
 
 __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
@@ -47,8 +46,11 @@ PROFILE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class FedSMParams:
+class FedSMParams(FedAvgParams):
     """Settings of FedSM and its variants (config section ``[fedsm]``).
+
+    FedAvg's settings of the global model's average (:class:`~fedseg.algorithms.fedavg.FedAvgParams`:
+    ``weighting``, ``aggregation``, ``trim``) and FedSM's own.
 
     Settings left unset (None) are filled in by ``profile`` (:meth:`resolved`); a run's
     ``config.toml`` and ``results.json["config"]`` hold the resolved values.
@@ -189,6 +191,7 @@ class FedSMParams:
         coordinate) or 'median' — the latter two bound one site's influence (deployment).
     """
 
+    section: ClassVar[str] = "fedsm"
     profile: Literal["default", "reference"] = "default"
     """Fills in the settings left unset: 'default' (settings that learn out of the box) or 'reference' (the reference code's literal settings)."""
     lam: float = 0.7
@@ -229,18 +232,12 @@ class FedSMParams:
     """fedsm-extra only: selector objective, 'oracle' (cross-entropy with the best model's one-hot label) or 'experts'."""
     ensemble_tau: float = 0.001
     """Temperature tau > 0 of the 'experts' objective, in units of the workload loss."""
-    weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     selector_weighting: Weighting | None = None
     """'fedavg' selector only: weights of the selector average, 'samples' or 'even'; none: the profile's."""
     global_training: Literal["fedavg", "fga"] | None = None
     """How the global model is trained: 'fedavg' (local steps, then averaged) or 'fga' (lockstep gradient averaging, SoftPull only); none: 'fedavg'."""
     personalization: PersonalizationName = "softpull"
     """How personalized models are made: 'softpull' (the paper's FedSM) or one of 'ft', 'apfl', 'perfedavg', 'pfedme', 'ditto' (settings from its own section)."""
-    aggregation: Aggregation = "mean"
-    """How the global model is combined: 'mean', 'trimmed_mean' or 'median'."""
-    trim: float = 0.1
-    """Fraction of sites dropped at each end per coordinate by 'trimmed_mean', in [0, 0.5)."""
 
     def resolved(self, site_labels: bool = True) -> FedSMParams:
         """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns
@@ -307,7 +304,7 @@ class FedSMParams:
         steps = self.selector_steps
         if isinstance(steps, int) and steps < 1:
             raise ConfigError(f"fedsm.selector_steps = {steps!r}; give an integer >= 1 or 'all' (every local step)")
-        check_aggregation(self.aggregation, self.trim, "fedsm")
+        super().validate()
         if self.global_training == "fga":
             if self.personalization != "softpull":
                 raise ConfigError(

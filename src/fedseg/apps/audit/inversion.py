@@ -34,6 +34,8 @@ Every random draw comes from the ``torch.Generator`` handed in.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from fedseg.foundation.config import OPTIMIZERS, OptimizerName
 
 __all__ = [
     "REFERENCE_ATTACK",
@@ -57,7 +61,7 @@ __all__ = [
     "unrolled_update",
 ]
 
-REFERENCE_ATTACK = {
+REFERENCE_ATTACK: dict[str, Any] = {
     "iterations": 24_000,
     "restarts": 1,
     "source": "Geiping et al. 2020, 'Inverting Gradients' (NeurIPS), released code JonasGeiping/invertinggradients: "
@@ -126,7 +130,7 @@ class LocalOptimizer:
     ``train.lr``, ``train.betas``, ``train.momentum`` and ``train.weight_decay`` (torch's Adam and SGD, fresh
     state: the first round, or ``train.reset_optimizer``)."""
 
-    kind: str
+    kind: OptimizerName
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -134,8 +138,10 @@ class LocalOptimizer:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("adam", "sgd"):
-            raise ValueError(f"the attack unrolls train.optimizer 'adam' or 'sgd', got {self.kind!r}")
+        if self.kind not in OPTIMIZERS:
+            raise ValueError(
+                f"the attack unrolls train.optimizer {' or '.join(map(repr, OPTIMIZERS))}, got {self.kind!r}"
+            )
 
 
 @dataclass
@@ -177,9 +183,9 @@ def gradient_cost(
             1 - (a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-12) for a, b in zip(dummy, observed, strict=True)
         ]
         return torch.stack(costs).mean()
-    dot = sum((a * b).sum() for a, b in zip(dummy, observed, strict=True))
-    na = sum(a.pow(2).sum() for a in dummy)
-    nb = sum(b.pow(2).sum() for b in observed)
+    dot = functools.reduce(operator.add, ((a * b).sum() for a, b in zip(dummy, observed, strict=True)))
+    na = functools.reduce(operator.add, (a.pow(2).sum() for a in dummy))
+    nb = functools.reduce(operator.add, (b.pow(2).sum() for b in observed))
     return 1 - dot / (na.sqrt() * nb.sqrt()).clamp_min(1e-12)
 
 
@@ -328,6 +334,7 @@ def invert(
         costs.append(final)
         if final < best_cost or best is None:
             best_cost, best = final, [x.detach().cpu() for x in xs]
+    assert best is not None  # cfg.restarts >= 1 (InversionConfig.validate)
     return Inversion(images=best, cost=best_cost, costs=costs)
 
 

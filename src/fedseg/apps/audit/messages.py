@@ -35,12 +35,14 @@ import torch
 from torch import nn
 
 from fedseg.algorithms import get_algorithm
+from fedseg.algorithms.fedsm import FedSM
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.algorithms.secure import secure_ask
 from fedseg.apps.audit.inversion import LocalOptimizer
 from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
-from fedseg.foundation.config import RunConfig
+from fedseg.foundation.config import DPMode, RunConfig
+from fedseg.foundation.device import DTYPES
 from fedseg.foundation.errors import ConfigError, FedsegError
 from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
@@ -152,7 +154,7 @@ def local_optimizer(cfg: RunConfig) -> LocalOptimizer:
     return LocalOptimizer(
         t.optimizer,
         t.lr,
-        tuple(t.betas),
+        (t.betas[0], t.betas[1]),
         weight_decay=t.weight_decay,
         momentum=t.momentum if t.optimizer == "sgd" else 0,
     )
@@ -164,7 +166,7 @@ def init_weights(cfg: RunConfig, role: str, factory: Callable[[], nn.Module]) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "init", role))
         model = factory()
-    dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.train.dtype]
+    dtype = DTYPES[cfg.train.dtype]
     return {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -194,7 +196,7 @@ def _asked(message: str, cfg: RunConfig, workload: Workload, names: Sequence[str
             "fga", "global", "gradient", Task("fga_step", prefixed("global", init), {"round": 1, "step": 0}), init, None
         )
     if message == "fedsm-selector":
-        alg = get_algorithm(dataclasses.replace(cfg, method="fedsm"))
+        alg = FedSM(dataclasses.replace(cfg, method="fedsm"))
         p = alg.params
         if p.selector_training != "fga":
             raise ConfigError(
@@ -273,7 +275,9 @@ def sent_by_sites(message: str, cfg: RunConfig, workload: Workload, data: Mappin
     return out
 
 
-def _dp_sites(cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], mode: str, clip: float, sigma: float):
+def _dp_sites(
+    cfg: RunConfig, workload: Workload, data: Mapping[str, SiteData], mode: DPMode, clip: float, sigma: float
+):
     """The sites with their ``privacy.dp = mode`` settings at C = ``clip``, σ = ``sigma`` (their own
     :class:`~fedseg.site.dp.SiteDP` and its randomness, ``privacy.dp_randomness`` as configured)."""
     privacy = dataclasses.replace(

@@ -22,6 +22,8 @@ The audit attacks the server's view, so a protection enters it as what the serve
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -39,4 +41,4 @@ def secure_sum(messages: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     """Σ_k p_k m_k: all the server learns of the sites' messages under secure aggregation."""
     if len(messages) != len(weights) or not messages:
         raise ValueError(f"{len(messages)} messages and {len(weights)} weights; give one weight per message")
-    return {k: sum(w * m[k] for m, w in zip(messages, weights)) for k in messages[0]}
+    return {k: functools.reduce(operator.add, (w * m[k] for m, w in zip(messages, weights))) for k in messages[0]}

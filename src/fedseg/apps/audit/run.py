@@ -169,7 +169,7 @@ def messages_for(method: str) -> tuple[str, ...]:
 def _unrelated(data: SiteData, n: int, like: torch.Tensor) -> torch.Tensor:
     """``n`` images of a site that no message was computed from (its validation, else test cases)."""
     for split in (data.val, data.test):
-        if dataset_len(split) > 0:
+        if split is not None and dataset_len(split) > 0:
             idx = torch.arange(n) % dataset_len(split)
             x, _ = batch_of(split, idx)
             return x.to(like.dtype).cpu()

@@ -158,7 +158,7 @@ def provision_kits(
     components, so jobs run without bring-your-own-code rights.
     """
     out = Path(out).resolve()
-    participants = [
+    participants: list[dict[str, Any]] = [
         {"name": host, "type": "server", "org": "fedseg", "fed_learn_port": fl_port, "admin_port": admin_port}
     ]
     participants += [{"name": s, "type": "client", "org": "fedseg"} for s in sites]

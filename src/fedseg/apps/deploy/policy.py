@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedseg.foundation.config import DP_MODES
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
@@ -48,7 +49,6 @@ ALWAYS_ALLOWED = ("privacy",)
 """Task kinds a site answers whatever its ``tasks`` list says: its ε report (``"privacy"``) and secure
 aggregation's own steps (``"secagg/…"``), which carry keys and shares, never data."""
 
-DP_MODES = ("off", "sample", "client")
 EVALUATION = ("per_case", "aggregates")
 
 

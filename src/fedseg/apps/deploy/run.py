@@ -28,7 +28,7 @@ from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_con
 from fedseg.apps.deploy.supervise import Supervisor
 from fedseg.data.spec import load_federation
 from fedseg.execution.remote.params import deploy_params
-from fedseg.foundation.config import _toml_value
+from fedseg.foundation.config import toml_value
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import save_json
@@ -344,15 +344,15 @@ def subset_spec(spec: str | Path, names: list[str], out: str | Path) -> Path:
     """A copy of federation ``spec`` with only ``names`` (absolute datalist paths): the simulation twin of a rehearsal."""
     fed = load_federation(spec)
     raw = tomllib.loads(Path(spec).read_text())
-    lines = [f"name = {_toml_value(str(raw.get('name', fed.name)) + '-subset')}", "", "[data]"]
+    lines = [f"name = {toml_value(str(raw.get('name', fed.name)) + '-subset')}", "", "[data]"]
     for k, v in raw["data"].items():
         if k != "labels":
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     lines.append("\n[data.labels]")
     for k, v in raw["data"]["labels"].items():
-        lines.append(f"{k} = {_toml_value(v)}")
+        lines.append(f"{k} = {toml_value(v)}")
     for n in names:
-        lines += ["", "[[sites]]", f"name = {_toml_value(n)}", f"datalist = {_toml_value(str(fed.site(n).datalist))}"]
+        lines += ["", "[[sites]]", f"name = {toml_value(n)}", f"datalist = {toml_value(str(fed.site(n).datalist))}"]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

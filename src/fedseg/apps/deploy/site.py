@@ -287,7 +287,7 @@ class SiteRuntime:
             why = self.policy.refusals(cfg, sites)
             if why:
                 return self._refuse(why)
-            cfg = self._own_privacy(cfg)
+            cfg = self._own_privacy(cfg, self.policy)
         algorithm = get_algorithm(cfg)
         if getattr(algorithm.params, "selector_training", None) == "fga" and not cfg.privacy.secure_aggregation:
             log.warning(
@@ -323,16 +323,16 @@ class SiteRuntime:
         log.warning("%s", self.refused)
         return {"site": self.name, "refused": self.refused}
 
-    def _own_privacy(self, cfg: Any) -> Any:
-        """The run config as this site runs it: its policy's secure aggregation and participant minimum
+    def _own_privacy(self, cfg: Any, policy: SitePolicy) -> Any:
+        """The run config as this site runs it: its ``policy``'s secure aggregation and participant minimum
         (``privacy.secagg_min_sites`` where the run has that setting) replace the server's."""
         p = cfg.privacy
         changes: dict[str, Any] = {}
-        if self.policy.secure_aggregation:
+        if policy.secure_aggregation:
             changes["secure_aggregation"] = True
         floor = getattr(p, "secagg_min_sites", None)
-        if isinstance(floor, int) and floor < self.policy.min_sites:
-            changes["secagg_min_sites"] = self.policy.min_sites
+        if isinstance(floor, int) and floor < policy.min_sites:
+            changes["secagg_min_sites"] = policy.min_sites
         return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
 
     def _identity(self) -> Identity | None:

@@ -81,14 +81,13 @@ def _intensity(header: dict[str, Any], where: str) -> tuple[str, tuple[float, fl
         raise PayloadError(f"{where}: intensity {intensity!r} is not one of {list(INTENSITIES)}")
     if window is None and intensity != "window":
         return intensity, None
-    ok = (
+    if not (
         intensity == "window"
         and isinstance(window, list)
         and len(window) == 2
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in window)
         and window[0] < window[1]
-    )
-    if not ok:
+    ):
         raise PayloadError(f"{where}: window {window!r} with intensity {intensity!r} is not [low, high] of a window")
     return intensity, (float(window[0]), float(window[1]))
 
@@ -168,7 +167,7 @@ def site_operation(
         reads = str(body.get("volume_reads", "auto"))
         data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log, reads)
         sets = (data.train, data.val, data.test)  # a patches2d training split holds slices: two axes
-        shapes = [split_shape(ds) for ds in sets]
+        shapes = [split_shape(ds) for ds in sets if ds is not None]
         shape = [max(s[a] for s in shapes if len(s) > a) for a in range(3)]
         return {
             "site": name,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def _read_grey(path: Path) -> np.ndarray:
 def _resize_nearest(mask: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     from PIL import Image
 
-    return np.asarray(Image.fromarray(mask).resize((shape[1], shape[0]), Image.NEAREST))
+    return np.asarray(Image.fromarray(mask).resize((shape[1], shape[0]), Image.Resampling.NEAREST))
 
 
 def nested_label(disc: np.ndarray, cup: np.ndarray) -> np.ndarray:
@@ -89,7 +90,9 @@ def _same_shape(image: np.ndarray, mask: np.ndarray, path: Path) -> None:
         )
 
 
-def crop_to_disc(image: np.ndarray, label: np.ndarray, fraction: float = CROP_FRACTION) -> tuple[np.ndarray, ...]:
+def crop_to_disc(
+    image: np.ndarray, label: np.ndarray, fraction: float = CROP_FRACTION
+) -> tuple[np.ndarray, np.ndarray]:
     """Crop a square centred on the disc's bounding box: side ``fraction`` × the shorter image side,
     at least twice the disc's larger extent, at most the shorter side; shifted to stay inside."""
     h, w = label.shape
@@ -357,7 +360,7 @@ def _refuge_convert(case: Case) -> list[Unit]:
 
 # --- the datasets ------------------------------------------------------------------------------
 
-_RIGA = dict(
+_RIGA: dict[str, Any] = dict(
     folder="RIGA",
     source="https://deepblue.lib.umich.edu/data/concern/data_sets/3b591905z",
     licence="as stated on the Deep Blue page",

@@ -269,7 +269,7 @@ def _prepare_site(
         manifest["bad"] = result.bad
         _save_json(manifest_path, manifest)
     result.notes = {cid: "; ".join(old[cid]["notes"]) for cid in sorted(old) if old[cid].get("notes")}
-    splits: dict[str, list[dict[str, Path]]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[dict[str, str | Path]]] = {s: [] for s in SPLITS}
     patients: dict[str, set[str]] = {s: set() for s in SPLITS}
     for cid in sorted(old):
         entry = old[cid]

@@ -231,12 +231,13 @@ def _nci_convert(case: Case) -> list[Unit]:
             f"{tuple(image.GetSize())} -> check that the mask belongs to the series"
         )
     numbers = series.instance_numbers
-    if any(n is None for n in numbers) or len(set(numbers)) != len(numbers):
+    known = [n for n in numbers if n is not None]
+    if len(known) != len(numbers) or len(set(numbers)) != len(numbers):
         raise DataError(
             f"{case.case_id}: {mask_path.name} has no geometry in its header and the series' InstanceNumbers "
             f"are missing or repeated ({numbers}) -> the slice order cannot be known; leave the case out"
         )
-    order = np.argsort(numbers, kind="stable")  # position index of the mask's k-th slice
+    order = np.argsort(known, kind="stable")  # position index of the mask's k-th slice
     placed = np.zeros_like(arr)
     placed[order] = arr
     if order[0] != 0:
@@ -355,7 +356,7 @@ def _prostatex_convert(case: Case) -> list[Unit]:
         index = {u: i for i, u in enumerate(uids)}
         for j, u in enumerate(present):
             stack[index[u]] = px[j] > 0
-    zones = stack[..., [i for i, n in enumerate(numbers) if n != URETHRA_SEGMENT]].any(axis=-1)
+    zones = np.asarray(stack[..., [i for i, n in enumerate(numbers) if n != URETHRA_SEGMENT]].any(axis=-1))
     if URETHRA_SEGMENT in numbers:
         urethra = stack[..., numbers.index(URETHRA_SEGMENT)]
         zones |= urethra & zones.any(axis=(1, 2), keepdims=True)
@@ -443,7 +444,7 @@ PROMISE12 = _make(
     convert=_promise_convert,
     steps=f"MetaImage; label 0/1; {_SLICES}",
 )
-PROSTATEX = Dataset(
+PROSTATEX: Dataset = Dataset(
     site="prostatex",
     discover=lambda root: _prostatex_discover(root, PROSTATEX),
     title="ProstateX (zone segmentations)",

@@ -138,7 +138,7 @@ def read_series(
         sizes.append(f"{tuple(image.GetSize())}{_number_gaps(reader, len(names))}")
     found_text = "; ".join(sizes)
     raise DataError(
-        f"{folder}: no DICOM series of size {tuple(want)} (the mask's); found {found_text} -> check the case's "
+        f"{folder}: no DICOM series of size {tuple(want or ())} (the mask's); found {found_text} -> check the case's "
         "files (a slice file missing from the download makes a series one slice short)"
     )
 

@@ -97,7 +97,8 @@ def site_curve(
     Rounds without validation (or without that candidate/site) are left out.
     """
     name = candidate if candidate is not None else (home or {}).get(site)
-    rounds, values = [], []
+    rounds: list[int] = []
+    values: list[float] = []
     if name is None:
         return rounds, values
     for entry in history:
@@ -193,10 +194,10 @@ def training_curves(
             b = (best.get(label) or {}).get(s)
             if b in rounds:
                 ax.plot([b], [values[rounds.index(b)]], "o", color=colors[label], ms=7, mfc="white", mew=1.8)
-        for label, per_site in upper.items():
-            if s in per_site:
-                seen.append(per_site[s])
-                ax.axhline(per_site[s], color=colors[label], ls="--", lw=1.3, label=label)
+        for label, levels in upper.items():
+            if s in levels:
+                seen.append(levels[s])
+                ax.axhline(levels[s], color=colors[label], ls="--", lw=1.3, label=label)
         _style(ax, s, "round", "validation Dice")
     _shared_ylim(axes, seen)
     _legend_below(fig, axes)
@@ -458,9 +459,12 @@ def predictions_figure(rows: Sequence[Mapping[str, Any]], methods: Sequence[str]
             if len(pred) > 2 and pred[2]:
                 text += f" · {pred[2]}"
             ax.set_xlabel(text, fontsize=FONT - 1, labelpad=2)
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
 
-    handles = [Patch(color=MASK_COLORS[c % len(MASK_COLORS)], alpha=0.6, label=name) for c, name in enumerate(channels)]
+    handles: list[Artist] = [
+        Patch(color=MASK_COLORS[c % len(MASK_COLORS)], alpha=0.6, label=name) for c, name in enumerate(channels)
+    ]
     handles.append(Line2D([], [], color="0.3", lw=1.3, label="ground truth outline (white)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=FONT - 1)
     return to_png(fig)

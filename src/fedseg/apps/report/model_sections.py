@@ -98,7 +98,7 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
             normalize=opts.normalize,
             max_cases=opts.loss_cases,
             batch_size=m.cfg.eval.batch_size,
-            forward=(lambda model, x, wl=m.workload: wl.predict(model, x)),
+            forward=m.workload.predict,
             progress=progress,
             desc=f"loss surface {label}",
         )
@@ -122,11 +122,11 @@ def loss_surface_section(models: Sequence[RunModels], opts: Any, progress: bool,
 
 def tsne_section(models: Sequence[RunModels], opts: Any) -> str | None:
     with_sel = [(m, m.selector()) for m in models]
-    with_sel = [(m, s) for m, s in with_sel if s is not None]
-    if not with_sel:
+    selectors = [(m, s) for m, s in with_sel if s is not None]
+    if not selectors:
         return None
     parts = []
-    for m, sel in with_sel:
+    for m, sel in selectors:
         feats, sites = selector_features(sel, {s: d.test for s, d in m.data.items()}, max_per_site=opts.tsne_cases)
         try:
             pts = tsne_embed(feats, seed=opts.seed)
@@ -275,7 +275,7 @@ def routed_models(m: RunModels, x: torch.Tensor, gamma: float | None = None) -> 
     """
     meta = m.meta.get("fedsm")
     sel = m.selector() if meta is not None else None
-    if sel is None:
+    if meta is None or sel is None:
         return None
     config = meta.get("config") or {}
     names = ["global", *[f"personal/{s}" for s in config.get("sites", [])]]

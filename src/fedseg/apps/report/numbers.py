@@ -79,7 +79,8 @@ def reference_variant(variants: Mapping[str, Sequence[Mapping[str, Any]]], metho
     """The variant the headline compares against: the plain run of ``method`` (label without settings) first."""
     of_method = [v for v, rs in variants.items() if rs and rs[0]["method"] == method]
     plain = [v for v in of_method if "(" not in v]
-    return (plain or of_method or [None])[0]
+    chosen = plain or of_method
+    return chosen[0] if chosen else None
 
 
 def _delta(

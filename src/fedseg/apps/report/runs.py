@@ -24,6 +24,7 @@ from torch import nn
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
 from fedseg.foundation.arrays import Arrays, strip_prefix
 from fedseg.foundation.config import load_run_config
+from fedseg.foundation.device import DTYPES
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import best_files, load_best
 from fedseg.simulation.runner import load_federation_data
@@ -207,7 +208,7 @@ def method_settings(run: Run) -> dict[str, Any]:
     try:
         cfg = load_run_config(run.path / "config.toml", known_sections=known_sections())
         params = get_algorithm(cfg).params
-        return dataclasses.asdict(params) if dataclasses.is_dataclass(params) else {}
+        return dataclasses.asdict(params) if dataclasses.is_dataclass(params) and not isinstance(params, type) else {}
     except Exception:  # an unknown method, or a config from another version
         return {}
 
@@ -275,7 +276,7 @@ class RunModels:
 
     def build_model(self, arrays: Arrays) -> nn.Module:
         """The workload's model with ``arrays`` loaded (eval mode, the run's dtype)."""
-        dtype = torch.float64 if self.cfg.train.dtype == "float64" else torch.float32
+        dtype = DTYPES[self.cfg.train.dtype]
         model = self.workload.build_model().to(dtype)
         model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in arrays.items()})
         model.eval()

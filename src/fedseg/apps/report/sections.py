@@ -225,7 +225,7 @@ def table5_section(runs: Sequence[Run]) -> str | None:
             {"site": k, "selection_at_0": sel0, "dice_at_0": dbg[0.0], "best_gamma": best_g, "best_dice": dbg[best_g]}
         )
     sites = sites_of(runs)
-    sites += [r.heldout for r in held if r.heldout not in sites]
+    sites += [r.heldout for r in held if r.heldout and r.heldout not in sites]
     body = para(
         "FedSM Table 5 layout: the federation trains without site k; the selector routes the unseen site's test images."
     )

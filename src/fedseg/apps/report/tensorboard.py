@@ -66,8 +66,8 @@ def round_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
         walk(str(key), value)
         if key in ("bytes", "eval_bytes") and isinstance(value, Mapping):
             for direction in ("sent", "received"):
-                vals = [_number(s.get(direction)) for s in value.values() if isinstance(s, Mapping)]
-                vals = [x for x in vals if x is not None]
+                found = [_number(s.get(direction)) for s in value.values() if isinstance(s, Mapping)]
+                vals = [x for x in found if x is not None]
                 if vals:
                     out[f"{key}/total/{direction}"] = float(sum(vals))
     return out

@@ -10,7 +10,8 @@ scikit-learn's :class:`~sklearn.manifold.TSNE` (optional dependency: ``pip insta
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -47,15 +48,20 @@ def selector_features(
         raise TypeError(f"{type(selector).__name__} has no embed(x); pass a fedseg.models.Selector")
     selector.eval()
     dtype = next(selector.parameters()).dtype
+    embed = cast(
+        Callable[[torch.Tensor], torch.Tensor], selector.embed
+    )  # nn.Module's attributes type as Tensor | Module
     feats: list[np.ndarray] = []
     labels: list[str] = []
     for site, ds in datasets.items():
+        if ds is None:
+            continue
         n = dataset_len(ds)
         if max_per_site is not None:
             n = min(n, max_per_site)
         for start in range(0, n, batch_size):
             x, _ = batch_of(ds, torch.arange(start, min(n, start + batch_size)))
-            f = selector.embed(x.to(dtype)).double().cpu().numpy()
+            f = embed(x.to(dtype)).double().cpu().numpy()
             feats.append(f.reshape(f.shape[0], -1))
             labels += [site] * f.shape[0]
     if not feats:

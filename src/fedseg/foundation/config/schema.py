@@ -1,14 +1,12 @@
-"""Run configuration: frozen dataclasses, TOML loading, dotted overrides, validation.
+"""The run's settings: one frozen dataclass per section, each field with its description.
 
-A run is fully described by one TOML file plus ``--set key=value`` overrides; the
-resolved configuration is written beside the results (``config.toml`` and inside
-``results.json``) so that ``fedseg run OUT/config.toml`` reproduces it.
-
-Every option that takes one of a few words is typed ``Literal[...]``: the loader
-(:func:`dataclass_from_dict`) and each section's ``validate`` (:func:`check_literals`)
-refuse any other value with one message naming the key and the allowed values
-(``train.precision = 'fp8'; use 'fp32', 'bf16' or 'fp16' (e.g. --set train.precision=fp32)``).
-Algorithms' ``Params`` and ``[deploy]`` are read by the same loader.
+A field's docstring (the string right after it) is its description in ``fedseg settings`` and
+docs/settings.md (:mod:`fedseg.foundation.settings` reads them); its type and default are the
+setting's.  Every option that takes one of a few words is typed ``Literal[...]``; each section's
+``validate`` refuses any other value (:func:`~fedseg.foundation.config.coerce.check_literals`) and
+checks the section's ranges and the combinations of settings, with one message naming the key and
+the fix.  Reading these from TOML and ``--set`` overrides, and writing them back, is
+:mod:`fedseg.foundation.config.loader`.
 
 Defaults follow the FedSM paper and its reference code (Section 4: Adam with
 betas (0.9, 0.999), Dice loss, 1 local epoch, 2D U-Net) unless noted.
@@ -17,32 +15,56 @@ betas (0.9, 0.999), Dice loss, 1 local epoch, 2D U-Net) unless noted.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
-import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
+from fedseg.foundation.config.coerce import check_literals
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
+    "BEST_CRITERIA",
+    "DP_MODES",
     "EXCLUSIVE",
+    "OPTIMIZERS",
+    "SECTIONS",
+    "UNET_CHANNELS",
+    "UNET_STRIDES",
+    "VOLUME_READS",
+    "BestCriterion",
+    "DPMode",
+    "DPRandomness",
     "EvalConfig",
+    "FloatDtype",
     "ModelConfig",
+    "OptimizerName",
+    "Precision",
     "PrivacyConfig",
     "RunConfig",
     "SimulationConfig",
     "TrainConfig",
-    "apply_overrides",
-    "check_literals",
-    "dataclass_from_dict",
-    "dump_toml",
-    "load_run_config",
+    "VolumeReads",
 ]
 
+
+FloatDtype = Literal["float32", "float64"]
+"""Values of ``train.dtype`` (:data:`fedseg.foundation.device.DTYPES` maps them to torch's)."""
+BestCriterion = Literal["cases", "sites"]
+"""Values of ``eval.best_criterion``."""
+BEST_CRITERIA: tuple[str, ...] = typing.get_args(BestCriterion)
+OptimizerName = Literal["adam", "sgd"]
+"""Values of ``train.optimizer``."""
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
+Precision = Literal["fp32", "bf16", "fp16"]
+"""Values of ``train.precision`` (:data:`fedseg.foundation.device.PRECISIONS` maps them to autocast's dtype)."""
+DPMode = Literal["off", "sample", "client"]
+"""Values of ``privacy.dp``."""
+DP_MODES: tuple[str, ...] = typing.get_args(DPMode)
+DPRandomness = Literal["os", "seeded"]
+"""Values of ``privacy.dp_randomness`` (:class:`fedseg.privacy.randomness.Randomness`)."""
+VolumeReads = Literal["auto", "memory", "cache"]
+"""Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
+VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 UNET_CHANNELS = (16, 32, 64, 128, 256)
 """``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
@@ -111,7 +133,7 @@ class TrainConfig:
     """Local work per round in passes over the site's training cases (> 0, may be fractional); exclusive with local_steps (--set of either replaces the other)."""
     local_steps: int | None = None
     """Local work per round in optimizer steps (>= 1); exclusive with local_epochs (--set of either replaces the other)."""
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: OptimizerName = "adam"
     """Local optimizer: 'adam' (with betas) or 'sgd' (with momentum)."""
     lr: float = 1e-3
     """Learning rate of the local optimizer (> 0)."""
@@ -127,9 +149,9 @@ class TrainConfig:
     """Batch-norm running statistics: 'average' them with the weights, or keep them 'local' to each site."""
     loss: Literal["auto", "dice", "dicece", "bce"] = "auto"
     """Training loss on the sigmoid outputs: 'dice' (MONAI DiceLoss), 'dicece' (Dice + cross-entropy) or 'bce' (binary cross-entropy); 'auto': 'dice' for 2D images (the papers'), 'dicece' for volumes (nnU-Net's; a Dice loss alone can settle on empty predictions when most patches hold no foreground)."""
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: FloatDtype = "float32"
     """Floating-point type of weights, optimizer state and aggregation: 'float32' or 'float64'."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     """Mixed precision of the forward/backward pass: 'fp32' (none), 'bf16' or 'fp16' (with a gradient
     scaler); weights, optimizer moments and aggregation stay in ``dtype`` (float32 or wider).  Methods
     that use raw gradients outside an optimizer step (APFL, pFedMe, Per-FedAvg, FGA, FedSM's 'fga'
@@ -200,7 +222,7 @@ class EvalConfig:
     for volumes, in pixels for 2D images): 'auto' (default) for 3D runs only, 'on' also for 2D, 'off'
     never.  Both masks empty scores 0 and exactly one empty the diagonal of the grid's field of view;
     it is reported, never used to pick a best round."""
-    best_criterion: Literal["cases", "sites"] = "cases"
+    best_criterion: BestCriterion = "cases"
     """Validation score that picks a candidate's best round: 'cases' (default; mean Dice over the
     pooled validation cases of its sites) or 'sites' (mean of the per-site mean Dice, the papers'
     client average)."""
@@ -276,7 +298,7 @@ class PrivacyConfig:
     (issued by the federation's root CA, common name = the site's name) and signature before it shares with
     it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
     site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
-    dp: Literal["off", "sample", "client"] = "off"
+    dp: DPMode = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise on Poisson-sampled
     batches; each site books ε in its own ledger and refuses steps past ``epsilon``); 'client': each site's
     update clipped with its share of the Gaussian noise, masked under secure aggregation (needs
@@ -293,7 +315,7 @@ class PrivacyConfig:
     noise_multiplier: float | None = None
     """σ: the Gaussian noise's standard deviation is σ · clip (> 0).  None: derived from ``epsilon`` over the
     planned rounds (one of the two must be set when dp is on)."""
-    dp_randomness: Literal["os", "seeded"] = "os"
+    dp_randomness: DPRandomness = "os"
     """Where DP noise and DP batch sampling come from.  'os': a fresh key from the operating system's
     CSPRNG for every draw, never stored or sent, so no other party (the server, which knows the run seed,
     included) can regenerate the noise or predict the batches.  'seeded': keys derived from the run seed
@@ -345,11 +367,6 @@ class PrivacyConfig:
                 f"privacy.secagg_fraction_bits = {self.secagg_fraction_bits}; use 8 to 52 "
                 "(e.g. --set privacy.secagg_fraction_bits=32)"
             )
-
-
-VolumeReads = Literal["auto", "memory", "cache"]
-"""Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
-VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
 
 
 @dataclass(frozen=True)
@@ -408,7 +425,7 @@ class RunConfig:
             )
         if not str(self.volume_cache).strip():
             raise ConfigError("volume_cache is empty; use 'auto', 'off' or a folder")
-        _coerce(self.volume_reads, VolumeReads, "volume_reads")
+        check_literals(self, "")
         if self.volume_reads == "cache" and self.volume_cache == "off":
             raise ConfigError(
                 "volume_reads = 'cache' reads volumes from the site's cache, but volume_cache = 'off' -> set "
@@ -447,7 +464,7 @@ class RunConfig:
         return d
 
 
-_SECTIONS = {
+SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "train": TrainConfig,
     "eval": EvalConfig,
@@ -455,266 +472,10 @@ _SECTIONS = {
     "privacy": PrivacyConfig,
 }
 
-
-def _choices(allowed: Sequence[Any]) -> str:
-    """``'a', 'b' or 'c'``: the allowed values of a ``Literal`` setting, for error messages."""
-    names = [repr(a) for a in allowed]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _describe(tp: Any) -> str:
-    """What a value of type ``tp`` looks like, for an error message ("'auto'", "a number", "none")."""
-    if typing.get_origin(tp) is typing.Literal:
-        return _choices(typing.get_args(tp))
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "none"}
-    if tp in names:
-        return names[tp]
-    return "a list" if typing.get_origin(tp) is tuple else getattr(tp, "__name__", str(tp))
-
-
-def _literal_type(tp: Any) -> Any:
-    """``tp`` if it is a ``Literal[...]``, or a union holding one (``Literal[...] | None``); else None."""
-    if typing.get_origin(tp) is typing.Literal:
-        return tp
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and any(
-        typing.get_origin(a) is typing.Literal for a in typing.get_args(tp)
-    ):
-        return tp
-    return None
-
-
-def check_literals(obj: Any, where: str) -> None:
-    """Check every ``Literal``-typed field of the dataclass instance ``obj`` (as the loader does), so that a
-    config built in Python gets the same error as one read from TOML: ``<where>.<key> = 'x'; use 'a' or 'b'``."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        tp = _literal_type(hints[f.name])
-        if tp is not None:
-            _coerce(getattr(obj, f.name), tp, f"{where}.{f.name}")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Coerce a TOML value to the annotated type ``tp`` or raise ConfigError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if isinstance(value, str) and value == "none" and any("none" in typing.get_args(a) for a in args):
-            return value  # "none" is one of the setting's own choices (e.g. fedsm.selector_augment), not unset
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        if len(errors) == 1:
-            raise ConfigError(errors[0])
-        kinds = " or ".join(_describe(a) for a in args)
-        raise ConfigError(f"{where} = {value!r}; expected {kinds}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise ConfigError(f"{where}: expected {len(args)} values, got {list(value)}")
-        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is typing.Literal:
-        allowed = typing.get_args(tp)
-        if value in allowed and type(value) in {type(a) for a in allowed}:
-            return value
-        raise ConfigError(f"{where} = {value!r}; use {_choices(allowed)} (e.g. --set {where}={allowed[0]})")
-    if origin is dict or tp is dict:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-def dataclass_from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build the frozen dataclass ``cls`` from a TOML table, rejecting unknown keys.
-
-    Parameters
-    ----------
-    cls
-        A dataclass type.
-    data
-        Its TOML table.
-    where
-        The table's name, used in error messages (e.g. ``"train"``).
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"[{where}] must be a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"[{where}] has unknown key(s) {unknown}; known keys: {sorted(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def _parse_value(text: str) -> Any:
-    """Parse an override's value as TOML (numbers, booleans, lists, strings); bare words are strings.  The
-    word ``none`` stays a word: the typed loader (:func:`_coerce`) reads it as unset (None), or as the
-    setting's own choice where its choices name it (``fedsm.selector_augment = "none"``)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+"""The sections of a run config and their dataclasses (``[model]``, ``[train]``…)."""
 
 
 EXCLUSIVE: tuple[tuple[str, str], ...] = (("train.local_epochs", "train.local_steps"),)
 """Pairs of settings of which a run sets exactly one.  An override that sets one of a pair (not to
 ``none``) replaces the other, which is then unset, wherever the other came from (the default or the
 file); overrides that set both are refused by validation, as is a file that sets both."""
-
-
-def _is_none(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() == "none")
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key=value`` / ``section.key=value`` overrides to a raw config table (returns a copy).
-
-    Setting one of a pair of :data:`EXCLUSIVE` settings unsets the other unless the overrides set it too
-    (``train.local_steps=60`` alone means local steps instead of the default or the file's epochs)."""
-    out = json.loads(json.dumps(raw, default=list))
-    given: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-4)")
-        key, text = item.split("=", 1)
-        parts = [p for p in key.strip().split(".") if p]
-        if not parts:
-            raise ConfigError(f"override {item!r} has an empty key")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{p}' is not a table")
-        node[parts[-1]] = given[".".join(parts)] = _parse_value(text.strip())
-    for pair in EXCLUSIVE:
-        for key, other in (pair, pair[::-1]):
-            if key in given and other not in given and not _is_none(given[key]):
-                *path, name = other.split(".")
-                node = out
-                for p in path:
-                    node = node.setdefault(p, {})
-                node[name] = "none"
-    return out
-
-
-def _is_federation_spec(raw: dict[str, Any]) -> bool:
-    return "sites" in raw
-
-
-def load_run_config(
-    path: str | Path | None = None,
-    overrides: list[str] | None = None,
-    known_sections: set[str] | None = None,
-    **fields: Any,
-) -> RunConfig:
-    """Load a run config from TOML (or a federation spec), apply overrides and validate.
-
-    Parameters
-    ----------
-    path
-        A run config (with ``federation = "..."``) or a federation spec (with
-        ``[[sites]]``; then the run uses it with default settings).
-    overrides
-        ``key=value`` strings, dotted for sections (``train.lr=1e-4``, ``fedsm.lam=0.7``).
-    known_sections
-        Method sections that may appear (from the algorithm registry); others are rejected.
-    **fields
-        Top-level values that take precedence (``method``, ``rounds``, ``seed`` from the CLI).
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass a run config TOML or a federation spec")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p} is not valid TOML: {e}") from None
-        if _is_federation_spec(raw):
-            raw = {"federation": str(p.resolve())}
-        elif "federation" in raw:
-            fed = Path(raw["federation"])
-            raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
-    for k, v in fields.items():
-        if v is not None:
-            raw[k] = v
-    raw = apply_overrides(raw, overrides or [])
-    if "federation" not in raw:
-        raise ConfigError('the config names no federation; add federation = "path/to/federation.toml"')
-    top = {f.name for f in dataclasses.fields(RunConfig)} - {"params", *_SECTIONS}
-    kwargs: dict[str, Any] = {}
-    params: dict[str, dict[str, Any]] = {}
-    hints = typing.get_type_hints(RunConfig)
-    for k, v in raw.items():
-        if k in _SECTIONS:
-            kwargs[k] = dataclass_from_dict(_SECTIONS[k], v, k)
-        elif k in top:
-            kwargs[k] = _coerce(v, hints[k], k)
-        elif isinstance(v, dict) and (known_sections is None or k in known_sections):
-            params[k] = v
-        else:
-            known = sorted(top | set(_SECTIONS) | (known_sections or set()))
-            raise ConfigError(f"unknown config key {k!r}; known keys and sections: {known}")
-    cfg = RunConfig(params=params, **kwargs)
-    cfg.validate()
-    return cfg
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} to TOML")
-
-
-def dump_toml(data: dict[str, Any]) -> str:
-    """Write a two-level table (scalars, then one section per nested table) as TOML.
-
-    ``None`` values are written as the string ``"none"``, which the loader reads back as None.
-    """
-    lines: list[str] = []
-    tables = []
-    for k, v in data.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        else:
-            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
-    for name, table in tables:
-        lines.append(f"\n[{name}]")
-        for k, v in table.items():
-            lines.append(f"{k} = {_toml_value('none' if v is None else v)}")
-    return "\n".join(lines) + "\n"
