@@ -93,8 +93,11 @@ def plan_key(
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def source_record(path: str | Path) -> dict[str, Any]:
-    """What identifies a source file: resolved path, size in bytes and modification time in nanoseconds."""
+def source_record(path: str | Path | Sequence[str | Path]) -> Any:
+    """What identifies a source file: resolved path, size in bytes and modification time in nanoseconds (a list
+    of them for an image stored as one file per channel)."""
+    if isinstance(path, (list, tuple)):
+        return [source_record(p) for p in path]
     p = Path(path).resolve()
     st = p.stat()
     return {"path": str(p), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
@@ -149,7 +152,9 @@ class VolumeCache:
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", cid)[-80:]
         for ext in (".nii.gz", ".nii", ".gz"):
             stem = stem.removesuffix(ext)
-        h = hashlib.sha256(f"{Path(image).resolve()}\n{Path(label).resolve()}".encode()).hexdigest()[:12]
+        images = image if isinstance(image, (list, tuple)) else [image]
+        names = "\n".join(str(Path(p).resolve()) for p in [*images, label])
+        h = hashlib.sha256(names.encode()).hexdigest()[:12]
         base = self.folder / f"{stem}-{h}"
         return base.with_suffix(".safetensors"), base.with_suffix(".json")
 
