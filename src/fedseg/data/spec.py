@@ -435,5 +435,6 @@ def _parse_intensity(
             )
         if per_channel:
             intensity = "auto"
+        assert isinstance(window, list)  # checked above
         return intensity, (float(window[0]), float(window[1])), per_channel
     return intensity, None, per_channel

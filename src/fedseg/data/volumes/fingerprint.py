@@ -188,7 +188,7 @@ def site_histogram(
             idx = np.searchsorted(e, fg, side="left") - 1  # e[i] < x <= e[i + 1]
             idx = idx[(idx >= 0) & (idx < len(e) - 1)]
             binned = np.bincount(idx, minlength=len(e) - 1)
-            out += binned / fg.size if weighting == "case" else binned
+            out += np.asarray(binned / fg.size if weighting == "case" else binned, dtype=out.dtype)
     return [c.tolist() for c in counts]
 
 
@@ -227,7 +227,7 @@ def check_fingerprint(fp: Any) -> str | None:
         where = f"channel {c}: "
         if not isinstance(ch, Mapping):
             return where + "not an object"
-        f = ch.get("foreground")
+        f: Any = ch.get("foreground")
         why = _check_moments(f, "foreground") or _check_moments(ch.get("by_case"), "case-weighted")
         if why:
             return where + why

@@ -196,17 +196,17 @@ def exact_percentiles(
     if weighting not in WEIGHTINGS:
         raise ConfigError(f"percentile weighting {weighting!r} is not one of {WEIGHTINGS}")
     rejected: dict[str, str] = {}
-    pools = {c: [s for s in sites] for c, sites in pools.items() if sites}
+    pooled = {c: list(sites) for c, sites in pools.items() if sites}
     while True:
-        result, bad = _search(fingerprints, pools, ask, weighting, qs, bins)
+        result, bad = _search(fingerprints, pooled, ask, weighting, qs, bins)
         if not bad:
             return result, rejected
         for site, why in bad.items():
             log(f"plan: histogram of site {site} rejected ({why}); planning from the other sites")
             rejected[site] = why
-        pools = {c: [s for s in sites if s not in bad] for c, sites in pools.items()}
-        pools = {c: sites for c, sites in pools.items() if sites}
-        if not pools:
+        pooled = {c: [s for s in sites if s not in bad] for c, sites in pooled.items()}
+        pooled = {c: sites for c, sites in pooled.items() if sites}
+        if not pooled:
             raise DataError("no site sent a usable histogram -> check the sites' logs")
 
 
@@ -215,6 +215,7 @@ def _search(
 ) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
     targets: list[dict[str, Any]] = []
     setup: dict[int, dict[str, Any]] = {}
+    frac: dict[tuple[int, float], float] = {}  # voxel weighting: h − ⌊h⌋ per channel and percentile
     for c, sites in pools.items():
         total = sum(_moments(fps[s], c, weighting)["count"] for s in sites)
         lo = min(_channel(fps[s], c)["foreground"]["min"] for s in sites)
@@ -227,7 +228,7 @@ def _search(
                 h = (total - 1) * q / 100.0
                 k = math.floor(h)
                 ranks = [(k + 1, q, 0), (min(k + 2, total), q, 1)]
-                setup[c][q] = h - k
+                frac[(c, q)] = h - k
             else:
                 ranks = [(q / 100.0 * total, q, 0)]
             for t, qq, which in ranks:
@@ -280,7 +281,7 @@ def _search(
             bound = max([bound] + [t.get("bound", math.inf) for t in mine])
             if weighting == "voxel":
                 x0, x1 = mine[0].get("value", mine[0]["b"]), mine[1].get("value", mine[1]["b"])
-                values.append(x0 + setup[c][q] * (x1 - x0))
+                values.append(x0 + frac[(c, q)] * (x1 - x0))
             else:
                 values.append(mine[0].get("value", mine[0]["b"]))
         out[c] = {"values": values, "bound": bound, "rounds": rounds}
