@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedseg.data.spec import load_federation
+from fedseg.data.validate import validate_federation
 from fedseg.data.volumes.fingerprint import CT_AIR, site_fingerprint, site_histogram
 from fedseg.data.volumes.intensity import HISTOGRAM_BINS, channel_schemes, normalize_case
 from fedseg.data.volumes.load import plan_federation, read_channels, training_cases, with_spec_intensity
@@ -251,6 +252,12 @@ def test_channel_files_spec_and_overrides(tmp_path):
         read_channels([first, other], lab, 2)
     with pytest.raises(DataError, match="lists 1 channel file"):
         read_channels([first], lab, 2)
+    dl = tmp_path / "s1" / "datalist.json"
+    entries = json.loads(dl.read_text())
+    entries["training"][0]["image"][1] = other.name
+    dl.write_text(json.dumps(entries))
+    (problem,) = validate_federation(spec)  # `fedseg validate` names the file and the fix
+    assert problem.file == str(other) and "not on the grid" in problem.message and "resample" in problem.fix
     bad = tmp_path / "bad.toml"
     bad.write_text(head.replace('["CT", "PET"]', '["CT"]') + sites[0])
     with pytest.raises(ConfigError, match="data.channels names 1 channel"):

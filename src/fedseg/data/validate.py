@@ -62,9 +62,10 @@ def _channel_files(fed, site: str, images: list[Path], label: Path) -> list[Prob
         return [Problem(site, missing[0], "file listed in the datalist does not exist", "fix the path in the datalist")]
     try:
         read_channels(images, label, fed.in_channels, fed.label_values)
-    except DataError as e:
-        message, fix = _split_message(str(e), str(images[0]))
-        return [Problem(site, str(images[0]), message, fix)]
+    except DataError as e:  # the message starts with the file it is about
+        bad = next((str(p) for p in [*images, label] if str(e).startswith(f"{p}:")), str(images[0]))
+        message, fix = _split_message(str(e), bad)
+        return [Problem(site, bad, message, fix)]
     return []
 
 
