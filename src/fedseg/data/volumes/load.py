@@ -197,7 +197,7 @@ def with_spec_intensity(
             changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.get('mode')!r})")
     if not changed:
         return plan
-    log(f"plan: intensity from the spec: {'; '.join(changed)}")
+    log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
     entries = []
     for c, name in enumerate(names):
         first = table[fed.site_names[0]][c]
