@@ -102,7 +102,7 @@ def normalize_channel(x: np.ndarray, scheme: Mapping[str, Any]) -> np.ndarray:
     if mode == "zscore":
         body = body_mask(x, scheme)
         vals = x[body] if body.any() else x.ravel()
-        mean, sd = float(vals.astype(np.float64).mean()), float(vals.astype(np.float64).std())
+        mean, sd = float(vals.mean()), float(vals.std())
         out = (x - mean) / max(sd, 1e-8)
         if body.any():
             out[~body] = 0.0
