@@ -164,39 +164,23 @@ def test_each_channel_is_normalized_on_its_own():
 
 def test_scheme_per_site_one_float_ct_site_and_the_body():
     """Three scanners: an integer CT site, a float CT site (values resampled, no longer integers) and an MR
-    site, and an MR site whose volumes sit in a frame of zeros (padding).  Both CT sites get ``ct`` with
-    statistics pooled over the two of them (the MR sites' values are not in them); the MR site a z-score
-    over every voxel, the framed one (cropping to its non-zero voxels keeps under 3/4 of the volume:
-    nnU-Net's rule) over its non-zero voxels, the frame left at 0; the decision is printed naming the sites.
+    site.  Both CT sites get ``ct`` with statistics pooled over the two of them (the MR site's values are
+    not in them); the MR site a z-score over its non-zero voxels; the decision is printed naming the sites.
     A CT site told to use ``zscore`` (a site's own ``intensity``) takes it over the body: the voxels above
     −500, so air at −1000 is neither in the mean nor the sd and is set to 0."""
     rng = np.random.default_rng(2)
     mr = [(np.where(_box() > 0, rng.normal(300, 30, SHAPE), rng.normal(80, 5, SHAPE))[None], _box(), np.eye(4))]
-    framed = np.zeros((1, *SHAPE))
-    framed[0, 2:14, 2:14, 1:5] = rng.normal(500, 50, (12, 12, 4))  # keeps 12·12·4 / 16·16·6 = 3/8 of the volume
-    sites = {
-        "ct": _ct_site(rng, 2, 20, 10.0),
-        "ctfloat": _ct_site(rng, 2, 30, 10.0, integer=False),
-        "mr": mr,
-        "framed": [(framed, _box(), np.eye(4))],
-    }
+    sites = {"ct": _ct_site(rng, 2, 20, 10.0), "ctfloat": _ct_site(rng, 2, 30, 10.0, integer=False), "mr": mr}
     logged: list[str] = []
     plan = _plan(sites, log=logged.append, weighting="voxel")
     schemes = {k: channel_schemes(plan.intensity, k, 1)[0] for k in sites}
     assert schemes["ct"]["mode"] == schemes["ctfloat"]["mode"] == "ct" and schemes["ct"] == schemes["ctfloat"]
-    assert schemes["mr"] == {"mode": "zscore", "body": "all"}
-    assert schemes["framed"] == {"mode": "zscore", "body": "nonzero"}
+    assert schemes["mr"] == {"mode": "zscore"}
     pooled = np.concatenate(_fg(sites, ("ct", "ctfloat")))
     assert schemes["ct"]["mean"] == pytest.approx(pooled.mean())
-    assert any(
-        "ct at ct, ctfloat" in m and "zscore over every voxel at mr" in m and "non-zero voxels at framed" in m
-        for m in logged
-    )
-    x = normalize_case(framed, plan.intensity, "framed")[0]
-    inside = framed[0] != 0
-    assert (x[~inside] == 0).all() and abs(float(x[inside].mean())) < 1e-4
+    assert any("ct at ct, ctfloat" in m and "zscore at mr" in m for m in logged)
 
-    own = _plan(sites, intensity={"ct": ["zscore"], "ctfloat": ["auto"], "mr": ["auto"], "framed": ["auto"]})
+    own = _plan(sites, intensity={"ct": ["zscore"], "ctfloat": ["auto"], "mr": ["auto"]})
     z = channel_schemes(own.intensity, "ct", 1)[0]
     assert z == {"mode": "zscore", "body": CT_AIR}
     img = sites["ct"][0][0]

@@ -120,7 +120,6 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
     hi: list[float] = []
     vmin: list[float] = []
     integer: list[bool] = []
-    crops: list[float] = []
     for image, label, affine in cases:
         if not voxel:
             nc = image.shape[0]
@@ -132,9 +131,6 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
                 "shape": [int(s) for s in ras_order(affine, label.shape)],
             }
         )
-        nonzero = np.argwhere(np.any(image != 0, axis=0))
-        box = np.prod(nonzero.max(0) - nonzero.min(0) + 1) if len(nonzero) else 0
-        crops.append(float(box) / float(np.prod(label.shape)))
         for c, fg in enumerate(_foreground(image, label)):
             vmin[c] = min(vmin[c], float(image[c].min()))
             integer[c] = integer[c] and bool(np.all(np.mod(image[c], 1) == 0))
@@ -162,12 +158,7 @@ def site_fingerprint(cases: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]])
                 "integer": integer[c],
             }
         )
-    return {
-        "version": FINGERPRINT_VERSION,
-        "cases": records,
-        "channels": channels,
-        "crop_share": float(np.median(crops)) if crops else 1.0,
-    }
+    return {"version": FINGERPRINT_VERSION, "cases": records, "channels": channels}
 
 
 def bin_edges(lo: float, hi: float, bins: int) -> np.ndarray:
@@ -232,8 +223,6 @@ def check_fingerprint(fp: Any) -> str | None:
     channels = fp.get("channels")
     if not isinstance(channels, list) or not channels:
         return "has no channel statistics"
-    if not (_finite(fp.get("crop_share")) and 0 <= fp["crop_share"] <= 1):
-        return f"crop share {fp.get('crop_share')!r} is not a number in [0, 1]"
     for c, ch in enumerate(channels):
         where = f"channel {c}: "
         if not isinstance(ch, Mapping):

@@ -8,11 +8,9 @@ plan holds for that channel at that site:
   percentiles are exact order statistics (:func:`exact_percentiles`), so every site maps a Hounsfield unit
   to the same value.
 * ``"zscore"`` — per volume over the body: MR, whose units differ per scan.  The body is nnU-Net's non-zero
-  mask where the site's volumes hold a frame of zeros (cropping to the non-zero voxels keeps under 3/4 of
-  the median case, nnU-Net's rule: ``"body": "nonzero"``, padding and background stored as 0 left out;
-  every voxel otherwise, ``"body": "all"``), or for a CT-like channel the voxels above
-  :data:`~fedseg.data.volumes.fingerprint.CT_AIR` (−500: air at −1000 is not body); voxels outside the
-  body are set to 0.
+  mask (padding and background stored as 0 are left out), or for a CT-like channel the voxels above
+  :data:`~fedseg.data.volumes.fingerprint.CT_AIR` (−500: air at −1000 is not body); voxels outside it are
+  set to 0.
 * ``"window"`` — clip to an explicit window ``(lo, hi)`` and scale to [0, 1] (head CT in the federated
   gradient averaging paper).
 * ``"minmax"`` — per volume to [0, 1], as 2D photographs are loaded.
@@ -75,17 +73,9 @@ Ask = Callable[[list[dict[str, Any]], str, list[str]], Mapping[str, Any]]
 """``ask(requests, weighting, sites) -> {site: [counts per request]}``: one exchange of histograms."""
 
 
-CROP_SHARE = 0.75
-"""nnU-Net's rule: a z-score is taken over the non-zero mask where cropping to it keeps less of the median
-case than this."""
-
-
 def body_mask(x: np.ndarray, scheme: Mapping[str, Any]) -> np.ndarray:
-    """The voxels a z-score is taken over: above ``scheme["body"]`` when it is a number, every voxel for
-    ``"all"``, else (``"nonzero"`` or absent) the non-zero ones."""
+    """The voxels a z-score is taken over: above ``scheme["body"]`` when it is a number, else non-zero."""
     body = scheme.get("body")
-    if body == "all":
-        return np.ones(x.shape, dtype=bool)
     return x > float(body) if isinstance(body, (int, float)) else x != 0
 
 
@@ -304,9 +294,8 @@ def _decide(requested: str, fp: Mapping[str, Any], c: int) -> tuple[str, bool]:
 
 
 def _scheme_name(s: Mapping[str, Any]) -> str:
-    body = s.get("body")
-    where = {None: "", "all": " over every voxel", "nonzero": " over the non-zero voxels"}
-    return s["mode"] + (where[body] if body in where else f" over values above {body:g}")
+    body = f" over values above {s['body']:g}" if "body" in s else ""
+    return f"{s['mode']}{body}"
 
 
 def plan_intensity(
@@ -353,9 +342,8 @@ def plan_intensity(
         for c in range(channels):
             mode, ct_like = _decide(want[c], fingerprints[s], c)
             scheme: dict[str, Any] = {"mode": mode}
-            if mode == "zscore":
-                crop = float(fingerprints[s]["crop_share"])
-                scheme["body"] = CT_AIR if ct_like else ("nonzero" if crop < CROP_SHARE else "all")
+            if mode == "zscore" and ct_like:
+                scheme["body"] = CT_AIR
             if mode == "window":
                 if window is None or len(window) != 2:
                     raise ConfigError("intensity 'window' needs window = [low, high] (data.window in the spec)")
