@@ -112,6 +112,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--zscore-body",
+        choices=("plan", "all"),
+        default="plan",
+        help="all: z-score the MR sites over every voxel (nnU-Net's rule where cropping to non-zero keeps >= 3/4)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -121,6 +127,11 @@ def main() -> None:
     fed = load_federation(spec)
     t0 = time.perf_counter()
     plan = plan_federation(fed, patch_voxels=24 * 24 * 16, log=print)
+    if args.zscore_body == "all":  # every zscore scheme without a numeric body takes every voxel
+        for entry in plan.intensity["channels"]:
+            for scheme in [entry, *entry.get("sites", {}).values()]:
+                if scheme["mode"] == "zscore" and "body" not in scheme:
+                    scheme["body"] = "all"
     (out / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
     overrides = [
         f"rounds={args.rounds}",

@@ -13,7 +13,8 @@ plan holds for that channel at that site:
   set to 0.  nnU-Net masks only where cropping to the non-zero voxels keeps under 3/4 of the median case
   (else it takes every voxel; the two agree on a volume without zeros): on the three-scanner federation of
   ``benchmarks/volumes_channels.py`` that rule takes the MR sites' zero background into their statistics
-  and lowers one site's Dice from 0.86 to 0.65, so fedseg always masks.
+  (``--zscore-body all``) and lowers one site's Dice from 0.86 to 0.65, so fedseg always masks.  A plan's
+  ``"body": "all"`` takes every voxel.
 * ``"window"`` — clip to an explicit window ``(lo, hi)`` and scale to [0, 1] (head CT in the federated
   gradient averaging paper).
 * ``"minmax"`` — per volume to [0, 1], as 2D photographs are loaded.
@@ -77,8 +78,11 @@ Ask = Callable[[list[dict[str, Any]], str, list[str]], Mapping[str, Any]]
 
 
 def body_mask(x: np.ndarray, scheme: Mapping[str, Any]) -> np.ndarray:
-    """The voxels a z-score is taken over: above ``scheme["body"]`` when it is a number, else non-zero."""
+    """The voxels a z-score is taken over: above ``scheme["body"]`` when it is a number, every voxel for
+    ``"all"`` (set by hand in the plan), else the non-zero ones."""
     body = scheme.get("body")
+    if body == "all":
+        return np.ones(x.shape, dtype=bool)
     return x > float(body) if isinstance(body, (int, float)) else x != 0
 
 
