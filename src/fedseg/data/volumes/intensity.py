@@ -13,7 +13,7 @@ plan holds for that channel at that site:
   set to 0.  nnU-Net masks only where cropping to the non-zero voxels keeps under 3/4 of the median case
   (else it takes every voxel; the two agree on a volume without zeros): on the three-scanner federation of
   ``benchmarks/volumes_channels.py`` that rule takes the MR sites' zero background into their statistics
-  (``--zscore-body all``) and lowers one site's Dice from 0.86 to 0.65, so fedseg always masks.  A plan's
+  (``--zscore-body all``) and lowers their Dice from 0.89 / 0.85 to 0.72 / 0.64, so fedseg always masks.  A plan's
   ``"body": "all"`` takes every voxel.
 * ``"window"`` — clip to an explicit window ``(lo, hi)`` and scale to [0, 1] (head CT in the federated
   gradient averaging paper).
