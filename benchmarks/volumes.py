@@ -5,8 +5,8 @@ federated plan's exact pooled intensity statistics buy over per-site and average
    in its scan's own grid: Dice and the 95th-percentile Hausdorff distance (mm) per site.
 2. FedAvg under three CT intensity normalizations (clip to the foreground 0.5 / 99.5 percentiles,
    z-score with the foreground mean and sd), differing only in where the statistics come from:
-   * the federated plan: pooled over every site's training foreground, exactly (mean, sd) and within one
-     histogram bin (percentiles), without pooling a voxel (``fedseg plan``);
+   * the federated plan: pooled over every site's training foreground, exactly (mean, sd, and the
+     percentiles of the integer HU), without pooling a voxel (``fedseg plan``);
    * each site's own statistics (each site normalizes with its own training foreground);
    * averaged site statistics: each site's percentiles, mean and sd averaged with weights equal to its
      training cases, one set for all (FednnU-Net's rule).
@@ -58,7 +58,7 @@ def site_statistics(fed, site) -> dict[str, float]:
         for e in load_datalist(site.datalist, site=site.name)["training"]
     ]
     fg = np.concatenate([img[0][lab > 0].astype(np.float64) for img, lab, _ in cases])
-    fp = site_fingerprint(cases)["foreground"]
+    fp = site_fingerprint(cases)["channels"][0]["foreground"]
     lo, hi = np.percentile(fg, PERCENTILES)
     return {
         "lo": float(lo),
@@ -118,7 +118,8 @@ def planned_federation(out: Path, seed: int, scale: float, size: int, patch_voxe
     if not spec.is_file():
         synthesize_ct(out / "data", seed=seed, scale=scale, size=size)
     fed = load_federation(spec)
-    plan = plan_federation(fed, patch_voxels=patch_voxels, log=lambda m: None)
+    # voxel-weighted, as the reference statistics of the pooled voxels below
+    plan = plan_federation(fed, patch_voxels=patch_voxels, weighting="voxel", log=lambda m: None)
     save_plan(plan, plan_path(fed))
     return spec, fed, plan
 

@@ -72,7 +72,7 @@ def test_deployed_fingerprint_gives_the_plan_of_fedseg_plan_and_the_simulations_
     sites agree is the one the simulation pads every site to."""
     spec, plan, header, _ = _planned(tmp_path)
     assert plan.to_json() == plan_federation(load_federation(spec), log=lambda m: None).to_json()
-    assert plan.intensity["mode"] == "ct" and plan.sites == ["lps", "ras"]
+    assert plan.intensity["channels"][0]["mode"] == "ct" and plan.sites == ["lps", "ras"]
     fed = load_federation(spec)  # the simulation's padding of every split of every site to one shape
     data = {s.name: SiteData(*load_volume_site(fed, s, plan, "auto", log=lambda m: None)) for s in fed.sites}
     assert header["volume_shape"] == list(pad_to_common_shape(data)["lps"].train.images.shape[2:])
@@ -127,15 +127,21 @@ def test_planning_operations_refuse_a_malformed_request(tmp_path):
     spec = write_federation(tmp_path / "data", n=(2, 1, 1))
     site = load_federation(spec).site("ras")
     header = {"mode": "3d", "spatial_dims": 3, "in_channels": 1, "labels": {"mass": [1]}, "image_size": None}
-    with pytest.raises(PayloadError, match="histogram edges"):
-        site_operation("ras", site.datalist, "histogram", {"data": header, "edges": [1.0, float("nan")]}, print)
+    bad = [{"channel": 0, "lo": 1.0, "hi": float("nan"), "bins": 8}]
+    with pytest.raises(PayloadError, match="histogram requests"):
+        site_operation("ras", site.datalist, "histogram", {"data": header, "requests": bad, "weighting": "case"}, print)
+    past = [{"channel": 1, "lo": 0.0, "hi": 1.0, "bins": 8}]
+    with pytest.raises(PayloadError, match="past in_channels"):
+        site_operation(
+            "ras", site.datalist, "histogram", {"data": header, "requests": past, "weighting": "case"}, print
+        )
     with pytest.raises(PayloadError, match="no volume data header"):
         site_operation("ras", site.datalist, "fingerprint", {"data": {**header, "mode": "2d"}}, print)
     logs: list[str] = []  # the server does not choose where a site writes
     assert site_cache_setting("/etc", "ras", logs.append) == "auto" and "names a folder" in logs[0]
     assert site_cache_setting("off", "ras", logs.append) == "off"
     fp = site_operation("ras", site.datalist, "fingerprint", {"data": header}, print)["fingerprint"]
-    assert len(fp["cases"]) == 2 and fp["foreground"]["count"] > 0  # aggregate numbers only
+    assert len(fp["cases"]) == 2 and fp["channels"][0]["foreground"]["count"] > 0  # aggregate numbers only
 
 
 @pytest.mark.slow
@@ -199,7 +205,7 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
     assert desc["data"]["intensity"] == "window" and desc["data"]["window"] == [-100.0, 100.0]
     transport = RemoteTransport(desc["sites"], LoopbackChannel(_runtimes(spec, tmp_path)), deploy_params(cfg))
     _, header, plan = plan_and_shape(tmp_path / "dep", desc, cfg, transport, 60.0, lambda m: None)
-    assert plan.intensity == {"mode": "window", "window": [-100.0, 100.0]}
+    assert plan.intensity == {"channels": [{"name": "0", "mode": "window", "window": [-100.0, 100.0]}]}
     assert plan.to_json() == plan_federation(fed, log=lambda m: None).to_json()
     # over a plan file made with the plan's own scheme ("ct"), the spec's window wins in both
     save_plan(
@@ -207,7 +213,8 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
     )
     windowed = prepare_run(cfg, tmp_path / "dep2")["plan"]
     assert windowed == ensure_plan(fed, log=lambda m: None).to_json()
-    assert windowed["intensity"]["mode"] == "window" and "mean" not in windowed["intensity"]
+    (channel,) = windowed["intensity"]["channels"]
+    assert channel["mode"] == "window" and "mean" not in channel
     bad = {**header, "intensity": "hu"}
     with pytest.raises(PayloadError, match="intensity 'hu'"):
         site_operation("ras", fed.site("ras").datalist, "fingerprint", {"data": bad}, print)

@@ -70,21 +70,19 @@ def test_spec_intensity_overrides_the_plan(tmp_path):
     spec = write_federation(tmp_path)
     fed = load_federation(spec)
     plan = plan_federation(fed, log=lambda m: None)
-    assert plan.intensity["mode"] == "ct"
+    assert plan.intensity["channels"][0]["mode"] == "ct"
     spec.write_text(spec.read_text().replace('mode = "3d"', 'mode = "3d"\nintensity = "window"\nwindow = [-100, 100]'))
     windowed = load_federation(spec)
     logs = []
-    assert with_spec_intensity(plan, windowed, log=logs.append).intensity == {
-        "mode": "window",
-        "window": [-100.0, 100.0],
-    }
+    window = {"channels": [{"name": "0", "mode": "window", "window": [-100.0, 100.0]}]}
+    assert with_spec_intensity(plan, windowed, log=logs.append).intensity == window
     assert "data.intensity" in logs[0]
-    assert plan_federation(windowed, log=lambda m: None).intensity == {"mode": "window", "window": [-100.0, 100.0]}
+    assert plan_federation(windowed, log=lambda m: None).intensity == window
     zscored = with_spec_intensity(plan, windowed, log=lambda m: None)
     zscored.intensity = {"mode": "zscore"}
     spec.write_text(spec.read_text().replace('intensity = "window"\nwindow = [-100, 100]', 'intensity = "ct"'))
     with pytest.raises(
-        ConfigError, match=r"data.intensity = 'ct' but the plan's intensity is 'zscore' .*`fedseg plan`"
+        ConfigError, match=r"asks for intensity 'ct' on channel 0 .* no pooled CT statistics .*`fedseg plan`"
     ):
         with_spec_intensity(zscored, load_federation(spec))
 

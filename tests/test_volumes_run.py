@@ -66,7 +66,7 @@ def test_plan_and_grid_of_a_two_site_volume_federation(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     # median spacing over 6 cases (3 at 1.0/1.0/1.5, 3 at 1.2/1.2/3.0), per RAS axis
     assert plan["target_spacing"] == pytest.approx([1.1, 1.1, 2.25])
-    assert plan["intensity"]["mode"] == "ct"  # integer voxels with air at -1000
+    assert plan["intensity"]["channels"][0]["mode"] == "ct"  # voxels with air at -1000
     fed = load_federation(spec)
     test = load_volume_split(fed, fed.site("lps"), "testing", plan_federation(fed, log=lambda m: None))
     assert test.originals[0].shape == SITES["lps"][1]

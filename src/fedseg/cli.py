@@ -85,7 +85,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise FedsegError(
             f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d" or "patches2d")'
         )
-    plan = plan_federation(fed, patch_voxels=a.patch_voxels)
+    plan = plan_federation(fed, patch_voxels=a.patch_voxels, weighting=a.weighting)
     path = plan_path(fed)
     save_plan(plan, path)
     print(json.dumps(plan.to_json(), indent=2))
@@ -389,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("spec")
     pl.add_argument(
         "--patch-voxels", type=int, default=64 * 64 * 32, help="most voxels in one training patch (memory budget)"
+    )
+    pl.add_argument(
+        "--weighting",
+        choices=("case", "voxel"),
+        default="case",
+        help="how the CT percentiles, mean and sd weigh the foreground: every case equally (nnU-Net) or every voxel",
     )
     pl.set_defaults(func=cmd_plan)
 

@@ -22,6 +22,22 @@ def test_write_then_load_gives_absolute_paths(tmp_path):
     assert loaded["testing"] == [{"image": img.resolve(), "label": lab.resolve()}]
 
 
+def test_an_image_as_one_file_per_channel_round_trips(tmp_path):
+    """nnU-Net's _0000/_0001 files (MONAI's list of images): the entry's image is a list of paths in channel
+    order, resolved one by one; an empty list or a non-string in it is one error naming the entry."""
+    files = [tmp_path / "s" / "images" / f"c_000{c}.nii.gz" for c in range(2)]
+    lab = tmp_path / "s" / "labels" / "c.nii.gz"
+    splits = {k: [{"image": files, "label": lab}] for k in ("training", "validation", "testing")}
+    path = write_datalist(tmp_path / "s" / "datalist.json", splits)
+    assert json.loads(path.read_text())["training"][0]["image"] == ["images/c_0000.nii.gz", "images/c_0001.nii.gz"]
+    assert load_datalist(path)["training"] == [{"image": [f.resolve() for f in files], "label": lab.resolve()}]
+    for bad in ([], ["a.nii.gz", 3]):
+        e = [{"image": bad, "label": "l.nii.gz"}]
+        path.write_text(json.dumps({"training": e, "validation": e, "testing": e}))
+        with pytest.raises(DataError, match=r"training\[0\] must be an object with an 'image' path \(or a list"):
+            load_datalist(path)
+
+
 def test_msd_test_key_is_accepted(tmp_path):
     # Prepare
     e = [{"image": "i.nii.gz", "label": "l.nii.gz"}]

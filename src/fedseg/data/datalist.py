@@ -9,6 +9,11 @@ style::
       "testing":    [{"image": "...", "label": "..."}, ...]
     }
 
+An image stored as one file per channel is a list of paths, in channel order (nnU-Net's
+``case_0000.nii.gz``, ``case_0001.nii.gz``; MONAI's list of images)::
+
+      {"image": ["images/c1_0000.nii.gz", "images/c1_0001.nii.gz"], "label": "labels/c1.nii.gz"}
+
 Paths are relative to the datalist's folder (absolute paths are kept). A
 ``"test"`` key is accepted in place of ``"testing"`` (MSD spelling), but every
 entry must carry a label: fedseg evaluates on the test split.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from fedseg.foundation.errors import DataError
 from fedseg.foundation.messages import SPLIT_KEYS as SPLITS
@@ -30,7 +36,11 @@ def _where(site: str | None, path: Path) -> str:
     return f"{site}: {path}" if site else str(path)
 
 
-def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, list[dict[str, Path]]]:
+def _is_image(v: object) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(p, str) and p for p in v))
+
+
+def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """Read a datalist JSON file.
 
     Parameters
@@ -44,7 +54,8 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
     -------
     dict
         ``{"training": [...], "validation": [...], "testing": [...]}``; each
-        entry is ``{"image": Path, "label": Path}`` with absolute paths.
+        entry is ``{"image": Path, "label": Path}`` with absolute paths (``image``
+        a list of Paths, one per channel, where the datalist lists several).
 
     Raises
     ------
@@ -68,7 +79,7 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
             f"{where}: datalist must be a JSON object with keys {list(SPLITS)} "
             '-> wrap the lists in {"training": [...], ...}'
         )
-    out: dict[str, list[dict[str, Path]]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for split in SPLITS:
         key = next((k for k in _ALIASES.get(split, (split,)) if k in raw), None)
         if key is None:
@@ -79,13 +90,11 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
         entries = raw[key]
         if not isinstance(entries, list):
             raise DataError(f"{where}: {key!r} must be a list of {{image, label}} objects -> fix the JSON")
-        for i, entry in enumerate(entries):
-            if not (
-                isinstance(entry, dict) and isinstance(entry.get("image"), str) and isinstance(entry.get("label"), str)
-            ):
+        for i, e in enumerate(entries):
+            if not (isinstance(e, dict) and _is_image(e.get("image")) and isinstance(e.get("label"), str)):
                 raise DataError(
-                    f"{where}: {key}[{i}] must be an object with string 'image' and "
-                    f"'label' paths, got {entry!r} -> add the missing path(s)"
+                    f"{where}: {key}[{i}] must be an object with an 'image' path (or a list of paths, one per "
+                    f"channel) and a 'label' path, got {e!r} -> add the missing path(s)"
                 )
         # MONAI resolves the paths relative to base_dir exactly as MSD/nnU-Net do (imported here:
         # importing MONAI costs seconds and pulls in matplotlib).
@@ -96,11 +105,15 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
             if entries
             else []
         )
-        out[split] = [{"image": Path(it["image"]).resolve(), "label": Path(it["label"]).resolve()} for it in items]
+        out[split] = [{"image": _resolve(it["image"]), "label": Path(it["label"]).resolve()} for it in items]
     return out
 
 
-def write_datalist(path: str | Path, splits: dict[str, list[dict[str, str | Path]]]) -> Path:
+def _resolve(image: str | list[str]) -> Path | list[Path]:
+    return [Path(p).resolve() for p in image] if isinstance(image, list) else Path(image).resolve()
+
+
+def write_datalist(path: str | Path, splits: dict[str, list[dict[str, Any]]]) -> Path:
     """Write a datalist JSON file with paths relative to its folder.
 
     Parameters
@@ -108,8 +121,8 @@ def write_datalist(path: str | Path, splits: dict[str, list[dict[str, str | Path
     path : str or Path
         File to write; its folder is created if needed.
     splits : dict
-        ``{"training": [{"image": p, "label": q}, ...], "validation": ..., "testing": ...}``.
-        Relative input paths are taken relative to the current directory.
+        ``{"training": [{"image": p, "label": q}, ...], "validation": ..., "testing": ...}``
+        (``p`` a path, or a list of paths, one per channel). Relative input paths are taken relative to the current directory.
 
     Returns
     -------
@@ -119,7 +132,9 @@ def write_datalist(path: str | Path, splits: dict[str, list[dict[str, str | Path
     path = Path(path).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def rel(p: str | Path) -> str:
+    def rel(p: str | Path | list) -> str | list[str]:
+        if isinstance(p, (list, tuple)):
+            return [str(rel(q)) for q in p]
         return Path(os.path.relpath(Path(p).resolve(), path.parent)).as_posix()
 
     doc = {

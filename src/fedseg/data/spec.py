@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -40,8 +40,18 @@ INTENSITY_MODES: tuple[str, ...] = get_args(IntensityMode)
 INTENSITIES = ("auto", *INTENSITY_MODES)
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TOP_KEYS = {"name", "data", "sites"}
-_DATA_KEYS = {"mode", "spatial_dims", "in_channels", "image_size", "foreground_only", "labels", "intensity", "window"}
-_SITE_KEYS = {"name", "datalist"}
+_DATA_KEYS = {
+    "mode",
+    "spatial_dims",
+    "in_channels",
+    "channels",
+    "image_size",
+    "foreground_only",
+    "labels",
+    "intensity",
+    "window",
+}
+_SITE_KEYS = {"name", "datalist", "intensity"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ class SiteSpec:
 
     name: str
     datalist: Path
+    intensity: dict[str, str] = field(default_factory=dict, hash=False)
+    """Volumes: the site's own intensity scheme per channel name (``intensity`` of its ``[[sites]]`` entry),
+    overriding ``data.intensity`` and the plan's choice for this site; empty: none."""
 
 
 @dataclass(frozen=True)
@@ -91,9 +104,16 @@ class FederationSpec:
         "slices" mode: keep only slices whose label has foreground.
     intensity : str
         Volumes: "auto" (the plan's choice) or the scheme that overrides it
-        ("ct", "zscore", "window", "minmax").
+        ("ct", "zscore", "window", "minmax") for every channel; "auto" where
+        ``data.intensity`` is a table per channel.
     window : tuple of float or None
-        ``(low, high)`` in file units (HU for CT) when ``intensity = "window"``.
+        ``(low, high)`` in file units (HU for CT) for the channels whose scheme is "window".
+    channels : tuple of str
+        The image channel names (``data.channels``; default "0", "1", ...), one per
+        ``in_channels``, in the order of the image's channels or of its files.
+    channel_intensity : dict of str to str
+        ``data.intensity`` given as a table: channel name -> scheme ("auto" or one of
+        the schemes); channels it leaves out take ``intensity``.
     """
 
     name: str
@@ -107,6 +127,25 @@ class FederationSpec:
     foreground_only: bool
     intensity: str = "auto"
     window: tuple[float, float] | None = None
+    channels: tuple[str, ...] = ()
+    channel_intensity: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def channel_names(self) -> tuple[str, ...]:
+        """The image channel names (``data.channels``, or "0", "1", ... when the spec names none)."""
+        return self.channels or tuple(str(c) for c in range(self.in_channels))
+
+    def intensity_for(self, site: str) -> list[str]:
+        """The scheme the spec asks for each channel of ``site`` ("auto": the plan decides): the site's own
+        ``intensity``, else ``data.intensity`` (per channel when a table), else "auto"."""
+        own = next((s.intensity for s in self.sites if s.name == site), {})
+        return [
+            own.get(c) or own.get("*") or self.channel_intensity.get(c) or self.intensity for c in self.channel_names
+        ]
+
+    def intensity_table(self) -> dict[str, list[str]]:
+        """:meth:`intensity_for` of every site: ``{site: [scheme per channel]}``."""
+        return {s.name: self.intensity_for(s.name) for s in self.sites}
 
     @property
     def volumes(self) -> bool:
@@ -176,7 +215,7 @@ def _parse_labels(path: Path, raw: Any) -> dict[str, tuple[int, ...]]:
     return labels
 
 
-def _parse_sites(path: Path, raw: Any) -> tuple[SiteSpec, ...]:
+def _parse_sites(path: Path, raw: Any, channels: tuple[str, ...] = ()) -> tuple[SiteSpec, ...]:
     if not isinstance(raw, list) or not raw:
         raise _err(path, "no [[sites]] entries", "add at least one [[sites]] with name and datalist")
     sites, seen = [], set()
@@ -202,7 +241,8 @@ def _parse_sites(path: Path, raw: Any) -> tuple[SiteSpec, ...]:
                 f'add datalist = "{name}/datalist.json" (relative to the spec file)',
             )
         dl = Path(datalist)
-        sites.append(SiteSpec(name, dl if dl.is_absolute() else (path.parent / dl).resolve()))
+        own = _scheme_table(path, entry.get("intensity", {}), channels, f"sites[{i}].intensity", auto=False)
+        sites.append(SiteSpec(name, dl if dl.is_absolute() else (path.parent / dl).resolve(), own))
     return tuple(sites)
 
 
@@ -289,11 +329,17 @@ def load_federation(path: str | Path) -> FederationSpec:
             'remove foreground_only or set mode = "slices"',
         )
 
-    intensity, window = _parse_intensity(path, data, mode)
+    channels = _parse_channels(path, data.get("channels"), in_channels)
+    intensity, window, per_channel = _parse_intensity(path, data, mode, channels)
+    sites = _parse_sites(path, raw.get("sites"), channels)
+    if mode not in VOLUME_MODES and any(s.intensity for s in sites):
+        raise _err(path, f"sites' intensity only applies to volumes, not mode {mode!r}", "remove it")
+    if window is None and any("window" in s.intensity.values() for s in sites):
+        raise _err(path, 'a site\'s intensity is "window" but data.window is not set', "set window = [low, high]")
     return FederationSpec(
         name=name,
         path=path,
-        sites=_parse_sites(path, raw.get("sites")),
+        sites=sites,
         spatial_dims=spatial_dims,
         in_channels=in_channels,
         labels=_parse_labels(path, data.get("labels")),
@@ -302,14 +348,59 @@ def load_federation(path: str | Path) -> FederationSpec:
         foreground_only=foreground_only,
         intensity=intensity,
         window=window,
+        channels=channels,
+        channel_intensity=per_channel,
     )
 
 
-def _parse_intensity(path: Path, data: dict, mode: str) -> tuple[str, tuple[float, float] | None]:
-    """``data.intensity`` and ``data.window``: volume modes only; a window is given exactly when the
-    intensity is "window", as two numbers low < high."""
+def _parse_channels(path: Path, raw: Any, in_channels: int) -> tuple[str, ...]:
+    """``data.channels``: one unique name per image channel (absent: none, the channels are "0", "1", ...)."""
+    if raw is None:
+        return ()
+    if not (isinstance(raw, list) and all(isinstance(c, str) and c for c in raw) and len(set(raw)) == len(raw)):
+        raise _err(
+            path, f"data.channels must be a list of unique names, got {raw!r}", 'write e.g. channels = ["T2", "ADC"]'
+        )
+    if len(raw) != in_channels:
+        raise _err(
+            path,
+            f"data.channels names {len(raw)} channel(s) but in_channels = {in_channels}",
+            "name every image channel once, in the order of the image's channels or files",
+        )
+    return tuple(raw)
+
+
+def _scheme_table(path: Path, raw: Any, channels: tuple[str, ...], key: str, auto: bool = True) -> dict[str, str]:
+    """A scheme per channel name: a table ``{name = scheme}``, or one scheme for every channel (a string)."""
+    names = channels or ("0",)
+    allowed = INTENSITIES if auto else INTENSITY_MODES
+    if isinstance(raw, str):
+        raw = dict.fromkeys(channels or ("*",), raw)
+    if not isinstance(raw, dict):
+        raise _err(path, f"{key} must be a scheme or a table per channel, got {raw!r}", 'write e.g. {T2 = "zscore"}')
+    out: dict[str, str] = {}
+    for name, scheme in raw.items():
+        if name != "*" and name not in names and not (not channels and name.isdigit()):
+            raise _err(
+                path, f"{key} names channel {name!r}, not one of data.channels {list(names)}", "use a channel name"
+            )
+        if scheme not in allowed:
+            raise _err(path, f"{key}.{name} = {scheme!r} is not one of {list(allowed)}", "use one of those schemes")
+        out[name] = scheme
+    return out
+
+
+def _parse_intensity(
+    path: Path, data: dict, mode: str, channels: tuple[str, ...] = ()
+) -> tuple[str, tuple[float, float] | None, dict[str, str]]:
+    """``data.intensity`` (one scheme, or a table per channel name) and ``data.window``: volume modes only;
+    a window is given exactly when some channel's intensity is "window", as two numbers low < high."""
     intensity = data.get("intensity", "auto")
     window = data.get("window")
+    per_channel: dict[str, str] = {}
+    if isinstance(intensity, dict):
+        per_channel = _scheme_table(path, intensity, channels, "data.intensity")
+        intensity = "window" if "window" in per_channel.values() else "auto"
     if intensity not in INTENSITIES:
         raise _err(
             path,
@@ -341,5 +432,8 @@ def _parse_intensity(path: Path, data: dict, mode: str) -> tuple[str, tuple[floa
                 f'data.intensity = "window" needs data.window = [low, high] with low < high, got {window!r}',
                 "set e.g. window = [0, 80] (a head CT brain window, in HU)",
             )
-        return intensity, (float(window[0]), float(window[1]))
-    return intensity, None
+        if per_channel:
+            intensity = "auto"
+        assert isinstance(window, list)  # checked above
+        return intensity, (float(window[0]), float(window[1])), per_channel
+    return intensity, None, per_channel

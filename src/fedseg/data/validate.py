@@ -49,6 +49,26 @@ def _split_message(text: str, prefix: str) -> tuple[str, str]:
     return message, fix or "see docs/data.md"
 
 
+def _channel_files(fed, site: str, images: list[Path], label: Path) -> list[Problem]:
+    """The problems of an image stored as one file per channel (volumes only)."""
+    if not fed.volumes:
+        return [
+            Problem(site, str(images[0]), "an image listed as one file per channel needs volumes", 'set mode = "3d"')
+        ]
+    from fedseg.data.volumes.load import read_channels  # deferred: the volume readers
+
+    missing = [str(p) for p in [*images, label] if not Path(p).is_file()]
+    if missing:
+        return [Problem(site, missing[0], "file listed in the datalist does not exist", "fix the path in the datalist")]
+    try:
+        read_channels(images, label, fed.in_channels, fed.label_values)
+    except DataError as e:  # the message starts with the file it is about
+        bad = next((str(p) for p in [*images, label] if str(e).startswith(f"{p}:")), str(images[0]))
+        message, fix = _split_message(str(e), bad)
+        return [Problem(site, bad, message, fix)]
+    return []
+
+
 def validate_federation(path: str | Path) -> list[Problem]:
     """List every problem of a federation spec, its datalists and data files.
 
@@ -95,6 +115,9 @@ def validate_federation(path: str | Path) -> list[Problem]:
                     )
                 )
             for entry in datalist[split]:
+                if isinstance(entry["image"], list):  # one file per channel
+                    problems += _channel_files(fed, site.name, entry["image"], entry["label"])
+                    continue
                 case, issues = check_case(fed, entry["image"], entry["label"])
                 problems += [Problem(site.name, i.file, i.message, i.fix) for i in issues]
                 if case is not None:

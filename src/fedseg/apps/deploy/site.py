@@ -128,6 +128,9 @@ def data_header(fed: Any) -> dict[str, Any]:
     if fed.volumes:
         header["intensity"] = fed.intensity
         header["window"] = list(fed.window) if fed.window is not None else None
+        header["channels"] = list(fed.channel_names)
+        if fed.channel_intensity or any(s.intensity for s in fed.sites):  # schemes per channel or site
+            header["intensity_table"] = fed.intensity_table()
     return header
 
 

@@ -5,11 +5,12 @@ Before the sites set up a volume run (``mode = "3d"`` or ``"patches2d"``), the s
 1. **plans** — unless the run carries a plan (the file beside the federation spec, which ``prepare_run``
    copies into ``deploy.json`` with the spec's ``data.intensity`` applied, or the one an earlier job of the
    run made), it asks every site for its fingerprint (operation ``fingerprint``: per-case spacings and
-   shapes, foreground moments; never a voxel), then the accepted sites for their foreground histograms on the
-   grid it fixes (``histogram``), and makes the plan exactly as ``fedseg plan`` does
+   shapes, foreground moments per channel; never a voxel), then the sites pooled for a CT channel for
+   counts of their foreground in the intervals it names (``histogram``, a few rounds until the percentiles
+   are exact), and makes the plan exactly as ``fedseg plan`` does
    (:func:`fedseg.data.volumes.plan.make_plan`, sites in federation order, the spec's ``data.intensity`` /
-   ``data.window`` from the data header, a malformed or missing reply rejected and the plan made from the
-   others);
+   ``data.window`` / channel names / sites' own schemes from the data header, a malformed or missing reply
+   rejected and the plan made from the others);
 2. **agrees one volume shape** — every site brings its splits into the plan's grid (``volumes``; the cases
    land in the site's cache, so setup reads them back) and says the largest padded shape of each axis (a
    ``patches2d`` training split of slices has the first two) and its training and validation case counts;
@@ -26,14 +27,13 @@ writes its cache only beside it (:func:`site_cache_setting`).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fedseg.data.spec import INTENSITIES, VOLUME_MODES, FederationSpec, SiteSpec
-from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
+from fedseg.data.volumes.fingerprint import WEIGHTINGS, site_fingerprint, site_histogram
 from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, split_shape, training_cases
 from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
 from fedseg.foundation.config import RunConfig, dump_toml
@@ -59,6 +59,9 @@ def local_spec(name: str, datalist: str | Path, header: dict[str, Any]) -> Feder
     """A one-site federation spec of this site's own datalist, laid out as the server's data header says."""
     dl = Path(datalist).resolve()
     intensity, window = _intensity(header, f"site {name}: the server's data header")
+    channels = header.get("channels") or []
+    if not (isinstance(channels, list) and all(isinstance(c, str) for c in channels)):
+        raise PayloadError(f"site {name}: the server's data header: channels {channels!r} is not a list of names")
     return FederationSpec(
         name=f"{name}-local",
         path=dl,
@@ -71,7 +74,23 @@ def local_spec(name: str, datalist: str | Path, header: dict[str, Any]) -> Feder
         foreground_only=bool(header.get("foreground_only", False)),
         intensity=intensity,
         window=window,
+        channels=tuple(channels),
     )
+
+
+def _requested(header: dict[str, Any], where: str) -> str | dict[str, list[str]]:
+    """What the spec asks of the plan's intensity, as the data header carries it: one scheme ("auto" included),
+    or with ``intensity_table`` (channel or site schemes) ``{site: [scheme per channel]}``."""
+    intensity, _ = _intensity(header, where)
+    table = header.get("intensity_table")
+    if table is None:
+        return intensity
+    ok = isinstance(table, dict) and all(
+        isinstance(v, list) and all(m in INTENSITIES for m in v) for v in table.values()
+    )
+    if not ok:
+        raise PayloadError(f"{where}: intensity_table {table!r} is not {{site: [scheme per channel]}}")
+    return table
 
 
 def _intensity(header: dict[str, Any], where: str) -> tuple[str, tuple[float, float] | None]:
@@ -108,16 +127,22 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
-def _edges(value: Any, where: str) -> list[float]:
-    ok = (
-        isinstance(value, list)
-        and 2 <= len(value) <= 4 * HISTOGRAM_BINS + 1
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-        and all(a < b for a, b in itertools.pairwise(value))
-    )
+def _requests(value: Any, where: str) -> list[dict[str, Any]]:
+    """The histogram requests of a ``histogram`` operation, checked (each ``channel``, ``lo < hi``, ``bins``)."""
+    ok = isinstance(value, list) and 0 < len(value) <= 1024
+    for r in value if ok else []:
+        ok = ok and (
+            isinstance(r, dict)
+            and isinstance(r.get("channel"), int)
+            and r["channel"] >= 0
+            and isinstance(r.get("bins"), int)
+            and 1 <= r["bins"] <= 4 * HISTOGRAM_BINS
+            and all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in ("lo", "hi"))
+            and r["lo"] < r["hi"]
+        )
     if not ok:
-        raise PayloadError(f"{where}: histogram edges are not an increasing list of finite numbers")
-    return [float(v) for v in value]
+        raise PayloadError(f"{where}: histogram requests are not a list of {{channel, lo < hi, bins}}")
+    return [{"channel": r["channel"], "lo": float(r["lo"]), "hi": float(r["hi"]), "bins": r["bins"]} for r in value]
 
 
 def site_cache_setting(value: Any, name: str, log: Callable[[str], None]) -> str:
@@ -161,7 +186,13 @@ def site_operation(
     if op == "fingerprint":
         return {"site": name, "fingerprint": site_fingerprint(training_cases(fed, site))}
     if op == "histogram":
-        return {"site": name, "counts": site_histogram(training_cases(fed, site), _edges(body.get("edges"), where))}
+        weighting = body.get("weighting")
+        if weighting not in WEIGHTINGS:
+            raise PayloadError(f"{where}: weighting {weighting!r} is not one of {list(WEIGHTINGS)}")
+        requests = _requests(body.get("requests"), where)
+        if any(r["channel"] >= fed.in_channels for r in requests):
+            raise PayloadError(f"{where}: a histogram request names a channel past in_channels = {fed.in_channels}")
+        return {"site": name, "counts": site_histogram(training_cases(fed, site), requests, weighting)}
     if op == "volumes":
         cache = str(body.get("volume_cache", "auto"))
         reads = str(body.get("volume_reads", "auto"))
@@ -183,13 +214,22 @@ def _deployed_plan(transport: Any, header: dict[str, Any], timeout: float, log: 
     # federation order, as `fedseg plan` combines the sites (the pooled moments' rounding follows the order)
     fingerprints = {s: replies[s].get("fingerprint") for s in transport.sites if s in replies}
 
-    def histograms(edges: list[float]) -> dict[str, Any]:
-        asked = tuple(s for s in transport.sites if s in fingerprints)
-        got = transport.exchange("histogram", {"data": header, "edges": edges}, timeout, sites=asked)
+    def histograms(requests: list[dict[str, Any]], weighting: str, sites: list[str]) -> dict[str, Any]:
+        asked = tuple(s for s in transport.sites if s in sites)
+        body = {"data": header, "requests": requests, "weighting": weighting}
+        got = transport.exchange("histogram", body, timeout, sites=asked)
         return {s: r.get("counts") for s, r in got.items()}
 
-    intensity, window = _intensity(header, "the run's data header")
-    return make_plan(fingerprints, histograms, intensity=intensity, window=window, log=log)
+    where = "the run's data header"
+    _, window = _intensity(header, where)
+    return make_plan(
+        fingerprints,
+        histograms,
+        intensity=_requested(header, where),
+        window=window,
+        channel_names=header.get("channels") or None,
+        log=log,
+    )
 
 
 def plan_and_shape(

@@ -93,8 +93,11 @@ def plan_key(
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def source_record(path: str | Path) -> dict[str, Any]:
-    """What identifies a source file: resolved path, size in bytes and modification time in nanoseconds."""
+def source_record(path: str | Path | Sequence[str | Path]) -> Any:
+    """What identifies a source file: resolved path, size in bytes and modification time in nanoseconds (a list
+    of them for an image stored as one file per channel)."""
+    if not isinstance(path, (str, Path)):
+        return [source_record(p) for p in path]
     p = Path(path).resolve()
     st = p.stat()
     return {"path": str(p), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
@@ -145,19 +148,23 @@ class VolumeCache:
     def folder(self) -> Path:
         return self.root / self.key
 
-    def _paths(self, cid: str, image: str | Path, label: str | Path) -> tuple[Path, Path]:
+    def _paths(self, cid: str, image: str | Path | Sequence[str | Path], label: str | Path) -> tuple[Path, Path]:
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", cid)[-80:]
         for ext in (".nii.gz", ".nii", ".gz"):
             stem = stem.removesuffix(ext)
-        h = hashlib.sha256(f"{Path(image).resolve()}\n{Path(label).resolve()}".encode()).hexdigest()[:12]
+        images = image if isinstance(image, (list, tuple)) else [image]
+        names = "\n".join(str(Path(p).resolve()) for p in [*images, label])
+        h = hashlib.sha256(names.encode()).hexdigest()[:12]
         base = self.folder / f"{stem}-{h}"
         return base.with_suffix(".safetensors"), base.with_suffix(".json")
 
-    def arrays_path(self, cid: str, image: str | Path, label: str | Path) -> Path:
+    def arrays_path(self, cid: str, image: str | Path | Sequence[str | Path], label: str | Path) -> Path:
         """The safetensors file of a case (whether or not it is there yet)."""
         return self._paths(cid, image, label)[0]
 
-    def get(self, cid: str, image: str | Path, label: str | Path, keep_original: bool) -> CachedCase | None:
+    def get(
+        self, cid: str, image: str | Path | Sequence[str | Path], label: str | Path, keep_original: bool
+    ) -> CachedCase | None:
         """The cached case, or None when it must be preprocessed (absent, stale or corrupt: the latter logged)."""
         if self.disabled:
             return None
@@ -209,7 +216,7 @@ class VolumeCache:
         self.log(f"volume cache: {path}: {why}; the case is preprocessed again")
         return None
 
-    def put(self, cid: str, image: str | Path, label: str | Path, case: CachedCase) -> None:
+    def put(self, cid: str, image: str | Path | Sequence[str | Path], label: str | Path, case: CachedCase) -> None:
         """Store a preprocessed case (arrays first, sidecar last); an unwritable folder turns the cache off, logged."""
         if self.disabled:
             return

@@ -13,8 +13,10 @@ scan's own voxels, where Dice is scored.
 in-plane spacing only (each scan keeps its slice spacing), and its training split is the stack of every
 training volume's axial slices (:class:`SliceDataset`), from which the 2D model's patches are cut;
 validation and test splits stay volumes, predicted slice by slice and scored in each scan's own grid.
-The spec's ``data.intensity`` (and ``data.window``) override the plan's intensity scheme
-(:func:`with_spec_intensity`).
+The spec's ``data.intensity`` (and ``data.window``), per channel, and each site's own ``intensity``
+override the plan's intensity schemes (:func:`with_spec_intensity`).  An image whose channels are stored in
+separate files (nnU-Net's ``case_0000.nii.gz``, ``case_0001.nii.gz``; a MONAI datalist's list of images)
+is read by :func:`read_channels`, which checks every file is on the label's grid.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
-from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
-from fedseg.data.volumes.intensity import normalize_volume
+from fedseg.data.volumes.geometry import Geometry, read_case, read_volume, to_original_grid, to_plan_grid
+from fedseg.data.volumes.intensity import channel_schemes, normalize_case
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
     EVAL_SHARE,
@@ -62,6 +64,7 @@ __all__ = [
     "plan_for_run",
     "plan_path",
     "plan_spacing",
+    "read_channels",
     "site_cache",
     "split_shape",
     "training_cases",
@@ -74,20 +77,57 @@ def plan_path(fed: FederationSpec) -> Path:
     return fed.path.with_name(fed.path.stem + ".plan.json")
 
 
-def _entries(site: SiteSpec, split: str) -> Iterator[tuple[str, str, str]]:
-    """``(case id, image path, label path)`` of a split; the id is the image path relative to the datalist."""
+ImagePath = Path | list[Path]
+"""A case's image: one file, or one file per channel."""
+
+
+def _entries(site: SiteSpec, split: str) -> Iterator[tuple[str, ImagePath, Path]]:
+    """``(case id, image path(s), label path)`` of a split; the id is the (first) image path relative to the
+    datalist."""
     root = site.datalist.parent
     for entry in load_datalist(site.datalist, site=site.name)[split]:
+        first = entry["image"][0] if isinstance(entry["image"], list) else entry["image"]
         try:
-            cid = Path(entry["image"]).relative_to(root).as_posix()
+            cid = Path(first).relative_to(root).as_posix()
         except ValueError:
-            cid = str(entry["image"])
+            cid = str(first)
         yield cid, entry["image"], entry["label"]
+
+
+def read_channels(image: ImagePath, label_path: str | Path, in_channels: int, label_values=None):
+    """:func:`~fedseg.data.volumes.geometry.read_case` of an image in one file, or in one file per channel
+    (in channel order): each file one 3D channel on the label's grid (same shape, affine within 1e-3 mm),
+    else one :class:`DataError` naming the file and the fix."""
+    if not isinstance(image, (list, tuple)):
+        return read_case(image, label_path, in_channels, label_values)
+    if len(image) != in_channels:
+        raise DataError(
+            f"{image[0]}: the case lists {len(image)} channel file(s) but in_channels = {in_channels} -> list one "
+            "file per channel (in data.channels order) or set data.in_channels"
+        )
+    first, label, affine = read_case(image[0], label_path, 1, label_values)
+    channels = [first[0]]
+    for path in image[1:]:
+        arr, aff = read_volume(path)
+        if arr.ndim == 4 and arr.shape[-1] == 1:
+            arr = arr[..., 0]
+        if arr.ndim != 3:
+            raise DataError(f"{path}: a channel file holds one 3D channel, not shape {arr.shape} -> split it")
+        if arr.shape != label.shape or not np.allclose(aff, affine, atol=1e-3):
+            raise DataError(
+                f"{path}: channel file of shape {arr.shape} is not on the grid of {image[0]} (shape "
+                f"{label.shape}, same affine to 1e-3 mm) -> resample every channel of a case onto one grid"
+            )
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise DataError(f"{path}: contains NaN or infinite voxels -> replace them (e.g. with the air value)")
+        channels.append(arr)
+    dtype = np.result_type(*[c.dtype for c in channels])
+    return np.stack([c.astype(dtype, copy=False) for c in channels]), label, affine
 
 
 def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iterator[tuple]:
     for cid, image_path, label_path in _entries(site, split):
-        image, label, affine = read_case(image_path, label_path, fed.in_channels, fed.label_values)
+        image, label, affine = read_channels(image_path, label_path, fed.in_channels, fed.label_values)
         yield cid, image, label, affine
 
 
@@ -98,37 +138,72 @@ def training_cases(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
 
 
 def plan_federation(
-    fed: FederationSpec, *, patch_voxels: int = 64 * 64 * 32, log: Callable[[str], None] = print
+    fed: FederationSpec,
+    *,
+    patch_voxels: int = 64 * 64 * 32,
+    weighting: str = "case",
+    log: Callable[[str], None] = print,
 ) -> Plan:
-    """Fingerprint every site's training cases (two passes) and make the plan; no voxel leaves a site."""
+    """Fingerprint every site's training cases and make the plan, asking the sites for histograms as the plan
+    needs them (each request a pass over a site's own cases); no voxel leaves a site."""
     fingerprints = {s.name: site_fingerprint(training_cases(fed, s)) for s in fed.sites}
 
-    def histograms(edges: list[float]) -> dict[str, list[int]]:
-        return {s.name: site_histogram(training_cases(fed, s), edges) for s in fed.sites if s.name in fingerprints}
+    def histograms(requests: list[dict], weighting: str, sites: list[str]) -> dict[str, list[list[float]]]:
+        return {
+            s.name: site_histogram(training_cases(fed, s), requests, weighting) for s in fed.sites if s.name in sites
+        }
 
     return make_plan(
-        fingerprints, histograms, patch_voxels=patch_voxels, intensity=fed.intensity, window=fed.window, log=log
+        fingerprints,
+        histograms,
+        patch_voxels=patch_voxels,
+        intensity=fed.intensity_table(),
+        window=fed.window,
+        weighting=weighting,
+        channel_names=fed.channel_names,
+        log=log,
     )
 
 
 def with_spec_intensity(
     plan: Plan, fed: FederationSpec, where: str = "plan", log: Callable[[str], None] = print
 ) -> Plan:
-    """The plan with the spec's ``data.intensity`` in place of its own scheme ("auto": the plan's).
+    """The plan with the spec's schemes (``data.intensity``, per channel, and each site's own ``intensity``)
+    in place of its own where they name one ("auto": the plan's).
 
-    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan file
-    made with another scheme is refused, naming the file and the fix."""
-    want, have = fed.intensity, plan.intensity
-    if want == "auto" or (want == have.get("mode") and (want != "window" or have.get("window") == list(fed.window))):
+    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan whose
+    channel has no CT statistics is refused, naming the file and the fix."""
+    names = fed.channel_names
+    table = {s: channel_schemes(plan.intensity, s, len(names)) for s in fed.site_names}
+    changed = []
+    for site, wants in fed.intensity_table().items():
+        for c, want in enumerate(wants):
+            have = table[site][c]
+            if want == "auto" or (
+                want == have.get("mode") and (want != "window" or have.get("window") == list(fed.window or ()))
+            ):
+                continue
+            if want == "ct":
+                pooled = [s for s in table.values() if s[c].get("mode") == "ct"]
+                if not pooled:
+                    raise ConfigError(
+                        f"{where}: the spec asks for intensity 'ct' on channel {names[c]} at {site} but the plan has "
+                        "no pooled CT statistics for it -> delete the plan file and run `fedseg plan` on the spec to "
+                        "fingerprint the sites again"
+                    )
+                table[site][c] = dict(pooled[0][c])
+            else:
+                table[site][c] = {"mode": want, **({"window": list(fed.window or ())} if want == "window" else {})}
+            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.get('mode')!r})")
+    if not changed:
         return plan
-    if want == "ct":
-        raise ConfigError(
-            f"{where}: data.intensity = 'ct' but the plan's intensity is {have.get('mode')!r} (no pooled CT "
-            "statistics) -> delete the plan file and run `fedseg plan` on the spec to fingerprint the sites again"
-        )
-    scheme = {"mode": want, **({"window": list(fed.window)} if want == "window" else {})}
-    log(f"plan: intensity {scheme} (data.intensity in the spec; the plan's was {have.get('mode')!r})")
-    return dataclasses.replace(plan, intensity=scheme)
+    log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
+    entries = []
+    for c, name in enumerate(names):
+        first = table[fed.site_names[0]][c]
+        differ = {s: t[c] for s, t in table.items() if t[c] != first}
+        entries.append({"name": name, **first, **({"sites": differ} if differ else {})})
+    return dataclasses.replace(plan, intensity={"channels": entries})
 
 
 def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print) -> Plan:
@@ -214,9 +289,9 @@ def site_cache(
     return VolumeCache(root, plan_key(plan, fed.in_channels, fed.label_values, plan_spacing(fed, plan)), log=log)
 
 
-def _preprocess(fed: FederationSpec, image_path, label_path, plan: Plan, keep: bool) -> CachedCase:
-    image, label, affine = read_case(image_path, label_path, fed.in_channels, fed.label_values)
-    x = normalize_volume(image, plan.intensity["mode"], plan.intensity)
+def _preprocess(fed: FederationSpec, site: str, image_path, label_path, plan: Plan, keep: bool) -> CachedCase:
+    image, label, affine = read_channels(image_path, label_path, fed.in_channels, fed.label_values)
+    x = normalize_case(image, plan.intensity, site)
     x, lab, new_affine = to_plan_grid(x, label, affine, plan_spacing(fed, plan))
     return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
 
@@ -286,10 +361,10 @@ def load_volume_split(
     held_bytes = 0
     entries = list(_entries(site, split))
 
-    def read(cid: str, image_path: str, label_path: str) -> CachedCase:
+    def read(cid: str, image_path: ImagePath, label_path: Path) -> CachedCase:
         case = cache.get(cid, image_path, label_path, keep) if cache is not None else None
         if case is None:
-            case = _preprocess(fed, image_path, label_path, plan, keep)
+            case = _preprocess(fed, site.name, image_path, label_path, plan, keep)
             if cache is not None:
                 cache.put(cid, image_path, label_path, case)
         return case

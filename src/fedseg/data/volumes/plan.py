@@ -6,10 +6,12 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
 * **target spacing** — the median spacing of every training case of every site, per RAS axis; when the
   coarsest axis is more than 3 × the finest and the median shape along it is less than a third of the
   others (nnU-Net's anisotropy rule), that axis takes the 10th percentile of its spacings instead;
-* **intensity** — ``"ct"`` when the volumes look like CT (integer values with air below −500) else
-  ``"zscore"``, unless the spec's ``data.intensity`` names the scheme; for CT the pooled foreground mean and sd (exact: Chan et al.'s parallel combination of
-  each site's count, mean and centred sum of squares, in float64) and the pooled 0.5 / 99.5 percentiles
-  from the pooled histogram (within one bin of the percentiles of the pooled voxels);
+* **intensity** — per image channel and per site (:func:`fedseg.data.volumes.intensity.plan_intensity`):
+  ``"ct"`` where a site's channel looks like CT (values below −500) else ``"zscore"`` over the body, unless
+  the spec names the scheme; for CT the foreground mean and sd pooled over the sites using it (exact:
+  Chan et al.'s parallel combination of each site's count, mean and centred sum of squares, in float64)
+  and the pooled 0.5 / 99.5 percentiles (exact order statistics for integer data, from counts only),
+  case-weighted (nnU-Net) or voxel-weighted;
 * **volume shape** — the median shape of the resampled cases; every case is padded (never stretched) to
   at least the patch;
 * **patch size** — the median resampled shape, shrunk along its longest physical axis until it holds at
@@ -39,27 +41,24 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.spec import INTENSITY_MODES
-from fedseg.data.volumes.fingerprint import check_fingerprint, check_histogram, combine_moments
+from fedseg.data.volumes.fingerprint import check_fingerprint
+from fedseg.data.volumes.intensity import HISTOGRAM_BINS, PERCENTILES, Ask, check_intensity, plan_intensity
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
     "HISTOGRAM_BINS",
+    "PERCENTILES",
     "Plan",
     "eval_interval",
-    "histogram_edges",
     "load_plan",
     "make_plan",
-    "pooled_percentiles",
     "save_plan",
     "slice_patch",
     "sliding_windows",
     "target_spacing",
 ]
 
-HISTOGRAM_BINS = 4096
 ANISOTROPY = 3.0
-PERCENTILES = (0.5, 99.5)
 MIN_FEATURE = 4
 MAX_LEVELS = 5
 EVAL_SHARE = 0.2
@@ -84,7 +83,10 @@ class Plan:
     strides: list[list[int]]
     """Down-sampling stride per level and axis (1 where an axis can no longer be halved)."""
     intensity: dict[str, Any]
-    """``{"mode": "ct", "lo", "hi", "mean", "sd"}`` or ``{"mode": "zscore"}`` (or ``"window"`` with ``window``)."""
+    """``{"channels": [scheme per image channel]}``: each ``{"name", "mode", ...}`` (``"ct"`` with ``lo``,
+    ``hi``, ``mean``, ``sd``, ``weighting``, ``bound``; ``"zscore"`` with an optional ``body`` threshold;
+    ``"window"`` with ``window``), and under ``"sites"`` the schemes of the sites that differ
+    (:mod:`fedseg.data.volumes.intensity`).  One scheme ``{"mode": ...}`` applies to every channel."""
     eval_every: int | None = None
     """Validate every this many rounds; None (default): derived per run by :func:`eval_interval` (sliding
     windows over every validation volume are costly)."""
@@ -126,13 +128,7 @@ class Plan:
                 f"{where}: patch_size {self.patch_size} is not divisible by the strides' down-sampling {factor} -> "
                 "make each side a multiple of its factor"
             )
-        mode = self.intensity.get("mode")
-        if mode == "ct" and not all(k in self.intensity for k in ("lo", "hi", "mean", "sd")):
-            raise ConfigError(f"{where}: intensity mode 'ct' needs lo, hi, mean and sd")
-        if mode == "window" and len(self.intensity.get("window", ())) != 2:
-            raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
-        if mode not in INTENSITY_MODES:
-            raise ConfigError(f"{where}: intensity mode {mode!r}; use {', '.join(map(repr, INTENSITY_MODES))}")
+        check_intensity(self.intensity, where)
 
 
 def sliding_windows(volume: Sequence[int], patch: Sequence[int], overlap: float) -> int:
@@ -180,31 +176,6 @@ def eval_interval(
         if n_val and patches:
             k = max(k, math.ceil(n_val * windows * (1 - share) / (3 * patches * share) - 1e-9))  # float slack
     return max(1, min(k, rounds // MIN_VALIDATIONS))
-
-
-def histogram_edges(lo: float, hi: float, bins: int = HISTOGRAM_BINS) -> list[float]:
-    """The fixed grid of the pass-2 histograms: ``bins`` equal bins over [lo, hi]."""
-    if not hi > lo:
-        hi = lo + 1.0
-    return np.linspace(lo, hi, bins + 1).tolist()
-
-
-def pooled_percentiles(counts: Sequence[int], edges: Sequence[float], qs: Sequence[float]) -> list[float]:
-    """Percentiles ``qs`` (0–100) of the pooled voxels from their histogram, interpolated within the bin
-    where the cumulative count crosses ``q``% of the total: the value lies in that bin, as does the true
-    percentile, so the two differ by less than one bin width."""
-    c = np.asarray(counts, dtype=np.float64)
-    e = np.asarray(edges, dtype=np.float64)
-    cum = np.cumsum(c)
-    out = []
-    for q in qs:
-        target = q / 100.0 * cum[-1]
-        i = int(np.searchsorted(cum, target, side="left"))
-        i = min(i, len(c) - 1)
-        before = cum[i - 1] if i else 0.0
-        frac = (target - before) / c[i] if c[i] else 0.0
-        out.append(float(e[i] + frac * (e[i + 1] - e[i])))
-    return out
 
 
 def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
@@ -258,28 +229,36 @@ def _patch(shape: list[float], spacing: list[float], patch_voxels: int) -> list[
 
 def make_plan(
     fingerprints: Mapping[str, Any],
-    histogram: Callable[[list[float]], Mapping[str, Any]],
+    histogram: Ask,
     *,
     patch_voxels: int = 64 * 64 * 32,
-    intensity: str = "auto",
+    intensity: str | Mapping[str, Sequence[str]] = "auto",
     window: Sequence[float] | None = None,
+    weighting: str = "case",
+    channel_names: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> Plan:
-    """The plan from every site's pass-1 fingerprint and their pass-2 histograms.
+    """The plan from every site's fingerprint and their answers to the histogram requests.
 
     Parameters
     ----------
     fingerprints
-        ``{site: pass-1 reply}`` (:func:`fedseg.data.volumes.fingerprint.site_fingerprint`).
+        ``{site: first reply}`` (:func:`fedseg.data.volumes.fingerprint.site_fingerprint`).
     histogram
-        ``histogram(edges) -> {site: counts}``: asks the accepted sites for pass 2 on ``edges``.
+        ``histogram(requests, weighting, sites) -> {site: [counts per request]}``: asks ``sites`` for
+        :func:`fedseg.data.volumes.fingerprint.site_histogram` (:data:`fedseg.data.volumes.intensity.Ask`).
     patch_voxels
         Memory budget of one patch, in voxels.
     intensity
-        ``"auto"`` (CT-like values → ``"ct"``, else ``"zscore"``) or the scheme to use (the spec's
-        ``data.intensity``); ``"ct"`` asks for the histograms whatever the values look like.
+        ``"auto"`` (per site and channel: CT-like values → ``"ct"``, else ``"zscore"``), one scheme for
+        every channel and site, or ``{site: [scheme per channel]}`` with "auto" where the plan decides (the
+        spec's ``data.intensity`` and the sites' own, :meth:`fedseg.data.spec.FederationSpec.intensity_table`).
     window
-        ``[low, high]`` for ``intensity = "window"``.
+        ``[low, high]`` for the channels whose scheme is ``"window"``.
+    weighting
+        How the CT percentiles, mean and sd weigh the voxels: ``"case"`` (nnU-Net) or ``"voxel"``.
+    channel_names
+        The image channel names (default "0", "1", ...).
     log
         Where rejections are reported.
 
@@ -310,34 +289,12 @@ def make_plan(
     patch = _patch(resampled.tolist(), spacing, patch_voxels)
     channels, strides = _topology(patch, spacing)
 
-    fgs = [fp["foreground"] for fp in ok.values()]
-    lo = min(f["min"] for f in fgs)
-    hi = max(f["max"] for f in fgs)
-    ct_like = all(fp["integer"] for fp in ok.values()) and min(fp["min"] for fp in ok.values()) < -500
-    chosen = intensity if intensity != "auto" else ("ct" if ct_like else "zscore")
-    scheme: dict[str, Any] = {"mode": chosen}
-    if chosen == "window":
-        if window is None or len(window) != 2:
-            raise ConfigError("intensity 'window' needs window = [low, high] (data.window in the spec)")
-        scheme["window"] = [float(v) for v in window]
-    if chosen == "ct":
-        edges = histogram_edges(lo, hi)
-        replies = histogram(edges)
-        counts = np.zeros(len(edges) - 1, dtype=np.int64)
-        for site in list(ok):
-            why = check_histogram(replies.get(site), len(edges) - 1, ok[site]["foreground"]["count"])
-            if why is not None:
-                rejected[site] = why
-                log(f"plan: histogram of site {site} rejected ({why}); planning from the other sites")
-                del ok[site]
-                continue
-            counts += np.asarray(replies[site], dtype=np.int64)
-        if not ok:
-            raise DataError("no site sent a usable histogram -> check the sites' logs")
-        n, mean, m2 = combine_moments([ok[s]["foreground"] for s in ok])
-        sd = math.sqrt(m2 / n)  # population sd, as nnU-Net's np.std
-        p_lo, p_hi = pooled_percentiles(counts.tolist(), edges, PERCENTILES)
-        scheme = {"mode": "ct", "lo": p_lo, "hi": p_hi, "mean": mean, "sd": sd}
+    scheme, bad = plan_intensity(
+        ok, histogram, requested=intensity, window=window, weighting=weighting, names=channel_names, log=log
+    )
+    for site, why in bad.items():
+        rejected[site] = why
+        del ok[site]
     return Plan(
         target_spacing=spacing,
         volume_shape=[round(float(v)) for v in resampled],
