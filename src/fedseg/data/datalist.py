@@ -90,11 +90,11 @@ def load_datalist(path: str | Path, *, site: str | None = None) -> dict[str, lis
         entries = raw[key]
         if not isinstance(entries, list):
             raise DataError(f"{where}: {key!r} must be a list of {{image, label}} objects -> fix the JSON")
-        for i, e in enumerate(entries):
-            if not (isinstance(e, dict) and _is_image(e.get("image")) and isinstance(e.get("label"), str)):
+        for i, entry in enumerate(entries):
+            if not (isinstance(entry, dict) and _is_image(entry.get("image")) and isinstance(entry.get("label"), str)):
                 raise DataError(
                     f"{where}: {key}[{i}] must be an object with an 'image' path (or a list of paths, one per "
-                    f"channel) and a 'label' path, got {e!r} -> add the missing path(s)"
+                    f"channel) and a 'label' path, got {entry!r} -> add the missing path(s)"
                 )
         # MONAI resolves the paths relative to base_dir exactly as MSD/nnU-Net do (imported here:
         # importing MONAI costs seconds and pulls in matplotlib).
