@@ -237,6 +237,9 @@ def main() -> None:
         action="store_true",
         help="operators dispatched per round by role and phase (3 more rounds per run under a TorchDispatchMode)",
     )
+    ap.add_argument(
+        "--count-only", action="store_true", help="with --count-operators: only the counted rounds, no timed run"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
     args = ap.parse_args()
@@ -272,6 +275,14 @@ def main() -> None:
         )
         for method, precision, vec in combos:
             name = f"{method}-{precision}-{vec}-{size}"
+            if args.count_only:
+                c = counted_rounds(spec, data, fed, method, precision, vec, args, out / f"ops-{name}")
+                records.append({"method": method, "precision": precision, "size": size, "vectorize": vec, **c})
+                role_tables += [f"Operators per round, {size}² {method} {precision} vectorize={vec}:", ""]
+                role_tables += operator_table(c["operators"])
+                role_tables += [f"(and {c['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
+                print(f"{size}² {method}: {c['operators_per_round']:,.0f} operators per round", flush=True)
+                continue
             r = one_run(spec, data, fed, method, precision, args, out / name, vectorize=vec)
             r.update(size=size, train_cases=n_train, vectorize=vec)
             if args.profile:
