@@ -280,7 +280,7 @@ def main() -> None:
                 records.append({"method": method, "precision": precision, "size": size, "vectorize": vec, **c})
                 role_tables += [f"Operators per round, {size}² {method} {precision} vectorize={vec}:", ""]
                 role_tables += operator_table(c["operators"])
-                role_tables += [f"(and {c['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
+                role_tables += ["", f"(and {c['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
                 print(f"{size}² {method}: {c['operators_per_round']:,.0f} operators per round", flush=True)
                 continue
             r = one_run(spec, data, fed, method, precision, args, out / name, vectorize=vec)
@@ -291,7 +291,7 @@ def main() -> None:
                 r.update(counted_rounds(spec, data, fed, method, precision, vec, args, out / f"ops-{name}"))
                 role_tables += [f"Operators per round, {size}² {method} {precision} vectorize={vec}:", ""]
                 role_tables += operator_table(r["operators"])
-                role_tables += [f"(and {r['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
+                role_tables += ["", f"(and {r['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
             records.append(r)
             busy = f", GPU busy {r['busy']:.0%} ({r['kernels']} kernels)" if r.get("busy") is not None else ""
             print(
@@ -323,23 +323,27 @@ def main() -> None:
         f"scale {args.scale}, U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.rounds} rounds, {kernels}, {writer}; {machine}",
         "",
     ]
-    md += md_table(
-        [
-            "size",
-            "train cases",
-            "method",
-            "precision",
-            "vectorize",
-            "s/round",
-            "GPU busy",
-            "kernels / median µs",
-            "operators/round",
-            "peak GPU GiB",
-            "ckpt blocking s/round",
-            "ckpt write s/round",
-            "ckpt MB",
-        ],
-        rows,
+    md += (
+        []
+        if args.count_only
+        else md_table(
+            [
+                "size",
+                "train cases",
+                "method",
+                "precision",
+                "vectorize",
+                "s/round",
+                "GPU busy",
+                "kernels / median µs",
+                "operators/round",
+                "peak GPU GiB",
+                "ckpt blocking s/round",
+                "ckpt write s/round",
+                "ckpt MB",
+            ],
+            rows,
+        )
     )
     if role_tables:
         md += ["", *role_tables]

@@ -62,7 +62,8 @@ def main() -> None:
         records[method] = r
         md += [f"**{method}** ({time.perf_counter() - t0:.0f} s):", "", *table(r["operators"]), ""]
         md += [
-            f"and {r['views_per_round']:,.0f} views per round (detach, view, select: no kernel); most dispatched:",
+            f"and {r['views_per_round']:,.0f} views per round (detach, view, select: no kernel); most dispatched "
+            "over rounds 1–3:",
             "",
         ]
         for key, ops in r["top_operators"].items():

@@ -247,7 +247,7 @@ def _run_points(
             dev = devs[0] if devs else None
             _fedsm_point(cfg, str(out), held, gammas, dev, workload, data, progress, log)
     else:
-        calls = [((cfg, str(out), held, gammas), {}) for cfg, out, held in points]
+        calls: list[tuple[tuple, dict[str, Any]]] = [((cfg, str(out), held, gammas), {}) for cfg, out, held in points]
         map_in_processes(_fedsm_point, calls, n, log, devices=devs, what="FedSM runs")
     return [json.loads((Path(out) / "results.json").read_text()) for _, out, _ in points]
 
@@ -446,13 +446,14 @@ def over_seeds(
     if isinstance(config, RunConfig) and jobs is None and devices is None and config.device == "cpu":
         jobs = 1
     n, devs = placement(jobs, devices, kwargs.get("overrides", ()))
+    calls: list[tuple[tuple, dict[str, Any]]]
     if n > 1 and len(seeds) > 1:
         kwargs.update(progress=False, jobs=1)
         calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
         done = map_in_processes(fn, calls, n, log, devices=devs)
     else:
         calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
-        done = [fn(*a, log=log, jobs=jobs, devices=devices, **k) for a, k in calls]
+        done = [fn(*a, **{**k, "log": log, "jobs": jobs, "devices": devices}) for a, k in calls]
     rows = {seed: r for seed, (r, _) in zip(seeds, done)}
     _, table = tabulate([out / f"seed{s}" for s in seeds], out / f"{STUDY_FILES[study]}.md")
     return rows, table

@@ -194,6 +194,7 @@ def run_point(
         log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: already done ({done})")
         return json.loads(done.read_text())
     overrides = [*job.overrides, *([f"device={device}"] if device else [])]
+    fields: dict[str, Any] = {"rounds": job.rounds} if job.rounds is not None else {}
     t0 = time.perf_counter()
     checkpoints = folder / "checkpoints"
     if (folder / "config.toml").is_file() and (
@@ -201,7 +202,12 @@ def run_point(
     ):
         log(f"{job.method} seed {job.seed} {point_text(dict(job.point))}: resuming {folder}")
         res = run(
-            None, out=folder, overrides=[f"device={device}"] if device else [], resume=True, progress=progress, log=log
+            folder / "config.toml",  # (resume reads the folder's own config.toml)
+            out=folder,
+            overrides=[f"device={device}"] if device else [],
+            resume=True,
+            progress=progress,
+            log=log,
         )
     else:
         folder.mkdir(parents=True, exist_ok=True)
@@ -214,7 +220,7 @@ def run_point(
             log=log,
             method=job.method,
             seed=job.seed,
-            **({"rounds": job.rounds} if job.rounds is not None else {}),
+            **fields,
         )
     if res is None:
         raise ConfigError(f"{folder}: the run stopped before its last round; run the same command again to resume it")
