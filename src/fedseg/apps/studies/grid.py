@@ -217,7 +217,7 @@ def tune(
     }
     i = 0
     for entry, method, label, points in plan:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for p in points:
             runs = [(all_jobs[i + k], results[i + k]) for k in range(len(seeds))]
             i += len(seeds)
