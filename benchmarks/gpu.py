@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+from _operators import OperatorCounter, total
+from _operators import table as operator_table
 from _report import emit, md_table
 
 from fedseg.algorithms import get_algorithm
@@ -111,6 +113,22 @@ def profiled_round(spec: Path, data, fed, method: str, precision: str, vectorize
     return share
 
 
+def counted_rounds(spec: Path, data, fed, method: str, precision: str, vectorize: str, args, out: Path) -> dict:
+    """Run 3 rounds, each validating, under :class:`_operators.OperatorCounter`: operators per round of rounds 2
+    and 3 by role and phase (what stands for kernel launches), and the most dispatched operators per role."""
+    counter = OperatorCounter()
+    one_run(spec, data, fed, method, precision, args, out, rounds=3, vectorize=vectorize, counter=counter, eval_every=1)
+    per = counter.per_round()
+    views = counter.per_round(views=True)
+    top = {f"{phase}/{role}": counter.top_ops(phase, role) for role, by in per.items() for phase, n in by.items() if n}
+    return {
+        "operators": per,
+        "operators_per_round": total(per),
+        "views_per_round": total(views),
+        "top_operators": top,
+    }
+
+
 def one_run(
     spec: Path,
     data,
@@ -122,6 +140,8 @@ def one_run(
     rounds: int | None = None,
     vectorize: str = "auto",
     hook=None,
+    counter: OperatorCounter | None = None,
+    eval_every: int | None = None,
 ) -> dict:
     model = (
         ModelConfig()
@@ -140,7 +160,7 @@ def one_run(
         checkpoint_background=not args.sync_checkpoints,
         model=model,
         train=TrainConfig(batch_size=args.batch_size, precision=precision),
-        eval=EvalConfig(every=rounds),
+        eval=EvalConfig(every=eval_every or rounds),
         simulation=SimulationConfig(vectorize=vectorize),
     )
     workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
@@ -161,7 +181,11 @@ def one_run(
         log=lambda m: None,
     )
     t0 = time.perf_counter()
-    engine.run()
+    if counter is not None:
+        with counter.attach(engine):
+            engine.run()
+    else:
+        engine.run()
     wall = time.perf_counter() - t0
     times = [e["time_s"] for e in engine.history]
     steady = times[1:-1] or times[-1:]
@@ -208,6 +232,14 @@ def main() -> None:
         "--runs", help="method:precision:vectorize triples instead of the product, e.g. fedavg:fp32:off,fedsm:bf16:auto"
     )
     ap.add_argument("--profile", action="store_true", help="GPU busy share of a round under torch.profiler")
+    ap.add_argument(
+        "--count-operators",
+        action="store_true",
+        help="operators dispatched per round by role and phase (3 more rounds per run under a TorchDispatchMode)",
+    )
+    ap.add_argument(
+        "--count-only", action="store_true", help="with --count-operators: only the counted rounds, no timed run"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--md", default=None, help="also write the Markdown table here")
     args = ap.parse_args()
@@ -215,6 +247,7 @@ def main() -> None:
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedseg-gpu-"))
     rows, records = [], []
+    role_tables: list[str] = []
     for size in [int(s) for s in args.sizes.split(",")]:
         t_start = time.perf_counter()
         spec = out / f"data{size}" / "federation.toml"
@@ -242,10 +275,23 @@ def main() -> None:
         )
         for method, precision, vec in combos:
             name = f"{method}-{precision}-{vec}-{size}"
+            if args.count_only:
+                c = counted_rounds(spec, data, fed, method, precision, vec, args, out / f"ops-{name}")
+                records.append({"method": method, "precision": precision, "size": size, "vectorize": vec, **c})
+                role_tables += [f"Operators per round, {size}² {method} {precision} vectorize={vec}:", ""]
+                role_tables += operator_table(c["operators"])
+                role_tables += ["", f"(and {c['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
+                print(f"{size}² {method}: {c['operators_per_round']:,.0f} operators per round", flush=True)
+                continue
             r = one_run(spec, data, fed, method, precision, args, out / name, vectorize=vec)
             r.update(size=size, train_cases=n_train, vectorize=vec)
             if args.profile:
                 r.update(profiled_round(spec, data, fed, method, precision, vec, args, out / f"prof-{name}"))
+            if args.count_operators:
+                r.update(counted_rounds(spec, data, fed, method, precision, vec, args, out / f"ops-{name}"))
+                role_tables += [f"Operators per round, {size}² {method} {precision} vectorize={vec}:", ""]
+                role_tables += operator_table(r["operators"])
+                role_tables += ["", f"(and {r['views_per_round']:,.0f} views per round, which launch no kernel)", ""]
             records.append(r)
             busy = f", GPU busy {r['busy']:.0%} ({r['kernels']} kernels)" if r.get("busy") is not None else ""
             print(
@@ -263,6 +309,7 @@ def main() -> None:
                     f"{r['s_per_round']:.2f}",
                     "–" if r.get("busy") is None else f"{r['busy']:.0%}",
                     "–" if r.get("median_kernel_us") is None else f"{r['kernels']} / {r['median_kernel_us']:.0f}",
+                    "–" if r.get("operators_per_round") is None else f"{r['operators_per_round']:,.0f}",
                     "–" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
                     f"{r['ckpt_blocking_s']:.3f}",
                     f"{r['ckpt_write_s']:.3f}",
@@ -276,23 +323,30 @@ def main() -> None:
         f"scale {args.scale}, U-Net {args.channels or 'default (16…256)'}, batch {args.batch_size}, {args.rounds} rounds, {kernels}, {writer}; {machine}",
         "",
     ]
-    md += md_table(
-        [
-            "size",
-            "train cases",
-            "method",
-            "precision",
-            "vectorize",
-            "s/round",
-            "GPU busy",
-            "kernels / median µs",
-            "peak GPU GiB",
-            "ckpt blocking s/round",
-            "ckpt write s/round",
-            "ckpt MB",
-        ],
-        rows,
+    md += (
+        []
+        if args.count_only
+        else md_table(
+            [
+                "size",
+                "train cases",
+                "method",
+                "precision",
+                "vectorize",
+                "s/round",
+                "GPU busy",
+                "kernels / median µs",
+                "operators/round",
+                "peak GPU GiB",
+                "ckpt blocking s/round",
+                "ckpt write s/round",
+                "ckpt MB",
+            ],
+            rows,
+        )
     )
+    if role_tables:
+        md += ["", *role_tables]
     emit(md, args.md, out, {"args": vars(args), "machine": machine, "runs": records})
 
 

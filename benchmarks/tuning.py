@@ -20,6 +20,7 @@ import torch
 from _report import emit, unet_overrides
 
 from fedseg.apps.studies.compare import compare
+from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
 
@@ -51,13 +52,15 @@ def main() -> None:
         spec,
         a.methods.split(","),
         out / "tuned",
-        seeds=seeds,
-        rounds=a.rounds,
-        overrides=overrides,
-        progress=False,
-        log=lambda m: None,
+        StudyOptions(
+            seeds=tuple(seeds),
+            rounds=a.rounds,
+            overrides=tuple(overrides),
+            jobs=a.jobs,
+            progress=False,
+            log=lambda m: None,
+        ),
         tune=[f"train.lr={a.lrs}"],
-        jobs=a.jobs,
     )
     wall = time.perf_counter() - t1
     record = json.loads((out / "tuned" / "tuning.json").read_text())

@@ -559,3 +559,46 @@ def test_routing_accuracy_a_site_reports_must_be_a_fraction():
         for bad in (1e30, -0.1, 1.5, "0.9"):
             with pytest.raises(PayloadError, match="routing_acc"):
                 algo.check_reply(Task(kind), Reply(metrics={"routing_acc": bad}))
+
+
+def test_softpull_and_weighted_mean_are_bitwise_the_per_tensor_sums():
+    """`weighted_means` casts each model once and sums all tensors of a (row, model) term in one foreach
+    operator; on the CPU that is the per-tensor loop ``acc = 0; acc += p_j · x_j`` (float64 for float32 and
+    below) in the same order, so SoftPull and the weighted mean are bitwise what that loop gives."""
+    from fedseg.foundation.arrays import normalize_weights, weighted_mean
+
+    g = torch.Generator().manual_seed(0)
+
+    def model() -> dict[str, torch.Tensor]:
+        return {
+            "w": torch.randn(5, 3, generator=g),
+            "h": torch.randn(4, generator=g).to(torch.bfloat16),
+            "d": torch.randn(2, generator=g, dtype=torch.float64),
+            "n": torch.randint(0, 9, (1,), generator=g),
+        }
+
+    def loop(items, p):  # the reference: one add_ per tensor and term
+        out = {}
+        for name, ref in items[0].items():
+            if not ref.is_floating_point():
+                out[name] = ref.clone()
+                continue
+            acc = torch.zeros(ref.shape, dtype=torch.float64)
+            for pk, it in zip(p, items):
+                if pk != 0.0:
+                    acc.add_(it[name].to(torch.float64), alpha=pk)
+            out[name] = acc.to(ref.dtype)
+        return out
+
+    sites = {s: model() for s in "abcdef"}
+    items = list(sites.values())
+    counts = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0]
+    got, want = weighted_mean(items, counts), loop(items, normalize_weights(counts))
+    assert all(torch.equal(got[n], want[n]) and got[n].dtype == want[n].dtype for n in want)
+    lam, k = 0.7, len(items)
+    out = soft_pull(sites, lam)
+    a = soft_pull_matrix(k, lam)
+    for i, s in enumerate(sites):
+        order = [i] + [j for j in range(k) if j != i]
+        ref = loop([items[j] for j in order], normalize_weights([float(a[i, j]) for j in order]))
+        assert list(out[s]) == list(ref) and all(torch.equal(out[s][n], ref[n]) for n in ref)

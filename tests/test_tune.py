@@ -210,3 +210,55 @@ def test_fedsm_study_seeds_in_processes_give_the_numbers_of_one_after_another(sp
         keys = ("lam", "client_avg_dice", "global_dice", "dice_by_gamma")
         assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
     assert (tmp_path / "seq" / "sweep.md").read_text() == (tmp_path / "par" / "sweep.md").read_text()
+
+
+def test_placement_of_independent_runs(monkeypatch):
+    """--devices: one process per device; --jobs: that many on the runs' device; neither: one process per CUDA
+    device where there are several (never where the runs are set to a device), else one after another."""
+    import torch
+
+    from fedseg.apps.studies.jobs import StudyOptions, default_devices, placement
+
+    assert placement(None, ["cpu", "cpu"]) == (2, ("cpu", "cpu"))
+    assert placement(3, None) == (3, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert placement(None, None) == (2, ("cuda:0", "cuda:1"))
+    assert default_devices(["device=cpu"]) is None
+    assert placement(None, None, ["train.lr=1e-3", "device=cuda:1"]) == (1, None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert placement(None, None) == (1, None)
+    with pytest.raises(ConfigError, match="--jobs 0"):
+        placement(0, None)
+    with pytest.raises(ConfigError, match="--devices names no device"):
+        placement(None, [" "])
+    with pytest.raises(ConfigError, match="--jobs 0"):
+        StudyOptions(jobs=0)
+
+
+@pytest.mark.slow
+def test_devices_give_the_runs_of_one_after_another(spec, tmp_path):
+    """`compare --seeds 0,1 --devices cpu,cpu` and `fedsm sweep --lam 0.5,0.7 --devices cpu,cpu` (one process per
+    device, one torch thread each) write the checkpoints of the sequential commands bit for bit and the same
+    tables."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the sequential runs with one thread, as each device's process
+    try:
+        args = ["compare", str(spec), "--methods", "fedavg", "--seeds", "0,1", "--rounds", "1", *SETS]
+        for name, extra in (("seq", ["--jobs", "1"]), ("dev", ["--devices", "cpu,cpu"])):
+            assert main([*args, "--out", str(tmp_path / name), *extra]) == 0
+        for seed in (0, 1):
+            rel = Path("fedavg") / f"seed{seed}" / "checkpoints" / "best.safetensors"
+            assert (tmp_path / "seq" / rel).read_bytes() == (tmp_path / "dev" / rel).read_bytes()
+        assert (tmp_path / "seq" / "comparison.md").read_text() == (tmp_path / "dev" / "comparison.md").read_text()
+        args = ["fedsm", "sweep", str(spec), "--lam", "0.5,0.7", "--gamma", "0", "--rounds", "1", *SETS]
+        for name, extra in (("fseq", ["--jobs", "1"]), ("fdev", ["--devices", "cpu,cpu"])):
+            assert main([*args, "--out", str(tmp_path / name), *extra]) == 0
+        for lam in ("0.5", "0.7"):
+            rel = Path(f"lam{lam}") / "checkpoints" / "best.safetensors"
+            assert (tmp_path / "fseq" / rel).read_bytes() == (tmp_path / "fdev" / rel).read_bytes()
+        assert (tmp_path / "fseq" / "sweep.md").read_text() == (tmp_path / "fdev" / "sweep.md").read_text()
+    finally:
+        torch.set_num_threads(threads)

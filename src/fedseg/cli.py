@@ -23,6 +23,7 @@ from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
 from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
 from fedseg.apps.studies.grid import sweep as grid_sweep
+from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.apps.tracking import tracker_for
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
@@ -152,18 +153,7 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 def cmd_compare(a: argparse.Namespace) -> int:
     overrides = a.set + ([f"device={a.device}"] if a.device else [])
-    _, table = compare(
-        a.config,
-        split_method_entries(a.methods),
-        a.out,
-        seeds=[int(s) for s in _csv(a.seeds)],
-        rounds=a.rounds,
-        overrides=overrides,
-        tune=a.tune,
-        jobs=a.jobs,
-        devices=_csv(a.devices) if a.devices else None,
-        track=a.track,
-    )
+    _, table = compare(a.config, split_method_entries(a.methods), a.out, _study_options(a, overrides), tune=a.tune)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'comparison.md'}")
     if a.tune:
@@ -171,20 +161,20 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sweep(a: argparse.Namespace) -> int:
-    overrides = a.set + ([f"device={a.device}"] if a.device else [])
-    _, table = grid_sweep(
-        a.config,
-        a.method,
-        a.grid,
-        a.out,
-        seeds=[int(s) for s in _csv(a.seeds)],
+def _study_options(a: argparse.Namespace, overrides: list[str]) -> StudyOptions:
+    return StudyOptions(
+        seeds=tuple(int(s) for s in _csv(a.seeds)),
         rounds=a.rounds,
-        overrides=overrides,
+        overrides=tuple(overrides),
         jobs=a.jobs,
-        devices=_csv(a.devices) if a.devices else None,
+        devices=tuple(_csv(a.devices)) if a.devices else None,
         track=a.track,
     )
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    overrides = a.set + ([f"device={a.device}"] if a.device else [])
+    _, table = grid_sweep(a.config, a.method, a.grid, a.out, _study_options(a, overrides))
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / 'sweep.md'}, figure: {Path(a.out).resolve() / 'sweep.png'}")
     return 0
@@ -206,14 +196,16 @@ def cmd_fedsm(a: argparse.Namespace) -> int:
         kwargs = {"lams": [float(x) for x in _csv(a.lam)]}
         name = "sweep.md"
     kwargs.update(overrides=a.set, gammas=gammas, progress=True)
+    devices = tuple(_csv(a.devices)) if a.devices else None
     if a.seeds:
         if a.seed is not None:
             raise ConfigError("give --seed (one run) or --seeds (one run per seed), not both")
         fields.pop("seed", None)
         seeds = [int(s) for s in _csv(a.seeds)]
-        _, table = over_seeds(a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, **kwargs, **fields)
+        _, table = over_seeds(a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, devices=devices, **kwargs, **fields)
     else:
-        _, table = (unseen if a.fedsm_verb == "unseen" else sweep)(a.config, a.out, **kwargs, **fields)
+        study = unseen if a.fedsm_verb == "unseen" else sweep
+        _, table = study(a.config, a.out, jobs=a.jobs, devices=devices, **kwargs, **fields)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / name}")
     return 0
@@ -297,15 +289,16 @@ def _jobs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jobs",
         type=int,
-        default=1,
         metavar="N",
-        help="independent runs in N processes with one torch thread each (default 1: one after another; "
-        "the same results either way)",
+        help="independent runs in N processes with one torch thread each (1: one after another; the same "
+        "results either way)",
     )
     p.add_argument(
         "--devices",
         metavar="D1,D2",
-        help="one process per device, e.g. cuda:0,cuda:1 (or cpu,cpu); each run on its process's device",
+        help="one process per device, e.g. cuda:0,cuda:1 (or cpu,cpu); each run on its process's device, the "
+        "same results as one after another. Default (neither --jobs nor --devices): every visible CUDA device "
+        "where there are several, else one run after another",
     )
 
 
@@ -526,13 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--seeds", help="comma-separated seeds: one study per seed in OUT/seed<N>, then one table (mean ± sd)"
         )
         x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
-        x.add_argument(
-            "--jobs",
-            type=int,
-            default=1,
-            metavar="N",
-            help="with --seeds: the seeds' studies in N processes with one torch thread each (the same numbers)",
-        )
+        _jobs_arguments(x)
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if study == "unseen":
             x.add_argument("--sites", help="comma-separated sites to hold out (default: each site)")

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from fedseg.algorithms.personal import Combine, PersonalizationBase, PersonalStep
-from fedseg.foundation.arrays import Arrays, clone, prefixed, strip_prefix, weighted_mean
+from fedseg.foundation.arrays import (
+    Arrays,
+    clone,
+    normalize_weights,
+    prefixed,
+    strip_prefix,
+    weighted_means,
+)
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site.runtime import Site
 
@@ -132,10 +139,13 @@ def soft_pull(
         return out
     a = soft_pull_matrix(k, lam)
     items = [personal[s] for s in names]
-    for i, s in enumerate(names):
+    rows = []
+    for i in range(k):
         # own model first so that integer tensors come from the site itself
         order = [i] + [j for j in range(k) if j != i]
-        out[s] = weighted_mean([items[j] for j in order], [float(a[i, j]) for j in order])
+        rows.append((order, normalize_weights([float(a[i, j]) for j in order])))
+    for s, mixed in zip(names, weighted_means(items, rows)):  # each model cast once, K² foreach sums
+        out[s] = mixed
     return {s: out[s] for s in personal}
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "strip_prefix",
     "sub",
     "weighted_mean",
+    "weighted_means",
     "zeros_like",
 ]
 
@@ -105,20 +106,48 @@ def weighted_mean(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence
     if not items:
         raise ValueError("weighted_mean of no arrays: aggregation needs at least one reply")
     p = normalize_weights(weights if weights is not None else [1.0] * len(items))
+    return weighted_means(items, [(list(range(len(items))), p)])[0]
+
+
+def weighted_means(
+    items: Sequence[Mapping[str, torch.Tensor]], rows: Sequence[tuple[Sequence[int], Sequence[float]]]
+) -> list[Arrays]:
+    """Several weighted sums of the same K arrays: per row ``(order, p)``, Σ_i p_i · items[order[i]], summed in
+    that order (integer tensors from ``items[order[0]]``); :func:`weighted_mean` is one row of normalized
+    weights, SoftPull's personalized models K rows.
+
+    Each item's floating tensors are cast to the accumulation dtype (float64 for float32 and below) once, not
+    once per row, and each (row, item) term is one ``torch._foreach_add_`` over all tensors: K casts per
+    tensor and K² foreach operators instead of 2·K² operators per tensor.  The arithmetic is a row's
+    ``acc = 0; acc += p_i · x_i`` in order, tensor by tensor, as with one ``add_`` per tensor: bitwise the
+    same on the CPU (its foreach is that loop); CUDA's fused foreach kernel computes the same float64 terms,
+    its rounding before the cast back at most float64's."""
+    if not items:
+        raise ValueError("weighted_mean of no arrays: aggregation needs at least one reply")
     first = items[0]
     for other in items[1:]:
         check_compatible(first, other)
-    out: Arrays = {}
-    for name, ref in first.items():
-        if not is_float(ref):
-            out[name] = ref.clone()
-            continue
-        acc_dtype = torch.float64 if ref.dtype in (torch.float16, torch.bfloat16, torch.float32) else ref.dtype
-        acc = torch.zeros(ref.shape, dtype=acc_dtype, device=ref.device)
-        for pk, item in zip(p, items):
-            if pk != 0.0:
-                acc.add_(item[name].to(acc_dtype), alpha=pk)
-        out[name] = acc.to(ref.dtype)
+    names = [n for n, ref in first.items() if is_float(ref)]
+    acc_dtypes = [
+        torch.float64 if first[n].dtype in (torch.float16, torch.bfloat16, torch.float32) else first[n].dtype
+        for n in names
+    ]
+    cast: dict[int, list[torch.Tensor]] = {}
+    out = []
+    for order, p in rows:
+        accs = [torch.zeros(first[n].shape, dtype=d, device=first[n].device) for n, d in zip(names, acc_dtypes)]
+        for i, pk in zip(order, p):
+            if pk == 0.0:
+                continue
+            if i not in cast:
+                cast[i] = [items[i][n].to(d) for n, d in zip(names, acc_dtypes)]
+            if accs:
+                torch._foreach_add_(accs, cast[i], alpha=pk)
+        summed = dict(zip(names, accs))
+        own = items[order[0]]
+        out.append(
+            {name: (summed[name].to(ref.dtype) if name in summed else own[name].clone()) for name, ref in own.items()}
+        )
     return out
 
 

@@ -341,7 +341,7 @@ def route_task(
     candidate: Candidate,
     sites: Sequence[str],
     split: str,
-    gammas: Sequence[float],
+    gammas: Sequence[float | None],
     per_model: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``.

@@ -12,6 +12,7 @@ from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tuning import tuning_markdown
 from fedseg.apps.studies.grid import parse_grid
 from fedseg.apps.studies.grid import tune as run_grid
+from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.apps.tracking import tracker_for
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.summary import row_from_cases
@@ -71,15 +72,8 @@ def compare(
     config: str | Path,
     methods: Sequence[str],
     out: str | Path,
-    seeds: Sequence[int] = (0,),
-    rounds: int | None = None,
-    overrides: Sequence[str] = (),
-    progress: bool = True,
-    log: Callable[[str], None] = print,
+    options: StudyOptions | None = None,
     tune: Sequence[str] = (),
-    jobs: int = 1,
-    devices: Sequence[str] | None = None,
-    track: str | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run every method with every seed into ``out/<entry>/seed<k>`` and tabulate them.
 
@@ -96,19 +90,23 @@ def compare(
     seeds); test numbers never enter the choice (:mod:`fedseg.apps.studies.grid`).  The table is followed by
     each point's validation score and the choice, also in ``out/tuning.json``.
 
-    ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each; ``devices``
-    one process per device.  ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
+    ``options`` (:class:`~fedseg.apps.studies.jobs.StudyOptions`, default: its defaults): the seeds, rounds and overrides of every run;
+    ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each, ``devices`` one
+    process per device (neither: one per CUDA device where there are several, else one after another).
+    ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
     MLflow run, nested under one parent run that holds the table, the tuning record and the HTML report
     (``out/report.html``, without the model sections; :mod:`fedseg.apps.tracking`).  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
     ``out/comparison.json``; returns the reported runs' results and the table.
     """
     out = Path(out)
+    options = options or StudyOptions()
+    seeds, progress, log = options.seeds, options.progress, options.log
     parsed = [parse_method_entry(m) for m in methods]
     axes = [parse_grid(t) for t in tune]
     missing = sorted({m for m, _, _ in axes if m is not None} - {p[0] for p in parsed})
     if missing:
         raise ConfigError(f"--tune names {missing}, which --methods does not run; add them or drop that --tune")
-    tracker = tracker_for(track, out, config, overrides)
+    tracker = tracker_for(options.track, out, config, options.overrides)
     parent = (
         tracker.parent(
             out,
@@ -123,13 +121,7 @@ def compare(
         [(entry, method, own, label) for entry, (method, own, label) in zip(methods, parsed)],
         axes,
         out,
-        seeds=seeds,
-        rounds=rounds,
-        overrides=overrides,
-        jobs=jobs,
-        devices=devices,
-        progress=progress,
-        log=log,
+        options,
         tracker=tracker,
         parent_id=parent,
     )
@@ -195,7 +187,10 @@ def demo(
         "model.num_res_units=1",
     ]
     _runs, table = compare(
-        spec, DEMO_METHODS, out, seeds=(seed,), rounds=rounds, overrides=overrides, progress=progress, log=log
+        spec,
+        DEMO_METHODS,
+        out,
+        StudyOptions(seeds=(seed,), rounds=rounds, overrides=tuple(overrides), progress=progress, log=log),
     )
     # tables, curves and FedSM's routing only: the model sections (loss surface, t-SNE) take
     # minutes on a CPU — `fedseg report runs/demo` builds them

@@ -9,6 +9,9 @@
   Dice, best γ and its Dice).
 * :func:`sweep` runs one FedSM per λ (Table 7: Client Avg and Global Dice per λ) and
   reports the test Dice per γ.
+* Both studies' runs are independent: ``jobs``/``devices`` run them in spawned processes, one per device
+  (:func:`fedseg.apps.studies.jobs.placement`; by default one per CUDA device where there are several), each
+  the same numbers as one after another.
 * :func:`over_seeds` runs either study once per seed (``out/seed<N>``) and :func:`tabulate`
   puts the seeds' studies into one table (mean ± sd over seeds), from their ``sweep.json`` or
   ``unseen.json`` alone.
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
 from fedseg.algorithms.fedsm.selection import PER_MODEL
-from fedseg.apps.studies.jobs import map_in_processes
+from fedseg.apps.studies.jobs import map_in_processes, placement
 from fedseg.evaluation.tables import mean_sd, table5
 from fedseg.execution.engine import Engine
 from fedseg.foundation.config import RunConfig, load_run_config
@@ -200,6 +202,56 @@ def routing_markdown(results: Mapping[str, Any]) -> str:
     )
 
 
+# ------------------------------------------------------------- independent runs
+def _fedsm_point(
+    cfg: RunConfig,
+    out: str,
+    heldout: str | None,
+    gammas: Sequence[float] | None,
+    device: str | None = None,
+    workload: Workload | None = None,
+    data: Mapping[str, SiteData] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> str:
+    """One run of a study into ``out`` (:func:`run_fedsm`; in a process of its own it loads the federation
+    itself); returns ``out``, whose ``results.json`` is read back."""
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    if data is None or workload is None:
+        fed, data = load_federation_data(cfg.federation)
+        workload = workload_for(fed, cfg)
+    run_fedsm(cfg, workload, data, out=out, heldout=heldout, gammas=gammas, progress=progress, log=log)
+    return out
+
+
+def _run_points(
+    points: Sequence[tuple[RunConfig, Path, str | None]],
+    workload: Workload,
+    data: Mapping[str, SiteData],
+    gammas: Sequence[float] | None,
+    jobs: int | None,
+    devices: Sequence[str] | None,
+    overrides: Sequence[str],
+    progress: bool,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Run a study's runs ``(config, folder, held-out site)`` one after another or, as
+    :func:`~fedseg.apps.studies.jobs.placement` says for ``jobs``/``devices``, in spawned processes (one torch
+    thread each; one per device); returns each run's ``results.json`` as written, the same either way."""
+    if jobs is None and devices is None and points and points[0][0].device == "cpu":
+        jobs = 1  # set to the CPU: no CUDA devices by default
+    n, devs = placement(jobs, devices, overrides)
+    if n == 1 or len(points) <= 1:
+        for cfg, out, held in points:
+            dev = devs[0] if devs else None
+            _fedsm_point(cfg, str(out), held, gammas, dev, workload, data, progress, log)
+    else:
+        calls: list[tuple[tuple, dict[str, Any]]] = [((cfg, str(out), held, gammas), {}) for cfg, out, held in points]
+        map_in_processes(_fedsm_point, calls, n, log, devices=devs, what="FedSM runs")
+    return [json.loads((Path(out) / "results.json").read_text()) for _, out, _ in points]
+
+
 # ------------------------------------------------------------------- Table 5
 def unseen(
     config: str | Path | RunConfig,
@@ -209,9 +261,14 @@ def unseen(
     gammas: Sequence[float] | None = None,
     progress: bool = False,
     log: Callable[[str], None] = print,
+    jobs: int | None = None,
+    devices: Sequence[str] | None = None,
+    device: str | None = None,
     **fields: Any,
 ) -> tuple[list[dict[str, Any]], str]:
     """FedSM Table 5: for each held-out site k, train on the others, test the composite on k.
+
+    ``jobs``/``devices``: the held-out sites' runs in processes (:func:`_run_points`); ``device``: every run's.
 
     Returns the rows and the Markdown table (also ``out/unseen.md`` and ``out/unseen.json``).
     Each row: ``site``, ``selection_at_0`` ({model: frequency} at γ = 0), ``dice_at_0``,
@@ -221,14 +278,15 @@ def unseen(
     cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
     if cfg.method != "fedsm":
         cfg = dataclasses.replace(cfg, method="fedsm")
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
     grid = sorted({0.0, *(gammas if gammas is not None else get_algorithm(cfg).params.gamma_grid)})
     out = Path(out)
     rows = []
-    for k in sites or list(data):
-        t0 = time.perf_counter()
-        res = run_fedsm(
-            cfg, workload, data, out=out / f"unseen-{k}", heldout=k, gammas=grid, progress=progress, log=log
-        )
+    held = list(sites or list(data))
+    points = [(cfg, out / f"unseen-{k}", k) for k in held]
+    done = _run_points(points, workload, data, grid, jobs, devices, overrides, progress, log)
+    for k, res in zip(held, done):
         r = res["fedsm"]["per_site"][k]
         dbg = {float(g): d for g, d in r["dice_by_gamma"].items()}
         best_g = max(sorted(dbg), key=lambda g: dbg[g])
@@ -241,7 +299,7 @@ def unseen(
                 "best_dice": dbg[best_g],
                 "dice_by_gamma": dbg,
                 **_chosen(res, k),
-                "wall_time_s": time.perf_counter() - t0,
+                "wall_time_s": res.get("wall_time_s"),
             }
         )
         log(f"unseen {k}: Dice at γ=0 {dbg[0.0]:.4f}, best γ {best_g} → {dbg[best_g]:.4f}")
@@ -283,9 +341,14 @@ def sweep(
     gammas: Sequence[float] | None = None,
     progress: bool = False,
     log: Callable[[str], None] = print,
+    jobs: int | None = None,
+    devices: Sequence[str] | None = None,
+    device: str | None = None,
     **fields: Any,
 ) -> tuple[list[dict[str, Any]], str]:
     """FedSM Table 7: one FedSM run per λ (Client Avg and Global Dice), plus test Dice per γ.
+
+    ``jobs``/``devices``: the λs' runs in processes (:func:`_run_points`); ``device``: every run's.
 
     Every λ in [0, 1] runs (the paper's Table 7 includes λ = 0.1 < 1/K = 1/6; below 1/K a
     warning says that a site's own model then weighs less than each other site's); a λ
@@ -294,22 +357,19 @@ def sweep(
     cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
     if cfg.method != "fedsm":
         cfg = dataclasses.replace(cfg, method="fedsm")
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
     out = Path(out)
     rows = []
+    ok = [lam for lam in lams if 0.0 <= lam <= 1.0]
+    points = [(with_fedsm(cfg, lam=float(lam)), out / f"lam{lam:g}", None) for lam in ok]
+    results = dict(zip(ok, _run_points(points, workload, data, gammas, jobs, devices, overrides, progress, log)))
     for lam in lams:
-        if not 0.0 <= lam <= 1.0:
+        if lam not in results:
             rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [0, 1]"})
             log(f"λ = {lam}: skipped, outside [0, 1]")
             continue
-        res = run_fedsm(
-            with_fedsm(cfg, lam=float(lam)),
-            workload,
-            data,
-            out=out / f"lam{lam:g}",
-            gammas=gammas,
-            progress=progress,
-            log=log,
-        )
+        res = results[lam]
         rows.append(
             {
                 "lam": lam,
@@ -368,12 +428,14 @@ def over_seeds(
     out: str | Path,
     seeds: Sequence[int],
     log: Callable[[str], None] = print,
-    jobs: int = 1,
+    jobs: int | None = None,
+    devices: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> tuple[dict[int, list[dict[str, Any]]], str]:
     """Run ``study`` (``"sweep"`` or ``"unseen"``, with :func:`sweep`'s / :func:`unseen`'s arguments)
-    once per seed into ``out/seed<N>`` (``jobs`` > 1: the seeds in that many processes, one torch thread
-    each, the same numbers), then write their table over seeds (:func:`tabulate`) to ``out/<study>.md``.
+    once per seed into ``out/seed<N>`` (``jobs`` > 1 or ``devices``: the seeds in that many processes, one torch
+    thread each, one per device, the same numbers; one seed: its study's runs in them), then write their table
+    over seeds (:func:`tabulate`) to ``out/<study>.md``.
     Returns the rows by seed and that table."""
     if study not in STUDY_FILES:
         raise ConfigError(f"unknown FedSM study {study!r}; use 'sweep' or 'unseen'")
@@ -381,10 +443,17 @@ def over_seeds(
         raise ConfigError("over_seeds needs at least one seed, e.g. --seeds 0,1,2")
     fn = sweep if study == "sweep" else unseen
     out = Path(out)
-    if jobs > 1:
-        kwargs["progress"] = False
-    calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
-    done = map_in_processes(fn, calls, jobs, log) if jobs > 1 else [fn(*a, log=log, **k) for a, k in calls]
+    if isinstance(config, RunConfig) and jobs is None and devices is None and config.device == "cpu":
+        jobs = 1
+    n, devs = placement(jobs, devices, kwargs.get("overrides", ()))
+    calls: list[tuple[tuple, dict[str, Any]]]
+    if n > 1 and len(seeds) > 1:
+        kwargs.update(progress=False, jobs=1)
+        calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
+        done = map_in_processes(fn, calls, n, log, devices=devs)
+    else:
+        calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
+        done = [fn(*a, **{**k, "log": log, "jobs": jobs, "devices": devices}) for a, k in calls]
     rows = {seed: r for seed, (r, _) in zip(seeds, done)}
     _, table = tabulate([out / f"seed{s}" for s in seeds], out / f"{STUDY_FILES[study]}.md")
     return rows, table

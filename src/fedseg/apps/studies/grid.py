@@ -19,13 +19,13 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
-from fedseg.apps.studies.jobs import Job, point_text, requested_config, run_jobs, run_point
+from fedseg.apps.studies.jobs import Job, StudyOptions, point_text, requested_config, run_jobs, run_point
 from fedseg.apps.tracking import MlflowTracker, tracker_for
 from fedseg.evaluation.tables import mean_sd
 from fedseg.foundation.config import RunConfig
@@ -34,6 +34,7 @@ from fedseg.seams.checkpoint import save_json
 
 __all__ = [
     "Job",
+    "StudyOptions",
     "choose",
     "chosen_results",
     "grid_figure",
@@ -162,13 +163,7 @@ def tune(
     entries: Sequence[tuple[str, str, list[str], str]],
     axes: Sequence[tuple[str | None, str, list[str]]],
     out: str | Path,
-    seeds: Sequence[int] = (0,),
-    rounds: int | None = None,
-    overrides: Sequence[str] = (),
-    jobs: int = 1,
-    devices: Sequence[str] | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
+    options: StudyOptions | None = None,
     flat: bool = False,
     tracker: MlflowTracker | None = None,
     parent_id: str | None = None,
@@ -177,7 +172,8 @@ def tune(
     (:func:`validation_score`) and choose per entry the point with the highest mean over the seeds (:func:`choose`).
 
     ``entries``: ``(entry text, method, the entry's own overrides, label)``; ``axes``: :func:`parse_grid`'s
-    (an axis with a method applies to that method's entries only).  Runs go to
+    (an axis with a method applies to that method's entries only); ``options``: the seeds, rounds, overrides and
+    placement of every run (:class:`~fedseg.apps.studies.jobs.StudyOptions`; its ``track`` is the caller's).  Runs go to
     ``out/<entry>/<point>/seed<k>`` (``flat``: ``out/<point>/seed<k>``, one entry).  Returns the tuning
     record (also ``out/tuning.json``): per entry its points with their validation scores per seed, the chosen
     point, and the folders of the chosen point's runs (whose test numbers are the comparison's).
@@ -185,6 +181,8 @@ def tune(
     and whether it was chosen.
     """
     out = Path(out)
+    options = options or StudyOptions()
+    seeds, rounds, overrides = options.seeds, options.rounds, options.overrides
     if not seeds:
         raise ConfigError("give at least one seed, e.g. --seeds 0,1,2")
     plan: list[tuple[str, str, str, list[dict[str, str]]]] = []
@@ -208,7 +206,7 @@ def tune(
                         tuple(p.items()),
                     )
                 )
-    results = run_jobs(all_jobs, jobs, devices, progress=progress, log=log)
+    results = run_jobs(all_jobs, options.jobs, options.devices, progress=options.progress, log=options.log)
     record: dict[str, Any] = {
         "selection": (
             "per method, the grid point with the highest mean over the seeds of the best validation score its runs "
@@ -219,7 +217,7 @@ def tune(
     }
     i = 0
     for entry, method, label, points in plan:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for p in points:
             runs = [(all_jobs[i + k], results[i + k]) for k in range(len(seeds))]
             i += len(seeds)
@@ -271,14 +269,7 @@ def sweep(
     method: str,
     grid: Sequence[str],
     out: str | Path,
-    seeds: Sequence[int] = (0,),
-    rounds: int | None = None,
-    overrides: Sequence[str] = (),
-    jobs: int = 1,
-    devices: Sequence[str] | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-    track: str | None = None,
+    options: StudyOptions | None = None,
 ) -> tuple[dict[str, Any], str]:
     """``fedseg sweep``: ``method`` over the grid of ``grid`` (``["train.lr=3e-4,1e-3", …]``), one run per point
     and seed in ``out/<point>/seed<k>`` (resumable: :func:`run_point`).
@@ -286,9 +277,12 @@ def sweep(
     Writes ``out/tuning.json`` (validation score per point and seed, the best point), ``out/sweep.md`` (per point:
     validation score, test Client Avg and Global Dice, mean ± sd over the seeds; the best on validation marked)
     and ``out/sweep.png`` (validation score over the grid).  ``track`` (``"mlflow"``, or the config's
-    ``[tracking]``): every run an MLflow run under one parent run holding these files.  Returns the record and
-    the table.
+    ``[tracking]``): every run an MLflow run under one parent run holding these files.  ``options``: the seeds,
+    rounds, overrides, placement and tracking of the runs (:class:`~fedseg.apps.studies.jobs.StudyOptions`).
+    Returns the record and the table.
     """
+    options = options or StudyOptions()
+    seeds = options.seeds
     if method not in REGISTRY:
         raise ConfigError(f"unknown method {method!r}; known methods: {', '.join(sorted(REGISTRY))}")
     axes = [parse_grid(g if ":" in g.partition("=")[0] else _own_key(method, g)) for g in grid]
@@ -298,9 +292,11 @@ def sweep(
     if other:
         raise ConfigError(f"--grid names {other}, not the swept method {method!r}; use {method}:KEY or a dotted KEY")
     out = Path(out)
-    tracker = tracker_for(track, out, config, overrides)
+    tracker = tracker_for(options.track, out, config, options.overrides)
     parent = (
-        tracker.parent(out, "sweep", {"config": str(config), "method": method, "grid": list(grid), "seeds": seeds})
+        tracker.parent(
+            out, "sweep", {"config": str(config), "method": method, "grid": list(grid), "seeds": list(seeds)}
+        )
         if tracker is not None
         else None
     )
@@ -309,13 +305,7 @@ def sweep(
         [(method, method, [], method)],
         axes,
         out,
-        seeds=seeds,
-        rounds=rounds,
-        overrides=overrides,
-        jobs=jobs,
-        devices=devices,
-        progress=progress,
-        log=log,
+        options,
         flat=True,
         tracker=tracker,
         parent_id=parent,
