@@ -160,33 +160,6 @@ def test_requested_config_fails_on_a_bad_value_before_running(spec):
         requested_config(spec, ["train.lr=abc"], "fedavg", 0, 1)
 
 
-@pytest.mark.slow
-def test_jobs_give_the_runs_one_after_another(spec, tmp_path):
-    """`compare --tune … --jobs 2` (spawned processes, one torch thread each) writes the same best checkpoints,
-    bit for bit, and the same Dice as `--jobs 1`; the report of the tuned folder shows the choice."""
-    from fedseg.apps.report import ReportOptions, build_report
-
-    args = ["compare", str(spec), "--methods", "fedavg", "--seeds", "0", "--rounds", "1", *SETS]
-    args += ["--set", "device=cpu", "--tune", "train.lr=1e-3,1e-2"]
-    assert main([*args, "--out", str(tmp_path / "seq")]) == 0
-    assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
-    for lr in ("1e-3", "1e-2"):
-        for seed in (0,):
-            rel = Path("fedavg") / f"train.lr={lr}" / f"seed{seed}"
-            a, b = (json.loads((tmp_path / x / rel / "results.json").read_text()) for x in ("seq", "par"))
-            assert a["per_case_dice"] == b["per_case_dice"]
-            ca, cb = ((tmp_path / x / rel / "checkpoints" / "best.safetensors").read_bytes() for x in ("seq", "par"))
-            assert ca == cb
-    assert json.loads((tmp_path / "seq" / "tuning.json").read_text()) == json.loads(
-        (tmp_path / "par" / "tuning.json").read_text()
-    )
-    html = build_report([tmp_path / "seq"], tmp_path / "r.html", ReportOptions(models=False), progress=False)
-    text = html.read_text()
-    assert 'id="tuning"' in text and 'id="fig-tuning-0"' in text
-    chosen = json.loads((tmp_path / "seq" / "tuning.json").read_text())["methods"][0]
-    assert f"FedAvg [{chosen['points'][chosen['chosen']]['text']}]" in text
-
-
 def test_track_mlflow_without_mlflow_is_one_clear_error(spec, tmp_path, monkeypatch, capsys):
     import sys
 
@@ -198,18 +171,27 @@ def test_track_mlflow_without_mlflow_is_one_clear_error(spec, tmp_path, monkeypa
     assert not (tmp_path / "s").exists()  # refused before any run
 
 
-@pytest.mark.slow
-def test_fedsm_study_seeds_in_processes_give_the_numbers_of_one_after_another(spec, tmp_path):
-    """`fedseg fedsm sweep --seeds 0,1 --jobs 2`: each seed's study in its own process, the same rows."""
-    args = ["fedsm", "sweep", str(spec), "--lam", "0.7", "--gamma", "0", "--rounds", "1", "--seeds", "0,1", *SETS]
-    args += ["--set", "device=cpu"]
-    assert main([*args, "--out", str(tmp_path / "seq")]) == 0
-    assert main([*args, "--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
-    for seed in (0, 1):
-        a, b = (json.loads((tmp_path / x / f"seed{seed}" / "sweep.json").read_text()) for x in ("seq", "par"))
-        keys = ("lam", "client_avg_dice", "global_dice", "dice_by_gamma")
-        assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
-    assert (tmp_path / "seq" / "sweep.md").read_text() == (tmp_path / "par" / "sweep.md").read_text()
+def test_fedsm_study_over_seeds_gives_each_seed_its_own_process(spec, tmp_path, monkeypatch):
+    """`fedseg fedsm sweep --seeds 0,1 --devices cpu,cpu`: each seed's study is one call of the process map,
+    on its own device, into its own folder (the processes' numbers equal the sequential ones:
+    test_devices_give_the_runs_of_one_after_another)."""
+    from fedseg.apps.studies import fedsm as studies
+
+    seen = {}
+
+    def fake_map(fn, calls, n, log, devices=None):
+        seen.update(fn=fn, calls=calls, n=n, devices=devices)
+        for (_, folder), kw in calls:
+            folder.mkdir(parents=True)
+            row = {"lam": 0.7, "client_avg_dice": 0.5 + kw["seed"], "global_dice": 0.4, "dice_by_gamma": {}}
+            (folder / "sweep.json").write_text(json.dumps([row]))
+        return [([None], None) for _ in calls]
+
+    monkeypatch.setattr(studies, "map_in_processes", fake_map)
+    studies.over_seeds("sweep", spec, tmp_path, [0, 1], log=lambda m: None, devices=["cpu", "cpu"], lam=[0.7])
+    assert seen["fn"] is studies.sweep and seen["n"] == 2 and list(seen["devices"]) == ["cpu", "cpu"]
+    assert [(c[0][1].name, c[1]["seed"], c[1]["jobs"]) for c in seen["calls"]] == [("seed0", 0, 1), ("seed1", 1, 1)]
+    assert (tmp_path / "sweep.md").is_file()
 
 
 def test_placement_of_independent_runs(monkeypatch):
@@ -238,21 +220,33 @@ def test_placement_of_independent_runs(monkeypatch):
 
 @pytest.mark.slow
 def test_devices_give_the_runs_of_one_after_another(spec, tmp_path):
-    """`compare --seeds 0,1 --devices cpu,cpu` and `fedsm sweep --lam 0.5,0.7 --devices cpu,cpu` (one process per
-    device, one torch thread each) write the checkpoints of the sequential commands bit for bit and the same
-    tables."""
+    """`compare --tune train.lr=1e-3,1e-2 --devices cpu,cpu` and `fedsm sweep --lam 0.5,0.7 --devices cpu,cpu`
+    (one process per device, one torch thread each) write the checkpoints of the sequential commands bit for
+    bit, the same tables and the same tuning choice; the report of the tuned folder shows the choice."""
     import torch
+
+    from fedseg.apps.report import ReportOptions, build_report
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the sequential runs with one thread, as each device's process
     try:
-        args = ["compare", str(spec), "--methods", "fedavg", "--seeds", "0,1", "--rounds", "1", *SETS]
+        args = ["compare", str(spec), "--methods", "fedavg", "--seeds", "0", "--rounds", "1", *SETS]
+        args += ["--tune", "train.lr=1e-3,1e-2"]
         for name, extra in (("seq", ["--jobs", "1"]), ("dev", ["--devices", "cpu,cpu"])):
             assert main([*args, "--out", str(tmp_path / name), *extra]) == 0
-        for seed in (0, 1):
-            rel = Path("fedavg") / f"seed{seed}" / "checkpoints" / "best.safetensors"
-            assert (tmp_path / "seq" / rel).read_bytes() == (tmp_path / "dev" / rel).read_bytes()
-        assert (tmp_path / "seq" / "comparison.md").read_text() == (tmp_path / "dev" / "comparison.md").read_text()
+        for lr in ("1e-3", "1e-2"):
+            rel = Path("fedavg") / f"train.lr={lr}" / "seed0"
+            a, b = (json.loads((tmp_path / x / rel / "results.json").read_text()) for x in ("seq", "dev"))
+            assert a["per_case_dice"] == b["per_case_dice"]
+            ckpt = rel / "checkpoints" / "best.safetensors"
+            assert (tmp_path / "seq" / ckpt).read_bytes() == (tmp_path / "dev" / ckpt).read_bytes()
+        chosen = json.loads((tmp_path / "seq" / "tuning.json").read_text())
+        assert chosen == json.loads((tmp_path / "dev" / "tuning.json").read_text())
+        html = build_report([tmp_path / "seq"], tmp_path / "r.html", ReportOptions(models=False), progress=False)
+        text = html.read_text()
+        assert 'id="tuning"' in text and 'id="fig-tuning-0"' in text
+        method = chosen["methods"][0]
+        assert f"FedAvg [{method['points'][method['chosen']]['text']}]" in text
         args = ["fedsm", "sweep", str(spec), "--lam", "0.5,0.7", "--gamma", "0", "--rounds", "1", *SETS]
         for name, extra in (("fseq", ["--jobs", "1"]), ("fdev", ["--devices", "cpu,cpu"])):
             assert main([*args, "--out", str(tmp_path / name), *extra]) == 0
