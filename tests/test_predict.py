@@ -1,0 +1,163 @@
+"""``fedseg predict``: masks written in each scan's own format and geometry, re-read from disk and scored with
+an independent numpy Dice, equal evaluation's per-case Dice; FedSM's routing equals evaluation's."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from fedseg.algorithms import known_sections
+from fedseg.apps.predict import keep_largest, load_predictor, predict_files
+from fedseg.cli import main
+from fedseg.data.readers import read_array
+from fedseg.foundation.config import load_run_config
+from fedseg.foundation.errors import ConfigError, DataError
+from fedseg.seams.checkpoint import load_best
+from fedseg.simulation.runner import build_engine, load_federation_data, run
+from fedseg.site import predict as prediction
+from fedseg.site.workload import workload_for
+
+SMALL = ["model.channels=[4,8,16]", "model.strides=[2,2]", "model.num_res_units=1", "train.batch_size=8"]
+
+
+def numpy_dice(mask: np.ndarray, label: np.ndarray, labels: dict, empty: float = 1.0) -> list[float]:
+    """Per-channel Dice of two label maps through the spec's channels (``isin``), numpy only."""
+    out = []
+    for values in labels.values():
+        p, t = np.isin(mask, values), np.isin(label, values)
+        s = p.sum() + t.sum()
+        out.append(empty if s == 0 else 2.0 * (p & t).sum() / s)
+    return out
+
+
+def evaluated(run_dir, split: str = "testing"):
+    """Evaluation's per-case Dice of every best model (``fedseg evaluate``'s path), and its engine."""
+    cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
+    fed, data = load_federation_data(cfg.federation)
+    engine = build_engine(cfg, workload_for(fed, cfg), data, progress=False, log=lambda m: None)
+    best = load_best(run_dir / "checkpoints")
+    return (
+        fed,
+        engine,
+        {n: engine.evaluate([b.candidate], split, lambda c: engine.transport.sites)[n] for n, b in best.items()},
+    )
+
+
+def test_label_map_gives_back_the_spec_values_of_nested_and_disjoint_channels():
+    nested = {"disc": [1, 2], "cup": [2]}
+    lit = torch.tensor([[1.0, 1.0, -1.0, -1.0], [-1.0, 1.0, -1.0, 1.0]]) * 5  # (L, 4): disc, cup
+    # disc only -> 1, both -> 2, neither -> 0, cup without disc -> 2 (the later, more specific value on a tie)
+    assert prediction.label_map(lit, nested).tolist() == [1, 2, 0, 2]
+    disjoint = {"a": [1], "b": [3]}
+    assert prediction.label_map(lit, disjoint).tolist() == [1, 3, 0, 3]
+    # re-reading a consistent map through isin gives back the thresholded channels exactly
+    logits = torch.randn(2, 9, 9) * 3
+    logits[1] = torch.minimum(logits[1], logits[0])  # cup inside disc
+    m = prediction.label_map(logits, nested).numpy()
+    assert np.array_equal(np.stack([np.isin(m, v) for v in nested.values()]), (logits > 0).numpy())
+    # keep-largest per channel drops the smaller disc island, and with it the cup inside it
+    lab = np.zeros((8, 8), dtype=np.int64)
+    lab[1:4, 1:4], lab[2, 2], lab[6, 6] = 1, 2, 2
+    kept = keep_largest(lab, nested)
+    assert kept[6, 6] == 0 and kept[2, 2] == 2 and (kept[1:4, 1:4] > 0).all()
+
+
+@pytest.mark.slow
+def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
+    """One label channel (prostate): every mask re-read through ``isin`` is exactly the thresholded channel.
+    Nested channels give the same wherever the prediction is consistent (cup inside disc; the first test)."""
+    fed_dir = tmp_path / "prostate"
+    assert main(["synth", "--preset", "prostate", "--out", str(fed_dir), "--scale", "0.05", "--size", "32"]) == 0
+    out = tmp_path / "run"
+    run(
+        fed_dir / "federation.toml",
+        out=out,
+        overrides=["method=fedsm", "rounds=2", *SMALL],
+        progress=False,
+        log=lambda m: None,
+    )
+    fed, engine, per_case = evaluated(out)
+    loaded = load_predictor(out)
+    assert loaded.candidate.name == "fedsm"
+    for site in fed.sites:
+        masks = tmp_path / "masks" / site.name
+        res = predict_files(loaded, [site.datalist], masks, split="testing", progress=False, log=lambda m: None)
+        entries = json.loads(site.datalist.read_text())["testing"]
+        assert len(res["written"]) == len(entries) and not res["skipped"]
+        for k, e in enumerate(entries):
+            mask = read_array(masks / e["image"])
+            label = read_array(site.datalist.parent / e["label"])
+            assert mask.shape == label.shape[:2]
+            got = numpy_dice(mask, label, fed.labels)
+            assert got == pytest.approx(per_case["fedsm"][site.name][k], abs=1e-6)
+        # the routing written per case is evaluation's: the composite's selector and thresholds on its images
+        from fedseg.algorithms.fedsm.selection import load_composite, route, selector_probs, thresholds
+
+        s = engine.transport.site(site.name)
+        cand = load_best(out / "checkpoints")["fedsm"].candidate
+        sel, _ = load_composite(s, cand.arrays, cand.config, engine.algorithm.selector_factory, "fedsm-eval/")
+        idx = route(selector_probs(s, sel, "testing").float(), thresholds(cand.config)).tolist()
+        rows = list(csv.DictReader((masks / "routing.csv").open()))
+        assert [r["model"] for r in rows] == [loaded.route_names[i] for i in idx]
+    # nothing is overwritten without --force; a run without best models names the fix
+    with pytest.raises(ConfigError, match="--force"):
+        predict_files(
+            loaded, [fed.sites[0].datalist], tmp_path / "masks" / fed.sites[0].name, split="testing", progress=False
+        )
+    with pytest.raises(ConfigError, match="finished fedseg run"):
+        load_predictor(tmp_path / "prostate")
+    # personalized models: --site chooses; the choices are named
+    with pytest.raises(ConfigError, match="site1"):
+        load_predictor(out, site="nowhere")
+    assert load_predictor(out, site="site2", model="personal").candidate.name == "personal/site2"
+
+
+def _oblique(angle: float) -> np.ndarray:
+    c, s = np.cos(angle), np.sin(angle)
+    a = np.eye(4)
+    a[:3, :3] = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]]) @ np.diag([1.1, 1.1, 2.5])
+    a[:3, 3] = [2.0, -3.0, 0.0]
+    return a
+
+
+@pytest.mark.slow
+def test_predict_3d_masks_in_each_scans_own_grid_equal_evaluation(tmp_path, monkeypatch):
+    """Anisotropic, flipped (LPS) and oblique scans: each mask in the scan's own grid, with its affine."""
+    import test_volumes_run as tv
+
+    monkeypatch.setitem(tv.SITES, "oblique", (_oblique(0.3), (20, 20, 10)))
+    spec = tv.write_federation(tmp_path, n=(2, 1, 2))
+    out = tmp_path / "run"
+    overrides = ["rounds=2", "train.local_steps=2", "train.batch_size=2", "model.num_res_units=0"]
+    run(spec, out=out, overrides=overrides, progress=False, log=lambda m: None)
+    fed, _, per_case = evaluated(out)
+    loaded = load_predictor(out)
+    # a small slab size: the scan's grid is filled slab by slab, as a large volume is
+    monkeypatch.setattr("fedseg.apps.predict.run.SLAB_BYTES", 20 * 20 * 3 * 8)
+    for site in fed.sites:
+        masks = tmp_path / "masks" / site.name
+        predict_files(loaded, [site.datalist], masks, split="testing", progress=False, log=lambda m: None)
+        for k, e in enumerate(json.loads(site.datalist.read_text())["testing"]):
+            written = nib.load(str(masks / e["image"]))
+            label = nib.load(str(site.datalist.parent / e["label"]))
+            assert np.allclose(written.affine, label.affine) and written.shape == label.shape
+            got = numpy_dice(np.asarray(written.dataobj), np.asarray(label.dataobj), fed.labels)
+            assert got == pytest.approx(per_case["global"][site.name][k], abs=1e-6)
+    # a 2D picture or a two-channel volume cannot match the run: one error naming the file and the fix
+    bad = tmp_path / "bad.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 8, 2), np.float32), np.eye(4)), bad)
+    with pytest.raises(DataError, match=r"bad.nii.gz: has 2 channel\(s\).*in_channels = 1"):
+        predict_files(loaded, [bad], tmp_path / "m2", progress=False)
+    # an unreadable file in a folder is listed and skipped; --strict stops
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "broken.nii.gz").write_bytes(b"not a volume")
+    res = predict_files(loaded, [folder], tmp_path / "m3", progress=False, log=lambda m: None)
+    assert [s["file"] for s in res["skipped"]] == [str(folder / "broken.nii.gz")]
+    with pytest.raises(DataError, match="broken.nii.gz"):
+        predict_files(loaded, [folder], tmp_path / "m4", strict=True, progress=False)
