@@ -3,8 +3,13 @@ an independent numpy Dice, equal evaluation's per-case Dice; FedSM's routing equ
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import nibabel as nib
 import numpy as np
@@ -13,6 +18,7 @@ import torch
 
 from fedseg.algorithms import known_sections
 from fedseg.apps.predict import keep_largest, load_predictor, predict_files
+from fedseg.apps.predict.export import export_run
 from fedseg.cli import main
 from fedseg.data.readers import read_array
 from fedseg.foundation.config import load_run_config
@@ -67,6 +73,22 @@ def test_label_map_gives_back_the_spec_values_of_nested_and_disjoint_channels():
     assert kept[6, 6] == 0 and kept[2, 2] == 2 and (kept[1:4, 1:4] > 0).all()
 
 
+def test_mirroring_is_equivariant_and_the_plain_prediction_is_the_identity_flip():
+    """Test-time mirroring averages the probabilities of every flip of the spatial axes, each flipped back:
+    the mean over the group of flips is invariant to mirroring the input first, so TTA(flip(x)) =
+    flip(TTA(x)) for any network; without TTA the predictor runs once, unchanged."""
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(1, 2, 3, padding=1)
+    site = SimpleNamespace(autocast=contextlib.nullcontext)
+    x = torch.rand(1, 1, 9, 7)
+    assert prediction.mirror_axes(2) == [(), (2,), (3,), (2, 3)] and len(prediction.mirror_axes(3)) == 8
+    with torch.no_grad():
+        assert torch.equal(prediction.logits(site, net, x), net(x))
+        tta = prediction.logits(site, net, x, tta=True)
+        torch.testing.assert_close(prediction.logits(site, net, x.flip(3), tta=True), tta.flip(3), atol=1e-5, rtol=0)
+        assert not torch.allclose(tta, net(x), atol=1e-3)
+
+
 @pytest.mark.slow
 def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     """One label channel (prostate): every mask re-read through ``isin`` is exactly the thresholded channel.
@@ -115,6 +137,24 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     with pytest.raises(ConfigError, match="site1"):
         load_predictor(out, site="nowhere")
     assert load_predictor(out, site="site2", model="personal").candidate.name == "personal/site2"
+    # TorchScript and ONNX files of the composite's parts give torch's outputs (1e-4), loaded without fedseg
+    import onnxruntime
+
+    files = export_run(out, "torchscript", tmp_path / "ts") + export_run(out, "onnx", tmp_path / "onnx")
+    pre = json.loads((tmp_path / "onnx" / "preprocessing.json").read_text())
+    assert pre["composite"]["parts"][0] == "selector" and pre["composite"]["sites"] == list(fed.site_names)
+    cpu = load_predictor(out, device="cpu", precision="fp32")
+    x = torch.rand(2, 1, 32, 32)
+    roles = {"selector": next(r for r in cpu.site.models if "selector" in r), "global": "fedsm-eval/global"}
+    roles.update({f"personal_{s}": f"fedsm-eval/p{j}" for j, s in enumerate(fed.site_names)})
+    for part, role in roles.items():
+        with torch.no_grad():
+            want = cpu.site.models[role](x).numpy()
+        scripted = torch.jit.load(str(tmp_path / "ts" / f"{part}.ts"))
+        np.testing.assert_allclose(scripted(x).detach().numpy(), want, atol=1e-4)
+        sess = onnxruntime.InferenceSession(str(tmp_path / "onnx" / f"{part}.onnx"))
+        np.testing.assert_allclose(sess.run(None, {"image": x.numpy()})[0], want, atol=1e-4)
+    assert all(f.is_file() for f in files)
 
 
 def _oblique(angle: float) -> np.ndarray:
@@ -148,6 +188,37 @@ def test_predict_3d_masks_in_each_scans_own_grid_equal_evaluation(tmp_path, monk
             assert np.allclose(written.affine, label.affine) and written.shape == label.shape
             got = numpy_dice(np.asarray(written.dataobj), np.asarray(label.dataobj), fed.labels)
             assert got == pytest.approx(per_case["global"][site.name][k], abs=1e-6)
+    # the MONAI bundle, run by MONAI's own bundle runner, writes the masks fedseg predict writes
+    bundle = tmp_path / "bundle"
+    export_run(out, "bundle", bundle)
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    assert meta["fedseg"]["orientation"] == "RAS" and meta["fedseg"]["spacing"] == loaded.plan.target_spacing
+    (bundle / "data").mkdir()
+    scans = {}
+    for site in fed.sites:
+        for e in json.loads(site.datalist.read_text())["testing"]:
+            name = f"{site.name}_{e['image']}"
+            shutil.copy(site.datalist.parent / e["image"], bundle / "data" / name)
+            scans[name] = tmp_path / "masks" / site.name / e["image"]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "--config_file",
+            "configs/inference.json",
+            "--bundle_root",
+            str(bundle),
+        ],
+        cwd=bundle,
+        check=True,
+        capture_output=True,
+    )
+    for name, ours in scans.items():
+        theirs = nib.load(str(bundle / "eval" / name.replace(".nii.gz", "_seg.nii.gz")))
+        assert np.allclose(theirs.affine, nib.load(str(ours)).affine)
+        assert np.array_equal(np.asarray(theirs.dataobj), np.asarray(nib.load(str(ours)).dataobj))  # identical labels
     # a 2D picture or a two-channel volume cannot match the run: one error naming the file and the fix
     bad = tmp_path / "bad.nii.gz"
     nib.save(nib.Nifti1Image(np.zeros((8, 8, 8, 2), np.float32), np.eye(4)), bad)

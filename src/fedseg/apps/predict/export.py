@@ -168,8 +168,10 @@ def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool)
     ]
     if volumes:  # fedseg's order: intensities in file units first, then orientation and spacing
         inten = pre["intensity"]
+        pad_value: float | None = None  # the lowest value of every normalized scan, where the scheme fixes one
         if inten["mode"] == "ct":
             lo, hi, m, sd = (float(inten[k]) for k in ("lo", "hi", "mean", "sd"))
+            pad_value = (lo - m) / sd
             transforms.append(
                 {
                     "_target_": "ScaleIntensityRanged",
@@ -183,6 +185,7 @@ def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool)
             )
         elif inten["mode"] == "window":
             lo, hi = (float(v) for v in inten["window"])
+            pad_value = 0.0
             transforms.append(
                 {
                     "_target_": "ScaleIntensityRanged",
@@ -208,6 +211,16 @@ def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool)
                 "padding_mode": "border",
             }
         )
+        if pad_value is not None:  # as fedseg: a scan smaller than the window padded at its far end, lowest value
+            transforms.append(
+                {
+                    "_target_": "SpatialPadd",
+                    "keys": keys,
+                    "spatial_size": pre["roi_size"],
+                    "method": "end",
+                    "value": pad_value,
+                }
+            )
         inferer = {
             "_target_": "SlidingWindowInferer",
             "roi_size": pre["roi_size"],
