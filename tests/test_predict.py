@@ -138,8 +138,7 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
         load_predictor(out, site="nowhere")
     assert load_predictor(out, site="site2", model="personal").candidate.name == "personal/site2"
     # TorchScript and ONNX files of the composite's parts give torch's outputs (1e-4), loaded without fedseg
-    import onnxruntime
-
+    onnxruntime = pytest.importorskip("onnxruntime")  # the export extra
     files = export_run(out, "torchscript", tmp_path / "ts") + export_run(out, "onnx", tmp_path / "onnx")
     pre = json.loads((tmp_path / "onnx" / "preprocessing.json").read_text())
     assert pre["composite"]["parts"][0] == "selector" and pre["composite"]["sites"] == list(fed.site_names)
