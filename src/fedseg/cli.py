@@ -16,6 +16,8 @@ from fedseg.algorithms import REGISTRY
 from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.deploy.site import read_site_config
+from fedseg.apps.predict import load_predictor, predict_files
+from fedseg.apps.predict.export import export_run
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -151,8 +153,6 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from fedseg.apps.predict import load_predictor, predict_files
-
     loaded = load_predictor(a.run, site=a.site, model=a.model, device=a.device, precision=a.precision)
     res = predict_files(
         loaded,
@@ -170,8 +170,6 @@ def cmd_predict(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from fedseg.apps.predict.export import export_run
-
     for path in export_run(a.run, a.format, a.out, site=a.site, model=a.model, force=a.force):
         print(f"wrote {path}")
     return 0

@@ -16,15 +16,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
+from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
-if TYPE_CHECKING:
-    from fedseg.foundation.arrays import Arrays
-    from fedseg.site.runtime import Site
+
+class Site(Protocol):
+    """What prediction needs of a :class:`fedseg.site.runtime.Site` (which imports this module)."""
+
+    name: str
+    algorithm: Any
+
+    def autocast(self) -> AbstractContextManager[Any]: ...
+
 
 __all__ = ["Predict", "from_channels", "label_map", "logits", "mirror_axes", "predictor", "probabilities"]
 

@@ -15,6 +15,7 @@ and ONNX files hold the weights, the rest is JSON.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.apps.predict.model import Loaded, load_predictor
 from fedseg.foundation.errors import ConfigError
 
@@ -93,8 +95,6 @@ def _parts(loaded: Loaded) -> dict[str, nn.Module]:
         return {"model": site.models["eval"]}
     if loaded.routing is None:
         raise ConfigError(f"candidate {cand.name!r} ({cand.predictor}) cannot be exported; use --model global")
-    from fedseg.algorithms.fedsm.selection import selector_role
-
     parts = {"selector": site.models[selector_role(int(cand.config["num_classes"]), "fedsm-eval/")]}
     parts["global"] = site.models["fedsm-eval/global"]
     for j, s in enumerate(cand.config["sites"]):
@@ -348,10 +348,8 @@ def export_run(
     if fmt == "bundle":
         return _bundle(loaded, parts, out, force)
     if fmt == "onnx":
-        try:
-            import onnx  # noqa: F401  (the exporter needs it)
-        except ImportError:
-            raise ConfigError("--format onnx needs onnx and onnxruntime -> pip install 'fedseg[export]'") from None
+        if importlib.util.find_spec("onnx") is None:  # torch's exporter imports it
+            raise ConfigError("--format onnx needs onnx and onnxruntime -> pip install 'fedseg[export]'")
     example = _example(loaded)
     written = []
     for name, net in parts.items():

@@ -9,12 +9,13 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.algorithms.fedsm.selection import load_composite, route, thresholds
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.plan import Plan
 from fedseg.foundation.config import RunConfig, load_run_config
@@ -131,7 +132,7 @@ def load_predictor(
     if device is not None:
         cfg = dataclasses.replace(cfg, device=device)
     if precision is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=cast(Any, precision)))
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
     layout = _layout(cfg, run_dir)
     plan = Plan.from_json(results["plan"], where=f"{run_dir}/results.json") if results.get("plan") else None
@@ -145,7 +146,7 @@ def load_predictor(
     here = site or cand.home_site or spec_sites[0]
     index = spec_sites.index(here) if here in spec_sites else 0
     empty = TensorDataset(torch.zeros(0), torch.zeros(0))
-    runtime = Site(here, index, SiteData(empty), workload_for(layout, cfg), cfg, algorithm)
+    runtime = Site(here, index, SiteData(empty), workload_for(layout, cfg), cfg, cast(Any, algorithm))
     predict = prediction.predictor(runtime, cand.name, cand.predictor, cand.arrays, cand.config)
     routing, route_names = None, []
     if cand.predictor == "fedsm":
@@ -155,8 +156,6 @@ def load_predictor(
 
 def _fedsm_routing(site: Site, cand: Candidate, algorithm: Any):
     """FedSM's routing of each image (Alg. 2), with the composite's own selector and thresholds."""
-    from fedseg.algorithms.fedsm.selection import load_composite, route, thresholds
-
     config = cand.config
     sel, _ = load_composite(site, cand.arrays, config, algorithm.selector_factory, "fedsm-eval/")
     mode = config.get("mode", "gate")

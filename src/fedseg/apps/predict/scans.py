@@ -64,8 +64,8 @@ def find_inputs(paths: list[str | Path], split: str | None = None) -> Iterator[t
             for key, entries in lists.items():
                 if split is not None and key != split:
                     continue
-                for e in entries if isinstance(entries, list) else []:
-                    img = e.get("image") if isinstance(e, dict) else e
+                for entry in entries if isinstance(entries, list) else []:
+                    img = entry.get("image") if isinstance(entry, dict) else entry
                     if img is None:
                         continue
                     f = Path(img) if Path(img).is_absolute() else p.parent / img
@@ -161,12 +161,12 @@ def read_scan(path: Path, mode: str, in_channels: int) -> Scan:
     if name.endswith(NIFTI_SUFFIXES):
         import nibabel as nib
 
-        img = nib.load(str(path))
+        nimg: Any = nib.load(str(path))
         if mode == "2d" and arr.ndim == 3 and arr.shape[-1] == 1 and in_channels != 1:
             arr = arr[..., 0]
         if mode == "2d" and arr.ndim == 3 and in_channels == 1 and arr.shape[-1] == 1:
             arr = arr[..., 0]
-        return Scan(path, _channels_first(arr, dims, path, in_channels, what), "nifti", img.affine, img.header)
+        return Scan(path, _channels_first(arr, dims, path, in_channels, what), "nifti", nimg.affine, nimg.header)
     if mode == "slices":
         raise DataError(f"{path}: a 2D picture, but this run segments slices of NIfTI volumes -> give .nii.gz files")
     if arr.ndim == 3 and in_channels == 1 and arr.shape[-1] == 1:
@@ -219,13 +219,13 @@ def write_mask(path: Path, labels: np.ndarray, scan: Scan) -> None:
     import nibabel as nib
 
     header = scan.header.copy() if scan.header is not None else None
-    img = nib.Nifti1Image(data, scan.affine, header=header)
-    img.header.set_data_dtype(dtype)
-    img.header.set_slope_inter(1.0, 0.0)
+    nifti = nib.Nifti1Image(data, scan.affine, header=header)
+    nifti.header.set_data_dtype(dtype)
+    nifti.header.set_slope_inter(1.0, 0.0)
     if header is not None:
-        img.set_qform(scan.affine, code=int(header["qform_code"]) or 1)
-        img.set_sform(scan.affine, code=int(header["sform_code"]) or 1)
-    nib.save(img, str(path))
+        nifti.set_qform(scan.affine, code=int(header["qform_code"]) or 1)
+        nifti.set_sform(scan.affine, code=int(header["sform_code"]) or 1)
+    nib.save(nifti, str(path))
 
 
 def write_probabilities(path: Path, probs: np.ndarray) -> None:
