@@ -15,14 +15,18 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fedseg.algorithms import known_sections
+from fedseg.apps.deploy.site import data_header
 from fedseg.apps.predict import keep_largest, load_predictor, predict_files
 from fedseg.apps.predict.export import export_run
 from fedseg.cli import main
 from fedseg.data.readers import read_array
+from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, DataError
+from fedseg.seams.algorithm import Candidate
 from fedseg.seams.checkpoint import load_best
 from fedseg.simulation.runner import build_engine, load_federation_data, run
 from fedseg.site import predict as prediction
@@ -137,6 +141,28 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     with pytest.raises(ConfigError, match="site1"):
         load_predictor(out, site="nowhere")
     assert load_predictor(out, site="site2", model="personal").candidate.name == "personal/site2"
+    # a deployed site's work folder, as the site writes it (config.toml, data.json, round-<r>/<site>.*): predict
+    # there uses the site's own personalized model, no server involved, and equals evaluation of that model
+    work = tmp_path / "work" / "run1"
+    (work / "round-000002").mkdir(parents=True)
+    shutil.copy(out / "config.toml", work / "config.toml")
+    (work / "data.json").write_text(json.dumps(data_header(fed)))
+    for suffix in (".safetensors", ".json"):
+        shutil.copy(out / "checkpoints" / "sites" / f"site2{suffix}", work / "round-000002" / f"site2{suffix}")
+    (work / "round-000002" / "DONE").write_text("2")
+    at_site = load_predictor(work)
+    assert at_site.site.name == "site2" and at_site.candidate.name == "personal"
+    site2 = fed.site("site2")
+    predict_files(at_site, [site2.datalist], tmp_path / "site2", split="testing", progress=False, log=lambda m: None)
+    personal = strip_prefix("model/personal", load_file(str(out / "checkpoints" / "sites" / "site2.safetensors")))
+    own = Candidate("own", personal, home_site="site2", config={"bn_role": "personal"})
+    scored = engine.evaluate([own], "testing", lambda c: ("site2",))["own"]["site2"]
+    for k, e in enumerate(json.loads(site2.datalist.read_text())["testing"]):
+        mask = read_array(tmp_path / "site2" / e["image"])
+        label = read_array(site2.datalist.parent / e["label"])
+        assert numpy_dice(mask, label, fed.labels) == pytest.approx(scored[k], abs=1e-6)
+    with pytest.raises(ConfigError, match="composite needs every site"):
+        load_predictor(work, model="ensemble")
     # TorchScript and ONNX files of the composite's parts give torch's outputs (1e-4), loaded without fedseg
     onnxruntime = pytest.importorskip("onnxruntime")  # the export extra
     files = export_run(out, "torchscript", tmp_path / "ts") + export_run(out, "onnx", tmp_path / "onnx")

@@ -16,17 +16,18 @@ from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm.selection import load_composite, route, thresholds
+from fedseg.apps.deploy.site import SITE_DATA_NAME
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.plan import Plan
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Candidate
-from fedseg.seams.checkpoint import load_best
+from fedseg.seams.checkpoint import load_best, restore_site
 from fedseg.site import predict as prediction
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import workload_for
 
-__all__ = ["MODEL_CHOICES", "Loaded", "choose_candidate", "load_predictor"]
+__all__ = ["MODEL_CHOICES", "Loaded", "choose_candidate", "load_predictor", "load_site_predictor"]
 
 MODEL_CHOICES = ("global", "personal", "ensemble")
 """``--model``: the method's global model, a site's own (personalized or local) model, or its composite /
@@ -121,6 +122,8 @@ def load_predictor(
 
     ``device`` / ``precision`` override the run's (``"cpu"``, ``"cuda"``; ``"fp32"``, ``"bf16"``)."""
     run_dir = Path(run_dir)
+    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir():
+        return load_site_predictor(run_dir, model=model, device=device, precision=precision)
     fix = (
         "predict needs the best models of a finished fedseg run (checkpoints/best.safetensors + best.json): "
         "give the run's folder, or finish the run (fedseg run --resume RUN)"
@@ -129,10 +132,7 @@ def load_predictor(
         raise ConfigError(f"{run_dir} has no config.toml; {fix}")
     best = load_best(run_dir / "checkpoints", fix=fix)
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
-    if device is not None:
-        cfg = dataclasses.replace(cfg, device=device)
-    if precision is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=cast(Any, precision)))
+    cfg = _override(cfg, device, precision)
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
     layout = _layout(cfg, run_dir)
     plan = Plan.from_json(results["plan"], where=f"{run_dir}/results.json") if results.get("plan") else None
@@ -171,3 +171,58 @@ def _fedsm_routing(site: Site, cand: Candidate, algorithm: Any):
         return probs.argmax(dim=1), probs
 
     return routing, names
+
+
+def _override(cfg: RunConfig, device: str | None, precision: str | None) -> RunConfig:
+    if device is not None:
+        cfg = dataclasses.replace(cfg, device=device)
+    if precision is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=cast(Any, precision)))
+    return cfg
+
+
+def load_site_predictor(
+    folder: str | Path, model: str | None = None, device: str | None = None, precision: str | None = None
+) -> Loaded:
+    """The predictor of a deployed site from its work folder ``WORKDIR/<run_id>`` alone (no server, no other
+    site): the run's config and data layout the site keeps there, its newest complete checkpoint
+    (``round-<r>/<site>.safetensors``), and of its models the personalized one (``--model personal``, the
+    default where the method has one) or its copy of the global model (``--model global``)."""
+    folder = Path(folder)
+    rounds = sorted(
+        (int(d.name.split("-", 1)[1]), d)
+        for d in folder.glob("round-*")
+        if d.name.split("-", 1)[1].isdigit() and (d / "DONE").is_file()
+    )
+    states = sorted(rounds[-1][1].glob("*.json")) if rounds else []
+    if not states:
+        raise ConfigError(
+            f"{folder} holds no complete site checkpoint (round-<r>/<site>.safetensors with DONE); give the work "
+            "folder of a deployed site's run (WORKDIR/<run_id>) after at least one checkpointed round"
+        )
+    meta = json.loads(states[0].read_text())
+    name = str(meta["site"])
+    cfg = load_run_config(folder / "config.toml", known_sections=known_sections() | {"deploy"})
+    cfg = _override(cfg, device, precision)
+    header = json.loads((folder / SITE_DATA_NAME).read_text())
+    layout = {k: header.get(k) for k in ("spatial_dims", "in_channels", "labels", "mode", "image_size")}
+    plan = Plan.from_json(header["plan"], where=f"{folder}/{SITE_DATA_NAME}") if header.get("plan") else None
+    algorithm = get_algorithm(cfg)
+    cfg = algorithm.cfg = algorithm.resolved_config()
+    empty = TensorDataset(torch.zeros(0), torch.zeros(0))
+    runtime = Site(name, 0, SiteData(empty), workload_for(layout, cfg), cfg, cast(Any, algorithm))
+    restore_site(runtime, rounds[-1][1])
+    roles = [r for r in ("personal", "local", "global") if r in runtime.models]
+    want = {"personal": ["personal", "local"], "global": ["global"], None: roles}.get(model)
+    if want is None:
+        raise ConfigError(
+            f"--model {model!r} at a deployed site: its work folder holds the models {roles}; use --model personal "
+            "or global (a composite needs every site's models: predict with the server's run folder)"
+        )
+    role = next((r for r in want if r in roles), None)
+    if role is None:
+        raise ConfigError(f"site {name}: no {model} model in {rounds[-1][1]} (it holds {roles}); use one of those")
+    arrays = {k: v for k, v in runtime.models[role].state_dict().items()}
+    cand = Candidate(role, arrays, home_site=name)
+    predict = prediction.predictor(runtime, role, "model", arrays, {"bn_role": role})
+    return Loaded(cfg, layout, plan, runtime, cand, predict)
