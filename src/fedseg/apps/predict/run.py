@@ -91,7 +91,8 @@ def _segment_volume(loaded: Loaded, scan: Scan, tta: bool, keep_probs: bool) -> 
     out = extent.crop_to_extent(prediction.logits(loaded.site, loaded.predict, xt, tta)[0], ext).float().cpu()
     del xt
     shape = tuple(int(s) for s in scan.image.shape[1:])
-    labels = np.zeros(shape, dtype=np.int64)
+    top = max((int(v) for vs in loaded.layout["labels"].values() for v in vs), default=0)
+    labels = np.zeros(shape, dtype=np.uint8 if top < 256 else np.int32)  # the mask's own type, not int64
     p = np.zeros((out.shape[0], *shape), dtype=np.float16) if keep_probs else None
     per_slice = max(1, shape[0] * shape[1] * out.shape[0] * 8)
     step = max(1, SLAB_BYTES // per_slice)
