@@ -257,3 +257,48 @@ def test_predict_3d_masks_in_each_scans_own_grid_equal_evaluation(tmp_path, monk
     assert [s["file"] for s in res["skipped"]] == [str(folder / "broken.nii.gz")]
     with pytest.raises(DataError, match="broken.nii.gz"):
         predict_files(loaded, [folder], tmp_path / "m4", strict=True, progress=False)
+
+
+def test_simpleitk_and_dicom_scans_read_with_the_nifti_affine_and_masks_keep_their_geometry(tmp_path):
+    """A volume saved by SimpleITK (LPS world) reads as the same array and RAS affine nibabel gives for it as
+    NIfTI; its mask is written in its own format with its origin, spacing and direction."""
+    import SimpleITK as sitk
+
+    from fedseg.apps.predict.scans import mask_path, read_scan, write_mask
+
+    rng = np.random.default_rng(0)
+    arr = rng.integers(-100, 100, size=(6, 5, 4)).astype(np.int16)  # (X, Y, Z)
+    img = sitk.GetImageFromArray(arr.transpose(2, 1, 0))
+    img.SetSpacing((0.7, 1.3, 2.5))
+    img.SetOrigin((10.0, -4.0, 3.0))
+    c, s = np.cos(0.4), np.sin(0.4)
+    img.SetDirection((c, -s, 0.0, s, c, 0.0, 0.0, 0.0, 1.0))
+    mha, nii = tmp_path / "scan.mha", tmp_path / "scan.nii.gz"
+    sitk.WriteImage(img, str(mha))
+    sitk.WriteImage(img, str(nii))
+    a, b = read_scan(mha, "3d", 1), read_scan(nii, "3d", 1)
+    assert a.kind == "sitk" and b.kind == "nifti"
+    assert np.array_equal(a.image, b.image) and np.allclose(a.affine, b.affine, atol=1e-5)
+    out = mask_path(tmp_path / "masks", "scan.mha", a.kind, mha)
+    assert out.name == "scan.mha"
+    write_mask(out, (a.image[0] > 0).astype(np.uint8), a)
+    back = sitk.ReadImage(str(out))
+    assert back.GetSpacing() == img.GetSpacing() and back.GetOrigin() == img.GetOrigin()
+    assert np.allclose(back.GetDirection(), img.GetDirection())
+    assert np.array_equal(sitk.GetArrayFromImage(back).transpose(2, 1, 0), (arr > 0).astype(np.uint8))
+    # a folder of one DICOM series reads as one scan, with the same array and affine
+    series = tmp_path / "series"
+    series.mkdir()
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    for z in range(arr.shape[2]):
+        sl = img[:, :, z]
+        sl.SetMetaData("0020|000e", "1.2.826.0.1.3680043.2.1125.1")
+        sl.SetMetaData("0020|0032", "\\".join(map(str, img.TransformIndexToPhysicalPoint((0, 0, z)))))
+        sl.SetMetaData("0020|0037", "\\".join(map(str, (c, s, 0.0, -s, c, 0.0))))
+        sl.SetMetaData("0020|0013", str(z))
+        writer.SetFileName(str(series / f"{z}.dcm"))
+        writer.Execute(sl)
+    d = read_scan(series, "3d", 1)
+    assert d.kind == "dicom" and np.array_equal(d.image, b.image)
+    assert np.allclose(d.affine, b.affine, atol=1e-3)
