@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import locale
 import shutil
 import subprocess
 import sys
@@ -289,6 +290,7 @@ def test_simpleitk_and_dicom_scans_read_with_the_nifti_affine_and_masks_keep_the
     # a folder of one DICOM series reads as one scan, with the same array and affine
     series = tmp_path / "series"
     series.mkdir()
+    saved = locale.setlocale(locale.LC_ALL)  # SimpleITK's DICOM writer sets the C locale of the process
     writer = sitk.ImageFileWriter()
     writer.KeepOriginalImageUIDOn()
     for z in range(arr.shape[2]):
@@ -299,6 +301,8 @@ def test_simpleitk_and_dicom_scans_read_with_the_nifti_affine_and_masks_keep_the
         sl.SetMetaData("0020|0013", str(z))
         writer.SetFileName(str(series / f"{z}.dcm"))
         writer.Execute(sl)
+    locale.setlocale(locale.LC_ALL, saved)
     d = read_scan(series, "3d", 1)
+    assert locale.setlocale(locale.LC_ALL) == saved  # reading a series leaves the process's locale as it was
     assert d.kind == "dicom" and np.array_equal(d.image, b.image)
     assert np.allclose(d.affine, b.affine, atol=1e-3)

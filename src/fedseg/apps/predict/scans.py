@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import locale
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +104,23 @@ def _channels_first(arr: np.ndarray, dims: int, path: Path, in_channels: int, wh
     return arr
 
 
+@contextlib.contextmanager
+def _keep_locale() -> Iterator[None]:
+    """SimpleITK's DICOM reader (GDCM) sets the C locale of the process; restored after it, so that Python's
+    text files keep their encoding."""
+    saved = locale.setlocale(locale.LC_ALL)
+    try:
+        yield
+    finally:
+        locale.setlocale(locale.LC_ALL, saved)
+
+
 def _sitk_read(path: Path) -> tuple[np.ndarray, np.ndarray, Any]:
+    with _keep_locale():
+        return _sitk_read_here(path)
+
+
+def _sitk_read_here(path: Path) -> tuple[np.ndarray, np.ndarray, Any]:
     import SimpleITK as sitk  # the prepare extra's reader, deferred
 
     if path.is_dir():
@@ -214,7 +232,8 @@ def write_mask(path: Path, labels: np.ndarray, scan: Scan) -> None:
         img.SetOrigin(scan.sitk_image.GetOrigin())
         img.SetSpacing(scan.sitk_image.GetSpacing())
         img.SetDirection(scan.sitk_image.GetDirection())
-        sitk.WriteImage(img, str(path), useCompression=True)
+        with _keep_locale():
+            sitk.WriteImage(img, str(path), useCompression=True)
         return
     import nibabel as nib
 
