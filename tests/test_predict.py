@@ -250,6 +250,11 @@ def test_predict_3d_masks_in_each_scans_own_grid_equal_evaluation(tmp_path, monk
     nib.save(nib.Nifti1Image(np.zeros((8, 8, 8, 2), np.float32), np.eye(4)), bad)
     with pytest.raises(DataError, match=r"bad.nii.gz: has 2 channel\(s\).*in_channels = 1"):
         predict_files(loaded, [bad], tmp_path / "m2", progress=False)
+    # two inputs whose masks would share a name: refused before anything is written
+    scan = fed.sites[0].datalist.parent / json.loads(fed.sites[0].datalist.read_text())["testing"][0]["image"]
+    with pytest.raises(DataError, match="separate --out"):
+        predict_files(loaded, [scan, scan], tmp_path / "m5", progress=False)
+    assert not (tmp_path / "m5").exists()
     # an unreadable file in a folder is listed and skipped; --strict stops
     folder = tmp_path / "mixed"
     folder.mkdir()

@@ -23,7 +23,7 @@ from torch.nn import functional
 from tqdm.auto import tqdm
 
 from fedseg.apps.predict.model import Loaded
-from fedseg.apps.predict.scans import Scan, find_inputs, mask_path, read_scan, write_mask, write_probabilities
+from fedseg.apps.predict.scans import Scan, find_inputs, kind_of, mask_path, read_scan, write_mask, write_probabilities
 from fedseg.data.loading import normalize, resize_pair
 from fedseg.data.volumes.geometry import Geometry, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
@@ -167,8 +167,20 @@ def predict_files(
     rows: list[dict[str, Any]] = []
     mode, channels = loaded.layout["mode"], int(loaded.layout["in_channels"])
     routing_csv = out / "routing.csv" if loaded.routing is not None else None
-    if routing_csv is not None and routing_csv.exists() and not force:
-        raise ConfigError(f"{routing_csv} exists; predict overwrites nothing -> choose another --out or add --force")
+    targets: dict[Path, Path] = {}
+    for path, name in cases:  # every output checked before any is written
+        t = mask_path(out, name, kind_of(path), path)
+        if t in targets:
+            raise DataError(
+                f"{targets[t]} and {path} would both be written to {t} -> predict them into separate --out folders"
+            )
+        targets[t] = path
+    existing = [t for t in [*targets, *([routing_csv] if routing_csv else [])] if t.exists()]
+    if existing and not force:
+        raise ConfigError(
+            f"{existing[0]} exists ({len(existing)} output(s) in all); predict overwrites nothing -> choose another "
+            "--out or add --force"
+        )
     for path, name in tqdm(cases, desc="predict", unit="case", disable=not progress):
         try:
             scan = read_scan(path, mode, channels)

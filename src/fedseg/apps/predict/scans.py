@@ -24,7 +24,7 @@ from fedseg.data.readers import NIFTI_SUFFIXES, PIL_SUFFIXES, read_array
 from fedseg.data.volumes.geometry import read_volume
 from fedseg.foundation.errors import DataError
 
-__all__ = ["Scan", "find_inputs", "mask_path", "read_scan", "write_mask", "write_probabilities"]
+__all__ = ["Scan", "find_inputs", "kind_of", "mask_path", "read_scan", "write_mask", "write_probabilities"]
 
 SITK_SUFFIXES = (".mha", ".mhd", ".nrrd", ".nhdr")
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
@@ -180,6 +180,11 @@ def read_scan(path: Path, mode: str, in_channels: int) -> Scan:
         import nibabel as nib
 
         nimg: Any = nib.load(str(path))
+        if mode == "2d" and arr.ndim >= 3 and arr.shape[-1] != in_channels and arr.shape[-1] != 1:
+            raise DataError(
+                f"{path}: is a volume of shape {arr.shape}, but this run's model segments 2D images of {in_channels} "
+                "channel(s) -> give 2D images, or predict with a run on a volume federation"
+            )
         if mode == "2d" and arr.ndim == 3 and arr.shape[-1] == 1 and in_channels != 1:
             arr = arr[..., 0]
         if mode == "2d" and arr.ndim == 3 and in_channels == 1 and arr.shape[-1] == 1:
@@ -202,6 +207,16 @@ def _stem(name: str) -> str:
     return name
 
 
+def kind_of(path: Path) -> str:
+    """The reader of an input: ``"pil"``, ``"nifti"``, ``"dicom"`` (a folder) or ``"sitk"``."""
+    low = path.name.lower()
+    if path.is_dir():
+        return "dicom"
+    if low.endswith(PIL_SUFFIXES):
+        return "pil"
+    return "nifti" if low.endswith(NIFTI_SUFFIXES) else "sitk"
+
+
 def mask_path(out: Path, name: str, kind: str, source: Path) -> Path:
     """Where the mask of input ``name`` goes: PNG for pictures, NIfTI for NIfTI and DICOM, the input's own
     format for other SimpleITK files."""
@@ -210,7 +225,7 @@ def mask_path(out: Path, name: str, kind: str, source: Path) -> Path:
         return out / f"{stem}.png"
     if kind == "sitk":
         low = source.name.lower()
-        suffix = next(s for s in SITK_SUFFIXES if low.endswith(s))
+        suffix = next((s for s in SITK_SUFFIXES if low.endswith(s)), ".mha")
         return out / f"{stem}{suffix if suffix not in ('.mhd', '.nhdr') else '.mha'}"
     return out / (stem + (".nii" if name.lower().endswith(".nii") else ".nii.gz"))
 
