@@ -16,6 +16,8 @@ from fedseg.algorithms import REGISTRY
 from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.deploy.site import read_site_config
+from fedseg.apps.predict import load_predictor, predict_files
+from fedseg.apps.predict.export import export_run
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -148,6 +150,29 @@ def cmd_report(a: argparse.Namespace) -> int:
 def cmd_evaluate(a: argparse.Namespace) -> int:
     res = evaluate_run(a.run, federation=a.spec, split=a.split)
     print(res["table"])
+    return 0
+
+
+def cmd_predict(a: argparse.Namespace) -> int:
+    loaded = load_predictor(a.run, site=a.site, model=a.model, device=a.device, precision=a.precision)
+    res = predict_files(
+        loaded,
+        a.input,
+        a.out,
+        tta=a.tta,
+        postprocess=a.postprocess,
+        probabilities=a.probabilities,
+        force=a.force,
+        strict=a.strict,
+        split=a.split,
+        progress=not a.quiet,
+    )
+    return 0 if res["written"] else 1
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    for path in export_run(a.run, a.format, a.out, site=a.site, model=a.model, force=a.force):
+        print(f"wrote {path}")
     return 0
 
 
@@ -457,6 +482,34 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--spec", help="federation spec to test on (default: the run's own)")
     e.add_argument("--split", default="testing", choices=["validation", "testing"])
     e.set_defaults(func=cmd_evaluate)
+
+    pr = sub.add_parser("predict", help="segment new scans with a finished run's best model, in each scan's own grid")
+    pr.add_argument("run", help="output folder of a finished run")
+    pr.add_argument(
+        "--input", nargs="+", required=True, help="image files, folders (DICOM series folders too) or datalists"
+    )
+    pr.add_argument("--out", required=True, help="folder for the masks (and routing.csv for FedSM)")
+    pr.add_argument("--site", help="the site whose model to use (personalized and local methods)")
+    pr.add_argument("--model", choices=["global", "personal", "ensemble"], help="which of the method's models")
+    pr.add_argument("--tta", action="store_true", help="test-time mirroring over every spatial axis")
+    pr.add_argument("--postprocess", action="store_true", help="keep the largest connected component per label")
+    pr.add_argument("--probabilities", action="store_true", help="also write per-label probabilities (float16 .npy)")
+    pr.add_argument("--split", help="with a datalist: only this split's images")
+    pr.add_argument("--force", action="store_true", help="overwrite masks already in --out")
+    pr.add_argument("--strict", action="store_true", help="stop at the first unreadable file instead of skipping it")
+    pr.add_argument("--device", help="cpu, cuda, cuda:N (default: the run's)")
+    pr.add_argument("--precision", choices=["fp32", "bf16"], help="inference precision (default: the run's)")
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
+    pr.set_defaults(func=cmd_predict)
+
+    ex = sub.add_parser("export", help="export a finished run's model: MONAI bundle, TorchScript or ONNX")
+    ex.add_argument("run", help="output folder of a finished run")
+    ex.add_argument("--format", required=True, choices=["bundle", "torchscript", "onnx"])
+    ex.add_argument("--out", required=True, help="folder to write")
+    ex.add_argument("--site", help="the site whose model to export (personalized and local methods)")
+    ex.add_argument("--model", choices=["global", "personal", "ensemble"], help="which of the method's models")
+    ex.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    ex.set_defaults(func=cmd_export)
 
     c = sub.add_parser("compare", help="run several methods over seeds and print one table (mean ± sd)")
     c.add_argument("config", help="run config TOML or federation spec")

@@ -42,6 +42,7 @@ from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
 from fedseg.privacy.identity import Identity
 from fedseg.site import extent, secure
+from fedseg.site import predict as prediction
 from fedseg.site.dp import SiteDP, draw_batches
 from fedseg.site.workload import Workload
 
@@ -750,8 +751,7 @@ class Site:
         ds = self.data.split(split)
         restore = getattr(ds, "original_grid", None) if getattr(ds, "originals", None) is not None else None
         for first, ext, x, y in self._eval_groups(split):
-            with self.autocast():
-                pred = predict(x)
+            pred = prediction.logits(self, predict, x)
             if restore is None:
                 if ext is not None:  # a volume split kept in the plan's grid: scored over the extents
                     pred, y = extent.crop_to_extent(pred, ext), extent.crop_to_extent(y, ext)
@@ -791,13 +791,11 @@ class Site:
         split = task.config["split"]
         results = {}
         extras: dict[str, dict[str, list[list[float]]]] = {}
-        predictors = self.algorithm.predictors()
         for cand in task.config["candidates"]:
             kind = cand.get("predictor", "model")
-            make = predictors.get(kind)
-            if make is None:
-                raise PayloadError(f"site {self.name}: unknown predictor {kind!r} for candidate {cand['name']!r}")
-            predict = make(self, strip_prefix(cand["name"], task.arrays), cand.get("config", {}))
+            predict = prediction.predictor(
+                self, cand["name"], kind, strip_prefix(cand["name"], task.arrays), cand.get("config", {})
+            )
             scores, extra = self.score_cases(predict, split, test_metrics=split == "testing")
             results[cand["name"]] = scores.tolist()
             for k, v in extra.items():

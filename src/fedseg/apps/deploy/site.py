@@ -89,6 +89,10 @@ class SiteConfig:
     the policy's defaults)."""
 
 
+SITE_DATA_NAME = "data.json"
+"""The run's data layout (and a volume run's plan) in ``WORKDIR/<run_id>/``, beside its ``config.toml``."""
+
+
 def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +290,7 @@ class SiteRuntime:
             cfg = load_run_config(p, known_sections=known_sections() | {"deploy"})
         cfg = dataclasses.replace(cfg, device=self.config.device)  # each site trains on its own device
         (self.run_dir() / "config.toml").write_text(desc["config_toml"])
+        (self.run_dir() / SITE_DATA_NAME).write_text(json.dumps(desc["data"]))  # the layout `fedseg predict` needs here
         if self.policy is not None:
             why = self.policy.refusals(cfg, sites)
             if why:
