@@ -320,7 +320,7 @@ def test_gamma_choice_scores_two_models_a_case_and_chooses_what_scoring_all_of_t
 def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
     """Two seeds, λ 0.1 and 0.7: Client Avg 0.6 and 0.8 → 0.7000 ± 0.1414 (sd with n − 1: √(2·0.1²/1));
     the γ used by each seed's run is listed; the per-γ Dice is averaged the same way."""
-    from fedseg.apps.studies.fedsm import table7_over_seeds
+    from fedseg.apps.studies.fedsm_seeds import table7_over_seeds
 
     def row(lam, ca, gd, gamma, d0):
         return {"lam": lam, "client_avg_dice": ca, "global_dice": gd, "gamma": gamma, "dice_by_gamma": {"0.0": d0}}
@@ -340,7 +340,7 @@ def test_table7_over_seeds_gives_mean_and_sd_per_lambda_and_gamma():
 def test_table5_over_seeds_averages_the_selection_frequencies_and_the_dice():
     """Site1 held out in two seeds: PM site2 chosen for 1.0 and 0.5 of its images → 0.75; PM site3 0 and
     0.5 → 0.25; Dice 0.2 and 0.4 → 0.3000 ± 0.1414; the best γ of each seed listed."""
-    from fedseg.apps.studies.fedsm import table5_over_seeds
+    from fedseg.apps.studies.fedsm_seeds import table5_over_seeds
 
     def row(sel2, sel3, dice, best_g, best):
         sel = {"global": 0.0, "personal/site2": sel2, "personal/site3": sel3}
@@ -355,7 +355,7 @@ def test_table5_over_seeds_averages_the_selection_frequencies_and_the_dice():
 
 
 def test_tabulate_names_a_folder_that_holds_no_study_and_refuses_mixed_studies(tmp_path):
-    from fedseg.apps.studies.fedsm import tabulate
+    from fedseg.apps.studies.fedsm_seeds import tabulate
 
     (tmp_path / "a").mkdir()
     with pytest.raises(ConfigError, match=r"a: expected the output folder of one FedSM study .* found neither"):
@@ -478,7 +478,7 @@ def test_study_tables_show_the_thresholds_each_run_chose_and_the_unseen_sites_di
     """With ``fedsm.gamma = "auto-per-model"`` a run's γ is one threshold per personalized model: the λ
     table lists them per seed, and the unseen-site table adds the thresholds chosen on the training sites'
     validation with the unseen site's Dice at them (0.5 and 0.7 → 0.6000 ± 0.1414)."""
-    from fedseg.apps.studies.fedsm import table5_over_seeds, table7_over_seeds
+    from fedseg.apps.studies.fedsm_seeds import table5_over_seeds, table7_over_seeds
 
     def lam_row(per):
         return {"lam": 0.7, "client_avg_dice": 0.8, "global_dice": 0.8, "gamma": 0.0, "gamma_per_model": per}

@@ -175,7 +175,7 @@ def test_fedsm_study_over_seeds_gives_each_seed_its_own_process(spec, tmp_path, 
     """`fedseg fedsm sweep --seeds 0,1 --devices cpu,cpu`: each seed's study is one call of the process map,
     on its own device, into its own folder (the processes' numbers equal the sequential ones:
     test_devices_give_the_runs_of_one_after_another)."""
-    from fedseg.apps.studies import fedsm as studies
+    from fedseg.apps.studies import fedsm, fedsm_seeds
 
     seen = {}
 
@@ -187,9 +187,9 @@ def test_fedsm_study_over_seeds_gives_each_seed_its_own_process(spec, tmp_path, 
             (folder / "sweep.json").write_text(json.dumps([row]))
         return [([None], None) for _ in calls]
 
-    monkeypatch.setattr(studies, "map_in_processes", fake_map)
-    studies.over_seeds("sweep", spec, tmp_path, [0, 1], log=lambda m: None, devices=["cpu", "cpu"], lam=[0.7])
-    assert seen["fn"] is studies.sweep and seen["n"] == 2 and list(seen["devices"]) == ["cpu", "cpu"]
+    monkeypatch.setattr(fedsm_seeds, "map_in_processes", fake_map)
+    fedsm_seeds.over_seeds("sweep", spec, tmp_path, [0, 1], log=lambda m: None, devices=["cpu", "cpu"], lam=[0.7])
+    assert seen["fn"] is fedsm.sweep and seen["n"] == 2 and list(seen["devices"]) == ["cpu", "cpu"]
     assert [(c[0][1].name, c[1]["seed"], c[1]["jobs"]) for c in seen["calls"]] == [("seed0", 0, 1), ("seed1", 1, 1)]
     assert (tmp_path / "sweep.md").is_file()
 

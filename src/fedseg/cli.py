@@ -23,7 +23,8 @@ from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
 from fedseg.apps.settings import markdown, table
 from fedseg.apps.studies.compare import compare, demo, evaluate_run, split_method_entries
-from fedseg.apps.studies.fedsm import over_seeds, sweep, tabulate, unseen
+from fedseg.apps.studies.fedsm import sweep, unseen
+from fedseg.apps.studies.fedsm_seeds import over_seeds, tabulate
 from fedseg.apps.studies.grid import sweep as grid_sweep
 from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.apps.tracking import tracker_for

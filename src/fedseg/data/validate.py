@@ -13,6 +13,7 @@ from pathlib import Path
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import load_federation
+from fedseg.data.volumes.load import read_channels
 from fedseg.foundation.errors import ConfigError, DataError
 
 
@@ -55,8 +56,6 @@ def _channel_files(fed, site: str, images: list[Path], label: Path) -> list[Prob
         return [
             Problem(site, str(images[0]), "an image listed as one file per channel needs volumes", 'set mode = "3d"')
         ]
-    from fedseg.data.volumes.load import read_channels  # deferred: the volume readers
-
     missing = [str(p) for p in [*images, label] if not Path(p).is_file()]
     if missing:
         return [Problem(site, missing[0], "file listed in the datalist does not exist", "fix the path in the datalist")]

@@ -25,6 +25,7 @@ from torch import nn
 
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.apps.predict.model import Loaded, load_predictor
+from fedseg.data.volumes.intensity import channel_schemes
 from fedseg.foundation.errors import ConfigError
 
 __all__ = ["FORMATS", "export_run", "label_map_expression", "preprocessing"]
@@ -54,7 +55,7 @@ def preprocessing(loaded: Loaded) -> dict[str, Any]:
             {
                 "orientation": "RAS",
                 "spacing": spacing,
-                "intensity": dict(plan.intensity),
+                "intensity": channel_schemes(plan.intensity, loaded.intensity_site, int(lay["in_channels"])),
                 "resample": "image: linear; logits back into the scan's grid: linear, then the threshold",
                 "roi_size": list(cfg.model.roi_size or []),
                 "sw_overlap": cfg.eval.sw_overlap,
@@ -151,6 +152,21 @@ def _onnx(model: nn.Module, example: torch.Tensor, path: Path, force: bool) -> P
     return path
 
 
+def _one_scheme(schemes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one intensity scheme of every channel that MONAI's intensity transforms can express (they treat
+    all channels alike); a plan with a scheme per channel, or a z-score over a body other than the non-zero
+    voxels, gets one error naming the formats that carry it."""
+    first = schemes[0]
+    body = first.get("body")
+    if any(s != first for s in schemes[1:]) or (first.get("mode") == "zscore" and body is not None):
+        raise ConfigError(
+            f"the run's intensity schemes ({schemes}) differ per channel or take a z-score over a body MONAI's "
+            "NormalizeIntensityd cannot select; a bundle applies one scheme to all channels -> export "
+            "--format torchscript or onnx, whose preprocessing.json lists each channel's scheme"
+        )
+    return first
+
+
 def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool) -> list[Path]:
     if set(parts) != {"model"}:
         raise ConfigError(
@@ -167,7 +183,7 @@ def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool)
         {"_target_": "EnsureChannelFirstd", "keys": keys},
     ]
     if volumes:  # fedseg's order: intensities in file units first, then orientation and spacing
-        inten = pre["intensity"]
+        inten = _one_scheme(pre["intensity"])
         pad_value: float | None = None  # the lowest value of every normalized scan, where the scheme fixes one
         if inten["mode"] == "ct":
             lo, hi, m, sd = (float(inten[k]) for k in ("lo", "hi", "mean", "sd"))

@@ -49,6 +49,9 @@ class Loaded:
     """FedSM's composite: ``x → (chosen model index per image, selector probabilities)``; 0 is the global
     model, ``j`` the j-th site's personalized model (:attr:`route_names`)."""
     route_names: list[str] = dataclasses.field(default_factory=list)
+    intensity_site: str | None = None
+    """Whose intensity scheme a volume is normalized by (the plan may hold one per site): ``--site``, the
+    model's own site, or the deployed site; None: each channel's scheme for the federation."""
 
     @property
     def volumes(self) -> bool:
@@ -151,7 +154,7 @@ def load_predictor(
     routing, route_names = None, []
     if cand.predictor == "fedsm":
         routing, route_names = _fedsm_routing(runtime, cand, algorithm)
-    return Loaded(cfg, layout, plan, runtime, cand, predict, routing, route_names)
+    return Loaded(cfg, layout, plan, runtime, cand, predict, routing, route_names, site or cand.home_site)
 
 
 def _fedsm_routing(site: Site, cand: Candidate, algorithm: Any):
@@ -225,4 +228,4 @@ def load_site_predictor(
     arrays = {k: v for k, v in runtime.models[role].state_dict().items()}
     cand = Candidate(role, arrays, home_site=name)
     predict = prediction.predictor(runtime, role, "model", arrays, {"bn_role": role})
-    return Loaded(cfg, layout, plan, runtime, cand, predict)
+    return Loaded(cfg, layout, plan, runtime, cand, predict, intensity_site=name)

@@ -26,7 +26,7 @@ from fedseg.apps.predict.model import Loaded
 from fedseg.apps.predict.scans import Scan, find_inputs, kind_of, mask_path, read_scan, write_mask, write_probabilities
 from fedseg.data.loading import normalize, resize_pair
 from fedseg.data.volumes.geometry import Geometry, to_original_grid, to_plan_grid
-from fedseg.data.volumes.intensity import normalize_volume
+from fedseg.data.volumes.intensity import normalize_case
 from fedseg.data.volumes.load import plan_spacing
 from fedseg.foundation.errors import ConfigError, DataError
 from fedseg.site import extent
@@ -80,7 +80,7 @@ def _segment_volume(loaded: Loaded, scan: Scan, tta: bool, keep_probs: bool) -> 
     back into the scan's grid slab by slab."""
     plan = loaded.plan
     assert plan is not None and scan.affine is not None
-    x = normalize_volume(scan.image, plan.intensity["mode"], plan.intensity)
+    x = normalize_case(scan.image, plan.intensity, loaded.intensity_site)
     spacing = plan_spacing(types.SimpleNamespace(mode=loaded.layout["mode"]), plan)  # type: ignore[arg-type]
     x, _, affine = to_plan_grid(x, None, scan.affine, spacing)
     ext = tuple(int(s) for s in x.shape[1:])
