@@ -48,25 +48,40 @@ UNET_CHANNELS = (16, 32, 64, 128, 256)
 """``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
 UNET_STRIDES = (2, 2, 2, 2)
 """``model.strides`` when unset outside a volume plan."""
+NetworkName = Literal[
+    "auto", "unet", "fga-unet", "dynunet", "segresnet", "swinunetr", "unetr", "basicunet", "attentionunet"
+]
+"""``model.name``: the networks :func:`fedseg.models.build_model` builds by name."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
+    """Segmentation network: any of MONAI's by name (``name``, ``kwargs``), FGA's reduced U-Net, or a
+    user's own (``module``), optionally started from pretrained weights (``init``).
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
     strides 2 (:meth:`levels`; a volume run's plan sets both where the run leaves them unset),
-    2 residual units, instance norm.
+    2 residual units, instance norm; volumes (``mode = "3d"``) get MONAI's DynUNet configured from the plan.
     """
 
-    name: Literal["unet", "fga-unet"] = "unet"
-    """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
+    name: NetworkName = "auto"
+    """'auto': MONAI's U-Net for 2D images and 2D patches, MONAI's DynUNet configured from the plan for volumes (data.mode "3d"); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the network's constructor beside spatial_dims, in_channels and out_channels (e.g. [model.kwargs] feature_size = 24 for swinunetr); they override what fedseg derives from channels, strides and kernels."""
+    module: str | None = None
+    """A user's own network: 'package.module:factory', called as factory(spatial_dims=, in_channels=, out_channels=, **kwargs) and returning an nn.Module of logits; replaces name. The module must be importable at every site."""
+    init: str | None = None
+    """Start from pretrained weights: a .safetensors file of the network's state dict (a path relative to the run config's folder), checked key by key and shape by shape (a mismatch is an error naming the keys)."""
     channels: tuple[int, ...] | None = None
     """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's); unset: [16, 32, 64, 128, 256], or for volumes (``mode = "3d"``) the plan's when strides is unset too."""
     strides: tuple[int | tuple[int, ...], ...] | None = None
     """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
     list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less); unset:
     [2, 2, 2, 2], or for volumes (``mode = "3d"``) the plan's when channels is unset too."""
+    kernels: tuple[int | tuple[int, ...], ...] | None = None
+    """dynunet: convolution kernel of each level (one per channel entry; a list per axis, e.g. the plan's [3, 3, 1] on a thick-slice axis); unset: 3 on every axis, or the plan's for volumes."""
+    deep_supervision: bool = True
+    """dynunet: also train on the outputs of the lower decoder levels (nnU-Net's deep supervision: loss weights halving per level); the network returns only the full-resolution output when evaluated."""
     num_res_units: int = 2
     """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
@@ -87,6 +102,15 @@ class ModelConfig:
     def validate(self) -> None:
         check_literals(self, "model")
         channels, strides = self.levels()
+        if self.module is not None and (":" not in self.module or not all(self.module.split(":", 1))):
+            raise ConfigError(
+                f"model.module = {self.module!r}; give 'package.module:factory' (e.g. 'mynets.seg:build')"
+            )
+        if self.kernels is not None and len(self.kernels) != len(channels):
+            raise ConfigError(
+                f"model.kernels has {len(self.kernels)} entries but model.channels has {len(channels)}; "
+                "give one kernel per level"
+            )
         if len(strides) != len(channels) - 1:
             raise ConfigError(
                 f"model.strides has {len(strides)} entries but model.channels has {len(channels)}; "
@@ -664,6 +688,9 @@ def load_run_config(
         elif "federation" in raw:
             fed = Path(raw["federation"])
             raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
+        init = raw.get("model", {}).get("init") if isinstance(raw.get("model"), dict) else None
+        if isinstance(init, str) and init.lower() != "none" and not Path(init).is_absolute():
+            raw["model"]["init"] = str((p.parent / init).resolve())
     for k, v in fields.items():
         if v is not None:
             raw[k] = v
@@ -698,6 +725,8 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (e.g. model.kwargs)
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} to TOML")
 
 

@@ -316,6 +316,7 @@ def segmentation_workload(
     from monai.inferers import sliding_window_inference
 
     from fedseg.models import build_model as network
+    from fedseg.models import deep_supervision_loss
 
     model = model or ModelConfig()
     train = train or TrainConfig()
@@ -345,7 +346,7 @@ def segmentation_workload(
         transform = _augmented(transform, spatial_dims, roi)
     return Workload(
         build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
-        loss=make_loss(train.loss),
+        loss=deep_supervision_loss(make_loss(train.loss)),  # DynUNet's deep-supervised training output
         metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
         infer=infer,

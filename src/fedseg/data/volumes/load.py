@@ -37,6 +37,7 @@ from fedseg.data.volumes.intensity import normalize_volume
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
     EVAL_SHARE,
+    GPU_MEMORY_GIB,
     Plan,
     eval_interval,
     load_plan,
@@ -98,7 +99,11 @@ def training_cases(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
 
 
 def plan_federation(
-    fed: FederationSpec, *, patch_voxels: int = 64 * 64 * 32, log: Callable[[str], None] = print
+    fed: FederationSpec,
+    *,
+    gpu_memory: float = GPU_MEMORY_GIB,
+    patch_voxels: int | None = None,
+    log: Callable[[str], None] = print,
 ) -> Plan:
     """Fingerprint every site's training cases (two passes) and make the plan; no voxel leaves a site."""
     fingerprints = {s.name: site_fingerprint(training_cases(fed, s)) for s in fed.sites}
@@ -107,7 +112,14 @@ def plan_federation(
         return {s.name: site_histogram(training_cases(fed, s), edges) for s in fed.sites if s.name in fingerprints}
 
     return make_plan(
-        fingerprints, histograms, patch_voxels=patch_voxels, intensity=fed.intensity, window=fed.window, log=log
+        fingerprints,
+        histograms,
+        gpu_memory=gpu_memory,
+        patch_voxels=patch_voxels,
+        labels=len(fed.labels),
+        intensity=fed.intensity,
+        window=fed.window,
+        log=log,
     )
 
 
@@ -444,7 +456,8 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network, patch and validation interval where the run leaves them unset
-    (``model.roi_size``, ``model.channels`` and ``strides`` both, ``eval.every``: None) and
+    (``model.name = "auto"`` becomes ``"dynunet"`` for ``mode = "3d"``; ``model.roi_size``,
+    ``model.channels`` and ``strides`` both (with the plan's ``kernels``), ``eval.every``: None) and
     ``train.loss = "auto"`` as Dice + cross-entropy, each logged.
 
     ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
@@ -467,9 +480,18 @@ def plan_for_run(
     elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
+    if mode != "patches2d" and model.name == "auto" and model.module is None:
+        model = dataclasses.replace(model, name="dynunet")
+        log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
     if mode != "patches2d" and model.channels is None and model.strides is None:
-        model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
-        log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
+        kernels = None if plan.kernels is None else tuple(tuple(k) for k in plan.kernels)
+        model = dataclasses.replace(
+            model,
+            channels=tuple(plan.channels),
+            strides=tuple(tuple(s) for s in plan.strides),
+            kernels=model.kernels if model.kernels is not None else kernels,
+        )
+        log(f"plan: network channels {plan.channels}, strides {plan.strides}, kernels {plan.kernels}")
     if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:
