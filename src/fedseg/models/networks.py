@@ -56,10 +56,27 @@ def supervision_outputs(levels: int) -> int:
     return max(0, levels - 3)
 
 
-def build_dynunet(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig) -> nn.Module:
-    """MONAI's ``DynUNet`` from ``cfg.channels``, ``strides``, ``kernels`` and ``deep_supervision``."""
+def _dynunet_class() -> type[nn.Module]:
     from monai.networks.nets import DynUNet
 
+    class SupervisedDynUNet(DynUNet):
+        """MONAI's ``DynUNet`` that lets go of its deep-supervision outputs after each forward pass.
+
+        ``DynUNet`` keeps them in a list its decoder levels write into; left there they hold the autograd
+        graph, and a model that holds graph tensors can neither be deep-copied (as FedSM's and the
+        personalized methods' copies are) nor keeps its memory between steps."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            for i in range(len(self.heads)):  # in place: the decoder levels hold the same list
+                self.heads[i] = torch.empty(0)
+            return out
+
+    return SupervisedDynUNet
+
+
+def build_dynunet(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig) -> nn.Module:
+    """MONAI's ``DynUNet`` from ``cfg.channels``, ``strides``, ``kernels`` and ``deep_supervision``."""
     channels, strides = cfg.levels()
     kernels = cfg.kernels or (3,) * len(channels)
     supr = supervision_outputs(len(channels)) if cfg.deep_supervision else 0
@@ -73,7 +90,7 @@ def build_dynunet(spatial_dims: int, in_channels: int, out_channels: int, cfg: M
         "res_block": False,
     }
     kw.update(cfg.kwargs)
-    return DynUNet(spatial_dims, in_channels, out_channels, **kw)
+    return _dynunet_class()(spatial_dims, in_channels, out_channels, **kw)
 
 
 def build_segresnet(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig) -> nn.Module:
@@ -189,8 +206,12 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
         weights = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
         raise ConfigError(f"model.init = {str(path)!r}: not a safetensors file ({e})") from None
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights))
+    own = model.state_dict(keep_vars=True)
+    # names of one tensor (DynUNet reaches its layers by two paths): any one of them in the file loads it
+    aliases: dict[int, list[str]] = {}
+    for k, t in own.items():
+        aliases.setdefault(id(t), []).append(k)
+    missing = sorted(k for k, t in own.items() if not any(a in weights for a in aliases[id(t)]))
     unexpected = sorted(set(weights) - set(own))
     shapes = sorted(
         f"{k} {tuple(weights[k].shape)} (network: {tuple(own[k].shape)})"
@@ -212,8 +233,9 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
             "the same model.name, channels, strides, kernels and [model.kwargs]"
         )
     with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(weights[k].to(dtype=t.dtype))
+        for t in own.values():
+            source = next(weights[a] for a in aliases[id(t)] if a in weights)
+            t.copy_(source.to(dtype=t.dtype))
     return model
 
 

@@ -195,9 +195,11 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     """Batch transform cutting one patch of size ``roi`` per case (same place for image and label).
 
     With probability ``foreground_share`` a patch is centred (as far as the case allows) on a foreground
-    voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
-    uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the foreground voxel is drawn from
-    every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
+    voxel drawn class first, as nnU-Net draws it: a label channel uniformly among those present in the case,
+    then one of its voxels uniformly (so a small lesion beside a large organ centres as many patches as the
+    organ; with one channel present no class is drawn); otherwise, and in a case without foreground, its
+    corner is drawn uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the voxel is drawn
+    from every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
     its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``.
 
     ``extents`` (volumes padded to one shape; a :class:`fedseg.data.volumes.lazy.CaseBatch` knows its own):
@@ -211,15 +213,22 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     def place(
         n: int, spatial: Sequence[int], count, at, g: torch.Generator, extents: Sequence[Sequence[int]] | None
     ) -> list[tuple[int, list[int]]]:
-        """``(case, corner)`` of each of ``n`` patches; ``count(i)``/``at(i, k)``: foreground voxels of case ``i``."""
+        """``(case, corner)`` of each of ``n`` patches; ``count(i)``: voxels of each label channel of case ``i``,
+        ``at(i, c, k)``: the ``k``-th voxel of channel ``c``."""
         cuts = []
         for i in range(n):
             src, starts = i, None
             bound = spatial if extents is None else [min(max(e, r), s) for e, r, s in zip(extents[i], roi, spatial)]
             if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
-                total = count(i)
-                if total:
-                    centre = at(i, int(torch.randint(0, total, (1,), generator=g)))
+                counts = count(i)
+                present = [c for c, m in enumerate(counts) if m]
+                if present:
+                    c = (
+                        present[int(torch.randint(0, len(present), (1,), generator=g))]
+                        if len(present) > 1
+                        else present[0]
+                    )
+                    centre = at(i, c, int(torch.randint(0, counts[c], (1,), generator=g)))
                     if pooled:
                         src, centre = centre[0], centre[1:]
                     starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, bound, roi)]
@@ -235,17 +244,17 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
         # a case smaller than the patch: padded at the far end (image: its lowest value)
         x, y = pad_far_end(x, y, [max(s, r) for s, r in zip(x.shape[2:], roi)])
         if pooled and foreground_share > 0:
-            batch_fg = torch.nonzero(y.amax(dim=1) > 0)
-            count, at = (lambda i: len(batch_fg)), (lambda i, k: batch_fg[k].tolist())
+            batch_fg = [torch.nonzero(y[:, c] > 0) for c in range(y.shape[1])]
+            count, at = (lambda i: [len(f) for f in batch_fg]), (lambda i, c, k: batch_fg[c][k].tolist())
         else:
-            fgs: dict[int, torch.Tensor] = {}
+            fgs: dict[int, list[torch.Tensor]] = {}
 
-            def fg(i: int) -> torch.Tensor:
+            def fg(i: int) -> list[torch.Tensor]:
                 if i not in fgs:
-                    fgs[i] = torch.nonzero(y[i].amax(dim=0) > 0)
+                    fgs[i] = [torch.nonzero(y[i, c] > 0) for c in range(y.shape[1])]
                 return fgs[i]
 
-            count, at = (lambda i: len(fg(i))), (lambda i, k: fg(i)[k].tolist())
+            count, at = (lambda i: [len(f) for f in fg(i)]), (lambda i, c, k: fg(i)[c][k].tolist())
         xs, ys = [], []
         for src, starts in place(x.shape[0], x.shape[2:], count, at, g, None if pooled else extents):
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))

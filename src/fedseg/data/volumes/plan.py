@@ -249,7 +249,7 @@ def topology(
     patch: Sequence[int], spacing: Sequence[float], min_edge: int = MIN_FEATURE
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """nnU-Net v2's ``get_pool_and_conv_props``: the strides and kernels of every level and the patch
-    rounded up to a multiple of each axis' down-sampling.
+    rounded to a multiple of each axis' down-sampling.
 
     At each level an axis is pooled while it keeps at least ``2 · min_edge`` voxels and its current
     spacing is within 2 × the finest of the poolable axes; a lone poolable axis needs ``3 · min_edge``.
@@ -263,7 +263,9 @@ def topology(
     kernels
         One ``[x, y, z]`` per level, the first included.
     patch
-        The patch, each side rounded up to a multiple of its axis' down-sampling.
+        The patch, each side rounded down to a multiple of its axis' down-sampling (nnU-Net rounds up and
+        pads the cases; rounding down keeps the patch within the median case), with the topology of the
+        rounded patch.
     """
     dims = len(spacing)
     sp, size = [float(v) for v in spacing], [float(v) for v in patch]
@@ -290,7 +292,9 @@ def topology(
             size[a] = math.ceil(size[a] / 2)
     kernels.append([3] * dims)
     factor = [2**p for p in pools]
-    rounded = [int(math.ceil(int(patch[a]) / factor[a]) * factor[a]) for a in range(dims)]
+    rounded = [max(factor[a], int(patch[a]) // factor[a] * factor[a]) for a in range(dims)]
+    if rounded != [int(v) for v in patch]:  # a smaller patch may pool less: derive its own topology
+        return topology(rounded, spacing, min_edge)
     return strides, kernels, rounded
 
 
