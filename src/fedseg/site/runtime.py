@@ -761,11 +761,14 @@ class Site:
             else:
                 for j in range(pred.shape[0]):
                     pj = pred[j] if ext is None else extent.crop_to_extent(pred[j], ext)
-                    p, t = restore(first + j, pj.float())
+                    # scored in the region of the scan's grid that either mask can reach (on the device)
+                    p, t = restore(first + j, pj.float(), threshold=self.cfg.eval.threshold)
                     out.append(self.workload.metric(p[None], t[None]).double())
                     for k in extra:
-                        spacing = ds.originals[first + j].spacing
-                        extra[k].append(self.workload.test_metrics[k](p[None], t[None], spacing).double())
+                        grid = ds.originals[first + j]
+                        m = self.workload.test_metrics[k]
+                        fov = {"field_of_view": grid.shape} if getattr(m, "takes_field_of_view", False) else {}
+                        extra[k].append(m(p[None], t[None], grid.spacing, **fov).double())
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         width = len(self.workload.metric_names)
         scores = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)

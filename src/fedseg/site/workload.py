@@ -137,10 +137,17 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
     structure costs the most.
 
     ``metric(logits (B, C, *spatial), target (B, C, *spatial), spacing)``: ``spacing`` is one voxel size per
-    spatial axis, shared by the batch (None: 1 per axis, distances in voxels).
+    spatial axis, shared by the batch (None: 1 per axis, distances in voxels).  ``field_of_view``: the
+    shape of the whole grid when the arrays are a region of it holding every voxel either mask sets (the
+    diagonal is the whole grid's; distances within the region are the grid's).
     """
 
-    def compute(logits: torch.Tensor, target: torch.Tensor, spacing: Sequence[float] | None = None) -> torch.Tensor:
+    def compute(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        spacing: Sequence[float] | None = None,
+        field_of_view: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         from monai.metrics import compute_hausdorff_distance
 
         pred = (torch.sigmoid(logits.float()) > threshold).cpu()
@@ -149,7 +156,8 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
         sp = [1.0] * dims if spacing is None else [float(v) for v in spacing]
         if len(sp) != dims:
             raise ValueError(f"spacing {list(sp)} must have one entry per spatial axis ({dims})")
-        worst = math.sqrt(sum((n * v) ** 2 for n, v in zip(pred.shape[2:], sp)))
+        grid = pred.shape[2:] if field_of_view is None else field_of_view
+        worst = math.sqrt(sum((n * v) ** 2 for n, v in zip(grid, sp)))
         out = torch.zeros(pred.shape[:2], dtype=torch.float64)
         for b in range(pred.shape[0]):
             for c in range(pred.shape[1]):
@@ -169,6 +177,7 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
                     out[b, c] = worst
         return out
 
+    compute.takes_field_of_view = True  # type: ignore[attr-defined]  # Site.score_cases passes scored regions' grids
     return compute
 
 

@@ -13,6 +13,8 @@ Arrays here are channel-first ``(C, X, Y, Z)`` in the file's axis order; labels 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,9 @@ __all__ = [
     "read_case",
     "read_volume",
     "spacing_of",
+    "scoring_box",
     "to_original_grid",
+    "to_original_region",
     "to_plan_grid",
 ]
 
@@ -168,6 +172,94 @@ def to_original_grid(
         src, dst_affine=torch.as_tensor(original.affine, dtype=torch.float64), spatial_size=original.shape
     )
     return out.as_tensor().float()
+
+
+def _bounds(mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``(first, last)`` index per spatial axis of the voxels set in ``mask`` (C, *spatial), or None."""
+    any_c = mask.any(dim=0)
+    if not bool(any_c.any()):
+        return None
+    lo, hi = [], []
+    for a in range(any_c.dim()):
+        others = tuple(d for d in range(any_c.dim()) if d != a)
+        hit = torch.nonzero(any_c.any(dim=others) if others else any_c).flatten()
+        lo.append(int(hit[0]))
+        hi.append(int(hit[-1]))
+    return lo, hi
+
+
+def scoring_box(
+    foreground: torch.Tensor, affine: np.ndarray, original: Geometry, label: torch.Tensor | None = None, margin: int = 1
+) -> tuple[list[int], list[int]]:
+    """``(start, stop)`` in the scan's own grid of every voxel a prediction resampled from ``affine`` can set.
+
+    ``foreground`` (C, *plan grid): the voxels above the threshold in the plan's grid.  Linear interpolation
+    gives an original voxel a convex combination of the plan voxels around its position, so it can exceed
+    the threshold only within one plan voxel of a voxel that does: the box is the plan box widened by one
+    voxel, its 8 corners carried to the original grid's indices, widened by ``margin``; a plan box touching
+    the plan grid's edge reaches the original grid's edge on that side (points beyond the plan grid take its
+    border value).  ``label`` (L, *original grid) adds its own box.  Never empty (one voxel at the origin).
+    """
+    shape = list(original.shape)
+    boxes: list[tuple[list[float], list[float]]] = []
+    b = _bounds(foreground)
+    if b is not None:
+        size = foreground.shape[1:]
+        lo = [float(v - 1) if v > 0 else -1e7 for v in b[0]]
+        hi = [float(v + 1) if v < n - 1 else 1e7 for v, n in zip(b[1], size)]
+        corners = np.array(list(np.ndindex(2, 2, 2)), dtype=np.float64)
+        pts = np.where(corners == 0, np.array(lo), np.array(hi))
+        to_original = np.linalg.inv(np.asarray(original.affine, dtype=np.float64)) @ np.asarray(affine, np.float64)
+        idx = (to_original[:3, :3] @ pts.T).T + to_original[:3, 3]
+        boxes.append((np.floor(idx.min(axis=0)).tolist(), np.ceil(idx.max(axis=0)).tolist()))
+    if label is not None:
+        lb = _bounds(label > 0.5)
+        if lb is not None:
+            boxes.append(([float(v) for v in lb[0]], [float(v) for v in lb[1]]))
+    if not boxes:
+        return [0, 0, 0], [1, 1, 1]
+    start = [max(0, int(min(bx[0][a] for bx in boxes)) - margin) for a in range(3)]
+    stop = [min(shape[a], int(max(bx[1][a] for bx in boxes)) + margin + 1) for a in range(3)]
+    return start, [max(s + 1, e) for s, e in zip(start, stop)]
+
+
+def to_original_region(
+    array: torch.Tensor, affine: np.ndarray, original: Geometry, start: Sequence[int], stop: Sequence[int]
+) -> torch.Tensor:
+    """:func:`to_original_grid` of the region ``[start, stop)`` of the scan's own grid only, on ``array``'s
+    device in float32 (the same values to float rounding: the region's voxels sit at the same millimetre
+    positions, its affine the original's shifted by ``start``)."""
+    from monai.transforms import SpatialResample
+
+    shift = np.eye(4)
+    shift[:3, 3] = [float(v) for v in start]
+    region = np.asarray(original.affine, dtype=np.float64) @ shift
+    src = _meta_tensor(array.detach().float(), affine)
+    out = SpatialResample(mode="bilinear", padding_mode="border", dtype=torch.float32)(
+        src,
+        dst_affine=torch.as_tensor(region, dtype=torch.float64),
+        spatial_size=[int(e) - int(s) for s, e in zip(start, stop)],
+    )
+    return out.as_tensor().float()
+
+
+def region_scores(
+    prediction: torch.Tensor, affine: np.ndarray, original: Geometry, label: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prediction, label)`` in the region of the scan's grid either can set (:func:`scoring_box`): the
+    prediction (logits, C × plan grid) resampled there on its device in float32, the label channels
+    (L × scan grid) cut to it and moved to that device."""
+    cut = math.log(threshold / (1.0 - threshold))  # sigmoid(z) > threshold  <=>  z > logit(threshold)
+    start, stop = scoring_box(prediction > cut, affine, original, label)
+    region = tuple(slice(s, e) for s, e in zip(start, stop))
+    pred = to_original_region(prediction, affine, original, start, stop)
+    return pred, label[(slice(None), *region)].to(prediction.device)
+
+
+def _meta_tensor(t: torch.Tensor, affine: np.ndarray):
+    from monai.data import MetaTensor
+
+    return MetaTensor(t, affine=torch.as_tensor(affine, dtype=torch.float64))
 
 
 def read_case(image_path: str | Path, label_path: str | Path, in_channels: int, label_values=None):

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from fedseg.data.loading import label_channels
-from fedseg.data.volumes.geometry import to_original_grid
+from fedseg.data.volumes.geometry import region_scores, to_original_grid
 from fedseg.foundation.errors import DataError
 
 __all__ = ["CachedVolumes", "CaseBatch", "CaseFile"]
@@ -170,7 +170,9 @@ class CachedVolumes(Dataset):
         """Cases ``idx`` as a :class:`CaseBatch` (nothing read yet)."""
         return CaseBatch(self, [int(i) for i in idx])
 
-    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def original_grid(
+        self, i: int, prediction: torch.Tensor, threshold: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, label)`` of case ``i`` in its scan's own grid, as
         :meth:`fedseg.data.volumes.load.VolumeDataset.original_grid` gives it (the label read from the cache)."""
         if self.originals is None or self.affines is None:
@@ -181,8 +183,11 @@ class CachedVolumes(Dataset):
             lab = f.get_tensor("original_label").numpy().astype(np.int64)
         except Exception as e:
             raise _unreadable(case, e) from e
+        label = torch.from_numpy(label_channels(lab, self.labels))
+        if threshold is not None:
+            return region_scores(prediction, self.affines[i], self.originals[i], label, threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), torch.from_numpy(label_channels(lab, self.labels)).to(prediction.device)
+        return pred.to(prediction.device), label.to(prediction.device)
 
     @staticmethod
     def concat(splits: Sequence[CachedVolumes]) -> CachedVolumes:

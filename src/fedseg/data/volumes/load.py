@@ -32,7 +32,7 @@ from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
-from fedseg.data.volumes.geometry import Geometry, read_case, to_original_grid, to_plan_grid
+from fedseg.data.volumes.geometry import Geometry, read_case, region_scores, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
@@ -186,14 +186,23 @@ class VolumeDataset(SegmentationDataset):
         self.original_labels = original_labels
         self.extents = extents
 
-    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def original_grid(
+        self, i: int, prediction: torch.Tensor, threshold: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, label)`` of case ``i`` in its scan's own grid: the prediction (logits, C × plan
         grid: the padded shape or any region from the origin covering the case's extent) resampled linearly
         back through the inverse of the plan's resampling and reorientation.  A scan voxel past the last
         plan voxel of the region (by less than half a plan voxel, where the plan's shape rounds the scan's
-        field of view down) takes the region's border value."""
+        field of view down) takes the region's border value.
+
+        With ``threshold`` (of the sigmoid) only the region of the scan's grid that the label or a
+        prediction above the threshold can reach is resampled and returned, on the prediction's device in
+        float32 (:func:`fedseg.data.volumes.geometry.scoring_box`): Dice and HD95 (given the whole grid's
+        shape) are those of the whole grid."""
         if self.originals is None:
             raise ValueError("this split keeps no original geometry (training split)")
+        if threshold is not None:
+            return region_scores(prediction, self.affines[i], self.originals[i], self.original_labels[i], threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
         return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
 
