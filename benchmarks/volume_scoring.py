@@ -9,7 +9,8 @@ The case (built one slab at a time, so that the process holds only what a site h
 plan-grid logits and the label channels, float32): a scan stored LPS at 0.8 × 0.8 × 1.0 mm, its plan grid RAS at the same spacing (so every voxel
 moves), an organ ellipsoid of about 1/8 of the field of view with a lesion of 2 % of it, and logits that
 agree with the label but for a shifted lesion.  Each path runs in its own process and reports its own peak
-resident memory (``ru_maxrss``), the scoring's wall time, and the Dice and HD95 it computes.  Writes ``OUT/summary.json``
+resident memory (``ru_maxrss``) before scoring (the held logits and labels, Python and the libraries) and
+after, the scoring's wall time, and the Dice and HD95 it computes.  Writes ``OUT/summary.json``
 and a Markdown table.
 """
 
@@ -37,6 +38,7 @@ from fedseg.data.volumes.geometry import region_scores, to_original_grid
 from fedseg.site.workload import dice_metric, hd95_metric
 shape, path = [int(v) for v in sys.argv[1].split(",")], sys.argv[2]
 logits, plan_affine, original, label = case(shape)
+held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()
 if path == "whole":
     p, t = to_original_grid(logits, plan_affine, original), label
@@ -48,7 +50,7 @@ dice = dice_metric(0.5)(p[None], t[None])
 hd = hd95_metric(0.5)(p[None], t[None], original.spacing, **fov)
 wall = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"wall": wall, "peak_mib": peak, "dice": dice[0].tolist(), "hd95": hd[0].tolist(),
+print(json.dumps({"wall": wall, "peak_mib": peak, "held_mib": held, "dice": dice[0].tolist(), "hd95": hd[0].tolist(),
                   "region": list(p.shape[1:])}))
 """
 
@@ -101,6 +103,7 @@ def main() -> None:
         [
             p,
             "×".join(map(str, a.shape)),
+            f"{r['held_mib']:.0f}",
             f"{r['peak_mib']:.0f}",
             f"{r['wall']:.1f}",
             ", ".join(f"{v:.4f}" for v in r["dice"]),
@@ -114,7 +117,19 @@ def main() -> None:
     md = [
         f"Scoring one two-label case in its own grid ({machine}):",
         "",
-        *md_table(["path", "scan", "peak RSS (MiB)", "wall (s)", "Dice", "HD95 (mm)", "scored region"], rows),
+        *md_table(
+            [
+                "path",
+                "scan",
+                "RSS before scoring (MiB)",
+                "peak RSS (MiB)",
+                "wall (s)",
+                "Dice",
+                "HD95 (mm)",
+                "scored region",
+            ],
+            rows,
+        ),
     ]
     emit(md, a.md, out, summary)
 

@@ -52,5 +52,5 @@ def test_region_scores_equal_whole_grid_scores():
         hd(p[None], t[None], original.spacing, field_of_view=original.shape), want_h, rtol=1e-6, atol=1e-6
     )
     assert float(want_h[0, 2]) > 30.0  # the whole grid's diagonal, not the region's
-    empty = scoring_box(torch.zeros(1, 4, 4, 4, dtype=torch.bool), plan_affine, original)
+    empty = scoring_box(torch.full((1, 4, 4, 4), -1.0), plan_affine, original)
     assert empty == ([0, 0, 0], [1, 1, 1])

@@ -143,6 +143,10 @@ class TrainConfig:
     """Adam's (beta1, beta2)."""
     momentum: float = 0.9
     """SGD momentum (optimizer = 'sgd' only)."""
+    nesterov: bool = False
+    """SGD with Nesterov momentum (optimizer = 'sgd' only; nnU-Net's: momentum 0.99, lr 0.01, weight_decay 3e-5)."""
+    lr_schedule: Literal["constant", "poly"] = "constant"
+    """Learning rate over the run: 'constant' (train.lr every round) or 'poly' (nnU-Net's: train.lr · (1 − (round − 1) / rounds)^0.9, set when a site starts a round's local work; a round stands for nnU-Net's epoch)."""
     weight_decay: float = 0.0
     """L2 weight decay of the local optimizer (torch's weight_decay of Adam or SGD; 0 = none)."""
     reset_optimizer: bool = False
@@ -191,6 +195,11 @@ class TrainConfig:
             raise ConfigError(f"train.batch_size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum > 0):
+            raise ConfigError(
+                f"train.nesterov needs train.optimizer = 'sgd' and momentum > 0 (got {self.optimizer!r}, "
+                f"momentum {self.momentum}) -> --set train.optimizer=sgd train.momentum=0.99, or nesterov=false"
+            )
         if self.precision != "fp32" and self.dtype != "float32":
             raise ConfigError(
                 f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "

@@ -46,6 +46,19 @@ from fedseg.site.dp import SiteDP, draw_batches
 from fedseg.site.workload import Workload
 
 
+def poly_lr(opt: Any, rnd: int, rounds: int, exponent: float = 0.9) -> None:
+    """nnU-Net's poly schedule for round ``rnd`` (1-based) of ``rounds``: every parameter group's learning
+    rate becomes its first one (kept as ``initial_lr``, as torch's schedulers keep it) times
+    ``(1 − (rnd − 1) / rounds)^exponent``.  An optimizer without parameter groups is left alone."""
+    groups = getattr(opt, "param_groups", None)
+    if not groups:
+        return
+    factor = (1.0 - (rnd - 1) / rounds) ** exponent
+    for g in groups:
+        g.setdefault("initial_lr", g["lr"])
+        g["lr"] = g["initial_lr"] * factor
+
+
 class SiteHalf(Protocol):
     """What a :class:`Site` needs from the run's algorithm: its site half (see
     :class:`fedseg.seams.algorithm.Algorithm`, which implements it).  The site layer does not import
@@ -421,7 +434,9 @@ class Site:
             if t.optimizer == "adam":
                 opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
             else:
-                opt = torch.optim.SGD(ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                opt = torch.optim.SGD(
+                    ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
+                )
             self.optimizers[role] = opt
         return opt
 
@@ -563,6 +578,8 @@ class Site:
         With ``privacy.dp = "sample"`` every step takes DP-SGD's privatized gradient, here
         (:meth:`fedseg.site.dp.SiteDP.fit`).
         """
+        if self.cfg.train.lr_schedule == "poly":
+            poly_lr(optimizer or self.optimizer(role), rnd, self.cfg.rounds)
         if self.cfg.privacy.dp == "sample":
             return self.dp.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
         return self.executor.fit(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)

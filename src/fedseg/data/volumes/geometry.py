@@ -174,26 +174,37 @@ def to_original_grid(
     return out.as_tensor().float()
 
 
-def _bounds(mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """``(first, last)`` index per spatial axis of the voxels set in ``mask`` (C, *spatial), or None."""
-    any_c = mask.any(dim=0)
-    if not bool(any_c.any()):
+def _bounds(array: torch.Tensor, above: float, slab: int = 8) -> tuple[list[int], list[int]] | None:
+    """``(first, last)`` index per spatial axis of the voxels where ``array`` (C, X, Y, Z) exceeds ``above``
+    in any channel, or None; read ``slab`` planes of the first axis at a time (no mask of the whole grid)."""
+    x_hit: list[int] = []
+    y_any = torch.zeros(array.shape[2], dtype=torch.bool, device=array.device)
+    z_any = torch.zeros(array.shape[3], dtype=torch.bool, device=array.device)
+    for i in range(0, array.shape[1], slab):
+        m = (array[:, i : i + slab] > above).any(dim=0)  # (slab, Y, Z)
+        xs = torch.nonzero(m.flatten(1).any(dim=1)).flatten()
+        if len(xs):
+            x_hit += [i + int(xs[0]), i + int(xs[-1])]
+            y_any |= m.any(dim=2).any(dim=0)
+            z_any |= m.any(dim=1).any(dim=0)
+    if not x_hit:
         return None
-    lo, hi = [], []
-    for a in range(any_c.dim()):
-        others = tuple(d for d in range(any_c.dim()) if d != a)
-        hit = torch.nonzero(any_c.any(dim=others) if others else any_c).flatten()
-        lo.append(int(hit[0]))
-        hi.append(int(hit[-1]))
-    return lo, hi
+    ys, zs = torch.nonzero(y_any).flatten(), torch.nonzero(z_any).flatten()
+    return [min(x_hit), int(ys[0]), int(zs[0])], [max(x_hit), int(ys[-1]), int(zs[-1])]
 
 
 def scoring_box(
-    foreground: torch.Tensor, affine: np.ndarray, original: Geometry, label: torch.Tensor | None = None, margin: int = 1
+    prediction: torch.Tensor,
+    affine: np.ndarray,
+    original: Geometry,
+    label: torch.Tensor | None = None,
+    margin: int = 1,
+    above: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """``(start, stop)`` in the scan's own grid of every voxel a prediction resampled from ``affine`` can set.
 
-    ``foreground`` (C, *plan grid): the voxels above the threshold in the plan's grid.  Linear interpolation
+    ``prediction`` (C, *plan grid): its voxels above ``above`` (the threshold's logit) are the foreground in
+    the plan's grid.  Linear interpolation
     gives an original voxel a convex combination of the plan voxels around its position, so it can exceed
     the threshold only within one plan voxel of a voxel that does: the box is the plan box widened by one
     voxel, its 8 corners carried to the original grid's indices, widened by ``margin``; a plan box touching
@@ -202,9 +213,9 @@ def scoring_box(
     """
     shape = list(original.shape)
     boxes: list[tuple[list[float], list[float]]] = []
-    b = _bounds(foreground)
+    b = _bounds(prediction, above)
     if b is not None:
-        size = foreground.shape[1:]
+        size = prediction.shape[1:]
         lo = [float(v - 1) if v > 0 else -1e7 for v in b[0]]
         hi = [float(v + 1) if v < n - 1 else 1e7 for v, n in zip(b[1], size)]
         corners = np.array(list(np.ndindex(2, 2, 2)), dtype=np.float64)
@@ -213,7 +224,7 @@ def scoring_box(
         idx = (to_original[:3, :3] @ pts.T).T + to_original[:3, 3]
         boxes.append((np.floor(idx.min(axis=0)).tolist(), np.ceil(idx.max(axis=0)).tolist()))
     if label is not None:
-        lb = _bounds(label > 0.5)
+        lb = _bounds(label, 0.5)
         if lb is not None:
             boxes.append(([float(v) for v in lb[0]], [float(v) for v in lb[1]]))
     if not boxes:
@@ -250,7 +261,7 @@ def region_scores(
     prediction (logits, C × plan grid) resampled there on its device in float32, the label channels
     (L × scan grid) cut to it and moved to that device."""
     cut = math.log(threshold / (1.0 - threshold))  # sigmoid(z) > threshold  <=>  z > logit(threshold)
-    start, stop = scoring_box(prediction > cut, affine, original, label)
+    start, stop = scoring_box(prediction, affine, original, label, above=cut)
     region = tuple(slice(s, e) for s, e in zip(start, stop))
     pred = to_original_region(prediction, affine, original, start, stop)
     return pred, label[(slice(None), *region)].to(prediction.device)
