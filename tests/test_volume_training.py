@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_config, tiny_sites
 from fedseg.foundation.config import TrainConfig
 from fedseg.foundation.errors import ConfigError
-from fedseg.site.runtime import poly_lr
 from fedseg.simulation.runner import simulate
+from fedseg.site.runtime import poly_lr
 from fedseg.site.workload import segmentation_workload
 
 
