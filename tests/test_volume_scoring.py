@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedseg.data.volumes.geometry import Geometry, region_scores, scoring_box, to_original_grid
+from fedseg.data.volumes.geometry import Geometry, region_scores, scoring_box, to_original_grid, to_original_region
 from fedseg.site.workload import dice_metric, hd95_metric
 
 
@@ -52,5 +52,10 @@ def test_region_scores_equal_whole_grid_scores():
         hd(p[None], t[None], original.spacing, field_of_view=original.shape), want_h, rtol=1e-6, atol=1e-6
     )
     assert float(want_h[0, 2]) > 30.0  # the whole grid's diagonal, not the region's
+    start, stop = scoring_box(logits, plan_affine, original, label)
+    whole_region = to_original_region(logits, plan_affine, original, start, stop)
+    torch.testing.assert_close(
+        to_original_region(logits, plan_affine, original, start, stop, slab=3), whole_region, rtol=0, atol=1e-4
+    )
     empty = scoring_box(torch.full((1, 4, 4, 4), -1.0), plan_affine, original)
     assert empty == ([0, 0, 0], [1, 1, 1])

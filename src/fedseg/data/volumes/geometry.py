@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from fedseg.foundation.errors import DataError
 __all__ = [
     "Geometry",
     "check_pair",
+    "label_masks",
     "read_case",
     "read_volume",
     "scoring_box",
@@ -235,23 +237,41 @@ def scoring_box(
 
 
 def to_original_region(
-    array: torch.Tensor, affine: np.ndarray, original: Geometry, start: Sequence[int], stop: Sequence[int]
+    array: torch.Tensor,
+    affine: np.ndarray,
+    original: Geometry,
+    start: Sequence[int],
+    stop: Sequence[int],
+    slab: int = 32,
 ) -> torch.Tensor:
     """:func:`to_original_grid` of the region ``[start, stop)`` of the scan's own grid only, on ``array``'s
     device in float32 (the same values to float rounding: the region's voxels sit at the same millimetre
-    positions, its affine the original's shifted by ``start``)."""
+    positions, its affine the original's shifted by ``start``), ``slab`` planes of the first axis at a time."""
     from monai.transforms import SpatialResample
 
     shift = np.eye(4)
     shift[:3, 3] = [float(v) for v in start]
     region = np.asarray(original.affine, dtype=np.float64) @ shift
     src = _meta_tensor(array.detach().float(), affine)
-    out = SpatialResample(mode="bilinear", padding_mode="border", dtype=torch.float32)(
-        src,
-        dst_affine=torch.as_tensor(region, dtype=torch.float64),
-        spatial_size=[int(e) - int(s) for s, e in zip(start, stop)],
-    )
-    return out.as_tensor().float()
+    resample = SpatialResample(mode="bilinear", padding_mode="border", dtype=np.float32)
+    size = [int(e) - int(s) for s, e in zip(start, stop)]
+    parts = []
+    for x0 in range(0, size[0], slab):  # a slab of the region at a time: its sampling grid stays small
+        part = region.copy()
+        part[:3, 3] = region[:3, 3] + region[:3, 0] * x0
+        out: Any = resample(
+            src,
+            dst_affine=torch.as_tensor(part, dtype=torch.float64),
+            spatial_size=[min(slab, size[0] - x0), size[1], size[2]],
+        )
+        parts.append(out.as_tensor().float())
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def label_masks(label: np.ndarray, labels: Any) -> np.ndarray:
+    """Label channels ``(L, *spatial)`` of an integer label map as one byte a voxel (``uint8`` 0/1): channel
+    ``c`` is ``isin(label, values_c)``, as :func:`fedseg.data.loading.label_channels` gives them in float32."""
+    return np.stack([np.isin(label, v) for v in dict(labels).values()]).astype(np.uint8)
 
 
 def region_scores(
@@ -264,7 +284,7 @@ def region_scores(
     start, stop = scoring_box(prediction, affine, original, label, above=cut)
     region = tuple(slice(s, e) for s, e in zip(start, stop))
     pred = to_original_region(prediction, affine, original, start, stop)
-    return pred, label[(slice(None), *region)].to(prediction.device)
+    return pred, label[(slice(None), *region)].to(prediction.device, torch.float32)
 
 
 def _meta_tensor(t: torch.Tensor, affine: np.ndarray):

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from fedseg.data.loading import label_channels
-from fedseg.data.volumes.geometry import region_scores, to_original_grid
+from fedseg.data.volumes.geometry import label_masks, region_scores, to_original_grid
 from fedseg.foundation.errors import DataError
 
 __all__ = ["CachedVolumes", "CaseBatch", "CaseFile"]
@@ -183,11 +183,12 @@ class CachedVolumes(Dataset):
             lab = f.get_tensor("original_label").numpy().astype(np.int64)
         except Exception as e:
             raise _unreadable(case, e) from e
-        label = torch.from_numpy(label_channels(lab, self.labels))
+        label = torch.from_numpy(label_masks(lab, self.labels))
+        del lab
         if threshold is not None:
             return region_scores(prediction, self.affines[i], self.originals[i], label, threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), label.to(prediction.device)
+        return pred.to(prediction.device), label.to(prediction.device, torch.float32)
 
     @staticmethod
     def concat(splits: Sequence[CachedVolumes]) -> CachedVolumes:

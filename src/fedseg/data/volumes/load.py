@@ -32,7 +32,7 @@ from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
-from fedseg.data.volumes.geometry import Geometry, read_case, region_scores, to_original_grid, to_plan_grid
+from fedseg.data.volumes.geometry import Geometry, label_masks, read_case, region_scores, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_volume
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
@@ -204,7 +204,7 @@ class VolumeDataset(SegmentationDataset):
         if threshold is not None:
             return region_scores(prediction, self.affines[i], self.originals[i], self.original_labels[i], threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
+        return pred.to(prediction.device), self.original_labels[i].to(prediction.device, torch.float32)
 
 
 class SliceDataset(SegmentationDataset):
@@ -361,17 +361,18 @@ def load_volume_split(
     else:
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
-    orig_labels = [torch.from_numpy(label_channels(c.original_label, fed.labels)) for c in held] if keep else None
+    # the label channels in each scan's own grid, one byte a voxel (scored as float32 region by region)
+    orig_labels = [torch.from_numpy(label_masks(c.original_label, fed.labels)) for c in held] if keep else None
     extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
     return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels, extents=extents)
 
 
 def _case_bytes(case: CachedCase, channels: int) -> int:
     """Bytes a case takes held in memory: float32 image and ``channels`` label channels in the plan's grid,
-    and its label channels in its own grid."""
+    and its label channels in its own grid (one byte a voxel)."""
     voxels = int(np.prod(case.label.shape))
     own = int(np.prod(case.original_label.shape)) if case.original_label is not None else 0
-    return 4 * (voxels * (case.image.shape[0] + channels) + own * channels)
+    return 4 * voxels * (case.image.shape[0] + channels) + own * channels
 
 
 def load_volume_site(
