@@ -6,7 +6,7 @@ the prediction's device (``region_scores``: what ``Site.score_cases`` runs).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/volume_scoring.py --shape 256 256 300
 
 The case (built one slab at a time, so that the process holds only what a site holds when it scores: the
-plan-grid logits and the label channels, float32): a scan stored LPS at 0.8 × 0.8 × 1.0 mm, its plan grid RAS at the same spacing (so every voxel
+plan-grid logits in float32 and the label channels in the scan's grid, one byte a voxel): a scan stored LPS at 0.8 × 0.8 × 1.0 mm, its plan grid RAS at the same spacing (so every voxel
 moves), an organ ellipsoid of about 1/8 of the field of view with a lesion of 2 % of it, and logits that
 agree with the label but for a shifted lesion.  Each path runs in its own process and reports its own peak
 resident memory (``ru_maxrss``) before scoring (the held logits and labels, Python and the libraries) and
@@ -41,7 +41,7 @@ logits, plan_affine, original, label = case(shape)
 held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()
 if path == "whole":
-    p, t = to_original_grid(logits, plan_affine, original), label
+    p, t = to_original_grid(logits, plan_affine, original), label.float()
     fov = {}
 else:
     p, t = region_scores(logits, plan_affine, original, label, 0.5)
@@ -63,18 +63,18 @@ def case(shape: list[int]):
     original = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])  # LPS storage
     original[:3, 3] = [spacing[0] * (shape[0] - 1), spacing[1] * (shape[1] - 1), 0.0]
     plan = np.diag([*spacing, 1.0])  # RAS: the same field of view, every axis but z reversed
-    label = torch.empty(2, *shape)  # built one x slab at a time: only what a site holds is resident
+    label = torch.empty(2, *shape, dtype=torch.uint8)  # one byte a voxel, as a site holds it; built a slab at a time
     logits = torch.empty(2, *shape)
     y = (torch.arange(shape[1], dtype=torch.float32) / shape[1] - 0.5)[:, None]
     z = (torch.arange(shape[2], dtype=torch.float32) / shape[2] - 0.5)[None, :]
     shift = max(1, shape[2] // 60)
     for i in range(shape[0]):
         x = i / shape[0] - 0.5
-        label[0, i] = ((x / 0.25) ** 2 + (y / 0.25) ** 2 + (z / 0.25) ** 2 <= 1).float()
-        label[1, i] = (((x - 0.08) / 0.07) ** 2 + (y / 0.07) ** 2 + (z / 0.07) ** 2 <= 1).float()
+        label[0, i] = (x / 0.25) ** 2 + (y / 0.25) ** 2 + (z / 0.25) ** 2 <= 1
+        label[1, i] = ((x - 0.08) / 0.07) ** 2 + (y / 0.07) ** 2 + (z / 0.07) ** 2 <= 1
         j = shape[0] - 1 - i  # the plan grid reverses x and y
-        logits[0, j] = label[0, i].flip(0) * 12.0 - 6.0
-        logits[1, j] = (label[1, i].flip(0) * 12.0 - 6.0).roll(shifts=shift, dims=1)  # the lesion a little off
+        logits[0, j] = label[0, i].flip(0).float() * 12.0 - 6.0
+        logits[1, j] = (label[1, i].flip(0).float() * 12.0 - 6.0).roll(shifts=shift, dims=1)  # the lesion a little off
     return logits, plan, Geometry(original, tuple(shape)), label
 
 

@@ -339,7 +339,7 @@ def test_rehearsal_of_a_network_named_in_the_run_config(tmp_path):
         "model.kwargs={init_filters = 8, blocks_down = [1, 1, 1], blocks_up = [1, 1]}",
     ]
     names = ["site1", "site2"]
-    spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", over)
+    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", over)
     try:
         _provision(cluster)
         cluster.__enter__()
