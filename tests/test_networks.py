@@ -3,6 +3,7 @@ plan nnU-Net's planner gives for a memory budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -87,7 +88,6 @@ def test_pretrained_weights_load_and_a_mismatch_names_the_keys(tmp_path):
     naming the missing, unexpected and mis-shaped keys; a bad name lists the choices."""
     cfg = ModelConfig(name="dynunet", channels=(4, 8, 16), strides=(2, 2))
     source = build_model(2, 1, 2, cfg)
-    # every name of DynUNet's twice-reachable layers, as a fedseg checkpoint holds them
     save_file({k: v.clone() for k, v in source.state_dict().items()}, str(tmp_path / "w.safetensors"))
     (tmp_path / "run.toml").write_text(
         'federation = "fed.toml"\n[model]\nname = "dynunet"\nchannels = [4, 8, 16]\nstrides = [2, 2]\n'
@@ -98,6 +98,16 @@ def test_pretrained_weights_load_and_a_mismatch_names_the_keys(tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
     fresh = build_model(2, 1, 2, cfg)
     assert not all(torch.equal(fresh.state_dict()[k], v) for k, v in source.state_dict().items())
+
+    from monai.networks.nets import DynUNet
+
+    monai_net = DynUNet(2, 1, 2, [[3, 3]] * 3, [[1, 1], [2, 2], [2, 2]], [[2, 2], [2, 2]], filters=[4, 8, 16])
+    assert any(k.startswith("skip_layers.") for k in monai_net.state_dict())  # MONAI names each layer twice
+    save_file({k: v.clone() for k, v in monai_net.state_dict().items()}, str(tmp_path / "monai.safetensors"))
+    ours = build_model(2, 1, 2, dataclasses.replace(cfg, init=str(tmp_path / "monai.safetensors")))
+    assert not any(k.startswith("skip_layers.") for k in ours.state_dict())
+    x = torch.rand(1, 1, 16, 16)
+    assert torch.equal(ours.eval()(x), monai_net.eval()(x))
 
     other = ModelConfig(name="dynunet", channels=(4, 8, 32), strides=(2, 2), init=str(tmp_path / "w.safetensors"))
     with pytest.raises(ConfigError, match=r"shape mismatch \d+: .*\(network: ") as e:
@@ -149,3 +159,31 @@ def test_plan_for_30_cts_is_nnunets():
     strides, kernels, patch = topology([20, 20, 9], [1.0, 1.0, 1.0])
     assert patch == [20, 20, 8] and strides == [[2, 2, 2], [2, 2, 1]] and len(kernels) == 3  # z rounded down
     print(json.dumps(p))
+
+
+@pytest.mark.slow
+def test_dynunet_trains_vectorized_as_sequentially(tmp_path):
+    """DynUNet (instance norm, no dropout, layers reachable under two names) is stacked by the vectorized
+    executor, deep supervision included, and two FedAvg rounds give the sequential run's weights (float64)."""
+    from safetensors.torch import load_file
+
+    from conftest import tiny_config, tiny_sites
+    from fedseg.foundation.config import SimulationConfig
+    from fedseg.simulation.runner import simulate
+    from fedseg.site.workload import segmentation_workload
+
+    net = ModelConfig(name="dynunet", channels=(2, 4, 4, 4), strides=(2, 2, 2))
+    weights = {}
+    for mode in ("off", "on"):
+        cfg = dataclasses.replace(
+            tiny_config("fedavg", rounds=2, dtype="float64"), model=net, simulation=SimulationConfig(vectorize=mode)
+        )
+        logs: list[str] = []
+        wl = segmentation_workload(2, 1, ["fg"], net)
+        simulate(cfg, wl, tiny_sites(), out=tmp_path / mode, progress=False, log=logs.append)
+        if mode == "on":
+            assert any("trains as one vectorized computation" in m for m in logs), logs
+        weights[mode] = load_file(str(tmp_path / mode / "checkpoints" / "server.safetensors"))
+    assert weights["on"].keys() == weights["off"].keys()
+    for k, v in weights["off"].items():
+        torch.testing.assert_close(weights["on"][k], v, rtol=1e-9, atol=1e-9)

@@ -60,11 +60,23 @@ def _dynunet_class() -> type[nn.Module]:
     from monai.networks.nets import DynUNet
 
     class SupervisedDynUNet(DynUNet):
-        """MONAI's ``DynUNet`` that lets go of its deep-supervision outputs after each forward pass.
+        """MONAI's ``DynUNet`` with each layer under one name, letting go of its deep-supervision outputs
+        after each forward pass.
 
-        ``DynUNet`` keeps them in a list its decoder levels write into; left there they hold the autograd
-        graph, and a model that holds graph tensors can neither be deep-copied (as FedSM's and the
-        personalized methods' copies are) nor keeps its memory between steps."""
+        ``DynUNet`` registers its layers twice (``input_block``, ``downsamples``, … and again inside the
+        ``skip_layers`` chain its forward pass runs): here the chain is kept as a plain attribute, so the
+        state dict names each tensor once (what is exchanged, and what ``torch.func.functional_call`` swaps
+        under the vectorized executor).  It keeps its deep-supervision outputs in a list its decoder levels
+        write into; left there they would hold the autograd graph, and a model holding graph tensors can
+        neither be deep-copied (as FedSM's and the personalized methods' copies are) nor frees them."""
+
+        unregistered_prefixes = ("skip_layers.",)
+        """State-dict names of MONAI's ``DynUNet`` that this one does not register (the second names of
+        its layers): :func:`load_pretrained` ignores them in a file saved from MONAI's ``DynUNet``."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            object.__setattr__(self, "skip_layers", self._modules.pop("skip_layers"))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             out = super().forward(x)
@@ -193,7 +205,8 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
     ------
     ConfigError
         The file is missing, or its keys or shapes differ from the network's (the message names the
-        missing, unexpected and mis-shaped keys).
+        missing, unexpected and mis-shaped keys).  A network's ``unregistered_prefixes`` (the second
+        names MONAI's DynUNet gives its layers) are ignored in the file.
     """
     from safetensors.torch import load_file
 
@@ -206,6 +219,8 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
         weights = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
         raise ConfigError(f"model.init = {str(path)!r}: not a safetensors file ({e})") from None
+    ignored = tuple(getattr(model, "unregistered_prefixes", ()))
+    weights = {k: v for k, v in weights.items() if not k.startswith(ignored)} if ignored else weights
     own = model.state_dict(keep_vars=True)
     # names of one tensor (DynUNet reaches its layers by two paths): any one of them in the file loads it
     aliases: dict[int, list[str]] = {}
