@@ -90,6 +90,11 @@ def _dynunet_class() -> type[nn.Module]:
 def build_dynunet(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig) -> nn.Module:
     """MONAI's ``DynUNet`` from ``cfg.channels``, ``strides``, ``kernels`` and ``deep_supervision``."""
     channels, strides = cfg.levels()
+    if len(channels) < 3:
+        raise ConfigError(
+            f"model.name = 'dynunet' needs at least 3 levels, got channels {list(channels)} -> give 3 or more "
+            "channels (one stride fewer), or use model.name = 'unet'"
+        )
     kernels = cfg.kernels or (3,) * len(channels)
     supr = supervision_outputs(len(channels)) if cfg.deep_supervision else 0
     kw: dict[str, Any] = {

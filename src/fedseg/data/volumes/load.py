@@ -491,8 +491,12 @@ def plan_for_run(
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
     if mode != "patches2d" and model.name == "auto" and model.module is None:
-        model = dataclasses.replace(model, name="dynunet")
-        log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
+        if len(plan.channels) >= 3:
+            model = dataclasses.replace(model, name="dynunet")
+            log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
+        else:  # MONAI's DynUNet needs at least 3 levels; a patch that small keeps MONAI's U-Net
+            model = dataclasses.replace(model, name="unet")
+            log(f"plan: model.name = unet (the plan's {len(plan.channels)} levels are fewer than DynUNet's 3)")
     if mode != "patches2d" and model.channels is None and model.strides is None:
         kernels = None if plan.kernels is None else tuple(tuple(k) for k in plan.kernels)
         model = dataclasses.replace(
