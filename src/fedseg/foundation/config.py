@@ -65,7 +65,7 @@ class ModelConfig:
     """
 
     name: NetworkName = "auto"
-    """'auto': MONAI's U-Net for 2D images and 2D patches, MONAI's DynUNet configured from the plan for volumes (data.mode "3d"); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
+    """'auto': MONAI's DynUNet configured from the plan for volumes (data.mode "3d") when model.channels and model.strides are left to the plan, else MONAI's U-Net (2D images, 2D patches, a network set by hand); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the network's constructor beside spatial_dims, in_channels and out_channels (e.g. [model.kwargs] feature_size = 24 for swinunetr); they override what fedseg derives from channels, strides and kernels."""
     module: str | None = None

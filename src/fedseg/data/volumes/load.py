@@ -466,7 +466,8 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network, patch and validation interval where the run leaves them unset
-    (``model.name = "auto"`` becomes ``"dynunet"`` for ``mode = "3d"``; ``model.roi_size``,
+    (``model.name = "auto"`` becomes ``"dynunet"`` for ``mode = "3d"`` when channels and strides are the
+    plan's, else stays MONAI's U-Net; ``model.roi_size``,
     ``model.channels`` and ``strides`` both (with the plan's ``kernels``), ``eval.every``: None) and
     ``train.loss = "auto"`` as Dice + cross-entropy, each logged.
 
@@ -490,7 +491,8 @@ def plan_for_run(
     elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
-    if mode != "patches2d" and model.name == "auto" and model.module is None:
+    from_plan = model.channels is None and model.strides is None
+    if mode != "patches2d" and model.name == "auto" and model.module is None and from_plan:
         if len(plan.channels) >= 3:
             model = dataclasses.replace(model, name="dynunet")
             log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
