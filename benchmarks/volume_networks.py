@@ -1,6 +1,6 @@
 """DynUNet from the plan (nnU-Net's network, deep supervision) against the MONAI U-Net volume runs trained
-before (16 → 256 features on the plan's strides, 2 residual units), on the synthetic ``ct-lesion``
-federation at equal training time.
+before (16 features doubling per level on the plan's strides, 2 residual units), on the synthetic
+``ct-lesion`` federation at equal training time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/volume_networks.py --budget 90
 
@@ -34,7 +34,7 @@ def networks(plan) -> dict[str, list[str]]:
     unet_channels = [16 * 2**i for i in range(levels)]
     return {
         "DynUNet (plan)": [],
-        "U-Net 16→256": [
+        f"U-Net {unet_channels[0]}→{unet_channels[-1]}": [
             "model.name=unet",
             f"model.channels={unet_channels}",
             f"model.strides={[list(s) for s in plan.strides]}",
