@@ -57,7 +57,7 @@ def test_channels_and_strides_come_from_the_config_and_odd_sizes_are_refused():
     assert model(torch.randn(1, 1, 10, 6)).shape == (1, 1, 10, 6)  # stride product 2
     with pytest.raises(ConfigError, match="not a multiple of 32"):
         build_model(2, 1, 1, PAPER)(torch.randn(1, 1, 48, 48))
-    with pytest.raises(ConfigError, match="'unet' or 'fga-unet'"):
+    with pytest.raises(ConfigError, match="'unet', 'fga-unet'"):
         ModelConfig(name="fga").validate()
 
 

@@ -89,7 +89,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise FedsegError(
             f'{a.spec}: data.mode = "{fed.mode}"; a plan is made for volumes (mode = "3d" or "patches2d")'
         )
-    plan = plan_federation(fed, patch_voxels=a.patch_voxels, weighting=a.weighting)
+    plan = plan_federation(fed, gpu_memory=a.gpu_memory, patch_voxels=a.patch_voxels, weighting=a.weighting)
     path = plan_path(fed)
     save_plan(plan, path)
     print(json.dumps(plan.to_json(), indent=2))
@@ -407,7 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("spec")
     pl.add_argument(
-        "--patch-voxels", type=int, default=64 * 64 * 32, help="most voxels in one training patch (memory budget)"
+        "--patch-voxels", type=int, default=None, help="most voxels in one training patch beside the memory budget"
+    )
+    pl.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=8.0,
+        help="GPU memory (GiB) the patch, network and batch are sized for, as nnU-Net plans (default 8, its reference)",
     )
     pl.add_argument(
         "--weighting",

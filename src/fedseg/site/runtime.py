@@ -47,6 +47,19 @@ from fedseg.site.dp import SiteDP, draw_batches
 from fedseg.site.workload import Workload
 
 
+def poly_lr(opt: Any, rnd: int, rounds: int, exponent: float = 0.9) -> None:
+    """nnU-Net's poly schedule for round ``rnd`` (1-based) of ``rounds``: every parameter group's learning
+    rate becomes its first one (kept as ``initial_lr``, as torch's schedulers keep it) times
+    ``(1 − (rnd − 1) / rounds)^exponent``.  An optimizer without parameter groups is left alone."""
+    groups = getattr(opt, "param_groups", None)
+    if not groups:
+        return
+    factor = (1.0 - (rnd - 1) / rounds) ** exponent
+    for g in groups:
+        g.setdefault("initial_lr", g["lr"])
+        g["lr"] = g["initial_lr"] * factor
+
+
 class SiteHalf(Protocol):
     """What a :class:`Site` needs from the run's algorithm: its site half (see
     :class:`fedseg.seams.algorithm.Algorithm`, which implements it).  The site layer does not import
@@ -422,7 +435,9 @@ class Site:
             if t.optimizer == "adam":
                 opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
             else:
-                opt = torch.optim.SGD(ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                opt = torch.optim.SGD(
+                    ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
+                )
             self.optimizers[role] = opt
         return opt
 
@@ -564,6 +579,8 @@ class Site:
         With ``privacy.dp = "sample"`` every step takes DP-SGD's privatized gradient, here
         (:meth:`fedseg.site.dp.SiteDP.fit`).
         """
+        if self.cfg.train.lr_schedule == "poly":
+            poly_lr(optimizer or self.optimizer(role), rnd, self.cfg.rounds)
         if self.cfg.privacy.dp == "sample":
             return self.dp.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
         return self.executor.fit(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
@@ -761,11 +778,14 @@ class Site:
             else:
                 for j in range(pred.shape[0]):
                     pj = pred[j] if ext is None else extent.crop_to_extent(pred[j], ext)
-                    p, t = restore(first + j, pj.float())
+                    # scored in the region of the scan's grid that either mask can reach (on the device)
+                    p, t = restore(first + j, pj.float(), threshold=self.cfg.eval.threshold)
                     out.append(self.workload.metric(p[None], t[None]).double())
                     for k in extra:
-                        spacing = ds.originals[first + j].spacing
-                        extra[k].append(self.workload.test_metrics[k](p[None], t[None], spacing).double())
+                        grid = ds.originals[first + j]
+                        m = self.workload.test_metrics[k]
+                        fov = {"field_of_view": grid.shape} if getattr(m, "takes_field_of_view", False) else {}
+                        extra[k].append(m(p[None], t[None], grid.spacing, **fov).double())
         out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
         width = len(self.workload.metric_names)
         scores = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)

@@ -137,10 +137,17 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
     structure costs the most.
 
     ``metric(logits (B, C, *spatial), target (B, C, *spatial), spacing)``: ``spacing`` is one voxel size per
-    spatial axis, shared by the batch (None: 1 per axis, distances in voxels).
+    spatial axis, shared by the batch (None: 1 per axis, distances in voxels).  ``field_of_view``: the
+    shape of the whole grid when the arrays are a region of it holding every voxel either mask sets (the
+    diagonal is the whole grid's; distances within the region are the grid's).
     """
 
-    def compute(logits: torch.Tensor, target: torch.Tensor, spacing: Sequence[float] | None = None) -> torch.Tensor:
+    def compute(
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        spacing: Sequence[float] | None = None,
+        field_of_view: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         from monai.metrics import compute_hausdorff_distance
 
         pred = (torch.sigmoid(logits.float()) > threshold).cpu()
@@ -149,7 +156,8 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
         sp = [1.0] * dims if spacing is None else [float(v) for v in spacing]
         if len(sp) != dims:
             raise ValueError(f"spacing {list(sp)} must have one entry per spatial axis ({dims})")
-        worst = math.sqrt(sum((n * v) ** 2 for n, v in zip(pred.shape[2:], sp)))
+        grid = pred.shape[2:] if field_of_view is None else field_of_view
+        worst = math.sqrt(sum((n * v) ** 2 for n, v in zip(grid, sp)))
         out = torch.zeros(pred.shape[:2], dtype=torch.float64)
         for b in range(pred.shape[0]):
             for c in range(pred.shape[1]):
@@ -169,6 +177,7 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
                     out[b, c] = worst
         return out
 
+    compute.takes_field_of_view = True  # type: ignore[attr-defined]  # Site.score_cases passes scored regions' grids
     return compute
 
 
@@ -195,9 +204,11 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     """Batch transform cutting one patch of size ``roi`` per case (same place for image and label).
 
     With probability ``foreground_share`` a patch is centred (as far as the case allows) on a foreground
-    voxel of the label drawn uniformly; otherwise, and in a case without foreground, its corner is drawn
-    uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the foreground voxel is drawn from
-    every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
+    voxel drawn class first, as nnU-Net draws it: a label channel uniformly among those present in the case,
+    then one of its voxels uniformly (so a small lesion beside a large organ centres as many patches as the
+    organ; with one channel present no class is drawn); otherwise, and in a case without foreground, its
+    corner is drawn uniformly.  ``pooled`` (axial slices of volumes, ``patches2d``): the voxel is drawn
+    from every case of the batch and the patch cut from its slice, as a volume's patch is centred on any of
     its foreground voxels.  A case smaller than the patch is padded first.  Every draw comes from ``g``.
 
     ``extents`` (volumes padded to one shape; a :class:`fedseg.data.volumes.lazy.CaseBatch` knows its own):
@@ -211,15 +222,22 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
     def place(
         n: int, spatial: Sequence[int], count, at, g: torch.Generator, extents: Sequence[Sequence[int]] | None
     ) -> list[tuple[int, list[int]]]:
-        """``(case, corner)`` of each of ``n`` patches; ``count(i)``/``at(i, k)``: foreground voxels of case ``i``."""
+        """``(case, corner)`` of each of ``n`` patches; ``count(i)``: voxels of each label channel of case ``i``,
+        ``at(i, c, k)``: the ``k``-th voxel of channel ``c``."""
         cuts = []
         for i in range(n):
             src, starts = i, None
             bound = spatial if extents is None else [min(max(e, r), s) for e, r, s in zip(extents[i], roi, spatial)]
             if foreground_share > 0 and float(torch.rand((), generator=g)) < foreground_share:
-                total = count(i)
-                if total:
-                    centre = at(i, int(torch.randint(0, total, (1,), generator=g)))
+                counts = count(i)
+                present = [c for c, m in enumerate(counts) if m]
+                if present:
+                    c = (
+                        present[int(torch.randint(0, len(present), (1,), generator=g))]
+                        if len(present) > 1
+                        else present[0]
+                    )
+                    centre = at(i, c, int(torch.randint(0, counts[c], (1,), generator=g)))
                     if pooled:
                         src, centre = centre[0], centre[1:]
                     starts = [min(max(0, c - r // 2), max(0, s - r)) for c, s, r in zip(centre, bound, roi)]
@@ -235,17 +253,17 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
         # a case smaller than the patch: padded at the far end (image: its lowest value)
         x, y = pad_far_end(x, y, [max(s, r) for s, r in zip(x.shape[2:], roi)])
         if pooled and foreground_share > 0:
-            batch_fg = torch.nonzero(y.amax(dim=1) > 0)
-            count, at = (lambda i: len(batch_fg)), (lambda i, k: batch_fg[k].tolist())
+            batch_fg = [torch.nonzero(y[:, c] > 0) for c in range(y.shape[1])]
+            count, at = (lambda i: [len(f) for f in batch_fg]), (lambda i, c, k: batch_fg[c][k].tolist())
         else:
-            fgs: dict[int, torch.Tensor] = {}
+            fgs: dict[int, list[torch.Tensor]] = {}
 
-            def fg(i: int) -> torch.Tensor:
+            def fg(i: int) -> list[torch.Tensor]:
                 if i not in fgs:
-                    fgs[i] = torch.nonzero(y[i].amax(dim=0) > 0)
+                    fgs[i] = [torch.nonzero(y[i, c] > 0) for c in range(y.shape[1])]
                 return fgs[i]
 
-            count, at = (lambda i: len(fg(i))), (lambda i, k: fg(i)[k].tolist())
+            count, at = (lambda i: [len(f) for f in fg(i)]), (lambda i, c, k: fg(i)[c][k].tolist())
         xs, ys = [], []
         for src, starts in place(x.shape[0], x.shape[2:], count, at, g, None if pooled else extents):
             sl = tuple(slice(a, a + r) for a, r in zip(starts, roi))
@@ -316,6 +334,7 @@ def segmentation_workload(
     from monai.inferers import sliding_window_inference
 
     from fedseg.models import build_model as network
+    from fedseg.models import deep_supervision_loss
 
     model = model or ModelConfig()
     train = train or TrainConfig()
@@ -345,7 +364,7 @@ def segmentation_workload(
         transform = _augmented(transform, spatial_dims, roi)
     return Workload(
         build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
-        loss=make_loss(train.loss),
+        loss=deep_supervision_loss(make_loss(train.loss)),  # DynUNet's deep-supervised training output
         metric=dice_metric(threshold, empty_dice),
         metric_names=tuple(label_names),
         infer=infer,

@@ -13,8 +13,11 @@ Arrays here are channel-first ``(C, X, Y, Z)`` in the file's axis order; labels 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,10 +27,13 @@ from fedseg.foundation.errors import DataError
 __all__ = [
     "Geometry",
     "check_pair",
+    "label_masks",
     "read_case",
     "read_volume",
+    "scoring_box",
     "spacing_of",
     "to_original_grid",
+    "to_original_region",
     "to_plan_grid",
 ]
 
@@ -168,6 +174,123 @@ def to_original_grid(
         src, dst_affine=torch.as_tensor(original.affine, dtype=torch.float64), spatial_size=original.shape
     )
     return out.as_tensor().float()
+
+
+def _bounds(array: torch.Tensor, above: float, slab: int = 8) -> tuple[list[int], list[int]] | None:
+    """``(first, last)`` index per spatial axis of the voxels where ``array`` (C, X, Y, Z) exceeds ``above``
+    in any channel, or None; read ``slab`` planes of the first axis at a time (no mask of the whole grid)."""
+    x_hit: list[int] = []
+    y_any = torch.zeros(array.shape[2], dtype=torch.bool, device=array.device)
+    z_any = torch.zeros(array.shape[3], dtype=torch.bool, device=array.device)
+    for i in range(0, array.shape[1], slab):
+        m = (array[:, i : i + slab] > above).any(dim=0)  # (slab, Y, Z)
+        xs = torch.nonzero(m.flatten(1).any(dim=1)).flatten()
+        if len(xs):
+            x_hit += [i + int(xs[0]), i + int(xs[-1])]
+            y_any |= m.any(dim=2).any(dim=0)
+            z_any |= m.any(dim=1).any(dim=0)
+    if not x_hit:
+        return None
+    ys, zs = torch.nonzero(y_any).flatten(), torch.nonzero(z_any).flatten()
+    return [min(x_hit), int(ys[0]), int(zs[0])], [max(x_hit), int(ys[-1]), int(zs[-1])]
+
+
+def scoring_box(
+    prediction: torch.Tensor,
+    affine: np.ndarray,
+    original: Geometry,
+    label: torch.Tensor | None = None,
+    margin: int = 1,
+    above: float = 0.0,
+) -> tuple[list[int], list[int]]:
+    """``(start, stop)`` in the scan's own grid of every voxel a prediction resampled from ``affine`` can set.
+
+    ``prediction`` (C, *plan grid): its voxels above ``above`` (the threshold's logit) are the foreground in
+    the plan's grid.  Linear interpolation
+    gives an original voxel a convex combination of the plan voxels around its position, so it can exceed
+    the threshold only within one plan voxel of a voxel that does: the box is the plan box widened by one
+    voxel, its 8 corners carried to the original grid's indices, widened by ``margin``; a plan box touching
+    the plan grid's edge reaches the original grid's edge on that side (points beyond the plan grid take its
+    border value).  ``label`` (L, *original grid) adds its own box.  Never empty (one voxel at the origin).
+    """
+    shape = list(original.shape)
+    boxes: list[tuple[list[float], list[float]]] = []
+    b = _bounds(prediction, above)
+    if b is not None:
+        size = prediction.shape[1:]
+        lo = [float(v - 1) if v > 0 else -1e7 for v in b[0]]
+        hi = [float(v + 1) if v < n - 1 else 1e7 for v, n in zip(b[1], size)]
+        corners = np.array(list(np.ndindex(2, 2, 2)), dtype=np.float64)
+        pts = np.where(corners == 0, np.array(lo), np.array(hi))
+        to_original = np.linalg.inv(np.asarray(original.affine, dtype=np.float64)) @ np.asarray(affine, np.float64)
+        idx = (to_original[:3, :3] @ pts.T).T + to_original[:3, 3]
+        boxes.append((np.floor(idx.min(axis=0)).tolist(), np.ceil(idx.max(axis=0)).tolist()))
+    if label is not None:
+        lb = _bounds(label, 0.5)
+        if lb is not None:
+            boxes.append(([float(v) for v in lb[0]], [float(v) for v in lb[1]]))
+    if not boxes:
+        return [0, 0, 0], [1, 1, 1]
+    start = [max(0, int(min(bx[0][a] for bx in boxes)) - margin) for a in range(3)]
+    stop = [min(shape[a], int(max(bx[1][a] for bx in boxes)) + margin + 1) for a in range(3)]
+    return start, [max(s + 1, e) for s, e in zip(start, stop)]
+
+
+def to_original_region(
+    array: torch.Tensor,
+    affine: np.ndarray,
+    original: Geometry,
+    start: Sequence[int],
+    stop: Sequence[int],
+    slab: int = 32,
+) -> torch.Tensor:
+    """:func:`to_original_grid` of the region ``[start, stop)`` of the scan's own grid only, on ``array``'s
+    device in float32 (the same values to float rounding: the region's voxels sit at the same millimetre
+    positions, its affine the original's shifted by ``start``), ``slab`` planes of the first axis at a time."""
+    from monai.transforms import SpatialResample
+
+    shift = np.eye(4)
+    shift[:3, 3] = [float(v) for v in start]
+    region = np.asarray(original.affine, dtype=np.float64) @ shift
+    src = _meta_tensor(array.detach().float(), affine)
+    resample = SpatialResample(mode="bilinear", padding_mode="border", dtype=np.float32)
+    size = [int(e) - int(s) for s, e in zip(start, stop)]
+    parts = []
+    for x0 in range(0, size[0], slab):  # a slab of the region at a time: its sampling grid stays small
+        part = region.copy()
+        part[:3, 3] = region[:3, 3] + region[:3, 0] * x0
+        out: Any = resample(
+            src,
+            dst_affine=torch.as_tensor(part, dtype=torch.float64),
+            spatial_size=[min(slab, size[0] - x0), size[1], size[2]],
+        )
+        parts.append(out.as_tensor().float())
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def label_masks(label: np.ndarray, labels: Any) -> np.ndarray:
+    """Label channels ``(L, *spatial)`` of an integer label map as one byte a voxel (``uint8`` 0/1): channel
+    ``c`` is ``isin(label, values_c)``, as :func:`fedseg.data.loading.label_channels` gives them in float32."""
+    return np.stack([np.isin(label, v) for v in dict(labels).values()]).astype(np.uint8)
+
+
+def region_scores(
+    prediction: torch.Tensor, affine: np.ndarray, original: Geometry, label: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prediction, label)`` in the region of the scan's grid either can set (:func:`scoring_box`): the
+    prediction (logits, C × plan grid) resampled there on its device in float32, the label channels
+    (L × scan grid) cut to it and moved to that device."""
+    cut = math.log(threshold / (1.0 - threshold))  # sigmoid(z) > threshold  <=>  z > logit(threshold)
+    start, stop = scoring_box(prediction, affine, original, label, above=cut)
+    region = tuple(slice(s, e) for s, e in zip(start, stop))
+    pred = to_original_region(prediction, affine, original, start, stop)
+    return pred, label[(slice(None), *region)].to(prediction.device, torch.float32)
+
+
+def _meta_tensor(t: torch.Tensor, affine: np.ndarray):
+    from monai.data import MetaTensor
+
+    return MetaTensor(t, affine=torch.as_tensor(affine, dtype=torch.float64))
 
 
 def read_case(image_path: str | Path, label_path: str | Path, in_channels: int, label_values=None):

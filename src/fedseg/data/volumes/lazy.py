@@ -35,7 +35,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from fedseg.data.loading import label_channels
-from fedseg.data.volumes.geometry import to_original_grid
+from fedseg.data.volumes.geometry import label_masks, region_scores, to_original_grid
 from fedseg.foundation.errors import DataError
 
 __all__ = ["CachedVolumes", "CaseBatch", "CaseFile"]
@@ -56,12 +56,16 @@ class CaseFile:
     """The image's lowest value: what padding holds."""
     foreground: np.ndarray
     """Flat indices (C order, over ``extent``) of the voxels where any label channel is set, ascending."""
+    classes: tuple[np.ndarray, ...] = ()
+    """Per label channel, the flat indices (C order, over ``extent``) of its voxels, ascending (class-balanced
+    patches draw a class, then one of its voxels)."""
 
     @classmethod
     def of(cls, case_id: str, path: Path, image: np.ndarray, label: np.ndarray, labels: Mapping[str, Any]):
         """The reference to a case whose arrays (``image`` (C, *extent), integer ``label`` (*extent)) are in
         ``path``; ``labels`` maps label channels to label values (:func:`fedseg.data.loading.label_channels`)."""
-        fg = np.flatnonzero(label_channels(label, labels).max(axis=0) > 0)
+        channels = label_channels(label, labels)
+        fg = np.flatnonzero(channels.max(axis=0) > 0)
         index = np.int32 if label.size < 2**31 else np.int64
         return cls(
             case_id,
@@ -70,12 +74,13 @@ class CaseFile:
             int(image.shape[0]),
             float(image.min()),
             fg.astype(index),
+            tuple(np.flatnonzero(c > 0).astype(index) for c in channels),
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes this reference holds (its foreground positions)."""
-        return int(self.foreground.nbytes)
+        return int(self.foreground.nbytes + sum(c.nbytes for c in self.classes))
 
 
 def _unreadable(case: CaseFile, e: Exception) -> DataError:
@@ -165,7 +170,9 @@ class CachedVolumes(Dataset):
         """Cases ``idx`` as a :class:`CaseBatch` (nothing read yet)."""
         return CaseBatch(self, [int(i) for i in idx])
 
-    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def original_grid(
+        self, i: int, prediction: torch.Tensor, threshold: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, label)`` of case ``i`` in its scan's own grid, as
         :meth:`fedseg.data.volumes.load.VolumeDataset.original_grid` gives it (the label read from the cache)."""
         if self.originals is None or self.affines is None:
@@ -176,8 +183,12 @@ class CachedVolumes(Dataset):
             lab = f.get_tensor("original_label").numpy().astype(np.int64)
         except Exception as e:
             raise _unreadable(case, e) from e
+        label = torch.from_numpy(label_masks(lab, self.labels))
+        del lab
+        if threshold is not None:
+            return region_scores(prediction, self.affines[i], self.originals[i], label, threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), torch.from_numpy(label_channels(lab, self.labels)).to(prediction.device)
+        return pred.to(prediction.device), label.to(prediction.device, torch.float32)
 
     @staticmethod
     def concat(splits: Sequence[CachedVolumes]) -> CachedVolumes:
@@ -212,14 +223,15 @@ class CaseBatch:
         """The padded spatial shape every case of the batch is seen in."""
         return tuple(self.split.shape)
 
-    def foreground_count(self, i: int) -> int:
-        """Foreground voxels of case ``i``."""
-        return int(self.cases[i].foreground.size)
+    def foreground_count(self, i: int) -> list[int]:
+        """Voxels of each label channel in case ``i``."""
+        return [int(c.size) for c in self.cases[i].classes]
 
-    def foreground_at(self, i: int, k: int) -> list[int]:
-        """The ``k``-th foreground voxel of case ``i`` (C order, as ``torch.nonzero`` lists them), as coordinates."""
+    def foreground_at(self, i: int, label: int, k: int) -> list[int]:
+        """The ``k``-th voxel of label channel ``label`` in case ``i`` (C order, as ``torch.nonzero`` lists
+        them), as coordinates."""
         c = self.cases[i]
-        return [int(v) for v in np.unravel_index(int(c.foreground[k]), c.extent)]
+        return [int(v) for v in np.unravel_index(int(c.classes[label][k]), c.extent)]
 
     def regions(self, cuts: Sequence[tuple[int, Sequence[int]]], size: Sequence[int]):
         """The stacked patches ``(B, C, *size)``, ``(B, L, *size)`` cut at ``(case, starts)`` for each item of

@@ -34,11 +34,20 @@ from fedseg.data.loading import SegmentationDataset, label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
-from fedseg.data.volumes.geometry import Geometry, read_case, read_volume, to_original_grid, to_plan_grid
+from fedseg.data.volumes.geometry import (
+    Geometry,
+    label_masks,
+    read_case,
+    read_volume,
+    region_scores,
+    to_original_grid,
+    to_plan_grid,
+)
 from fedseg.data.volumes.intensity import channel_schemes, normalize_case
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
     EVAL_SHARE,
+    GPU_MEMORY_GIB,
     Plan,
     eval_interval,
     load_plan,
@@ -140,7 +149,8 @@ def training_cases(fed: FederationSpec, site: SiteSpec) -> Iterator[tuple]:
 def plan_federation(
     fed: FederationSpec,
     *,
-    patch_voxels: int = 64 * 64 * 32,
+    gpu_memory: float = GPU_MEMORY_GIB,
+    patch_voxels: int | None = None,
     weighting: str = "case",
     log: Callable[[str], None] = print,
 ) -> Plan:
@@ -156,7 +166,9 @@ def plan_federation(
     return make_plan(
         fingerprints,
         histograms,
+        gpu_memory=gpu_memory,
         patch_voxels=patch_voxels,
+        labels=len(fed.labels),
         intensity=fed.intensity_table(),
         window=fed.window,
         weighting=weighting,
@@ -249,16 +261,25 @@ class VolumeDataset(SegmentationDataset):
         self.original_labels = original_labels
         self.extents = extents
 
-    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def original_grid(
+        self, i: int, prediction: torch.Tensor, threshold: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(prediction, label)`` of case ``i`` in its scan's own grid: the prediction (logits, C × plan
         grid: the padded shape or any region from the origin covering the case's extent) resampled linearly
         back through the inverse of the plan's resampling and reorientation.  A scan voxel past the last
         plan voxel of the region (by less than half a plan voxel, where the plan's shape rounds the scan's
-        field of view down) takes the region's border value."""
+        field of view down) takes the region's border value.
+
+        With ``threshold`` (of the sigmoid) only the region of the scan's grid that the label or a
+        prediction above the threshold can reach is resampled and returned, on the prediction's device in
+        float32 (:func:`fedseg.data.volumes.geometry.scoring_box`): Dice and HD95 (given the whole grid's
+        shape) are those of the whole grid."""
         if self.originals is None:
             raise ValueError("this split keeps no original geometry (training split)")
+        if threshold is not None:
+            return region_scores(prediction, self.affines[i], self.originals[i], self.original_labels[i], threshold)
         pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), self.original_labels[i].to(prediction.device)
+        return pred.to(prediction.device), self.original_labels[i].to(prediction.device, torch.float32)
 
 
 class SliceDataset(SegmentationDataset):
@@ -415,17 +436,18 @@ def load_volume_split(
     else:
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
-    orig_labels = [torch.from_numpy(label_channels(c.original_label, fed.labels)) for c in held] if keep else None
+    # the label channels in each scan's own grid, one byte a voxel (scored as float32 region by region)
+    orig_labels = [torch.from_numpy(label_masks(c.original_label, fed.labels)) for c in held] if keep else None
     extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
     return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels, extents=extents)
 
 
 def _case_bytes(case: CachedCase, channels: int) -> int:
     """Bytes a case takes held in memory: float32 image and ``channels`` label channels in the plan's grid,
-    and its label channels in its own grid."""
+    and its label channels in its own grid (one byte a voxel)."""
     voxels = int(np.prod(case.label.shape))
     own = int(np.prod(case.original_label.shape)) if case.original_label is not None else 0
-    return 4 * (voxels * (case.image.shape[0] + channels) + own * channels)
+    return 4 * voxels * (case.image.shape[0] + channels) + own * channels
 
 
 def load_volume_site(
@@ -519,7 +541,9 @@ def plan_for_run(
     mode: str = "3d",
 ) -> RunConfig:
     """The run config with the plan's network, patch and validation interval where the run leaves them unset
-    (``model.roi_size``, ``model.channels`` and ``strides`` both, ``eval.every``: None) and
+    (``model.name = "auto"`` becomes ``"dynunet"`` for ``mode = "3d"`` when channels and strides are the
+    plan's, else stays MONAI's U-Net; ``model.roi_size``,
+    ``model.channels`` and ``strides`` both (with the plan's ``kernels``), ``eval.every``: None) and
     ``train.loss = "auto"`` as Dice + cross-entropy, each logged.
 
     ``eval.every`` unset (None) becomes the plan's ``eval_every``, or when that is None (the default)
@@ -542,9 +566,23 @@ def plan_for_run(
     elif model.roi_size is None:
         model = dataclasses.replace(model, roi_size=tuple(plan.patch_size))
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
+    from_plan = model.channels is None and model.strides is None
+    if mode != "patches2d" and model.name == "auto" and model.module is None and from_plan:
+        if len(plan.channels) >= 3:
+            model = dataclasses.replace(model, name="dynunet")
+            log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
+        else:  # MONAI's DynUNet needs at least 3 levels; a patch that small keeps MONAI's U-Net
+            model = dataclasses.replace(model, name="unet")
+            log(f"plan: model.name = unet (the plan's {len(plan.channels)} levels are fewer than DynUNet's 3)")
     if mode != "patches2d" and model.channels is None and model.strides is None:
-        model = dataclasses.replace(model, channels=tuple(plan.channels), strides=tuple(tuple(s) for s in plan.strides))
-        log(f"plan: U-Net channels {plan.channels}, strides {plan.strides}")
+        kernels = None if plan.kernels is None else tuple(tuple(k) for k in plan.kernels)
+        model = dataclasses.replace(
+            model,
+            channels=tuple(plan.channels),
+            strides=tuple(tuple(s) for s in plan.strides),
+            kernels=model.kernels if model.kernels is not None else kernels,
+        )
+        log(f"plan: network channels {plan.channels}, strides {plan.strides}, kernels {plan.kernels}")
     if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:

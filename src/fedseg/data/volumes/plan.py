@@ -14,10 +14,14 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
   case-weighted (nnU-Net) or voxel-weighted;
 * **volume shape** — the median shape of the resampled cases; every case is padded (never stretched) to
   at least the patch;
-* **patch size** — the median resampled shape, shrunk along its longest physical axis until it holds at
-  most ``patch_voxels`` voxels, each side a multiple of its down-sampling factor;
-* **network** — one U-Net level per halving that leaves at least 4 voxels on an axis; an axis that can
-  no longer be halved keeps stride 1 (so a thick-slice axis is pooled less than the in-plane ones);
+* **patch, network and batch** — nnU-Net v2's 3D full-resolution planner for a memory budget
+  (``gpu_memory``, 8 GiB as nnU-Net's reference; :func:`network_plan`): a patch of 256³ voxels shaped
+  isotropic in mm and clipped to the median resampled shape, shrunk along the axis that is the largest
+  share of the median shape until the network's feature maps fit the budget; levels pooling each axis
+  while it keeps ≥ 4 voxels at the deepest level and its spacing is within 2 × the finest
+  (:func:`topology`), 1 × 3 × 3 kernels on a thick-slice axis until its spacing catches up, features 32
+  doubling to at most 320, a batch of at least 2; the network of a volume run is MONAI's DynUNet built
+  from it, with deep supervision (:mod:`fedseg.models.networks`);
 * **validation interval** — left to the run (``eval_every = None``): :func:`eval_interval` picks the
   fewest rounds between validations that keeps sliding-window validation at most
   :data:`EVAL_SHARE` (a fifth) of the computation of the rounds it follows, from each site's validation
@@ -50,17 +54,27 @@ __all__ = [
     "PERCENTILES",
     "Plan",
     "eval_interval",
+    "feature_map_size",
     "load_plan",
     "make_plan",
+    "network_plan",
     "save_plan",
     "slice_patch",
     "sliding_windows",
     "target_spacing",
+    "topology",
 ]
 
 ANISOTROPY = 3.0
 MIN_FEATURE = 4
-MAX_LEVELS = 5
+"""Fewest voxels an axis keeps at the deepest level (nnU-Net's ``featuremap_min_edge_length``)."""
+BASE_FEATURES, MAX_FEATURES = 32, 320
+"""nnU-Net's feature channels: 32 at the first level, doubling, at most 320."""
+GPU_MEMORY_GIB = 8.0
+"""Default memory budget of a plan (nnU-Net's reference GPU), GiB."""
+REFERENCE_FEATURE_VOXELS, REFERENCE_GIB, REFERENCE_BATCH = 560_000_000, 8.0, 2
+"""nnU-Net v2's calibration of :func:`feature_map_size`: 560 M feature-map voxels fit batch 2 in 8 GB."""
+MIN_BATCH = 2
 EVAL_SHARE = 0.2
 """Most share of a run's computation that validation may take (:func:`eval_interval`)."""
 MIN_VALIDATIONS = 4
@@ -79,14 +93,22 @@ class Plan:
     patch_size: list[int]
     """Training patch and sliding-window size (RAS axes)."""
     channels: list[int]
-    """U-Net feature channels per level."""
+    """Network feature channels per level (32 doubling to at most 320, nnU-Net's)."""
     strides: list[list[int]]
-    """Down-sampling stride per level and axis (1 where an axis can no longer be halved)."""
+    """Down-sampling stride per level below the first and per axis (1 where an axis is not pooled)."""
     intensity: dict[str, Any]
     """``{"channels": [scheme per image channel]}``: each ``{"name", "mode", ...}`` (``"ct"`` with ``lo``,
     ``hi``, ``mean``, ``sd``, ``weighting``, ``bound``; ``"zscore"`` with an optional ``body`` threshold;
     ``"window"`` with ``window``), and under ``"sites"`` the schemes of the sites that differ
     (:mod:`fedseg.data.volumes.intensity`).  One scheme ``{"mode": ...}`` applies to every channel."""
+    kernels: list[list[int]] | None = None
+    """Convolution kernel per level and axis (1 on a thick-slice axis until its spacing catches up); None:
+    3 on every axis."""
+    batch_size: int | None = None
+    """Patches per training batch the memory budget allows (nnU-Net's rule, at least 2); reported beside
+    ``train.batch_size``, which sets the batch a run uses."""
+    gpu_memory: float | None = None
+    """Memory budget (GiB) the plan was sized for (``fedseg plan --gpu-memory``)."""
     eval_every: int | None = None
     """Validate every this many rounds; None (default): derived per run by :func:`eval_interval` (sliding
     windows over every validation volume are costly)."""
@@ -121,6 +143,10 @@ class Plan:
                 raise ConfigError(f"{where}: {name} = {v!r}; give three positive numbers (RAS axes)")
         if len(self.strides) != len(self.channels) - 1 or any(len(s) != 3 for s in self.strides):
             raise ConfigError(f"{where}: strides must have one [x, y, z] entry fewer than channels")
+        if self.kernels is not None and (
+            len(self.kernels) != len(self.channels) or any(len(k) != 3 for k in self.kernels)
+        ):
+            raise ConfigError(f"{where}: kernels must have one [x, y, z] entry per channels entry")
         factor = [math.prod(s[a] for s in self.strides) for a in range(3)]
         bad = [a for a in range(3) if self.patch_size[a] % factor[a]]
         if bad:
@@ -190,48 +216,147 @@ def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
     return [float(v) for v in target]
 
 
-def _topology(
-    patch: list[int], spacing: list[float], base: int = 16, cap: int = 320
-) -> tuple[list[int], list[list[int]]]:
-    """U-Net channels and per-axis strides for a patch: at each level, halve every axis that keeps at least
-    ``MIN_FEATURE`` voxels and whose current spacing is at most twice the finest (so thick slices are
-    pooled only once the in-plane resolution has caught up, as in nnU-Net)."""
+def topology(
+    patch: Sequence[int], spacing: Sequence[float], min_edge: int = MIN_FEATURE
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """nnU-Net v2's ``get_pool_and_conv_props``: the strides and kernels of every level and the patch
+    rounded to a multiple of each axis' down-sampling.
+
+    At each level an axis is pooled while it keeps at least ``2 · min_edge`` voxels and its current
+    spacing is within 2 × the finest of the poolable axes; a lone poolable axis needs ``3 · min_edge``.
+    An axis' kernel is 3 from the first level its spacing is within 2 × the finest, 1 before (a 1×3×3
+    kernel on a thick-slice axis), and the bottleneck's is 3 on every axis.
+
+    Returns
+    -------
+    strides
+        One ``[x, y, z]`` per level below the first (2 where the axis is pooled).
+    kernels
+        One ``[x, y, z]`` per level, the first included.
+    patch
+        The patch, each side rounded down to a multiple of its axis' down-sampling (nnU-Net rounds up and
+        pads the cases; rounding down keeps the patch within the median case), with the topology of the
+        rounded patch.
+    """
+    dims = len(spacing)
+    sp, size = [float(v) for v in spacing], [float(v) for v in patch]
+    kernel = [1] * dims
     strides: list[list[int]] = []
-    size, sp = list(patch), list(spacing)
-    while len(strides) < MAX_LEVELS - 1:
-        fits = [a for a in range(3) if size[a] // 2 >= MIN_FEATURE]
-        if not fits:
+    kernels: list[list[int]] = []
+    pools = [0] * dims
+    while True:
+        valid = [a for a in range(dims) if size[a] >= 2 * min_edge]
+        if not valid:
             break
-        finest = min(sp[a] for a in fits)
-        s = [2 if a in fits and sp[a] <= 2 * finest else 1 for a in range(3)]
-        strides.append(s)
-        size = [size[a] // s[a] for a in range(3)]
-        sp = [sp[a] * s[a] for a in range(3)]
-    channels = [min(base * 2**i, cap) for i in range(len(strides) + 1)]
-    return channels, strides
+        finest = min(sp[a] for a in valid)
+        valid = [a for a in valid if sp[a] / finest < 2]
+        if len(valid) == 1 and size[valid[0]] < 3 * min_edge:
+            break
+        for a in range(dims):
+            if kernel[a] != 3 and sp[a] / min(sp) < 2:
+                kernel[a] = 3
+        strides.append([2 if a in valid else 1 for a in range(dims)])
+        kernels.append(list(kernel))
+        for a in valid:
+            pools[a] += 1
+            sp[a] *= 2
+            size[a] = math.ceil(size[a] / 2)
+    kernels.append([3] * dims)
+    factor = [2**p for p in pools]
+    rounded = [max(factor[a], int(patch[a]) // factor[a] * factor[a]) for a in range(dims)]
+    if rounded != [int(v) for v in patch]:  # a smaller patch may pool less: derive its own topology
+        return topology(rounded, spacing, min_edge)
+    return strides, kernels, rounded
 
 
-def _patch(shape: list[float], spacing: list[float], patch_voxels: int) -> list[int]:
-    patch = [max(MIN_FEATURE, round(float(s))) for s in shape]
-    while math.prod(patch) > patch_voxels and not all(p == MIN_FEATURE for p in patch):
-        extent = [patch[a] * spacing[a] if patch[a] > MIN_FEATURE else 0.0 for a in range(3)]
-        a = int(np.argmax(extent))
-        patch[a] = max(MIN_FEATURE, int(patch[a] * 0.9))
-    for _ in range(MAX_LEVELS):  # each side a multiple of the down-sampling its axis gets
-        _, strides = _topology(patch, spacing)
-        factor = [math.prod(s[a] for s in strides) for a in range(3)]
-        rounded = [max(factor[a], patch[a] // factor[a] * factor[a]) for a in range(3)]
-        if rounded == patch:
+def features(levels: int, base: int = BASE_FEATURES, cap: int = MAX_FEATURES) -> list[int]:
+    """nnU-Net's feature channels: ``base`` at the first level, doubling per level, at most ``cap``."""
+    return [min(base * 2**i, cap) for i in range(levels)]
+
+
+def feature_map_size(
+    patch: Sequence[int], strides: Sequence[Sequence[int]], channels: Sequence[int], labels: int
+) -> int:
+    """nnU-Net v2's VRAM proxy (``PlainConvUNet.compute_conv_feature_map_size``), in feature-map voxels.
+
+    With ``V_s`` the voxels of level ``s`` and ``F_s`` its channels: the encoder's two convolutions per
+    level give ``Σ_s 2 F_s V_s``; each decoder level ``t`` below the deepest gives its two convolutions,
+    the transposed convolution into it (``3 F_t V_t``) and a segmentation output ``C V_t`` (deep
+    supervision)."""
+    size = [int(v) for v in patch]
+    voxels = [math.prod(size)]
+    for s in strides:
+        size = [size[a] // s[a] for a in range(len(size))]
+        voxels.append(math.prod(size))
+    encoder = sum(2 * f * v for f, v in zip(channels, voxels))
+    decoder = sum(3 * channels[t] * voxels[t] + labels * voxels[t] for t in range(len(channels) - 1))
+    return int(encoder + decoder)
+
+
+def network_plan(
+    median_shape: Sequence[float],
+    spacing: Sequence[float],
+    *,
+    gpu_memory: float = GPU_MEMORY_GIB,
+    labels: int = 1,
+    dataset_voxels: float | None = None,
+    base: int = BASE_FEATURES,
+    patch_voxels: int | None = None,
+) -> dict[str, Any]:
+    """nnU-Net v2's 3D full-resolution network plan for a memory budget.
+
+    1. The starting patch holds 256³ voxels shaped isotropic in mm (``1/spacing`` scaled), clipped to
+       the median resampled shape; its topology from :func:`topology`.
+    2. While :func:`feature_map_size` exceeds :data:`REFERENCE_FEATURE_VOXELS` × ``gpu_memory / 8``
+       (nnU-Net's calibration: 560 M at batch 2 on 8 GB), the axis whose patch is the largest share of the
+       median shape loses one multiple of its down-sampling, and the topology is derived again.
+       With ``patch_voxels`` the patch is shrunk the same way until it also holds at most that many voxels
+       (a budget for small machines and tests).
+    3. The batch is ``round(2 · reference / estimate)``, at most the patches that cover 5 % of the
+       dataset's voxels, at least 2.
+
+    Returns ``{"patch", "strides", "kernels", "channels", "batch_size", "estimate"}``.
+    """
+    dims = len(spacing)
+    median = [float(v) for v in median_shape]
+    inv = [1.0 / float(v) for v in spacing]
+    scale = (256.0**dims / math.prod(inv)) ** (1.0 / dims)
+    patch = [max(1, min(round(inv[a] * scale), round(median[a]))) for a in range(dims)]
+    strides, kernels, patch = topology(patch, spacing)
+    reference = REFERENCE_FEATURE_VOXELS * gpu_memory / REFERENCE_GIB
+    estimate = feature_map_size(patch, strides, features(len(kernels), base), labels)
+    while estimate > reference or (patch_voxels is not None and math.prod(patch) > patch_voxels):
+        factor = [math.prod(s[a] for s in strides) for a in range(dims)]
+        shrinkable = [a for a in range(dims) if patch[a] > factor[a]]
+        if not shrinkable:
             break
-        patch = rounded
-    return patch
+        a = max(shrinkable, key=lambda i: patch[i] / median[i])
+        trial = list(patch)
+        trial[a] -= factor[a]
+        trial_strides = topology(trial, spacing)[0]
+        patch[a] = max(1, patch[a] - math.prod(s[a] for s in trial_strides))
+        strides, kernels, patch = topology(patch, spacing)
+        estimate = feature_map_size(patch, strides, features(len(kernels), base), labels)
+    batch = round(REFERENCE_BATCH * reference / max(estimate, 1))
+    if dataset_voxels is not None:
+        batch = min(batch, round(dataset_voxels * 0.05 / math.prod(patch)))
+    return {
+        "patch": patch,
+        "strides": strides,
+        "kernels": kernels,
+        "channels": features(len(kernels), base),
+        "batch_size": max(MIN_BATCH, batch),
+        "estimate": estimate,
+    }
 
 
 def make_plan(
     fingerprints: Mapping[str, Any],
     histogram: Ask,
     *,
-    patch_voxels: int = 64 * 64 * 32,
+    gpu_memory: float = GPU_MEMORY_GIB,
+    patch_voxels: int | None = None,
+    labels: int = 1,
     intensity: str | Mapping[str, Sequence[str]] = "auto",
     window: Sequence[float] | None = None,
     weighting: str = "case",
@@ -247,8 +372,12 @@ def make_plan(
     histogram
         ``histogram(requests, weighting, sites) -> {site: [counts per request]}``: asks ``sites`` for
         :func:`fedseg.data.volumes.fingerprint.site_histogram` (:data:`fedseg.data.volumes.intensity.Ask`).
+    gpu_memory
+        Memory budget (GiB) the network, patch and batch are sized for (:func:`network_plan`).
     patch_voxels
-        Memory budget of one patch, in voxels.
+        Most voxels of one patch beside the memory budget (None: the budget alone).
+    labels
+        Label channels (the network's outputs).
     intensity
         ``"auto"`` (per site and channel: CT-like values → ``"ct"``, else ``"zscore"``), one scheme for
         every channel and site, or ``{site: [scheme per channel]}`` with "auto" where the plan decides (the
@@ -286,8 +415,15 @@ def make_plan(
     shapes = np.array([c["shape"] for c in cases], dtype=np.float64)
     spacing = target_spacing(spacings, shapes)
     resampled = np.median(shapes * spacings / np.asarray(spacing), axis=0)
-    patch = _patch(resampled.tolist(), spacing, patch_voxels)
-    channels, strides = _topology(patch, spacing)
+    net = network_plan(
+        resampled.tolist(),
+        spacing,
+        gpu_memory=gpu_memory,
+        labels=labels,
+        patch_voxels=patch_voxels,
+        dataset_voxels=float(np.sum(np.prod(shapes * spacings / np.asarray(spacing), axis=1))),
+    )
+    patch, channels, strides = net["patch"], net["channels"], net["strides"]
 
     scheme, bad = plan_intensity(
         ok, histogram, requested=intensity, window=window, weighting=weighting, names=channel_names, log=log
@@ -301,6 +437,9 @@ def make_plan(
         patch_size=patch,
         channels=channels,
         strides=strides,
+        kernels=net["kernels"],
+        batch_size=net["batch_size"],
+        gpu_memory=gpu_memory,
         intensity=scheme,
         sites=sorted(ok),
         rejected=rejected,

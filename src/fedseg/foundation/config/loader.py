@@ -130,6 +130,9 @@ def load_run_config(
         elif "federation" in raw:
             fed = Path(raw["federation"])
             raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
+        init = raw.get("model", {}).get("init") if isinstance(raw.get("model"), dict) else None
+        if isinstance(init, str) and init.lower() != "none" and not Path(init).is_absolute():
+            raw["model"]["init"] = str((p.parent / init).resolve())
     for k, v in fields.items():
         if v is not None:
             raw[k] = v
@@ -156,7 +159,7 @@ def load_run_config(
 
 
 def toml_value(v: Any) -> str:
-    """One TOML value (a boolean, number, string or list of them)."""
+    """One TOML value (a boolean, number, string, list of them, or an inline table)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -165,6 +168,8 @@ def toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (e.g. model.kwargs)
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} to TOML")
 
 

@@ -70,25 +70,40 @@ UNET_CHANNELS = (16, 32, 64, 128, 256)
 """``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
 UNET_STRIDES = (2, 2, 2, 2)
 """``model.strides`` when unset outside a volume plan."""
+NetworkName = Literal[
+    "auto", "unet", "fga-unet", "dynunet", "segresnet", "swinunetr", "unetr", "basicunet", "attentionunet"
+]
+"""``model.name``: the networks :func:`fedseg.models.build_model` builds by name."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Segmentation network: MONAI's ``UNet`` or FGA's reduced U-Net.
+    """Segmentation network: any of MONAI's by name (``name``, ``kwargs``), FGA's reduced U-Net, or a
+    user's own (``module``), optionally started from pretrained weights (``init``).
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
     strides 2 (:meth:`levels`; a volume run's plan sets both where the run leaves them unset),
-    2 residual units, instance norm.
+    2 residual units, instance norm; volumes (``mode = "3d"``) get MONAI's DynUNet configured from the plan.
     """
 
-    name: Literal["unet", "fga-unet"] = "unet"
-    """'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]). Other networks: pass your own ``nn.Module`` from Python."""
+    name: NetworkName = "auto"
+    """'auto': MONAI's DynUNet configured from the plan for volumes (data.mode "3d") when model.channels and model.strides are left to the plan, else MONAI's U-Net (2D images, 2D patches, a network set by hand); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the network's constructor beside spatial_dims, in_channels and out_channels (e.g. [model.kwargs] feature_size = 24 for swinunetr); they override what fedseg derives from channels, strides and kernels."""
+    module: str | None = None
+    """A user's own network: 'package.module:factory', called as factory(spatial_dims=, in_channels=, out_channels=, **kwargs) and returning an nn.Module of logits; replaces name. The module must be importable at every site."""
+    init: str | None = None
+    """Start from pretrained weights: a .safetensors file of the network's state dict (a path relative to the run config's folder), checked key by key and shape by shape (a mismatch is an error naming the keys)."""
     channels: tuple[int, ...] | None = None
     """Feature channels of the U-Net levels, from the top level down (fga-unet: channels[0] at full resolution, the last transposed convolution's; channels[i] the i-th strided convolution's); unset: [16, 32, 64, 128, 256], or for volumes (``mode = "3d"``) the plan's when strides is unset too."""
     strides: tuple[int | tuple[int, ...], ...] | None = None
     """Down-sampling stride between consecutive levels (one entry fewer than channels); an entry may be a
     list with one stride per axis (a volume plan's ``[2, 2, 1]`` pools a thick-slice axis less); unset:
     [2, 2, 2, 2], or for volumes (``mode = "3d"``) the plan's when channels is unset too."""
+    kernels: tuple[int | tuple[int, ...], ...] | None = None
+    """dynunet: convolution kernel of each level (one per channel entry; a list per axis, e.g. the plan's [3, 3, 1] on a thick-slice axis); unset: 3 on every axis, or the plan's for volumes."""
+    deep_supervision: bool = True
+    """dynunet: also train on the outputs of the lower decoder levels (nnU-Net's deep supervision: loss weights halving per level); the network returns only the full-resolution output when evaluated."""
     num_res_units: int = 2
     """Residual units per U-Net block (0: plain convolutions; unet only)."""
     norm: Literal["instance", "batch", "none"] = "instance"
@@ -109,6 +124,15 @@ class ModelConfig:
     def validate(self) -> None:
         check_literals(self, "model")
         channels, strides = self.levels()
+        if self.module is not None and (":" not in self.module or not all(self.module.split(":", 1))):
+            raise ConfigError(
+                f"model.module = {self.module!r}; give 'package.module:factory' (e.g. 'mynets.seg:build')"
+            )
+        if self.kernels is not None and len(self.kernels) != len(channels):
+            raise ConfigError(
+                f"model.kernels has {len(self.kernels)} entries but model.channels has {len(channels)}; "
+                "give one kernel per level"
+            )
         if len(strides) != len(channels) - 1:
             raise ConfigError(
                 f"model.strides has {len(strides)} entries but model.channels has {len(channels)}; "
@@ -141,6 +165,10 @@ class TrainConfig:
     """Adam's (beta1, beta2)."""
     momentum: float = 0.9
     """SGD momentum (optimizer = 'sgd' only)."""
+    nesterov: bool = False
+    """SGD with Nesterov momentum (optimizer = 'sgd' only; nnU-Net's: momentum 0.99, lr 0.01, weight_decay 3e-5)."""
+    lr_schedule: Literal["constant", "poly"] = "constant"
+    """Learning rate over the run: 'constant' (train.lr every round) or 'poly' (nnU-Net's: train.lr · (1 − (round − 1) / rounds)^0.9, set when a site starts a round's local work; a round stands for nnU-Net's epoch)."""
     weight_decay: float = 0.0
     """L2 weight decay of the local optimizer (torch's weight_decay of Adam or SGD; 0 = none)."""
     reset_optimizer: bool = False
@@ -189,6 +217,11 @@ class TrainConfig:
             raise ConfigError(f"train.batch_size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum > 0):
+            raise ConfigError(
+                f"train.nesterov needs train.optimizer = 'sgd' and momentum > 0 (got {self.optimizer!r}, "
+                f"momentum {self.momentum}) -> --set train.optimizer=sgd train.momentum=0.99, or nesterov=false"
+            )
         if self.precision != "fp32" and self.dtype != "float32":
             raise ConfigError(
                 f"train.precision = {self.precision!r} needs train.dtype = 'float32' (got {self.dtype!r}); "
