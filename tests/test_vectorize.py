@@ -376,7 +376,7 @@ def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
     of its single sequential step — the three padding steps change nothing (not just a zero gradient,
     which Adam would still turn into a step through its moments)."""
     seq = _fit_calls([1, 4], mu=0.1)
-    seq_out = [c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps) for c in seq]
+    seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps)) for c in seq]
     vec = _fit_calls([1, 4], mu=0.1)
     ex = VectorizedExecutor(log=lambda m: None)
     vec_out = ex.fit_together(vec)
@@ -416,7 +416,7 @@ def test_batches_are_the_sites_seeded_batches(monkeypatch):
     vec = {k: v for k, v in seen.items()}
     seen.clear()
     for c in _fit_calls([2, 3]):
-        c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps)
+        c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps))
     assert vec.keys() == seen.keys() == {"site1/True", "site2/True"}
     for k in vec:
         assert len(vec[k]) == len(seen[k]) and all(torch.equal(a, b) for a, b in zip(vec[k], seen[k]))
@@ -452,80 +452,71 @@ def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
 
-def test_an_error_in_one_site_ends_the_ask_and_its_threads():
+def test_an_error_in_one_site_ends_the_ask_and_closes_the_other_handlers():
     calls = _fit_calls([1, 1, 1])
     sites = [c.site for c in calls]
+    closed: list[str] = []
 
     def bad(site, task):
         if site.name == "site2":
             raise PayloadError("site2: hostile payload")
-        site.fit("global", 1, "train", steps=1)
+        try:
+            yield from site.fit("global", 1, "train", steps=1)
+        except GeneratorExit:
+            closed.append(site.name)
+            raise
         return Reply()
 
     for s in sites:
         s._handlers = {"train": bad}
     ex = VectorizedExecutor(log=lambda m: None)
-    for s in sites:
-        s.executor = ex
-    before = threading.active_count()
     with pytest.raises(PayloadError, match="hostile"):
         ex.run([(s, Task("train")) for s in sites])
-    assert threading.active_count() == before
+    assert closed == ["site1"]  # site1 waited for its fit; site3 never started (site2 failed first)
 
 
-def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps_its_count(monkeypatch):
-    """Each site thread that enters a parallel CPU kernel gets an OpenMP team of its own; K such teams
-    on a 2-core machine slowed the main thread's stacked steps (libgomp's workers stop spinning when it
-    manages more threads than cores; docs/results.md).  So a site's handler runs with one intra-op thread,
-    its sequential fallback fit with the full count, and after the ask the main thread and any new thread
-    have the count they had before."""
-    from fedseg.execution.vectorize.scheduler import _SEQUENTIAL
-    from fedseg.site.runtime import Site
+def test_the_vectorized_executor_starts_no_thread_and_computes_a_fallback_at_the_site(monkeypatch):
+    """A vectorized FedSM round with its FGA selector (fits, lockstep gradients, fused steps) and an FGA round
+    run with threading.Thread.start failing inside the executor's asks; a request the stacked functions leave computes at its site, in
+    the calling thread, and the handler goes on with its result."""
+    from fedseg.execution.vectorize.scheduler import SEQUENTIAL
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        seen: list[tuple[str, int]] = []
+    inside = {"run": 0}
+    real_start, real_run = threading.Thread.start, VectorizedExecutor.run
 
-        def handler(site, task):
-            seen.append(("handler", torch.get_num_threads()))
-            site.fit("global", 1, "train", steps=1)
-            seen.append(("after fit", torch.get_num_threads()))
-            return Reply()
+    def refuse(self):
+        if inside["run"]:
+            raise AssertionError("the vectorized executor started a thread")
+        real_start(self)
 
-        def run(ex):
-            calls = _fit_calls([1, 1, 1])
-            for c in calls:
-                c.site._handlers = {"train": handler}
-                c.site.executor = ex
-            ex.run([(c.site, Task("train")) for c in calls])
+    def run(self, calls):
+        inside["run"] += 1
+        try:
+            return real_run(self, calls)
+        finally:
+            inside["run"] -= 1
 
-        ex = VectorizedExecutor(log=lambda m: None)
-        run(ex)
-        assert ex.vectorized_fits == 3
-        assert sorted(seen) == [("after fit", 1)] * 3 + [("handler", 1)] * 3
-        assert torch.get_num_threads() == 2
-        fresh: list[int] = []
-        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
-        t.start()
-        t.join()
-        assert fresh == [2]
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(VectorizedExecutor, "run", run)
+    for method in ("fedsm", "fga"):
+        cfg = _cfg(method, "on", rounds=1, local_steps=2, local_epochs=None)
+        logs: list[str] = []
+        simulate(cfg, segmentation_workload(2, 1, ["fg"], cfg.model), tiny_sites(), progress=False, log=logs.append)
+        assert _vectorized(logs), logs
+    seen: list[int] = []
 
-        # the fallback: each site thread trains itself, with the full count, and goes back to one after
-        seen.clear()
-        monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [_SEQUENTIAL] * len(calls))
-        inner = Site.fit_here
+    def handler(site, task):
+        out = yield from site.fit("global", 1, "train", steps=1)
+        seen.append(out["steps"])
+        return Reply()
 
-        def spy(self, *args, **kwargs):  # the fallback: the site thread trains its site itself
-            seen.append(("fallback fit", torch.get_num_threads()))
-            return inner(self, *args, **kwargs)
-
-        monkeypatch.setattr(Site, "fit_here", spy)
-        run(VectorizedExecutor(log=lambda m: None))
-        assert sorted(seen) == [("after fit", 1)] * 3 + [("fallback fit", 2)] * 3 + [("handler", 1)] * 3
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    calls = _fit_calls([1, 1, 1])
+    for c in calls:
+        c.site._handlers = {"train": handler}
+    monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [SEQUENTIAL] * len(calls))
+    ex = VectorizedExecutor(log=lambda m: None)
+    ex.run([(c.site, Task("train")) for c in calls])
+    assert seen == [1, 1, 1] and ex.vectorized_fits == 0
 
 
 # ------------------------------------------------------------------ results
@@ -671,7 +662,7 @@ def test_gradients_together_equal_each_sites_own_gradient_at_different_weights()
     vec = ex.gradients_together(grads)
     assert ex.vectorized_gradients == 2
     for c, (x, y), (g_vec, loss_vec) in zip(calls, batches, vec):
-        g_seq, loss_seq = c.site.gradient("global", x, y)
+        g_seq, loss_seq = c.site.now(c.site.gradient("global", x, y))
         assert g_vec.keys() == g_seq.keys() and len(g_seq) == len(list(c.site.model("global").parameters()))
         torch.testing.assert_close(loss_vec, loss_seq, rtol=1e-12, atol=0)
         for n in g_seq:

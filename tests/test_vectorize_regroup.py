@@ -111,7 +111,7 @@ def test_regrouped_fit_equals_each_sites_own_fit_and_computes_no_finished_row(st
     ex = VectorizedExecutor(log=lambda m: None)
     for rnd in (1, 2):
         _, seq = _calls(rnd, seq_t)
-        seq_out = [c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, None) for c in seq]
+        seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, None)) for c in seq]
         _, vec = _calls(rnd, vec_t)
         stacks.clear()
         vec_out = ex.fit_together(vec)

@@ -19,11 +19,10 @@ import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from fedseg.data.volumes.lazy import CachedVolumes
@@ -37,12 +36,13 @@ from fedseg.foundation.device import (
     resolve_device,
     to_device,
 )
-from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.seeding import generator
 from fedseg.privacy.identity import Identity
 from fedseg.site import extent, secure
-from fedseg.site.dp import SiteDP, draw_batches
+from fedseg.site.calls import ApplyCall, Asks, Executor, FitCall, GradientCall, LocalExecutor, LossSums, as_asks, drive
+from fedseg.site.dp import DPExecutor, SiteDP, draw_batches
 from fedseg.site.workload import Workload
 
 
@@ -53,7 +53,7 @@ class SiteHalf(Protocol):
 
     name: str
 
-    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]: ...
+    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply | Asks[Reply]]]: ...
 
     def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]: ...
 
@@ -65,98 +65,17 @@ class SiteHalf(Protocol):
 
 
 __all__ = [
-    "LocalExecutor",
     "LossSums",
     "Site",
     "SiteData",
-    "SiteExecutor",
     "batch_of",
     "dataset_len",
-    "step_with_gradient",
     "steps_per_round",
 ]
 
+T = TypeVar("T")
+
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class SiteExecutor(Protocol):
-    """Who computes a :class:`Site`'s local training: its :meth:`Site.fit`, :meth:`Site.gradient` and
-    :meth:`Site.step_with_gradient` calls are delegated to ``site.executor`` (:attr:`Site.executor`), which
-    computes them at the site (:meth:`Site.fit_here` and the like) or together with other sites' calls
-    (the vectorized simulation, :class:`fedseg.execution.vectorize.VectorizedExecutor`)."""
-
-    def fit(
-        self,
-        site: Site,
-        role: str,
-        rnd: int,
-        stream: str,
-        optimizer: Any,
-        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
-        after_backward: Callable[[nn.Module], None] | None,
-        steps: int | None,
-    ) -> dict[str, float]: ...
-
-    def gradient(
-        self,
-        site: Site,
-        role: str,
-        x: torch.Tensor,
-        target: Any,
-        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
-        at: Mapping[str, torch.Tensor] | None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]: ...
-
-    def step_with_gradient(
-        self, site: Site, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
-    ) -> None: ...
-
-
-class LocalExecutor:
-    """The default :class:`SiteExecutor`: every call computed at the site, in the calling thread (deployed
-    sites, and simulations that run their sites one after another)."""
-
-    def fit(
-        self,
-        site: Site,
-        role: str,
-        rnd: int,
-        stream: str,
-        optimizer: Any,
-        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
-        after_backward: Callable[[nn.Module], None] | None,
-        steps: int | None,
-    ) -> dict[str, float]:
-        return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-
-    def gradient(
-        self,
-        site: Site,
-        role: str,
-        x: torch.Tensor,
-        target: Any,
-        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None,
-        at: Mapping[str, torch.Tensor] | None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        return site.gradient_here(role, x, target, loss, at)
-
-    def step_with_gradient(
-        self, site: Site, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
-    ) -> None:
-        site.step_with_gradient_here(model, optimizer, grad)
-
-
-LOCAL = LocalExecutor()
-"""The executor every :class:`Site` starts with."""
-
-
-def step_with_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
-    """One ``optimizer`` step with ``grad`` (parameter name → tensor; a parameter it does not name gets no
-    gradient) as the model's gradient, here (:meth:`Site.step_with_gradient` is the delegated one)."""
-    for name, p in model.named_parameters():
-        g = grad.get(name)
-        p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype).clone()
-    optimizer.step()
 
 
 @dataclass
@@ -200,34 +119,6 @@ class _Placed(Dataset):
         return self.images[i], self.labels[i]
 
 
-class LossSums:
-    """Losses summed on the device (float64) and read on the host once, by :meth:`means`:
-    a training loop that adds every step's loss never waits for the device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
-
-    def add(self, key: str, loss: torch.Tensor) -> None:
-        if key not in self._sums:
-            self._sums[key] = torch.zeros((), dtype=torch.float64, device=self.device)
-            self._counts[key] = 0
-        self._sums[key] += loss.detach()
-        self._counts[key] += 1
-
-    def count(self, key: str) -> int:
-        return self._counts.get(key, 0)
-
-    def means(self) -> dict[str, float]:
-        """``{key: mean loss}`` (one host read for all keys)."""
-        if not self._sums:
-            return {}
-        keys = list(self._sums)
-        values = torch.stack([self._sums[k] for k in keys]).tolist()
-        return {k: v / self._counts[k] for k, v in zip(keys, values)}
-
-
 def steps_per_round(train: TrainConfig, n: int) -> int:
     """Local optimizer steps in one round of a site with ``n`` training cases: ``train.local_steps``, or
     ``train.local_epochs`` × batches per epoch (:meth:`Site.steps_per_round`; a deployed server checks
@@ -256,8 +147,9 @@ class Site:
     algorithm
         The run's algorithm; its site half answers tasks.
     executor
-        Who computes :meth:`fit`, :meth:`gradient` and :meth:`step_with_gradient` (:attr:`executor`;
-        default :class:`LocalExecutor`: here).
+        Who answers the requests of this site's handlers when it handles a task alone (:meth:`handle`;
+        :attr:`executor`): default :class:`~fedseg.site.calls.LocalExecutor`, under ``privacy.dp = "sample"``
+        :class:`~fedseg.site.dp.DPExecutor`.
     """
 
     def __init__(
@@ -268,7 +160,7 @@ class Site:
         workload: Workload,
         cfg: RunConfig,
         algorithm: SiteHalf,
-        executor: SiteExecutor | None = None,
+        executor: Executor | None = None,
     ):
         self.name = name
         self.index = index
@@ -291,9 +183,9 @@ class Site:
         self._workload_models: dict[str, nn.Module] = {}
         self._template_role: str | None = None
         self._handlers = algorithm.site_handlers()
-        self.executor: SiteExecutor = executor or LOCAL
-        """Who computes this site's :meth:`fit`, :meth:`gradient` and :meth:`step_with_gradient` calls
-        (a simulation that vectorizes its sites sets its :class:`SiteExecutor` here)."""
+        self.executor: Executor = executor or (DPExecutor() if cfg.privacy.dp == "sample" else LocalExecutor())
+        """Who answers this site's requests in :meth:`handle` and :meth:`now` (a simulation that vectorizes its
+        sites drives their handlers with its own executor instead: :meth:`asks`)."""
         self.dp = SiteDP(self)
         """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
         self.secagg_record = secure.Record()
@@ -305,7 +197,13 @@ class Site:
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: Task) -> Reply:
-        """Run one task and return the reply."""
+        """Run one task with the site's :attr:`executor` and return the reply."""
+        return self.executor.run([self.asks(task)])[0]
+
+    def asks(self, task: Task) -> Asks[Reply]:
+        """The handler of one task, as a generator of requests (:mod:`fedseg.site.calls`) that returns the
+        reply: the built-in ``"evaluate"`` and ``"privacy"`` tasks, secure aggregation's steps, or the method's
+        handler (:meth:`SiteHalf.site_handlers`)."""
         if task.kind == "evaluate":
             return self._evaluate(task)
         if task.kind == "privacy":  # the engine's question under privacy.dp: ε so far
@@ -319,19 +217,8 @@ class Site:
                 f"(known: {[*sorted(self._handlers), 'evaluate']}); server and site must run the same method"
             )
         if self.cfg.privacy.secure_aggregation and self.algorithm.summed(task):
-            if "secagg" not in task.config:
-                raise PayloadError(
-                    f"site {self.name}: privacy.secure_aggregation is on in this site's config and the server sums "
-                    f"the reply to {task.kind!r}; this task comes without secure aggregation, so the site refuses it "
-                    "(it never sends such a reply unmasked)"
-                )
-            if task.config.get("steps") is not None:
-                raise PayloadError(
-                    f"site {self.name}: a {task.kind!r} task that the server sums securely sets steps = "
-                    f"{task.config['steps']!r}; the site's local work comes from its own config "
-                    "(train.local_steps / train.local_epochs), not from the task"
-                )
-        reply = handler(self, task)
+            secure.check_summed(self, task)
+        reply = yield from as_asks(handler(self, task))
         if self.cfg.privacy.dp != "off":  # no training loss leaves the site under DP (fedseg.site.dp)
             reply.metrics.update({k: None for k in reply.metrics if k.endswith("loss")})
         if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
@@ -547,57 +434,15 @@ class Site:
         extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
         after_backward: Callable[[nn.Module], None] | None = None,
         steps: int | None = None,
-    ) -> dict[str, float]:
-        """Train the role's model for one round of local work; returns ``{"loss": mean, "steps": n}``.
+    ) -> Asks[dict[str, float]]:
+        """Ask for one round of local training of the role's model (``stats = yield from site.fit(...)`` in a
+        handler): ``{"loss": mean, "steps": n}``, computed by the executor that drives the handler
+        (:func:`fedseg.site.calls.local_fit` at the site; stacked with other sites' in a vectorized
+        simulation; DP-SGD's steps under ``privacy.dp = "sample"``).
 
         ``extra_loss(model)`` is added to the workload loss (FedProx's proximal term);
-        ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's correction).
-
-        The forward pass runs under ``train.precision``'s autocast (the proximal term outside
-        it, in the weights' dtype); fp16 scales the loss (:attr:`scalers`, one per role, kept
-        across rounds).  The loss is summed on the device and read once at the end of the
-        round, so no step waits for the host.
-
-        The call is delegated to :attr:`executor`: by default computed here (:meth:`fit_here`); in a
-        vectorized simulation (``simulation.vectorize``) trained together with the other sites' calls.
-        With ``privacy.dp = "sample"`` every step takes DP-SGD's privatized gradient, here
-        (:meth:`fedseg.site.dp.SiteDP.fit`).
-        """
-        if self.cfg.privacy.dp == "sample":
-            return self.dp.fit(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-        return self.executor.fit(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-
-    def fit_here(
-        self,
-        role: str,
-        rnd: int,
-        stream: str = "train",
-        optimizer: torch.optim.Optimizer | None = None,
-        extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
-        steps: int | None = None,
-    ) -> dict[str, float]:
-        """:meth:`fit` computed at this site, in the calling thread."""
-        model = self.model(role)
-        opt = optimizer or self.optimizer(role)
-        scaler = self.scaler(role)
-        if scaler is not None and not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(
-                f"train.precision = 'fp16' needs a plain torch optimizer, but {self.algorithm.name!r} steps "
-                f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)"
-            )
-        model.train()
-        sums = LossSums(self.device)
-        for x, y in self.batches(rnd, stream, steps):
-            opt.zero_grad(set_to_none=True)
-            with self.autocast():
-                loss = self.workload.loss(model(x), y)
-            if extra_loss is not None:
-                loss = loss + extra_loss(model)
-            self.step(role, opt, loss, model, after_backward)
-            sums.add("loss", loss)
-        means = sums.means()
-        return {"loss": means.get("loss", 0.0), "steps": sums.count("loss")}
+        ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's correction)."""
+        return (yield FitCall(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps))
 
     def gradient(
         self,
@@ -606,63 +451,28 @@ class Site:
         target: Any,
         loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         at: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The gradient of ``loss(model(x), target)`` (default: the workload loss) at the role's current
-        weights — or at the weights ``at`` (every parameter's name → tensor; the model's buffers), e.g.
-        Per-FedAvg's adapted w̃ — in training mode, without a step; returns ``({name: gradient}, loss)``
-        (parameters the loss does not reach are left out; the loss detached, not read).  The forward
-        pass and the loss run under ``train.precision``'s autocast.  ``target`` is a tensor or a
-        tuple/list of tensors (anything ``loss`` needs besides the output, e.g. labels computed from
-        frozen models).
-
-        Lockstep gradient averaging (:func:`fedseg.algorithms.fga.gradient_step`) calls this once per
-        step.  The call is delegated to :attr:`executor`: by default computed here (:meth:`gradient_here`);
-        in a vectorized simulation together with the other sites' gradients, in one vmapped computation.
-        With ``privacy.dp = "sample"`` it is DP-SGD's privatized gradient, computed here
-        (:meth:`fedseg.site.dp.SiteDP.gradient`).
-        """
-        if self.cfg.privacy.dp == "sample":
-            return self.dp.gradient(role, x, target, loss, at)
-        return self.executor.gradient(self, role, x, target, loss, at)
-
-    def gradient_here(
-        self,
-        role: str,
-        x: torch.Tensor,
-        target: Any,
-        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
-        at: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """:meth:`gradient` computed at this site, in the calling thread."""
-        model = self.model(role)
-        model.train()
-        if at is not None:  # leaves of their own: the model's parameters and .grad are not touched
-            p = {k: t.detach().requires_grad_(True) for k, t in at.items()}
-            with self.autocast():
-                value = (self.workload.loss if loss is None else loss)(functional_call(model, p, (x,)), target)
-            gs = torch.autograd.grad(value, list(p.values()), allow_unused=True)
-            return {k: g for k, g in zip(p, gs) if g is not None}, value.detach()
-        model.zero_grad(set_to_none=True)
-        with self.autocast():
-            value = (self.workload.loss if loss is None else loss)(model(x), target)
-        value.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        return grads, value.detach()
+    ) -> Asks[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Ask for the gradient of ``loss(model(x), target)`` (default: the workload loss) at the role's current
+        weights — or at the weights ``at`` (every parameter's name → tensor), e.g. Per-FedAvg's adapted w̃ — in
+        training mode, without a step: ``grads, loss = yield from site.gradient(...)`` gives
+        ``({name: gradient}, loss)`` (parameters the loss does not reach are left out; the loss detached, not
+        read).  The forward pass and the loss run under ``train.precision``'s autocast.  ``target`` is a tensor
+        or a tuple/list of tensors.  Under ``privacy.dp = "sample"`` it is DP-SGD's privatized gradient
+        (:class:`fedseg.site.dp.DPExecutor`)."""
+        return (yield GradientCall(self, role, x, target, loss, at))
 
     def step_with_gradient(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
-    ) -> None:
-        """One ``optimizer`` step of ``model`` (one of this site's) with ``grad`` (parameter name → tensor; a
-        parameter it does not name gets no gradient) as its gradient.  Delegated to :attr:`executor`: by
-        default taken here (:meth:`step_with_gradient_here`); in a vectorized simulation together with the
-        other sites' steps."""
-        self.executor.step_with_gradient(self, model, optimizer, grad)
+    ) -> Asks[None]:
+        """Ask for one ``optimizer`` step of ``model`` (one of this site's) with ``grad`` (parameter name →
+        tensor; a parameter it does not name gets no gradient) as its gradient
+        (``yield from site.step_with_gradient(...)``)."""
+        yield ApplyCall(self, model, optimizer, grad)
 
-    def step_with_gradient_here(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
-    ) -> None:
-        """:meth:`step_with_gradient` taken at this site (:func:`step_with_gradient`)."""
-        step_with_gradient(model, optimizer, grad)
+    def now(self, asks: Asks[T]) -> T:
+        """Run ``asks`` (e.g. ``site.fit(role, rnd)``) to its end with the site's own executor
+        (:attr:`executor`) and return its result: a call outside a handler."""
+        return drive(asks, self.executor.answer)
 
     def autocast(self):
         """``train.precision``'s autocast on the site's device (a no-op context for fp32): the

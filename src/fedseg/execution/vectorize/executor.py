@@ -12,28 +12,19 @@ from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.execution.vectorize import lockstep, memory
 from fedseg.execution.vectorize.eligibility import _optimizer_reason, _Structure
 from fedseg.execution.vectorize.graphs import _Arena
-from fedseg.execution.vectorize.scheduler import (
-    _SEQUENTIAL,
-    ApplyCall,
-    FitCall,
-    GradientCall,
-    _IntraOpThreads,
-    _Worker,
-    run_handlers,
-    site_names,
-)
+from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ApplyCall, FitCall, GradientCall, run_handlers, site_names
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import LocalExecutor
 from fedseg.site.runtime import Site
 
 
 class VectorizedExecutor:
-    """Runs one ask's handlers so that their :meth:`Site.fit` calls train as one computation.
-
-    It is the :class:`~fedseg.site.runtime.SiteExecutor` of the simulation's sites (the in-process transport
-    sets :attr:`Site.executor`): a site's ``fit``, ``gradient`` and ``step_with_gradient`` called from its
-    handler while :meth:`run` runs it park there and are computed together with the other sites' calls
-    (:meth:`fit_together`, :meth:`gradients_together`, :meth:`apply_together`); any other call is computed
-    at the site.
+    r"""Drives one ask's handlers so that their requests (:mod:`fedseg.site.calls`) are computed together:
+    :class:`~fedseg.site.calls.FitCall`\ s trained as one computation (:meth:`fit_together`),
+    :class:`~fedseg.site.calls.GradientCall`\ s differentiated in one ``vmap`` (:meth:`gradients_together`),
+    :class:`~fedseg.site.calls.ApplyCall`\ s stepped as one fused Adam step (:meth:`apply_together`); a request
+    that cannot be stacked is computed at its site (:class:`~fedseg.site.calls.LocalExecutor`).  Everything
+    runs in the calling thread.
 
     Parameters
     ----------
@@ -72,7 +63,8 @@ class VectorizedExecutor:
         self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
         # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
         self._structures: dict[nn.Module, _Structure] = {}
-        self._workers: dict[int, _Worker] = {}  # by id(site), while :meth:`run` runs their handlers
+        self.local = LocalExecutor()
+        """Computes at its site a request that is not stacked."""
 
     def say(self, msg: str) -> None:
         """Log ``msg`` once per executor."""
@@ -80,76 +72,29 @@ class VectorizedExecutor:
             self._said.add(msg)
             self.log(f"vectorize: {msg}")
 
-    # ------------------------------------------------- the sites' executor
-    def _worker(self, site: Site) -> _Worker | None:
-        """The worker running ``site``'s handler, when the caller is that handler's thread."""
-        w = self._workers.get(id(site))
-        return w if w is not None and w.owns_current_thread() else None
-
-    def fit(
-        self,
-        site: Site,
-        role: str,
-        rnd: int,
-        stream: str,
-        optimizer: Any = None,
-        extra_loss: Any = None,
-        after_backward: Any = None,
-        steps: int | None = None,
-    ) -> dict[str, float]:
-        """:meth:`Site.fit` of a site whose handler :meth:`run` runs: parked until every handler has parked
-        or returned, then trained with the others (:meth:`fit_together`); any other call runs at the site."""
-        w = self._worker(site)
-        if w is None:
-            return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-        return w.park_fit(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-
-    def gradient(
-        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any = None, at: Any = None
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """:meth:`Site.gradient`: parked and computed with the others' (:meth:`gradients_together`)."""
-        w = self._worker(site)
-        if w is None:
-            return site.gradient_here(role, x, target, loss, at)
-        return w.park_gradient(site, role, x, target, loss, at)
-
-    def step_with_gradient(self, site: Site, model: nn.Module, optimizer: Any, grad: Any) -> None:
-        """:meth:`Site.step_with_gradient`: parked and stepped with the others' (:meth:`apply_together`)."""
-        w = self._worker(site)
-        if w is None:
-            site.step_with_gradient_here(model, optimizer, grad)
-        else:
-            w.park_apply(site, model, optimizer, grad)
-
     # ------------------------------------------------------------ scheduling
     def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
-        """Every ``site.handle(task)``, each in its own thread (:mod:`~fedseg.execution.vectorize.scheduler`);
-        returns the replies in order.  The sites must have this executor (:attr:`Site.executor`) for their
-        calls to meet."""
-        threads = _IntraOpThreads()
-        workers = [_Worker(s, t, threads) for s, t in calls]
-        self._workers = {id(w.site): w for w in workers}
-        try:
-            run_handlers(
-                workers,
-                {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
-            )
-        finally:
-            self._workers = {}
+        """Every ``site.handle(task)``, driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`);
+        returns the replies in order."""
+        replies, asked = run_handlers(
+            [site.asks(task) for site, task in calls],
+            {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
+            self.local.answer,
+        )
         unfitted: dict[str, list[str]] = {}
-        for w in workers:
-            if w.fitted:
-                self._met.add(w.task.kind)
+        for (site, task), did in zip(calls, asked):
+            if did:
+                self._met.add(task.kind)
             else:
-                unfitted.setdefault(w.task.kind, []).append(w.site.name)
+                unfitted.setdefault(task.kind, []).append(site.name)
         for kind, names in unfitted.items():
             if kind in self._met:  # e.g. the last, apply-only exchange of a lockstep round
                 continue
-            method = workers[0].site.algorithm.name
+            method = calls[0][0].algorithm.name
             self.say(
                 f"task {kind!r} of {site_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit or Site.gradient"
             )
-        return [w.reply for w in workers]  # type: ignore[misc]
+        return replies
 
     # -------------------------------------------------------------- planning
     def structure(self, model: nn.Module) -> _Structure:
@@ -161,8 +106,8 @@ class VectorizedExecutor:
         return known
 
     def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
-        """Train the calls that can be stacked; the others get ``_SEQUENTIAL`` (their thread trains them)."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        """Train the calls that can be stacked; the others get ``SEQUENTIAL`` (computed at their sites)."""
+        results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, list[stacked_fit._Item]]] = []
         for i, c in enumerate(calls):
             item, reason = stacked_fit.check_fit(self, i, c)
@@ -235,9 +180,8 @@ class VectorizedExecutor:
     # ----------------------------------------------------- lockstep gradients
     def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
         """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
-        group of sites with the same model and loss; the others get ``_SEQUENTIAL`` (their thread computes
-        them).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        group of sites with the same model and loss; the others get ``SEQUENTIAL`` (computed at their sites).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
+        results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, Any, list[int]]] = []
         for i, c in enumerate(calls):
             signature, reason = lockstep.gradient_reason(self, c)
@@ -293,7 +237,7 @@ class VectorizedExecutor:
                 f"the gradients of role {calls[0].role!r} of {site_names([c.site.name for c in calls])} are computed sequentially: "
                 f"the loss does not run under torch.func.vmap ({type(e).__name__}: {e})"
             )
-            return [_SEQUENTIAL] * len(calls)
+            return [SEQUENTIAL] * len(calls)
 
     def _gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
         """One group's stacked gradients (:func:`lockstep.gradient_group`)."""
@@ -303,10 +247,10 @@ class VectorizedExecutor:
     def apply_together(self, calls: Sequence[ApplyCall]) -> list[Any]:
         """Take the Adam steps of the calls with the same model and optimizer settings as one call of torch's
         fused Adam kernel (``Adam(fused=True)``'s) over every site's parameters; the others get
-        ``_SEQUENTIAL`` (their thread steps).  The kernel updates each site's own parameters, moments and
+        ``SEQUENTIAL`` (stepped at their sites).  The kernel updates each site's own parameters, moments and
         step counts in place, tensor by tensor with the same arithmetic, so sites that hold the same
         weights and gradient (a lockstep round) stay bitwise identical to each other."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, list[int]]] = []
         for i, c in enumerate(calls):
             st = self.structure(c.model)

@@ -30,7 +30,7 @@ from fedseg.execution.vectorize.eligibility import _optimizer_reason
 from fedseg.execution.vectorize.graphs import _Arena, arena_for, graph_step
 from fedseg.execution.vectorize.layout import _Layout
 from fedseg.execution.vectorize.optimizer import _StackedOptimizer
-from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, ExecutorState, FitCall, site_names
+from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ExecutorState, FitCall, site_names
 from fedseg.foundation.device import autocast
 
 
@@ -106,7 +106,7 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
         ex.say(
             f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})"
         )
-        return [_SEQUENTIAL] * len(items)
+        return [SEQUENTIAL] * len(items)
 
 
 def _arena_key(items: list[_Item]) -> tuple:
