@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,9 +26,6 @@ from torch.func import functional_call
 
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.site.runtime import Site
 
 __all__ = [
     "ApplyCall",
@@ -55,7 +52,7 @@ class FitCall:
     """One round of local training of the role's model (:meth:`Site.fit <fedseg.site.runtime.Site.fit>`);
     answered with ``{"loss": mean, "steps": n}``."""
 
-    site: Site
+    site: Any  # a fedseg.site.runtime.Site (which imports this module)
     role: str
     rnd: int
     stream: str = "train"
@@ -71,7 +68,7 @@ class GradientCall:
     gradient-averaging step; :meth:`Site.gradient <fedseg.site.runtime.Site.gradient>`); answered with
     ``({name: gradient}, loss)``."""
 
-    site: Site
+    site: Any
     role: str
     x: torch.Tensor
     target: Any
@@ -84,7 +81,7 @@ class ApplyCall:
     """One optimizer step of ``model`` with ``grad`` (parameter name → tensor) as its gradient
     (:meth:`Site.step_with_gradient <fedseg.site.runtime.Site.step_with_gradient>`); answered with None."""
 
-    site: Site
+    site: Any
     model: nn.Module
     optimizer: Any
     grad: Any
