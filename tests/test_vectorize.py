@@ -314,9 +314,9 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
     monkeypatch.setattr(memory, "fit_site_bytes", lambda item: 400)
     groups: list[int] = []
-    real = VectorizedExecutor._train_group
+    real = VectorizedExecutor.train_group
     monkeypatch.setattr(
-        VectorizedExecutor, "_train_group", lambda self, items: groups.append(len(items)) or real(self, items)
+        VectorizedExecutor, "train_group", lambda self, items: groups.append(len(items)) or real(self, items)
     )
     _run(tmp_path, _cfg("fedavg", "off"), "seq")
     _, logs = _run(tmp_path, _cfg("fedavg", "on"), "vec")
@@ -338,10 +338,10 @@ def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: next(free))
     monkeypatch.setattr(memory, "gradient_site_bytes", lambda call, loss: 400)
     groups: list[int] = []
-    real = VectorizedExecutor._gradient_group
+    real = VectorizedExecutor.gradient_group
     monkeypatch.setattr(
         VectorizedExecutor,
-        "_gradient_group",
+        "gradient_group",
         lambda self, calls, loss: groups.append(len(calls)) or real(self, calls, loss),
     )
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
@@ -532,7 +532,7 @@ def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
 def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_falls_back(tmp_path, monkeypatch):
     """Out of memory at a group's first step (nothing updated yet): the group trains as two halves.
     Any other error at the first step: the group trains sequentially, with the error logged."""
-    real = VectorizedExecutor._gradients
+    real = VectorizedExecutor.stacked_gradients
 
     def oom_for_groups(batch, *rest):
         if len(batch) > 1:
@@ -540,7 +540,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
         return real(batch, *rest)
 
     _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(oom_for_groups))
+    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(oom_for_groups))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
     assert (
         "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)"
@@ -551,7 +551,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     def unsupported(*args):
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
-    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(unsupported))
+    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(unsupported))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
     assert any(
         "trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs
@@ -636,7 +636,7 @@ def test_a_loss_that_fails_under_vmap_computes_the_gradients_sequentially(tmp_pa
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
     _run(tmp_path, _cfg("fga", "off"), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "_gradient_group", unsupported)
+    monkeypatch.setattr(VectorizedExecutor, "gradient_group", unsupported)
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
     assert [m for m in logs if m.startswith("vectorize:")] == [
         "vectorize: the gradients of role 'global' of sites site1, site2, site3 are computed as one vectorized computation",
@@ -793,15 +793,15 @@ def _graphs(cfg: RunConfig, on: bool) -> RunConfig:
 
 
 def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
-    """The static batch of a captured step (``_Arena``, device-agnostic): the first batch — every site's, of one
+    """The static batch of a captured step (``Arena``, device-agnostic): the first batch — every site's, of one
     shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
     keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
     is copied, so that step runs eagerly."""
-    from fedseg.execution.vectorize.graphs import _Arena
-    from fedseg.execution.vectorize.layout import _Layout
+    from fedseg.execution.vectorize.graphs import Arena
+    from fedseg.execution.vectorize.layout import Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
-    arena = _Arena(_Layout(params, 2), params[0], {})
+    arena = Arena(Layout(params, 2), params[0], {})
     assert arena.flat.numel() == 2 * (6 + 4) and [w.shape for w in arena.weights] == [(2, 3, 2), (2, 4)]
 
     def b(n: int = 4):
@@ -852,14 +852,14 @@ def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign
 
 @pytest.mark.parametrize("active", [[0, 2], [0, 1, 2]])
 def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active):
-    """The masked step a CUDA graph captures (``_StackedOptimizer.begin_masked`` on the host, ``masked_kernels``
+    """The masked step a CUDA graph captures (``StackedOptimizer.begin_masked`` on the host, ``masked_kernels``
     on the device: per-element step sizes and bias corrections, a mask) is the eager stacked Adam step of the
     same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
     weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
     the active sites only."""
-    from fedseg.execution.vectorize.graphs import _Arena
-    from fedseg.execution.vectorize.layout import _Layout
-    from fedseg.execution.vectorize.optimizer import _StackedOptimizer
+    from fedseg.execution.vectorize.graphs import Arena
+    from fedseg.execution.vectorize.layout import Layout
+    from fedseg.execution.vectorize.optimizer import StackedOptimizer
 
     g = torch.Generator().manual_seed(0)
     models = [torch.nn.Linear(5, 3) for _ in range(3)]
@@ -870,16 +870,16 @@ def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active)
             m(torch.randn(4, 5, generator=g)).square().sum().backward()
             o.step()
     plist = [list(m.parameters()) for m in models]
-    layout = _Layout(plist[0], 3)
+    layout = Layout(plist[0], 3)
     grad = torch.randn(layout.numel, generator=g)
 
     with torch.no_grad():
-        eager = _StackedOptimizer(opts, plist, layout.pack(plist), layout)
+        eager = StackedOptimizer(opts, plist, layout.pack(plist), layout)
         eager.step(grad.clone(), active)
-        arena = _Arena(layout, plist[0][0], {})
+        arena = Arena(layout, plist[0][0], {})
         layout.pack(plist, out=arena.flat)
         before = arena.flat.clone()
-    graphed = _StackedOptimizer(opts, plist, arena.flat, layout, arena)
+    graphed = StackedOptimizer(opts, plist, arena.flat, layout, arena)
     graphed.begin_masked(active, arena)
     graphed.masked_kernels(grad.clone(), arena)
 

@@ -10,8 +10,8 @@ from torch import nn
 
 from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.execution.vectorize import lockstep, memory
-from fedseg.execution.vectorize.eligibility import _optimizer_reason, _Structure
-from fedseg.execution.vectorize.graphs import _Arena
+from fedseg.execution.vectorize.eligibility import Structure, optimizer_reason
+from fedseg.execution.vectorize.graphs import Arena
 from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ApplyCall, FitCall, GradientCall, run_handlers, site_names
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site.calls import LocalExecutor
@@ -39,7 +39,7 @@ class VectorizedExecutor:
         ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
         shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
         masked step, see :func:`fedseg.execution.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
-        captured once as a CUDA graph over static buffers kept across rounds (:class:`_Arena`) and replayed;
+        captured once as a CUDA graph over static buffers kept across rounds (:class:`Arena`) and replayed;
         any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
 
@@ -47,7 +47,7 @@ class VectorizedExecutor:
         self.group_size = group_size
         self.log = log
         self.cuda_graphs = cuda_graphs
-        self._arenas: dict[tuple, _Arena] = {}  # by group key and stack size, least recently used first
+        self.arenas: dict[tuple, Arena] = {}  # by group key and stack size, least recently used first
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
@@ -62,7 +62,7 @@ class VectorizedExecutor:
         self._site_bytes: dict[tuple, int] = {}  # estimated bytes per site of a stacked group, by group key
         self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
         # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
-        self._structures: dict[nn.Module, _Structure] = {}
+        self._structures: dict[nn.Module, Structure] = {}
         self.local = LocalExecutor()
         """Computes at its site a request that is not stacked."""
 
@@ -97,18 +97,18 @@ class VectorizedExecutor:
         return replies
 
     # -------------------------------------------------------------- planning
-    def structure(self, model: nn.Module) -> _Structure:
-        """The :class:`_Structure` of a model, walked once per model object (every round's fits and every
+    def structure(self, model: nn.Module) -> Structure:
+        """The :class:`Structure` of a model, walked once per model object (every round's fits and every
         lockstep step ask for it)."""
         known = self._structures.get(model)
         if known is None:
-            known = self._structures[model] = _Structure(model)
+            known = self._structures[model] = Structure(model)
         return known
 
     def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
         """Train the calls that can be stacked; the others get ``SEQUENTIAL`` (computed at their sites)."""
         results: list[Any] = [SEQUENTIAL] * len(calls)
-        groups: list[tuple[tuple, list[stacked_fit._Item]]] = []
+        groups: list[tuple[tuple, list[stacked_fit.FitItem]]] = []
         for i, c in enumerate(calls):
             item, reason = stacked_fit.check_fit(self, i, c)
             if item is None:
@@ -170,11 +170,11 @@ class VectorizedExecutor:
         return size
 
     # -------------------------------------------------------------- training
-    def _train_group(self, items: list[stacked_fit._Item]) -> list[dict[str, float]]:
+    def train_group(self, items: list[stacked_fit.FitItem]) -> list[dict[str, float]]:
         """One group's stacked fit (:func:`fedseg.execution.vectorize.fit.train_group`)."""
         return stacked_fit.train_group(self, items)
 
-    _gradients = staticmethod(stacked_fit.stacked_gradients)
+    stacked_gradients = staticmethod(stacked_fit.stacked_gradients)
     """The eager step's gradients (:func:`fedseg.execution.vectorize.fit.stacked_gradients`)."""
 
     # ----------------------------------------------------- lockstep gradients
@@ -222,9 +222,9 @@ class VectorizedExecutor:
         return results
 
     def _gradients_split(self, calls: list[GradientCall], loss: Any, key: tuple) -> list[Any]:
-        """:meth:`_gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
+        """:meth:`gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
         try:
-            return self._gradient_group(calls, loss)
+            return self.gradient_group(calls, loss)
         except Exception as e:
             if isinstance(e, torch.OutOfMemoryError) and len(calls) > 1:
                 half = len(calls) // 2
@@ -239,7 +239,7 @@ class VectorizedExecutor:
             )
             return [SEQUENTIAL] * len(calls)
 
-    def _gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
+    def gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
         """One group's stacked gradients (:func:`lockstep.gradient_group`)."""
         return lockstep.gradient_group(self, calls, loss)
 
@@ -261,7 +261,7 @@ class VectorizedExecutor:
             if len({p.dtype for p in st.params}) > 1:
                 reason = "its parameters have several dtypes"
             else:
-                reason, settings = _optimizer_reason(c.optimizer, st.params)
+                reason, settings = optimizer_reason(c.optimizer, st.params)
                 if reason is None and settings[0] != "adam":
                     reason = f"its optimizer is {type(c.optimizer).__name__} (only Adam steps are taken together)"
             if reason is not None:
