@@ -116,7 +116,7 @@ def steps_per_round(train: TrainConfig, n: int) -> int:
     the claims of lockstep sites against their declared counts with it)."""
     if train.local_steps is not None:
         return train.local_steps
-    return max(1, round(train.local_epochs * math.ceil(n / train.batch_size)))
+    return max(1, round(float(train.local_epochs or 0.0) * math.ceil(n / train.batch_size)))
 
 
 def placed_split(site: Any, split: str) -> Dataset | None:
@@ -174,7 +174,7 @@ def training_batches(
     """
     ds = placed_split(site, split)
     n = dataset_len(ds)
-    if n == 0:
+    if ds is None or n == 0:
         raise PayloadError(f"site {site.name}: the {split} split is empty; add cases to its datalist")
     bs = batch_size or site.cfg.train.batch_size
     steps = site.steps_per_round(split) if steps is None else steps
@@ -211,7 +211,7 @@ def batch_at(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Training cases ``idx`` (on the dataset's device; ``order``: the same on the CPU) as a batch on the
     run's device, through the workload's transform."""
-    if lazy:  # volumes in the site's cache: the transform reads only its patches
+    if lazy and isinstance(ds, CachedVolumes):  # volumes in the site's cache: the transform reads only its patches
         cases = ds.batch(idx)
         cases.place = lambda t, cast: on_device(site, t, cast)
         return tf(cases, cases, g_tf)

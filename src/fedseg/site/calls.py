@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -195,7 +195,7 @@ def local_apply(c: ApplyCall) -> None:
 def as_asks(handler_result: Any) -> Asks[Any]:
     """A handler's result as a generator: a plain function's reply becomes one that asks nothing."""
     if inspect.isgenerator(handler_result):
-        return handler_result
+        return cast("Asks[Any]", handler_result)
     return _done(handler_result)
 
 

@@ -140,7 +140,9 @@ class _Tally:
     def add(self, e: dict[str, Any], fallback: _Tally | None = None) -> None:
         if e["kind"] == "sample":
             key = e["batch"]
-            prior = self.batches.get(key) or (fallback.batches.get(key) if fallback is not None else None)
+            prior: tuple[float, float, int] | None = self.batches.get(key) or (
+                fallback.batches.get(key) if fallback is not None else None
+            )
             if prior is not None:
                 self._count((prior[0] / math.sqrt(prior[2]), prior[1]), -1)
             if prior is not None:
@@ -151,9 +153,9 @@ class _Tally:
             self._count((sigma / math.sqrt(m), q), 1)
         else:  # "client" / "reveal": the exchange's latest booking replaces its earlier one
             key = e["exchange"]
-            prior = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
-            if prior is not None:
-                self._count(prior, -1)
+            latest = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
+            if latest is not None:
+                self._count(latest, -1)
             self.exchanges[key] = (e["sigma"], e["q"])
             self._count((e["sigma"], e["q"]), 1)
 

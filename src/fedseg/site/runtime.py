@@ -249,7 +249,7 @@ class Site:
             t = self.cfg.train
             ps = params if params is not None else list(self.model(role).parameters())
             if t.optimizer == "adam":
-                opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+                opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
             else:
                 opt = torch.optim.SGD(ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
             self.optimizers[role] = opt
@@ -344,13 +344,13 @@ class Site:
         scaler = self.scaler(role)
         if scaler is None:
             loss.backward()
-            if after_backward is not None:
+            if after_backward is not None and model is not None:
                 after_backward(model)
             opt.step()
             return
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        if after_backward is not None:
+        if after_backward is not None and model is not None:
             after_backward(model)
         scaler.step(opt)
         scaler.update()

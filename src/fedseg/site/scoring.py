@@ -32,11 +32,13 @@ def eval_groups(site: Any, split: str, cast_labels: bool = False) -> Iterator[ex
     extent (None: as stored)."""
     ds = placed_split(site, split)
     extents = case_extents(site.data.split(split))
-    take = batch_of
+    take: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = batch_of
     if isinstance(ds, CachedVolumes) and extents is not None:  # read each case's extent only
 
-        def take(d: CachedVolumes, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def read_extent(d: Any, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return d.read(idx, d.extents[int(idx[0])])  # a group's cases share one extent
+
+        take = read_extent
 
     groups = extent.eval_groups(ds, extents, site.cfg.eval.batch_size, take, site.cfg.model.roi_size)
     for first, ext, x, y in groups:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,7 +137,7 @@ class VectorizedExecutor:
                 members[0].call.site.device,
                 [m.call.site.name for m in members],
                 members[0].call.role,
-                lambda m=members[0]: memory.fit_site_bytes(m),
+                functools.partial(memory.fit_site_bytes, members[0]),
             )
             for start in range(0, len(members), size):
                 for item, out in zip(
@@ -213,7 +214,7 @@ class VectorizedExecutor:
                 calls[members[0]].site.device,
                 [calls[i].site.name for i in members],
                 role,
-                lambda c=calls[members[0]], loss=loss: memory.gradient_site_bytes(c, loss),
+                functools.partial(memory.gradient_site_bytes, calls[members[0]], loss),
             )
             for start in range(0, len(members), size):
                 chunk = members[start : start + size]

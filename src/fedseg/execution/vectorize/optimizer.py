@@ -148,6 +148,12 @@ class StackedOptimizer:
             )
 
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+        # set below for the optimizer's kind: Adam's step counts and stacked moments, or SGD's momentum buffers
+        self.s: list[float]
+        self.m: torch.Tensor
+        self.v: torch.Tensor
+        self.has: list[bool]
+        self.buf: torch.Tensor
         self.taken = [0] * len(opts)
         # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
         self._step: torch.Tensor | None = None if arena is None else arena.step
