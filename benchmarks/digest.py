@@ -9,8 +9,10 @@ into a temporary folder and runs, on the CPU with one thread, 2 rounds of each o
 sequential and vectorized, FedAvg in epoch mode over the unequal sites, FGA vectorized, SCAFFOLD, Auto-FedAvg,
 Ditto, sample-level DP with seeded noise, secure aggregation, FedAvg on volumes).  For each run it hashes every
 tensor of every ``.safetensors`` file the run saved (checkpoints, models) — name, dtype, shape and bytes, in
-sorted order — and prints (``--out``: writes) ``{run: {file: {tensor: sha256}}}``; ``--check`` compares with a
-saved digest and names every tensor that differs.  About 1–2 minutes on this machine (2-core CPU).
+sorted order — and prints (``--out``: writes) ``{run: {file: sha256 over its tensors' names and digests}}``
+(``--tensors``: ``{run: {file: {tensor: sha256}}}``); ``--check`` compares with a saved digest of either form and
+names every file (or, against a per-tensor digest, every tensor) that differs.  benchmarks/digest_reference.json
+is the per-file digest of commit 211ef7c.  About 1–2 minutes on this machine (2-core CPU).
 """
 
 from __future__ import annotations
@@ -78,6 +80,19 @@ def tensor_digest(path: Path) -> dict[str, str]:
     return out
 
 
+def per_file(digest: dict) -> dict[str, dict[str, str]]:
+    """``{run: {file: sha256}}`` of a per-tensor digest (a per-file one as it is)."""
+    out: dict[str, dict[str, str]] = {}
+    for run, files in digest.items():
+        out[run] = {}
+        for f, tensors in files.items():
+            if isinstance(tensors, str):
+                out[run][f] = tensors
+            else:
+                out[run][f] = hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest()
+    return out
+
+
 def run_digest(name: str, spec: Path, overrides: list[str], root: Path) -> dict[str, dict[str, str]]:
     from fedseg.simulation.runner import run
 
@@ -86,11 +101,23 @@ def run_digest(name: str, spec: Path, overrides: list[str], root: Path) -> dict[
     return {str(p.relative_to(out)): tensor_digest(p) for p in sorted(out.rglob("*.safetensors"))}
 
 
+def _entries(a: object, b: object) -> list[str]:
+    """The tensor names of a file in either digest (one entry, "", for a per-file digest)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return sorted(set(a if isinstance(a, dict) else {}) | set(b if isinstance(b, dict) else {}))
+    return [""]
+
+
+def _entry(files: object, tensor: str) -> object:
+    return files.get(tensor) if isinstance(files, dict) else files
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write the digest here (JSON)")
     ap.add_argument("--check", type=Path, help="compare with this saved digest; exit 1 on any difference")
     ap.add_argument("--only", help="comma list of run names (default: all)")
+    ap.add_argument("--tensors", action="store_true", help="--out writes every tensor's digest (default: per file)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from fedseg.data.synth import synthesize
@@ -111,21 +138,24 @@ def main(argv: list[str] | None = None) -> int:
             n = sum(len(v) for v in digest[name].values())
             print(f"{name}: {n} tensors in {len(digest[name])} files, {time.perf_counter() - t:.1f} s", flush=True)
     if args.out:
-        args.out.write_text(json.dumps(digest, indent=1, sort_keys=True) + "\n")
+        args.out.write_text(json.dumps(digest if args.tensors else per_file(digest), indent=1, sort_keys=True) + "\n")
     if args.check:
         ref = json.loads(args.check.read_text())
+        if not args.tensors and any(isinstance(t, str) for files in ref.values() for t in files.values()):
+            ref, digest = per_file(ref), per_file(digest)  # type: ignore[assignment]
         bad = [
             f"{run}/{f}:{t}"
             for run in digest
             for f in sorted(set(digest[run]) | set(ref.get(run, {})))
-            for t in sorted(set(digest[run].get(f, {})) | set(ref.get(run, {}).get(f, {})))
-            if digest[run].get(f, {}).get(t) != ref.get(run, {}).get(f, {}).get(t)
+            for t in _entries(digest[run].get(f), ref.get(run, {}).get(f))
+            if _entry(digest[run].get(f), t) != _entry(ref.get(run, {}).get(f), t)
         ]
         missing = [r for r in ref if r not in digest and not only]
         for b in bad[:40]:
             print("differs:", b)
         print(
-            f"{len(digest)} runs compared: {len(bad)} tensors differ" + (f", runs missing {missing}" if missing else "")
+            f"{len(digest)} runs compared: {len(bad)} files or tensors differ"
+            + (f", runs missing {missing}" if missing else "")
         )
         return 1 if bad or missing else 0
     if not args.out:
