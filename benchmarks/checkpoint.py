@@ -49,7 +49,8 @@ def measure(background: bool, args, out: Path) -> dict:
     engine = Engine(cfg, algorithm, transport, workload, out=out, progress=False, log=lambda m: None)
     engine.state = algorithm.init_state(engine.ctx)
     for name in transport.sites:
-        transport.site(name).fit("global", 1)
+        site = transport.site(name)
+        site.now(site.fit("global", 1))
     blocked = []
     for i in range(args.checkpoints):
         engine.round = i + 1

@@ -371,7 +371,7 @@ def test_ditto_global_equals_fedavg_and_lambda_zero_is_local_training(tmp_path, 
         init = workload.build_model().state_dict()
     site.load("alone", init)
     for rnd in (1, 2):
-        site.fit("alone", rnd, stream="personal")
+        site.now(site.fit("alone", rnd, stream="personal"))
     ditto0 = strip_prefix("model/personal", site_state(tmp_path / "d0", "site2"))
     assert_same_arrays(site.arrays("alone"), ditto0)
     ditto1 = strip_prefix("model/personal", site_state(tmp_path / "d1", "site2"))

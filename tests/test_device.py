@@ -193,10 +193,10 @@ def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
     model = site.model("global")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     huge = lambda m: 1e36 * sum(p.sum() for p in m.parameters())  # noqa: E731 - gradient 1e36 × scale overflows
-    site.fit("global", 1, extra_loss=huge)
+    site.now(site.fit("global", 1, extra_loss=huge))
     assert_same_arrays(before, dict(model.state_dict()))
     assert site.scalers["global"].get_scale() == 32768.0
-    site.fit("global", 2)
+    site.now(site.fit("global", 2))
     assert not same_arrays(before, dict(model.state_dict()))
 
 
@@ -241,7 +241,7 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
     site.model("global")
     calls = count_host_reads(monkeypatch, "fedseg/site/runtime.py")
-    out = site.fit("global", 1)
+    out = site.now(site.fit("global", 1))
     assert out["steps"] == 5 and calls["n"] == 1
 
 
@@ -291,7 +291,7 @@ def test_data_placement_on_the_cpu_copies_nothing_and_changes_no_number(tmp_path
 def test_site_state_is_host_tensors(workload):
     cfg = tiny_config("fedavg", rounds=1)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
-    site.fit("global", 1)
+    site.now(site.fit("global", 1))
     arrays, meta = site.state_arrays()
     assert arrays and all(v.device.type == "cpu" for v in arrays.values())
     json.dumps(meta)  # JSON-able, nothing device-specific

@@ -122,18 +122,18 @@ def test_local_loops_read_no_loss_per_step_and_enter_autocast(tmp_path, workload
     """Host reads of tensor values (each a device sync on a GPU) made by the method's module and
     site.py do not grow with the number of local steps (1 vs 4): losses are summed on the device.
     The same runs count the method's own entries into :meth:`Site.autocast` (and those of
-    :meth:`Site.gradient`, computed by :meth:`Site.gradient_here`, through which pFedMe's inner steps take
+    :meth:`Site.gradient`, computed by :func:`fedseg.site.calls.local_gradient`, through which pFedMe's inner steps take
     their gradients).
     (FedSM with ``ft`` personalization, so that its loop trains only the selector.)"""
     method, params, module = LOOPS[case]
-    reads = count_host_reads(monkeypatch, module, "fedseg/site/runtime.py")
+    reads = count_host_reads(monkeypatch, module, "fedseg/site/runtime.py", "fedseg/site/calls.py")
     entered = {"n": 0}
     real = Site.autocast
 
     def counting(site):
         caller = __import__("sys")._getframe(1).f_code
         if caller.co_filename.endswith(module) or (
-            caller.co_name == "gradient_here" and caller.co_filename.endswith("fedseg/site/runtime.py")
+            caller.co_name == "local_gradient" and caller.co_filename.endswith("fedseg/site/calls.py")
         ):
             entered["n"] += 1
         return real(site)

@@ -56,7 +56,7 @@ def test_local_batch_norm_policy_keeps_running_stats_at_the_site(sites):
 def test_save_and_restore_roundtrip(tmp_path, sites, workload):
     s = _site(sites, workload)
     s.model("global")
-    s.fit("global", 1)
+    s.now(s.fit("global", 1))
     s.store["c"] = torch.arange(3.0)
     save_site(s, tmp_path)
     fresh = _site(sites, workload)
@@ -85,12 +85,12 @@ def test_local_batch_norm_evaluation_copies_follow_the_sites_current_statistics(
     wl = segmentation_workload(2, 1, ["fg"], model)
     s = _site(sites, wl, cfg)
     s.model("global")
-    s.fit("global", 1)
+    s.now(s.fit("global", 1))
     s.model_predictor(s.arrays("global"))
     first = _bn_stats(s.models["eval"])
     # Execute: more training changes the site's statistics, then evaluate again
-    s.fit("global", 2)
-    s.fit("global", 3)
+    s.now(s.fit("global", 2))
+    s.now(s.fit("global", 3))
     s.model_predictor(s.arrays("global"))
     # Assert
     now, trained = _bn_stats(s.models["eval"]), _bn_stats(s.models["global"])
@@ -98,7 +98,7 @@ def test_local_batch_norm_evaluation_copies_follow_the_sites_current_statistics(
     assert any(not torch.equal(now[k], first[k]) for k in now)
     # a trained role keeps its own statistics when it receives weights (bn_from is for evaluation copies only)
     s.model("personal")
-    s.fit("personal", 5)
+    s.now(s.fit("personal", 5))
     own = _bn_stats(s.models["personal"])
     s.load("personal", s.arrays("global"))
     assert all(torch.equal(_bn_stats(s.models["personal"])[k], own[k]) for k in own)

@@ -314,9 +314,9 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
     monkeypatch.setattr(memory, "fit_site_bytes", lambda item: 400)
     groups: list[int] = []
-    real = VectorizedExecutor._train_group
+    real = VectorizedExecutor.train_group
     monkeypatch.setattr(
-        VectorizedExecutor, "_train_group", lambda self, items: groups.append(len(items)) or real(self, items)
+        VectorizedExecutor, "train_group", lambda self, items: groups.append(len(items)) or real(self, items)
     )
     _run(tmp_path, _cfg("fedavg", "off"), "seq")
     _, logs = _run(tmp_path, _cfg("fedavg", "on"), "vec")
@@ -338,10 +338,10 @@ def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: next(free))
     monkeypatch.setattr(memory, "gradient_site_bytes", lambda call, loss: 400)
     groups: list[int] = []
-    real = VectorizedExecutor._gradient_group
+    real = VectorizedExecutor.gradient_group
     monkeypatch.setattr(
         VectorizedExecutor,
-        "_gradient_group",
+        "gradient_group",
         lambda self, calls, loss: groups.append(len(calls)) or real(self, calls, loss),
     )
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
@@ -376,7 +376,7 @@ def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
     of its single sequential step — the three padding steps change nothing (not just a zero gradient,
     which Adam would still turn into a step through its moments)."""
     seq = _fit_calls([1, 4], mu=0.1)
-    seq_out = [c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps) for c in seq]
+    seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps)) for c in seq]
     vec = _fit_calls([1, 4], mu=0.1)
     ex = VectorizedExecutor(log=lambda m: None)
     vec_out = ex.fit_together(vec)
@@ -416,7 +416,7 @@ def test_batches_are_the_sites_seeded_batches(monkeypatch):
     vec = {k: v for k, v in seen.items()}
     seen.clear()
     for c in _fit_calls([2, 3]):
-        c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps)
+        c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps))
     assert vec.keys() == seen.keys() == {"site1/True", "site2/True"}
     for k in vec:
         assert len(vec[k]) == len(seen[k]) and all(torch.equal(a, b) for a, b in zip(vec[k], seen[k]))
@@ -452,80 +452,71 @@ def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
     assert all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
 
-def test_an_error_in_one_site_ends_the_ask_and_its_threads():
+def test_an_error_in_one_site_ends_the_ask_and_closes_the_other_handlers():
     calls = _fit_calls([1, 1, 1])
     sites = [c.site for c in calls]
+    closed: list[str] = []
 
     def bad(site, task):
         if site.name == "site2":
             raise PayloadError("site2: hostile payload")
-        site.fit("global", 1, "train", steps=1)
+        try:
+            yield from site.fit("global", 1, "train", steps=1)
+        except GeneratorExit:
+            closed.append(site.name)
+            raise
         return Reply()
 
     for s in sites:
         s._handlers = {"train": bad}
     ex = VectorizedExecutor(log=lambda m: None)
-    for s in sites:
-        s.executor = ex
-    before = threading.active_count()
     with pytest.raises(PayloadError, match="hostile"):
         ex.run([(s, Task("train")) for s in sites])
-    assert threading.active_count() == before
+    assert closed == ["site1"]  # site1 waited for its fit; site3 never started (site2 failed first)
 
 
-def test_site_threads_compute_with_one_intra_op_thread_and_the_main_thread_keeps_its_count(monkeypatch):
-    """Each site thread that enters a parallel CPU kernel gets an OpenMP team of its own; K such teams
-    on a 2-core machine slowed the main thread's stacked steps (libgomp's workers stop spinning when it
-    manages more threads than cores).  So a site's handler runs with one intra-op thread,
-    its sequential fallback fit with the full count, and after the ask the main thread and any new thread
-    have the count they had before."""
-    from fedseg.execution.vectorize.scheduler import _SEQUENTIAL
-    from fedseg.site.runtime import Site
+def test_the_vectorized_executor_starts_no_thread_and_computes_a_fallback_at_the_site(monkeypatch):
+    """A vectorized FedSM round with its FGA selector (fits, lockstep gradients, fused steps) and an FGA round
+    run with threading.Thread.start failing inside the executor's asks; a request the stacked functions leave computes at its site, in
+    the calling thread, and the handler goes on with its result."""
+    from fedseg.execution.vectorize.scheduler import SEQUENTIAL
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        seen: list[tuple[str, int]] = []
+    inside = {"run": 0}
+    real_start, real_run = threading.Thread.start, VectorizedExecutor.run
 
-        def handler(site, task):
-            seen.append(("handler", torch.get_num_threads()))
-            site.fit("global", 1, "train", steps=1)
-            seen.append(("after fit", torch.get_num_threads()))
-            return Reply()
+    def refuse(self):
+        if inside["run"]:
+            raise AssertionError("the vectorized executor started a thread")
+        real_start(self)
 
-        def run(ex):
-            calls = _fit_calls([1, 1, 1])
-            for c in calls:
-                c.site._handlers = {"train": handler}
-                c.site.executor = ex
-            ex.run([(c.site, Task("train")) for c in calls])
+    def run(self, calls):
+        inside["run"] += 1
+        try:
+            return real_run(self, calls)
+        finally:
+            inside["run"] -= 1
 
-        ex = VectorizedExecutor(log=lambda m: None)
-        run(ex)
-        assert ex.vectorized_fits == 3
-        assert sorted(seen) == [("after fit", 1)] * 3 + [("handler", 1)] * 3
-        assert torch.get_num_threads() == 2
-        fresh: list[int] = []
-        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
-        t.start()
-        t.join()
-        assert fresh == [2]
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(VectorizedExecutor, "run", run)
+    for method in ("fedsm", "fga"):
+        cfg = _cfg(method, "on", rounds=1, local_steps=2, local_epochs=None)
+        logs: list[str] = []
+        simulate(cfg, segmentation_workload(2, 1, ["fg"], cfg.model), tiny_sites(), progress=False, log=logs.append)
+        assert _vectorized(logs), logs
+    seen: list[int] = []
 
-        # the fallback: each site thread trains itself, with the full count, and goes back to one after
-        seen.clear()
-        monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [_SEQUENTIAL] * len(calls))
-        inner = Site.fit_here
+    def handler(site, task):
+        out = yield from site.fit("global", 1, "train", steps=1)
+        seen.append(out["steps"])
+        return Reply()
 
-        def spy(self, *args, **kwargs):  # the fallback: the site thread trains its site itself
-            seen.append(("fallback fit", torch.get_num_threads()))
-            return inner(self, *args, **kwargs)
-
-        monkeypatch.setattr(Site, "fit_here", spy)
-        run(VectorizedExecutor(log=lambda m: None))
-        assert sorted(seen) == [("after fit", 1)] * 3 + [("fallback fit", 2)] * 3 + [("handler", 1)] * 3
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    calls = _fit_calls([1, 1, 1])
+    for c in calls:
+        c.site._handlers = {"train": handler}
+    monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [SEQUENTIAL] * len(calls))
+    ex = VectorizedExecutor(log=lambda m: None)
+    ex.run([(c.site, Task("train")) for c in calls])
+    assert seen == [1, 1, 1] and ex.vectorized_fits == 0
 
 
 # ------------------------------------------------------------------ results
@@ -541,7 +532,7 @@ def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
 def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_falls_back(tmp_path, monkeypatch):
     """Out of memory at a group's first step (nothing updated yet): the group trains as two halves.
     Any other error at the first step: the group trains sequentially, with the error logged."""
-    real = VectorizedExecutor._gradients
+    real = VectorizedExecutor.stacked_gradients
 
     def oom_for_groups(batch, *rest):
         if len(batch) > 1:
@@ -549,7 +540,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
         return real(batch, *rest)
 
     _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(oom_for_groups))
+    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(oom_for_groups))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
     assert (
         "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)"
@@ -560,7 +551,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     def unsupported(*args):
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
-    monkeypatch.setattr(VectorizedExecutor, "_gradients", staticmethod(unsupported))
+    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(unsupported))
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
     assert any(
         "trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs
@@ -645,7 +636,7 @@ def test_a_loss_that_fails_under_vmap_computes_the_gradients_sequentially(tmp_pa
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
     _run(tmp_path, _cfg("fga", "off"), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "_gradient_group", unsupported)
+    monkeypatch.setattr(VectorizedExecutor, "gradient_group", unsupported)
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
     assert [m for m in logs if m.startswith("vectorize:")] == [
         "vectorize: the gradients of role 'global' of sites site1, site2, site3 are computed as one vectorized computation",
@@ -671,7 +662,7 @@ def test_gradients_together_equal_each_sites_own_gradient_at_different_weights()
     vec = ex.gradients_together(grads)
     assert ex.vectorized_gradients == 2
     for c, (x, y), (g_vec, loss_vec) in zip(calls, batches, vec):
-        g_seq, loss_seq = c.site.gradient("global", x, y)
+        g_seq, loss_seq = c.site.now(c.site.gradient("global", x, y))
         assert g_vec.keys() == g_seq.keys() and len(g_seq) == len(list(c.site.model("global").parameters()))
         torch.testing.assert_close(loss_vec, loss_seq, rtol=1e-12, atol=0)
         for n in g_seq:
@@ -802,15 +793,15 @@ def _graphs(cfg: RunConfig, on: bool) -> RunConfig:
 
 
 def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
-    """The static batch of a captured step (``_Arena``, device-agnostic): the first batch — every site's, of one
+    """The static batch of a captured step (``Arena``, device-agnostic): the first batch — every site's, of one
     shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
     keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
     is copied, so that step runs eagerly."""
-    from fedseg.execution.vectorize.graphs import _Arena
-    from fedseg.execution.vectorize.layout import _Layout
+    from fedseg.execution.vectorize.graphs import Arena
+    from fedseg.execution.vectorize.layout import Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
-    arena = _Arena(_Layout(params, 2), params[0], {})
+    arena = Arena(Layout(params, 2), params[0], {})
     assert arena.flat.numel() == 2 * (6 + 4) and [w.shape for w in arena.weights] == [(2, 3, 2), (2, 4)]
 
     def b(n: int = 4):
@@ -861,14 +852,14 @@ def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign
 
 @pytest.mark.parametrize("active", [[0, 2], [0, 1, 2]])
 def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active):
-    """The masked step a CUDA graph captures (``_StackedOptimizer.begin_masked`` on the host, ``masked_kernels``
+    """The masked step a CUDA graph captures (``StackedOptimizer.begin_masked`` on the host, ``masked_kernels``
     on the device: per-element step sizes and bias corrections, a mask) is the eager stacked Adam step of the
     same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
     weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
     the active sites only."""
-    from fedseg.execution.vectorize.graphs import _Arena
-    from fedseg.execution.vectorize.layout import _Layout
-    from fedseg.execution.vectorize.optimizer import _StackedOptimizer
+    from fedseg.execution.vectorize.graphs import Arena
+    from fedseg.execution.vectorize.layout import Layout
+    from fedseg.execution.vectorize.optimizer import StackedOptimizer
 
     g = torch.Generator().manual_seed(0)
     models = [torch.nn.Linear(5, 3) for _ in range(3)]
@@ -879,16 +870,16 @@ def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active)
             m(torch.randn(4, 5, generator=g)).square().sum().backward()
             o.step()
     plist = [list(m.parameters()) for m in models]
-    layout = _Layout(plist[0], 3)
+    layout = Layout(plist[0], 3)
     grad = torch.randn(layout.numel, generator=g)
 
     with torch.no_grad():
-        eager = _StackedOptimizer(opts, plist, layout.pack(plist), layout)
+        eager = StackedOptimizer(opts, plist, layout.pack(plist), layout)
         eager.step(grad.clone(), active)
-        arena = _Arena(layout, plist[0][0], {})
+        arena = Arena(layout, plist[0][0], {})
         layout.pack(plist, out=arena.flat)
         before = arena.flat.clone()
-    graphed = _StackedOptimizer(opts, plist, arena.flat, layout, arena)
+    graphed = StackedOptimizer(opts, plist, arena.flat, layout, arena)
     graphed.begin_masked(active, arena)
     graphed.masked_kernels(grad.clone(), arena)
 

@@ -45,14 +45,14 @@ def _sites(sizes=SIZES, seed: int = 0) -> dict[str, SiteData]:
 def stacks(monkeypatch) -> list[int]:
     """The size of every stack a step is computed on, step by step (one entry per stacked step)."""
     sizes: list[int] = []
-    real = stacked_fit._StackedFit.step
+    real = stacked_fit.StackedFit.step
 
     def step(self, ex, batch):
         assert len(batch) == self.k  # every row of a stack is a site that still trains
         sizes.append(self.k)
         return real(self, ex, batch)
 
-    monkeypatch.setattr(stacked_fit._StackedFit, "step", step)
+    monkeypatch.setattr(stacked_fit.StackedFit, "step", step)
     return sizes
 
 
@@ -111,7 +111,7 @@ def test_regrouped_fit_equals_each_sites_own_fit_and_computes_no_finished_row(st
     ex = VectorizedExecutor(log=lambda m: None)
     for rnd in (1, 2):
         _, seq = _calls(rnd, seq_t)
-        seq_out = [c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, None) for c in seq]
+        seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, None)) for c in seq]
         _, vec = _calls(rnd, vec_t)
         stacks.clear()
         vec_out = ex.fit_together(vec)
@@ -190,12 +190,12 @@ def test_buffers_kept_across_rounds_on_the_cpu_give_bitwise_the_same_run(tmp_pat
         Engine(cfg, algorithm, transport, wl, out=tmp_path / name, progress=False, log=lambda m: None).run()
         return transport.vectorized
 
-    assert not run("fresh")._arenas  # the tiny model's buffers are far below the threshold
+    assert not run("fresh").arenas  # the tiny model's buffers are far below the threshold
     monkeypatch.setattr(graphs, "_CPU_KEEP_BYTES", 0)
     ex = run("kept")
     roles = {"fedavg": {"global"}, "fedsm": {"global", "personal"}}[method]
-    assert {(key[0], size) for key, size in ex._arenas} == {(r, k) for r in roles for k in (4, 2, 1)}
-    assert all(not a.graphs and a.pool is None for a in ex._arenas.values())  # nothing captured on the CPU
+    assert {(key[0], size) for key, size in ex.arenas} == {(r, k) for r in roles for k in (4, 2, 1)}
+    assert all(not a.graphs and a.pool is None for a in ex.arenas.values())  # nothing captured on the CPU
     a, b = _states(tmp_path / "fresh"), _states(tmp_path / "kept")
     assert a.keys() == b.keys() and all(torch.equal(a[w][k], b[w][k]) for w in a for k in a[w])
 
@@ -226,9 +226,9 @@ def test_gpu_one_captured_step_per_stack_size(tmp_path):
     run("seq", dataclasses.replace(base, simulation=SimulationConfig(vectorize="off")))
     run("eager", _graphs(base, False))
     ex = run("graph", _graphs(base, True))
-    sizes = sorted(key[1] for key in ex._arenas)
+    sizes = sorted(key[1] for key in ex.arenas)
     assert sizes == [1, 2, 3], sizes
-    assert all(arena.graphs and arena.failed is None for arena in ex._arenas.values())
-    assert len({arena.pool for arena in ex._arenas.values()}) == 1  # one graph memory pool for all stacks
+    assert all(arena.graphs and arena.failed is None for arena in ex.arenas.values())
+    assert len({arena.pool for arena in ex.arenas.values()}) == 1  # one graph memory pool for all stacks
     _assert_close(_states(tmp_path / "eager"), _states(tmp_path / "graph"), rtol=1e-5, atol=1e-7)
     _assert_close(_states(tmp_path / "seq"), _states(tmp_path / "graph"), rtol=1e-4, atol=1e-6)

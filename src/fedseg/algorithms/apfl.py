@@ -53,6 +53,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
@@ -137,7 +138,7 @@ class APFLParams:
         check_positive("apfl", "alpha_lr", self.alpha_lr, allow_none=True)
 
 
-def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams) -> dict[str, Any]:
+def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams) -> Asks[dict[str, Any]]:
     """One round of APFL at ``site``: updates ``models["global"]`` (w), ``models["personal"]`` (v) and α.
 
     With ``mix = "parameters"`` every step is two batch gradients without a step (:meth:`Site.gradient`:
@@ -167,7 +168,9 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
     sums = LossSums(site.device)
     for x, y in site.batches(rnd, "train"):
         if params.mix == "parameters":
-            loss_w, loss_v, grad_a = _parameter_mixing_step(site, w_model, v_model, opt_w, opt_v, alpha, x, y)
+            loss_w, loss_v, grad_a = yield from _parameter_mixing_step(
+                site, w_model, v_model, opt_w, opt_v, alpha, x, y
+            )
         else:
             loss_w, loss_v, grad_a = _output_mixing_step(site, w_model, v_model, v_params, opt_w, opt_v, alpha, x, y)
         if params.learn_alpha and grad_a is not None:
@@ -186,16 +189,16 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: APFLParams)
 
 def _parameter_mixing_step(site: Site, w_model, v_model, opt_w, opt_v, alpha, x, y):
     """One step of w, v (and α's gradient) for v̄ = α v + (1 − α) w, through Site.gradient / Site.step_with_gradient."""
-    g_w, loss_w = site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
+    g_w, loss_w = yield from site.gradient("global", x, y)  # w: exactly FedAvg's local step (Site.fit's arithmetic)
     a = alpha.to(site.dtype)
     # views of the weights before this step's updates (read below before the steps change them)
     w_now = {k: p.detach() for k, p in w_model.named_parameters()}
     v_now = {k: p.detach() for k, p in v_model.named_parameters()}
     mixed = {k: a * v_now[k] + (1 - a) * w_now[k] for k in v_now}
-    g_mix, loss_v = site.gradient("personal", x, y, at=mixed)
+    g_mix, loss_v = yield from site.gradient("personal", x, y, at=mixed)
     g_v, grad_a = mixture_gradients(v_now, w_now, g_mix, a)  # read before the steps below change v, w
-    site.step_with_gradient(w_model, opt_w, g_w)
-    site.step_with_gradient(v_model, opt_v, g_v)
+    yield from site.step_with_gradient(w_model, opt_w, g_w)
+    yield from site.step_with_gradient(v_model, opt_v, g_v)
     return loss_w, loss_v, grad_a
 
 
@@ -236,8 +239,8 @@ class AdaptiveMixture(PersonalizationBase):
         "APFL, whose v and α updates use raw gradients at the mixture (α's gradient enters its update directly)"
     )
 
-    def site_step(self, site: Site, task: Task) -> PersonalStep:
-        m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
+    def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
+        m = yield from local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
         alpha = site.store["apfl/alpha"]
         metrics = {"loss": m["loss"], "personal_loss": m["personal_loss"], "steps": m["steps"], "alpha": m["alpha"]}
         return PersonalStep(metrics, extra={"alpha": alpha.clone()})

@@ -33,6 +33,7 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = ["CWT", "CWTParams", "load_optimizer_arrays", "optimizer_arrays", "train_cwt", "visit_order"]
@@ -131,7 +132,7 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, arrays: Arrays) -> None:
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
-def train_cwt(site: Site, task: Task) -> Reply:
+def train_cwt(site: Site, task: Task) -> Asks[Reply]:
     """One visit: load the previous site's weights (and moments with ``transfer``), train, pass them on."""
     params: CWTParams = site.algorithm.params
     mode = params.optimizer
@@ -140,7 +141,7 @@ def train_cwt(site: Site, task: Task) -> Reply:
     moments = strip_prefix("optim", task.arrays)
     if mode == "transfer" and moments:
         load_optimizer_arrays(opt, moments)
-    metrics = site.fit(ROLE, task.config["round"], stream="train", optimizer=opt)
+    metrics = yield from site.fit(ROLE, task.config["round"], stream="train", optimizer=opt)
     arrays = prefixed(ROLE, site.arrays(ROLE))
     if mode == "transfer":
         arrays.update(prefixed("optim", optimizer_arrays(opt)))

@@ -43,6 +43,7 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = ["Ditto", "DittoParams", "DittoPersonalization"]
@@ -86,7 +87,7 @@ class DittoPersonalization(PersonalizationBase):
     title = "Ditto"
     section = "ditto"
 
-    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> Asks[dict[str, Any]]:
         """One round of Ditto's personal update at ``site`` towards ``global_arrays`` (w_r).
 
         Trains ``site.models["personal"]`` (created from ``global_arrays`` on first use)
@@ -97,13 +98,15 @@ class DittoPersonalization(PersonalizationBase):
         model = site.models["personal"]
         anchor = {k: global_arrays[k] for k, _ in model.named_parameters()}
         opt = site.optimizer("personal", lr=self.params.lr)
-        return site.fit(
-            "personal",
-            rnd,
-            stream="personal",
-            optimizer=opt,
-            extra_loss=proximal_loss(anchor, self.params.lam),
-            steps=local_work(site, self.params.steps),
+        return (
+            yield from site.fit(
+                "personal",
+                rnd,
+                stream="personal",
+                optimizer=opt,
+                extra_loss=proximal_loss(anchor, self.params.lam),
+                steps=local_work(site, self.params.steps),
+            )
         )
 
 

@@ -29,6 +29,7 @@ from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, steps_per_round
 
 Weighting = Literal["samples", "even"]
@@ -84,12 +85,12 @@ def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:
     return prefixed(role, site.arrays(role))
 
 
-def train_global(site: Site, task: Task, role: str = "global") -> Reply:
+def train_global(site: Site, task: Task, role: str = "global") -> Asks[Reply]:
     """Site half of FedAvg-style methods: load the sent model, train it one round, send it back."""
     start = strip_prefix(role, task.arrays)
     site.load(role, start)
     opt = site.optimizer(role, reset=site.cfg.train.reset_optimizer)
-    metrics = site.fit(role, task.config["round"], stream="train", optimizer=opt, steps=task.config.get("steps"))
+    metrics = yield from site.fit(role, task.config["round"], optimizer=opt, steps=task.config.get("steps"))
     return Reply(arrays=sent_update(site, task, role, start), metrics=metrics, num_samples=site.num_train)
 
 

@@ -29,6 +29,7 @@ from fedseg.algorithms.fedavg import FedAvg, FedAvgParams, sent_update
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = ["FedProx", "FedProxParams", "proximal_loss", "proximal_term"]
@@ -92,7 +93,7 @@ class FedProxParams(FedAvgParams):
         super().validate()
 
 
-def train_prox(site: Site, task: Task) -> Reply:
+def train_prox(site: Site, task: Task) -> Asks[Reply]:
     """Site half: load w_r, train one round on F_k(w) + μ/2 ||w − w_r||², send w back (μ from the
     site's own parse of the run config, ``site.algorithm.params``)."""
     params: FedProxParams = site.algorithm.params
@@ -101,7 +102,7 @@ def train_prox(site: Site, task: Task) -> Reply:
     model = site.load("global", start)
     anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
-    metrics = site.fit(
+    metrics = yield from site.fit(
         "global",
         task.config["round"],
         stream="train",

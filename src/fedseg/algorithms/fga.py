@@ -80,7 +80,8 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_me
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site, step_with_gradient, steps_per_round
+from fedseg.site.calls import Asks, step_with_gradient
+from fedseg.site.runtime import Site, steps_per_round
 
 __all__ = [
     "FGA",
@@ -194,17 +195,16 @@ FP16_GRADIENT_AVERAGING = (
 """Why fp16 is refused where gradients are averaged; bf16 (no loss scaling) runs as is."""
 
 
-def apply_gradient(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    grad: Mapping[str, torch.Tensor],
-    site: Site | None = None,
-) -> None:
-    """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry).
+def apply_gradient(model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]) -> None:
+    """One optimizer step with ``grad`` as every parameter's gradient (None where ``grad`` has no entry), here,
+    the payload validated first (:func:`check_gradient`).  A site handler asks for the step instead
+    (``yield from site.step_with_gradient(...)``: one stacked step of all sites in a vectorized simulation)."""
+    check_gradient(model, grad)
+    step_with_gradient(model, optimizer, grad)
 
-    The payload is validated here; the step is ``site``'s :meth:`~fedseg.site.runtime.Site.step_with_gradient`
-    (one stacked step of all sites in a vectorized simulation), or without a site
-    :func:`fedseg.site.runtime.step_with_gradient`, here."""
+
+def check_gradient(model: nn.Module, grad: Mapping[str, torch.Tensor]) -> None:
+    """An averaged gradient names only the model's parameters, each at its shape (:class:`PayloadError`)."""
     params = dict(model.named_parameters())
     unknown = sorted(set(grad) - set(params))
     if unknown:
@@ -215,10 +215,6 @@ def apply_gradient(
         g = grad.get(name)
         if g is not None and g.shape != p.shape:
             raise PayloadError(f"averaged gradient '{name}' has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}")
-    if site is None:
-        step_with_gradient(model, optimizer, grad)
-    else:
-        site.step_with_gradient(model, optimizer, grad)
 
 
 def _batch_reducing(mod: Any) -> bool:
@@ -329,7 +325,7 @@ def gradient_step(
     check_loss: Any = None,
     target: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     transform: Callable[[torch.Tensor, Any, int, int], tuple[torch.Tensor, Any]] | None = None,
-) -> Reply:
+) -> Asks[Reply]:
     """Site half of one lockstep exchange for the model of ``role`` (FGA's, or any other model trained
     by gradient averaging, e.g. FedSM's selector): apply the previous averaged gradient, then compute
     the gradient of ``loss(model(x), target(x, y))`` (default: the workload loss of the output and
@@ -360,7 +356,8 @@ def gradient_step(
         set_optimizer_moments(opt, model, moments)
     avg = strip_prefix("avg", task.arrays)
     if avg:
-        apply_gradient(model, opt, avg, site)
+        check_gradient(model, avg)
+        yield from site.step_with_gradient(model, opt, avg)
     arrays: Arrays = {}
     metrics: dict[str, Any] = {}
     num = 0
@@ -376,7 +373,7 @@ def gradient_step(
         if target is not None:
             with site.autocast(), torch.no_grad():
                 y = target(x, y)
-        grads, value = site.gradient(role, x, y, loss)
+        grads, value = yield from site.gradient(role, x, y, loss)
         arrays = {f"grad/{n}": g for n, g in grads.items()}
         # under DP-SGD the expected batch size B: a Poisson batch's own size depends on who is in it
         num = site.cfg.train.batch_size if site.cfg.privacy.dp == "sample" else int(x.shape[0])
@@ -392,9 +389,9 @@ def gradient_step(
     return Reply(arrays=arrays, metrics=metrics, num_samples=num)
 
 
-def fga_step(site: Site, task: Task) -> Reply:
+def fga_step(site: Site, task: Task) -> Asks[Reply]:
     """Site half of FGA (:func:`gradient_step` for the global model)."""
-    return gradient_step(site, task)
+    return (yield from gradient_step(site, task))
 
 
 RESYNC = "resync"

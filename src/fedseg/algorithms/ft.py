@@ -38,6 +38,7 @@ from fedseg.algorithms.personal import (
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = ["FT", "FTParams", "FineTuning"]
@@ -76,15 +77,17 @@ class FineTuning(PersonalizationBase):
     title = "FT"
     section = "ft"
 
-    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
-        return finetune(
-            site,
-            global_arrays,
-            rnd,
-            steps=local_work(site, self.params.steps),
-            lr=self.params.lr,
-            optimizer="train",
-            stream="finetune",
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> Asks[dict[str, Any]]:
+        return (
+            yield from finetune(
+                site,
+                global_arrays,
+                rnd,
+                steps=local_work(site, self.params.steps),
+                lr=self.params.lr,
+                optimizer="train",
+                stream="finetune",
+            )
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fedseg.algorithms.fedavg import FedAvg, Weighting
 from fedseg.foundation.arrays import prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = ["FWA", "FWAParams", "train_fwa"]
@@ -41,13 +42,13 @@ class FWAParams:
     """true: a fresh Adam every round; false: keep each site's moments; none: follow train.reset_optimizer."""
 
 
-def train_fwa(site: Site, task: Task) -> Reply:
+def train_fwa(site: Site, task: Task) -> Asks[Reply]:
     """Load Θ_r, train one round of local work with the kept or reset optimizer, send Θ_{r+1}^{(k)} back."""
     params: FWAParams = site.algorithm.params
     reset = site.cfg.train.reset_optimizer if params.reset_optimizer is None else params.reset_optimizer
     site.load("global", strip_prefix("global", task.arrays))
     opt = site.optimizer("global", reset=reset)
-    metrics = site.fit("global", task.config["round"], stream="train", optimizer=opt)
+    metrics = yield from site.fit("global", task.config["round"], stream="train", optimizer=opt)
     return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)
 
 

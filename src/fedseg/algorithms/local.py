@@ -12,14 +12,15 @@ from typing import Any
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, steps_per_round
 
 
-def train_local(site: Site, task: Task) -> Reply:
+def train_local(site: Site, task: Task) -> Asks[Reply]:
     """Train the site's own model one round; on the first round it starts from the sent weights."""
     if "local" not in site.models:
         site.load("local", task.arrays)
-    metrics = site.fit("local", task.config["round"], stream="train")
+    metrics = yield from site.fit("local", task.config["round"], stream="train")
     return Reply(arrays=site.arrays("local"), metrics=metrics, num_samples=site.num_train)
 
 

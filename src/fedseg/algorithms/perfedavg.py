@@ -53,6 +53,7 @@ from fedseg.algorithms.personal import (
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
@@ -154,7 +155,7 @@ class PerFedAvgParams:
         check_nonneg_int("perfedavg", "personal_steps", self.personal_steps, allow_none=False)
 
 
-def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> dict[str, Any]:
+def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgParams) -> Asks[dict[str, Any]]:
     """One round of Per-FedAvg local steps on ``models["global"]`` from ``global_arrays``."""
     model = site.load("global", global_arrays)
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
@@ -178,12 +179,12 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PerFedAvgPa
 
         def grad_at(batch, at):
             # ∇f at ``at`` (Site.gradient: one vmapped call for all sites in a vectorized simulation)
-            g, value = site.gradient("global", batch[0], batch[1], at=at)
+            g, value = yield from site.gradient("global", batch[0], batch[1], at=at)
             return {k: g[k] if k in g else torch.zeros_like(t) for k, t in at.items()}, value
 
-        g1, _ = grad_at(batches[0], w)
+        g1, _ = yield from grad_at(batches[0], w)
         w_tilde = {k: w[k] - params.alpha * g1[k] for k in w}
-        g2, loss2 = grad_at(batches[1], w_tilde)
+        g2, loss2 = yield from grad_at(batches[1], w_tilde)
         hv = None
         if params.variant == "hf":
             hess = loss_on(batches[2])
@@ -213,18 +214,20 @@ class MetaAdaptation(PersonalizationBase):
         "Per-FedAvg, whose meta-gradient uses raw gradients (the inner step w − α∇f, the Hessian-vector product)"
     )
 
-    def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> dict[str, Any]:
-        return local_round(site, global_arrays, rnd, self.params)
+    def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> Asks[dict[str, Any]]:
+        return (yield from local_round(site, global_arrays, rnd, self.params))
 
-    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
-        return finetune(
-            site,
-            global_arrays,
-            rnd,
-            steps=self.params.personal_steps,
-            lr=self.params.alpha,
-            optimizer="sgd",
-            stream="adapt",
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> Asks[dict[str, Any]]:
+        return (
+            yield from finetune(
+                site,
+                global_arrays,
+                rnd,
+                steps=self.params.personal_steps,
+                lr=self.params.alpha,
+                optimizer="sgd",
+                stream="adapt",
+            )
         )
 
 
@@ -256,7 +259,9 @@ class PerFedAvg(PersonalizedAlgorithm):
     def site_handlers(self):
         return {"train": self._train, "personalize": personalize_handler(self.personal)}
 
-    def _train(self, site: Site, task: Task) -> Reply:
+    def _train(self, site: Site, task: Task) -> Asks[Reply]:
         """Site half: one round of Per-FedAvg's meta steps on the sent global model."""
-        metrics = self.personal.global_step(site, strip_prefix("global", task.arrays), task.config["round"], None)
+        metrics = yield from self.personal.global_step(
+            site, strip_prefix("global", task.arrays), task.config["round"], None
+        )
         return Reply(arrays=prefixed("global", site.arrays("global")), metrics=metrics, num_samples=site.num_train)

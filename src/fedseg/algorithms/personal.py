@@ -42,6 +42,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = [
@@ -111,7 +112,7 @@ class Personalization(Protocol):
     params: Any
     server_holds_personal: bool
 
-    def site_step(self, site: Site, task: Task) -> PersonalStep:
+    def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
         """One round at ``site`` from the task's ``global/…`` model w_r (``round``, ``steps`` in its config)."""
         ...
 
@@ -153,22 +154,22 @@ class PersonalizationBase:
     def __init__(self, params: Any):
         self.params = params
 
-    def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> dict[str, Any]:
+    def global_step(self, site: Site, global_arrays: Arrays, rnd: int, steps: int | None) -> Asks[dict[str, Any]]:
         """The method's local work on the site's global model from w_r; FedAvg's (stream ``"train"``,
         optimizer ``"global"``) by default.  Returns ``{"loss", "steps"}``."""
         site.load("global", global_arrays)
         opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
-        return site.fit("global", rnd, stream="train", optimizer=opt, steps=steps)
+        return (yield from site.fit("global", rnd, stream="train", optimizer=opt, steps=steps))
 
-    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> dict[str, Any]:
+    def personal_step(self, site: Site, global_arrays: Arrays, rnd: int) -> Asks[dict[str, Any]]:
         """Make the site's personalized model (``site.models["personal"]``) from w_r; returns ``{"loss", "steps"}``."""
         raise NotImplementedError
 
-    def site_step(self, site: Site, task: Task) -> PersonalStep:
+    def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
         w_r = strip_prefix("global", task.arrays)
         rnd = task.config["round"]
-        m = self.global_step(site, w_r, rnd, task.config.get("steps"))
-        personal = self.personal_step(site, w_r, rnd)
+        m = yield from self.global_step(site, w_r, rnd, task.config.get("steps"))
+        personal = yield from self.personal_step(site, w_r, rnd)
         return PersonalStep({"loss": m["loss"], "personal_loss": personal["loss"], "steps": m["steps"]})
 
     def combine_global(
@@ -264,7 +265,7 @@ def finetune(
     optimizer: str = "train",
     role: str = "personal",
     stream: str = "finetune",
-) -> dict[str, Any]:
+) -> Asks[dict[str, Any]]:
     """Copy ``arrays`` into the site's ``role`` model and train it ``steps`` steps on local data.
 
     Parameters
@@ -298,27 +299,27 @@ def finetune(
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr or site.cfg.train.lr, momentum=0.0)
     else:
         opt = site.optimizer(role, reset=True, lr=lr)
-    return site.fit(role, rnd, stream=stream, optimizer=opt, steps=steps)
+    return (yield from site.fit(role, rnd, stream=stream, optimizer=opt, steps=steps))
 
 
-def personalize_handler(personal: PersonalizationBase) -> Callable[[Site, Task], Reply]:
+def personalize_handler(personal: PersonalizationBase) -> Callable[[Site, Task], Asks[Reply]]:
     """Site half of a ``personalize`` task: ``personal``'s personal step from the sent ``global/`` model;
     the reply carries the personalized model under ``personal/``."""
 
-    def handle(site: Site, task: Task) -> Reply:
-        metrics = personal.personal_step(site, strip_prefix("global", task.arrays), task.config["round"])
+    def handle(site: Site, task: Task) -> Asks[Reply]:
+        metrics = yield from personal.personal_step(site, strip_prefix("global", task.arrays), task.config["round"])
         return Reply(arrays=prefixed("personal", site.arrays("personal")), metrics=metrics, num_samples=site.num_train)
 
     return handle
 
 
-def train_handler(personal: Personalization) -> Callable[[Site, Task], Reply]:
+def train_handler(personal: Personalization) -> Callable[[Site, Task], Asks[Reply]]:
     """Site half of a ``train`` task that is ``personal``'s site step (Ditto, pFedMe, APFL): the reply
     carries the site's global model under ``global/`` and, on the rounds the server asks for it
     (``report_personal``), its personalized model under ``personal/`` and the step's extra arrays."""
 
-    def handle(site: Site, task: Task) -> Reply:
-        step = personal.site_step(site, task)
+    def handle(site: Site, task: Task) -> Asks[Reply]:
+        step = yield from personal.site_step(site, task)
         arrays = prefixed("global", site.arrays("global"))
         if task.config.get("report_personal"):
             arrays.update(prefixed("personal", site.arrays("personal")))

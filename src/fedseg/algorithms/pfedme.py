@@ -50,6 +50,7 @@ from fedseg.foundation.arrays import Arrays, lerp, prefixed, strip_prefix, weigh
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import LossSums, Site
 
 __all__ = [
@@ -124,7 +125,7 @@ class PFedMeParams:
             )
 
 
-def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParams) -> dict[str, Any]:
+def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParams) -> Asks[dict[str, Any]]:
     """One round of pFedMe's site work from w_t; leaves w_{i,R} in ``models["global"]`` and θ̂ in ``models["personal"]``.
 
     Returns ``{"loss": mean f_i(θ) over the last inner steps, "steps": R}``.
@@ -140,7 +141,7 @@ def local_round(site: Site, global_arrays: Arrays, rnd: int, params: PFedMeParam
         w_now = {k: p.detach().clone() for k, p in w_model.named_parameters()}
         for _ in range(params.inner_steps):
             # ∇f_i(θ) on the batch (Site.gradient: one vmapped call for all sites in a vectorized simulation)
-            grads, loss = site.gradient("personal", x, y)
+            grads, loss = yield from site.gradient("personal", x, y)
             with torch.no_grad():
                 new = inner_update(
                     {k: p.detach() for k, p in t_params.items()},
@@ -171,8 +172,8 @@ class MoreauEnvelope(PersonalizationBase):
     section = "pfedme"
     fp16_unsupported_by = "pFedMe, whose inner solve steps θ with raw gradients"
 
-    def site_step(self, site: Site, task: Task) -> PersonalStep:
-        m = local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
+    def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
+        m = yield from local_round(site, strip_prefix("global", task.arrays), task.config["round"], self.params)
         return PersonalStep({"loss": m["loss"], "personal_loss": m["loss"], "steps": m["steps"]})
 
     def combine_global(

@@ -51,6 +51,7 @@ from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, steps_per_round
 
 __all__ = ["Scaffold", "ScaffoldParams", "control_update", "correction", "server_control_update", "server_model_update"]
@@ -149,7 +150,7 @@ class _CorrectedStep:
                 p.sub_(self.corr[k], alpha=self.lr)
 
 
-def train_scaffold(site: Site, task: Task) -> Reply:
+def train_scaffold(site: Site, task: Task) -> Asks[Reply]:
     """Site half: corrected local steps from x, option II update of c_i; sends y and Δc_i."""
     rnd = task.config["round"]
     model = site.load("global", strip_prefix("global", task.arrays))
@@ -169,11 +170,11 @@ def train_scaffold(site: Site, task: Task) -> Reply:
                 p.grad.add_(corr[k])
 
     if mode == "gradient":
-        metrics = site.fit(
+        metrics = yield from site.fit(
             "global", rnd, stream="train", optimizer=opt, after_backward=after_backward, steps=task.config.get("steps")
         )
     else:
-        metrics = site.fit(
+        metrics = yield from site.fit(
             "global",
             rnd,
             stream="train",

@@ -26,6 +26,7 @@ from fedseg.foundation.arrays import (
     weighted_means,
 )
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
 __all__ = [
@@ -283,7 +284,7 @@ class SoftPull(PersonalizationBase):
         averaging outside this step (FedSM's ``"global_step"`` exchanges), so the site step trains the
         personalized model only and the server step applies SoftPull only."""
 
-    def site_step(self, site: Site, task: Task) -> PersonalStep:
+    def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
         rnd, steps = task.config["round"], task.config.get("steps")
         # the two models are independent within a round: each runs the generic loop over the round's
         # seeded batches (a vectorized simulation then trains every site's global and personal models
@@ -293,12 +294,13 @@ class SoftPull(PersonalizationBase):
             g = site.load("global", strip_prefix("global", task.arrays))
             opt_g = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
             g.train()
-            metrics["loss"] = site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)["loss"]
+            fit_g = yield from site.fit("global", rnd, stream="train", optimizer=opt_g, steps=steps)
+            metrics["loss"] = fit_g["loss"]
         held = strip_prefix(f"personal/{site.name}", task.arrays)
         # under secure aggregation the site holds its personalized model (sent once, on the first round)
         pm = site.load("personal", held) if held else site.model("personal")
         pm.train()
-        fit_p = site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
+        fit_p = yield from site.fit("personal", rnd, stream="train", optimizer=site.optimizer("personal"), steps=steps)
         return PersonalStep({**metrics, "personal_loss": fit_p["loss"], "steps": fit_p["steps"]})
 
     def server_step(

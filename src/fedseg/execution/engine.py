@@ -233,7 +233,7 @@ class Engine:
         over = {s: r["epsilon_next"] for s, r in report.items() if r["epsilon_next"] > target}
         if not over:
             return False
-        worst = max(over, key=over.get)
+        worst = max(over, key=lambda s: over[s])
         said = (
             f"privacy budget: round {rnd} would take site {worst} to ε = {over[worst]:.3g} > privacy.epsilon = "
             f"{target:g} (δ = {self.cfg.privacy.delta:g}; sites over it: {sorted(over)})"
@@ -298,7 +298,7 @@ class Engine:
         if d is not None:
             commit_checkpoint(d)  # finish a checkpoint interrupted after its commit record
         progress = read_progress(d) if d is not None else None
-        if progress is None:
+        if d is None or progress is None:
             raise ConfigError(f"no checkpoint to resume in {self.out}; start the run without --resume")
         self.round = int(progress["round"])
         self.history = progress["history"]

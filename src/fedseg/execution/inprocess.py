@@ -30,9 +30,8 @@ class InProcessTransport:
         Sites addressable by name but not part of the federation (the pooled
         data of centralized training).
     vectorized
-        A :class:`fedseg.execution.vectorize.VectorizedExecutor` (``simulation.vectorize``): it becomes every
-        site's executor (:attr:`Site.executor`), and the handlers of an ask's tasks run through it, so that
-        their local training is one vectorized computation.
+        A :class:`fedseg.execution.vectorize.VectorizedExecutor` (``simulation.vectorize``): it drives the
+        handlers of an ask's tasks together, so that their local training is one vectorized computation.
     """
 
     def __init__(
@@ -42,9 +41,6 @@ class InProcessTransport:
         self.sites = tuple(s.name for s in sites)
         self.traffic = Traffic()
         self.vectorized = vectorized
-        if vectorized is not None:
-            for s in self._sites.values():
-                s.executor = vectorized
 
     def site(self, name: str) -> Site:
         return self._sites[name]

@@ -30,6 +30,7 @@ from fedseg.foundation.config import RunConfig, dataclass_from_dict
 from fedseg.foundation.device import fp16_refusal, to_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload
 
@@ -243,7 +244,7 @@ class Algorithm:
         keys and kinds, sample counts and evaluation scores; the default checks nothing more."""
 
     # ------------------------------------------------------------- site half
-    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply]]:
+    def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply | Asks[Reply]]]:
         raise NotImplementedError
 
     def predictors(self) -> dict[str, Callable[[Site, Arrays, dict], Callable[[torch.Tensor], torch.Tensor]]]:

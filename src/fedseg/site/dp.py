@@ -45,7 +45,7 @@ i.e. noise multiplier σ√(|U|/K).  Before masking the site books the worst cas
 (:meth:`SiteDP.on_reveal`) it books what the survivors' noise gives.  Without secure aggregation the server
 would see each update with only σ/√K of noise: the setting is refused (``privacy.secure_aggregation``).
 
-**Losses.**  Under DP a site sends no training loss (:meth:`fedseg.site.runtime.Site.handle` blanks every
+**Losses.**  Under DP a site sends no training loss (:meth:`fedseg.site.runtime.Site.asks` blanks every
 ``*loss`` metric): a loss of one batch is a membership signal that no noise covers.
 """
 
@@ -59,15 +59,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import accountant
 from fedseg.privacy.dp import clip_update, noise_like, privatized_gradient
 from fedseg.privacy.randomness import Randomness
 from fedseg.privacy.secagg import threshold_for
+from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor, local_apply
 
-__all__ = ["Ledger", "SiteDP"]
+__all__ = ["DPExecutor", "Ledger", "SiteDP"]
 
 _DRAWS = "privacy/draws"
 """``site.store`` key of the seeded mode's draw counter (keys the seeded noise; restored with the site)."""
@@ -140,7 +140,9 @@ class _Tally:
     def add(self, e: dict[str, Any], fallback: _Tally | None = None) -> None:
         if e["kind"] == "sample":
             key = e["batch"]
-            prior = self.batches.get(key) or (fallback.batches.get(key) if fallback is not None else None)
+            prior: tuple[float, float, int] | None = self.batches.get(key) or (
+                fallback.batches.get(key) if fallback is not None else None
+            )
             if prior is not None:
                 self._count((prior[0] / math.sqrt(prior[2]), prior[1]), -1)
             if prior is not None:
@@ -151,9 +153,9 @@ class _Tally:
             self._count((sigma / math.sqrt(m), q), 1)
         else:  # "client" / "reveal": the exchange's latest booking replaces its earlier one
             key = e["exchange"]
-            prior = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
-            if prior is not None:
-                self._count(prior, -1)
+            latest = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
+            if latest is not None:
+                self._count(latest, -1)
             self.exchanges[key] = (e["sigma"], e["q"])
             self._count((e["sigma"], e["q"]), 1)
 
@@ -389,17 +391,9 @@ class SiteDP:
             batch_size=expected,
         )
 
-    def fit(
-        self,
-        role: str,
-        rnd: int,
-        stream: str,
-        optimizer: Any,
-        extra_loss: Callable[[nn.Module], torch.Tensor] | None,
-        after_backward: Callable[[nn.Module], None] | None,
-        steps: int | None,
-    ) -> dict[str, float]:
-        """:meth:`Site.fit <fedseg.site.runtime.Site.fit>` with DP-SGD's gradient at every step."""
+    def fit(self, call: FitCall) -> dict[str, float]:
+        """A :class:`~fedseg.site.calls.FitCall` with DP-SGD's gradient at every step."""
+        role, optimizer, extra_loss, after_backward = call.role, call.optimizer, call.extra_loss, call.after_backward
         site = self.site
         if site.precision == "fp16":
             raise ConfigError(
@@ -409,7 +403,7 @@ class SiteDP:
         opt = optimizer or site.optimizer(role)
         total = torch.zeros((), dtype=torch.float64, device=site.device)
         count = 0
-        for x, y in site.batches(rnd, stream, steps):
+        for x, y in site.batches(call.rnd, call.stream, call.steps):
             opt.zero_grad(set_to_none=True)
             grads, value = self.gradient(role, x, y)
             if extra_loss is not None:  # data-independent (FedProx's proximal term): its exact gradient
@@ -506,6 +500,20 @@ class SiteDP:
             "survived": u,
         }
         self.ledger.append(entry)  # less noise than booked only if u < t, refused above: never past the budget
+
+
+class DPExecutor(LocalExecutor):
+    """Answers a site's requests privatized (``privacy.dp = "sample"``), the handlers one after another: every
+    :class:`~fedseg.site.calls.FitCall` by DP-SGD's steps (:meth:`SiteDP.fit`), every
+    :class:`~fedseg.site.calls.GradientCall` by DP-SGD's privatized gradient (:meth:`SiteDP.gradient`); an
+    :class:`~fedseg.site.calls.ApplyCall` (a step with an averaged, already privatized gradient) at the site."""
+
+    def answer(self, call: Call) -> Any:
+        if isinstance(call, FitCall):
+            return call.site.dp.fit(call)
+        if isinstance(call, GradientCall):
+            return call.site.dp.gradient(call.role, call.x, call.target, call.loss, call.at)
+        return local_apply(call)
 
 
 def draw_batches(dp: SiteDP, rnd: int, stream: str, split: str, steps: int, n: int, bs: int) -> Iterator[torch.Tensor]:

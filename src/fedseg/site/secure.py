@@ -56,7 +56,7 @@ class Site(Protocol):
     dp: Any  # fedseg.site.dp.SiteDP: books client-level DP's noise by the survivors when the site reveals
 
 
-__all__ = ["KINDS", "RECORD_NAME", "Record", "handle", "mask_reply", "record_of", "weights_by_name"]
+__all__ = ["KINDS", "RECORD_NAME", "Record", "check_summed", "handle", "mask_reply", "record_of", "weights_by_name"]
 
 KINDS = ("secagg/keys", "secagg/shares", "secagg/consistency", "secagg/reveal")
 """The task kinds of secure aggregation's setup, consistency and unmasking steps, answered by every site."""
@@ -135,6 +135,24 @@ def _party(site: Site, config: dict[str, Any]) -> SiteParty:
             "missed its setup); it is left out of this exchange"
         )
     return party
+
+
+def check_summed(site: Site, task: Task) -> None:
+    """A task whose reply the server sums (``privacy.secure_aggregation`` on in the site's config) is refused
+    when it comes without secure aggregation (the site never sends such a reply unmasked) or sets its own
+    ``steps`` (the site's local work comes from its own config)."""
+    if "secagg" not in task.config:
+        raise PayloadError(
+            f"site {site.name}: privacy.secure_aggregation is on in this site's config and the server sums "
+            f"the reply to {task.kind!r}; this task comes without secure aggregation, so the site refuses it "
+            "(it never sends such a reply unmasked)"
+        )
+    if task.config.get("steps") is not None:
+        raise PayloadError(
+            f"site {site.name}: a {task.kind!r} task that the server sums securely sets steps = "
+            f"{task.config['steps']!r}; the site's local work comes from its own config "
+            "(train.local_steps / train.local_epochs), not from the task"
+        )
 
 
 def handle(site: Site, task: Task) -> Reply:

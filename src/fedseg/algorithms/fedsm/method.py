@@ -46,6 +46,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, steps_per_round
 
 __all__ = ["PERSONALIZATIONS", "FedSM", "FedSMEnsemble", "FedSMExtra"]
@@ -569,7 +570,7 @@ class FedSM(Algorithm):
 
         return {**super().predictors(), "fedsm": make, sm_secure.HELD: sm_secure.held_predictor}
 
-    def _train(self, site: Site, task: Task) -> Reply:
+    def _train(self, site: Site, task: Task) -> Asks[Reply]:
         """Site half of a round: the personalization's site step (global and personalized models) and/or
         the selector's local steps (``selector_training = "fedavg"``, ``"fedrs"`` or ``"fedaws"``), on the round's seeded batches."""
         cfg = task.config
@@ -580,7 +581,7 @@ class FedSM(Algorithm):
         out: Arrays = {}
         steps = 0
         if phase in ("joint", "models"):
-            step = self.personal.site_step(site, task)
+            step = yield from self.personal.site_step(site, task)
             if not self.global_by_fga:  # (by fga: trained in the round's "global_step" exchanges)
                 out.update(prefixed("global", site.arrays("global")))
             # under secure aggregation one name at every site: the server sums them (S, for each site's SoftPull)
@@ -607,14 +608,16 @@ class FedSM(Algorithm):
         metrics["steps"] = steps
         return Reply(arrays=out, metrics=metrics, num_samples=site.num_train)
 
-    def _global_step(self, site: Site, task: Task) -> Reply:
+    def _global_step(self, site: Site, task: Task) -> Asks[Reply]:
         """One lockstep exchange of the global model's gradient averaging (``fedsm.global_training = "fga"``;
         :func:`fedseg.algorithms.fga.gradient_step` with the workload loss)."""
-        return gradient_step(site, task, role="global", prefix="global")
+        return (yield from gradient_step(site, task, role="global", prefix="global"))
 
-    def _selector_step(self, site: Site, task: Task) -> Reply:
+    def _selector_step(self, site: Site, task: Task) -> Asks[Reply]:
         """One lockstep exchange of the selector's gradient averaging (:func:`.selector.fga_step`)."""
-        return sel_training.fga_step(site, task, self.selector_factory, self.labels, self.params.selector_lr)
+        return (
+            yield from sel_training.fga_step(site, task, self.selector_factory, self.labels, self.params.selector_lr)
+        )
 
     def _route(self, site: Site, task: Task) -> Reply:
         """Routing statistics of a composite on one split (:func:`.selection.route_stats`)."""

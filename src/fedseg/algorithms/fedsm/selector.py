@@ -57,6 +57,7 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.foundation.seeding import generator
 from fedseg.seams.algorithm import ServerContext
+from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, dataset_len
 
 __all__ = [
@@ -308,7 +309,7 @@ def train_locally(
     return out, metrics, batches
 
 
-def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: float | None) -> Reply:
+def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: float | None) -> Asks[Reply]:
     """Site half of one lockstep exchange of the selector's gradient averaging (``selector_training = "fga"``).
 
     Config: as :func:`fedseg.algorithms.fga.gradient_step` plus ``phase``, ``sites``,
@@ -334,7 +335,7 @@ def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: 
         if dataset_len(site.data.val) > 0:
             routing = routing_accuracy_at(site, sel, sites, phase, labels)
     frozen = [site.models[r] for r in frozen_roles(sites)] if phase == "selector" else []
-    reply = gradient_step(
+    reply = yield from gradient_step(
         site,
         Task(task.kind, arrays, cfg),
         role=role,

@@ -13,7 +13,7 @@ draws them — and keeps the reply:
   after the configured local work (``train.local_steps`` or ``train.local_epochs``),
   :func:`fedseg.algorithms.fedavg.train_global`.
 
-A recording :class:`~fedseg.site.runtime.SiteExecutor` computes each call at the site, as the default
+A recording executor (a :class:`~fedseg.site.calls.LocalExecutor`) computes each request at the site, as the default
 executor does, and keeps what the site computed with — the batch as the network saw it (after the
 selector's flips), its target and loss, the weights — which is the ground truth the attack is scored
 against and the labels the attacker is assumed to know.  :func:`private_messages` sends the same tasks to
@@ -49,6 +49,7 @@ from fedseg.foundation.seeding import derive_seed
 from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients, privatized_gradient
 from fedseg.privacy.randomness import Randomness
 from fedseg.seams.algorithm import ServerContext
+from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import Workload
 
@@ -111,33 +112,29 @@ class Sent:
     """The role whose model sent the message."""
 
 
-class _Recorder:
-    """A :class:`~fedseg.site.runtime.SiteExecutor` that computes every call at the site (as
-    :class:`~fedseg.site.runtime.LocalExecutor`) and records the gradient calls and the local loops."""
+class _Recorder(LocalExecutor):
+    """A :class:`~fedseg.site.calls.LocalExecutor` that records the gradient requests and the local loops."""
 
     def __init__(self) -> None:
         self.gradients: list[dict[str, Any]] = []
         self.fits: list[dict[str, Any]] = []
 
-    def fit(self, site, role, rnd, stream, optimizer, extra_loss, after_backward, steps):
-        self.fits.append({"role": role, "round": rnd, "stream": stream, "steps": steps})
-        return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-
-    def gradient(self, site, role, x, target, loss, at):
-        weights = at if at is not None else {n: p for n, p in site.model(role).named_parameters()}
-        self.gradients.append(
-            {
-                "role": role,
-                "x": x.detach().clone(),
-                "target": _detached(target),
-                "loss": loss if loss is not None else site.workload.loss,
-                "weights": {n: t.detach().clone() for n, t in weights.items()},
-            }
-        )
-        return site.gradient_here(role, x, target, loss, at)
-
-    def step_with_gradient(self, site, model, optimizer, grad):
-        site.step_with_gradient_here(model, optimizer, grad)
+    def answer(self, call: Call) -> Any:
+        if isinstance(call, FitCall):
+            self.fits.append({"role": call.role, "round": call.rnd, "stream": call.stream, "steps": call.steps})
+        elif isinstance(call, GradientCall):
+            at, site = call.at, call.site
+            weights = at if at is not None else {n: p for n, p in site.model(call.role).named_parameters()}
+            self.gradients.append(
+                {
+                    "role": call.role,
+                    "x": call.x.detach().clone(),
+                    "target": _detached(call.target),
+                    "loss": call.loss if call.loss is not None else site.workload.loss,
+                    "weights": {n: t.detach().clone() for n, t in weights.items()},
+                }
+            )
+        return super().answer(call)
 
 
 def _detached(target: Any) -> Any:

@@ -32,6 +32,7 @@ rule:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -95,7 +96,8 @@ def _kind(v: Any) -> str:
         return "bool"
     if isinstance(v, (int, float)):
         return "number"
-    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+    names: dict[type, str] = {str: "string", list: "list", dict: "object"}
+    return names.get(type(v), type(v).__name__)
 
 
 def _metric_kinds(metrics: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -234,7 +236,7 @@ class RemoteTransport:
             self._probe(s, timeout)
             return self.call(s, op, payload, timeout)
 
-        results = _parallel({s: (lambda s=s: send(s)) for s in (sites or self.sites)}, timeout)
+        results = _parallel({s: functools.partial(send, s) for s in (sites or self.sites)}, timeout)
         out = {}
         for s, (ok, res) in results.items():
             if ok:
@@ -313,7 +315,7 @@ class RemoteTransport:
             raise PayloadError(f"no site named {unknown}; sites are {list(self.sites)}")
         blobs = {s: encode_task(t) for s, t in tasks.items()}
         deadline = self.params.round_deadline_s
-        results = _parallel({s: (lambda s=s: self._send(s, blobs[s], deadline)) for s in tasks}, deadline)
+        results = _parallel({s: functools.partial(self._send, s, blobs[s], deadline) for s in tasks}, deadline)
         decoded: dict[str, Reply] = {}
         for s in tasks:  # keep the order of the request (= federation order for broadcasts)
             ok, res = results[s]
@@ -415,14 +417,14 @@ class RemoteTransport:
         the per-case lists in results.json are not available for it (its cases all show its mean)."""
         n = reply.num_samples
         split = task.config.get("split")
-        want = (self.declared.get(site) or {}).get(SPLITS.get(split, ""))
+        want = (self.declared.get(site) or {}).get(SPLITS.get(split or "", ""))
         if want is not None and n != want:
             raise PayloadError(f"{what}: claims {n} {split} cases, but the site declared {want} at setup")
 
         def expand(means: Any, label: str) -> dict[str, list[list[float]]]:
             if not isinstance(means, dict):
                 raise PayloadError(f"{what}: {label} is a {type(means).__name__}, not {{candidate: mean scores}}")
-            out = {}
+            out: dict[str, Any] = {}
             for name, m in means.items():
                 if m is None and n == 0:
                     out[name] = []
@@ -452,7 +454,7 @@ class RemoteTransport:
             got = sorted(per_case)[:5] if isinstance(per_case, dict) else type(per_case).__name__
             raise PayloadError(f"{what}: scores {got}, but was asked for the candidates {asked}")
         split = task.config.get("split")
-        want = (self.declared.get(site) or {}).get(SPLITS.get(split, ""))
+        want = (self.declared.get(site) or {}).get(SPLITS.get(split or "", ""))
         for name, cases in per_case.items():
             if not isinstance(cases, list):
                 raise PayloadError(f"{what}: scores of {name!r} are a {type(cases).__name__}, not a list of cases")
@@ -555,8 +557,9 @@ class RemoteTransport:
         norms = {s: update_norms(tasks[s].arrays, decoded[s].arrays) for s in decoded}
         steps = {s: self._local_steps(s, tasks[s]) for s in decoded}
         for s, n in norms.items():
-            if "delta" in n and steps[s] is not None:
-                n["delta"] /= math.sqrt(steps[s])
+            local = steps[s]
+            if "delta" in n and local is not None:
+                n["delta"] /= math.sqrt(local)
         kinds = {
             s: (tasks[s].kind, frozenset(k.split("/", 1)[0] for k, v in decoded[s].arrays.items() if is_float(v)))
             for s in decoded
@@ -564,15 +567,15 @@ class RemoteTransport:
         bad: dict[str, str] = {}
         for part, what in (("delta", "update norm"), ("new", "update norm (of the tensors it returns new)")):
             sizes = {s: n[part] for s, n in norms.items() if part in n}
-            for s, n in sizes.items():
+            for s, size in sizes.items():
                 others = [v for k, v in sizes.items() if k != s and kinds[k] == kinds[s]] or [
                     v for k, v in self._norms.get((*kinds[s], part), {}).items() if k != s
                 ]
                 med = statistics.median(others) if others else 0.0
-                if s not in bad and med > 0 and n > ratio * med:
+                if s not in bad and med > 0 and size > ratio * med:
                     per = " per √(local step)" if part == "delta" and steps[s] is not None else ""
                     bad[s] = (
-                        f"reply of site {s} to '{tasks[s].kind}': {what}{per} {n:.4g} is {n / med:.3g}x the median "
+                        f"reply of site {s} to '{tasks[s].kind}': {what}{per} {size:.4g} is {size / med:.3g}x the median "
                         f"{med:.4g} of the other sites' (deploy.max_update_ratio = {ratio:g})"
                     )
         for s, reason in bad.items():

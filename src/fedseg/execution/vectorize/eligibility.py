@@ -1,4 +1,4 @@
-"""Which models, optimizers and batches can be stacked, and what the executor reads of a model (:class:`_Structure`)."""
+"""Which models, optimizers and batches can be stacked, and what the executor reads of a model (:class:`Structure`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 
-class _Structure:
+class Structure:
     """What the executor reads of a model, walked once per model object (a site's model keeps its
     architecture and its parameter objects: loads copy into them): its signature (who can be stacked
     together), why it cannot run under vmap, whether it ties tensors, its parameters and buffers."""
@@ -67,7 +67,7 @@ _ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused", "
 _SGD_FLAGS = ("maximize", "differentiable", "fused")
 
 
-def _optimizer_reason(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> tuple[str | None, tuple]:
+def optimizer_reason(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> tuple[str | None, tuple]:
     """Why the optimizer cannot be stacked (None when it can) and its settings (the group key)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.SGD):
         return f"optimizer {type(opt).__name__} (only plain Adam and SGD are stacked)", ()
@@ -112,11 +112,11 @@ def _tied(model: nn.Module) -> bool:
     return False
 
 
-def _is_tree(t: Any) -> bool:
-    return torch.is_tensor(t) or (isinstance(t, (tuple, list)) and all(_is_tree(e) for e in t))
+def is_tree(t: Any) -> bool:
+    return torch.is_tensor(t) or (isinstance(t, (tuple, list)) and all(is_tree(e) for e in t))
 
 
-def _tree_key(t: Any) -> tuple:
+def tree_key(t: Any) -> tuple:
     if torch.is_tensor(t):
         return (tuple(t.shape), t.dtype)
-    return (type(t).__name__, *(_tree_key(e) for e in t))
+    return (type(t).__name__, *(tree_key(e) for e in t))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,30 +11,21 @@ from torch import nn
 
 from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.execution.vectorize import lockstep, memory
-from fedseg.execution.vectorize.eligibility import _optimizer_reason, _Structure
-from fedseg.execution.vectorize.graphs import _Arena
-from fedseg.execution.vectorize.scheduler import (
-    _SEQUENTIAL,
-    ApplyCall,
-    FitCall,
-    GradientCall,
-    _IntraOpThreads,
-    _Worker,
-    run_handlers,
-    site_names,
-)
+from fedseg.execution.vectorize.eligibility import Structure, optimizer_reason
+from fedseg.execution.vectorize.graphs import Arena
+from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ApplyCall, FitCall, GradientCall, run_handlers, site_names
 from fedseg.foundation.messages import Reply, Task
+from fedseg.site.calls import LocalExecutor
 from fedseg.site.runtime import Site
 
 
 class VectorizedExecutor:
-    """Runs one ask's handlers so that their :meth:`Site.fit` calls train as one computation.
-
-    It is the :class:`~fedseg.site.runtime.SiteExecutor` of the simulation's sites (the in-process transport
-    sets :attr:`Site.executor`): a site's ``fit``, ``gradient`` and ``step_with_gradient`` called from its
-    handler while :meth:`run` runs it park there and are computed together with the other sites' calls
-    (:meth:`fit_together`, :meth:`gradients_together`, :meth:`apply_together`); any other call is computed
-    at the site.
+    r"""Drives one ask's handlers so that their requests (:mod:`fedseg.site.calls`) are computed together:
+    :class:`~fedseg.site.calls.FitCall`\ s trained as one computation (:meth:`fit_together`),
+    :class:`~fedseg.site.calls.GradientCall`\ s differentiated in one ``vmap`` (:meth:`gradients_together`),
+    :class:`~fedseg.site.calls.ApplyCall`\ s stepped as one fused Adam step (:meth:`apply_together`); a request
+    that cannot be stacked is computed at its site (:class:`~fedseg.site.calls.LocalExecutor`).  Everything
+    runs in the calling thread.
 
     Parameters
     ----------
@@ -48,7 +40,7 @@ class VectorizedExecutor:
         ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
         shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
         masked step, see :func:`fedseg.execution.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
-        captured once as a CUDA graph over static buffers kept across rounds (:class:`_Arena`) and replayed;
+        captured once as a CUDA graph over static buffers kept across rounds (:class:`Arena`) and replayed;
         any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
 
@@ -56,7 +48,7 @@ class VectorizedExecutor:
         self.group_size = group_size
         self.log = log
         self.cuda_graphs = cuda_graphs
-        self._arenas: dict[tuple, _Arena] = {}  # by group key and stack size, least recently used first
+        self.arenas: dict[tuple, Arena] = {}  # by group key and stack size, least recently used first
         self._said: set[str] = set()
         self.vectorized_fits = 0
         """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
@@ -71,8 +63,9 @@ class VectorizedExecutor:
         self._site_bytes: dict[tuple, int] = {}  # estimated bytes per site of a stacked group, by group key
         self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
         # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
-        self._structures: dict[nn.Module, _Structure] = {}
-        self._workers: dict[int, _Worker] = {}  # by id(site), while :meth:`run` runs their handlers
+        self._structures: dict[nn.Module, Structure] = {}
+        self.local = LocalExecutor()
+        """Computes at its site a request that is not stacked."""
 
     def say(self, msg: str) -> None:
         """Log ``msg`` once per executor."""
@@ -80,90 +73,43 @@ class VectorizedExecutor:
             self._said.add(msg)
             self.log(f"vectorize: {msg}")
 
-    # ------------------------------------------------- the sites' executor
-    def _worker(self, site: Site) -> _Worker | None:
-        """The worker running ``site``'s handler, when the caller is that handler's thread."""
-        w = self._workers.get(id(site))
-        return w if w is not None and w.owns_current_thread() else None
-
-    def fit(
-        self,
-        site: Site,
-        role: str,
-        rnd: int,
-        stream: str,
-        optimizer: Any = None,
-        extra_loss: Any = None,
-        after_backward: Any = None,
-        steps: int | None = None,
-    ) -> dict[str, float]:
-        """:meth:`Site.fit` of a site whose handler :meth:`run` runs: parked until every handler has parked
-        or returned, then trained with the others (:meth:`fit_together`); any other call runs at the site."""
-        w = self._worker(site)
-        if w is None:
-            return site.fit_here(role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-        return w.park_fit(site, role, rnd, stream, optimizer, extra_loss, after_backward, steps)
-
-    def gradient(
-        self, site: Site, role: str, x: torch.Tensor, target: Any, loss: Any = None, at: Any = None
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """:meth:`Site.gradient`: parked and computed with the others' (:meth:`gradients_together`)."""
-        w = self._worker(site)
-        if w is None:
-            return site.gradient_here(role, x, target, loss, at)
-        return w.park_gradient(site, role, x, target, loss, at)
-
-    def step_with_gradient(self, site: Site, model: nn.Module, optimizer: Any, grad: Any) -> None:
-        """:meth:`Site.step_with_gradient`: parked and stepped with the others' (:meth:`apply_together`)."""
-        w = self._worker(site)
-        if w is None:
-            site.step_with_gradient_here(model, optimizer, grad)
-        else:
-            w.park_apply(site, model, optimizer, grad)
-
     # ------------------------------------------------------------ scheduling
     def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
-        """Every ``site.handle(task)``, each in its own thread (:mod:`~fedseg.execution.vectorize.scheduler`);
-        returns the replies in order.  The sites must have this executor (:attr:`Site.executor`) for their
-        calls to meet."""
-        threads = _IntraOpThreads()
-        workers = [_Worker(s, t, threads) for s, t in calls]
-        self._workers = {id(w.site): w for w in workers}
-        try:
-            run_handlers(
-                workers,
-                {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
-            )
-        finally:
-            self._workers = {}
+        """Every ``site.handle(task)``, driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`);
+        returns the replies in order."""
+        replies, asked = run_handlers(
+            [site.asks(task) for site, task in calls],
+            {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
+            self.local.answer,
+        )
         unfitted: dict[str, list[str]] = {}
-        for w in workers:
-            if w.fitted:
-                self._met.add(w.task.kind)
+        for (site, task), did in zip(calls, asked):
+            if did:
+                self._met.add(task.kind)
             else:
-                unfitted.setdefault(w.task.kind, []).append(w.site.name)
+                unfitted.setdefault(task.kind, []).append(site.name)
         for kind, names in unfitted.items():
             if kind in self._met:  # e.g. the last, apply-only exchange of a lockstep round
                 continue
-            method = workers[0].site.algorithm.name
+            method = calls[0][0].algorithm.name
             self.say(
                 f"task {kind!r} of {site_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit or Site.gradient"
             )
-        return [w.reply for w in workers]  # type: ignore[misc]
+        return replies
 
     # -------------------------------------------------------------- planning
-    def structure(self, model: nn.Module) -> _Structure:
-        """The :class:`_Structure` of a model, walked once per model object (every round's fits and every
+    def structure(self, model: nn.Module) -> Structure:
+        """The :class:`Structure` of a model, walked once per model object (every round's fits and every
         lockstep step ask for it)."""
         known = self._structures.get(model)
         if known is None:
-            known = self._structures[model] = _Structure(model)
+            known = self._structures[model] = Structure(model)
         return known
 
     def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
-        """Train the calls that can be stacked; the others get ``_SEQUENTIAL`` (their thread trains them)."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
-        groups: list[tuple[tuple, list[stacked_fit._Item]]] = []
+        """Train the calls that can be stacked; the others get ``SEQUENTIAL`` (computed at their sites)."""
+        results: list[Any] = [SEQUENTIAL] * len(calls)
+        groups: list[tuple[tuple, list[stacked_fit.FitItem]]] = []
         for i, c in enumerate(calls):
             item, reason = stacked_fit.check_fit(self, i, c)
             if item is None:
@@ -191,7 +137,7 @@ class VectorizedExecutor:
                 members[0].call.site.device,
                 [m.call.site.name for m in members],
                 members[0].call.role,
-                lambda m=members[0]: memory.fit_site_bytes(m),
+                functools.partial(memory.fit_site_bytes, members[0]),
             )
             for start in range(0, len(members), size):
                 for item, out in zip(
@@ -225,19 +171,18 @@ class VectorizedExecutor:
         return size
 
     # -------------------------------------------------------------- training
-    def _train_group(self, items: list[stacked_fit._Item]) -> list[dict[str, float]]:
+    def train_group(self, items: list[stacked_fit.FitItem]) -> list[dict[str, float]]:
         """One group's stacked fit (:func:`fedseg.execution.vectorize.fit.train_group`)."""
         return stacked_fit.train_group(self, items)
 
-    _gradients = staticmethod(stacked_fit.stacked_gradients)
+    stacked_gradients = staticmethod(stacked_fit.stacked_gradients)
     """The eager step's gradients (:func:`fedseg.execution.vectorize.fit.stacked_gradients`)."""
 
     # ----------------------------------------------------- lockstep gradients
     def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
         """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
-        group of sites with the same model and loss; the others get ``_SEQUENTIAL`` (their thread computes
-        them).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        group of sites with the same model and loss; the others get ``SEQUENTIAL`` (computed at their sites).  Computing a gradient changes nothing at the site, so any failure falls back safely."""
+        results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, Any, list[int]]] = []
         for i, c in enumerate(calls):
             signature, reason = lockstep.gradient_reason(self, c)
@@ -269,7 +214,7 @@ class VectorizedExecutor:
                 calls[members[0]].site.device,
                 [calls[i].site.name for i in members],
                 role,
-                lambda c=calls[members[0]], loss=loss: memory.gradient_site_bytes(c, loss),
+                functools.partial(memory.gradient_site_bytes, calls[members[0]], loss),
             )
             for start in range(0, len(members), size):
                 chunk = members[start : start + size]
@@ -278,9 +223,9 @@ class VectorizedExecutor:
         return results
 
     def _gradients_split(self, calls: list[GradientCall], loss: Any, key: tuple) -> list[Any]:
-        """:meth:`_gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
+        """:meth:`gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
         try:
-            return self._gradient_group(calls, loss)
+            return self.gradient_group(calls, loss)
         except Exception as e:
             if isinstance(e, torch.OutOfMemoryError) and len(calls) > 1:
                 half = len(calls) // 2
@@ -293,9 +238,9 @@ class VectorizedExecutor:
                 f"the gradients of role {calls[0].role!r} of {site_names([c.site.name for c in calls])} are computed sequentially: "
                 f"the loss does not run under torch.func.vmap ({type(e).__name__}: {e})"
             )
-            return [_SEQUENTIAL] * len(calls)
+            return [SEQUENTIAL] * len(calls)
 
-    def _gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
+    def gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
         """One group's stacked gradients (:func:`lockstep.gradient_group`)."""
         return lockstep.gradient_group(self, calls, loss)
 
@@ -303,10 +248,10 @@ class VectorizedExecutor:
     def apply_together(self, calls: Sequence[ApplyCall]) -> list[Any]:
         """Take the Adam steps of the calls with the same model and optimizer settings as one call of torch's
         fused Adam kernel (``Adam(fused=True)``'s) over every site's parameters; the others get
-        ``_SEQUENTIAL`` (their thread steps).  The kernel updates each site's own parameters, moments and
+        ``SEQUENTIAL`` (stepped at their sites).  The kernel updates each site's own parameters, moments and
         step counts in place, tensor by tensor with the same arithmetic, so sites that hold the same
         weights and gradient (a lockstep round) stay bitwise identical to each other."""
-        results: list[Any] = [_SEQUENTIAL] * len(calls)
+        results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, list[int]]] = []
         for i, c in enumerate(calls):
             st = self.structure(c.model)
@@ -317,7 +262,7 @@ class VectorizedExecutor:
             if len({p.dtype for p in st.params}) > 1:
                 reason = "its parameters have several dtypes"
             else:
-                reason, settings = _optimizer_reason(c.optimizer, st.params)
+                reason, settings = optimizer_reason(c.optimizer, st.params)
                 if reason is None and settings[0] != "adam":
                     reason = f"its optimizer is {type(c.optimizer).__name__} (only Adam steps are taken together)"
             if reason is not None:

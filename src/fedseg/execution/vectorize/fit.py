@@ -1,12 +1,12 @@
 """The stacked fit: K sites' :meth:`Site.fit` calls trained as one computation.
 
-The K models' parameters are stacked into one flat buffer (:class:`_Layout`) and each site's model
+The K models' parameters are stacked into one flat buffer (:class:`Layout`) and each site's model
 parameters become *views* of its rows for the duration of the call, so anything a handler's hook does to
 its model (``extra_loss``, ``after_backward``, an optimizer wrapper's ``after_step``) acts on the stacked
 weights.  Each local step draws every site's batch from its own seeded stream, runs the workload loss of
 all sites in one ``torch.func.vmap`` over ``torch.func.functional_call``, adds each site's ``extra_loss``
 gradient and lets its ``after_backward`` edit its row, then steps a stacked, masked Adam or SGD
-(:class:`_StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
+(:class:`StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
 moments into each site's own optimizer state.
 
 Sites of a group need not take the same number of steps (epoch mode with sites of different sizes).  When a
@@ -26,16 +26,16 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedseg.execution.vectorize.eligibility import _optimizer_reason
-from fedseg.execution.vectorize.graphs import _Arena, arena_for, graph_step
-from fedseg.execution.vectorize.layout import _Layout
-from fedseg.execution.vectorize.optimizer import _StackedOptimizer
-from fedseg.execution.vectorize.scheduler import _SEQUENTIAL, ExecutorState, FitCall, site_names
+from fedseg.execution.vectorize.eligibility import optimizer_reason
+from fedseg.execution.vectorize.graphs import Arena, arena_for, graph_step
+from fedseg.execution.vectorize.layout import Layout
+from fedseg.execution.vectorize.optimizer import StackedOptimizer
+from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ExecutorState, FitCall, site_names
 from fedseg.foundation.device import autocast
 
 
 @dataclass
-class _Item:
+class FitItem:
     index: int
     call: FitCall
     model: nn.Module
@@ -63,8 +63,8 @@ class _FirstStepFailed(Exception):
         self.error = error
 
 
-def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[_Item | None, str | None]:
-    """The call as an :class:`_Item` that can be stacked, or why it cannot."""
+def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[FitItem | None, str | None]:
+    """The call as an :class:`FitItem` that can be stacked, or why it cannot."""
     site = call.site
     model = site.model(call.role)
     opt = call.optimizer or site.optimizer(call.role)
@@ -83,18 +83,18 @@ def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[_Item | Non
         reason = "its parameters have several dtypes"
     settings: tuple = ()
     if reason is None:
-        reason, settings = _optimizer_reason(opt, params)
+        reason, settings = optimizer_reason(opt, params)
     if reason is not None:
         return None, reason
     key = (call.role, signature, settings, str(site.device), site.precision)
-    return _Item(index, call, model, opt, wrapper, params, key), None
+    return FitItem(index, call, model, opt, wrapper, params, key), None
 
 
-def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
+def train(ex: ExecutorState, items: list[FitItem]) -> list[Any]:
     """Train a group; on a CUDA out-of-memory error at its first step, train its halves instead; on any other
     error at its first step, its sites train sequentially (``SEQUENTIAL``)."""
     try:
-        return ex._train_group(items)
+        return ex.train_group(items)
     except _FirstStepFailed as e:
         if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
             half = len(items) // 2
@@ -106,16 +106,16 @@ def train(ex: ExecutorState, items: list[_Item]) -> list[Any]:
         ex.say(
             f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})"
         )
-        return [_SEQUENTIAL] * len(items)
+        return [SEQUENTIAL] * len(items)
 
 
-def _arena_key(items: list[_Item]) -> tuple:
+def _arena_key(items: list[FitItem]) -> tuple:
     """A CUDA-graph arena serves every stack of one group key and size (its contents are copied in and out at
     each stack's start and end): one captured step per stack size."""
     return (items[0].key, len(items))
 
 
-class _StackedFit:
+class StackedFit:
     """One stack's training state: the flat weights and their ``K × shape`` differentiable blocks (each site's
     parameters viewing its row while it trains), the stacked buffers, the stacked optimizer, the vmapped
     loss, and each site's :class:`_Progress` (its batch stream and loss sum, carried over from the stack
@@ -124,9 +124,9 @@ class _StackedFit:
     def __init__(
         self,
         ex: ExecutorState,
-        items: list[_Item],
+        items: list[FitItem],
         progress: list[_Progress],
-        carry: tuple[_StackedOptimizer, list[int]] | None = None,
+        carry: tuple[StackedOptimizer, list[int]] | None = None,
     ):
         self.items = items
         self.progress = progress
@@ -139,17 +139,17 @@ class _StackedFit:
         st = ex.structure(template)
         self.pnames, tied = st.pnames, st.tied
         self.plist = plist = [it.params for it in items]
-        self.layout = layout = _Layout(plist[0], k)
+        self.layout = layout = Layout(plist[0], k)
         for m in self.models:
             ex.structure(m).train()
         blist = [ex.structure(m).buffers() for m in self.models]
         with torch.no_grad():
             buffers = {n: torch.stack([b[n] for b in blist]) for n in st.bnames}
-        arena: _Arena | None = None
+        arena: Arena | None = None
         # the CPU keeps a stack's buffers across rounds too (:func:`arena_for`); only CUDA captures its step
         self.capture = ex.cuda_graphs and dev.type == "cuda"
         if self.capture or dev.type == "cpu":
-            arena = arena_for(ex._arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers, ex.say)
+            arena = arena_for(ex.arenas, _arena_key(items), dev, items[0].opt, layout, plist[0][0], buffers, ex.say)
         self.arena = arena
         with torch.no_grad():
             self.flat = layout.pack(plist, out=None if arena is None else arena.flat)  # every site's parameters
@@ -164,7 +164,7 @@ class _StackedFit:
         for i, ps in enumerate(plist):  # each site's parameters view its row while it trains
             for p, w in zip(ps, self.weights):
                 p.data = w.detach()[i]
-        self.opt = _StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena, carry)
+        self.opt = StackedOptimizer([it.opt for it in items], plist, self.flat, layout, arena, carry)
         self.gbuf = torch.empty_like(self.flat) if arena is None else arena.gbuf
         self.active = list(range(k))
 
@@ -193,7 +193,7 @@ class _StackedFit:
 
     def step(self, ex: ExecutorState, batch: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """One local step of the sites in ``batch``: the captured step where it applies, else the eager one
-        (:func:`stacked_gradients` and :meth:`_StackedOptimizer.step`); returns the per-site losses."""
+        (:func:`stacked_gradients` and :meth:`StackedOptimizer.step`); returns the per-site losses."""
         arena = self.arena
         if (
             arena is not None
@@ -207,7 +207,7 @@ class _StackedFit:
             losses = graph_step(arena, self.opt, self.losses_of, self.pnames, role, variant, list(batch), ex.say)
             if losses is not None:
                 return losses
-        grads, losses = ex._gradients(
+        grads, losses = ex.stacked_gradients(
             batch,
             self.weights,
             self.pnames,
@@ -231,7 +231,7 @@ class _StackedFit:
             self.progress[i].total += losses[i]
             self.progress[i].count += 1
 
-    def regroup(self, ex: ExecutorState, rest: list[int]) -> _StackedFit:
+    def regroup(self, ex: ExecutorState, rest: list[int]) -> StackedFit:
         """The sites ``rest`` as a stack of their own, going on from where they are (their rows of the weights
         and moments, their step counts, batch streams and loss sums); the others' rows written back, as at
         the end of the round."""
@@ -242,7 +242,7 @@ class _StackedFit:
                     p.data = w.detach()[i].clone()
             self.opt.write_back(gone)
         # the sites in ``rest`` still view their rows here: the new stack packs its weights from them
-        return _StackedFit(ex, [self.items[i] for i in rest], [self.progress[i] for i in rest], (self.opt, rest))
+        return StackedFit(ex, [self.items[i] for i in rest], [self.progress[i] for i in rest], (self.opt, rest))
 
     @torch.no_grad()
     def finish(self, done: bool) -> None:
@@ -255,17 +255,17 @@ class _StackedFit:
             self.opt.write_back()
 
 
-def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]:
+def train_group(ex: ExecutorState, items: list[FitItem]) -> list[dict[str, float]]:
     """Train the group's sites together for their round; an error at the first step is :class:`_FirstStepFailed`.
 
-    When some sites' batches have ended, the others regroup (:meth:`_StackedFit.regroup`): the finished sites'
+    When some sites' batches have ended, the others regroup (:meth:`StackedFit.regroup`): the finished sites'
     rows and moments are written back and a stack of the sites still training, packed from their rows, takes
     their next step, so no step computes a finished site's row."""
     progress = [
         _Progress(c.site.batches(c.rnd, c.stream, c.steps), torch.zeros((), dtype=torch.float64, device=c.site.device))
         for c in (it.call for it in items)
     ]
-    fit = _StackedFit(ex, items, progress)
+    fit = StackedFit(ex, items, progress)
     first, done = True, False
     try:
         while batch := fit.next_batches():
@@ -278,7 +278,7 @@ def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]
             except Exception as e:
                 if first:
                     # the stack's arena (CUDA graphs) goes with it: its memory is what did not fit, or it never stepped
-                    ex._arenas.pop(_arena_key(fit.items), None)
+                    ex.arenas.pop(_arena_key(fit.items), None)
                     raise _FirstStepFailed(e) from e
                 raise
             first = False
@@ -291,7 +291,7 @@ def train_group(ex: ExecutorState, items: list[_Item]) -> list[dict[str, float]]
 
 
 def stacked_gradients(batch, weights, pnames, layout, buffers, losses_of, calls, models, plist, gbuf):
-    """The flat gradient (:class:`_Layout`) of every site's loss (plus its ``extra_loss``, edited by its
+    """The flat gradient (:class:`Layout`) of every site's loss (plus its ``extra_loss``, edited by its
     ``after_backward``) at the current weights, and each site's loss."""
     k = weights[0].shape[0]
     by_shape: dict[tuple, list[int]] = {}

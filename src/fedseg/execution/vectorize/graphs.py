@@ -1,4 +1,4 @@
-"""CUDA graphs: a stack's static buffers kept across rounds (:class:`_Arena`, one per group key and stack size)
+"""CUDA graphs: a stack's static buffers kept across rounds (:class:`Arena`, one per group key and stack size)
 and its local step captured once and replayed (:func:`graph_step`)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from fedseg.execution.vectorize.layout import _Layout
-from fedseg.execution.vectorize.optimizer import _StackedOptimizer
+from fedseg.execution.vectorize.layout import Layout
+from fedseg.execution.vectorize.optimizer import StackedOptimizer
 
 GRAPH_WARMUP_STEPS = 2
 """Eager steps a group takes (on a side stream, as CUDA graph capture asks) before its step is captured."""
@@ -25,7 +25,7 @@ that regroups as its sites finish (epoch mode, sites of different sizes) keeps o
 beyond this many the least recently used goes."""
 
 
-class _Arena:
+class Arena:
     """The static tensors of one vectorized group on CUDA, kept across rounds so that its local step can be
     captured once as a CUDA graph and replayed: the flat weights (with their ``K × shape`` differentiable
     views), Adam's moments, the gradient buffer, the step count, the stacked batch and the
@@ -35,7 +35,7 @@ class _Arena:
     allocated in it (its results go to the arena's own tensors, made outside capture) and steps run one at a
     time, so the pool holds the largest step's intermediates, not the sum over stacks."""
 
-    def __init__(self, layout: _Layout, flat_like: torch.Tensor, buffers: dict[str, torch.Tensor], pool: Any = None):
+    def __init__(self, layout: Layout, flat_like: torch.Tensor, buffers: dict[str, torch.Tensor], pool: Any = None):
         self.pool = pool
         self.flat = torch.empty(layout.numel, dtype=flat_like.dtype, device=flat_like.device)
         self.m, self.v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
@@ -85,16 +85,16 @@ class _Arena:
 
 
 def arena_for(
-    arenas: dict[tuple, _Arena],
+    arenas: dict[tuple, Arena],
     key: tuple,
     device: torch.device,
     opt: torch.optim.Optimizer,
-    layout: _Layout,
+    layout: Layout,
     like: torch.Tensor,
     buffers: dict[str, torch.Tensor],
     say: Callable[[str], None] = print,
-) -> _Arena | None:
-    """The stack's :class:`_Arena` (``key``: its group key and size) for a plain Adam (made at its first fit,
+) -> Arena | None:
+    """The stack's :class:`Arena` (``key``: its group key and size) for a plain Adam (made at its first fit,
     kept in ``arenas`` across rounds, at most :data:`_MAX_ARENAS`), None for SGD, and None (the stack steps
     eagerly, said once) when its buffers do not fit in memory.
 
@@ -114,7 +114,7 @@ def arena_for(
         try:
             if device.type == "cuda" and pool is None:
                 pool = torch.cuda.graph_pool_handle()
-            arena = _Arena(layout, like, buffers, pool)
+            arena = Arena(layout, like, buffers, pool)
         except torch.OutOfMemoryError:
             say(f"a stack of {layout.k} sites has no memory for a captured step's buffers; it steps eagerly")
             return None
@@ -123,8 +123,8 @@ def arena_for(
 
 
 def graph_step(
-    arena: _Arena,
-    opt: _StackedOptimizer,
+    arena: Arena,
+    opt: StackedOptimizer,
     losses_of: Any,
     pnames: list[str],
     role: str,
@@ -135,7 +135,7 @@ def graph_step(
     """One local step of the stack from the arena's static batch: every row is computed (a site that is not
     ``active`` on its last batch, which a stack that regroups as its sites finish never has) and the step is
     ``"fused"`` (every site active at one Adam step count: torch's fused Adam kernel) or ``"masked"`` (the
-    others: sites at different step counts, :meth:`_StackedOptimizer.masked_kernels`, inactive rows
+    others: sites at different step counts, :meth:`StackedOptimizer.masked_kernels`, inactive rows
     unchanged).  Each variant runs eagerly on a side stream for its first :data:`GRAPH_WARMUP_STEPS` steps,
     then is captured once as a CUDA graph and replayed.  Returns the per-site losses (the arena's tensor,
     rewritten by the next step), or None when a capture failed (nothing was computed: the caller takes the

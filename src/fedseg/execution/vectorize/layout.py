@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 
-class _Layout:
+class Layout:
     """Where each site's parameters live in one flat buffer, parameter-major: parameter j of all K
     sites is one contiguous ``K × shape`` block (a contiguous weight for the vmapped convolution),
     site i's copy of it the block's row i."""
@@ -42,8 +42,8 @@ class _Layout:
         return torch.repeat_interleave(per_site.repeat(len(self.sizes)), self._reps, output_size=self.numel)
 
 
-def _stack_tree(items: Sequence[Any]) -> Any:
+def stack_tree(items: Sequence[Any]) -> Any:
     """Stack K same-shaped trees (tensors, tuples/lists of them) leaf by leaf along a new first dimension."""
     if torch.is_tensor(items[0]):
         return torch.stack(list(items))
-    return type(items[0])(_stack_tree([it[j] for it in items]) for j in range(len(items[0])))
+    return type(items[0])(stack_tree([it[j] for it in items]) for j in range(len(items[0])))

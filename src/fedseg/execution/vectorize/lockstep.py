@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.func import functional_call, vmap
 
-from fedseg.execution.vectorize.eligibility import _is_tree, _tree_key
-from fedseg.execution.vectorize.layout import _stack_tree
+from fedseg.execution.vectorize.eligibility import is_tree, tree_key
+from fedseg.execution.vectorize.layout import stack_tree
 from fedseg.execution.vectorize.optimizer import adam_, scalar_dtype
 from fedseg.execution.vectorize.scheduler import ApplyCall, ExecutorState, GradientCall
 from fedseg.foundation.device import autocast
@@ -28,7 +28,7 @@ def gradient_reason(ex: ExecutorState, call: GradientCall) -> tuple[tuple, str |
     signature, reason = st.signature, st.reason
     if site.precision == "fp16":
         return signature, "fp16 loss scaling (a GradScaler per site)"
-    if not _is_tree(call.x) or not _is_tree(call.target):
+    if not is_tree(call.x) or not is_tree(call.target):
         return signature, "its batch or target is not a tensor or a tuple/list of tensors"
     if reason is None and len({p.dtype for p in st.params}) > 1:
         reason = "its parameters have several dtypes"
@@ -71,7 +71,7 @@ def gradient_group(
     losses_of = vmap(site_loss, randomness="error")
     by_shape: dict[tuple, list[int]] = {}  # the last, smaller batch of an epoch: its own vmap
     for i, c in enumerate(calls):
-        by_shape.setdefault((_tree_key(c.x), _tree_key(c.target)), []).append(i)
+        by_shape.setdefault((tree_key(c.x), tree_key(c.target)), []).append(i)
     results: list[Any] = [None] * len(calls)
     for idx in by_shape.values():
         with torch.no_grad():
@@ -83,7 +83,7 @@ def gradient_group(
             dict(zip(pnames, weights)),
             bufs,
             torch.stack([calls[i].x for i in idx]),
-            _stack_tree([calls[i].target for i in idx]),
+            stack_tree([calls[i].target for i in idx]),
         )
         gs = torch.autograd.grad(out.sum(), weights, allow_unused=True)
         for j, i in enumerate(idx):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedseg.execution.vectorize.scheduler import GradientCall
 from fedseg.foundation.device import autocast
+from fedseg.site.calls import GradientCall
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -8,12 +8,12 @@ from typing import Protocol
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from fedseg.execution.vectorize.layout import _Layout
+from fedseg.execution.vectorize.layout import Layout
 
 
 class StaticBuffers(Protocol):
     """The static buffers a stacked Adam steps in when its step is captured as a CUDA graph
-    (:class:`fedseg.execution.vectorize.graphs._Arena`): the moments, the fused kernel's step count, and the
+    (:class:`fedseg.execution.vectorize.graphs.Arena`): the moments, the fused kernel's step count, and the
     masked step's per-element mask, step sizes and bias corrections (made at their first use)."""
 
     m: torch.Tensor
@@ -118,10 +118,10 @@ def _adam_piece_(p, g, m, v, mask, step_size, bc2_sqrt, eps: float, b1: float, b
     v.copy_(torch.where(mask, v_new, v))
 
 
-class _StackedOptimizer:
+class StackedOptimizer:
     """K sites' Adam (or SGD) as stacked moments and per-site step counts; steps only the active sites.
 
-    Weights and moments are flat buffers (:class:`_Layout`), so a step is a handful of kernels
+    Weights and moments are flat buffers (:class:`Layout`), so a step is a handful of kernels
     whatever the number of parameter tensors.  Every Adam step is :func:`adam_`: with every site active at
     one step count torch's fused kernel over the whole buffer, otherwise the single-tensor arithmetic with
     per-site factors and a mask of the active sites.  Both equal a sequential step to rounding."""
@@ -131,9 +131,9 @@ class _StackedOptimizer:
         opts: Sequence[torch.optim.Optimizer],
         plist: Sequence[Sequence[torch.Tensor]],
         flat: torch.Tensor,
-        layout: _Layout,
+        layout: Layout,
         arena: StaticBuffers | None = None,
-        carry: tuple[_StackedOptimizer, Sequence[int]] | None = None,
+        carry: tuple[StackedOptimizer, Sequence[int]] | None = None,
     ):
         self.opts, self.plist, self.flat, self.layout = opts, plist, flat, layout
         g = opts[0].param_groups[0]
@@ -148,6 +148,12 @@ class _StackedOptimizer:
             )
 
         self._factors: dict[tuple[float, ...], torch.Tensor] = {}
+        # set below for the optimizer's kind: Adam's step counts and stacked moments, or SGD's momentum buffers
+        self.s: list[float]
+        self.m: torch.Tensor
+        self.v: torch.Tensor
+        self.has: list[bool]
+        self.buf: torch.Tensor
         self.taken = [0] * len(opts)
         # the fused kernel's step count (a tensor, as it asks; a captured step reads the arena's)
         self._step: torch.Tensor | None = None if arena is None else arena.step
@@ -175,7 +181,7 @@ class _StackedOptimizer:
                 self.buf = stacked("momentum_buffer", self.has)
 
     def rows(
-        self, flat: torch.Tensor, rows: Sequence[int], layout: _Layout, out: torch.Tensor | None = None
+        self, flat: torch.Tensor, rows: Sequence[int], layout: Layout, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The sites ``rows`` of a flat buffer of this stack's layout, as a flat buffer of ``layout``, a stack of
         those sites (``out``: into that one)."""
