@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from fedseg.foundation.config import ModelConfig
@@ -213,8 +214,6 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
         missing, unexpected and mis-shaped keys).  A network's ``unregistered_prefixes`` (the second
         names MONAI's DynUNet gives its layers) are ignored in the file.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(

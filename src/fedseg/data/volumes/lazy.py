@@ -7,7 +7,7 @@ the workload's patch transform draws each patch's position exactly as it does on
 volumes (the same draws from the same generator, foreground positions in the same order) and reads only the
 patch, through safetensors' sliced reads.  Where the patch reaches past the case's extent (into the padding
 every split carries up to the common shape of the federation), the image is filled with the case's lowest
-value and the label channels with 0, as :func:`fedseg.data.volumes.load.pad_to_common_shape` pads in
+value and the label channels with 0, as :func:`fedseg.data.volumes.splits.pad_to_common_shape` pads in
 memory.  So a run that reads from the cache trains on the same patches, and reaches the same weights, as
 one that holds every volume in memory.
 

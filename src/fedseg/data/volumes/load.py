@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedseg.data.datalist import SPLITS, load_datalist
-from fedseg.data.loading import SegmentationDataset, label_channels
+from fedseg.data.loading import label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
@@ -39,8 +39,6 @@ from fedseg.data.volumes.geometry import (
     label_masks,
     read_case,
     read_volume,
-    region_scores,
-    to_original_grid,
     to_plan_grid,
 )
 from fedseg.data.volumes.intensity import channel_schemes, normalize_case
@@ -55,6 +53,15 @@ from fedseg.data.volumes.plan import (
     save_plan,
     slice_patch,
     sliding_windows,
+)
+from fedseg.data.volumes.splits import (
+    SliceDataset,
+    VolumeDataset,
+    pad_far_end,
+    pad_to_common_shape,
+    pad_to_shape,
+    slice_dataset,
+    split_shape,
 )
 from fedseg.foundation.config import VOLUME_READS, ModelConfig, RunConfig
 from fedseg.foundation.errors import ConfigError, DataError
@@ -237,68 +244,6 @@ def plan_spacing(fed: FederationSpec, plan: Plan) -> tuple[float, float, float]:
     return (x, y, 0.0) if fed.mode == "patches2d" else (x, y, z)
 
 
-class VolumeDataset(SegmentationDataset):
-    """Cases in the plan's grid, padded to one shape, with what is needed to score in each scan's own grid.
-
-    Attributes (beside :class:`SegmentationDataset`'s)
-    -----------
-    affines : list of np.ndarray
-        The plan-grid affine of every case.
-    originals : list of Geometry or None
-        The scan's own grid (validation and test splits).
-    original_labels : list of torch.Tensor or None
-        The label channels (L, X, Y, Z) in the scan's own grid (validation and test splits).
-    extents : list of tuple of int or None
-        Every case's own spatial shape in the plan's grid, before the padding at the far end (None: every
-        case fills the padded shape).  Evaluation runs its sliding windows over this region only
-        (:meth:`fedseg.site.runtime.Site.eval_batches`).
-    """
-
-    def __init__(self, images, labels, case_ids, affines, originals=None, original_labels=None, *, extents=None):
-        super().__init__(images, labels, case_ids)
-        self.affines = affines
-        self.originals = originals
-        self.original_labels = original_labels
-        self.extents = extents
-
-    def original_grid(
-        self, i: int, prediction: torch.Tensor, threshold: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(prediction, label)`` of case ``i`` in its scan's own grid: the prediction (logits, C × plan
-        grid: the padded shape or any region from the origin covering the case's extent) resampled linearly
-        back through the inverse of the plan's resampling and reorientation.  A scan voxel past the last
-        plan voxel of the region (by less than half a plan voxel, where the plan's shape rounds the scan's
-        field of view down) takes the region's border value.
-
-        With ``threshold`` (of the sigmoid) only the region of the scan's grid that the label or a
-        prediction above the threshold can reach is resampled and returned, on the prediction's device in
-        float32 (:func:`fedseg.data.volumes.geometry.scoring_box`): Dice and HD95 (given the whole grid's
-        shape) are those of the whole grid."""
-        if self.originals is None:
-            raise ValueError("this split keeps no original geometry (training split)")
-        if threshold is not None:
-            return region_scores(prediction, self.affines[i], self.originals[i], self.original_labels[i], threshold)
-        pred = to_original_grid(prediction, self.affines[i], self.originals[i], mode="bilinear")
-        return pred.to(prediction.device), self.original_labels[i].to(prediction.device, torch.float32)
-
-
-class SliceDataset(SegmentationDataset):
-    """The axial slices of volumes in the plan's in-plane grid: images ``(S, C, X, Y)``, labels
-    ``(S, L, X, Y)``, case ids ``<volume id>#<z>``; every slice of every volume, none of the padding."""
-
-
-def _slices(images: list[np.ndarray], labels: list[np.ndarray], ids: list[str], patch: list[int]) -> SliceDataset:
-    xs, ys, sids = [], [], []
-    for x, lab, cid in zip(images, labels, ids):
-        for z in range(x.shape[-1]):
-            xs.append(x[..., z])
-            ys.append(lab[..., z])
-            sids.append(f"{cid}#{z}")
-    shape = [max([im.shape[1 + a] for im in xs] + [patch[a]]) for a in range(2)]
-    x, y = _pad_far_end(xs, ys, shape)
-    return SliceDataset(x, y, sids)
-
-
 def site_cache(
     setting: str, fed: FederationSpec, site: SiteSpec, plan: Plan, log: Callable[[str], None] = print
 ) -> VolumeCache | None:
@@ -430,12 +375,12 @@ def load_volume_split(
     images = [c.image for c in held]
     labels = [c.label for c in held]
     if slices:
-        return _slices(images, [label_channels(lab, fed.labels) for lab in labels], ids, slice_patch(plan, 1))
+        return slice_dataset(images, [label_channels(lab, fed.labels) for lab in labels], ids, slice_patch(plan, 1))
     if fed.mode == "patches2d":
         shape = [max(im.shape[1 + a] for im in images) for a in range(3)]
     else:
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
-    x, y = _pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
+    x, y = pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     # the label channels in each scan's own grid, one byte a voxel (scored as float32 region by region)
     orig_labels = [torch.from_numpy(label_masks(c.original_label, fed.labels)) for c in held] if keep else None
     extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
@@ -468,60 +413,6 @@ def load_volume_site(
     if cache is not None:
         log(f"{site.name}: {cache.summary()}; {budget.summary()}")
     return splits
-
-
-def split_shape(ds: VolumeDataset | SliceDataset | CachedVolumes) -> list[int]:
-    """The padded spatial shape of a volume split (two axes for a split of slices)."""
-    return list(ds.shape) if isinstance(ds, CachedVolumes) else list(ds.images.shape[2:])
-
-
-def _pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list[int]):
-    """Stack ``(C, *spatial)`` images and ``(L, *spatial)`` label channels padded at the far end of each axis
-    to ``shape`` (the origin, and so the affine, stays): images with each volume's lowest value (air), labels
-    with 0.  Returns float32 tensors ``(N, C, *shape)`` and ``(N, L, *shape)``."""
-    x = np.zeros((len(images), images[0].shape[0], *shape), dtype=np.float32)
-    y = np.zeros((len(labels), labels[0].shape[0], *shape), dtype=np.float32)
-    for i, (im, lab) in enumerate(zip(images, labels)):
-        region = (i, slice(None), *(slice(0, s) for s in im.shape[1:]))
-        x[i] = im.min()
-        x[region] = im
-        y[region] = lab
-    return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def _pad_split(ds: VolumeDataset | SliceDataset | CachedVolumes, shape: list[int]) -> None:
-    if isinstance(ds, CachedVolumes):
-        ds.shape = list(shape)
-    elif list(ds.images.shape[2:]) != list(shape):
-        ds.images, ds.labels = _pad_far_end(list(ds.images.numpy()), list(ds.labels.numpy()), list(shape))
-
-
-def pad_to_shape(sets: list[VolumeDataset | SliceDataset | CachedVolumes], shape: list[int]) -> None:
-    """Pad volume splits in place at the far end of each axis to ``shape`` (at least each split's own); a
-    split of slices (``patches2d`` training) to its first two axes, as :func:`pad_to_common_shape` does."""
-    for ds in sets:
-        own = split_shape(ds)
-        target = list(shape)[: len(own)]
-        if any(s < h for s, h in zip(target, own)):
-            raise DataError(f"volume shape {list(shape)} is smaller than a split's {own}")
-        _pad_split(ds, target)
-
-
-def pad_to_common_shape(data: dict) -> dict:
-    """Pad every volume split of every site at the far end of each axis to one shape (so that pooled
-    training, e.g. centralized, can stack them); the affines stay valid because the origin does not move.
-    Slice splits (``patches2d``) share the volumes' in-plane shape."""
-    sets = [
-        ds
-        for d in data.values()
-        for ds in (d.train, d.val, d.test)
-        if isinstance(ds, (VolumeDataset, SliceDataset, CachedVolumes))
-    ]
-    shapes = [split_shape(ds) for ds in sets]
-    shape = [max(s[a] for s in shapes if len(s) > a) for a in range(max(len(s) for s in shapes))]
-    for ds, own in zip(sets, shapes):
-        _pad_split(ds, shape[: len(own)])
-    return data
 
 
 def _downsampling(model: ModelConfig) -> int:
