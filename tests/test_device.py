@@ -240,7 +240,7 @@ def test_fit_reads_the_loss_once_per_round(workload, monkeypatch):
     cfg = tiny_config("fedavg", rounds=1, local_steps=5, local_epochs=None)
     site = build_transport(cfg, workload, tiny_sites()).site("site1")
     site.model("global")
-    calls = count_host_reads(monkeypatch, "fedseg/site/runtime.py")
+    calls = count_host_reads(monkeypatch, "fedseg/site/calls.py")
     out = site.now(site.fit("global", 1))
     assert out["steps"] == 5 and calls["n"] == 1
 

@@ -30,7 +30,7 @@ TINY = {
     "segresnet": "[model.kwargs]\ninit_filters = 8\nblocks_down = [1, 1, 1]\nblocks_up = [1, 1]\n",
     "basicunet": "[model.kwargs]\nfeatures = [4, 4, 8, 8, 16, 4]\n",
     "attentionunet": "channels = [4, 8, 16]\nstrides = [2, 2]\n",
-    "swinunetr": "[model.kwargs]\nfeature_size = 12\ndepths = [1, 1, 1, 1]\nnum_heads = [1, 1, 1, 1]\n",
+    "swinunetr": "[model.kwargs]\nfeature_size = 12\ndepths = [1, 1, 1, 1]\nnum_heads = [1, 1, 1, 1]\nnorm_name = \"batch\"\n",
     "unetr": "[model.kwargs]\nimg_size = [32, 32]\nfeature_size = 4\nhidden_size = 24\nmlp_dim = 24\nnum_heads = 2\n",
 }
 
@@ -69,7 +69,7 @@ def test_every_named_network_runs_a_fedavg_round_from_the_run_config(fundus, tmp
     )
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(
-        f'federation = "{fundus}"\nmethod = "fedavg"\nrounds = 1\n[train]\nbatch_size = 2\n[model]\n{table}'
+        f'federation = "{fundus}"\nmethod = "fedavg"\nrounds = 1\n[train]\nbatch_size = 2\nlocal_steps = 2\n[model]\n{table}'
     )
     cfg = load_run_config(cfg_path)
     res = run(cfg, out=tmp_path / "out", progress=False, log=lambda m: None)
@@ -80,7 +80,9 @@ def test_every_named_network_runs_a_fedavg_round_from_the_run_config(fundus, tmp
     built = build_model(2, 3, 2, cfg.model)
     assert {f"global/{k}" for k in built.state_dict()} <= set(weights)
     reason = vectorize_reason(built)
-    assert (reason is None) == (name != "attentionunet"), reason  # AttentionUnet's gates hold batch norm
+    # AttentionUnet's gates hold batch norm; SwinUNETR is built here with batch norm, since at 32² its deepest
+    # stage is 1 x 1, where instance norm cannot train
+    assert (reason is None) == (name not in ("attentionunet", "swinunetr")), reason
 
 
 def test_pretrained_weights_load_and_a_mismatch_names_the_keys(tmp_path):

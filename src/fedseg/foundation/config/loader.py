@@ -96,6 +96,25 @@ def _is_federation_spec(raw: dict[str, Any]) -> bool:
     return "sites" in raw
 
 
+def _unset_the_other_of_a_pair(raw: dict[str, Any]) -> None:
+    """A file that sets one of a pair of :data:`EXCLUSIVE` settings (``[train] local_steps = 20``) leaves the
+    other unset instead of at its default; a file that sets both is refused by validation."""
+    for pair in EXCLUSIVE:
+        found = []
+        for key in pair:
+            node: Any = raw
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            found.append(node is not None and not (isinstance(node, str) and node.strip().lower() == "none"))
+        for key, mine, other in ((pair[1], found[0], found[1]), (pair[0], found[1], found[0])):
+            if mine and not other:
+                *path, last = key.split(".")
+                node = raw
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[last] = "none"
+
+
 def load_run_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -130,6 +149,7 @@ def load_run_config(
         elif "federation" in raw:
             fed = Path(raw["federation"])
             raw["federation"] = str(fed if fed.is_absolute() else (p.parent / fed).resolve())
+        _unset_the_other_of_a_pair(raw)
         init = raw.get("model", {}).get("init") if isinstance(raw.get("model"), dict) else None
         if isinstance(init, str) and init.lower() != "none" and not Path(init).is_absolute():
             raw["model"]["init"] = str((p.parent / init).resolve())

@@ -509,6 +509,6 @@ SECTIONS: dict[str, type] = {
 
 
 EXCLUSIVE: tuple[tuple[str, str], ...] = (("train.local_epochs", "train.local_steps"),)
-"""Pairs of settings of which a run sets exactly one.  An override that sets one of a pair (not to
-``none``) replaces the other, which is then unset, wherever the other came from (the default or the
+"""Pairs of settings of which a run sets exactly one.  A file or an override that sets one of a pair (not
+to ``none``) leaves the other unset, wherever the other came from (the default or, for an override, the
 file); overrides that set both are refused by validation, as is a file that sets both."""
