@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -270,7 +270,7 @@ class APFL(PersonalizedAlgorithm):
     def personalization(cls, cfg: RunConfig) -> AdaptiveMixture:
         """APFL's personalization as one model per site, with the settings of ``[apfl]`` (inside FedSM,
         Table 6: the selector routes to one personalized model per site, so ``apfl.mix = "parameters"``)."""
-        personal = super().personalization(cfg)
+        personal = cast(AdaptiveMixture, super().personalization(cfg))  # Personal = AdaptiveMixture
         if personal.params.mix != "parameters":
             raise ConfigError(
                 f"apfl.mix = {personal.params.mix!r} cannot be used inside FedSM: the selector routes to one "

@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.func import functional_call
@@ -308,7 +308,7 @@ def mix(models: Sequence[Mapping[str, torch.Tensor]], alpha: Mapping[str, torch.
             out[name] = ref
             continue
         a = alpha[name].to(ref.dtype)
-        out[name] = sum(a[k] * m[name].detach() for k, m in enumerate(models))
+        out[name] = cast(torch.Tensor, sum(a[k] * m[name].detach() for k, m in enumerate(models)))  # models: >= 1
     return out
 
 
@@ -358,7 +358,7 @@ def receive_peers(site: Site, task: Task) -> Reply:
 
 def beta_step(site: Site, task: Task) -> Reply:
     """One LearnAggWeight step at a site: α from β, loss of Σ α_k w_k on a seeded batch, Adam step on β."""
-    p: AutoFedAvgParams = site.algorithm.params
+    p: AutoFedAvgParams = cast(Algorithm, site.algorithm).params
     cfg = task.config
     rnd, step, sites = cfg["round"], cfg["step"], cfg["sites"]
     beta_in = strip_prefix("beta", task.arrays)
@@ -441,14 +441,18 @@ class AutoFedAvg(Algorithm):
         else:  # the parameter list most sites report, of those naming only the model's tensors (one site
             # cannot choose β's layers); none valid: every floating tensor is a layer
             names = {k.removeprefix("global/") for k, v in state.items() if is_float(v)}
-            lists = [
+            lists: list[tuple[str, ...]] = [
                 tuple(ps)
                 for r in replies.values()
                 if isinstance(ps := r.metrics.get("parameters"), list)
                 and ps
                 and all(isinstance(q, str) and q in names for q in ps)
             ]
-            layers = list(max(lists, key=lists.count)) if lists else sorted(names)
+            if lists:
+                most: tuple[str, ...] = max(lists, key=lists.count)
+                layers = list(most)
+            else:
+                layers = sorted(names)
         beta = init_beta(self.params, n, layers)
         state.update(prefixed("autofedavg/beta", beta))
         state.update(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -134,7 +134,7 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, arrays: Arrays) -> None:
 
 def train_cwt(site: Site, task: Task) -> Asks[Reply]:
     """One visit: load the previous site's weights (and moments with ``transfer``), train, pass them on."""
-    params: CWTParams = site.algorithm.params
+    params: CWTParams = cast(Algorithm, site.algorithm).params
     mode = params.optimizer
     site.load(ROLE, strip_prefix(ROLE, task.arrays))
     opt = site.optimizer(ROLE, reset=mode != "keep")

@@ -98,7 +98,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     title = "FedAvg"
     section = "fedavg"
-    Params = FedAvgParams
+    Params: ClassVar[type] = FedAvgParams
     sends_clipped_update: ClassVar[bool] = True
     """Its site half sends :func:`sent_update` (client-level DP's clipped, noised update when asked)."""
     summed_kinds: ClassVar[frozenset[str]] = frozenset({"train"})

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from fedseg.algorithms.fedavg import FedAvg, FedAvgParams, sent_update
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
@@ -96,7 +97,7 @@ class FedProxParams(FedAvgParams):
 def train_prox(site: Site, task: Task) -> Asks[Reply]:
     """Site half: load w_r, train one round on F_k(w) + μ/2 ||w − w_r||², send w back (μ from the
     site's own parse of the run config, ``site.algorithm.params``)."""
-    params: FedProxParams = site.algorithm.params
+    params: FedProxParams = cast(Algorithm, site.algorithm).params
     mu = float(params.mu)
     start = strip_prefix("global", task.arrays)
     model = site.load("global", start)

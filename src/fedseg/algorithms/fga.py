@@ -69,7 +69,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -509,7 +509,8 @@ def lockstep_round(
         weights.update(prefixed(f"{ns}/weights", strip_prefix(prefix, last[ref].arrays)))
         weights.update(prefixed(f"{ns}/optim", strip_prefix("optim", last[ref].arrays)))
         weights[f"{ns}/stale"] = torch.tensor([s in stale for s in sites], dtype=torch.int8)
-    mean_loss = {s: None if None in v else sum(v) / len(v) for s, v in losses.items()}  # None: not sent (DP)
+    # None: not sent (DP)
+    mean_loss = {s: None if None in v else sum(cast("list[float]", v)) / len(v) for s, v in losses.items()}
     metrics: dict[str, Any] = {"train_loss": mean_loss, "steps": total}
     if stale:
         metrics["stale"] = sorted(stale, key=sites.index)

@@ -14,10 +14,12 @@ unset, it follows ``train.reset_optimizer`` (default: keep).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from fedseg.algorithms.fedavg import FedAvg, Weighting
 from fedseg.foundation.arrays import prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
+from fedseg.seams.algorithm import Algorithm
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
 
@@ -44,7 +46,7 @@ class FWAParams:
 
 def train_fwa(site: Site, task: Task) -> Asks[Reply]:
     """Load Θ_r, train one round of local work with the kept or reset optimizer, send Θ_{r+1}^{(k)} back."""
-    params: FWAParams = site.algorithm.params
+    params: FWAParams = cast(Algorithm, site.algorithm).params
     reset = site.cfg.train.reset_optimizer if params.reset_optimizer is None else params.reset_optimizer
     site.load("global", strip_prefix("global", task.arrays))
     opt = site.optimizer("global", reset=reset)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.func import functional_call
@@ -85,7 +85,7 @@ def hvp_autograd(
     """
     p = {k: t.detach().requires_grad_(True) for k, t in params.items()}
     grads = torch.autograd.grad(loss_fn(p), list(p.values()), create_graph=True)
-    inner = sum((g * v[k].detach()).sum() for k, g in zip(p, grads))
+    inner = cast(torch.Tensor, sum((g * v[k].detach()).sum() for k, g in zip(p, grads)))  # params: >= 1
     hv = torch.autograd.grad(inner, list(p.values()), allow_unused=True)
     return {k: (h.detach() if h is not None else torch.zeros_like(p[k])) for k, h in zip(p, hv)}
 

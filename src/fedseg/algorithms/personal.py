@@ -106,11 +106,20 @@ class Personalization(Protocol):
         (SoftPull); False when they stay at the site or start from w_r.
     """
 
-    name: str
-    title: str
-    section: str
-    params: Any
-    server_holds_personal: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def section(self) -> str: ...
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def server_holds_personal(self) -> bool: ...
 
     def site_step(self, site: Site, task: Task) -> Asks[PersonalStep]:
         """One round at ``site`` from the task's ``global/…`` model w_r (``round``, ``steps`` in its config)."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 
@@ -67,7 +67,7 @@ def control_update(
     c: Mapping[str, torch.Tensor],
     x: Mapping[str, torch.Tensor],
     y: Mapping[str, torch.Tensor],
-    steps: int,
+    steps: float,
     lr: float,
 ) -> Arrays:
     """Option II: c_i⁺ = c_i − c + (x − y) / (K η_l)  (Alg. 1 line 12).
@@ -161,7 +161,7 @@ def train_scaffold(site: Site, task: Task) -> Asks[Reply]:
 
     opt = site.optimizer("global", reset=site.cfg.train.reset_optimizer)
     lr = opt.param_groups[0]["lr"]
-    params: ScaffoldParams = site.algorithm.params
+    params: ScaffoldParams = cast(Algorithm, site.algorithm).params
     mode = params.correction
 
     def after_backward(m: torch.nn.Module) -> None:
@@ -178,7 +178,8 @@ def train_scaffold(site: Site, task: Task) -> Asks[Reply]:
             "global",
             rnd,
             stream="train",
-            optimizer=_CorrectedStep(opt, model, corr, lr),
+            # the executors step any object with zero_grad() and step() (site.calls.local_fit)
+            optimizer=cast(torch.optim.Optimizer, _CorrectedStep(opt, model, corr, lr)),
             steps=task.config.get("steps"),
         )
     y = {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -30,7 +30,7 @@ and a run asking for secure aggregation stops before training with that reason.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,13 +103,13 @@ def secure_ask(
     exchange = f"{first.kind}-r{rnd}{'' if step is None else f'-s{step}'}-{os.urandom(8).hex()}"
     server = ServerParty(exchange, ctx.cfg.privacy.secagg_fraction_bits)
 
-    def step(kind: str, sites, config) -> dict[str, Reply]:
+    def ask_each(kind: str, sites: Iterable[str], config: Callable[[str], Mapping[str, Any]]) -> dict[str, Reply]:
         return ctx.ask({s: Task(kind, {}, {**config(s), "round": rnd}) for s in sites})
 
-    for s, r in step("secagg/keys", tasks, lambda s: {"exchange": exchange}).items():
+    for s, r in ask_each("secagg/keys", tasks, lambda s: {"exchange": exchange}).items():
         _accept(ctx, s, "key message", server.accept_keys, s, r.metrics.get("secagg"))
     request = server.share_request()
-    for s, r in step("secagg/shares", server.order, lambda s: request).items():
+    for s, r in ask_each("secagg/shares", server.order, lambda s: request).items():
         _accept(ctx, s, "share message", server.accept_shares, s, r.metrics.get("secagg"))
     for s, why in server.left_out.items():
         ctx.log(
@@ -141,10 +141,10 @@ def secure_ask(
             if info.get("unopened"):
                 ctx.log(f"[secagg] site {s} could not open the shares of {info['unopened']}")
     consistency = server.consistency_config()
-    for s, r in step("secagg/consistency", consistency["survived"], lambda s: consistency).items():
+    for s, r in ask_each("secagg/consistency", consistency["survived"], lambda s: consistency).items():
         _accept(ctx, s, "attestation", server.accept_attestation, s, r.metrics.get("secagg"))
     reveal = server.reveal_config()
-    reveals = step("secagg/reveal", list(reveal["attestations"]), lambda s: reveal)
+    reveals = ask_each("secagg/reveal", list(reveal["attestations"]), lambda s: reveal)
     try:
         total, weight, summed = server.unmask({s: r.metrics.get("secagg") for s, r in reveals.items()}, log=ctx.log)
     except SumRejected as e:

@@ -168,14 +168,17 @@ def route(probs: torch.Tensor, gamma: float | Sequence[float]) -> torch.Tensor:
         (B,) int64 model indices in 0..K.
     """
     conf, idx = probs.max(dim=1)
-    if not isinstance(gamma, int | float):
+    threshold: float | torch.Tensor
+    if isinstance(gamma, int | float):
+        threshold = gamma
+    else:
         per_model = torch.as_tensor(gamma, dtype=conf.dtype, device=conf.device)
         if per_model.shape != (probs.shape[1],):
             raise ValueError(
                 f"{per_model.numel()} thresholds for a selector of {probs.shape[1]} classes; give one per class"
             )
-        gamma = per_model[idx]
-    return torch.where(conf > gamma, idx + 1, torch.zeros_like(idx))
+        threshold = per_model[idx]
+    return torch.where(conf > threshold, idx + 1, torch.zeros_like(idx))
 
 
 def routing_accuracy(probs: torch.Tensor, own: int, first_personal: int = 0) -> float:

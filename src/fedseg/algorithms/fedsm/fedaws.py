@@ -44,6 +44,7 @@ FedSM-extra and the ensemble train as ``"fedavg"``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,7 @@ def positive_loss(h: torch.Tensor, w: torch.Tensor, own: int, margin: float) -> 
 def selector_positive_loss(sel: nn.Module, x: torch.Tensor, own: int, margin: float) -> torch.Tensor:
     """:func:`positive_loss` of the selector ``sel`` on images ``x``: h is the input of its :func:`class_head`
     (captured by a forward pre-hook), w that layer's weight."""
-    head = sel.get_submodule(class_head(sel))
+    head = cast(nn.Linear, sel.get_submodule(class_head(sel)))  # class_head names an nn.Linear
     seen: list[torch.Tensor] = []
     handle = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     try:

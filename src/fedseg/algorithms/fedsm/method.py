@@ -10,7 +10,7 @@ the selector is trained by :mod:`fedseg.algorithms.fedsm.selector` and routes by
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -323,6 +323,7 @@ class FedSM(Algorithm):
         sites = list(ctx.sites)
         c = self.num_classes(len(sites))
         if self._aws_head is None:  # the class-embedding layer of the run's selector, found once
+            assert ctx.workload is not None  # init_state built the run's selector from it
             with torch.random.fork_rng(devices=[]):  # building it must not draw from the run's generators
                 model = ctx.workload.selector(c, self.params.selector_width, self.params.selector_hidden)
             self._aws_head = fedaws.class_head(model, c)
@@ -330,7 +331,7 @@ class FedSM(Algorithm):
         own = {sites.index(s): r.arrays for s, r in replied.items()}
         return fedaws.server_step(averaged, own, head, self.params.fedaws_nu, self.params.fedaws_lr)
 
-    def _combine(self, models: list[Arrays], weights: list[float]) -> Arrays:
+    def _combine(self, models: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
         """How the global model is combined: ``fedsm.aggregation`` (mean, trimmed mean, median)."""
         return aggregate(models, weights, self.params.aggregation, self.params.trim)
 
@@ -413,7 +414,7 @@ class FedSM(Algorithm):
             arrays.update(prefixed(name, part.arrays if part is not None else strip_prefix(name, comp.arrays)))
         gate_auto = self.gamma_auto
         grid = self.params.gamma_grid
-        options = [("final", strip_prefix("selector", state), None)]
+        options: list[tuple[str, Arrays, float | None]] = [("final", strip_prefix("selector", state), None)]
         if "best_selector_score" in state:
             options.append(("best", strip_prefix("best_selector", state), float(state["best_selector_score"])))
         chosen = None

@@ -29,7 +29,7 @@ models the server does not hold).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,7 +38,7 @@ from fedseg.algorithms.softpull import soft_pull_from_sum
 from fedseg.foundation.arrays import Arrays, clone, prefixed, strip_prefix
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
-from fedseg.seams.algorithm import Candidate, ServerContext
+from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 from fedseg.site.runtime import Site, dataset_len
 
 __all__ = [
@@ -172,7 +172,7 @@ def _predict(site: Site) -> Callable[[torch.Tensor], torch.Tensor]:
 def pull(site: Site, task: Task) -> Reply:
     """``"fedsm_pull"``: SoftPull of the site's personalized model from S (module doc); on an evaluation
     round, its validation score, and the model kept in the site's store when the score is its best."""
-    lam = float(site.algorithm.params.lam)
+    lam = float(cast(Algorithm, site.algorithm).params.lam)
     summed = list(task.config.get("sites", []))
     if site.name not in summed:
         raise PayloadError(f"site {site.name}: asked to pull its personalized model but not among the summed {summed}")

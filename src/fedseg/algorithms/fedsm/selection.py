@@ -8,6 +8,7 @@ The maths (``route``, ``routing_accuracy``, ``oracle_labels``, ``ensemble_mix``)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -207,7 +208,7 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     else:
         per_model = (
             torch.stack(
-                [site.score(lambda x, m=m: site.workload.predict(m, x), split).mean(dim=1) for m in models], dim=1
+                [site.score(functools.partial(site.workload.predict, m), split).mean(dim=1) for m in models], dim=1
             )
             if n
             else torch.zeros(0, len(models), dtype=torch.float64)

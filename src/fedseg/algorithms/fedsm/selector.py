@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_me
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.foundation.seeding import generator
-from fedseg.seams.algorithm import ServerContext
+from fedseg.seams.algorithm import Algorithm, ServerContext
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, dataset_len
 
@@ -99,7 +99,9 @@ def init_selector(ctx: ServerContext, num_classes: int, width: float, hidden: in
             "fedsm: the server context has no workload to build the selector from (ServerContext.workload)"
         )
     role = selector_role(num_classes)
-    return prefixed("selector", ctx.init_arrays(role, factory=lambda: workload.selector(num_classes, width, hidden)))
+    # ServerContext.init_arrays is declared as init_arrays(role); the engine's also takes the model's factory
+    init_arrays = cast(Callable[..., Arrays], ctx.init_arrays)
+    return prefixed("selector", init_arrays(role, factory=lambda: workload.selector(num_classes, width, hidden)))
 
 
 # ------------------------------------------------------------------ at a site
@@ -173,7 +175,7 @@ def selector_objective(site: Site, phase: str, labels: str) -> Callable[[torch.T
     if phase == "joint" or labels == "oracle":
         return F.cross_entropy
     if labels == "experts":
-        return ExpertsLoss(float(site.algorithm.params.ensemble_tau))
+        return ExpertsLoss(float(cast(Algorithm, site.algorithm).params.ensemble_tau))
     return MixLoss(site.workload.loss)
 
 
@@ -237,7 +239,7 @@ def augment_for_selector(
     """``fedsm.selector_augment`` on a selector batch ``(x, y)``: ``"flip"`` (:func:`flip_batch` of the
     images and their masks alike, seeded by the run seed, the site, the round and the step), ``"none"``
     the batch as drawn."""
-    if site.algorithm.params.selector_augment != "flip":
+    if cast(Algorithm, site.algorithm).params.selector_augment != "flip":
         return x, y
     return flip_batch(x, generator(site.cfg.seed, site.index, rnd, "selector-flip", step), y)
 
@@ -290,7 +292,7 @@ def train_locally(
         # routing accuracy of the selector as received (last round's average), on validation
         metrics["routing_acc"] = routing_accuracy_at(site, sel, sites, phase, labels)
     sel.train()
-    total = 0.0
+    total: float | torch.Tensor = 0.0
     batches = steps = 0
     for x, y in site.batches(rnd, "train", cfg.get("steps")):
         batches += 1
