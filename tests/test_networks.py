@@ -30,7 +30,7 @@ TINY = {
     "segresnet": "[model.kwargs]\ninit_filters = 8\nblocks_down = [1, 1, 1]\nblocks_up = [1, 1]\n",
     "basicunet": "[model.kwargs]\nfeatures = [4, 4, 8, 8, 16, 4]\n",
     "attentionunet": "channels = [4, 8, 16]\nstrides = [2, 2]\n",
-    "swinunetr": "[model.kwargs]\nfeature_size = 12\ndepths = [1, 1, 1, 1]\nnum_heads = [1, 1, 1, 1]\nnorm_name = \"batch\"\n",
+    "swinunetr": '[model.kwargs]\nfeature_size = 12\ndepths = [1, 1, 1, 1]\nnum_heads = [1, 1, 1, 1]\nnorm_name = "batch"\n',
     "unetr": "[model.kwargs]\nimg_size = [32, 32]\nfeature_size = 4\nhidden_size = 24\nmlp_dim = 24\nnum_heads = 2\n",
 }
 
