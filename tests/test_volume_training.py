@@ -50,3 +50,15 @@ def test_poly_schedule_and_nesterov_sgd(tmp_path, monkeypatch):
     assert lrs == pytest.approx(seen) and all(n for _, n in steps)
     with pytest.raises(ConfigError, match="nesterov"):
         TrainConfig(nesterov=True).validate()
+
+
+def test_poly_schedule_reaches_the_optimizer_inside_a_wrapper():
+    """SCAFFOLD steps through a wrapper that exposes its optimizer as ``opt`` (no parameter groups of its own):
+    the poly schedule sets the wrapped optimizer's rate, 0.01 · (1/2)^0.9 in round 2 of 2."""
+    inner = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+
+    class Wrapper:
+        opt = inner
+
+    poly_lr(Wrapper(), 2, 2)
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**0.9)

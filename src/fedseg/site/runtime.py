@@ -41,8 +41,9 @@ from fedseg.site.workload import Workload
 def poly_lr(opt: Any, rnd: int, rounds: int, exponent: float = 0.9) -> None:
     """nnU-Net's poly schedule for round ``rnd`` (1-based) of ``rounds``: every parameter group's learning
     rate becomes its first one (kept as ``initial_lr``, as torch's schedulers keep it) times
-    ``(1 − (rnd − 1) / rounds)^exponent``.  An optimizer without parameter groups is left alone."""
-    groups = getattr(opt, "param_groups", None)
+    ``(1 − (rnd − 1) / rounds)^exponent``.  A wrapper exposing its optimizer as ``opt`` (SCAFFOLD's corrected
+    step) schedules that optimizer; one without parameter groups is left alone."""
+    groups = getattr(opt, "param_groups", None) or getattr(getattr(opt, "opt", None), "param_groups", None)
     if not groups:
         return
     factor = (1.0 - (rnd - 1) / rounds) ** exponent
