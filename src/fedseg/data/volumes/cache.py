@@ -32,10 +32,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ class CachedCase:
 
 
 def plan_key(
-    plan: Any, in_channels: int, label_values: Sequence[int] | None, spacing: Sequence[float] | None = None
+    plan: Any, in_channels: int, label_values: Collection[int] | None, spacing: Sequence[float] | None = None
 ) -> str:
     """Hash of everything that changes a case's preprocessing (module docstring), 16 hex digits; ``spacing``
     is the resampling's when it is not the plan's target spacing (``patches2d`` keeps each slice spacing)."""
@@ -203,7 +203,7 @@ class VolumeCache:
                 label=arrays["label"].numpy().astype(np.int64),
                 affine=arrays["affine"].numpy(),
                 original_affine=arrays["original_affine"].numpy(),
-                original_shape=tuple(int(s) for s in side["original_shape"]),
+                original_shape=cast(tuple[int, int, int], tuple(int(s) for s in side["original_shape"])),
                 original_label=arrays["original_label"].numpy().astype(np.int64) if keep_original else None,
             )
         except Exception as e:  # any malformed content is a corrupt entry, never the end of the run
@@ -211,7 +211,8 @@ class VolumeCache:
         self.hits += 1
         return case
 
-    def _corrupt(self, cid: str, path: Path, why: str) -> None:
+    def _corrupt(self, cid: str, path: Path, why: str) -> CachedCase | None:
+        """Log a corrupt entry; None (the case is preprocessed again)."""
         self.rebuilt.append(f"{cid}: {why}")
         self.log(f"volume cache: {path}: {why}; the case is preprocessed again")
         return None
