@@ -176,7 +176,8 @@ class VolumeCache:
             if not isinstance(side, Mapping):
                 raise ValueError("the sidecar is not a JSON object")
         except (OSError, ValueError) as e:
-            return self._corrupt(cid, side_path, f"unreadable sidecar ({e})")
+            self._corrupt(cid, side_path, f"unreadable sidecar ({e})")
+            return None
         try:
             sources = {"image": source_record(image), "label": source_record(label)}
         except OSError:
@@ -188,9 +189,11 @@ class VolumeCache:
         try:
             blob = arrays_path.read_bytes()
         except OSError as e:
-            return self._corrupt(cid, arrays_path, f"unreadable ({e})")
+            self._corrupt(cid, arrays_path, f"unreadable ({e})")
+            return None
         if len(blob) != side.get("bytes") or hashlib.sha256(blob).hexdigest() != side.get("sha256"):
-            return self._corrupt(cid, arrays_path, f"{len(blob)} bytes whose SHA-256 differs from the sidecar's")
+            self._corrupt(cid, arrays_path, f"{len(blob)} bytes whose SHA-256 differs from the sidecar's")
+            return None
         try:
             arrays = load_safetensors(blob)
             layout = {
@@ -207,12 +210,12 @@ class VolumeCache:
                 original_label=arrays["original_label"].numpy().astype(np.int64) if keep_original else None,
             )
         except Exception as e:  # any malformed content is a corrupt entry, never the end of the run
-            return self._corrupt(cid, arrays_path, f"{type(e).__name__}: {e}")
+            self._corrupt(cid, arrays_path, f"{type(e).__name__}: {e}")
+            return None
         self.hits += 1
         return case
 
-    def _corrupt(self, cid: str, path: Path, why: str) -> CachedCase | None:
-        """Log a corrupt entry; None (the case is preprocessed again)."""
+    def _corrupt(self, cid: str, path: Path, why: str) -> None:
         self.rebuilt.append(f"{cid}: {why}")
         self.log(f"volume cache: {path}: {why}; the case is preprocessed again")
         return None

@@ -340,7 +340,7 @@ def load_volume_split(
     for n, (cid, image_path, label_path) in enumerate(entries):
         case = read(cid, image_path, label_path)
         deferrable = can_defer and cache is not None and not cache.disabled  # can_defer: cache is set
-        path = cache.arrays_path(cid, image_path, label_path) if deferrable and cache is not None else None
+        path = cache.arrays_path(cid, image_path, label_path) if cache is not None and deferrable else None
         files.append(CaseFile.of(cid, path, case.image, case.label, fed.labels) if path and path.is_file() else None)
         ids.append(cid)
         affines.append(case.affine)
@@ -362,7 +362,7 @@ def load_volume_split(
         size = _case_bytes(case, len(fed.labels))
         over = can_defer and budget is not None and budget.limit is not None and budget.used + size > budget.limit
         if over and all(f is not None for f in files):
-            assert budget is not None
+            assert budget is not None  # over: budget is set
             deferred = True  # from here on the split stays in the cache; what was held is released
             budget.used -= held_bytes
             held = []
