@@ -34,6 +34,7 @@ uses. No normalization and no dropout, so the network trains under the vectorize
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -99,6 +100,7 @@ class FGAUNet(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
                 nn.init.xavier_uniform_(m.weight)
+                assert m.bias is not None  # every convolution above is built with its bias
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,4 +126,6 @@ def build_fga_unet(spatial_dims: int, in_channels: int, out_channels: int, cfg: 
     :data:`PAPER_STRIDES`); ``num_res_units``, ``norm`` and ``dropout`` do not apply to it."""
     cfg = cfg or ModelConfig(name="fga-unet", channels=PAPER_CHANNELS, strides=PAPER_STRIDES)
     cfg.validate()
-    return FGAUNet(spatial_dims, in_channels, out_channels, *cfg.levels())
+    channels, strides = cfg.levels()
+    # one integer stride per level (the network's strides are isotropic; ``s - 1`` is its output padding)
+    return FGAUNet(spatial_dims, in_channels, out_channels, channels, cast(Sequence[int], strides))

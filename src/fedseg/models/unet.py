@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from monai.networks.nets import UNet
 from torch import nn
 
@@ -34,8 +36,9 @@ def build_unet(spatial_dims: int, in_channels: int, out_channels: int, cfg: Mode
         in_channels=in_channels,
         out_channels=out_channels,
         channels=cfg.levels()[0],
-        strides=cfg.levels()[1],
+        # MONAI passes each stride to Convolution, which takes an int or one per axis (its UNet hint says int)
+        strides=cast(Any, cfg.levels()[1]),
         num_res_units=cfg.num_res_units,
-        norm=norm,
+        norm=norm,  # type: ignore[arg-type]  # MONAI's hint omits None, which its ADN layers take as "no norm"
         dropout=cfg.dropout,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import ConcatDataset, TensorDataset
@@ -35,6 +35,9 @@ from fedseg.seams.algorithm import Algorithm
 from fedseg.seams.checkpoint import save_json
 from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
 from fedseg.site.workload import Workload, workload_for
+
+if TYPE_CHECKING:
+    from fedseg.data.volumes.splits import SliceDataset, VolumeDataset
 
 __all__ = [
     "build_engine",
@@ -269,7 +272,8 @@ def plan_volume_run(
     if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
         work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
         val = next(iter(data.values())).val
-        volume = None if val is None else split_shape(val)  # every split is padded to one shape
+        # a volume federation's splits are volume splits; every split is padded to one shape
+        volume = None if val is None else split_shape(cast("VolumeDataset | SliceDataset | CachedVolumes", val))
     return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
 
 

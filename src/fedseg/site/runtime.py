@@ -57,7 +57,8 @@ class SiteHalf(Protocol):
     :class:`fedseg.seams.algorithm.Algorithm`, which implements it).  The site layer does not import
     the algorithms; the algorithms build on the site."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the algorithms' name is a class attribute
 
     def site_handlers(self) -> dict[str, Callable[[Site, Task], Reply | Asks[Reply]]]: ...
 

@@ -20,11 +20,13 @@ __all__ = ["OriginalGrids", "eval_groups", "evaluate", "score_cases"]
 @runtime_checkable
 class OriginalGrids(Protocol):
     """A volume split that keeps each scan's original grid: ``originals`` (each with its ``spacing``) and
-    ``original_grid(i, prediction)`` → (prediction, label) resampled back to scan ``i``'s own grid."""
+    ``original_grid(i, prediction, threshold)`` → (prediction, label) resampled back to scan ``i``'s own grid."""
 
     originals: Any
 
-    def original_grid(self, i: int, prediction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def original_grid(
+        self, i: int, prediction: torch.Tensor, threshold: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def eval_groups(site: Any, split: str, cast_labels: bool = False) -> Iterator[extent.EvalGroup]:

@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -113,7 +113,7 @@ def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
 
     def compute(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         pred = (torch.sigmoid(logits.float()) > threshold).float()
-        out = metric(pred, target.float())
+        out = cast(torch.Tensor, metric(pred, target.float()))  # a tensor for tensor inputs
         metric.reset()
         if empty_dice != 1.0:
             dims = tuple(range(2, pred.dim()))
@@ -340,15 +340,15 @@ def segmentation_workload(
     train = train or TrainConfig()
     out_channels = len(label_names)
     roi = model.roi_size
-    infer = None
+    infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     transform = None
     if roi is not None:
         if len(roi) != spatial_dims:
             raise ValueError(f"model.roi_size {roi} must have {spatial_dims} entries")
         windows = max(sw_batch_size, 32) if slices else sw_batch_size  # a volume's slices, many at a time
 
-        def infer(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return sliding_window_inference(
+        def windowed(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            out = sliding_window_inference(
                 x,
                 roi_size=tuple(roi),
                 sw_batch_size=windows,
@@ -356,7 +356,9 @@ def segmentation_workload(
                 overlap=sw_overlap,
                 mode=sw_weighting,
             )
+            return cast(torch.Tensor, out)  # a tensor for a predictor that returns one
 
+        infer = windowed
         transform = _random_crop(roi, train.foreground_share, pooled=slices)
     if slices:
         infer = _slicewise(infer or (lambda m, x: m(x)))
@@ -378,9 +380,13 @@ def segmentation_workload(
 class DataLayout(Protocol):
     """What a workload needs to know of a federation's data (a :class:`fedseg.data.spec.FederationSpec` has it)."""
 
-    spatial_dims: int
-    in_channels: int
-    labels: Mapping[str, Any]
+    # read-only (a frozen spec's fields are)
+    @property
+    def spatial_dims(self) -> int: ...
+    @property
+    def in_channels(self) -> int: ...
+    @property
+    def labels(self) -> Mapping[str, Any]: ...
 
 
 def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Workload:
@@ -400,7 +406,8 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
         mode = getattr(layout, "mode", None)
     volumes = mode in VOLUME_MODES
     augment = cfg.train.augment == "on" or (cfg.train.augment == "auto" and volumes)
-    train = dataclasses.replace(cfg.train, loss=cfg.train.loss_for(volumes))
+    loss = cast(Literal["dice", "dicece", "bce"], cfg.train.loss_for(volumes))  # one of train.loss's values
+    train = dataclasses.replace(cfg.train, loss=loss)
     return segmentation_workload(
         int(spatial_dims),
         int(in_channels),

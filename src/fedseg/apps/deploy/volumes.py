@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fedseg.data.spec import INTENSITIES, VOLUME_MODES, FederationSpec, SiteSpec
 from fedseg.data.volumes.fingerprint import WEIGHTINGS, site_fingerprint, site_histogram
@@ -41,6 +41,10 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.seams.checkpoint import save_json
 from fedseg.simulation.runner import validation_work
 from fedseg.site.runtime import SiteData, dataset_len
+
+if TYPE_CHECKING:
+    from fedseg.data.volumes.lazy import CachedVolumes
+    from fedseg.data.volumes.splits import SliceDataset, VolumeDataset
 
 __all__ = [
     "VOLUME_OPS",
@@ -198,7 +202,8 @@ def site_operation(
         reads = str(body.get("volume_reads", "auto"))
         data = load_volume_site_data(name, datalist, {**header, "volume_shape": None}, cache, log, reads)
         sets = (data.train, data.val, data.test)  # a patches2d training split holds slices: two axes
-        shapes = [split_shape(ds) for ds in sets if ds is not None]
+        splits = [cast("VolumeDataset | SliceDataset | CachedVolumes", ds) for ds in sets if ds is not None]
+        shapes = [split_shape(ds) for ds in splits]
         shape = [max(s[a] for s in shapes if len(s) > a) for a in range(3)]
         return {
             "site": name,

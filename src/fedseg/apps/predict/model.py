@@ -215,8 +215,9 @@ def load_site_predictor(
     empty = TensorDataset(torch.zeros(0), torch.zeros(0))
     runtime = Site(name, 0, SiteData(empty), workload_for(layout, cfg), cfg, cast(Any, algorithm))
     restore_site(runtime, rounds[-1][1])
-    roles = [r for r in ("personal", "local", "global") if r in runtime.models]
-    want = {"personal": ["personal", "local"], "global": ["global"], None: roles}.get(model)
+    roles: list[str] = [r for r in ("personal", "local", "global") if r in runtime.models]
+    choices: dict[str | None, list[str]] = {"personal": ["personal", "local"], "global": ["global"], None: roles}
+    want = choices.get(model)
     if want is None:
         raise ConfigError(
             f"--model {model!r} at a deployed site: its work folder holds the models {roles}; use --model personal "

@@ -32,10 +32,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ class CachedCase:
 
 
 def plan_key(
-    plan: Any, in_channels: int, label_values: Sequence[int] | None, spacing: Sequence[float] | None = None
+    plan: Any, in_channels: int, label_values: Collection[int] | None, spacing: Sequence[float] | None = None
 ) -> str:
     """Hash of everything that changes a case's preprocessing (module docstring), 16 hex digits; ``spacing``
     is the resampling's when it is not the plan's target spacing (``patches2d`` keeps each slice spacing)."""
@@ -176,7 +176,8 @@ class VolumeCache:
             if not isinstance(side, Mapping):
                 raise ValueError("the sidecar is not a JSON object")
         except (OSError, ValueError) as e:
-            return self._corrupt(cid, side_path, f"unreadable sidecar ({e})")
+            self._corrupt(cid, side_path, f"unreadable sidecar ({e})")
+            return None
         try:
             sources = {"image": source_record(image), "label": source_record(label)}
         except OSError:
@@ -188,9 +189,11 @@ class VolumeCache:
         try:
             blob = arrays_path.read_bytes()
         except OSError as e:
-            return self._corrupt(cid, arrays_path, f"unreadable ({e})")
+            self._corrupt(cid, arrays_path, f"unreadable ({e})")
+            return None
         if len(blob) != side.get("bytes") or hashlib.sha256(blob).hexdigest() != side.get("sha256"):
-            return self._corrupt(cid, arrays_path, f"{len(blob)} bytes whose SHA-256 differs from the sidecar's")
+            self._corrupt(cid, arrays_path, f"{len(blob)} bytes whose SHA-256 differs from the sidecar's")
+            return None
         try:
             arrays = load_safetensors(blob)
             layout = {
@@ -203,11 +206,12 @@ class VolumeCache:
                 label=arrays["label"].numpy().astype(np.int64),
                 affine=arrays["affine"].numpy(),
                 original_affine=arrays["original_affine"].numpy(),
-                original_shape=tuple(int(s) for s in side["original_shape"]),
+                original_shape=cast(tuple[int, int, int], tuple(int(s) for s in side["original_shape"])),
                 original_label=arrays["original_label"].numpy().astype(np.int64) if keep_original else None,
             )
         except Exception as e:  # any malformed content is a corrupt entry, never the end of the run
-            return self._corrupt(cid, arrays_path, f"{type(e).__name__}: {e}")
+            self._corrupt(cid, arrays_path, f"{type(e).__name__}: {e}")
+            return None
         self.hits += 1
         return case
 

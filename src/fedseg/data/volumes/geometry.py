@@ -17,12 +17,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from fedseg.foundation.errors import DataError
+
+if TYPE_CHECKING:
+    from monai.data import MetaTensor
+    from nibabel.spatialimages import SpatialImage
 
 __all__ = [
     "Geometry",
@@ -55,13 +59,14 @@ class Geometry:
 
     @classmethod
     def from_json(cls, d: dict) -> Geometry:
-        return cls(np.asarray(d["affine"], dtype=np.float64), tuple(int(s) for s in d["shape"]))
+        shape = cast(tuple[int, int, int], tuple(int(s) for s in d["shape"]))
+        return cls(np.asarray(d["affine"], dtype=np.float64), shape)
 
 
 def spacing_of(affine: np.ndarray) -> tuple[float, float, float]:
     """Voxel spacing (mm) of each array axis from a 4 × 4 affine."""
     a = np.asarray(affine, dtype=np.float64)[:3, :3]
-    return tuple(float(v) for v in np.sqrt((a * a).sum(axis=0)))
+    return cast(tuple[float, float, float], tuple(float(v) for v in np.sqrt((a * a).sum(axis=0))))
 
 
 def read_volume(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +85,7 @@ def read_volume(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
     path = Path(path)
     try:
-        img = nib.load(str(path))
+        img = cast("SpatialImage", nib.load(str(path)))  # NIfTI: an image with an affine and data
         arr = np.asarray(img.dataobj)
     except Exception as e:  # nibabel raises several types for a bad file
         raise DataError(f"{path}: cannot be read as NIfTI ({type(e).__name__}: {e}) -> re-save it as .nii.gz") from None
@@ -114,7 +119,7 @@ def check_pair(image_path: str | Path, image_affine: np.ndarray, image_shape, la
         )
 
 
-def _meta(array: np.ndarray, affine: np.ndarray):
+def _meta(array: np.ndarray, affine: np.ndarray) -> MetaTensor:
     from monai.data import MetaTensor
 
     return MetaTensor(torch.as_tensor(np.ascontiguousarray(array)), affine=torch.as_tensor(affine, dtype=torch.float64))
@@ -145,13 +150,14 @@ def to_plan_grid(
     from monai.transforms import Orientation, Spacing
 
     orient = Orientation(axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S")))  # nibabel's RAS+
-    img = orient(_meta(image.astype(np.float32), affine))
-    img = Spacing(pixdim=spacing, mode="bilinear", padding_mode="border")(img)
+    img = cast("MetaTensor", orient(_meta(image.astype(np.float32), affine)))
+    # MONAI's transforms return a MetaTensor for a MetaTensor input (their hints say Tensor)
+    img = cast("MetaTensor", Spacing(pixdim=spacing, mode="bilinear", padding_mode="border")(img))
     new_affine = np.asarray(img.affine, dtype=np.float64)
     lab = None
     if label is not None:
-        lab_t = orient(_meta(label[None].astype(np.float32), affine))
-        lab_t = Spacing(pixdim=spacing, mode="nearest", padding_mode="zeros")(lab_t)
+        lab_t = cast("MetaTensor", orient(_meta(label[None].astype(np.float32), affine)))
+        lab_t = cast("MetaTensor", Spacing(pixdim=spacing, mode="nearest", padding_mode="zeros")(lab_t))
         lab = np.rint(np.asarray(lab_t.as_tensor()[0])).astype(np.int64)
         if lab.shape != tuple(img.shape[1:]):  # both grids follow from the same affine and shape
             raise AssertionError(f"label grid {lab.shape} differs from image grid {tuple(img.shape[1:])}")
@@ -170,10 +176,10 @@ def to_original_grid(
     from monai.transforms import SpatialResample
 
     src = _meta(array.detach().cpu().float().numpy(), affine)
-    out = SpatialResample(mode=mode, padding_mode="border", dtype=torch.float64)(
-        src, dst_affine=torch.as_tensor(original.affine, dtype=torch.float64), spatial_size=original.shape
-    )
-    return out.as_tensor().float()
+    # MONAI's dtype hint omits torch dtypes, which SpatialResample takes; the output is a MetaTensor
+    resample = SpatialResample(mode=mode, padding_mode="border", dtype=torch.float64)  # type: ignore[arg-type]
+    out = resample(src, dst_affine=torch.as_tensor(original.affine, dtype=torch.float64), spatial_size=original.shape)
+    return cast("MetaTensor", out).as_tensor().float()
 
 
 def _bounds(array: torch.Tensor, above: float, slab: int = 8) -> tuple[list[int], list[int]] | None:

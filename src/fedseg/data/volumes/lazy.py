@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ class CaseFile:
     def of(cls, case_id: str, path: Path, image: np.ndarray, label: np.ndarray, labels: Mapping[str, Any]):
         """The reference to a case whose arrays (``image`` (C, *extent), integer ``label`` (*extent)) are in
         ``path``; ``labels`` maps label channels to label values (:func:`fedseg.data.loading.label_channels`)."""
-        channels = label_channels(label, labels)
+        channels = label_channels(label, cast(dict[str, tuple[int, ...]], labels))
         fg = np.flatnonzero(channels.max(axis=0) > 0)
         index = np.int32 if label.size < 2**31 else np.int64
         return cls(
@@ -116,7 +116,7 @@ def read_region(
         except Exception as e:
             raise _unreadable(case, e) from e
         x[(slice(None), *dest)] = img.numpy()
-        y[(slice(None), *dest)] = label_channels(lab.numpy().astype(np.int64), labels)
+        y[(slice(None), *dest)] = label_channels(lab.numpy().astype(np.int64), cast(dict[str, tuple[int, ...]], labels))
     return torch.from_numpy(x), torch.from_numpy(y)
 
 

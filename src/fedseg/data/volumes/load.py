@@ -25,6 +25,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -259,6 +260,7 @@ def _preprocess(fed: FederationSpec, site: str, image_path, label_path, plan: Pl
     image, label, affine = read_channels(image_path, label_path, fed.in_channels, fed.label_values)
     x = normalize_case(image, plan.intensity, site)
     x, lab, new_affine = to_plan_grid(x, label, affine, plan_spacing(fed, plan))
+    assert lab is not None  # to_plan_grid resamples the label it is given
     return CachedCase(x, lab, new_affine, affine, tuple(label.shape), label if keep else None)
 
 
@@ -323,7 +325,7 @@ def load_volume_split(
     held: list[CachedCase] = []
     files: list[CaseFile | None] = []
     ids, affines, originals = [], [], []
-    deferred = can_defer and budget.limit == 0
+    deferred = can_defer and budget is not None and budget.limit == 0  # can_defer: budget is set
     held_bytes = 0
     entries = list(_entries(site, split))
 
@@ -337,7 +339,8 @@ def load_volume_split(
 
     for n, (cid, image_path, label_path) in enumerate(entries):
         case = read(cid, image_path, label_path)
-        path = cache.arrays_path(cid, image_path, label_path) if can_defer and not cache.disabled else None
+        deferrable = can_defer and cache is not None and not cache.disabled  # can_defer: cache is set
+        path = cache.arrays_path(cid, image_path, label_path) if cache is not None and deferrable else None
         files.append(CaseFile.of(cid, path, case.image, case.label, fed.labels) if path and path.is_file() else None)
         ids.append(cid)
         affines.append(case.affine)
@@ -345,6 +348,7 @@ def load_volume_split(
             originals.append(Geometry(case.original_affine, case.original_shape))
         if deferred and files[-1] is None:  # the cache stopped taking cases (logged by it): hold them all
             deferred = False
+            assert budget is not None and cache is not None  # deferred only when can_defer: both are set
             if budget.limit == 0:
                 raise ConfigError(
                     f"{site.name}: volume_reads = 'cache' but the site's cache stopped taking cases ({cache.disabled})"
@@ -356,7 +360,9 @@ def load_volume_split(
         if deferred:
             continue
         size = _case_bytes(case, len(fed.labels))
-        if can_defer and budget.used + size > budget.limit and all(f is not None for f in files):
+        over = can_defer and budget is not None and budget.limit is not None and budget.used + size > budget.limit
+        if over and all(f is not None for f in files):
+            assert budget is not None  # over: budget is set
             deferred = True  # from here on the split stays in the cache; what was held is released
             budget.used -= held_bytes
             held = []
@@ -368,10 +374,13 @@ def load_volume_split(
     if not ids:
         raise DataError(f"{site.name}: {site.datalist}: split {split!r} has no cases -> add cases to the datalist")
     if deferred:
+        assert budget is not None  # deferred only when can_defer
         budget.cached.append(split)
+        # every case is in the cache: a case it did not take ends deferral (above)
+        files_in = cast(list[CaseFile], files)
         least = [0, 0, 0] if fed.mode == "patches2d" else list(plan.patch_size)
-        shape = [max([f.extent[a] for f in files] + [least[a]]) for a in range(3)]
-        return CachedVolumes(files, fed.labels, shape, affines if keep else None, originals if keep else None)
+        shape = [max([f.extent[a] for f in files_in] + [least[a]]) for a in range(3)]
+        return CachedVolumes(files_in, fed.labels, shape, affines if keep else None, originals if keep else None)
     images = [c.image for c in held]
     labels = [c.label for c in held]
     if slices:
@@ -382,7 +391,10 @@ def load_volume_split(
         shape = [max([im.shape[1 + a] for im in images] + [plan.patch_size[a]]) for a in range(3)]
     x, y = pad_far_end(images, [label_channels(lab, fed.labels) for lab in labels], shape)
     # the label channels in each scan's own grid, one byte a voxel (scored as float32 region by region)
-    orig_labels = [torch.from_numpy(label_masks(c.original_label, fed.labels)) for c in held] if keep else None
+    # a kept split's cases carry their own-grid label
+    orig_labels = (
+        [torch.from_numpy(label_masks(cast(np.ndarray, c.original_label), fed.labels)) for c in held] if keep else None
+    )
     extents = [tuple(int(s) for s in im.shape[1:]) for im in images]
     return VolumeDataset(x, y, ids, affines, originals if keep else None, orig_labels, extents=extents)
 
@@ -445,7 +457,8 @@ def plan_for_run(
     patch (:func:`fedseg.data.volumes.plan.slice_patch`)."""
     model, ev, train = cfg.model, cfg.eval, cfg.train
     if train.loss != train.loss_for(volumes=True):
-        train = dataclasses.replace(train, loss=train.loss_for(volumes=True))
+        loss = cast(Literal["dice", "dicece", "bce"], train.loss_for(volumes=True))  # one of train.loss's values
+        train = dataclasses.replace(train, loss=loss)
         log(
             f"plan: train.loss = {train.loss} (Dice + cross-entropy: a Dice loss alone can settle on empty predictions)"
         )
@@ -474,6 +487,7 @@ def plan_for_run(
             kernels=model.kernels if model.kernels is not None else kernels,
         )
         log(f"plan: network channels {plan.channels}, strides {plan.strides}, kernels {plan.kernels}")
+    assert model.roi_size is not None  # set from the plan above when unset
     if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:

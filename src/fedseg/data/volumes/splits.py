@@ -101,7 +101,7 @@ def pad_far_end(images: list[np.ndarray], labels: list[np.ndarray], shape: list[
     x = np.zeros((len(images), images[0].shape[0], *shape), dtype=np.float32)
     y = np.zeros((len(labels), labels[0].shape[0], *shape), dtype=np.float32)
     for i, (im, lab) in enumerate(zip(images, labels)):
-        region = (i, slice(None), *(slice(0, s) for s in im.shape[1:]))
+        region: tuple[int | slice, ...] = (i, slice(None), *(slice(0, s) for s in im.shape[1:]))
         x[i] = im.min()
         x[region] = im
         y[region] = lab

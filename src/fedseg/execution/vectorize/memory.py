@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedseg.foundation.config.schema import Precision
 from fedseg.foundation.device import autocast
 from fedseg.site.calls import GradientCall
 
@@ -36,7 +37,7 @@ def group_size_for(free_bytes: int, site_bytes: int, k: int, headroom: float = 0
 
 
 def activation_bytes(
-    model: nn.Module, x: Any, target: Any, loss: Callable, device: torch.device, precision: str
+    model: nn.Module, x: Any, target: Any, loss: Callable, device: torch.device, precision: Precision
 ) -> int:
     """Bytes autograd keeps for the backward pass of ``loss(model(x), target)`` — the tensors saved for
     backward, each storage counted once — from one forward pass on one site's batch (the model and its
