@@ -22,6 +22,7 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import split_name
 from fedseg.foundation.seeding import generator
 from fedseg.site.dp import draw_batches
+from fedseg.site.workload import CaseTransform
 
 __all__ = [
     "CaseExtents",
@@ -180,7 +181,7 @@ def training_batches(
     steps = site.steps_per_round(split) if steps is None else steps
     tf = site.workload.train_transform
     g_tf = generator(site.cfg.seed, site.index, rnd, stream, "transform") if tf is not None else None
-    cases_aware = getattr(tf, "reads_cases", False)
+    cases_aware = isinstance(tf, CaseTransform)
     lazy = isinstance(ds, CachedVolumes) and cases_aware
     # padded volumes: each case's own shape, so that patches stay within it (the workload's patch crop)
     extents = case_extents(site.data.split(split)) if cases_aware and not lazy else None

@@ -25,6 +25,7 @@ from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.site.extent import pad_far_end
 
 __all__ = [
+    "CaseTransform",
     "DataLayout",
     "Workload",
     "accuracy_metric",
@@ -200,6 +201,21 @@ def make_loss(name: str) -> Loss:
     raise ValueError(f"unknown loss {name!r}")
 
 
+class CaseTransform:
+    """A training transform that reads each case's own extent and, for volumes kept in a site's cache, a
+    :class:`fedseg.data.volumes.lazy.CaseBatch` instead of stacked tensors (:func:`fedseg.site.batches.training_batches`
+    hands it those): ``fn(x, y, g, extents) -> (x, y)``, every draw from ``g``.  A plain callable
+    ``(x, y, g) -> (x, y)`` gets the stacked batch only."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+        self.fn = fn
+
+    def __call__(
+        self, x: Any, y: Any, g: torch.Generator, extents: Sequence[Sequence[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(x, y, g, extents)
+
+
 def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool = False):
     """Batch transform cutting one patch of size ``roi`` per case (same place for image and label).
 
@@ -271,8 +287,7 @@ def _random_crop(roi: Sequence[int], foreground_share: float = 0.0, pooled: bool
             ys.append(y[(src, slice(None), *sl)])
         return torch.stack(xs), torch.stack(ys)
 
-    crop.reads_cases = True  # type: ignore[attr-defined]  # takes a CaseBatch and extents (Site.batches)
-    return crop
+    return CaseTransform(crop)
 
 
 def _augmented(crop, spatial_dims: int, roi: Sequence[int] | None = None):
@@ -286,8 +301,7 @@ def _augmented(crop, spatial_dims: int, roi: Sequence[int] | None = None):
             x, y = crop(x, y, g, extents)
         return augment(x, y, int(torch.randint(0, 2**31 - 1, (), generator=g)))
 
-    transform.reads_cases = getattr(crop, "reads_cases", False)  # type: ignore[attr-defined]
-    return transform
+    return CaseTransform(transform) if isinstance(crop, CaseTransform) else transform
 
 
 def _slicewise(infer2d: Callable[[nn.Module, torch.Tensor], torch.Tensor]):

@@ -38,8 +38,7 @@ from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import (
     Geometry,
     label_masks,
-    read_case,
-    read_volume,
+    read_channels,
     to_plan_grid,
 )
 from fedseg.data.volumes.intensity import channel_schemes, normalize_case
@@ -109,37 +108,6 @@ def _entries(site: SiteSpec, split: str) -> Iterator[tuple[str, ImagePath, Path]
         except ValueError:
             cid = str(first)
         yield cid, entry["image"], entry["label"]
-
-
-def read_channels(image: ImagePath, label_path: str | Path, in_channels: int, label_values=None):
-    """:func:`~fedseg.data.volumes.geometry.read_case` of an image in one file, or in one file per channel
-    (in channel order): each file one 3D channel on the label's grid (same shape, affine within 1e-3 mm),
-    else one :class:`DataError` naming the file and the fix."""
-    if not isinstance(image, (list, tuple)):
-        return read_case(image, label_path, in_channels, label_values)
-    if len(image) != in_channels:
-        raise DataError(
-            f"{image[0]}: the case lists {len(image)} channel file(s) but in_channels = {in_channels} -> list one "
-            "file per channel (in data.channels order) or set data.in_channels"
-        )
-    first, label, affine = read_case(image[0], label_path, 1, label_values)
-    channels = [first[0]]
-    for path in image[1:]:
-        arr, aff = read_volume(path)
-        if arr.ndim == 4 and arr.shape[-1] == 1:
-            arr = arr[..., 0]
-        if arr.ndim != 3:
-            raise DataError(f"{path}: a channel file holds one 3D channel, not shape {arr.shape} -> split it")
-        if arr.shape != label.shape or not np.allclose(aff, affine, atol=1e-3):
-            raise DataError(
-                f"{path}: channel file of shape {arr.shape} is not on the grid of {image[0]} (shape "
-                f"{label.shape}, same affine to 1e-3 mm) -> resample every channel of a case onto one grid"
-            )
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise DataError(f"{path}: contains NaN or infinite voxels -> replace them (e.g. with the air value)")
-        channels.append(arr)
-    dtype = np.result_type(*[c.dtype for c in channels])
-    return np.stack([c.astype(dtype, copy=False) for c in channels]), label, affine
 
 
 def _cases(fed: FederationSpec, site: SiteSpec, split: str = "training") -> Iterator[tuple]:
