@@ -12,7 +12,7 @@ tensor of every ``.safetensors`` file the run saved (checkpoints, models) — na
 sorted order — and prints (``--out``: writes) ``{run: {file: sha256 over its tensors' names and digests}}``
 (``--tensors``: ``{run: {file: {tensor: sha256}}}``); ``--check`` compares with a saved digest of either form and
 names every file (or, against a per-tensor digest, every tensor) that differs.  benchmarks/digest_reference.json
-is the per-file digest of commit 211ef7c.  About 1–2 minutes on this machine (2-core CPU).
+is the per-file digest of the tree that last changed a run's numbers on purpose; rewrite it (``--out``) with such a change.  About 1–2 minutes on this machine (2-core CPU).
 """
 
 from __future__ import annotations
