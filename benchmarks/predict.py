@@ -12,7 +12,7 @@
    what is measured is reading the scan and writing its mask in its own 512 × 512 × 300 grid (the inversion,
    slab by slab), not the network over a full-size plan grid.
 
-    .venv/bin/python benchmarks/predict.py --md docs/results/predict.md
+    .venv/bin/python benchmarks/predict.py --md predict.md
 
 About two minutes on 2 CPU cores with one torch thread (``--rounds`` and ``--scale`` make it longer).
 Writes ``OUT/summary.json``.
