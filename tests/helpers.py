@@ -157,3 +157,29 @@ def fake_run(scores: Callable[[str, int], tuple[float, float]], folder: bool = F
         return res
 
     return run
+
+
+def fedavg_weights_sequential_and_vectorized(folder: Path, net: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The server weights of two float64 FedAvg rounds of ``net`` (a ModelConfig) on the tiny sites, run one
+    site after another (``"off"``) and vectorized (``"on"``, whose log must say the sites trained as one
+    computation)."""
+    import dataclasses
+
+    from conftest import tiny_config, tiny_sites
+    from fedseg.foundation.config import SimulationConfig
+    from fedseg.simulation.runner import simulate
+    from fedseg.site.workload import segmentation_workload
+
+    weights = {}
+    for mode in ("off", "on"):
+        cfg = dataclasses.replace(
+            tiny_config("fedavg", rounds=2, dtype="float64"), model=net, simulation=SimulationConfig(vectorize=mode)
+        )
+        logs: list[str] = []
+        wl = segmentation_workload(2, 1, ["fg"], net)
+        simulate(cfg, wl, tiny_sites(), out=folder / mode, progress=False, log=logs.append)
+        if mode == "on":
+            assert any("trains as one vectorized computation" in m for m in logs), logs
+        weights[mode] = load_file(str(folder / mode / "checkpoints" / "server.safetensors"))
+    assert weights["on"].keys() == weights["off"].keys()
+    return weights

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import tiny_config, tiny_sites
 from fedseg.execution.vectorize.eligibility import vectorize_reason
-from fedseg.foundation.config import ModelConfig, SimulationConfig, load_run_config
+from fedseg.foundation.config import ModelConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.models import FGAUNet, build_model
 from fedseg.models.fga_unet import PAPER_CHANNELS, PAPER_STRIDES
-from fedseg.simulation.runner import simulate
-from fedseg.site.workload import make_loss, segmentation_workload
+from fedseg.site.workload import make_loss
 
 PAPER = ModelConfig(name="fga-unet", channels=PAPER_CHANNELS, strides=PAPER_STRIDES)
 
@@ -82,19 +77,10 @@ def test_it_learns_a_tiny_batch():
 def test_fedavg_trains_it_vectorized_as_sequentially(tmp_path):
     """Plain convolutions, no normalization, no dropout: the vectorized executor stacks it (no fallback reason)
     and two FedAvg rounds give the sequential run's weights (float64, 1e-10)."""
+    from helpers import fedavg_weights_sequential_and_vectorized
+
     small = ModelConfig(name="fga-unet", channels=(2, 4, 8), strides=(2, 2))
     assert vectorize_reason(build_model(2, 1, 1, small)) is None
-    weights = {}
-    for mode in ("off", "on"):
-        cfg = dataclasses.replace(
-            tiny_config("fedavg", rounds=2, dtype="float64"), model=small, simulation=SimulationConfig(vectorize=mode)
-        )
-        logs: list[str] = []
-        wl = segmentation_workload(2, 1, ["fg"], small)
-        simulate(cfg, wl, tiny_sites(), out=tmp_path / mode, progress=False, log=logs.append)
-        if mode == "on":
-            assert any("trains as one vectorized computation" in m for m in logs), logs
-        weights[mode] = load_file(str(tmp_path / mode / "checkpoints" / "server.safetensors"))
-    assert weights["on"].keys() == weights["off"].keys()
+    weights = fedavg_weights_sequential_and_vectorized(tmp_path, small)
     for k, v in weights["off"].items():
         torch.testing.assert_close(weights["on"][k], v, rtol=1e-10, atol=1e-10)

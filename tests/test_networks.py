@@ -167,25 +167,9 @@ def test_plan_for_30_cts_is_nnunets():
 def test_dynunet_trains_vectorized_as_sequentially(tmp_path):
     """DynUNet (instance norm, no dropout, layers reachable under two names) is stacked by the vectorized
     executor, deep supervision included, and two FedAvg rounds give the sequential run's weights (float64)."""
-    from safetensors.torch import load_file
-
-    from conftest import tiny_config, tiny_sites
-    from fedseg.foundation.config import SimulationConfig
-    from fedseg.simulation.runner import simulate
-    from fedseg.site.workload import segmentation_workload
+    from helpers import fedavg_weights_sequential_and_vectorized
 
     net = ModelConfig(name="dynunet", channels=(2, 4, 4, 4), strides=(2, 2, 2))
-    weights = {}
-    for mode in ("off", "on"):
-        cfg = dataclasses.replace(
-            tiny_config("fedavg", rounds=2, dtype="float64"), model=net, simulation=SimulationConfig(vectorize=mode)
-        )
-        logs: list[str] = []
-        wl = segmentation_workload(2, 1, ["fg"], net)
-        simulate(cfg, wl, tiny_sites(), out=tmp_path / mode, progress=False, log=logs.append)
-        if mode == "on":
-            assert any("trains as one vectorized computation" in m for m in logs), logs
-        weights[mode] = load_file(str(tmp_path / mode / "checkpoints" / "server.safetensors"))
-    assert weights["on"].keys() == weights["off"].keys()
+    weights = fedavg_weights_sequential_and_vectorized(tmp_path, net)
     for k, v in weights["off"].items():
         torch.testing.assert_close(weights["on"][k], v, rtol=1e-9, atol=1e-9)

@@ -113,18 +113,22 @@ def _example(loaded: Loaded) -> torch.Tensor:
     return torch.zeros(1, int(lay["in_channels"]), *shape, dtype=torch.float32)
 
 
-def _write(path: Path, data: bytes | str, force: bool) -> Path:
+def _target(path: Path, force: bool) -> Path:
+    """``path``, its folder made, unless it exists and ``force`` is off (one error naming the fix)."""
     if path.exists() and not force:
         raise ConfigError(f"{path} exists; export overwrites nothing -> choose another --out or add --force")
     path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _write(path: Path, data: bytes | str, force: bool) -> Path:
+    _target(path, force)
     path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
     return path
 
 
 def _torchscript(model: nn.Module, example: torch.Tensor, path: Path, force: bool) -> Path:
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists; export overwrites nothing -> choose another --out or add --force")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _target(path, force)
     model = model.float().cpu().eval()
     with torch.no_grad():
         traced = torch.jit.trace(model, example, check_trace=False)
@@ -133,9 +137,7 @@ def _torchscript(model: nn.Module, example: torch.Tensor, path: Path, force: boo
 
 
 def _onnx(model: nn.Module, example: torch.Tensor, path: Path, force: bool) -> Path:
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists; export overwrites nothing -> choose another --out or add --force")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _target(path, force)
     model = model.float().cpu().eval()
     axes = {0: "batch", **{2 + a: f"s{a}" for a in range(example.dim() - 2)}}
     with torch.no_grad():
