@@ -378,7 +378,10 @@ def test_a_nan_volume_is_refused_by_predict_validate_and_training(tmp_path):
     label = (clean > 1).astype(np.int16)
     holes = clean.copy()
     holes.reshape(-1)[rng.choice(clean.size, 48, replace=False)] = np.nan
-    nan48, all_nan = _nifti(tmp_path / "nan48.nii.gz", holes), _nifti(tmp_path / "allnan.nii.gz", np.full_like(clean, np.nan))
+    nan48, all_nan = (
+        _nifti(tmp_path / "nan48.nii.gz", holes),
+        _nifti(tmp_path / "allnan.nii.gz", np.full_like(clean, np.nan)),
+    )
     with pytest.raises(DataError, match=r"nan48.nii.gz: 48 of 24,576 voxels are NaN or infinite -> .*--nan-to-num"):
         read_scan(nan48, "3d", 1)
     with pytest.raises(DataError, match=r"allnan.nii.gz: 24,576 of 24,576 voxels are NaN or infinite \(every one\)"):
@@ -456,7 +459,9 @@ def test_predict_reads_every_input_before_writing_and_records_what_made_the_mask
     out = tmp_path / "masks"
     assert main(["predict", str(run_dir), "--input", str(batch), "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "b_nan.nii.gz: 48 of 256 voxels are NaN or infinite" in err and "--nan-to-num" in err
+    assert (
+        err.count("\n") == 1 and "b_nan.nii.gz: 48 of 256 voxels are NaN or infinite" in err and "--nan-to-num" in err
+    )
     assert not out.exists()  # a_testing0.png, ahead of it, has no mask
     # replaced under --nan-to-num, with a warning
     argv = ["predict", str(run_dir), "--input", str(batch), "--out", str(out), "--quiet", "--nan-to-num", "0"]
@@ -480,7 +485,11 @@ def test_predict_reads_every_input_before_writing_and_records_what_made_the_mask
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("predict: 2 case(s) written") and len(printed) == 2
     assert printed[1].startswith(f"  skipped {batch / 'b_notes.png'}: cannot be read (UnidentifiedImageError")
-    assert sorted(p.name for p in (tmp_path / "m2").iterdir()) == ["a_testing0.png", "c_testing1.png", "predictions.json"]
+    assert sorted(p.name for p in (tmp_path / "m2").iterdir()) == [
+        "a_testing0.png",
+        "c_testing1.png",
+        "predictions.json",
+    ]
     argv = ["predict", str(run_dir), "--input", str(batch), "--out", str(tmp_path / "m3"), "--quiet", "--strict"]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -507,7 +516,17 @@ def test_predict_names_the_splits_the_out_file_and_the_runs_it_finds(tiny, tmp_p
     assert "--out" in (err := capsys.readouterr().err) and "is a file" in err and "give a folder path" in err
     # runs/fedavg holds runs/fedavg/seed0 alone: taken, and said; runs/ with a second run: both listed
     top = run_dir.parent
-    argv = ["predict", str(top), "--input", str(datalist), "--split", "testing", "--out", str(tmp_path / "m"), "--quiet"]
+    argv = [
+        "predict",
+        str(top),
+        "--input",
+        str(datalist),
+        "--split",
+        "testing",
+        "--out",
+        str(tmp_path / "m"),
+        "--quiet",
+    ]
     assert main(argv) == 0
     assert f"using the run in {run_dir}" in capsys.readouterr().out
     other = top.parent / "other" / "seed1"

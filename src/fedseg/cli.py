@@ -17,8 +17,8 @@ from fedseg.apps.audit.command import add_audit_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.predict import load_predictor, predict_files
-from fedseg.apps.predict.run import EXIT_SKIPPED
 from fedseg.apps.predict.export import export_run
+from fedseg.apps.predict.run import EXIT_SKIPPED
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -156,9 +156,7 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    loaded = load_predictor(
-        a.run, site=a.site, model=a.model, device=a.device, precision=a.precision, spec=a.spec
-    )
+    loaded = load_predictor(a.run, site=a.site, model=a.model, device=a.device, precision=a.precision, spec=a.spec)
     res = predict_files(
         loaded,
         a.input,
@@ -512,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--probabilities", action="store_true", help="also write per-label probabilities (float16 .npy)")
     pr.add_argument("--split", help="with a datalist: only this split's images")
     pr.add_argument("--force", action="store_true", help="overwrite masks already in --out")
-    pr.add_argument("--strict", action="store_true", help="refuse the whole batch when a file cannot be read (default: skip it)")
+    pr.add_argument(
+        "--strict", action="store_true", help="refuse the whole batch when a file cannot be read (default: skip it)"
+    )
     pr.add_argument("--device", help="cpu, cuda, cuda:N (default: the run's)")
     pr.add_argument("--precision", choices=["fp32", "bf16"], help="inference precision (default: the run's)")
     pr.add_argument(

@@ -185,9 +185,7 @@ def load_predictor(
     the data layout the run folder keeps."""
     run_dir = find_run(run_dir, log)
     asked = {"site": site, "model": model, "device": device, "precision": precision}
-    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir() and any(
-        run_dir.glob("round-*")
-    ):
+    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir() and any(run_dir.glob("round-*")):
         return load_site_predictor(run_dir, model=model, device=device, precision=precision)
     fix = (
         "predict needs the best models of a finished fedseg run (checkpoints/best.safetensors + best.json): "

@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional
 from tqdm.auto import tqdm
 
+from fedseg import __version__
 from fedseg.apps.predict.model import Loaded
 from fedseg.apps.predict.scans import (
     Scan,
@@ -262,7 +263,9 @@ def predict_files(
         labels = keep_largest(result.labels, loaded.layout["labels"]) if postprocess else result.labels
         write_mask(target, labels, scan)
         if probabilities and result.probabilities is not None:
-            write_probabilities(target.with_name(target.name.split(".")[0] + "_probabilities.npy"), result.probabilities)
+            write_probabilities(
+                target.with_name(target.name.split(".")[0] + "_probabilities.npy"), result.probabilities
+            )
         written.append(str(target))
         used = loaded.candidate.name
         if result.route is not None:
@@ -282,9 +285,7 @@ def predict_files(
             w.writeheader()
             w.writerows(rows)
     out.mkdir(parents=True, exist_ok=True)
-    save_json(
-        _record(loaded, cases_out, skipped, tta, postprocess, probabilities, split, nan_to_num, strict), record
-    )
+    save_json(_record(loaded, cases_out, skipped, tta, postprocess, probabilities, split, nan_to_num, strict), record)
     log(f"predict: {len(written)} case(s) written to {out}, {len(skipped)} skipped")
     for s in skipped:
         log(f"  skipped {s['file']}: {s['reason']}")
@@ -308,12 +309,10 @@ def _record(
     strict: bool,
 ) -> dict[str, Any]:
     """``predictions.json``: what made the masks beside it."""
-    import fedseg
-
     cand = loaded.candidate
     return {
-        "fedseg_version": fedseg.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "fedseg_version": __version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "run": str(loaded.run_dir.resolve()) if loaded.run_dir is not None else None,
         "method": loaded.cfg.method,
         "model": cand.name,
