@@ -145,14 +145,17 @@ def _header_layout(header: dict[str, Any]) -> dict[str, Any]:
 def _layout(cfg: RunConfig, run_dir: Path, spec: str | Path | None) -> tuple[dict[str, Any], dict | None, str]:
     """``(layout, plan as JSON or None, where it was read)``: ``--spec``, else the run's ``data.json``, else a
     deployed server's ``deploy.json``, else the spec the run's config names."""
-    if spec is not None:
-        return _header_layout(data_header(load_federation(spec))), None, str(spec)
     stored = run_dir / LAYOUT_NAME
+    header: dict[str, Any] = {}
     if stored.is_file():
         try:
             header = json.loads(stored.read_text())
         except ValueError as e:
-            raise ConfigError(f"{stored} is damaged ({e}) -> give the run's federation spec with --spec") from None
+            if spec is None:
+                raise ConfigError(f"{stored} is damaged ({e}) -> give the run's federation spec with --spec") from None
+    if spec is not None:  # the spec's layout; a volume run's plan stays the one it was trained with
+        return _header_layout(data_header(load_federation(spec))), header.get("plan"), str(spec)
+    if header:
         return _header_layout(header), header.get("plan"), str(stored)
     deployed = run_dir / "deploy.json"
     if deployed.is_file():
@@ -197,7 +200,8 @@ def load_predictor(
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
     layout, stored_plan, source = _layout(cfg, run_dir, spec)
     plan_json = stored_plan or results.get("plan")
-    where = source if stored_plan else f"{run_dir}/results.json"
+    plan_file = str(run_dir / LAYOUT_NAME) if spec is not None else source
+    where = plan_file if stored_plan else f"{run_dir}/results.json"
     plan = Plan.from_json(plan_json, where=where) if plan_json else None
     if plan is None and layout["mode"] in ("3d", "patches2d"):
         raise ConfigError(
