@@ -559,9 +559,13 @@ def test_a_moved_run_predicts_the_same_masks(tiny, tmp_path):
         assert names == sorted(p.name for p in inputs.glob("*.png")) and len(names) == 5
         for n in names:
             assert (tmp_path / "here" / n).read_bytes() == (tmp_path / "there" / n).read_bytes()
+        header = json.loads((moved / "data.json").read_text())
         (moved / "data.json").unlink()
         with pytest.raises(ConfigError, match=r"has no data.json .* which is not there -> .*--spec PATH"):
             load_predictor(moved, log=_quiet)
+        (moved / "deploy.json").write_text(json.dumps({"data": header}))  # a deployed server's run folder
+        assert load_predictor(moved, log=_quiet).layout_source == str(moved / "deploy.json")
+        (moved / "deploy.json").unlink()
         assert load_predictor(moved, spec=renamed / "federation.toml", log=_quiet).layout["labels"] == {
             "outer": [1, 2],
             "inner": [2],
@@ -570,6 +574,7 @@ def test_a_moved_run_predicts_the_same_masks(tiny, tmp_path):
         renamed.rename(spec.parent)
 
 
+@pytest.mark.filterwarnings("ignore:NvImgCodecPydicomReader")  # MONAI's LoadImaged builds its DICOM readers
 def test_the_bundle_refuses_a_nan_scan_and_preprocessing_json_says_so(tiny, tmp_path):
     """The exported bundle's preprocessing, built by MONAI's own config parser from ``inference.json`` (the
     bundle runner's path), raises on a scan with NaN voxels naming the file and the count, and passes a clean
