@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import locale
+import re
 import shutil
 import subprocess
 import sys
@@ -131,6 +132,7 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
         idx = route(selector_probs(s, sel, "testing").float(), thresholds(cand.config)).tolist()
         rows = list(csv.DictReader((masks / "routing.csv").open()))
         assert [r["model"] for r in rows] == [loaded.route_names[i] for i in idx]
+        assert list(rows[0]) == ["case", "model", *[f"p_{s}" for s in fed.site_names]]  # by site
     # nothing is overwritten without --force; a run without best models names the fix
     with pytest.raises(ConfigError, match="--force"):
         predict_files(
@@ -311,3 +313,299 @@ def test_simpleitk_and_dicom_scans_read_with_the_nifti_affine_and_masks_keep_the
     assert locale.setlocale(locale.LC_ALL) == saved  # reading a series leaves the process's locale as it was
     assert d.kind == "dicom" and np.array_equal(d.image, b.image)
     assert np.allclose(d.affine, b.affine, atol=1e-3)
+
+
+# ---------------------------------------------------------------- bad input, a self-contained run, provenance
+def tiny_federation(root, size: int = 16, seed: int = 0):
+    """Two sites of 16² grey PNGs (2 training, 1 validation, 2 test cases each) with nested labels; its spec."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for s in (1, 2):
+        d = root / f"site{s}"
+        for sub in ("images", "labels"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        lists: dict = {}
+        for split, n in (("training", 2), ("validation", 1), ("testing", 2)):
+            lists[split] = []
+            for k in range(n):
+                img = (rng.random((size, size)) * 255).astype(np.uint8)
+                lab = (img > 100 + 20 * s).astype(np.uint8) + (img > 200).astype(np.uint8)
+                Image.fromarray(img).save(d / "images" / f"{split}{k}.png")
+                Image.fromarray(lab).save(d / "labels" / f"{split}{k}.png")
+                lists[split].append({"image": f"images/{split}{k}.png", "label": f"labels/{split}{k}.png"})
+        (d / "datalist.json").write_text(json.dumps(lists))
+        blocks.append(f'[[sites]]\nname = "site{s}"\ndatalist = "site{s}/datalist.json"\n')
+    spec = root / "federation.toml"
+    spec.write_text(
+        'name = "tiny"\n[data]\nmode = "2d"\nspatial_dims = 2\nin_channels = 1\n'
+        "[data.labels]\nouter = [1, 2]\ninner = [2]\n\n" + "\n".join(blocks)
+    )
+    return spec
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A one-round FedAvg run of a small U-Net on :func:`tiny_federation`: ``(run folder, spec)``."""
+    root = tmp_path_factory.mktemp("tiny")
+    spec = tiny_federation(root / "fed")
+    overrides = ["method=fedavg", "rounds=1", "train.local_steps=1", *SMALL[:3], "train.batch_size=2"]
+    run(spec, out=root / "runs" / "fedavg" / "seed0", overrides=overrides, progress=False, log=lambda m: None)
+    return root / "runs" / "fedavg" / "seed0", spec
+
+
+def _nifti(path, array):
+    nib.save(nib.Nifti1Image(np.asarray(array, dtype=np.float32), np.eye(4)), str(path))
+    return path
+
+
+def _quiet(m: str) -> None:
+    pass
+
+
+def test_a_nan_volume_is_refused_by_predict_validate_and_training(tmp_path):
+    """A 32 × 32 × 24 volume (24,576 voxels) with 48 NaN voxels, and one all NaN: one error naming the file,
+    the count and the fix in predict's reader, in ``fedseg validate`` (a problem of that file) and in a site's
+    loading of its volumes (naming the site).  Before, predict read it and wrote an all-background mask."""
+    from fedseg.apps.predict.scans import read_scan
+    from fedseg.data.spec import load_federation
+    from fedseg.data.validate import validate_federation
+    from fedseg.data.volumes.load import load_volume_split, plan_federation
+
+    rng = np.random.default_rng(0)
+    clean = rng.normal(0, 1, (32, 32, 24)).astype(np.float32)
+    label = (clean > 1).astype(np.int16)
+    holes = clean.copy()
+    holes.reshape(-1)[rng.choice(clean.size, 48, replace=False)] = np.nan
+    nan48, all_nan = (
+        _nifti(tmp_path / "nan48.nii.gz", holes),
+        _nifti(tmp_path / "allnan.nii.gz", np.full_like(clean, np.nan)),
+    )
+    with pytest.raises(DataError, match=r"nan48.nii.gz: 48 of 24,576 voxels are NaN or infinite -> .*--nan-to-num"):
+        read_scan(nan48, "3d", 1)
+    with pytest.raises(DataError, match=r"allnan.nii.gz: 24,576 of 24,576 voxels are NaN or infinite \(every one\)"):
+        read_scan(all_nan, "3d", 1)
+    replaced = read_scan(nan48, "3d", 1, nan_to_num=-1.0)
+    assert replaced.replaced == 48 and np.isfinite(replaced.image).all() and (replaced.image == -1.0).sum() == 48
+    # a federation whose test case has the NaN voxels: validate names the file, loading names site and file
+    site = tmp_path / "site1"
+    site.mkdir()
+    nib.save(nib.Nifti1Image(clean, np.eye(4)), str(site / "img.nii.gz"))
+    nib.save(nib.Nifti1Image(label, np.eye(4)), str(site / "lab.nii.gz"))
+    shutil.copy(nan48, site / "nan48.nii.gz")
+    case = {"image": "img.nii.gz", "label": "lab.nii.gz"}
+    lists = {"training": [case], "validation": [case], "testing": [{"image": "nan48.nii.gz", "label": "lab.nii.gz"}]}
+    (site / "datalist.json").write_text(json.dumps(lists))
+    spec = tmp_path / "fed.toml"
+    spec.write_text(
+        'name = "v"\n[data]\nmode = "3d"\nin_channels = 1\n[data.labels]\nfg = [1]\n'
+        '[[sites]]\nname = "site1"\ndatalist = "site1/datalist.json"\n'
+    )
+    problems = validate_federation(spec)
+    assert [(p.file, p.message) for p in problems] == [
+        (str(site / "nan48.nii.gz"), "48 of 24,576 voxels are NaN or infinite")
+    ]
+    assert "replace them" in problems[0].fix
+    fed = load_federation(spec)
+    plan = plan_federation(fed, log=_quiet)
+    with pytest.raises(DataError, match=r"^site1: .*nan48.nii.gz: 48 of 24,576 voxels are NaN or infinite -> replace"):
+        load_volume_split(fed, fed.sites[0], "testing", plan)
+
+
+def test_reading_an_image_builds_no_dicom_reader(tmp_path, caplog, recwarn):
+    """MONAI's ``LoadImage`` builds every reader it has, its nvImageCodec DICOM reader among them, which logs a
+    warning and warns where nvImageCodec is absent — three lines on every command.  fedseg's reader calls the
+    one reader it needs, so reading a picture or a NIfTI file logs and warns nothing."""
+    import logging
+
+    from PIL import Image
+
+    from fedseg.data import readers
+
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(tmp_path / "a.png")
+    _nifti(tmp_path / "a.nii.gz", np.zeros((4, 4, 4)))
+    readers._reader.cache_clear()
+    with caplog.at_level(logging.DEBUG - 1):
+        assert read_array(tmp_path / "a.png").shape == (4, 4)
+        assert read_array(tmp_path / "a.nii.gz").shape == (4, 4, 4)
+    text = caplog.text + " ".join(str(w.message) for w in recwarn)
+    assert "nvImageCodec" not in text and "NvImgCodec" not in text
+    # a file PIL cannot read is one exception, not one traceback per reader MONAI has
+    (tmp_path / "b.png").write_bytes(b"not a picture")
+    with pytest.raises(Exception) as err:
+        read_array(tmp_path / "b.png")
+    assert "Traceback" not in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_predict_reads_every_input_before_writing_and_records_what_made_the_masks(tiny, tmp_path, capsys):
+    """A NaN scan or (with ``--strict``) a non-image file in the middle of a batch stops it before any mask is
+    written (before, the masks of the files ahead of it were written); a non-image ``.png`` is one line and
+    skipped (exit 3); ``--nan-to-num`` predicts with a warning; ``predictions.json`` records the run, model,
+    round, options, fedseg's version and each input's SHA-256."""
+    import hashlib
+
+    import fedseg
+
+    run_dir, spec = tiny
+    images = spec.parent / "site1" / "images"
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    for name in ("a_testing0.png", "c_testing1.png"):
+        shutil.copy(images / name.split("_", 1)[1], batch / name)
+    holes = read_array(images / "testing0.png").astype(np.float32)
+    holes.reshape(-1)[:48] = np.nan
+    _nifti(batch / "b_nan.nii.gz", holes)
+    out = tmp_path / "masks"
+    assert main(["predict", str(run_dir), "--input", str(batch), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "b_nan.nii.gz: 48 of 256 voxels are NaN or infinite" in err and "--nan-to-num" in err
+    )
+    assert not out.exists()  # a_testing0.png, ahead of it, has no mask
+    # replaced under --nan-to-num, with a warning
+    argv = ["predict", str(run_dir), "--input", str(batch), "--out", str(out), "--quiet", "--nan-to-num", "0"]
+    assert main(argv) == 0
+    assert "b_nan.nii.gz: 48 of 256 voxels were NaN or infinite; replaced with 0" in capsys.readouterr().out
+    record = json.loads((out / "predictions.json").read_text())
+    best = json.loads((run_dir / "checkpoints" / "best.json").read_text())
+    assert record["run"] == str(run_dir.resolve()) and record["method"] == "fedavg" and record["model"] == "global"
+    assert record["round"] == best["global"]["round"] and record["fedseg_version"] == fedseg.__version__
+    assert record["options"]["nan_to_num"] == 0.0 and record["options"]["tta"] is False
+    assert record["data_layout"] == str(run_dir / "data.json")
+    assert [c["mask"] for c in record["cases"]] == ["a_testing0.png", "b_nan.nii.gz", "c_testing1.png"]
+    assert [c["model"] for c in record["cases"]] == ["global"] * 3
+    assert [c.get("non_finite_replaced") for c in record["cases"]] == [None, 48, None]
+    for c in record["cases"]:
+        assert c["sha256"] == hashlib.sha256((batch / c["mask"]).read_bytes()).hexdigest()
+    # a text file named .png: one line naming it, skipped, the others written; exit 3.  --strict refuses all
+    (batch / "b_nan.nii.gz").unlink()
+    (batch / "b_notes.png").write_text("not a picture\n" * 20)
+    assert main(["predict", str(run_dir), "--input", str(batch), "--out", str(tmp_path / "m2"), "--quiet"]) == 3
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("predict: 2 case(s) written") and len(printed) == 2
+    assert printed[1].startswith(f"  skipped {batch / 'b_notes.png'}: cannot be read (UnidentifiedImageError")
+    assert sorted(p.name for p in (tmp_path / "m2").iterdir()) == [
+        "a_testing0.png",
+        "c_testing1.png",
+        "predictions.json",
+    ]
+    argv = ["predict", str(run_dir), "--input", str(batch), "--out", str(tmp_path / "m3"), "--quiet", "--strict"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "b_notes.png: cannot be read" in err and not (tmp_path / "m3").exists()
+    # the record is an output: never overwritten without --force
+    shutil.copy(batch / "a_testing0.png", tmp_path / "z.png")
+    with pytest.raises(ConfigError, match=r"predictions.json exists \(1 output"):
+        predict_files(load_predictor(run_dir, log=_quiet), [tmp_path / "z.png"], out, progress=False)
+
+
+def test_predict_names_the_splits_the_out_file_and_the_runs_it_finds(tiny, tmp_path, capsys):
+    """``--split test`` names the datalist's splits and the closest; ``--out`` naming a file says so; a
+    folder holding one run is taken for it, one holding several lists them."""
+    run_dir, spec = tiny
+    datalist = spec.parent / "site1" / "datalist.json"
+    argv = ["predict", str(run_dir), "--input", str(datalist), "--out", str(tmp_path / "m"), "--quiet"]
+    assert main([*argv, "--split", "test"]) == 2
+    err = capsys.readouterr().err
+    assert "--split 'test' is not a split of" in err and "training, validation, testing" in err
+    assert "did you mean 'testing'?" in err and not (tmp_path / "m").exists()
+    (tmp_path / "file").write_text("")
+    argv = ["predict", str(run_dir), "--input", str(datalist), "--out", str(tmp_path / "file"), "--quiet"]
+    assert main(argv) == 2
+    assert "--out" in (err := capsys.readouterr().err) and "is a file" in err and "give a folder path" in err
+    # runs/fedavg holds runs/fedavg/seed0 alone: taken, and said; runs/ with a second run: both listed
+    top = run_dir.parent
+    argv = [
+        "predict",
+        str(top),
+        "--input",
+        str(datalist),
+        "--split",
+        "testing",
+        "--out",
+        str(tmp_path / "m"),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    assert f"using the run in {run_dir}" in capsys.readouterr().out
+    other = top.parent / "other" / "seed1"
+    shutil.copytree(run_dir, other)
+    try:
+        with pytest.raises(ConfigError, match=r"holds 2 runs \(.*fedavg/seed0, .*other/seed1\) -> name the one"):
+            load_predictor(top.parent, log=_quiet)
+    finally:
+        shutil.rmtree(other.parent)
+
+
+def test_a_moved_run_predicts_the_same_masks(tiny, tmp_path):
+    """The run folder keeps its data layout (``data.json``): copied elsewhere with its federation renamed, it
+    writes the same masks, byte for byte.  Before, predict read the layout from the spec at its original
+    path and refused.  Without ``data.json`` the error names ``--spec``, which then serves."""
+    run_dir, spec = tiny
+    scans = spec.parent / "site2" / "images"
+    predict_files(load_predictor(run_dir, log=_quiet), [scans], tmp_path / "here", progress=False, log=_quiet)
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(run_dir, moved)
+    inputs = tmp_path / "scans"
+    shutil.copytree(scans, inputs)
+    renamed = spec.parent.with_name("fed-renamed")  # the training federation is gone from its path
+    spec.parent.rename(renamed)
+    try:
+        loaded = load_predictor(moved, log=_quiet)
+        assert loaded.layout_source == str(moved / "data.json")
+        predict_files(loaded, [inputs], tmp_path / "there", progress=False, log=_quiet)
+        names = sorted(p.name for p in (tmp_path / "here").glob("*.png"))
+        assert names == sorted(p.name for p in inputs.glob("*.png")) and len(names) == 5
+        for n in names:
+            assert (tmp_path / "here" / n).read_bytes() == (tmp_path / "there" / n).read_bytes()
+        header = json.loads((moved / "data.json").read_text())
+        (moved / "data.json").unlink()
+        with pytest.raises(ConfigError, match=r"has no data.json .* which is not there -> .*--spec PATH"):
+            load_predictor(moved, log=_quiet)
+        (moved / "deploy.json").write_text(json.dumps({"data": header}))  # a deployed server's run folder
+        assert load_predictor(moved, log=_quiet).layout_source == str(moved / "deploy.json")
+        (moved / "deploy.json").unlink()
+        assert load_predictor(moved, spec=renamed / "federation.toml", log=_quiet).layout["labels"] == {
+            "outer": [1, 2],
+            "inner": [2],
+        }
+    finally:
+        renamed.rename(spec.parent)
+
+
+@pytest.mark.filterwarnings("ignore:NvImgCodecPydicomReader")  # MONAI's LoadImaged builds its DICOM readers
+def test_the_bundle_refuses_a_nan_scan_and_preprocessing_json_says_so(tiny, tmp_path):
+    """The exported bundle's preprocessing, built by MONAI's own config parser from ``inference.json`` (the
+    bundle runner's path), raises on a scan with NaN voxels naming the file and the count, and passes a clean
+    scan; ``preprocessing.json`` states the rule.  Before, the bundle wrote an all-background mask."""
+    from monai.bundle import ConfigParser
+
+    run_dir, spec = tiny
+    bundle = tmp_path / "bundle"
+    export_run(run_dir, "bundle", bundle)
+    export_run(run_dir, "torchscript", tmp_path / "ts")
+    assert "NaN or infinite" in json.loads((tmp_path / "ts" / "preprocessing.json").read_text())["non_finite"]
+    parser = ConfigParser()
+    parser.read_config(str(bundle / "configs" / "inference.json"))
+    parser["bundle_root"] = str(bundle)
+    sys.path.insert(0, str(bundle))
+    try:
+        pre = parser.get_parsed_content("preprocessing")
+        ok = pre({"image": str(spec.parent / "site1" / "images" / "testing0.png")})
+        assert ok["image"].shape == (1, 16, 16)
+        holes = np.zeros((16, 16), np.float32)
+        holes[:3, :16] = np.nan
+        with pytest.raises(Exception) as err:  # MONAI wraps the check's ValueError in its own RuntimeError
+            pre({"image": str(_nifti(tmp_path / "nan.nii.gz", holes))})
+        cause = err.value
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        assert isinstance(cause, ValueError)
+        assert re.match(rf"{re.escape(str(tmp_path))}/nan.nii.gz: 48 of 256 voxels are NaN or infinite -> ", str(cause))
+    finally:
+        sys.path.remove(str(bundle))
+        sys.modules.pop("scripts.checks", None)
+        sys.modules.pop("scripts", None)
+    with pytest.raises(ConfigError, match="is a file; export writes a folder"):
+        export_run(run_dir, "onnx", tmp_path / "ts" / "model.ts")

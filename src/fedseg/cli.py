@@ -18,6 +18,7 @@ from fedseg.apps.deploy import run as dep
 from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.predict import load_predictor, predict_files
 from fedseg.apps.predict.export import export_run
+from fedseg.apps.predict.run import EXIT_SKIPPED
 from fedseg.apps.prepare import FEDERATIONS, list_text, prepare
 from fedseg.apps.report import ReportOptions, build_report
 from fedseg.apps.report.tensorboard import TensorBoardLogger
@@ -155,7 +156,7 @@ def cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    loaded = load_predictor(a.run, site=a.site, model=a.model, device=a.device, precision=a.precision)
+    loaded = load_predictor(a.run, site=a.site, model=a.model, device=a.device, precision=a.precision, spec=a.spec)
     res = predict_files(
         loaded,
         a.input,
@@ -166,13 +167,14 @@ def cmd_predict(a: argparse.Namespace) -> int:
         force=a.force,
         strict=a.strict,
         split=a.split,
+        nan_to_num=a.nan_to_num,
         progress=not a.quiet,
     )
-    return 0 if res["written"] else 1
+    return EXIT_SKIPPED if res["skipped"] else 0
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    for path in export_run(a.run, a.format, a.out, site=a.site, model=a.model, force=a.force):
+    for path in export_run(a.run, a.format, a.out, site=a.site, model=a.model, force=a.force, spec=a.spec):
         print(f"wrote {path}")
     return 0
 
@@ -490,8 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="testing", choices=["validation", "testing"])
     e.set_defaults(func=cmd_evaluate)
 
-    pr = sub.add_parser("predict", help="segment new scans with a finished run's best model, in each scan's own grid")
-    pr.add_argument("run", help="output folder of a finished run")
+    pr = sub.add_parser(
+        "predict",
+        help="segment new scans with a finished run's best model, in each scan's own grid",
+        epilog=f"exit status: 0 every input written; {EXIT_SKIPPED} some inputs skipped (listed), the others "
+        "written; 2 refused (nothing written)",
+    )
+    pr.add_argument("run", help="output folder of a finished run (or a folder holding exactly one)")
     pr.add_argument(
         "--input", nargs="+", required=True, help="image files, folders (DICOM series folders too) or datalists"
     )
@@ -503,19 +510,29 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--probabilities", action="store_true", help="also write per-label probabilities (float16 .npy)")
     pr.add_argument("--split", help="with a datalist: only this split's images")
     pr.add_argument("--force", action="store_true", help="overwrite masks already in --out")
-    pr.add_argument("--strict", action="store_true", help="stop at the first unreadable file instead of skipping it")
+    pr.add_argument(
+        "--strict", action="store_true", help="refuse the whole batch when a file cannot be read (default: skip it)"
+    )
     pr.add_argument("--device", help="cpu, cuda, cuda:N (default: the run's)")
     pr.add_argument("--precision", choices=["fp32", "bf16"], help="inference precision (default: the run's)")
+    pr.add_argument(
+        "--nan-to-num",
+        type=float,
+        metavar="VALUE",
+        help="replace NaN and infinite voxels with VALUE, with a warning (default: refuse such a scan)",
+    )
+    pr.add_argument("--spec", help="federation spec whose data layout to use (default: the run folder's data.json)")
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_predict)
 
     ex = sub.add_parser("export", help="export a finished run's model: MONAI bundle, TorchScript or ONNX")
-    ex.add_argument("run", help="output folder of a finished run")
+    ex.add_argument("run", help="output folder of a finished run (or a folder holding exactly one)")
     ex.add_argument("--format", required=True, choices=["bundle", "torchscript", "onnx"])
     ex.add_argument("--out", required=True, help="folder to write")
     ex.add_argument("--site", help="the site whose model to export (personalized and local methods)")
     ex.add_argument("--model", choices=["global", "personal", "ensemble"], help="which of the method's models")
     ex.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    ex.add_argument("--spec", help="federation spec whose data layout to use (default: the run folder's data.json)")
     ex.set_defaults(func=cmd_export)
 
     c = sub.add_parser("compare", help="run several methods over seeds and print one table (mean ± sd)")

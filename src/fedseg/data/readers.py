@@ -27,7 +27,7 @@ import numpy as np
 from fedseg.data.spec import FederationSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from monai.transforms import LoadImage
+    from monai.data import ImageReader
 
 PIL_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -60,20 +60,22 @@ class Case:
 
 
 @cache
-def _loader(kind: str) -> LoadImage:
-    # MONAI is imported when a file is first read (importing it costs seconds and pulls in matplotlib)
+def _reader(kind: str) -> ImageReader:
+    # MONAI is imported when a file is first read (importing it costs seconds and pulls in matplotlib).  The
+    # reader is called directly, not through ``LoadImage``: LoadImage builds every reader MONAI has (its DICOM
+    # readers among them, which warn on every construction where nvImageCodec is absent) and, when the one
+    # asked for fails, tries all the others and reports each one's traceback.
     from monai.data import NibabelReader, PILReader
-    from monai.transforms import LoadImage
 
-    reader = PILReader(reverse_indexing=False) if kind == "pil" else NibabelReader()
-    return LoadImage(image_only=True, reader=reader, dtype=None)
+    return PILReader(reverse_indexing=False) if kind == "pil" else NibabelReader()
 
 
 def read_array(path: str | Path) -> np.ndarray:
     """Read an image file into a numpy array in its stored dtype.
 
     Returns (H, W) / (H, W, C) for 2D formats, (X, Y, Z) / (X, Y, Z, C) for NIfTI.
-    Raises ValueError for an unsupported suffix; reader errors propagate.
+    Raises ValueError for an unsupported suffix; the reader's own error (one exception) for a file it
+    cannot read.
     """
     name = str(path).lower()
     if name.endswith(NIFTI_SUFFIXES):
@@ -82,9 +84,29 @@ def read_array(path: str | Path) -> np.ndarray:
         kind = "pil"
     else:
         raise ValueError(f"unsupported file type (use one of {PIL_SUFFIXES + NIFTI_SUFFIXES})")
+    reader = _reader(kind)
     with warnings.catch_warnings():  # MONAI wraps PIL's read-only buffer; we copy below
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return _loader(kind)(str(path)).as_tensor().numpy().copy()
+        array, _ = reader.get_data(reader.read(str(path)))
+    return np.array(array, copy=True)
+
+
+def non_finite(array: np.ndarray) -> int:
+    """How many values of ``array`` are NaN or infinite (0 for an integer array)."""
+    if array.dtype.kind not in "fc":
+        return 0
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+def non_finite_message(path: str | Path, count: int, total: int, fix: str) -> str:
+    """One error line for an image with ``count`` NaN or infinite values of ``total``: the file, the count
+    and ``fix``."""
+    every = " (every one)" if count == total else ""
+    return f"{path}: {count:,} of {total:,} voxels are NaN or infinite{every} -> {fix}"
+
+
+NON_FINITE_FIX = "replace them (e.g. with the background value) and save the image again, or remove the case"
+"""What to do about a training or validation image with NaN or infinite values."""
 
 
 def _file_dims(mode: str) -> int:
@@ -178,10 +200,10 @@ def check_case(fed: FederationSpec, image_path: Path, label_path: Path) -> tuple
     if issues or image is None or label is None:  # either None has its issue
         return None, issues
 
-    if image.dtype.kind == "f" and not np.isfinite(image).all():
-        issues.append(
-            Issue(img_f, "image contains NaN or infinite values", "replace them (e.g. with 0) and re-save the image")
-        )
+    bad = non_finite(image)
+    if bad:
+        message, _, fix = non_finite_message(img_f, bad, image.size, NON_FINITE_FIX).partition(" -> ")
+        issues.append(Issue(img_f, message[len(img_f) + 2 :], fix))
     elif image.size and image.min() == image.max():
         issues.append(
             Issue(

@@ -52,6 +52,9 @@ _DATA_KEYS = {
     "window",
 }
 _SITE_KEYS = {"name", "datalist", "intensity"}
+LAYOUT_NAME = "data.json"
+"""The data layout a run folder (and a deployed site's work folder) keeps beside its ``config.toml``:
+:func:`data_header`, and a volume run's plan under ``"plan"``; ``fedseg predict`` and ``fedseg export`` read it."""
 
 
 @dataclass(frozen=True)
@@ -437,3 +440,25 @@ def _parse_intensity(
         assert isinstance(window, list)  # checked above
         return intensity, (float(window[0]), float(window[1])), per_channel
     return intensity, None, per_channel
+
+
+def data_header(fed: FederationSpec) -> dict[str, Any]:
+    """The data layout of a federation spec without any site or path (what a deployed server sends its
+    sites, and what a run folder keeps in :data:`LAYOUT_NAME`): mode, dimensions, channels, labels with their
+    values, image size; for volumes also the spec's ``data.intensity`` and ``data.window`` (per channel and
+    per site where the spec names them), which the plan follows."""
+    header: dict[str, Any] = {
+        "mode": fed.mode,
+        "spatial_dims": fed.spatial_dims,
+        "in_channels": fed.in_channels,
+        "labels": {k: list(v) for k, v in fed.labels.items()},
+        "image_size": list(fed.image_size) if fed.image_size is not None else None,
+        "foreground_only": fed.foreground_only,
+    }
+    if fed.volumes:
+        header["intensity"] = fed.intensity
+        header["window"] = list(fed.window) if fed.window is not None else None
+        header["channels"] = list(fed.channel_names)
+        if fed.channel_intensity or any(s.intensity for s in fed.sites):  # schemes per channel or site
+            header["intensity_table"] = fed.intensity_table()
+    return header

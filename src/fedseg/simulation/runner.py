@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.centralized import POOLED
 from fedseg.data.loading import load_split
-from fedseg.data.spec import load_federation
+from fedseg.data.spec import LAYOUT_NAME, data_header, load_federation
 from fedseg.data.validate import raise_if_invalid
 from fedseg.data.volumes.lazy import CachedVolumes
 from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run, split_shape
@@ -277,6 +277,19 @@ def plan_volume_run(
     return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
 
 
+def write_layout(out: str | Path, fed: Any, plan: Any = None) -> Path:
+    """``OUT/data.json``: the federation's data layout (:func:`fedseg.data.spec.data_header`) and a volume run's
+    plan, the format a deployed site keeps in its work folder, so that the run folder alone is enough for
+    ``fedseg predict`` and ``fedseg export`` wherever it is copied."""
+    header = data_header(fed)
+    if plan is not None:
+        header["plan"] = plan.to_json()
+    path = Path(out) / LAYOUT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_json(header, path)
+    return path
+
+
 def _check_slice_evaluation(cfg: RunConfig, algorithm: Algorithm) -> None:
     """Refuse, before any data is read, a method with its own predictors (FedSM's selector routing) on a
     ``patches2d`` federation, whose evaluation volumes only the workload's model predicts (slice by slice)."""
@@ -325,6 +338,8 @@ def run(
     plan = None
     if fed.volumes:
         cfg, plan = plan_volume_run(cfg, fed, data, log=log)
+    if out is not None:
+        write_layout(out, fed, plan)
     results = simulate(
         cfg,
         workload_for(fed, cfg),

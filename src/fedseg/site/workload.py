@@ -410,7 +410,7 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
     and both halves of a deployment build.
 
     ``layout`` is a federation spec or its data header (a mapping with ``spatial_dims``,
-    ``in_channels``, ``labels`` and ``mode``: what a deployed server receives, :func:`fedseg.apps.deploy.site.data_header`).
+    ``in_channels``, ``labels`` and ``mode``: what a deployed server receives, :func:`fedseg.data.spec.data_header`).
     """
     if isinstance(layout, Mapping):
         spatial_dims, in_channels, labels = layout["spatial_dims"], layout["in_channels"], layout["labels"]

@@ -45,6 +45,7 @@ from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, read_policy
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
+from fedseg.data.spec import LAYOUT_NAME, data_header
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
@@ -89,7 +90,7 @@ class SiteConfig:
     the policy's defaults)."""
 
 
-SITE_DATA_NAME = "data.json"
+SITE_DATA_NAME = LAYOUT_NAME
 """The run's data layout (and a volume run's plan) in ``WORKDIR/<run_id>/``, beside its ``config.toml``."""
 
 
@@ -116,26 +117,6 @@ def read_site_config(path: str | Path) -> SiteConfig:
     return SiteConfig(
         raw["name"], raw["datalist"], raw["workdir"], str(raw.get("device", "auto")), str(raw.get("policy") or "")
     )
-
-
-def data_header(fed: Any) -> dict[str, Any]:
-    """The data layout of a federation spec without any site or path (what the server may send); for volumes
-    also the spec's ``data.intensity`` and ``data.window``, which the deployed plan follows as ``fedseg plan``."""
-    header = {
-        "mode": fed.mode,
-        "spatial_dims": fed.spatial_dims,
-        "in_channels": fed.in_channels,
-        "labels": {k: list(v) for k, v in fed.labels.items()},
-        "image_size": list(fed.image_size) if fed.image_size is not None else None,
-        "foreground_only": fed.foreground_only,
-    }
-    if fed.volumes:
-        header["intensity"] = fed.intensity
-        header["window"] = list(fed.window) if fed.window is not None else None
-        header["channels"] = list(fed.channel_names)
-        if fed.channel_intensity or any(s.intensity for s in fed.sites):  # schemes per channel or site
-            header["intensity_table"] = fed.intensity_table()
-    return header
 
 
 def load_site_data(name: str, datalist: str | Path, header: dict[str, Any], cfg: Any) -> tuple[SiteData, Workload]:

@@ -5,12 +5,13 @@
 * ``bundle`` — a MONAI bundle: ``configs/metadata.json`` (inputs, outputs, labels, the plan's spacing,
   orientation and intensity numbers), ``configs/inference.json`` (MONAI transforms and inferer that reproduce
   fedseg's preprocessing, the logits resampled back into each scan's grid by ``Invertd``, thresholded and
-  written as a label map with the spec's values) and ``models/model.ts``; ``python -m monai.bundle run
-  --config_file configs/inference.json`` segments a folder of scans.
+  written as a label map with the spec's values), ``models/model.ts`` and ``scripts/checks.py`` (the check
+  that refuses a scan with NaN or infinite values, torch only); ``python -m monai.bundle run --config_file
+  configs/inference.json`` segments a folder of scans.
 
 FedSM's composite is exported as its parts (``selector``, ``global``, ``personal_<site>``, one file each) with
 the routing rule and thresholds in ``preprocessing.json`` (``composite``).  Nothing is pickled: TorchScript
-and ONNX files hold the weights, the rest is JSON.
+and ONNX files hold the weights, the rest is JSON (and the bundle's one check in plain Python).
 """
 
 from __future__ import annotations
@@ -28,9 +29,38 @@ from fedseg.apps.predict.model import Loaded, load_predictor
 from fedseg.data.volumes.intensity import channel_schemes
 from fedseg.foundation.errors import ConfigError
 
-__all__ = ["FORMATS", "export_run", "label_map_expression", "preprocessing"]
+__all__ = ["CHECKS_SOURCE", "FORMATS", "export_run", "label_map_expression", "preprocessing"]
 
 FORMATS = ("bundle", "torchscript", "onnx")
+
+NON_FINITE_RULE = (
+    "refused: an input with NaN or infinite values is an error naming the file and how many there are "
+    "(fedseg predict --nan-to-num VALUE replaces them, with a warning)"
+)
+
+CHECKS_SOURCE = '''"""The checks this bundle runs on its inputs before any preprocessing (torch only; fedseg is not needed)."""
+
+import torch
+
+
+def refuse_non_finite(data):
+    """``data`` unchanged, or one ValueError naming the file, how many of its voxels are NaN or infinite and
+    the fix: such a scan would be segmented as background, silently."""
+    image = data["image"]
+    x = torch.as_tensor(image)
+    if x.is_floating_point() or x.is_complex():
+        bad = int(x.numel() - int(torch.isfinite(x).sum()))
+        if bad:
+            meta = getattr(image, "meta", None) or {}
+            name = meta.get("filename_or_obj", "an input")
+            every = " (every one)" if bad == x.numel() else ""
+            raise ValueError(
+                f"{name}: {bad:,} of {x.numel():,} voxels are NaN or infinite{every} -> replace them (e.g. with "
+                "the background value) and save the scan again"
+            )
+    return data
+'''
+"""``scripts/checks.py`` of an exported bundle: the check ``inference.json`` runs right after reading a scan."""
 
 
 def preprocessing(loaded: Loaded) -> dict[str, Any]:
@@ -46,6 +76,7 @@ def preprocessing(loaded: Loaded) -> dict[str, Any]:
         "label_map": "each pixel takes the spec value whose label channels match the lit ones (nested: the later)",
         "image_size": lay["image_size"],
         "intensity": {"mode": "uint8 / 255, other types min-max to [0, 1]"},
+        "non_finite": NON_FINITE_RULE,
     }
     if plan is not None:
         spacing = list(plan.target_spacing)
@@ -177,12 +208,16 @@ def _bundle(loaded: Loaded, parts: dict[str, nn.Module], out: Path, force: bool)
         )
     pre = preprocessing(loaded)
     written = [_torchscript(parts["model"], _example(loaded), out / "models" / "model.ts", force)]
+    written.append(_write(out / "scripts" / "__init__.py", "", force))
+    written.append(_write(out / "scripts" / "checks.py", CHECKS_SOURCE, force))
     lay = loaded.layout
     volumes = loaded.plan is not None
     keys = "image"
     transforms: list[dict[str, Any]] = [
         {"_target_": "LoadImaged", "keys": keys, "image_only": False},
         {"_target_": "EnsureChannelFirstd", "keys": keys},
+        # NaN or infinite values refused, naming the file (scripts/checks.py; not invertible, so Invertd skips it)
+        {"_target_": "scripts.checks.refuse_non_finite", "_mode_": "callable"},
     ]
     if volumes:  # fedseg's order: intensities in file units first, then orientation and spacing
         inten = _one_scheme(pre["intensity"])
@@ -356,12 +391,16 @@ def export_run(
     site: str | None = None,
     model: str | None = None,
     force: bool = False,
+    spec: str | Path | None = None,
 ) -> list[Path]:
-    """Export the run's model (chosen as ``fedseg predict`` chooses it) in format ``fmt``; returns the files."""
+    """Export the run's model (chosen as ``fedseg predict`` chooses it, its data layout from the run folder
+    or ``spec``) in format ``fmt``; returns the files."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
-    loaded = load_predictor(run_dir, site=site, model=model, device="cpu", precision="fp32")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; export writes a folder of files -> give a folder path")
+    loaded = load_predictor(run_dir, site=site, model=model, device="cpu", precision="fp32", spec=spec)
     parts = _parts(loaded)
     if fmt == "bundle":
         return _bundle(loaded, parts, out, force)

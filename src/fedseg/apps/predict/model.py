@@ -1,7 +1,11 @@
 """A finished run's predictor, outside any federation: the run's settings, its data layout and plan, the
 best model ``evaluate`` uses for the method (or the one ``--site`` / ``--model`` name), loaded into one
 :class:`fedseg.site.runtime.Site` with no data and turned into a predictor by
-:func:`fedseg.site.predict.predictor`, the function evaluation runs."""
+:func:`fedseg.site.predict.predictor`, the function evaluation runs.
+
+The data layout comes from the run folder itself (``data.json``, written when the run starts), so that a run
+copied to another machine predicts without its training federation; ``--spec`` overrides it, and a run
+without one falls back on the spec its ``config.toml`` names."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from torch.utils.data import TensorDataset
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm.selection import load_composite, route, thresholds
 from fedseg.apps.deploy.site import SITE_DATA_NAME
-from fedseg.data.spec import load_federation
+from fedseg.data.spec import LAYOUT_NAME, data_header, load_federation
 from fedseg.data.volumes.plan import Plan
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
@@ -27,7 +31,7 @@ from fedseg.site import predict as prediction
 from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import workload_for
 
-__all__ = ["MODEL_CHOICES", "Loaded", "choose_candidate", "load_predictor", "load_site_predictor"]
+__all__ = ["MODEL_CHOICES", "Loaded", "choose_candidate", "find_run", "load_predictor", "load_site_predictor"]
 
 MODEL_CHOICES = ("global", "personal", "ensemble")
 """``--model``: the method's global model, a site's own (personalized or local) model, or its composite /
@@ -52,6 +56,15 @@ class Loaded:
     intensity_site: str | None = None
     """Whose intensity scheme a volume is normalized by (the plan may hold one per site): ``--site``, the
     model's own site, or the deployed site; None: each channel's scheme for the federation."""
+    run_dir: Path | None = None
+    """The run folder (or a deployed site's work folder) the model came from."""
+    round: int | None = None
+    """The round of the model: its best round (a deployed site: its newest checkpoint's)."""
+    layout_source: str = ""
+    """Where the data layout was read: the run's ``data.json``, a spec (``--spec``, or the one the run's
+    ``config.toml`` names), or a deployed server's ``deploy.json``."""
+    asked: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The choices given (``site``, ``model``, ``device``, ``precision``), recorded with the masks."""
 
     @property
     def volumes(self) -> bool:
@@ -97,21 +110,66 @@ def choose_candidate(best: dict[str, Any], primary: str | None, site: str | None
     return names[0]
 
 
-def _layout(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    spec = Path(str(cfg.federation))
-    if not spec.is_file():
+def find_run(path: str | Path, log: Callable[[str], None] = print) -> Path:
+    """The run folder ``path`` names: itself when it holds a run (``config.toml``; a deployed site's work
+    folder: ``data.json`` and ``round-*``), else the one run one or two levels below it (logged), else one
+    error listing the runs found there and saying to name one."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such folder -> give the output folder of a finished fedseg run")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a run folder -> give the output folder of a finished fedseg run")
+    if (path / "config.toml").is_file():
+        return path
+    found = sorted(
+        {p.parent for pattern in ("*/config.toml", "*/*/config.toml") for p in path.glob(pattern)},
+        key=lambda p: p.as_posix(),
+    )
+    runs = [p for p in found if (p / "checkpoints").is_dir() or (p / LAYOUT_NAME).is_file()] or found
+    if len(runs) == 1:
+        log(f"predict: using the run in {runs[0]}")
+        return runs[0]
+    if not runs:
         raise ConfigError(
-            f"{run_dir}/config.toml names the federation {spec}, which is not there; predict reads its data layout "
-            "(channels, labels, mode, size) from it -> restore the spec file at that path"
+            f"{path} holds no fedseg run (no config.toml in it or in its sub-folders) -> give the output folder "
+            "of a finished fedseg run (fedseg run ... --out FOLDER)"
         )
-    fed = load_federation(spec)
-    return {
-        "spatial_dims": fed.spatial_dims,
-        "in_channels": fed.in_channels,
-        "labels": {k: [int(v) for v in vs] for k, vs in fed.labels.items()},
-        "mode": fed.mode,
-        "image_size": list(fed.image_size) if fed.image_size is not None else None,
-    }
+    shown = ", ".join(str(r) for r in runs[:8]) + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
+    raise ConfigError(f"{path} holds {len(runs)} runs ({shown}) -> name the one to use")
+
+
+def _header_layout(header: dict[str, Any]) -> dict[str, Any]:
+    return {k: header.get(k) for k in ("spatial_dims", "in_channels", "labels", "mode", "image_size")}
+
+
+def _layout(cfg: RunConfig, run_dir: Path, spec: str | Path | None) -> tuple[dict[str, Any], dict | None, str]:
+    """``(layout, plan as JSON or None, where it was read)``: ``--spec``, else the run's ``data.json``, else a
+    deployed server's ``deploy.json``, else the spec the run's config names."""
+    stored = run_dir / LAYOUT_NAME
+    header: dict[str, Any] = {}
+    if stored.is_file():
+        try:
+            header = json.loads(stored.read_text())
+        except ValueError as e:
+            if spec is None:
+                raise ConfigError(f"{stored} is damaged ({e}) -> give the run's federation spec with --spec") from None
+    if spec is not None:  # the spec's layout; a volume run's plan stays the one it was trained with
+        return _header_layout(data_header(load_federation(spec))), header.get("plan"), str(spec)
+    if header:
+        return _header_layout(header), header.get("plan"), str(stored)
+    deployed = run_dir / "deploy.json"
+    if deployed.is_file():
+        desc = json.loads(deployed.read_text())
+        if isinstance(desc.get("data"), dict):
+            return _header_layout(desc["data"]), desc.get("plan"), str(deployed)
+    federation = Path(str(cfg.federation))
+    if not federation.is_file():
+        raise ConfigError(
+            f"{run_dir} has no {LAYOUT_NAME} (the data layout a run writes when it starts) and its config.toml "
+            f"names the federation {federation}, which is not there -> give the federation spec the run was "
+            "trained on with --spec PATH"
+        )
+    return _header_layout(data_header(load_federation(federation))), None, str(federation)
 
 
 def load_predictor(
@@ -120,27 +178,35 @@ def load_predictor(
     model: str | None = None,
     device: str | None = None,
     precision: str | None = None,
+    spec: str | Path | None = None,
+    log: Callable[[str], None] = print,
 ) -> Loaded:
-    """The predictor of the finished run in ``run_dir`` (see the module docstring).
+    """The predictor of the finished run in ``run_dir`` (see the module docstring; a folder holding exactly
+    one run is taken for it, :func:`find_run`).
 
-    ``device`` / ``precision`` override the run's (``"cpu"``, ``"cuda"``; ``"fp32"``, ``"bf16"``)."""
-    run_dir = Path(run_dir)
-    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir():
+    ``device`` / ``precision`` override the run's (``"cpu"``, ``"cuda"``; ``"fp32"``, ``"bf16"``); ``spec``
+    the data layout the run folder keeps."""
+    run_dir = find_run(run_dir, log)
+    asked = {"site": site, "model": model, "device": device, "precision": precision}
+    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir() and any(run_dir.glob("round-*")):
         return load_site_predictor(run_dir, model=model, device=device, precision=precision)
     fix = (
         "predict needs the best models of a finished fedseg run (checkpoints/best.safetensors + best.json): "
         "give the run's folder, or finish the run (fedseg run --resume RUN)"
     )
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"{run_dir} has no config.toml; {fix}")
     best = load_best(run_dir / "checkpoints", fix=fix)
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
     cfg = _override(cfg, device, precision)
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
-    layout = _layout(cfg, run_dir)
-    plan = Plan.from_json(results["plan"], where=f"{run_dir}/results.json") if results.get("plan") else None
+    layout, stored_plan, source = _layout(cfg, run_dir, spec)
+    plan_json = stored_plan or results.get("plan")
+    plan_file = str(run_dir / LAYOUT_NAME) if spec is not None else source
+    where = plan_file if stored_plan else f"{run_dir}/results.json"
+    plan = Plan.from_json(plan_json, where=where) if plan_json else None
     if plan is None and layout["mode"] in ("3d", "patches2d"):
-        raise ConfigError(f"{run_dir}/results.json records no plan; a volume run's predictor needs it -> run it again")
+        raise ConfigError(
+            f"{run_dir} records no plan (data.json, results.json); a volume run's predictor needs it -> run it again"
+        )
     name = choose_candidate(best, results.get("primary"), site, model)
     cand = best[name].candidate
     algorithm = get_algorithm(cfg)
@@ -154,7 +220,21 @@ def load_predictor(
     routing, route_names = None, []
     if cand.predictor == "fedsm":
         routing, route_names = _fedsm_routing(runtime, cand, algorithm)
-    return Loaded(cfg, layout, plan, runtime, cand, predict, routing, route_names, site or cand.home_site)
+    return Loaded(
+        cfg,
+        layout,
+        plan,
+        runtime,
+        cand,
+        predict,
+        routing,
+        route_names,
+        site or cand.home_site,
+        run_dir=run_dir,
+        round=int(best[name].round),
+        layout_source=source,
+        asked=asked,
+    )
 
 
 def _fedsm_routing(site: Site, cand: Candidate, algorithm: Any):
@@ -208,7 +288,7 @@ def load_site_predictor(
     cfg = load_run_config(folder / "config.toml", known_sections=known_sections() | {"deploy"})
     cfg = _override(cfg, device, precision)
     header = json.loads((folder / SITE_DATA_NAME).read_text())
-    layout = {k: header.get(k) for k in ("spatial_dims", "in_channels", "labels", "mode", "image_size")}
+    layout = _header_layout(header)
     plan = Plan.from_json(header["plan"], where=f"{folder}/{SITE_DATA_NAME}") if header.get("plan") else None
     algorithm = get_algorithm(cfg)
     cfg = algorithm.cfg = algorithm.resolved_config()
@@ -229,4 +309,16 @@ def load_site_predictor(
     arrays = {k: v for k, v in runtime.models[role].state_dict().items()}
     cand = Candidate(role, arrays, home_site=name)
     predict = prediction.predictor(runtime, role, "model", arrays, {"bn_role": role})
-    return Loaded(cfg, layout, plan, runtime, cand, predict, intensity_site=name)
+    return Loaded(
+        cfg,
+        layout,
+        plan,
+        runtime,
+        cand,
+        predict,
+        intensity_site=name,
+        run_dir=folder,
+        round=rounds[-1][0],
+        layout_source=str(folder / SITE_DATA_NAME),
+        asked={"site": None, "model": model, "device": device, "precision": precision},
+    )

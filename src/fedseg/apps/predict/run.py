@@ -6,12 +6,16 @@ the plan's intensity scheme, RAS orientation and spacing), through the predictor
 own grid (volumes: :func:`fedseg.data.volumes.geometry.to_original_grid`, slab by slab, so memory stays bounded
 by the plan grid and one slab of the scan; 2D: the logits resized to the input's size), where the logits are
 thresholded into a label map with the spec's label values.
+
+Every input is read and checked before any mask is written; ``predictions.json`` beside the masks records
+the run, model, round and options that made them and each input's SHA-256.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,17 +26,34 @@ import torch
 from torch.nn import functional
 from tqdm.auto import tqdm
 
+from fedseg import __version__
 from fedseg.apps.predict.model import Loaded
-from fedseg.apps.predict.scans import Scan, find_inputs, kind_of, mask_path, read_scan, write_mask, write_probabilities
+from fedseg.apps.predict.scans import (
+    Scan,
+    find_inputs,
+    input_sha256,
+    kind_of,
+    mask_path,
+    read_scan,
+    write_mask,
+    write_probabilities,
+)
 from fedseg.data.loading import normalize, resize_pair
 from fedseg.data.volumes.geometry import Geometry, to_original_grid, to_plan_grid
 from fedseg.data.volumes.intensity import normalize_case
 from fedseg.data.volumes.load import plan_spacing
 from fedseg.foundation.errors import ConfigError, DataError
+from fedseg.seams.checkpoint import save_json
 from fedseg.site import extent
 from fedseg.site import predict as prediction
 
-__all__ = ["Segmented", "keep_largest", "predict_files", "segment"]
+__all__ = ["EXIT_SKIPPED", "PREDICTIONS_NAME", "Segmented", "keep_largest", "predict_files", "segment"]
+
+PREDICTIONS_NAME = "predictions.json"
+"""The record of a ``fedseg predict`` beside its masks."""
+EXIT_SKIPPED = 3
+"""``fedseg predict``'s exit status when inputs were skipped (0: every input written; 2: refused, nothing
+written)."""
 
 SLAB_BYTES = 256 * 2**20
 """Bytes of one slab of a volume's logits resampled into the scan's grid at a time (float64 in MONAI)."""
@@ -141,6 +162,24 @@ def keep_largest(labels: np.ndarray, label_spec: dict[str, Sequence[int]]) -> np
     return prediction.from_channels(torch.from_numpy(on), label_spec).numpy()
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text}"
+
+
+def _sites_of(loaded: Loaded) -> list[str]:
+    """The sites a routing composite chooses among, in the selector's output order."""
+    return [n.split("/", 1)[1] for n in loaded.route_names[1:]]
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"--out {out} is a file; predict writes its masks (and {PREDICTIONS_NAME}) into a folder -> give a "
+            "folder path (it is made when missing)"
+        )
+
+
 def predict_files(
     loaded: Loaded,
     inputs: Sequence[str | Path],
@@ -152,21 +191,25 @@ def predict_files(
     force: bool = False,
     strict: bool = False,
     split: str | None = None,
+    nan_to_num: float | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Segment every scan ``inputs`` name into ``out``; returns ``{"written": [...], "skipped": [{file,
-    reason}], "routing": csv path or None}``.  Nothing in ``out`` is overwritten without ``force``; an
-    unreadable file is listed and skipped (``strict``: the first one stops with its error)."""
+    reason}], "routing": csv path or None, "record": predictions.json path}``.
+
+    Every input is read and checked first, and nothing is written unless all can be predicted: a file that
+    cannot be read is listed and skipped (``strict``: it stops the command), a readable scan that cannot be
+    predicted as it is (its dimensions or channels, NaN or infinite values without ``nan_to_num``) stops the
+    command naming the file and the fix.  Nothing in ``out`` is overwritten without ``force``."""
     out = Path(out)
+    _check_out(out)
     cases = list(find_inputs(list(inputs), split))
     if not cases:
         raise DataError(f"no scans found in {', '.join(map(str, inputs))} -> give image files, folders or a datalist")
-    written: list[str] = []
-    skipped: list[dict[str, str]] = []
-    rows: list[dict[str, Any]] = []
     mode, channels = loaded.layout["mode"], int(loaded.layout["in_channels"])
     routing_csv = out / "routing.csv" if loaded.routing is not None else None
+    record = out / PREDICTIONS_NAME
     targets: dict[Path, Path] = {}
     for path, name in cases:  # every output checked before any is written
         t = mask_path(out, name, kind_of(path), path)
@@ -175,44 +218,120 @@ def predict_files(
                 f"{targets[t]} and {path} would both be written to {t} -> predict them into separate --out folders"
             )
         targets[t] = path
-    existing = [t for t in [*targets, *([routing_csv] if routing_csv else [])] if t.exists()]
+    extra = [p.with_name(p.name.split(".")[0] + "_probabilities.npy") for p in targets] if probabilities else []
+    existing = [t for t in [*targets, *extra, *([routing_csv] if routing_csv else []), record] if t.exists()]
     if existing and not force:
         raise ConfigError(
             f"{existing[0]} exists ({len(existing)} output(s) in all); predict overwrites nothing -> choose another "
             "--out or add --force"
         )
-    for path, name in tqdm(cases, desc="predict", unit="case", disable=not progress):
+    # every input read and checked before any mask is written (the arrays are read again to predict)
+    skipped: list[dict[str, str]] = []
+    refused: list[str] = []
+    ready: list[tuple[Path, str, str, int]] = []
+    for path, name in tqdm(cases, desc="check", unit="case", disable=not progress):
         try:
-            scan = read_scan(path, mode, channels)
-        except DataError:
-            raise
-        except Exception as e:  # readers raise many kinds for a damaged file
-            if strict:
-                raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}) -> repair or remove it") from None
-            skipped.append({"file": str(path), "reason": f"{type(e).__name__}: {e}"})
+            scan = read_scan(path, mode, channels, nan_to_num)
+        except DataError as e:
+            refused.append(str(e))
             continue
+        except Exception as e:  # readers raise many kinds for a damaged file
+            reason = f"cannot be read ({_one_line(e)})"
+            if strict:
+                refused.append(f"{path}: {reason} -> repair or remove it, or leave out --strict to skip it")
+            else:
+                skipped.append({"file": str(path), "reason": reason})
+            continue
+        if scan.replaced:
+            log(
+                f"predict: warning: {path}: {scan.replaced:,} of {scan.image.size:,} voxels were NaN or infinite; "
+                f"replaced with {float(nan_to_num or 0.0):g} (--nan-to-num)"
+            )
+        ready.append((path, name, input_sha256(path), scan.replaced))
+        del scan
+    if refused:
+        more = f" (and {len(refused) - 1} more input(s) refused; nothing was written)" if len(refused) > 1 else ""
+        raise DataError(refused[0] + more)
+    written: list[str] = []
+    cases_out: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    sites = _sites_of(loaded)
+    for path, name, digest, replaced in tqdm(ready, desc="predict", unit="case", disable=not progress):
+        scan = read_scan(path, mode, channels, nan_to_num)
         target = mask_path(out, name, scan.kind, path)
-        prob_target = target.with_name(target.name.split(".")[0] + "_probabilities.npy")
-        for t in (target, prob_target) if probabilities else (target,):
-            if t.exists() and not force:
-                raise ConfigError(f"{t} exists; predict overwrites nothing -> choose another --out or add --force")
         result = segment(loaded, scan, tta, probabilities)
         labels = keep_largest(result.labels, loaded.layout["labels"]) if postprocess else result.labels
         write_mask(target, labels, scan)
         if probabilities and result.probabilities is not None:
-            write_probabilities(prob_target, result.probabilities)
+            write_probabilities(
+                target.with_name(target.name.split(".")[0] + "_probabilities.npy"), result.probabilities
+            )
         written.append(str(target))
+        used = loaded.candidate.name
         if result.route is not None:
-            row: dict[str, Any] = {"case": name, "model": loaded.route_names[result.route]}
-            row.update({f"p_{i}": p for i, p in enumerate(result.route_probs or [])})
+            used = loaded.route_names[result.route]
+            row: dict[str, Any] = {"case": name, "model": used}
+            row.update({f"p_{s}": p for s, p in zip(sites, result.route_probs or [])})
             rows.append(row)
+        entry: dict[str, Any] = {"input": str(path), "sha256": digest, "mask": target.relative_to(out).as_posix()}
+        entry["model"] = used
+        if replaced:
+            entry["non_finite_replaced"] = replaced
+        cases_out.append(entry)
     if routing_csv is not None and rows:
         routing_csv.parent.mkdir(parents=True, exist_ok=True)
         with routing_csv.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    save_json(_record(loaded, cases_out, skipped, tta, postprocess, probabilities, split, nan_to_num, strict), record)
     log(f"predict: {len(written)} case(s) written to {out}, {len(skipped)} skipped")
     for s in skipped:
         log(f"  skipped {s['file']}: {s['reason']}")
-    return {"written": written, "skipped": skipped, "routing": str(routing_csv) if rows else None}
+    return {
+        "written": written,
+        "skipped": skipped,
+        "routing": str(routing_csv) if rows else None,
+        "record": str(record),
+    }
+
+
+def _record(
+    loaded: Loaded,
+    cases: list[dict[str, Any]],
+    skipped: list[dict[str, str]],
+    tta: bool,
+    postprocess: bool,
+    probabilities: bool,
+    split: str | None,
+    nan_to_num: float | None,
+    strict: bool,
+) -> dict[str, Any]:
+    """``predictions.json``: what made the masks beside it."""
+    cand = loaded.candidate
+    return {
+        "fedseg_version": __version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "run": str(loaded.run_dir.resolve()) if loaded.run_dir is not None else None,
+        "method": loaded.cfg.method,
+        "model": cand.name,
+        "predictor": cand.predictor,
+        "home_site": cand.home_site,
+        "round": loaded.round,
+        "data_layout": loaded.layout_source,
+        "layout": loaded.layout,
+        "threshold": loaded.threshold,
+        "options": {
+            **loaded.asked,
+            "tta": tta,
+            "postprocess": postprocess,
+            "probabilities": probabilities,
+            "split": split,
+            "nan_to_num": nan_to_num,
+            "strict": strict,
+        },
+        "routing": {"sites": _sites_of(loaded), "csv": "routing.csv"} if loaded.routing is not None else None,
+        "cases": cases,
+        "skipped": skipped,
+    }

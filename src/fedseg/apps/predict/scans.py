@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import hashlib
 import json
 import locale
 from collections.abc import Iterator
@@ -20,11 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.readers import NIFTI_SUFFIXES, PIL_SUFFIXES, read_array
+from fedseg.data.readers import NIFTI_SUFFIXES, PIL_SUFFIXES, non_finite, non_finite_message, read_array
 from fedseg.data.volumes.geometry import read_volume
 from fedseg.foundation.errors import DataError
 
-__all__ = ["Scan", "find_inputs", "kind_of", "mask_path", "read_scan", "write_mask", "write_probabilities"]
+__all__ = [
+    "Scan",
+    "find_inputs",
+    "input_sha256",
+    "kind_of",
+    "mask_path",
+    "read_scan",
+    "write_mask",
+    "write_probabilities",
+]
 
 SITK_SUFFIXES = (".mha", ".mhd", ".nrrd", ".nhdr")
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
@@ -41,6 +52,8 @@ class Scan:
     affine: np.ndarray | None = None
     header: Any = None
     sitk_image: Any = None
+    replaced: int = 0
+    """NaN or infinite values replaced under ``nan_to_num`` (0: none were there)."""
 
 
 def _is_dicom_folder(p: Path) -> bool:
@@ -52,23 +65,50 @@ def _known(p: Path) -> bool:
     return name.endswith(NIFTI_SUFFIXES + PIL_SUFFIXES + SITK_SUFFIXES)
 
 
+def _datalist(p: Path) -> dict[str, Any]:
+    try:
+        lists = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{p}: not a JSON datalist ({e}) -> give image files, folders or a datalist") from None
+    if not isinstance(lists, dict):
+        raise DataError(f"{p}: not a datalist (a JSON object of splits) -> give image files, folders or a datalist")
+    return lists
+
+
+def _check_split(p: Path, lists: dict[str, Any], split: str) -> None:
+    """One error naming the datalist's splits (and the closest) when ``split`` is not one of them."""
+    names = [k for k, v in lists.items() if isinstance(v, list)]
+    if split in names:
+        return
+    close = difflib.get_close_matches(split, names, n=1, cutoff=0.3)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise DataError(
+        f"--split {split!r} is not a split of {p}, whose splits are {', '.join(names) or 'none'}{hint} -> "
+        f"give one of them{' (--split ' + close[0] + ')' if close else ''}"
+    )
+
+
 def find_inputs(paths: list[str | Path], split: str | None = None) -> Iterator[tuple[Path, str]]:
     """``(input, name)`` for every scan the given paths name: files; folders (their image files, sorted, and
     each sub-folder holding one DICOM series); datalists (``.json``: the images of every split, or of
-    ``split``; labels ignored).  ``name`` is the mask's path relative to ``--out``."""
+    ``split``; labels ignored).  ``name`` is the mask's path relative to ``--out``.
+
+    A ``split`` no datalist has (or given without a datalist) is one error naming the splits there are."""
+    lists_of = {Path(p): _datalist(Path(p)) for p in paths if Path(p).suffix.lower() == ".json" and Path(p).is_file()}
+    if split is not None:
+        if not lists_of:
+            raise DataError(f"--split {split!r} selects a split of a datalist, and --input names none -> drop --split")
+        for p, lists in lists_of.items():
+            _check_split(p, lists, split)
     for raw in paths:
         p = Path(raw)
-        if p.suffix.lower() == ".json" and p.is_file():
-            try:
-                lists = json.loads(p.read_text())
-            except ValueError as e:
-                raise DataError(f"{p}: not a JSON datalist ({e}) -> give image files, folders or a datalist") from None
-            for key, entries in lists.items():
+        if p in lists_of:
+            for key, entries in lists_of[p].items():
                 if split is not None and key != split:
                     continue
                 for entry in entries if isinstance(entries, list) else []:
                     img = entry.get("image") if isinstance(entry, dict) else entry
-                    if img is None:
+                    if not isinstance(img, str):
                         continue
                     f = Path(img) if Path(img).is_absolute() else p.parent / img
                     yield f, Path(img).as_posix() if not Path(img).is_absolute() else f.name
@@ -82,6 +122,19 @@ def find_inputs(paths: list[str | Path], split: str | None = None) -> Iterator[t
                     yield f, f.relative_to(p).as_posix()
         else:
             yield p, p.name
+
+
+def input_sha256(path: Path) -> str:
+    """SHA-256 of an input's bytes; of a DICOM series folder, of each file's name and bytes in name order."""
+    h = hashlib.sha256()
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(2**20), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def _channels_first(arr: np.ndarray, dims: int, path: Path, in_channels: int, what: str) -> np.ndarray:
@@ -141,11 +194,30 @@ def _sitk_read_here(path: Path) -> tuple[np.ndarray, np.ndarray, Any]:
     return arr, _LPS_TO_RAS @ lps, img
 
 
-def read_scan(path: Path, mode: str, in_channels: int) -> Scan:
+NON_FINITE_FIX = (
+    "replace them (e.g. with the background value) and save the scan again, or predict with --nan-to-num VALUE"
+)
+
+
+def read_scan(path: Path, mode: str, in_channels: int, nan_to_num: float | None = None) -> Scan:
     """Read one input for a run of data ``mode`` with ``in_channels`` channels.
 
     An unreadable file raises ``OSError``/``ValueError`` (listed and skipped in a folder); a readable file that
-    cannot match the run (dimensions, channels) raises one :class:`DataError` naming the file and the fix."""
+    cannot match the run (dimensions, channels) raises one :class:`DataError` naming the file and the fix, and
+    so does one with NaN or infinite values, unless ``nan_to_num`` gives the value that replaces them
+    (:attr:`Scan.replaced` counts them)."""
+    scan = _read_scan(path, mode, in_channels)
+    bad = non_finite(scan.image)
+    if bad:
+        if nan_to_num is None:
+            raise DataError(non_finite_message(path, bad, scan.image.size, NON_FINITE_FIX))
+        v = float(nan_to_num)
+        scan.image = np.nan_to_num(scan.image, nan=v, posinf=v, neginf=v)
+        scan.replaced = bad
+    return scan
+
+
+def _read_scan(path: Path, mode: str, in_channels: int) -> Scan:
     name = path.name.lower()
     volumes = mode in ("3d", "patches2d")
     if not path.exists():

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from fedseg.data.readers import NON_FINITE_FIX, non_finite, non_finite_message
 from fedseg.foundation.errors import DataError
 
 if TYPE_CHECKING:
@@ -320,8 +321,9 @@ def read_case(image_path: str | Path, label_path: str | Path, in_channels: int, 
             f"{image_path}: has {image.shape[0]} channel(s) but in_channels = {in_channels} -> "
             "keep the channels the spec declares or set data.in_channels"
         )
-    if image.dtype.kind == "f" and not np.isfinite(image).all():
-        raise DataError(f"{image_path}: contains NaN or infinite voxels -> replace them (e.g. with the air value)")
+    bad = non_finite(image)
+    if bad:
+        raise DataError(non_finite_message(image_path, bad, image.size, NON_FINITE_FIX))
     if label.dtype.kind == "f" and not (np.isfinite(label).all() and (label == np.round(label)).all()):
         raise DataError(f"{label_path}: label has non-integer values -> save integer class values")
     label = label.astype(np.int64)
@@ -360,8 +362,9 @@ def read_channels(
                 f"{path}: channel file of shape {arr.shape} is not on the grid of {image[0]} (shape "
                 f"{label.shape}, same affine to 1e-3 mm) -> resample every channel of a case onto one grid"
             )
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise DataError(f"{path}: contains NaN or infinite voxels -> replace them (e.g. with the air value)")
+        bad = non_finite(arr)
+        if bad:
+            raise DataError(non_finite_message(path, bad, arr.size, NON_FINITE_FIX))
         channels.append(arr)
     dtype = np.result_type(*[c.dtype for c in channels])
     return np.stack([c.astype(dtype, copy=False) for c in channels]), label, affine

@@ -225,7 +225,10 @@ def site_cache(
 
 
 def _preprocess(fed: FederationSpec, site: str, image_path, label_path, plan: Plan, keep: bool) -> CachedCase:
-    image, label, affine = read_channels(image_path, label_path, fed.in_channels, fed.label_values)
+    try:
+        image, label, affine = read_channels(image_path, label_path, fed.in_channels, fed.label_values)
+    except DataError as e:  # the file and the fix, and whose case it is
+        raise DataError(f"{site}: {e}") from None
     x = normalize_case(image, plan.intensity, site)
     x, lab, new_affine = to_plan_grid(x, label, affine, plan_spacing(fed, plan))
     assert lab is not None  # to_plan_grid resamples the label it is given
