@@ -27,8 +27,8 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Task
 from test_deploy import HEADER, _prepare, _workload
 
-OPEN = SitePolicy(secure_aggregation=False)
-"""A policy that joins runs without secure aggregation (the cheapest runs to test with)."""
+OPEN = SitePolicy(secure_aggregation=False, min_sites=2)
+"""A policy that joins runs without secure aggregation and of two sites (the cheapest runs to test with)."""
 
 
 def _cfg(method="fedavg", rounds=1, privacy=None):
@@ -164,7 +164,7 @@ def test_site_refuses_task_kinds_its_policy_does_not_allow(tmp_path):
     (FedSM's ``fedsm_release``) without consent is refused before any handler runs."""
     cfg, data = _cfg(rounds=2), tiny_sites(2)
     _prepare(tmp_path / "dep", cfg, list(data))
-    strict = SitePolicy(secure_aggregation=False, tasks=("train",), release_models=False)
+    strict = SitePolicy(secure_aggregation=False, min_sites=2, tasks=("train",), release_models=False)
     runtimes = _runtimes(tmp_path, data, {"site2": strict})
     logs: list[str] = []
     res = serve(tmp_path / "dep", LoopbackChannel(runtimes), log=logs.append)
@@ -256,7 +256,7 @@ def test_policy_file_errors_name_each_bad_key_and_its_fix(tmp_path):
     assert len(lines) == 5
     assert 'secure_aggregation = "yes"; give true or false (default: true' in lines[0]
     assert "dp = \"strong\"; give 'off' or 'sample' or 'client'" in lines[1]
-    assert "min_sites = 0; give an integer >= 1 (default: 2" in lines[2]
+    assert "min_sites = 0; give an integer >= 1 (default: 3" in lines[2]
     assert "methods = []; give a non-empty list of names" in lines[3] and '"*" (any)' in lines[3]
     assert "unknown key 'colour'; remove it" in lines[4]
     path.write_text("{not json")

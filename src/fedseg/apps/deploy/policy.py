@@ -67,9 +67,14 @@ class SitePolicy:
     min_noise_multiplier: float | None = None
     """σ floor: the run's noise multiplier (given, or derived from ε at this site) must be at least this.
     None: no floor."""
-    min_sites: int = 2
+    max_delta: float | None = None
+    """δ ceiling: a run with differential privacy must set ``privacy.delta`` at most this (ε means nothing without
+    its δ: ε = 1 at δ = 0.5 is ε ≈ 7.4 at δ = 1e-5).  None: min(1e-5, 1 / (10 · n_k)), n_k this site's training
+    cases."""
+    min_sites: int = 3
     """The run must have at least this many sites (secure aggregation's participant minimum: with fewer, a
-    sum is one site's value); under a ``privacy.secagg_min_sites`` setting the site raises it to this."""
+    sum is one site's value, and with two the other site's); under a ``privacy.secagg_min_sites`` setting the
+    site raises it to this."""
     methods: tuple[str, ...] | None = None
     """Methods the site joins (e.g. ["fedavg", "fedsm"]); None (or "*" in the file): any."""
     tasks: tuple[str, ...] | None = None
@@ -80,11 +85,28 @@ class SitePolicy:
     site's cases only (per-case scores of a model the server crafts reveal each case's labels)."""
     release_models: bool = True
     """Consent to hand the site's final own model to the server (FedSM's ``fedsm_release``); false refuses it."""
+    reproducible: bool = False
+    """The site lets the run seed drive its randomness — seeded DP noise and, without a site salt, batch order and
+    augmentation — for rehearsals that compare deployment with simulation; never in production.  false: the
+    site's DP noise and batches come from its operating system's random source whatever
+    ``privacy.dp_randomness`` the run ships."""
 
     # ---------------------------------------------------------------- checks
-    def refusals(self, cfg: Any, sites: list[str], sigma: float | None = None) -> list[str]:
+    def delta_limit(self, num_train: int | None) -> float | None:
+        """The largest ``privacy.delta`` this site accepts: ``max_delta``, or min(1e-5, 1 / (10 · n_k)) for its
+        ``num_train`` = n_k training cases (None while n_k is unknown and the policy names no ceiling)."""
+        if self.max_delta is not None:
+            return self.max_delta
+        if num_train is None:
+            return None
+        return min(1e-5, 1.0 / (10 * max(1, num_train)))
+
+    def refusals(
+        self, cfg: Any, sites: list[str], sigma: float | None = None, num_train: int | None = None
+    ) -> list[str]:
         """Why the run ``cfg`` (the server's resolved run config) over ``sites`` is below this policy ([]: it is not).
-        ``sigma``: the noise multiplier the site derived for it (checked against ``min_noise_multiplier``)."""
+        ``sigma``: the noise multiplier the site derived for it (checked against ``min_noise_multiplier``);
+        ``num_train``: the site's training cases (the default δ ceiling depends on them)."""
         out = []
         p = cfg.privacy
         if self.methods is not None and cfg.method not in self.methods:
@@ -112,6 +134,12 @@ class SitePolicy:
                 out.append(
                     f"the run's noise multiplier σ = {sigma:.4g} is below the policy's floor {self.min_noise_multiplier:g}"
                 )
+        limit = self.delta_limit(num_train)
+        if p.dp != "off" and limit is not None and p.delta > limit:
+            why = "the policy's max_delta" if self.max_delta is not None else "min(1e-5, 1/(10·n_k)) of this site"
+            out.append(
+                f"the run's privacy.delta = {p.delta:g} is above {why} = {limit:g} (an ε means nothing at a large δ)"
+            )
         if len(sites) < self.min_sites:
             out.append(f"the run has {len(sites)} sites and the policy's minimum is {self.min_sites}")
         return out
@@ -167,11 +195,13 @@ _CHECKS = {
     "dp": _choice(DP_MODES),
     "max_epsilon": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
     "min_noise_multiplier": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
+    "max_delta": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
     "min_sites": lambda k, v: _number(k, v, minimum=1, integer=True),
     "methods": _names,
     "tasks": _names,
     "evaluation": _choice(EVALUATION),
     "release_models": _bool,
+    "reproducible": _bool,
 }
 assert set(_CHECKS) == {f.name for f in fields(SitePolicy)}
 

@@ -19,7 +19,11 @@ Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
 
 The site's own policy (:mod:`fedseg.apps.deploy.policy`, a file the site config names) decides which runs
 and tasks it takes part in: a run below its floors is refused at setup, a task kind it does not allow is
-refused, and evaluation replies carry aggregates only where it says so.  Every reply that leaves the site
+refused, and evaluation replies carry aggregates only where it says so.  Some settings are the site's, not
+the run's: a site with a kit always signs its secure-aggregation keys and checks its peers against its
+roster (a run whose sites are not all in it is refused), and draws its DP noise and batches from its
+operating system unless its policy is ``reproducible``; what it enforced is logged at setup and sent with
+its ``privacy`` report (``"enforced"``).  Every reply that leaves the site
 is recorded in its release log (``WORKDIR/releases.jsonl``: sha256 of the reply bytes, operation, task
 kind, round, step, exchange, time), which no checkpoint or restore touches.
 """
@@ -164,9 +168,9 @@ class SiteRuntime:
         ``loader(name, datalist, header, cfg) -> (SiteData, Workload)``; defaults to
         :func:`load_site_data` (tests pass in-memory data).
     identity
-        What signs this site's secure-aggregation keys under ``privacy.secagg_identity = "auto"``: the
-        ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read when a run
-        with secure aggregation is set up; no ``client.crt`` there: unsigned), an
+        What signs this site's secure-aggregation keys whatever ``privacy.secagg_identity`` the run ships: the
+        ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read with the kit's
+        roster when a run with secure aggregation is set up; no ``client.crt`` there: unsigned), an
         :class:`~fedseg.privacy.identity.Identity`, or None (unsigned).
     policy
         The site's :class:`~fedseg.apps.deploy.policy.SitePolicy`; None: the file ``config.policy`` names, or
@@ -188,6 +192,8 @@ class SiteRuntime:
         self.run_id: str | None = None
         self.refused: str | None = None
         """Why this site refused the run set up last (None: it took part)."""
+        self.enforced: dict[str, Any] = {}
+        """What this site enforces in the run set up last (:meth:`_enforced`): logged, and sent with its ε report."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
 
@@ -296,6 +302,16 @@ class SiteRuntime:
             if why:
                 return self._refuse(why)
             cfg = self._own_privacy(cfg, self.policy)
+        cfg = self._site_held(cfg)
+        identity = self._identity() if cfg.privacy.secure_aggregation else None
+        if identity is not None and identity.roster is not None and identity.roster.outside(sites):
+            return self._refuse(
+                [
+                    f"the run's sites {identity.roster.outside(sites)} are not sites of this site's roster "
+                    f"{sorted(identity.roster.sites)} (its kit's local/fedseg_roster.json); if the federation changed, "
+                    "provision it again and compare the new rosters out of band"
+                ]
+            )
         algorithm = get_algorithm(cfg)
         if getattr(algorithm.params, "selector_training", None) == "fga" and not cfg.privacy.secure_aggregation:
             log.warning(
@@ -304,6 +320,10 @@ class SiteRuntime:
                 self.name,
             )
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
+        if self.policy is not None and cfg.privacy.dp != "off":  # the default δ ceiling needs n_k
+            why = self.policy.refusals(cfg, sites, num_train=dataset_len(data.train))
+            if why:
+                return self._refuse(why)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
         if cfg.privacy.dp != "off":  # the site's privacy ledger: outside the round checkpoints, never restored
             self.site.dp.ledger.attach(Path(self.config.workdir) / "privacy-ledger.jsonl", run=run_id)
@@ -313,8 +333,9 @@ class SiteRuntime:
                 self.site = None
                 return self._refuse(why)
         self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
-        if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
-            self.site.identity = self._identity()
+        self.site.identity = identity
+        self.enforced = self._enforced(cfg, identity, self.site.num_train)
+        log.info("site %s enforces for run %s: %s", self.name, run_id, json.dumps(self.enforced))
         log.info(
             "site %s set up for run %s (index %d, %d training cases)",
             self.name,
@@ -342,6 +363,59 @@ class SiteRuntime:
         if isinstance(floor, int) and floor < policy.min_sites:
             changes["secagg_min_sites"] = policy.min_sites
         return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
+
+    def _site_held(self, cfg: Any) -> Any:
+        """The run config with the settings that are the site's, not the server's: a site that holds a kit (an
+        identity) signs its secure-aggregation keys whatever ``privacy.secagg_identity`` says, and its DP noise
+        and batches come from its operating system's random source whatever ``privacy.dp_randomness`` says,
+        unless its policy is ``reproducible`` (rehearsals).  Each override is logged."""
+        p = cfg.privacy
+        changes: dict[str, Any] = {}
+        if p.secagg_identity != "auto" and self.identity is not None:
+            changes["secagg_identity"] = "auto"
+            log.warning(
+                "site %s: the run sets privacy.secagg_identity = %r; a site with a kit signs its secure-aggregation "
+                "keys and checks its peers' whatever the run says",
+                self.name,
+                p.secagg_identity,
+            )
+        reproducible = self.policy is not None and self.policy.reproducible
+        if p.dp_randomness != "os" and not reproducible:
+            changes["dp_randomness"] = "os"
+            if p.dp != "off":
+                log.warning(
+                    "site %s: the run sets privacy.dp_randomness = %r; this site draws its DP noise and batches from "
+                    "its operating system's random source (its policy is not reproducible: the server knows the "
+                    "seed and could regenerate seeded draws)",
+                    self.name,
+                    p.dp_randomness,
+                )
+        return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
+
+    def _enforced(self, cfg: Any, identity: Identity | None, num_train: int) -> dict[str, Any]:
+        """What this site enforces in the run it set up (logged at setup and sent with its ``privacy`` report):
+        its keys' signing and roster, its DP randomness, and its policy's floors."""
+        p = cfg.privacy
+        out: dict[str, Any] = {
+            "secure_aggregation": bool(p.secure_aggregation),
+            "signed_keys": identity is not None if p.secure_aggregation else None,
+            "roster_sites": sorted(identity.roster.sites) if identity is not None and identity.roster else None,
+            "secagg_min_sites": p.secagg_min_sites if p.secure_aggregation else None,
+            "dp": p.dp,
+            "dp_randomness": p.dp_randomness if p.dp != "off" else None,
+            "epsilon_against_server": None if p.dp == "off" else ("inf" if p.dp_randomness == "seeded" else "epsilon"),
+            "policy": self.config.policy or ("its default policy" if self.policy is not None else None),
+        }
+        if self.policy is not None:
+            out.update(
+                max_epsilon=self.policy.max_epsilon,
+                max_delta=self.policy.delta_limit(num_train),
+                min_noise_multiplier=self.policy.min_noise_multiplier,
+                min_sites=self.policy.min_sites,
+                evaluation=self.policy.evaluation,
+                reproducible=self.policy.reproducible,
+            )
+        return out
 
     def _identity(self) -> Identity | None:
         """This site's identity for signed secure-aggregation keys (loaded from its kit once), or None."""
@@ -384,6 +458,8 @@ class SiteRuntime:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
         reply = self.site.handle(task)
+        if task.kind == "privacy":  # the site's own statement of what it enforced, beside its ε
+            reply = dataclasses.replace(reply, metrics={**reply.metrics, "enforced": dict(self.enforced)})
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
             reply = dataclasses.replace(reply, metrics=aggregate_scores(reply.metrics))
         return encode_reply(reply)
