@@ -287,7 +287,7 @@ class SiteParty:
         the site deals no share, masks nothing and reveals nothing in such an exchange."""
         roster = self.identity.roster if self.identity is not None else None
         outside = roster.outside(names) if roster is not None else []
-        if outside:
+        if roster is not None and outside:
             raise PayloadError(
                 f"site {self.me}: the {what} of exchange {self.exchange} names {outside}, not sites of this site's "
                 f"roster {sorted(roster.sites)} (its kit's local/fedseg_roster.json); it takes no part in an exchange "

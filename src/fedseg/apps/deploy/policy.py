@@ -12,7 +12,10 @@ what the site does with it:
 * **per task** it refuses a kind its policy does not allow (:meth:`SitePolicy.task_refusal`), the
   release of its final model without consent included;
 * **evaluation** replies carry per-case scores or, under ``"evaluation": "aggregates"``, each
-  candidate's mean over the site's cases only (:func:`aggregate_scores`).
+  candidate's mean over the site's cases only (:func:`aggregate_scores`);
+* **the site's own settings** replace the run's whatever it says (:func:`site_held`: its identity signs,
+  its DP randomness is its OS's unless ``reproducible``), and what it enforced is logged and reported
+  (:func:`enforced`).
 
 The settings mirror NVIDIA FLARE's site-enforced privacy scopes (a site's ``privacy.json`` names the
 scopes it accepts and the filters it applies, and a job asking for another scope is refused).
@@ -20,6 +23,7 @@ scopes it accepts and the filters it applies, and a job asking for another scope
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -34,7 +38,9 @@ __all__ = [
     "RELEASE_KINDS",
     "SitePolicy",
     "aggregate_scores",
+    "enforced",
     "read_policy",
+    "site_held",
     "write_policy",
 ]
 
@@ -157,6 +163,62 @@ class SitePolicy:
         for k in ("methods", "tasks"):
             d[k] = "*" if d[k] is None else list(d[k])
         return d
+
+
+def site_held(cfg: Any, policy: SitePolicy | None, has_identity: bool, warn: Any = None) -> Any:
+    """The run config ``cfg`` with the settings that are the site's, not the server's: a site that holds a kit
+    (``has_identity``) signs its secure-aggregation keys whatever ``privacy.secagg_identity`` says, and its DP
+    noise and batches come from its operating system's random source whatever ``privacy.dp_randomness`` says,
+    unless its ``policy`` is ``reproducible`` (rehearsals).  ``warn(message)`` is told of each override."""
+    p = cfg.privacy
+    changes: dict[str, Any] = {}
+    said = []
+    if p.secagg_identity != "auto" and has_identity:
+        changes["secagg_identity"] = "auto"
+        said.append(
+            f"the run sets privacy.secagg_identity = {p.secagg_identity!r}; a site with a kit signs its "
+            "secure-aggregation keys and checks its peers against its roster whatever the run says"
+        )
+    if p.dp_randomness != "os" and not (policy is not None and policy.reproducible):
+        changes["dp_randomness"] = "os"
+        if p.dp != "off":
+            said.append(
+                f"the run sets privacy.dp_randomness = {p.dp_randomness!r}; this site draws its DP noise and batches "
+                "from its operating system's random source (its policy is not reproducible: the server knows the "
+                "seed and could regenerate seeded draws)"
+            )
+    for message in said if warn is not None else ():
+        warn(message)
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
+
+
+def enforced(cfg: Any, policy: SitePolicy | None, where: str | None, identity: Any, num_train: int) -> dict[str, Any]:
+    """What a site enforces in the run ``cfg`` it set up (the config after :func:`site_held` and its policy's
+    own values): its keys' signing and roster (``identity``: its :class:`~fedseg.privacy.identity.Identity` or
+    None), its DP randomness, and its ``policy``'s floors (``where``: the policy file).  Logged at setup and sent
+    with its ``privacy`` report, so the site's own account of a run does not rest on the server's results."""
+    p = cfg.privacy
+    roster = getattr(identity, "roster", None)
+    out: dict[str, Any] = {
+        "secure_aggregation": bool(p.secure_aggregation),
+        "signed_keys": identity is not None if p.secure_aggregation else None,
+        "roster_sites": sorted(roster.sites) if roster is not None else None,
+        "secagg_min_sites": p.secagg_min_sites if p.secure_aggregation else None,
+        "dp": p.dp,
+        "dp_randomness": p.dp_randomness if p.dp != "off" else None,
+        "epsilon_against_server": None if p.dp == "off" else ("inf" if p.dp_randomness == "seeded" else "epsilon"),
+        "policy": where,
+    }
+    if policy is not None:
+        out.update(
+            max_epsilon=policy.max_epsilon,
+            max_delta=policy.delta_limit(num_train),
+            min_noise_multiplier=policy.min_noise_multiplier,
+            min_sites=policy.min_sites,
+            evaluation=policy.evaluation,
+            reproducible=policy.reproducible,
+        )
+    return out
 
 
 def _number(key: str, v: Any, *, minimum: float, integer: bool = False) -> Any:

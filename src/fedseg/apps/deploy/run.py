@@ -31,6 +31,7 @@ from fedseg.execution.remote.params import deploy_params
 from fedseg.foundation.config import toml_value
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
+from fedseg.privacy.identity import ROSTER_NAME, fingerprint, load_identity, read_roster
 from fedseg.seams.checkpoint import save_json
 
 __all__ = [
@@ -92,8 +93,6 @@ def configure_site(
     policy = Path(policy).resolve()
     read_policy(policy)  # a bad policy stops here, one line per bad key
     if (kit / "startup" / "client.crt").is_file():  # a kit without its roster, or not the roster's, stops here
-        from fedseg.privacy.identity import load_identity
-
         load_identity(kit / "startup", name)
     return write_site_config(
         kit / "local" / SITE_CONFIG_NAME,
@@ -107,8 +106,6 @@ def show_roster(kit: str | Path) -> list[str]:
     to compare out of band with the other sites' (every site's lines must be the same).  For a site kit the last
     line says whether the kit's own certificate is the one the roster pins for it; a kit whose certificate is not
     is a :class:`ConfigError`."""
-    from fedseg.privacy.identity import ROSTER_NAME, fingerprint, read_roster
-
     kit = Path(kit)
     path = kit / "local" / ROSTER_NAME
     if not path.is_file() and (kit / "roster.json").is_file():

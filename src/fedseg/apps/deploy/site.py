@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, read_policy
+from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, enforced, read_policy, site_held
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
@@ -193,7 +193,8 @@ class SiteRuntime:
         self.refused: str | None = None
         """Why this site refused the run set up last (None: it took part)."""
         self.enforced: dict[str, Any] = {}
-        """What this site enforces in the run set up last (:meth:`_enforced`): logged, and sent with its ε report."""
+        """What this site enforces in the run set up last (:func:`~fedseg.apps.deploy.policy.enforced`): logged,
+        and sent with its ε report."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
 
@@ -302,7 +303,7 @@ class SiteRuntime:
             if why:
                 return self._refuse(why)
             cfg = self._own_privacy(cfg, self.policy)
-        cfg = self._site_held(cfg)
+        cfg = site_held(cfg, self.policy, self.identity is not None, lambda m: log.warning("site %s: %s", self.name, m))
         identity = self._identity() if cfg.privacy.secure_aggregation else None
         if identity is not None and identity.roster is not None and identity.roster.outside(sites):
             return self._refuse(
@@ -334,7 +335,8 @@ class SiteRuntime:
                 return self._refuse(why)
         self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
         self.site.identity = identity
-        self.enforced = self._enforced(cfg, identity, self.site.num_train)
+        where = self.config.policy or ("its default policy" if self.policy is not None else None)
+        self.enforced = enforced(cfg, self.policy, where, identity, self.site.num_train)
         log.info("site %s enforces for run %s: %s", self.name, run_id, json.dumps(self.enforced))
         log.info(
             "site %s set up for run %s (index %d, %d training cases)",
@@ -363,59 +365,6 @@ class SiteRuntime:
         if isinstance(floor, int) and floor < policy.min_sites:
             changes["secagg_min_sites"] = policy.min_sites
         return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
-
-    def _site_held(self, cfg: Any) -> Any:
-        """The run config with the settings that are the site's, not the server's: a site that holds a kit (an
-        identity) signs its secure-aggregation keys whatever ``privacy.secagg_identity`` says, and its DP noise
-        and batches come from its operating system's random source whatever ``privacy.dp_randomness`` says,
-        unless its policy is ``reproducible`` (rehearsals).  Each override is logged."""
-        p = cfg.privacy
-        changes: dict[str, Any] = {}
-        if p.secagg_identity != "auto" and self.identity is not None:
-            changes["secagg_identity"] = "auto"
-            log.warning(
-                "site %s: the run sets privacy.secagg_identity = %r; a site with a kit signs its secure-aggregation "
-                "keys and checks its peers' whatever the run says",
-                self.name,
-                p.secagg_identity,
-            )
-        reproducible = self.policy is not None and self.policy.reproducible
-        if p.dp_randomness != "os" and not reproducible:
-            changes["dp_randomness"] = "os"
-            if p.dp != "off":
-                log.warning(
-                    "site %s: the run sets privacy.dp_randomness = %r; this site draws its DP noise and batches from "
-                    "its operating system's random source (its policy is not reproducible: the server knows the "
-                    "seed and could regenerate seeded draws)",
-                    self.name,
-                    p.dp_randomness,
-                )
-        return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
-
-    def _enforced(self, cfg: Any, identity: Identity | None, num_train: int) -> dict[str, Any]:
-        """What this site enforces in the run it set up (logged at setup and sent with its ``privacy`` report):
-        its keys' signing and roster, its DP randomness, and its policy's floors."""
-        p = cfg.privacy
-        out: dict[str, Any] = {
-            "secure_aggregation": bool(p.secure_aggregation),
-            "signed_keys": identity is not None if p.secure_aggregation else None,
-            "roster_sites": sorted(identity.roster.sites) if identity is not None and identity.roster else None,
-            "secagg_min_sites": p.secagg_min_sites if p.secure_aggregation else None,
-            "dp": p.dp,
-            "dp_randomness": p.dp_randomness if p.dp != "off" else None,
-            "epsilon_against_server": None if p.dp == "off" else ("inf" if p.dp_randomness == "seeded" else "epsilon"),
-            "policy": self.config.policy or ("its default policy" if self.policy is not None else None),
-        }
-        if self.policy is not None:
-            out.update(
-                max_epsilon=self.policy.max_epsilon,
-                max_delta=self.policy.delta_limit(num_train),
-                min_noise_multiplier=self.policy.min_noise_multiplier,
-                min_sites=self.policy.min_sites,
-                evaluation=self.policy.evaluation,
-                reproducible=self.policy.reproducible,
-            )
-        return out
 
     def _identity(self) -> Identity | None:
         """This site's identity for signed secure-aggregation keys (loaded from its kit once), or None."""
