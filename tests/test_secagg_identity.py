@@ -187,6 +187,31 @@ def test_left_out_takes_the_most_refused_first():
     assert sorted(server.left_out) == ["a", "b"] and server.masking == ["c", "d"]
 
 
+def test_a_peer_certificate_that_is_not_a_sites_client_certificate_is_refused(ca, identities):
+    """Without a roster too, a peer's certificate of the federation's CA that names the peer is refused when it
+    is not an end entity's client certificate: a CA certificate, an extended key usage without clientAuth (a
+    server's), or FLARE's role attribute (an admin's: FLARE writes the admin's role into unstructuredName); one
+    with clientAuth is accepted."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    keys = {"c": b"c" * 32, "s": b"s" * 32, "b_digest": b"b" * 32}
+    cases = {
+        "it is a CA certificate": ca.issue(
+            "site2", extensions=[(x509.BasicConstraints(ca=True, path_length=None), True)]
+        ),
+        "does not allow clientAuth": ca.issue(
+            "site2", extensions=[(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)]
+        ),
+        "role attribute 'project_admin'": ca.issue("site2", role="project_admin"),
+        None: ca.issue("site2", extensions=[(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)]),
+    }
+    for why, (cert, key) in cases.items():
+        peer = forged("site2", cert, key, ca.pem)
+        got = identities["site1"].check_peer("site2", "e", keys, peer.sign("e", keys["c"], keys["s"], keys["b_digest"]))
+        assert (got is None) if why is None else (why in got), (why, got)
+
+
 def test_statement_binds_every_field():
     """Each field is length-prefixed: moving bytes between fields changes the statement."""
     base = statement("e", "site1", b"c" * 32, b"s" * 32, b"b" * 32)

@@ -370,3 +370,31 @@ def test_a_run_naming_a_party_outside_the_roster_is_refused_at_setup(tmp_path, k
     reply = json.loads(rt.call("setup", json.dumps(desc).encode()))
     assert "the run's sites ['localhost'] are not sites of this site's roster" in reply["refused"]
     assert "provision it again" in reply["refused"] and rt.site is None
+
+
+def test_a_kit_without_its_roster_refuses_runs_and_is_stopped_before_it_starts(tmp_path, kits):
+    """A site kit provisioned before rosters (no local/fedseg_roster.json): `fedseg deploy site` stops with the
+    fix, and a site runtime started from it refuses a secure-aggregation run at setup with the same fix instead
+    of taking part unchecked."""
+    import shutil
+
+    from fedseg.apps.deploy.run import configure_site
+    from fedseg.foundation.errors import ConfigError
+
+    old = tmp_path / "site1"
+    shutil.copytree(kits["site1"], old)
+    (old / "local" / "fedseg_roster.json").unlink()
+    datalist = tmp_path / "dl.json"
+    datalist.write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds no roster.*fedseg deploy provision"):
+        configure_site(old, datalist, tmp_path / "work")
+    data = tiny_sites(3)
+    rt = SiteRuntime(
+        SiteConfig("site1", "(in memory)", str(tmp_path / "s")),
+        loader=lambda n, dl, header, c: (data[n], _workload(c)),
+        identity=old / "startup",
+        policy=SitePolicy(),
+    )
+    desc = {"run_id": "r", "sites": SITES, "data": HEADER, "config_toml": dump_toml(_cfg().to_dict())}
+    reply = json.loads(rt.call("setup", json.dumps(desc).encode()))
+    assert "holds no roster" in reply["refused"] and "fedseg deploy provision" in reply["refused"]

@@ -304,7 +304,10 @@ class SiteRuntime:
                 return self._refuse(why)
             cfg = self._own_privacy(cfg, self.policy)
         cfg = site_held(cfg, self.policy, self.identity is not None, lambda m: log.warning("site %s: %s", self.name, m))
-        identity = self._identity() if cfg.privacy.secure_aggregation else None
+        try:  # a kit without its roster, or another site's: refused with the fix, as a floor is
+            identity = self._identity() if cfg.privacy.secure_aggregation else None
+        except ConfigError as e:
+            return self._refuse([str(e)])
         if identity is not None and identity.roster is not None and identity.roster.outside(sites):
             return self._refuse(
                 [
