@@ -254,6 +254,10 @@ def test_the_server_cannot_stand_in_for_sites_with_certificates_it_holds(tmp_pat
         assert "whose keys this site refused" in got
     refused = _refused_in_release_log(rt)
     assert refused and refused[-1]["error"].startswith("PayloadError: site site1")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith("site site1 refuses a 'secagg/shares' task") or "a 'train' task" in m for m in warned), (
+        warned
+    )
     assert isinstance(rt.site.identity, Identity) and rt.site.identity.roster is not None
 
 

@@ -409,7 +409,11 @@ class SiteRuntime:
         if why:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
-        reply = self.site.handle(task)
+        try:
+            reply = self.site.handle(task)
+        except PayloadError as e:  # a refusal of the site's own checks (secure aggregation's among them): logged here
+            log.warning("site %s refuses a %r task: %s", self.name, task.kind, e)
+            raise
         if task.kind == "privacy":  # the site's own statement of what it enforced, beside its ε
             reply = dataclasses.replace(reply, metrics={**reply.metrics, "enforced": dict(self.enforced)})
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
