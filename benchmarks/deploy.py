@@ -43,8 +43,9 @@ from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
-CLEAR = {"secure_aggregation": False}
-"""The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure)."""
+CLEAR = {"secure_aggregation": False, "min_sites": 2, "reproducible": True}
+"""The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure), of two
+sites, and let the run seed drive their randomness (the benchmarks compare deployment with simulation)."""
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:

@@ -17,6 +17,7 @@ import torch
 
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import REGISTRY
+from fedseg.apps.deploy.policy import SitePolicy
 from fedseg.apps.deploy.server import serve
 from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
 from fedseg.execution.remote.transport import DeployError, LoopbackChannel
@@ -55,11 +56,19 @@ def _prepare(out: Path, cfg, names, run_id="run-1", stop_after=None):
     (out / "deploy.json").write_text(json.dumps(desc))
 
 
+REHEARSAL = SitePolicy(secure_aggregation=False, min_sites=1, reproducible=True)
+"""The site policy of the tests that compare a deployment with its simulation bitwise: it joins any run and lets
+the run seed drive the site's randomness (``reproducible``), as a rehearsal's sites do."""
+
+
 def _runtimes(tmp: Path, data):
     def loader(name, datalist, header, cfg):
         return data[name], _workload(cfg)
 
-    return {n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader) for n in data}
+    return {
+        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, policy=REHEARSAL)
+        for n in data
+    }
 
 
 def test_deployed_fedavg_equals_simulation_bitwise(tmp_path):

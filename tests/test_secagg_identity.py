@@ -187,6 +187,31 @@ def test_left_out_takes_the_most_refused_first():
     assert sorted(server.left_out) == ["a", "b"] and server.masking == ["c", "d"]
 
 
+def test_a_peer_certificate_that_is_not_a_sites_client_certificate_is_refused(ca, identities):
+    """Without a roster too, a peer's certificate of the federation's CA that names the peer is refused when it
+    is not an end entity's client certificate: a CA certificate, an extended key usage without clientAuth (a
+    server's), or FLARE's role attribute (an admin's: FLARE writes the admin's role into unstructuredName); one
+    with clientAuth is accepted."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    keys = {"c": b"c" * 32, "s": b"s" * 32, "b_digest": b"b" * 32}
+    cases = {
+        "it is a CA certificate": ca.issue(
+            "site2", extensions=[(x509.BasicConstraints(ca=True, path_length=None), True)]
+        ),
+        "does not allow clientAuth": ca.issue(
+            "site2", extensions=[(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)]
+        ),
+        "role attribute 'project_admin'": ca.issue("site2", role="project_admin"),
+        None: ca.issue("site2", extensions=[(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)]),
+    }
+    for why, (cert, key) in cases.items():
+        peer = forged("site2", cert, key, ca.pem)
+        got = identities["site1"].check_peer("site2", "e", keys, peer.sign("e", keys["c"], keys["s"], keys["b_digest"]))
+        assert (got is None) if why is None else (why in got), (why, got)
+
+
 def test_statement_binds_every_field():
     """Each field is length-prefixed: moving bytes between fields changes the statement."""
     base = statement("e", "site1", b"c" * 32, b"s" * 32, b"b" * 32)
@@ -197,11 +222,13 @@ def test_statement_binds_every_field():
 
 def test_kit_identity_rsa_as_flare_provisions(tmp_path):
     """A FLARE startup folder (client.crt, client.key, rootCA.pem; RSA-2048 keys, as FLARE's provisioning
-    makes): the site signs with it, a peer of the same CA accepts it; no client.crt: no identity; a kit of
-    another site, or a key that is not the certificate's, is one ConfigError naming the fix."""
+    makes) with the federation's roster beside it (local/fedseg_roster.json): the site signs with it, a peer of
+    the same CA accepts it; no client.crt: no identity; a kit of another site, a kit without its roster, or a key
+    that is not the certificate's, is one ConfigError naming the fix."""
     rsa = CA(kind="rsa")
-    me = load_identity(rsa.kit(tmp_path / "a" / "startup", "site1"), "site1")
-    peer = load_identity(rsa.kit(tmp_path / "b" / "startup", "site2"), "site2")
+    kits = rsa.federation(tmp_path / "fed", ["site1", "site2"])
+    me = load_identity(kits["site1"], "site1")
+    peer = load_identity(kits["site2"], "site2")
     assert isinstance(me, Identity) and isinstance(peer, Identity)
     keys = {"c": b"c" * 32, "s": b"s" * 32, "b_digest": b"b" * 32}
     sent = me.sign("e", keys["c"], keys["s"], keys["b_digest"])
@@ -209,10 +236,12 @@ def test_kit_identity_rsa_as_flare_provisions(tmp_path):
     assert "does not verify" in peer.check_peer("site1", "e", {**keys, "s": b"t" * 32}, sent)
     assert load_identity(tmp_path / "none", "site1") is None
     with pytest.raises(ConfigError, match=r"names 'site1', not 'site2'.*deploy provision"):
-        load_identity(tmp_path / "a" / "startup", "site2")
-    (tmp_path / "a" / "startup" / "client.key").write_bytes((tmp_path / "b" / "startup" / "client.key").read_bytes())
+        load_identity(kits["site1"], "site2")
+    with pytest.raises(ConfigError, match=r"holds no roster.*deploy provision.*deploy roster"):
+        load_identity(rsa.kit(tmp_path / "bare" / "startup", "site1"), "site1")
+    (kits["site1"] / "client.key").write_bytes((kits["site2"] / "client.key").read_bytes())
     with pytest.raises(ConfigError, match="the private key is not the certificate's"):
-        load_identity(tmp_path / "a" / "startup", "site1")
+        load_identity(kits["site1"], "site1")
 
 
 # ------------------------------------------------------------------ deployed (the byte channel a deployment uses)
@@ -226,8 +255,12 @@ def _kit_runtimes(tmp, data, kits):
     def loader(name, datalist, header, cfg):
         return data[name], _workload(cfg)
 
+    from test_deploy import REHEARSAL
+
     return {
-        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, identity=kits.get(n))
+        n: SiteRuntime(
+            SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, identity=kits.get(n), policy=REHEARSAL
+        )
         for n in data
     }
 
@@ -245,7 +278,7 @@ def test_deployed_signed_secure_fedavg_equals_simulation_bitwise(tmp_path, ca):
     from test_secagg_deploy import _cfg
 
     cfg, data = _cfg(), tiny_sites(3)
-    kits = {n: ca.kit(tmp_path / "kits" / n / "startup", n) for n in data}
+    kits = ca.federation(tmp_path / "kits", list(data))
     runtimes = _kit_runtimes(tmp_path, data, kits)
     _prepare(tmp_path / "dep", cfg, list(data))
     logs: list[str] = []
@@ -291,9 +324,9 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
     from test_secagg_deploy import _cfg
 
     cfg, names = _cfg(rounds=1, min_sites=2), ["site1", "site2", "site3"]
-    kits = {n: ca.kit(tmp_path / "kits" / n / "startup", n) for n in names}
-    if how == "other_ca":
-        kits["site3"] = CA("another-root").kit(tmp_path / "kits" / "other" / "startup", "site3")
+    kits = ca.federation(tmp_path / "kits", names)
+    if how == "other_ca":  # a kit of another federation of the same names: its own root CA and roster
+        kits["site3"] = CA("another-root").federation(tmp_path / "other", names)["site3"]
 
     def gone_at_keys(op, blob):
         if "c" in (decode_reply(blob).metrics.get("secagg") or {}):
@@ -316,23 +349,26 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
 
 
 @pytest.mark.parametrize("setting", ["auto", "off"])
-def test_site_signs_with_its_kit_unless_identity_is_off(tmp_path, ca, setting):
-    """A deployed site set up for a run with secure aggregation reads its kit's identity under
-    ``privacy.secagg_identity = "auto"`` and none under ``"off"``; without secure aggregation it reads nothing."""
+def test_site_with_a_kit_signs_whatever_the_run_says(tmp_path, ca, setting):
+    """A deployed site set up for a run with secure aggregation reads its kit's identity (with its roster) under
+    ``privacy.secagg_identity = "auto"`` and under ``"off"`` alike: the run config is the server's, the identity
+    the site's; without secure aggregation it reads nothing."""
     from conftest import tiny_sites
     from fedseg.foundation.config import PrivacyConfig, dump_toml
     from test_deploy import HEADER
     from test_secagg_deploy import _cfg
 
     data = tiny_sites(2)
-    kits = {n: ca.kit(tmp_path / "kits" / n / "startup", n) for n in data}
+    kits = ca.federation(tmp_path / "kits", list(data))
     for secure in (True, False):
         cfg = _cfg()
         cfg = dataclasses.replace(cfg, privacy=PrivacyConfig(secure_aggregation=secure, secagg_identity=setting))
         rt = _kit_runtimes(tmp_path / str(secure), data, kits)["site1"]
         desc = {"run_id": "r", "sites": list(data), "data": HEADER, "config_toml": dump_toml(cfg.to_dict())}
         rt.call("setup", json.dumps(desc).encode())
-        assert isinstance(rt.site.identity, Identity) == (secure and setting == "auto")
+        assert isinstance(rt.site.identity, Identity) == secure
+        assert rt.site.cfg.privacy.secagg_identity == "auto"
+        assert rt.enforced["signed_keys"] == (True if secure else None)
 
 
 def test_signed_attestations_count_only_from_their_signer(identities):

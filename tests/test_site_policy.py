@@ -27,8 +27,8 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Task
 from test_deploy import HEADER, _prepare, _workload
 
-OPEN = SitePolicy(secure_aggregation=False)
-"""A policy that joins runs without secure aggregation (the cheapest runs to test with)."""
+OPEN = SitePolicy(secure_aggregation=False, min_sites=2)
+"""A policy that joins runs without secure aggregation and of two sites (the cheapest runs to test with)."""
 
 
 def _cfg(method="fedavg", rounds=1, privacy=None):
@@ -164,7 +164,7 @@ def test_site_refuses_task_kinds_its_policy_does_not_allow(tmp_path):
     (FedSM's ``fedsm_release``) without consent is refused before any handler runs."""
     cfg, data = _cfg(rounds=2), tiny_sites(2)
     _prepare(tmp_path / "dep", cfg, list(data))
-    strict = SitePolicy(secure_aggregation=False, tasks=("train",), release_models=False)
+    strict = SitePolicy(secure_aggregation=False, min_sites=2, tasks=("train",), release_models=False)
     runtimes = _runtimes(tmp_path, data, {"site2": strict})
     logs: list[str] = []
     res = serve(tmp_path / "dep", LoopbackChannel(runtimes), log=logs.append)
@@ -256,7 +256,7 @@ def test_policy_file_errors_name_each_bad_key_and_its_fix(tmp_path):
     assert len(lines) == 5
     assert 'secure_aggregation = "yes"; give true or false (default: true' in lines[0]
     assert "dp = \"strong\"; give 'off' or 'sample' or 'client'" in lines[1]
-    assert "min_sites = 0; give an integer >= 1 (default: 2" in lines[2]
+    assert "min_sites = 0; give an integer >= 1 (default: 3" in lines[2]
     assert "methods = []; give a non-empty list of names" in lines[3] and '"*" (any)' in lines[3]
     assert "unknown key 'colour'; remove it" in lines[4]
     path.write_text("{not json")
@@ -364,3 +364,51 @@ def test_flare_rehearsal_sites_refuse_a_job_without_secure_aggregation(tmp_path)
     for name in ("site1", "site2"):
         site_log = (cluster.root / "logs" / f"{name}.log").read_text()
         assert f"site {name} refuses run" in site_log and why in site_log
+
+
+# ------------------------------------------------------------------ every privacy setting has a site rule
+def _settings_table() -> dict[str, str]:
+    """docs/privacy.md's table "Settings the server ships, and what the site does with them": {setting: rule}."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()
+    section = text.split("### Settings the server ships, and what the site does with them", 1)[1].split("\n#", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("setting", "---"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_every_privacy_setting_is_pinned_checked_or_harmless_in_the_docs_table():
+    """Each field of ``privacy`` (PrivacyConfig) has a row in docs/privacy.md's table of what a deployed site
+    does with the settings the server ships; each row names a setting that exists (a run config field, a field
+    of its section, or a field of a method's or the deployment's parameters) or a task kind, and says "pinned",
+    "checked against policy `field`" with fields of :class:`SitePolicy`, or "harmless".  A new privacy setting
+    without a row fails here."""
+    import re
+
+    from fedseg.algorithms.fedsm.params import FedSMParams
+    from fedseg.execution.remote.params import DeployParams
+    from fedseg.foundation.config import RunConfig
+
+    rows = _settings_table()
+    missing = [f"privacy.{f.name}" for f in dataclasses.fields(PrivacyConfig) if f"`privacy.{f.name}`" not in rows]
+    assert not missing, f"add a row for {missing} to docs/privacy.md's settings table"
+    top = {f.name: f for f in dataclasses.fields(RunConfig)}
+    sections = {"fedsm": FedSMParams, "deploy": DeployParams}
+    policy_fields = {f.name for f in dataclasses.fields(SitePolicy)}
+    for setting, rule in rows.items():
+        assert re.match(r"(pinned|checked against policy `\w+`|harmless)", rule), (setting, rule)
+        named = set(re.findall(r"policy `(\w+)`", rule))
+        assert named <= policy_fields, (setting, named - policy_fields)
+        m = re.fullmatch(r"task `(\w+)`|`([\w.]+)`", setting)
+        assert m, setting
+        if m.group(2):
+            head, _, tail = m.group(2).partition(".")
+            if not tail:
+                assert head in top, setting
+                continue
+            cls = sections.get(head) or top[head].default_factory  # type: ignore[misc]
+            assert tail in {f.name for f in dataclasses.fields(cls)}, setting

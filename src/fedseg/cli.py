@@ -253,6 +253,13 @@ def cmd_deploy(a: argparse.Namespace) -> int:
         print(f"site policy: {read_site_config(cfg).policy} (edit it to change what this site accepts)")
         print(f"wrote {cfg}; starting the site (it connects out to the server; Ctrl-C stops it)")
         return dep.foreground(dep.start_site(a.kit, log=Path(a.workdir) / "fedseg-site.log"))
+    if a.deploy_verb == "roster":
+        for line in dep.show_roster(a.kit):
+            print(line)
+        print(
+            "compare these lines with every other site's over another channel (phone, signed mail): they must be equal"
+        )
+        return 0
     if a.deploy_verb == "server":
         print("starting the server (sites connect to it; Ctrl-C stops it)")
         return dep.foreground(dep.start_server(a.kit))
@@ -634,6 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="this site's privacy policy (JSON; docs/deploy.md 'Site policy'): the floors it enforces whatever the "
         "server's job says (default: KIT/local/fedseg_policy.json, written with the defaults when absent)",
     )
+    x = dsub.add_parser(
+        "roster", help="print the federation's sites and certificate fingerprints a kit holds, to compare out of band"
+    )
+    x.add_argument("kit", help="a site kit (KIT/local/fedseg_roster.json) or the folder `provision --out` wrote")
     x = dsub.add_parser("server", help="start the server from its kit")
     x.add_argument("--kit", required=True)
     for verb, text in (
@@ -658,7 +669,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "--resume", metavar="OUT", help="continue the deployed run in OUT after a server crash, as a new job"
             )
         else:
-            x.add_argument("--sites", type=int, default=2, help="use the first N sites of the federation")
+            x.add_argument(
+                "--sites",
+                type=int,
+                default=3,
+                help="use the first N sites of the federation (a site's default policy joins runs of at least 3)",
+            )
     for x in dsub.choices.values():
         x.set_defaults(func=cmd_deploy)
     add_audit_parser(sub, _device_argument)

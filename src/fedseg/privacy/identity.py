@@ -17,12 +17,26 @@ substitute a site's keys (it would have to sign for that site), replay a site's 
 (the exchange id is signed), or present one site's keys as another's (the name is signed and must be the
 certificate's).
 
+**The roster.**  The same root CA certifies the server and the admin (FLARE provisions them together), so
+"chains to the root CA" does not make a certificate a site's.  A deployed site therefore holds a
+:class:`Roster`, written into its kit at provisioning (``local/fedseg_roster.json``): the federation's site
+names and the SHA-256 fingerprint of each site's certificate (of its DER bytes, as ``openssl x509
+-fingerprint -sha256`` prints it), and the fingerprints of the server's and the admins' certificates.  With a
+roster, a peer is accepted only if its name is a site of the roster and its certificate is the very one the
+roster pins for that name (so neither the server's nor an admin's certificate, nor a certificate minted later
+with the CA's key, passes); and a certificate that is not an end entity's client certificate (a CA, an
+extended key usage without clientAuth, FLARE's admin role attribute) is refused with or without a roster.
+Sites compare their rosters out of band (``fedseg deploy roster KIT``): the fingerprint check every PKI
+relies on.
+
 Everything here is the ``cryptography`` package, imported when used (the ``privacy`` extra).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,17 +45,32 @@ from typing import Any
 
 from fedseg.foundation.errors import ConfigError, FedsegError
 
-__all__ = ["KIT_FILES", "Identity", "load_identity", "statement"]
+__all__ = [
+    "KIT_FILES",
+    "ROSTER_NAME",
+    "Identity",
+    "Roster",
+    "fingerprint",
+    "load_identity",
+    "read_roster",
+    "roster_path",
+    "statement",
+]
 
 KIT_FILES = ("client.crt", "client.key", "rootCA.pem")
 """A site's certificate, its private key and the federation's root CA, as a FLARE startup kit names them."""
 
+ROSTER_NAME = "fedseg_roster.json"
+"""A site kit's roster (:class:`Roster`), in the kit's ``local/`` folder beside its site config."""
+
 _LABEL = b"fedseg secagg keys v1"
 
-_FIX_KIT = (
-    "provision every site from the same federation (`fedseg deploy provision`) and start each with its own kit, "
-    "or set privacy.secagg_identity = 'off' at every site"
+_FIX_ROSTER = (
+    "provision the federation again (`fedseg deploy provision` writes every site kit's local/fedseg_roster.json) "
+    "and compare the rosters of all sites out of band (`fedseg deploy roster KIT`)"
 )
+
+_FIX_KIT = "provision every site from the same federation (`fedseg deploy provision`) and start each with its own kit"
 
 
 def _x509():
@@ -103,6 +132,130 @@ def _common_name(cert: Any) -> str | None:
     return str(names[0].value) if len(names) == 1 else None
 
 
+def fingerprint(certificate: Any) -> str:
+    """The SHA-256 fingerprint of a certificate (a ``cryptography`` certificate, or PEM as str or bytes): the
+    hash of its DER bytes as colon-separated upper-case hex, as ``openssl x509 -noout -fingerprint -sha256``
+    prints it."""
+    x509, _, _, serialization, *_ = _x509()
+    if isinstance(certificate, str):
+        certificate = certificate.encode()
+    if isinstance(certificate, bytes):
+        certificate = x509.load_pem_x509_certificate(certificate)
+    digest = hashlib.sha256(certificate.public_bytes(serialization.Encoding.DER)).hexdigest().upper()
+    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+
+
+def _not_a_site_certificate(cert: Any) -> str | None:
+    """Why ``cert`` is not an end entity's client certificate (None: it may be a site's): a CA certificate, an
+    extended key usage without clientAuth (a server's), or FLARE's role attribute (an admin's: FLARE's
+    provisioning writes an admin's role into the subject's unstructuredName, and nothing into a site's)."""
+    x509, *_, NameOID = _x509()
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            return "it is a CA certificate"
+    except x509.ExtensionNotFound:
+        pass
+    try:
+        usages = list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        usages = None
+    if usages is not None and ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
+        return (
+            f"its extended key usage ({', '.join(getattr(u, '_name', u.dotted_string) for u in usages)}) does not "
+            "allow clientAuth: it is a server's certificate"
+        )
+    roles = cert.subject.get_attributes_for_oid(NameOID.UNSTRUCTURED_NAME)
+    if roles:
+        return f"it carries FLARE's role attribute {roles[0].value!r}: it is an admin's certificate, not a site's"
+    return None
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The federation as provisioned, held by each site (:data:`ROSTER_NAME` in its kit's ``local/``): each
+    site's name and its certificate's :func:`fingerprint`, the fingerprints of the server's and the admins'
+    certificates (never a site's) and of the root CA.  A site with a roster takes part only in exchanges among
+    its sites, and accepts a peer's keys only under the certificate the roster pins for that name."""
+
+    sites: dict[str, str]
+    server: dict[str, str] = field(default_factory=dict)
+    admins: dict[str, str] = field(default_factory=dict)
+    root_ca: str = ""
+    federation: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "federation": self.federation,
+            "root_ca": self.root_ca,
+            "sites": dict(self.sites),
+            "server": dict(self.server),
+            "admins": dict(self.admins),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "roster") -> Roster:
+        """A roster from its JSON object; :class:`ConfigError` naming ``where`` and the fix when malformed."""
+
+        def names(key: str, required: bool = False) -> dict[str, str]:
+            v = raw.get(key, None if required else {})
+            if not isinstance(v, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()):
+                raise ConfigError(f"{where}: '{key}' is not an object of names and fingerprints; {_FIX_ROSTER}")
+            return dict(v)
+
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where} is not a JSON object; {_FIX_ROSTER}")
+        sites = names("sites", required=True)
+        if not sites:
+            raise ConfigError(f"{where} names no site; {_FIX_ROSTER}")
+        return cls(sites, names("server"), names("admins"), str(raw.get("root_ca", "")), str(raw.get("federation", "")))
+
+    def outside(self, names: Any) -> list[str]:
+        """The names of ``names`` that are not sites of this roster."""
+        return [u for u in names if u not in self.sites]
+
+    def refusal(self, name: str, cert: Any) -> str | None:
+        """Why ``cert``, presented as site ``name``'s, is not that site's (None: it is the one the roster pins)."""
+        fp = fingerprint(cert)
+        for role, entries in (("the server's", self.server), ("an admin's", self.admins)):
+            owner = next((who for who, f in entries.items() if f == fp), None)
+            if owner is not None:
+                return (
+                    f"the certificate presented as site {name}'s is {role} ({owner!r}), not a site's: the server's "
+                    "operator holds it, so it proves no site"
+                )
+        if name not in self.sites:
+            return f"{name!r} is not a site of this site's roster {sorted(self.sites)}"
+        if self.sites[name] != fp:
+            return (
+                f"the certificate presented as site {name}'s (SHA-256 {fp}) is not the one this site's roster pins for "
+                f"it ({self.sites[name]}): a certificate issued after provisioning (with the root CA's key), or another "
+                "federation's"
+            )
+        return None
+
+    def lines(self) -> list[str]:
+        """The roster as text, one participant a line (``role  name  fingerprint``), for comparison out of band."""
+        out = [f"federation {self.federation or '?'}", f"root CA   {self.root_ca}"]
+        out += [f"site      {n}  {f}" for n, f in sorted(self.sites.items())]
+        out += [f"server    {n}  {f}" for n, f in sorted(self.server.items())]
+        out += [f"admin     {n}  {f}" for n, f in sorted(self.admins.items())]
+        return out
+
+
+def read_roster(path: str | Path) -> Roster:
+    """The roster in ``path`` (JSON, :meth:`Roster.from_json`); :class:`ConfigError` naming the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: this kit holds no roster of the federation's sites; {_FIX_ROSTER}")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"roster {path} is not valid JSON ({e}); {_FIX_ROSTER}") from None
+    return Roster.from_json(raw, f"roster {path}")
+
+
 @dataclass
 class Identity:
     """A site's certificate (PEM), its private key (a ``cryptography`` key object) and the federation's root
@@ -113,12 +266,24 @@ class Identity:
     certificate: str
     private_key: Any
     roots: bytes
+    roster: Roster | None = None
+    """The federation's sites as provisioned (a deployed site's kit always holds one); None: any certificate of
+    the root CA that names the peer and is a client certificate is accepted (tests, other channels)."""
     _chained: dict[str, Any] = field(default_factory=dict, repr=False)  # peer certificate PEM -> loaded, chain ok
 
     @classmethod
-    def from_pem(cls, name: str, certificate: bytes, private_key: bytes, roots: bytes, where: str = "") -> Identity:
-        """An identity from PEM bytes, checked: the certificate names ``name``, chains to ``roots`` and holds the
-        private key's public half.  :class:`ConfigError` (naming ``where`` and the fix) otherwise."""
+    def from_pem(
+        cls,
+        name: str,
+        certificate: bytes,
+        private_key: bytes,
+        roots: bytes,
+        where: str = "",
+        roster: Roster | None = None,
+    ) -> Identity:
+        """An identity from PEM bytes, checked: the certificate names ``name``, chains to ``roots``, holds the
+        private key's public half and, with a ``roster``, is the one the roster pins for ``name``.
+        :class:`ConfigError` (naming ``where`` and the fix) otherwise."""
         x509, _, _, serialization, *_ = _x509()
         where = where or f"site {name}'s identity"
         try:
@@ -131,10 +296,10 @@ class Identity:
         pem = serialization.Encoding.PEM
         if key.public_key().public_bytes(pem, public) != cert.public_key().public_bytes(pem, public):
             raise ConfigError(f"{where}: the private key is not the certificate's; {_FIX_KIT}")
-        out = cls(name, certificate.decode(), key, roots)
+        out = cls(name, certificate.decode(), key, roots, roster)
         why = out._chain_and_name(out.certificate, name)
         if isinstance(why, str):
-            raise ConfigError(f"{where}: {why}; {_FIX_KIT}")
+            raise ConfigError(f"{where}: {why}; {_FIX_ROSTER if roster is not None else _FIX_KIT}")
         return out
 
     def sign(self, exchange: str, c: bytes, s: bytes, b_digest: bytes) -> dict[str, str]:
@@ -223,13 +388,24 @@ class Identity:
         cn = _common_name(cert)
         if cn != name:
             return f"the certificate site {name} presented names {cn!r}, not {name!r} (another site's certificate)"
-        return cert
+        why = _not_a_site_certificate(cert)
+        if why is None and self.roster is not None:
+            why = self.roster.refusal(name, cert)
+        elif why is not None:
+            why = f"the certificate presented as site {name}'s is not a site's: {why}"
+        return why if why is not None else cert
+
+
+def roster_path(folder: str | Path) -> Path:
+    """Where a kit whose ``startup/`` folder is ``folder`` keeps its roster: ``<kit>/local/fedseg_roster.json``."""
+    return Path(folder).parent / "local" / ROSTER_NAME
 
 
 def load_identity(folder: str | Path, name: str) -> Identity | None:
-    """The identity in a FLARE startup kit's ``startup/`` folder (:data:`KIT_FILES`), or None if it holds no
-    ``client.crt`` (no kit: a simulation, or a deployment over another channel).  :class:`ConfigError` when
-    the kit is incomplete, unreadable or another site's."""
+    """The identity in a FLARE startup kit's ``startup/`` folder (:data:`KIT_FILES`) with the kit's roster
+    (:func:`roster_path`), or None if it holds no ``client.crt`` (no kit: a simulation, or a deployment over
+    another channel).  :class:`ConfigError` when the kit is incomplete, unreadable, another site's, holds no
+    roster or its certificate is not the one its roster pins for ``name``."""
     folder = Path(folder)
     cert, key, roots = (folder / f for f in KIT_FILES)
     if not cert.is_file():
@@ -237,6 +413,7 @@ def load_identity(folder: str | Path, name: str) -> Identity | None:
     missing = [p.name for p in (key, roots) if not p.is_file()]
     if missing:
         raise ConfigError(f"site {name}: the startup kit {folder} has client.crt but no {missing}; {_FIX_KIT}")
+    roster = read_roster(roster_path(folder))
     return Identity.from_pem(
-        name, cert.read_bytes(), key.read_bytes(), roots.read_bytes(), f"site {name}'s kit {folder}"
+        name, cert.read_bytes(), key.read_bytes(), roots.read_bytes(), f"site {name}'s kit {folder}", roster
     )

@@ -47,6 +47,11 @@ signs its step-1 keys and checks every peer's in step 2 (:meth:`~fedseg.privacy.
 It makes no share for a peer whose check fails and reports it with the reason; the server leaves that peer out
 of the masking (:attr:`ServerParty.left_out`), so the others' sum comes out without it, and a site refuses to
 mask with a peer it refused.  A site without an identity signs nothing and checks nothing.
+
+**The roster.**  A deployed site's identity carries the federation's roster
+(:class:`~fedseg.privacy.identity.Roster`): an exchange whose key list (U1), masking list (U2) or survivor
+lists (U3) name a party that is not one of its sites is refused whole (no share dealt, nothing masked or
+revealed), and a peer's certificate must be the one the roster pins for its name.
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ class SiteParty:
             raise PayloadError(f"site {self.me}: the key list of exchange {self.exchange} does not name each site once")
         if self.order:
             raise PayloadError(f"site {self.me}: exchange {self.exchange} was keyed already; it deals its shares once")
+        self._check_roster(order, "key list (U1)")
         if len(order) < self.min_sites:
             raise PayloadError(
                 f"site {self.me}: exchange {self.exchange} lists {len(order)} sites {order}; this site masks only with "
@@ -237,6 +243,7 @@ class SiteParty:
                 f"with at least {max(self.min_sites, t)} (privacy.secagg_min_sites = {self.min_sites} and the threshold "
                 f"t = {t} of the {len(self.order)} sites keyed)"
             )
+        self._check_roster(order, "masking list (U2)")
         refused = sorted(set(order) & set(self.refused))
         if refused:
             raise PayloadError(
@@ -274,10 +281,26 @@ class SiteParty:
         out[CANARY] = torch.from_numpy(y[pos:].copy())
         return out, dict(zip(layout.names, layout.dtypes)), bad
 
+    def _check_roster(self, names: Sequence[str], what: str) -> None:
+        """With a roster (:attr:`fedseg.privacy.identity.Identity.roster`): :class:`PayloadError` when ``names``
+        holds a party that is not one of the roster's sites (the server's own name, an admin's, an invented one):
+        the site deals no share, masks nothing and reveals nothing in such an exchange."""
+        roster = self.identity.roster if self.identity is not None else None
+        outside = roster.outside(names) if roster is not None else []
+        if roster is not None and outside:
+            raise PayloadError(
+                f"site {self.me}: the {what} of exchange {self.exchange} names {outside}, not sites of this site's "
+                f"roster {sorted(roster.sites)} (its kit's local/fedseg_roster.json); it takes no part in an exchange "
+                "with parties outside the federation (the server's or an admin's name stands for keys the server's "
+                "operator holds). If the federation changed, provision it again and compare the new rosters"
+            )
+
     def _check_lists(self, dropped: Sequence[str], survived: Sequence[str], what: str) -> tuple[list[str], list[str]]:
         """The lists of the consistency round and of step 4, checked: they split U2 exactly (each site once), name
-        this site among the survivors and hold at least t survivors; :class:`PayloadError` otherwise."""
+        this site among the survivors and hold at least t survivors, all of them sites of its roster (with one);
+        :class:`PayloadError` otherwise."""
         dropped, survived = list(dropped), list(survived)
+        self._check_roster([*dropped, *survived], "survivor lists (U3)")
         t = secagg.threshold_for(len(self.order)) if self.order else 0
         if (
             not self.masked_with

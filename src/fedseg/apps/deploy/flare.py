@@ -16,6 +16,9 @@
   copies the components' package (fedseg's source, ~0.3 MB) into ``app_*/custom``.
 * :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (a FLARE
   API session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
+  Provisioning also writes the federation's roster into every site kit
+  (``local/fedseg_roster.json``, :func:`write_rosters`): the sites' names and certificate
+  fingerprints, which a site checks every secure-aggregation peer against.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fedseg.apps.deploy.policy import SitePolicy
 from fedseg.apps.deploy.server import REFUSED, serve
 from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
 from fedseg.execution.remote.transport import DeployError
+from fedseg.privacy.identity import ROSTER_NAME, Roster, fingerprint
 
 __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
 
@@ -213,10 +217,31 @@ def provision_kits(
             indent=1,
         )
     )
+    write_rosters(out, kits, sites, host, project)
     restrict(ws, everything=True)
     for kit in kits.values():
         restrict(kit)
     return kits
+
+
+def write_rosters(out: Path, kits: dict[str, Path], sites: list[str], host: str, project: str) -> Roster:
+    """The federation's roster (:class:`fedseg.privacy.identity.Roster`: each site's name and certificate
+    fingerprint, the server's and the admin's, the root CA's), written into every site kit as
+    ``local/fedseg_roster.json`` and beside the kits as ``roster.json`` (nothing secret)."""
+    start = {role: kit / "startup" for role, kit in kits.items()}
+    roster = Roster(
+        sites={s: fingerprint((start[s] / "client.crt").read_bytes()) for s in sites},
+        server={host: fingerprint((start["server"] / "server.crt").read_bytes())},
+        admins={ADMIN_USER: fingerprint((start["admin"] / "client.crt").read_bytes())},
+        root_ca=fingerprint((start["server"] / "rootCA.pem").read_bytes()),
+        federation=project,
+    )
+    body = json.dumps(roster.to_json(), indent=1) + "\n"
+    for s in sites:
+        (kits[s] / "local").mkdir(parents=True, exist_ok=True)
+        (kits[s] / "local" / ROSTER_NAME).write_text(body)
+    (out / "roster.json").write_text(body)
+    return roster
 
 
 def restrict(folder: Path, everything: bool = False) -> None:

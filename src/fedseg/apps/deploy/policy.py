@@ -12,7 +12,10 @@ what the site does with it:
 * **per task** it refuses a kind its policy does not allow (:meth:`SitePolicy.task_refusal`), the
   release of its final model without consent included;
 * **evaluation** replies carry per-case scores or, under ``"evaluation": "aggregates"``, each
-  candidate's mean over the site's cases only (:func:`aggregate_scores`).
+  candidate's mean over the site's cases only (:func:`aggregate_scores`);
+* **the site's own settings** replace the run's whatever it says (:func:`site_held`: its identity signs,
+  its DP randomness is its OS's unless ``reproducible``), and what it enforced is logged and reported
+  (:func:`enforced`).
 
 The settings mirror NVIDIA FLARE's site-enforced privacy scopes (a site's ``privacy.json`` names the
 scopes it accepts and the filters it applies, and a job asking for another scope is refused).
@@ -20,6 +23,7 @@ scopes it accepts and the filters it applies, and a job asking for another scope
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -34,7 +38,9 @@ __all__ = [
     "RELEASE_KINDS",
     "SitePolicy",
     "aggregate_scores",
+    "enforced",
     "read_policy",
+    "site_held",
     "write_policy",
 ]
 
@@ -67,9 +73,14 @@ class SitePolicy:
     min_noise_multiplier: float | None = None
     """σ floor: the run's noise multiplier (given, or derived from ε at this site) must be at least this.
     None: no floor."""
-    min_sites: int = 2
+    max_delta: float | None = None
+    """δ ceiling: a run with differential privacy must set ``privacy.delta`` at most this (ε means nothing without
+    its δ: ε = 1 at δ = 0.5 is ε ≈ 7.4 at δ = 1e-5).  None: min(1e-5, 1 / (10 · n_k)), n_k this site's training
+    cases."""
+    min_sites: int = 3
     """The run must have at least this many sites (secure aggregation's participant minimum: with fewer, a
-    sum is one site's value); under a ``privacy.secagg_min_sites`` setting the site raises it to this."""
+    sum is one site's value, and with two the other site's); under a ``privacy.secagg_min_sites`` setting the
+    site raises it to this."""
     methods: tuple[str, ...] | None = None
     """Methods the site joins (e.g. ["fedavg", "fedsm"]); None (or "*" in the file): any."""
     tasks: tuple[str, ...] | None = None
@@ -80,11 +91,28 @@ class SitePolicy:
     site's cases only (per-case scores of a model the server crafts reveal each case's labels)."""
     release_models: bool = True
     """Consent to hand the site's final own model to the server (FedSM's ``fedsm_release``); false refuses it."""
+    reproducible: bool = False
+    """The site lets the run seed drive its randomness — seeded DP noise and, without a site salt, batch order and
+    augmentation — for rehearsals that compare deployment with simulation; never in production.  false: the
+    site's DP noise and batches come from its operating system's random source whatever
+    ``privacy.dp_randomness`` the run ships."""
 
     # ---------------------------------------------------------------- checks
-    def refusals(self, cfg: Any, sites: list[str], sigma: float | None = None) -> list[str]:
+    def delta_limit(self, num_train: int | None) -> float | None:
+        """The largest ``privacy.delta`` this site accepts: ``max_delta``, or min(1e-5, 1 / (10 · n_k)) for its
+        ``num_train`` = n_k training cases (None while n_k is unknown and the policy names no ceiling)."""
+        if self.max_delta is not None:
+            return self.max_delta
+        if num_train is None:
+            return None
+        return min(1e-5, 1.0 / (10 * max(1, num_train)))
+
+    def refusals(
+        self, cfg: Any, sites: list[str], sigma: float | None = None, num_train: int | None = None
+    ) -> list[str]:
         """Why the run ``cfg`` (the server's resolved run config) over ``sites`` is below this policy ([]: it is not).
-        ``sigma``: the noise multiplier the site derived for it (checked against ``min_noise_multiplier``)."""
+        ``sigma``: the noise multiplier the site derived for it (checked against ``min_noise_multiplier``);
+        ``num_train``: the site's training cases (the default δ ceiling depends on them)."""
         out = []
         p = cfg.privacy
         if self.methods is not None and cfg.method not in self.methods:
@@ -112,6 +140,12 @@ class SitePolicy:
                 out.append(
                     f"the run's noise multiplier σ = {sigma:.4g} is below the policy's floor {self.min_noise_multiplier:g}"
                 )
+        limit = self.delta_limit(num_train)
+        if p.dp != "off" and limit is not None and p.delta > limit:
+            why = "the policy's max_delta" if self.max_delta is not None else "min(1e-5, 1/(10·n_k)) of this site"
+            out.append(
+                f"the run's privacy.delta = {p.delta:g} is above {why} = {limit:g} (an ε means nothing at a large δ)"
+            )
         if len(sites) < self.min_sites:
             out.append(f"the run has {len(sites)} sites and the policy's minimum is {self.min_sites}")
         return out
@@ -129,6 +163,62 @@ class SitePolicy:
         for k in ("methods", "tasks"):
             d[k] = "*" if d[k] is None else list(d[k])
         return d
+
+
+def site_held(cfg: Any, policy: SitePolicy | None, has_identity: bool, warn: Any = None) -> Any:
+    """The run config ``cfg`` with the settings that are the site's, not the server's: a site that holds a kit
+    (``has_identity``) signs its secure-aggregation keys whatever ``privacy.secagg_identity`` says, and its DP
+    noise and batches come from its operating system's random source whatever ``privacy.dp_randomness`` says,
+    unless its ``policy`` is ``reproducible`` (rehearsals).  ``warn(message)`` is told of each override."""
+    p = cfg.privacy
+    changes: dict[str, Any] = {}
+    said = []
+    if p.secagg_identity != "auto" and has_identity:
+        changes["secagg_identity"] = "auto"
+        said.append(
+            f"the run sets privacy.secagg_identity = {p.secagg_identity!r}; a site with a kit signs its "
+            "secure-aggregation keys and checks its peers against its roster whatever the run says"
+        )
+    if p.dp_randomness != "os" and not (policy is not None and policy.reproducible):
+        changes["dp_randomness"] = "os"
+        if p.dp != "off":
+            said.append(
+                f"the run sets privacy.dp_randomness = {p.dp_randomness!r}; this site draws its DP noise and batches "
+                "from its operating system's random source (its policy is not reproducible: the server knows the "
+                "seed and could regenerate seeded draws)"
+            )
+    for message in said if warn is not None else ():
+        warn(message)
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(p, **changes)) if changes else cfg
+
+
+def enforced(cfg: Any, policy: SitePolicy | None, where: str | None, identity: Any, num_train: int) -> dict[str, Any]:
+    """What a site enforces in the run ``cfg`` it set up (the config after :func:`site_held` and its policy's
+    own values): its keys' signing and roster (``identity``: its :class:`~fedseg.privacy.identity.Identity` or
+    None), its DP randomness, and its ``policy``'s floors (``where``: the policy file).  Logged at setup and sent
+    with its ``privacy`` report, so the site's own account of a run does not rest on the server's results."""
+    p = cfg.privacy
+    roster = getattr(identity, "roster", None)
+    out: dict[str, Any] = {
+        "secure_aggregation": bool(p.secure_aggregation),
+        "signed_keys": identity is not None if p.secure_aggregation else None,
+        "roster_sites": sorted(roster.sites) if roster is not None else None,
+        "secagg_min_sites": p.secagg_min_sites if p.secure_aggregation else None,
+        "dp": p.dp,
+        "dp_randomness": p.dp_randomness if p.dp != "off" else None,
+        "epsilon_against_server": None if p.dp == "off" else ("inf" if p.dp_randomness == "seeded" else "epsilon"),
+        "policy": where,
+    }
+    if policy is not None:
+        out.update(
+            max_epsilon=policy.max_epsilon,
+            max_delta=policy.delta_limit(num_train),
+            min_noise_multiplier=policy.min_noise_multiplier,
+            min_sites=policy.min_sites,
+            evaluation=policy.evaluation,
+            reproducible=policy.reproducible,
+        )
+    return out
 
 
 def _number(key: str, v: Any, *, minimum: float, integer: bool = False) -> Any:
@@ -167,11 +257,13 @@ _CHECKS = {
     "dp": _choice(DP_MODES),
     "max_epsilon": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
     "min_noise_multiplier": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
+    "max_delta": lambda k, v: None if v is None else _number(k, v, minimum=0.0),
     "min_sites": lambda k, v: _number(k, v, minimum=1, integer=True),
     "methods": _names,
     "tasks": _names,
     "evaluation": _choice(EVALUATION),
     "release_models": _bool,
+    "reproducible": _bool,
 }
 assert set(_CHECKS) == {f.name for f in fields(SitePolicy)}
 

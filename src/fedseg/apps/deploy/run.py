@@ -31,6 +31,7 @@ from fedseg.execution.remote.params import deploy_params
 from fedseg.foundation.config import toml_value
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
+from fedseg.privacy.identity import ROSTER_NAME, fingerprint, load_identity, read_roster
 from fedseg.seams.checkpoint import save_json
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "free_port",
     "provision",
     "rehearse",
+    "show_roster",
     "submit_run",
     "terminate_as_interrupt",
 ]
@@ -90,10 +92,37 @@ def configure_site(
             write_policy(policy)
     policy = Path(policy).resolve()
     read_policy(policy)  # a bad policy stops here, one line per bad key
+    if (kit / "startup" / "client.crt").is_file():  # a kit without its roster, or not the roster's, stops here
+        load_identity(kit / "startup", name)
     return write_site_config(
         kit / "local" / SITE_CONFIG_NAME,
         SiteConfig(name, str(Path(datalist).resolve()), str(Path(workdir).resolve()), device, str(policy)),
     )
+
+
+def show_roster(kit: str | Path) -> list[str]:
+    """The federation's roster as a site kit holds it (``KIT/local/fedseg_roster.json``; or ``roster.json`` in the
+    folder ``fedseg deploy provision`` wrote), one participant and its certificate's SHA-256 fingerprint a line,
+    to compare out of band with the other sites' (every site's lines must be the same).  For a site kit the last
+    line says whether the kit's own certificate is the one the roster pins for it; a kit whose certificate is not
+    is a :class:`ConfigError`."""
+    kit = Path(kit)
+    path = kit / "local" / ROSTER_NAME
+    if not path.is_file() and (kit / "roster.json").is_file():
+        return read_roster(kit / "roster.json").lines()
+    roster = read_roster(path)
+    out = roster.lines()
+    cert = kit / "startup" / "client.crt"
+    if cert.is_file():
+        name = json.loads((kit / "startup" / "fed_client.json").read_text())["client"]["fqsn"]
+        fp = fingerprint(cert.read_bytes())
+        if roster.sites.get(name) != fp:
+            raise ConfigError(
+                f"{kit}: this kit's certificate for site {name} (SHA-256 {fp}) is not the one its roster pins for it "
+                f"({roster.sites.get(name)}); provision the federation again and give each site its own kit"
+            )
+        out.append(f"this kit: site {name}, its certificate is the roster's")
+    return out
 
 
 @contextmanager

@@ -19,7 +19,11 @@ Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
 
 The site's own policy (:mod:`fedseg.apps.deploy.policy`, a file the site config names) decides which runs
 and tasks it takes part in: a run below its floors is refused at setup, a task kind it does not allow is
-refused, and evaluation replies carry aggregates only where it says so.  Every reply that leaves the site
+refused, and evaluation replies carry aggregates only where it says so.  Some settings are the site's, not
+the run's: a site with a kit always signs its secure-aggregation keys and checks its peers against its
+roster (a run whose sites are not all in it is refused), and draws its DP noise and batches from its
+operating system unless its policy is ``reproducible``; what it enforced is logged at setup and sent with
+its ``privacy`` report (``"enforced"``).  Every reply that leaves the site
 is recorded in its release log (``WORKDIR/releases.jsonl``: sha256 of the reply bytes, operation, task
 kind, round, step, exchange, time), which no checkpoint or restore touches.
 """
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, read_policy
+from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, enforced, read_policy, site_held
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
 from fedseg.data.spec import LAYOUT_NAME, data_header
@@ -145,9 +149,9 @@ class SiteRuntime:
         ``loader(name, datalist, header, cfg) -> (SiteData, Workload)``; defaults to
         :func:`load_site_data` (tests pass in-memory data).
     identity
-        What signs this site's secure-aggregation keys under ``privacy.secagg_identity = "auto"``: the
-        ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read when a run
-        with secure aggregation is set up; no ``client.crt`` there: unsigned), an
+        What signs this site's secure-aggregation keys whatever ``privacy.secagg_identity`` the run ships: the
+        ``startup/`` folder of its FLARE kit (:func:`fedseg.privacy.identity.load_identity`, read with the kit's
+        roster when a run with secure aggregation is set up; no ``client.crt`` there: unsigned), an
         :class:`~fedseg.privacy.identity.Identity`, or None (unsigned).
     policy
         The site's :class:`~fedseg.apps.deploy.policy.SitePolicy`; None: the file ``config.policy`` names, or
@@ -169,6 +173,9 @@ class SiteRuntime:
         self.run_id: str | None = None
         self.refused: str | None = None
         """Why this site refused the run set up last (None: it took part)."""
+        self.enforced: dict[str, Any] = {}
+        """What this site enforces in the run set up last (:func:`~fedseg.apps.deploy.policy.enforced`): logged,
+        and sent with its ε report."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
 
@@ -277,6 +284,19 @@ class SiteRuntime:
             if why:
                 return self._refuse(why)
             cfg = self._own_privacy(cfg, self.policy)
+        cfg = site_held(cfg, self.policy, self.identity is not None, lambda m: log.warning("site %s: %s", self.name, m))
+        try:  # a kit without its roster, or another site's: refused with the fix, as a floor is
+            identity = self._identity() if cfg.privacy.secure_aggregation else None
+        except ConfigError as e:
+            return self._refuse([str(e)])
+        if identity is not None and identity.roster is not None and identity.roster.outside(sites):
+            return self._refuse(
+                [
+                    f"the run's sites {identity.roster.outside(sites)} are not sites of this site's roster "
+                    f"{sorted(identity.roster.sites)} (its kit's local/fedseg_roster.json); if the federation changed, "
+                    "provision it again and compare the new rosters out of band"
+                ]
+            )
         algorithm = get_algorithm(cfg)
         if getattr(algorithm.params, "selector_training", None) == "fga" and not cfg.privacy.secure_aggregation:
             log.warning(
@@ -285,6 +305,10 @@ class SiteRuntime:
                 self.name,
             )
         data, workload = self.loader(self.name, self.config.datalist, desc["data"], cfg)
+        if self.policy is not None and cfg.privacy.dp != "off":  # the default δ ceiling needs n_k
+            why = self.policy.refusals(cfg, sites, num_train=dataset_len(data.train))
+            if why:
+                return self._refuse(why)
         self.site = Site(self.name, sites.index(self.name), data, workload, cfg, algorithm)
         if cfg.privacy.dp != "off":  # the site's privacy ledger: outside the round checkpoints, never restored
             self.site.dp.ledger.attach(Path(self.config.workdir) / "privacy-ledger.jsonl", run=run_id)
@@ -294,8 +318,10 @@ class SiteRuntime:
                 self.site = None
                 return self._refuse(why)
         self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
-        if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
-            self.site.identity = self._identity()
+        self.site.identity = identity
+        where = self.config.policy or ("its default policy" if self.policy is not None else None)
+        self.enforced = enforced(cfg, self.policy, where, identity, self.site.num_train)
+        log.info("site %s enforces for run %s: %s", self.name, run_id, json.dumps(self.enforced))
         log.info(
             "site %s set up for run %s (index %d, %d training cases)",
             self.name,
@@ -364,7 +390,13 @@ class SiteRuntime:
         if why:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
-        reply = self.site.handle(task)
+        try:
+            reply = self.site.handle(task)
+        except PayloadError as e:  # a refusal of the site's own checks (secure aggregation's among them): logged here
+            log.warning("site %s refuses a %r task: %s", self.name, task.kind, e)
+            raise
+        if task.kind == "privacy":  # the site's own statement of what it enforced, beside its ε
+            reply = dataclasses.replace(reply, metrics={**reply.metrics, "enforced": dict(self.enforced)})
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
             reply = dataclasses.replace(reply, metrics=aggregate_scores(reply.metrics))
         return encode_reply(reply)

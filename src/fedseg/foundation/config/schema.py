@@ -330,7 +330,8 @@ class PrivacyConfig:
     rootCA.pem) signs its secure-aggregation keys of each exchange with it and checks every peer's certificate
     (issued by the federation's root CA, common name = the site's name) and signature before it shares with
     it, so no server or path can substitute a site's keys; a peer that fails is left out of that exchange.  A
-    site without a certificate (simulation) signs nothing.  'off': no site signs or checks."""
+    site without a certificate (simulation) signs nothing.  'off': no site without a kit signs or checks (a
+    deployed site with a kit signs, and checks its peers against its roster, whatever this says)."""
     dp: DPMode = "off"
     """'sample': DP-SGD at each site (per-sample gradient clipping and Gaussian noise on Poisson-sampled
     batches; each site books ε in its own ledger and refuses steps past ``epsilon``); 'client': each site's
@@ -341,7 +342,8 @@ class PrivacyConfig:
     is derived so that the planned rounds spend at most ε; with it, ε is a budget the run checks before
     every round (``budget_action``).  None: no budget, ε is only reported."""
     delta: float = 1e-5
-    """δ of the (ε, δ) guarantee the accountant reports, in (0, 1); keep it below 1 / (training cases of a site)."""
+    """δ of the (ε, δ) guarantee the accountant reports, in (0, 1); keep it below 1 / (training cases of a site).
+    A deployed site refuses a run above its policy's ``max_delta`` (default min(1e-5, 1 / (10 · its cases)))."""
     clip: float = 1.0
     """Largest L2 norm of one sample's gradient ('sample': the whole gradient over all parameters of the
     model) or of one site's update w_k − w ('client'); larger ones are scaled down to it (> 0)."""
@@ -353,7 +355,8 @@ class PrivacyConfig:
     CSPRNG for every draw, never stored or sent, so no other party (the server, which knows the run seed,
     included) can regenerate the noise or predict the batches.  'seeded': keys derived from the run seed
     and the site index, for bitwise reproducible tests only; the server can then regenerate every draw, so
-    the results record ε against the server as ∞."""
+    the results record ε against the server as ∞.  A deployed site draws from its OS whatever this says,
+    unless its own policy is ``reproducible`` (docs/deploy.md, "Site policy")."""
     budget_action: Literal["stop", "warn"] = "stop"
     """When the server's forecast says a round would take a site's ε past ``epsilon``: 'stop' ends training
     before that round (the checkpoint of the last round saved, the run then tested), 'warn' says so in the
