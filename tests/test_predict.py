@@ -46,6 +46,12 @@ def numpy_dice(mask: np.ndarray, label: np.ndarray, labels: dict, empty: float =
     return out
 
 
+def channel_dice(p: np.ndarray, t: np.ndarray, empty: float = 1.0) -> float:
+    """Dice of two boolean masks (``empty`` when both are empty)."""
+    s = p.sum() + t.sum()
+    return empty if s == 0 else float(2.0 * (p & t).sum() / s)
+
+
 def evaluated(run_dir, split: str = "testing"):
     """Evaluation's per-case Dice of every best model (``fedseg evaluate``'s path), and its engine."""
     cfg = load_run_config(run_dir / "config.toml", known_sections=known_sections())
@@ -94,34 +100,70 @@ def test_mirroring_is_equivariant_and_the_plain_prediction_is_the_identity_flip(
         assert not torch.allclose(tta, net(x), atol=1e-3)
 
 
+def reported(run_dir) -> dict:
+    """The run's own ``results.json``: the Dice it reports per case and per site."""
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def assert_masks_score_as_reported(masks, labels, results, candidate, per_case, labels_spec):
+    """Masks re-read with numpy, scored through the spec's channels: each case's Dice is the run's per-case
+    Dice and evaluation's, each site's mean its per-site Dice (1e-6).  ``masks``: ``{site: [(mask, label)]}``."""
+    for site, pairs in masks.items():
+        got = [numpy_dice(m, lab, labels_spec) for m, lab in pairs]
+        assert [float(np.mean(g)) for g in got] == pytest.approx(results["per_case_dice"][candidate][site], abs=1e-6)
+        np.testing.assert_allclose(got, per_case[candidate][site], atol=1e-6, rtol=0)
+        if results.get("primary") == candidate:
+            assert float(np.mean([np.mean(g) for g in got])) == pytest.approx(results["per_site_dice"][site], abs=1e-6)
+            by_channel = dict(zip(labels, np.mean(got, axis=0).tolist()))
+            assert by_channel == pytest.approx(results["per_site_channel_dice"][site], abs=1e-6)
+
+
+def unnested(probabilities: np.ndarray, threshold: float = 0.5) -> int:
+    """Pixels where the inner channel (1) is lit and the outer one (0) is not."""
+    return int(((probabilities[1] > threshold) & ~(probabilities[0] > threshold)).sum())
+
+
 @pytest.mark.slow
 def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
-    """One label channel (prostate): every mask re-read through ``isin`` is exactly the thresholded channel.
-    Nested channels give the same wherever the prediction is consistent (cup inside disc; the first test)."""
-    fed_dir = tmp_path / "prostate"
-    assert main(["synth", "--preset", "prostate", "--out", str(fed_dir), "--scale", "0.05", "--size", "32"]) == 0
+    """Nested labels (fundus: disc = [1, 2], cup = [2]) and personalized models (γ = 0: every image routed to
+    its top site's personalized model) that, 2 rounds in, light the cup outside the disc: the masks
+    ``predict`` writes, re-read with numpy through ``isin``, score exactly the per-case and per-site Dice the
+    run reports (``results.json``) and evaluation gives.  Scoring each thresholded channel on its own (the
+    rule before the delivered label map) gives other numbers on these cases: checked below, from the
+    probabilities ``predict`` writes."""
+    fed_dir = tmp_path / "fundus"
+    assert main(["synth", "--preset", "fundus", "--out", str(fed_dir), "--scale", "0.05", "--size", "32"]) == 0
     out = tmp_path / "run"
     run(
         fed_dir / "federation.toml",
         out=out,
-        overrides=["method=fedsm", "rounds=2", *SMALL],
+        overrides=["method=fedsm", "rounds=2", "train.local_steps=2", "fedsm.gamma=0.0", *SMALL],
         progress=False,
         log=lambda m: None,
     )
     fed, engine, per_case = evaluated(out)
+    results = reported(out)
     loaded = load_predictor(out)
     assert loaded.candidate.name == "fedsm"
+    written, lit_apart, independent = {}, 0, []
     for site in fed.sites:
         masks = tmp_path / "masks" / site.name
-        res = predict_files(loaded, [site.datalist], masks, split="testing", progress=False, log=lambda m: None)
+        res = predict_files(
+            loaded, [site.datalist], masks, split="testing", probabilities=True, progress=False, log=lambda m: None
+        )
         entries = json.loads(site.datalist.read_text())["testing"]
         assert len(res["written"]) == len(entries) and not res["skipped"]
-        for k, e in enumerate(entries):
+        written[site.name] = []
+        for e in entries:
             mask = read_array(masks / e["image"])
             label = read_array(site.datalist.parent / e["label"])
             assert mask.shape == label.shape[:2]
-            got = numpy_dice(mask, label, fed.labels)
-            assert got == pytest.approx(per_case["fedsm"][site.name][k], abs=1e-6)
+            written[site.name].append((mask, label))
+            probs = np.load(masks / (e["image"].split(".")[0] + "_probabilities.npy")).astype(np.float32)
+            lit_apart += unnested(probs)
+            # each thresholded channel scored on its own, as scoring did before the delivered label map
+            truth = np.stack([np.isin(label, v) for v in fed.labels.values()])
+            independent.append([channel_dice(p, t) for p, t in zip(probs > 0.5, truth)])
         # the routing written per case is evaluation's: the composite's selector and thresholds on its images
         from fedseg.algorithms.fedsm.selection import load_composite, route, selector_probs, thresholds
 
@@ -131,6 +173,11 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
         idx = route(selector_probs(s, sel, "testing").float(), thresholds(cand.config)).tolist()
         rows = list(csv.DictReader((masks / "routing.csv").open()))
         assert [r["model"] for r in rows] == [loaded.route_names[i] for i in idx]
+        assert all(r["model"].startswith("personal/") for r in rows)  # γ = 0: the personalized models
+    assert lit_apart > 0, "the personalized models light the cup outside the disc somewhere"
+    assert_masks_score_as_reported(written, list(fed.labels), results, "fedsm", per_case, fed.labels)
+    reported_cases = [c for site in fed.site_names for c in per_case["fedsm"][site]]
+    assert not np.allclose(independent, reported_cases, atol=1e-6)  # the old rule scores other numbers
     # nothing is overwritten without --force; a run without best models names the fix
     with pytest.raises(ConfigError, match="--force"):
         predict_files(
@@ -170,7 +217,7 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     pre = json.loads((tmp_path / "onnx" / "preprocessing.json").read_text())
     assert pre["composite"]["parts"][0] == "selector" and pre["composite"]["sites"] == list(fed.site_names)
     cpu = load_predictor(out, device="cpu", precision="fp32")
-    x = torch.rand(2, 1, 32, 32)
+    x = torch.rand(2, fed.in_channels, 32, 32)
     roles = {"selector": next(r for r in cpu.site.models if "selector" in r), "global": "fedsm-eval/global"}
     roles.update({f"personal_{s}": f"fedsm-eval/p{j}" for j, s in enumerate(fed.site_names)})
     for part, role in roles.items():
