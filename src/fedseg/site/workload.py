@@ -30,10 +30,10 @@ __all__ = [
     "DataLayout",
     "Workload",
     "accuracy_metric",
-    "predicted_channels",
     "dice_metric",
     "hd95_metric",
     "make_loss",
+    "predicted_channels",
     "segmentation_workload",
     "workload_for",
 ]
