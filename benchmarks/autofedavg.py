@@ -116,7 +116,7 @@ def main() -> None:
             else:
                 cfg = load_run_config(spec, base + ov, known_sections(), method=method, seed=seed, rounds=args.rounds)
                 wl = segmentation_workload(
-                    fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold
+                    fed.spatial_dims, fed.in_channels, fed.labels, cfg.model, cfg.train, cfg.eval.threshold
                 )
                 t0 = time.perf_counter()
                 res = simulate(cfg, wl, data, out=None, progress=False, log=lambda s: None)

@@ -119,7 +119,7 @@ def main() -> None:
         base = load_run_config(spec, common, known_sections(), rounds=args.rounds)
         fed, data = load_federation_data(spec)
         workload = segmentation_workload(
-            fed.spatial_dims, fed.in_channels, list(fed.labels), base.model, base.train, base.eval.threshold
+            fed.spatial_dims, fed.in_channels, fed.labels, base.model, base.train, base.eval.threshold
         )
         runs, gen, times = [], [], {}
         t_preset = time.perf_counter()

@@ -72,7 +72,7 @@ def main() -> None:
             cfg = load_run_config(spec, [*common, *dp], known_sections(), rounds=args.rounds)
             cfg = dataclasses.replace(cfg, method=method, seed=args.seed)
             workload = segmentation_workload(
-                fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train, cfg.eval.threshold
+                fed.spatial_dims, fed.in_channels, fed.labels, cfg.model, cfg.train, cfg.eval.threshold
             )
             t0 = time.perf_counter()
             res = simulate(cfg, workload, data, out=out / method / f"eps{text}", progress=False, log=lambda m: None)

@@ -133,7 +133,7 @@ def main() -> None:
         eval=EvalConfig(every=args.rounds),
         simulation=SimulationConfig(vectorize=args.vectorize),
     )
-    workload = segmentation_workload(2, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
+    workload = segmentation_workload(2, fed.in_channels, fed.labels, cfg.model, cfg.train)
     steps = sum(math.ceil(len(d.train) / args.batch_size) for d in data.values())
     engine_t, bare_t = [], []
     if device.type == "cuda":  # discarded: CUDA context, cuDNN handles and plans, lazy kernel loading

@@ -163,7 +163,7 @@ def one_run(
         eval=EvalConfig(every=eval_every or rounds),
         simulation=SimulationConfig(vectorize=vectorize),
     )
-    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, list(fed.labels), cfg.model, cfg.train)
+    workload = segmentation_workload(fed.spatial_dims, fed.in_channels, fed.labels, cfg.model, cfg.train)
     algorithm = get_algorithm(cfg)
     if hook is not None:
         hook(algorithm)

@@ -31,7 +31,7 @@ CONFIGS = {
 
 def step_ms(model_cfg: ModelConfig, size: int, batch: int, steps: int, repeats: int) -> float:
     """Median milliseconds per training step (forward, Dice loss, backward, Adam) over ``repeats`` timings."""
-    wl = segmentation_workload(2, 3, ["disc", "cup"], model_cfg, TrainConfig(batch_size=batch))
+    wl = segmentation_workload(2, 3, {"disc": [1, 2], "cup": [2]}, model_cfg, TrainConfig(batch_size=batch))
     g = torch.Generator().manual_seed(0)
     model = wl.build_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

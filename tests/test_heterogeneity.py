@@ -24,7 +24,7 @@ def test_site1_local_model_scores_lower_on_other_sites(tmp_path):
         model=model,
         train=TrainConfig(batch_size=8, local_epochs=None, local_steps=40, lr=3e-3),
     )
-    workload = segmentation_workload(2, fed.in_channels, list(fed.labels), model, cfg.train)
+    workload = segmentation_workload(2, fed.in_channels, fed.labels, model, cfg.train)
     # Execute: local training, every local model tested on every site
     res = simulate(cfg, workload, data, progress=False)
     # Assert: site1's model is clearly better on site1's test set than on the other sites'

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from fedseg.algorithms import known_sections
 from fedseg.apps.deploy.site import data_header
 from fedseg.apps.predict import keep_largest, load_predictor, predict_files
-from fedseg.apps.predict.export import export_run
+from fedseg.apps.predict.export import export_run, label_map_expression
 from fedseg.cli import main
 from fedseg.data.readers import read_array
 from fedseg.foundation.arrays import strip_prefix
@@ -45,6 +45,12 @@ def numpy_dice(mask: np.ndarray, label: np.ndarray, labels: dict, empty: float =
         s = p.sum() + t.sum()
         out.append(empty if s == 0 else 2.0 * (p & t).sum() / s)
     return out
+
+
+def channel_dice(p: np.ndarray, t: np.ndarray, empty: float = 1.0) -> float:
+    """Dice of two boolean masks (``empty`` when both are empty)."""
+    s = p.sum() + t.sum()
+    return empty if s == 0 else float(2.0 * (p & t).sum() / s)
 
 
 def evaluated(run_dir, split: str = "testing"):
@@ -79,6 +85,41 @@ def test_label_map_gives_back_the_spec_values_of_nested_and_disjoint_channels():
     assert kept[6, 6] == 0 and kept[2, 2] == 2 and (kept[1:4, 1:4] > 0).all()
 
 
+def test_dice_is_the_dice_of_the_delivered_label_map():
+    """Six pixels, disc = [1, 2], cup = [2].  Truth map [2, 1, 1, 0, 0, 0]: disc {0, 1, 2}, cup {0}.  The network
+    lights disc at {0, 1} and cup at {0, 3, 4} — the cup outside the disc at 3 and 4.
+
+    Delivered map (disc painted 1, then cup 2 over it): [2, 1, 0, 2, 2, 0], whose channels are disc
+    {0, 1, 3, 4} and cup {0, 3, 4}.  By hand: disc Dice = 2·|{0, 1}| / (4 + 3) = 4/7, cup Dice = 2·1 / (3 + 1)
+    = 1/2, the case 15/28.  Each thresholded channel on its own (the rule before) gives disc 2·2 / (2 + 3) =
+    4/5, cup 1/2, the case 13/20: the mask written would score 15/28 while 13/20 was reported."""
+    from fedseg.data import labelmap
+    from fedseg.site.workload import dice_metric
+
+    labels = {"disc": [1, 2], "cup": [2]}
+    logits = torch.tensor([[1.0, 1, -1, -1, -1, -1], [1, -1, -1, 1, 1, -1]]) * 4  # (L, 6)
+    truth_map = torch.tensor([2, 1, 1, 0, 0, 0])
+    truth = labelmap.channels(truth_map, labels).float()[None]  # (1, L, 6)
+    assert prediction.label_map(logits, labels).tolist() == [2, 1, 0, 2, 2, 0]
+    got = dice_metric(0.5, 1.0, labels)(logits[None], truth)[0].tolist()  # the workload's metric (workload_for)
+    assert got == pytest.approx([4 / 7, 1 / 2]) and sum(got) / 2 == pytest.approx(15 / 28)
+    assert dice_metric()(logits[None], truth)[0].tolist() == pytest.approx([4 / 5, 1 / 2])  # channels on their own
+    mask = prediction.label_map(logits, labels).numpy()
+    assert numpy_dice(mask, truth_map.numpy(), labels) == pytest.approx(got)  # the written mask's Dice
+    # three nested regions (BraTS-like): painted whole 1, core 2, enhancing 3, inner over outer as nnU-Net does,
+    # so an enhancing pixel lit alone is 3 (enhancing, core and whole at once)
+    brats = {"whole": [1, 2, 3], "core": [2, 3], "enhancing": [3]}
+    assert labelmap.paint_order(brats) == [(0, 1), (1, 2), (2, 3)]
+    three = torch.tensor([[1.0, 1, 1, -1, -1], [-1, 1, 1, -1, 1], [-1, -1, 1, 1, -1]]) * 4
+    assert prediction.label_map(three, brats).tolist() == [1, 2, 3, 3, 2]
+    # the exported bundle's post-processing (a MONAI-config expression on the probabilities) is the same map
+    for spec in (labels, {"cup": [2], "disc": [1, 2]}, brats, {"a": [1], "b": [3]}, {"fg": [1, 2]}):
+        x = torch.randn(len(spec), 7, 5) * 3
+        expr = label_map_expression(spec, 0.5)
+        bundle = eval(expr[1:], {"torch": torch})(torch.sigmoid(x))[0]  # "$lambda x: ..." as MONAI evaluates it
+        assert torch.equal(bundle.to(torch.int64), prediction.label_map(x, spec).to(torch.int64))
+
+
 def test_mirroring_is_equivariant_and_the_plain_prediction_is_the_identity_flip():
     """Test-time mirroring averages the probabilities of every flip of the spatial axes, each flipped back:
     the mean over the group of flips is invariant to mirroring the input first, so TTA(flip(x)) =
@@ -95,34 +136,70 @@ def test_mirroring_is_equivariant_and_the_plain_prediction_is_the_identity_flip(
         assert not torch.allclose(tta, net(x), atol=1e-3)
 
 
+def reported(run_dir) -> dict:
+    """The run's own ``results.json``: the Dice it reports per case and per site."""
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def assert_masks_score_as_reported(masks, labels, results, candidate, per_case, labels_spec):
+    """Masks re-read with numpy, scored through the spec's channels: each case's Dice is the run's per-case
+    Dice and evaluation's, each site's mean its per-site Dice (1e-6).  ``masks``: ``{site: [(mask, label)]}``."""
+    for site, pairs in masks.items():
+        got = [numpy_dice(m, lab, labels_spec) for m, lab in pairs]
+        assert [float(np.mean(g)) for g in got] == pytest.approx(results["per_case_dice"][candidate][site], abs=1e-6)
+        np.testing.assert_allclose(got, per_case[candidate][site], atol=1e-6, rtol=0)
+        if results.get("primary") == candidate:
+            assert float(np.mean([np.mean(g) for g in got])) == pytest.approx(results["per_site_dice"][site], abs=1e-6)
+            by_channel = dict(zip(labels, np.mean(got, axis=0).tolist()))
+            assert by_channel == pytest.approx(results["per_site_channel_dice"][site], abs=1e-6)
+
+
+def unnested(probabilities: np.ndarray, threshold: float = 0.5) -> int:
+    """Pixels where the inner channel (1) is lit and the outer one (0) is not."""
+    return int(((probabilities[1] > threshold) & ~(probabilities[0] > threshold)).sum())
+
+
 @pytest.mark.slow
 def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
-    """One label channel (prostate): every mask re-read through ``isin`` is exactly the thresholded channel.
-    Nested channels give the same wherever the prediction is consistent (cup inside disc; the first test)."""
-    fed_dir = tmp_path / "prostate"
-    assert main(["synth", "--preset", "prostate", "--out", str(fed_dir), "--scale", "0.05", "--size", "32"]) == 0
+    """Nested labels (fundus: disc = [1, 2], cup = [2]) and personalized models (γ = 0: every image routed to
+    its top site's personalized model) that, 2 rounds in, light the cup outside the disc: the masks
+    ``predict`` writes, re-read with numpy through ``isin``, score exactly the per-case and per-site Dice the
+    run reports (``results.json``) and evaluation gives.  Scoring each thresholded channel on its own (the
+    rule before the delivered label map) gives other numbers on these cases: checked below, from the
+    probabilities ``predict`` writes."""
+    fed_dir = tmp_path / "fundus"
+    assert main(["synth", "--preset", "fundus", "--out", str(fed_dir), "--scale", "0.05", "--size", "32"]) == 0
     out = tmp_path / "run"
     run(
         fed_dir / "federation.toml",
         out=out,
-        overrides=["method=fedsm", "rounds=2", *SMALL],
+        overrides=["method=fedsm", "rounds=2", "train.local_steps=2", "fedsm.gamma=0.0", *SMALL],
         progress=False,
         log=lambda m: None,
     )
     fed, engine, per_case = evaluated(out)
+    results = reported(out)
     loaded = load_predictor(out)
     assert loaded.candidate.name == "fedsm"
+    written, lit_apart, independent = {}, 0, []
     for site in fed.sites:
         masks = tmp_path / "masks" / site.name
-        res = predict_files(loaded, [site.datalist], masks, split="testing", progress=False, log=lambda m: None)
+        res = predict_files(
+            loaded, [site.datalist], masks, split="testing", probabilities=True, progress=False, log=lambda m: None
+        )
         entries = json.loads(site.datalist.read_text())["testing"]
         assert len(res["written"]) == len(entries) and not res["skipped"]
-        for k, e in enumerate(entries):
+        written[site.name] = []
+        for e in entries:
             mask = read_array(masks / e["image"])
             label = read_array(site.datalist.parent / e["label"])
             assert mask.shape == label.shape[:2]
-            got = numpy_dice(mask, label, fed.labels)
-            assert got == pytest.approx(per_case["fedsm"][site.name][k], abs=1e-6)
+            written[site.name].append((mask, label))
+            probs = np.load(masks / (e["image"].split(".")[0] + "_probabilities.npy")).astype(np.float32)
+            lit_apart += unnested(probs)
+            # each thresholded channel scored on its own, as scoring did before the delivered label map
+            truth = np.stack([np.isin(label, v) for v in fed.labels.values()])
+            independent.append([channel_dice(p, t) for p, t in zip(probs > 0.5, truth)])
         # the routing written per case is evaluation's: the composite's selector and thresholds on its images
         from fedseg.algorithms.fedsm.selection import load_composite, route, selector_probs, thresholds
 
@@ -133,6 +210,11 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
         rows = list(csv.DictReader((masks / "routing.csv").open()))
         assert [r["model"] for r in rows] == [loaded.route_names[i] for i in idx]
         assert list(rows[0]) == ["case", "model", *[f"p_{s}" for s in fed.site_names]]  # by site
+        assert all(r["model"].startswith("personal/") for r in rows)  # γ = 0: the personalized models
+    assert lit_apart > 0, "the personalized models light the cup outside the disc somewhere"
+    assert_masks_score_as_reported(written, list(fed.labels), results, "fedsm", per_case, fed.labels)
+    reported_cases = [c for site in fed.site_names for c in per_case["fedsm"][site]]
+    assert not np.allclose(independent, reported_cases, atol=1e-6)  # the old rule scores other numbers
     # nothing is overwritten without --force; a run without best models names the fix
     with pytest.raises(ConfigError, match="--force"):
         predict_files(
@@ -172,7 +254,7 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     pre = json.loads((tmp_path / "onnx" / "preprocessing.json").read_text())
     assert pre["composite"]["parts"][0] == "selector" and pre["composite"]["sites"] == list(fed.site_names)
     cpu = load_predictor(out, device="cpu", precision="fp32")
-    x = torch.rand(2, 1, 32, 32)
+    x = torch.rand(2, fed.in_channels, 32, 32)
     roles = {"selector": next(r for r in cpu.site.models if "selector" in r), "global": "fedsm-eval/global"}
     roles.update({f"personal_{s}": f"fedsm-eval/p{j}" for j, s in enumerate(fed.site_names)})
     for part, role in roles.items():
@@ -195,27 +277,43 @@ def _oblique(angle: float) -> np.ndarray:
 
 @pytest.mark.slow
 def test_predict_3d_masks_in_each_scans_own_grid_equal_evaluation(tmp_path, monkeypatch):
-    """Anisotropic, flipped (LPS) and oblique scans: each mask in the scan's own grid, with its affine."""
+    """Anisotropic, flipped (LPS) and oblique scans with nested labels (mass = [1, 2], core = [2]): each mask in
+    the scan's own grid, with its affine; 2 rounds in, the model lights the core outside the mass, and the
+    masks re-read with numpy score exactly the per-case and per-site Dice the run reports (each thresholded
+    channel scored on its own gives other numbers)."""
     import test_volumes_run as tv
 
     monkeypatch.setitem(tv.SITES, "oblique", (_oblique(0.3), (20, 20, 10)))
-    spec = tv.write_federation(tmp_path, n=(2, 1, 2))
+    spec = tv.write_federation(tmp_path, n=(2, 1, 2), nested=True)
     out = tmp_path / "run"
     overrides = ["rounds=2", "train.local_steps=2", "train.batch_size=2", "model.num_res_units=0"]
     run(spec, out=out, overrides=overrides, progress=False, log=lambda m: None)
     fed, _, per_case = evaluated(out)
+    results = reported(out)
     loaded = load_predictor(out)
     # a small slab size: the scan's grid is filled slab by slab, as a large volume is
     monkeypatch.setattr("fedseg.apps.predict.run.SLAB_BYTES", 20 * 20 * 3 * 8)
+    written, lit_apart, independent = {}, 0, []
     for site in fed.sites:
         masks = tmp_path / "masks" / site.name
-        predict_files(loaded, [site.datalist], masks, split="testing", progress=False, log=lambda m: None)
-        for k, e in enumerate(json.loads(site.datalist.read_text())["testing"]):
-            written = nib.load(str(masks / e["image"]))
+        predict_files(
+            loaded, [site.datalist], masks, split="testing", probabilities=True, progress=False, log=lambda m: None
+        )
+        written[site.name] = []
+        for e in json.loads(site.datalist.read_text())["testing"]:
+            mask = nib.load(str(masks / e["image"]))
             label = nib.load(str(site.datalist.parent / e["label"]))
-            assert np.allclose(written.affine, label.affine) and written.shape == label.shape
-            got = numpy_dice(np.asarray(written.dataobj), np.asarray(label.dataobj), fed.labels)
-            assert got == pytest.approx(per_case["global"][site.name][k], abs=1e-6)
+            assert np.allclose(mask.affine, label.affine) and mask.shape == label.shape
+            lab = np.asarray(label.dataobj)
+            written[site.name].append((np.asarray(mask.dataobj), lab))
+            probs = np.load(masks / (e["image"].split(".")[0] + "_probabilities.npy")).astype(np.float32)
+            lit_apart += unnested(probs)
+            truth = np.stack([np.isin(lab, v) for v in fed.labels.values()])
+            independent.append([channel_dice(p, t) for p, t in zip(probs > 0.5, truth)])
+    assert lit_apart > 0, "the model lights the core outside the mass somewhere"
+    assert_masks_score_as_reported(written, list(fed.labels), results, "global", per_case, fed.labels)
+    reported_cases = [c for site in fed.site_names for c in per_case["global"][site]]
+    assert not np.allclose(independent, reported_cases, atol=1e-6)  # the old rule scores other numbers
     # the MONAI bundle, run by MONAI's own bundle runner, writes the masks fedseg predict writes
     bundle = tmp_path / "bundle"
     export_run(out, "bundle", bundle)

@@ -22,17 +22,20 @@ SITES = {
 }
 
 
-def _case(rng, affine, shape):
+def _case(rng, affine, shape, nested=False):
     idx = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"), -1).reshape(-1, 3)
     world = idx @ affine[:3, :3].T + affine[:3, 3]
     centre = np.array([12.0, 12.0, 12.0]) + rng.uniform(-2, 2, 3)
     r = np.linalg.norm((world - centre) / [7.0, 6.0, 6.0], axis=1).reshape(shape)
     label = (r < 1).astype(np.int16)
+    if nested:  # a core (value 2) inside the mass (values 1 and 2)
+        label[r < 0.55] = 2
     image = np.where(r < 1, 60, np.where(r < 1.6, 20, -1000)) + rng.normal(0, 5, shape)
     return np.round(image).astype(np.int16), label
 
 
-def write_federation(root, rng_seed=0, n=(3, 1, 1), broken=None):
+def write_federation(root, rng_seed=0, n=(3, 1, 1), broken=None, nested=False):
+    """Two (or, with ``SITES`` patched, more) volume sites; ``nested``: labels ``mass = [1, 2]``, ``core = [2]``."""
     rng = np.random.default_rng(rng_seed)
     sites = []
     for name, (affine, shape) in SITES.items():
@@ -40,7 +43,7 @@ def write_federation(root, rng_seed=0, n=(3, 1, 1), broken=None):
         for split, count in zip(("training", "validation", "testing"), n):
             lists[split] = []
             for k in range(count):
-                image, label = _case(rng, affine, shape)
+                image, label = _case(rng, affine, shape, nested)
                 img_f, lab_f = root / name / f"{split}{k}_img.nii.gz", root / name / f"{split}{k}_lab.nii.gz"
                 img_f.parent.mkdir(parents=True, exist_ok=True)
                 lab_affine = affine.copy()
@@ -52,8 +55,11 @@ def write_federation(root, rng_seed=0, n=(3, 1, 1), broken=None):
         (root / name / "datalist.json").write_text(json.dumps(lists))
         sites.append(f'[[sites]]\nname = "{name}"\ndatalist = "{name}/datalist.json"\n')
     spec = root / "fed.toml"
+    labels = "mass = [1, 2]\ncore = [2]\n" if nested else "mass = [1]\n"
     spec.write_text(
-        'name = "vol"\n[data]\nmode = "3d"\nspatial_dims = 3\nin_channels = 1\n[data.labels]\nmass = [1]\n\n'
+        'name = "vol"\n[data]\nmode = "3d"\nspatial_dims = 3\nin_channels = 1\n[data.labels]\n'
+        + labels
+        + "\n"
         + "\n".join(sites)
     )
     return spec

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fedseg.data import labelmap
 from fedseg.data.datalist import load_datalist
 from fedseg.data.readers import check_case
 from fedseg.data.spec import FederationSpec, SiteSpec
@@ -90,10 +91,10 @@ def resize_pair(image: np.ndarray, label: np.ndarray, size: tuple[int, ...]) -> 
 def label_channels(label: np.ndarray, labels: dict[str, tuple[int, ...]]) -> np.ndarray:
     """Map an integer label map (*spatial) to float32 channels (L, *spatial).
 
-    Channel ``c`` is ``isin(label, values_c)``, so nested classes (cup inside
-    disc: disc = [1, 2], cup = [2]) give nested channels.
+    Channel ``c`` is ``isin(label, values_c)`` (:func:`fedseg.data.labelmap.channels`, the rule a predicted
+    label map is scored by), so nested classes (cup inside disc: disc = [1, 2], cup = [2]) give nested channels.
     """
-    return np.stack([np.isin(label, v) for v in labels.values()]).astype(np.float32)
+    return labelmap.channels(label, labels).astype(np.float32)
 
 
 def _pieces(fed: FederationSpec, image: np.ndarray, label: np.ndarray, case_id: str):

@@ -6,8 +6,9 @@
   the composite with the candidate's thresholds).
 * :func:`logits` — the predictor on a batch under ``train.precision``'s autocast, optionally with test-time
   mirroring (the mean of the sigmoid probabilities over every flip of the spatial axes, back as logits).
-* :func:`label_map` — per-channel sigmoid outputs as one integer label map with the spec's own label values
-  (nested channels such as disc = [1, 2], cup = [2] give back 0/1/2).
+* :func:`label_map` — per-channel sigmoid outputs as the delivered label map with the spec's own label values
+  (:mod:`fedseg.data.labelmap`: nested channels such as disc = [1, 2], cup = [2] give back 0/1/2, a cup lit
+  outside the disc 2); the metrics score the channels of this same map.
 
 No file I/O (the site layer's rule): reading scans and writing masks is :mod:`fedseg.apps.predict`'s.
 """
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fedseg.data import labelmap
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
@@ -80,32 +82,12 @@ def probabilities(out: torch.Tensor) -> torch.Tensor:
 
 
 def label_map(out: torch.Tensor, labels: Mapping[str, Sequence[int]], threshold: float = 0.5) -> torch.Tensor:
-    """Logits ``(L, *spatial)`` as an integer label map ``(*spatial)`` with the spec's
-    label values.
-
-    Channel ``c`` is on where ``sigmoid > threshold`` (the metric's rule).  A value ``v`` of the spec lights the
-    channels whose value lists hold it (0 lights none); each pixel takes the value whose channels match the
-    lit ones best (fewest differing channels; on a tie the value listed later, the more specific one of
-    nested labels, as nnU-Net's region order).  Wherever the lit channels are those of some value — always for
-    disjoint single-value labels and for consistent nested ones — re-reading the map through
-    ``isin(map, values_c)`` gives back exactly the thresholded channels."""
-    channels = list(labels.values())
-    if out.shape[0] != len(channels):
-        raise ValueError(f"{out.shape[0]} output channels for {len(channels)} labels {list(labels)}")
-    return from_channels(probabilities(out) > threshold, labels)
+    """Logits ``(L, *spatial)`` as the delivered label map ``(*spatial)`` with the spec's label values:
+    :func:`fedseg.data.labelmap.label_map`, the map every metric scores (nested regions painted outermost
+    first, the inner ones overwriting, as nnU-Net's region-based training; disjoint labels in the spec's order)."""
+    return labelmap.label_map(out, labels, threshold)
 
 
 def from_channels(on: torch.Tensor, labels: Mapping[str, Sequence[int]]) -> torch.Tensor:
-    """Boolean channels ``(L, *spatial)`` as the label map :func:`label_map` describes."""
-    channels = list(labels.values())
-    values = [0, *sorted({int(v) for vs in channels for v in vs})]
-    best = torch.zeros(on.shape[1:], dtype=torch.int64, device=on.device)
-    best_d = torch.full_like(best, len(channels) + 1)
-    for v in values:
-        d = torch.zeros_like(best)
-        for c, vs in enumerate(channels):
-            d += on[c] != (v in vs)
-        take = d <= best_d
-        best = torch.where(take, torch.full_like(best, v), best)
-        best_d = torch.where(take, d, best_d)
-    return best
+    """Boolean channels ``(L, *spatial)`` as the label map by the same rule (:func:`fedseg.data.labelmap.paint`)."""
+    return labelmap.paint(on, labels)

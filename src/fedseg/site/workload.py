@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, cast
 import torch
 from torch import nn
 
+from fedseg.data import labelmap
 from fedseg.data.augment import patch_augmenter
 from fedseg.data.spec import VOLUME_MODES
 from fedseg.data.volumes.lazy import CaseBatch
@@ -32,6 +33,7 @@ __all__ = [
     "dice_metric",
     "hd95_metric",
     "make_loss",
+    "predicted_channels",
     "segmentation_workload",
     "workload_for",
 ]
@@ -74,6 +76,9 @@ class Workload:
         reported beside ``metric`` on the test split only (never used to pick a best round), with the
         voxel spacing of the grid being scored (the scan's own grid for volumes; None: unit spacing).
         The segmentation workload's is ``{"hd95": hd95_metric()}`` for volumes (``eval.hd95``).
+    labels
+        The spec's labels (channel name → label values) whose delivered label map the metrics score
+        (:func:`predicted_channels`); None: a workload without a label map.
     """
 
     build_model: Callable[[], nn.Module]
@@ -88,6 +93,7 @@ class Workload:
     in_channels: int = 1
     build_selector: Callable[[int, float, int], nn.Module] | None = None
     test_metrics: Mapping[str, SpacedMetric] = field(default_factory=dict)
+    labels: Mapping[str, Sequence[int]] | None = None
 
     def selector(self, num_classes: int, width: float = 0.25, hidden: int = 128) -> nn.Module:
         """A freshly initialized selector network (``build_selector``, or the papers' VGG-11 layout)."""
@@ -102,8 +108,22 @@ class Workload:
         return self.infer(model, x) if self.infer is not None else model(x)
 
 
-def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
-    """Per-case, per-channel Dice of ``sigmoid(logits) > threshold`` against binary masks (MONAI DiceMetric).
+def predicted_channels(
+    logits: torch.Tensor, threshold: float, labels: Mapping[str, Sequence[int]] | None
+) -> torch.Tensor:
+    """The label channels a metric scores (boolean, ``(B, L, *spatial)``): with the spec's ``labels``, those of
+    the delivered label map (:func:`fedseg.data.labelmap.delivered`: nested regions resolved, the map
+    ``fedseg predict`` writes); without, each channel's ``sigmoid(logits) > threshold`` on its own."""
+    if labels is None:
+        return torch.sigmoid(logits.float()) > threshold
+    return labelmap.delivered(logits, labels, threshold, dim=1)
+
+
+def dice_metric(
+    threshold: float = 0.5, empty_dice: float = 1.0, labels: Mapping[str, Sequence[int]] | None = None
+) -> Metric:
+    """Per-case, per-channel Dice of the predicted channels (:func:`predicted_channels`: with ``labels``, the
+    channels of the delivered label map) against binary masks (MONAI DiceMetric).
 
     An empty prediction on an empty mask scores ``empty_dice`` (``eval.empty_dice``, default
     1 as MONAI's ``ignore_empty=False``); a non-empty prediction on an empty mask scores 0.
@@ -113,7 +133,7 @@ def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
     metric = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
 
     def compute(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        pred = (torch.sigmoid(logits.float()) > threshold).float()
+        pred = predicted_channels(logits, threshold, labels).float()
         out = cast(torch.Tensor, metric(pred, target.float()))  # a tensor for tensor inputs
         metric.reset()
         if empty_dice != 1.0:
@@ -125,9 +145,9 @@ def dice_metric(threshold: float = 0.5, empty_dice: float = 1.0) -> Metric:
     return compute
 
 
-def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
-    """Per-case, per-channel 95th-percentile Hausdorff distance of ``sigmoid(logits) > threshold`` to binary
-    masks, in the units of ``spacing`` (mm for volumes), with MONAI's ``compute_hausdorff_distance``
+def hd95_metric(threshold: float = 0.5, labels: Mapping[str, Sequence[int]] | None = None) -> SpacedMetric:
+    """Per-case, per-channel 95th-percentile Hausdorff distance of the predicted channels
+    (:func:`predicted_channels`) to binary masks, in the units of ``spacing`` (mm for volumes), with MONAI's ``compute_hausdorff_distance``
     (symmetric, euclidean, ``percentile=95``: the 95th percentile of the distances from each surface
     voxel of one mask to the nearest surface voxel of the other, both directions pooled).
 
@@ -151,7 +171,7 @@ def hd95_metric(threshold: float = 0.5) -> SpacedMetric:
     ) -> torch.Tensor:
         from monai.metrics import compute_hausdorff_distance
 
-        pred = (torch.sigmoid(logits.float()) > threshold).cpu()
+        pred = predicted_channels(logits, threshold, labels).cpu()
         gt = target.cpu() > 0.5
         dims = pred.dim() - 2
         sp = [1.0] * dims if spacing is None else [float(v) for v in spacing]
@@ -322,7 +342,7 @@ def _slicewise(infer2d: Callable[[nn.Module, torch.Tensor], torch.Tensor]):
 def segmentation_workload(
     spatial_dims: int,
     in_channels: int,
-    label_names: Sequence[str],
+    label_names: Sequence[str] | Mapping[str, Sequence[int]],
     model: ModelConfig | None = None,
     train: TrainConfig | None = None,
     threshold: float = 0.5,
@@ -335,7 +355,11 @@ def segmentation_workload(
     slices: bool = False,
 ) -> Workload:
     """The papers' setting: a U-Net (``model.name``: MONAI's or FGA's reduced one), Dice loss with sigmoid,
-    per-channel Dice.
+    per-channel Dice of the delivered label map.
+
+    ``label_names``: the spec's labels (channel name → label values, ``[data.labels]``), or the channel names
+    alone (values 1, 2, … in order: disjoint labels).  Every metric scores the channels of the label map
+    :func:`fedseg.data.labelmap.label_map` makes of the logits — the map ``fedseg predict`` writes.
 
     With ``model.roi_size`` set (volumes), training cuts patches of that size (a share
     ``train.foreground_share`` centred on foreground) and evaluation uses MONAI's sliding-window
@@ -352,7 +376,12 @@ def segmentation_workload(
 
     model = model or ModelConfig()
     train = train or TrainConfig()
-    out_channels = len(label_names)
+    labels = (
+        {str(k): tuple(int(v) for v in vs) for k, vs in label_names.items()}
+        if isinstance(label_names, Mapping)
+        else {str(n): (i + 1,) for i, n in enumerate(label_names)}
+    )
+    out_channels = len(labels)
     roi = model.roi_size
     infer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     transform = None
@@ -381,13 +410,14 @@ def segmentation_workload(
     return Workload(
         build_model=lambda: network(spatial_dims, in_channels, out_channels, model),
         loss=deep_supervision_loss(make_loss(train.loss)),  # DynUNet's deep-supervised training output
-        metric=dice_metric(threshold, empty_dice),
-        metric_names=tuple(label_names),
+        metric=dice_metric(threshold, empty_dice, labels),
+        metric_names=tuple(labels),
         infer=infer,
         train_transform=transform,
         spatial_dims=spatial_dims,
         in_channels=in_channels,
-        test_metrics={"hd95": hd95_metric(threshold)} if hd95 else {},
+        test_metrics={"hd95": hd95_metric(threshold, labels)} if hd95 else {},
+        labels=labels,
     )
 
 
@@ -425,7 +455,7 @@ def workload_for(layout: DataLayout | Mapping[str, Any], cfg: RunConfig) -> Work
     return segmentation_workload(
         int(spatial_dims),
         int(in_channels),
-        list(labels),
+        dict(labels),
         cfg.model,
         train,
         cfg.eval.threshold,

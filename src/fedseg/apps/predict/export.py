@@ -26,6 +26,7 @@ from torch import nn
 
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.apps.predict.model import Loaded, load_predictor
+from fedseg.data import labelmap
 from fedseg.data.volumes.intensity import channel_schemes
 from fedseg.foundation.errors import ConfigError
 
@@ -73,7 +74,9 @@ def preprocessing(loaded: Loaded) -> dict[str, Any]:
         "labels": lay["labels"],
         "output": "one logit per label channel; channel c is on where sigmoid(logit) > threshold",
         "threshold": loaded.threshold,
-        "label_map": "each pixel takes the spec value whose label channels match the lit ones (nested: the later)",
+        "label_map": "channels painted in order, each lit pixel (sigmoid > threshold) taking the channel's value, a "
+        "later channel overwriting (nested regions: outermost first); order: "
+        + ", ".join(f"{list(lay['labels'])[c]}={v}" for c, v in labelmap.paint_order(lay["labels"])),
         "image_size": lay["image_size"],
         "intensity": {"mode": "uint8 / 255, other types min-max to [0, 1]"},
         "non_finite": NON_FINITE_RULE,
@@ -109,14 +112,11 @@ def preprocessing(loaded: Loaded) -> dict[str, Any]:
 
 def label_map_expression(labels: dict[str, list[int]], threshold: float) -> str:
     """A MONAI-config (``$``) expression turning per-channel probabilities ``(L, ...)`` into the label map
-    (``(1, ...)``): broader channels first, each lit pixel taking its channel's most specific value — the map
-    :func:`fedseg.site.predict.label_map` writes wherever the lit channels are consistent."""
-    chans = list(labels.values())
-    owners = {v: sum(v in vs for vs in chans) for vs in chans for v in vs}
-    order = sorted(range(len(chans)), key=lambda c: -len(chans[c]))
+    (``(1, ...)``) that :func:`fedseg.data.labelmap.label_map` makes and every metric scores: each channel's
+    value painted where its probability exceeds ``threshold``, in :func:`fedseg.data.labelmap.paint_order`
+    (the last painted is the outermost ``torch.where``)."""
     expr = "torch.zeros_like(x[0:1])"
-    for c in order:
-        v = min(chans[c], key=lambda v: (owners[v], v))
+    for c, v in labelmap.paint_order(labels):
         expr = f"torch.where(x[{c}:{c + 1}] > {threshold}, {float(v)}, {expr})"
     return f"$lambda x: {expr}"
 

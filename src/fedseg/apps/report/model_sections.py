@@ -26,6 +26,7 @@ from fedseg.apps.report.tsne import selector_features, tsne_embed
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
 from fedseg.site.runtime import batch_of, dataset_len
+from fedseg.site.workload import predicted_channels
 
 __all__ = [
     "loss_surface_section",
@@ -184,7 +185,7 @@ def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) 
                 dice = m.workload.metric(logits, y).double().mean(dim=1)
                 routed = routed_models(m, x.to(m.site(s).dtype)) or [""] * n
                 outs[m.run.variant] = (
-                    (torch.sigmoid(logits.float()) > m.cfg.eval.threshold).numpy(),
+                    predicted_channels(logits, m.cfg.eval.threshold, m.workload.labels).numpy(),
                     dice.numpy(),
                     routed,
                 )

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from fedseg.data import labelmap
 from fedseg.data.readers import NON_FINITE_FIX, non_finite, non_finite_message
 from fedseg.foundation.errors import DataError
 
@@ -278,8 +279,9 @@ def to_original_region(
 
 def label_masks(label: np.ndarray, labels: Any) -> np.ndarray:
     """Label channels ``(L, *spatial)`` of an integer label map as one byte a voxel (``uint8`` 0/1): channel
-    ``c`` is ``isin(label, values_c)``, as :func:`fedseg.data.loading.label_channels` gives them in float32."""
-    return np.stack([np.isin(label, v) for v in dict(labels).values()]).astype(np.uint8)
+    ``c`` is ``isin(label, values_c)`` (:func:`fedseg.data.labelmap.channels`), as
+    :func:`fedseg.data.loading.label_channels` gives them in float32."""
+    return labelmap.channels(label, dict(labels)).astype(np.uint8)
 
 
 def region_scores(
@@ -287,7 +289,10 @@ def region_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prediction, label)`` in the region of the scan's grid either can set (:func:`scoring_box`): the
     prediction (logits, C × plan grid) resampled there on its device in float32, the label channels
-    (L × scan grid) cut to it and moved to that device."""
+    (L × scan grid) cut to it and moved to that device.  The region holds every voxel where any channel is
+    lit, so the delivered label map (:mod:`fedseg.data.labelmap`, which the metric makes of these logits
+    voxel by voxel) is background outside it: its channels are scored over the region alone, never the
+    whole grid."""
     cut = math.log(threshold / (1.0 - threshold))  # sigmoid(z) > threshold  <=>  z > logit(threshold)
     start, stop = scoring_box(prediction, affine, original, label, above=cut)
     region = tuple(slice(s, e) for s, e in zip(start, stop))

@@ -237,7 +237,7 @@ class EvalConfig:
     """Validate every this many rounds (and always after the last round); unset: every round, or for volumes
     the plan's interval (the plan's ``eval_every``, else validation kept to a share of the computation)."""
     threshold: float = 0.5
-    """Sigmoid output above this is foreground."""
+    """A label channel is lit where its sigmoid output is above this; the lit channels are painted into the label map that predict writes and every score is of (nested regions outermost first)."""
     batch_size: int = 16
     """Images per batch at validation and testing."""
     empty_dice: float = 1.0
