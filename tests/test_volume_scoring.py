@@ -23,7 +23,7 @@ def _oblique(shape=(30, 26, 12), spacing=(0.9, 1.1, 3.0), angle=0.4):
 
 @pytest.mark.slow
 def test_region_scores_equal_whole_grid_scores():
-    """Dice and HD95 (mm) of predictions resampled into an oblique anisotropic scan grid: the region path
+    """Dice and HD95 (mm), of each thresholded channel and of the delivered label map, of predictions resampled into an oblique anisotropic scan grid: the region path
     (float32, only the voxels the label or a prediction above the threshold can reach) gives the whole
     grid's scores to float rounding, including a channel predicted where there is no label (HD95: the
     whole grid's diagonal) and a channel whose foreground touches the plan grid's edge."""
@@ -54,6 +54,20 @@ def test_region_scores_equal_whole_grid_scores():
         hd(p[None], t[None], original.spacing, field_of_view=original.shape), want_h, rtol=1e-6, atol=1e-6
     )
     assert float(want_h[0, 2]) > 30.0  # the whole grid's diagonal, not the region's
+    # the delivered label map (b nested in a, c apart), made voxel by voxel from the region's logits: the
+    # region still holds every voxel the map sets, so its scores are the whole grid's; b lit outside a is
+    # a in the map, so a's Dice differs from the thresholded channel's
+    nested = {"a": [1, 2], "b": [2], "c": [3]}
+    dice_n, hd_n = dice_metric(0.5, 1.0, nested), hd95_metric(0.5, nested)
+    want_dn = dice_n(full[None], label[None])
+    assert float(want_dn[0, 0]) < float(want_d[0, 0]) - 1e-3
+    torch.testing.assert_close(dice_n(p[None], t[None]), want_dn, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        hd_n(p[None], t[None], original.spacing, field_of_view=original.shape),
+        hd_n(full[None], label[None], original.spacing),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     start, stop = scoring_box(logits, plan_affine, original, label)
     whole_region = to_original_region(logits, plan_affine, original, start, stop)
     torch.testing.assert_close(
