@@ -106,7 +106,7 @@ def compare(
     missing = sorted({m for m, _, _ in axes if m is not None} - {p[0] for p in parsed})
     if missing:
         raise ConfigError(f"--tune names {missing}, which --methods does not run; add them or drop that --tune")
-    tracker = tracker_for(options.track, out, config, options.overrides)
+    tracker = tracker_for(options.track, out, config, options.overrides, options.track_uri)
     parent = (
         tracker.parent(
             out,
