@@ -172,11 +172,11 @@ def execute(spec: RunSpec, env: Mapping[str, str], threads: int, device: str | N
 
     global _IN_WORKER
     _IN_WORKER = True
-    os.environ.update(env)
     torch.set_num_threads(threads)
     kwargs = {**spec.kwargs, **({"device": device} if spec.placed else {})}
     log_path = spec.log_path
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_environment(env))  # a worker process that runs several runs: each with its own
         if log_path is not None:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             f = stack.enter_context(open(log_path, "a", buffering=1))
@@ -193,6 +193,17 @@ def execute(spec: RunSpec, env: Mapping[str, str], threads: int, device: str | N
             raise RuntimeError(f"{spec.name}: {type(e).__name__}: {e}") from None
         print(f"--- {spec.name}: finished at {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return value
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def fault_hook(folder: str | Path) -> Callable[[dict[str, Any]], None] | None:
