@@ -30,8 +30,10 @@ BASE_ARGS = [x for s in BASE for x in ("--set", s)]
 # ------------------------------------------------------------- without any cluster
 def test_launch_options_and_the_command_line():
     a = build_parser().parse_args(
-        ["sweep", "f.toml", "--method", "fedavg", "--grid", "train.lr=1", "--out", "o", "--launcher", "ray"]
-        + ["--gpus-per-run", "0.5", "--ray-address", "head:6379", "--track-uri", "http://h:5000"]
+        [
+            *("sweep", "f.toml", "--method", "fedavg", "--grid", "train.lr=1", "--out", "o", "--launcher", "ray"),
+            *("--gpus-per-run", "0.5", "--ray-address", "head:6379", "--track-uri", "http://h:5000"),
+        ]
     )
     from fedseg.cli import _study_options
 

@@ -242,7 +242,9 @@ def test_mlflow_reads_a_runs_rounds_while_it_runs(spec, tmp_path, monkeypatch):
         worker.join(300)
     done = client.get_run(r.info.run_id)
     res = json.loads((out / "lr" / "results.json").read_text())
-    assert done.info.status == "FINISHED" and done.data.metrics["client_avg_dice"] == pytest.approx(res["client_avg_dice"])
+    assert done.info.status == "FINISHED" and done.data.metrics["client_avg_dice"] == pytest.approx(
+        res["client_avg_dice"]
+    )
     hist = sorted(client.get_metric_history(r.info.run_id, keys[0]), key=lambda m: m.step)
     site = keys[0].rsplit("/", 1)[1]
     assert [m.value for m in hist] == pytest.approx([e["val_dice"]["global"][site] for e in res["history"]])

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import socket
 import sys
 import threading
 import time
@@ -39,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from fedseg.foundation.errors import ConfigError, FedsegError
 
@@ -168,8 +171,6 @@ def execute(spec: RunSpec, env: Mapping[str, str], threads: int, device: str | N
     """Run ``spec`` in a worker process (a pool process, a Ray task, a Slurm task): the driver's ``env``, ``threads``
     torch threads, its messages (stdout and stderr) appended to ``<folder>/worker.log``.  An exception is raised
     again with the run's name and the last lines of its traceback."""
-    import torch
-
     global _IN_WORKER
     _IN_WORKER = True
     torch.set_num_threads(threads)
@@ -221,8 +222,6 @@ def fault_hook(folder: str | Path) -> Callable[[dict[str, Any]], None] | None:
 
 
 def _host() -> str:
-    import socket
-
     return socket.gethostname()
 
 
@@ -243,8 +242,6 @@ _DEVICE: str | None = None
 
 def _init_worker(devices: Any) -> None:
     """A pool process: one torch thread (the runs share the machine's cores), and its device from the queue."""
-    import torch
-
     torch.set_num_threads(1)
     global _DEVICE
     _DEVICE = devices.get() if devices is not None else None
@@ -335,9 +332,9 @@ class RayLauncher:
         env = forwarded_env()
         try:
             refs = {
-                task.options(
-                    name=s.name, num_cpus=o.cpus_per_run, num_gpus=o.gpus_per_run, max_retries=0
-                ).remote(_portable(s), env, o.cpus_per_run): s
+                task.options(name=s.name, num_cpus=o.cpus_per_run, num_gpus=o.gpus_per_run, max_retries=0).remote(
+                    _portable(s), env, o.cpus_per_run
+                ): s
                 for s in specs
             }
             pending = list(refs)
