@@ -28,7 +28,7 @@ from fedseg.apps.studies.fedsm_seeds import over_seeds, tabulate
 from fedseg.apps.studies.grid import sweep as grid_sweep
 from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.apps.studies.launchers import LAUNCHERS, LaunchOptions
-from fedseg.apps.tracking import tracker_for
+from fedseg.apps.tracking import LiveRun, tracker_for
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
@@ -107,6 +107,13 @@ def cmd_run(a: argparse.Namespace) -> int:
     if getattr(a, "tensorboard", False):
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
         print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
+    live = LiveRun(tracker.target(), out) if tracker is not None else None  # each round as it ends
+    hooks = [h for h in (logger, live) if h is not None]
+
+    def on_round(entry: dict) -> None:
+        for h in hooks:
+            h(entry)
+
     try:
         res = run(
             a.config,
@@ -117,7 +124,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             rounds=a.rounds,
             seed=a.seed,
             device=a.device,
-            on_round=logger,
+            on_round=on_round if hooks else None,
         )
     finally:
         if logger is not None:

@@ -191,7 +191,7 @@ def execute(spec: RunSpec, env: Mapping[str, str], threads: int, device: str | N
         except BaseException as e:
             text = "".join(traceback.format_exception(e))
             print(text, file=sys.stderr)
-            raise RuntimeError(f"{spec.name}: {type(e).__name__}: {e}") from None
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
         print(f"--- {spec.name}: finished at {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return value
 
@@ -231,9 +231,11 @@ def _portable(spec: RunSpec) -> RunSpec:
     return dataclasses.replace(spec, local_kwargs={})
 
 
-def _failure(spec: RunSpec, what: str) -> Outcome:
+def _failure(spec: RunSpec, what: str, more: str = "") -> Outcome:
+    """A failed run's outcome: the last line of ``what`` (an error's text), ``more``, and where its log is."""
+    lines = [x.strip() for x in what.splitlines() if x.strip()]
     where = f" (log: {spec.log_path})" if spec.log_path and Path(spec.log_path).is_file() else ""
-    return Outcome(spec, error=f"{what.strip().splitlines()[-1] if what.strip() else 'failed'}{where}")
+    return Outcome(spec, error=f"{lines[-1] if lines else 'failed'}{more}{where}")
 
 
 # ------------------------------------------------------------- local
@@ -301,8 +303,8 @@ _RAY_STARTED = False
 
 class RayLauncher:
     """One Ray task per run (``num_cpus`` = ``cpus_per_run``, ``num_gpus`` = ``gpus_per_run``, no automatic
-    retry), on the cluster at ``address``, or on the cluster this process is connected to, or on a local cluster
-    started for the study (no dashboard) and shut down after it."""
+    retry), on the cluster at ``ray_address`` (else ``RAY_ADDRESS``), or on the cluster this process is connected
+    to, or on a local cluster started for the study (no dashboard) and shut down after it."""
 
     name = "ray"
 
@@ -321,8 +323,9 @@ class RayLauncher:
         global _RAY_USERS, _RAY_STARTED
         with _RAY_LOCK:  # studies side by side (a FedSM study per seed) share one connection
             if not ray.is_initialized():
-                if o.ray_address:
-                    ray.init(address=o.ray_address, log_to_driver=False)
+                address = o.ray_address or os.environ.get("RAY_ADDRESS")
+                if address:
+                    ray.init(address=address, log_to_driver=False)
                 else:
                     ray.init(address="local", include_dashboard=False, log_to_driver=False)
                     _RAY_STARTED = True
@@ -417,7 +420,7 @@ class SlurmLauncher:
                 try:
                     yield Outcome(s, job.result())
                 except Exception as e:  # the run's exception, or its job died (timeout, node failure, scancel)
-                    yield _failure(s, f"{e}\n(Slurm job {job.job_id}; its output: {job.paths.stdout})")
+                    yield _failure(s, str(e), f" (Slurm job {job.job_id}; its output: {job.paths.stdout})")
             pending = still
             if pending:
                 time.sleep(self.poll_s)
