@@ -129,7 +129,7 @@ def test_compare_tune_and_sweep_on_ray_are_the_local_bytes(spec, ray_cluster, lo
     """`compare --tune --launcher ray` and `sweep --launcher ray` (one Ray task per run, one CPU and torch thread
     each) write the checkpoints of the local launcher byte for byte, the same tuning choice; the runs are
     tracked live from the Ray workers, nested under the study's parent run."""
-    from mlflow.tracking import MlflowClient
+    MlflowClient = pytest.importorskip("mlflow.tracking", reason="MLflow is not installed").MlflowClient
 
     ref, args = local_compare
     out = tmp_path / "ray"
@@ -215,3 +215,23 @@ def test_the_slurm_code_path_on_submitits_local_executor_gives_the_same_bytes(sp
     for lr in LRS:
         assert _digest(out / f"train.lr={lr}" / "seed0") == _digest(ref / "fedavg" / f"train.lr={lr}" / "seed0")
     assert list((out / "slurm").glob("*/*_log.out"))  # submitit's job files, one folder per array task
+
+
+@pytest.mark.slow
+def test_fedsm_sweep_over_seeds_on_ray_is_the_local_bytes_and_is_reused(spec, ray_cluster, tmp_path, capsys):
+    """`fedseg fedsm sweep --seeds 0,1 --launcher ray`: both seeds' studies planned side by side on the driver
+    (which loads no data), each run a Ray task: the checkpoints of the sequential command byte for byte and the
+    same table over seeds; the same command again reuses every run (point.json) and dispatches none."""
+    args = ["fedsm", "sweep", str(spec), "--lam", "0.5", "--gamma", "0", "--rounds", "1", "--seeds", "0,1", *SETS]
+    args += ["--set", "device=cpu"]
+    assert main([*args, "--out", str(tmp_path / "seq"), "--jobs", "1"]) == 0
+    assert main([*args, "--out", str(tmp_path / "ray"), "--launcher", "ray"]) == 0
+    for seed in (0, 1):
+        rel = Path(f"seed{seed}") / "lam0.5"
+        assert _digest(tmp_path / "ray" / rel) == _digest(tmp_path / "seq" / rel) and _digest(tmp_path / "seq" / rel)
+        assert (tmp_path / "ray" / rel / "point.json").is_file()
+    assert (tmp_path / "ray" / "sweep.md").read_text() == (tmp_path / "seq" / "sweep.md").read_text()
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "ray"), "--launcher", "ray"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("already done") == 2 and "Ray tasks" not in out

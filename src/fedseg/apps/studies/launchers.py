@@ -441,6 +441,8 @@ def launcher_for(
 def launch_all(launcher: Launcher, specs: Sequence[RunSpec], log: Callable[[str], None] = print) -> list[Any]:
     """Every run's value, in the order of ``specs``, once every run is in.  Runs that failed are named in one
     :class:`StudyRunsFailed` raised after the others finished (their folders kept for the next attempt)."""
+    if not specs:  # every run already finished: no cluster started, nothing submitted
+        return []
     values: dict[int, Any] = {}
     failed: list[Outcome] = []
     index = {id(s): i for i, s in enumerate(specs)}
