@@ -92,7 +92,8 @@ def compare(
 
     ``options`` (:class:`~fedseg.apps.studies.jobs.StudyOptions`, default: its defaults): the seeds, rounds and overrides of every run;
     ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each, ``devices`` one
-    process per device (neither: one per CUDA device where there are several, else one after another).
+    process per device (neither: one per CUDA device where there are several, else one after another);
+    ``launch`` one Ray task or Slurm array task per run (:mod:`fedseg.apps.studies.launchers`).
     ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
     MLflow run, nested under one parent run that holds the table, the tuning record and the HTML report
     (``out/report.html``, without the model sections; :mod:`fedseg.apps.tracking`).  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
