@@ -169,8 +169,8 @@ def forwarded_env() -> dict[str, str]:
 
 def execute(spec: RunSpec, env: Mapping[str, str], threads: int, device: str | None = None) -> Any:
     """Run ``spec`` in a worker process (a pool process, a Ray task, a Slurm task): the driver's ``env``, ``threads``
-    torch threads, its messages (stdout and stderr) appended to ``<folder>/worker.log``.  An exception is raised
-    again with the run's name and the last lines of its traceback."""
+    torch threads, its messages (stdout and stderr) appended to ``<folder>/worker.log``.  An exception's traceback
+    goes to that log and it is raised again as one line (its type and message), which the driver names by run."""
     global _IN_WORKER
     _IN_WORKER = True
     torch.set_num_threads(threads)
