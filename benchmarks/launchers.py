@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--md", help="also write the Markdown here")
     ap.add_argument("--out", default="runs/bench-launchers", help="summary.json goes here")
     a = ap.parse_args()
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # a local cluster bound to 127.0.0.1 only
     import ray
 
     quiet = lambda m: None  # noqa: E731

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,8 @@ BASE = [*SMALL, "eval.every=1", "checkpoint_every=1", "checkpoint_background=fal
 """One grid's settings: a small U-Net, every round validated and checkpointed (synchronously, so that a worker
 killed after a round leaves that round's checkpoint behind)."""
 BASE_ARGS = [x for s in BASE for x in ("--set", s)]
+LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch which, set to 0, binds a local cluster to the loopback address."""
 
 
 # ------------------------------------------------------------- without any cluster
@@ -88,8 +91,15 @@ def spec(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray cluster for the module: 2 CPUs, no dashboard, on 127.0.0.1, its files in a short temp folder."""
+    """One local Ray cluster for the module: 2 CPUs, no dashboard, its services bound to 127.0.0.1 only (Ray
+    otherwise takes the machine's outward address), its files in a short temp folder."""
+    loopback = os.environ.get(LOOPBACK)
+    os.environ[LOOPBACK] = "0"  # read by Ray's processes (and by Ray when first imported): the loopback address
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'fedseg[cluster]')")
+    from ray._private import ray_constants
+
+    cluster = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # (Ray imported before this fixture)
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's sockets need a short path
     ray.init(
         address="local",
@@ -100,8 +110,14 @@ def ray_cluster():
         _temp_dir=temp,
         object_store_memory=80 * 1024 * 1024,
     )
+    assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in ray.nodes())
     yield ray
     ray.shutdown()
+    ray_constants.ENABLE_RAY_CLUSTER = cluster
+    if loopback is None:
+        os.environ.pop(LOOPBACK, None)
+    else:
+        os.environ[LOOPBACK] = loopback
     shutil.rmtree(temp, ignore_errors=True)
 
 
