@@ -41,6 +41,7 @@ __all__ = [
     "POINT_FILE",
     "Job",
     "StudyOptions",
+    "check_point",
     "default_devices",
     "map_in_processes",
     "placement",
