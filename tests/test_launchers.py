@@ -50,6 +50,8 @@ def test_launch_options_and_the_command_line():
         LaunchOptions(cpus_per_run=0)
     with pytest.raises(ConfigError, match="--slurm-time 0"):
         LaunchOptions(launcher="slurm", slurm_time=0)
+    with pytest.raises(ConfigError, match="--cpus-per-run and --gpus-per-run instead"):
+        StudyOptions(jobs=2, launch=LaunchOptions(launcher="ray"))
 
 
 class _Reversed:

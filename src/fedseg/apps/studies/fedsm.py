@@ -264,6 +264,7 @@ def _run_points(
     ``results.json`` as written, the same either way.  ``workload``/``data``: the federation as loaded here, for
     runs in this process (None: each run loads it)."""
     launch = launch or LaunchOptions()
+    launch.check_placement(jobs, devices)
     if launch.remote:
         n, devs = 1, None
     else:

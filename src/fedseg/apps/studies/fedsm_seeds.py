@@ -47,6 +47,8 @@ def over_seeds(
     if not seeds:
         raise ConfigError("over_seeds needs at least one seed, e.g. --seeds 0,1,2")
     fn = sweep if study == "sweep" else unseen
+    if launch is not None:
+        launch.check_placement(jobs, devices)
     out = Path(out)
     if isinstance(config, RunConfig) and jobs is None and devices is None and config.device == "cpu":
         jobs = 1

@@ -96,6 +96,7 @@ class StudyOptions:
             raise ConfigError(f"--jobs {self.jobs}: give at least 1")
         if self.devices is not None and not self.devices:
             raise ConfigError("--devices names no device; give e.g. cuda:0,cuda:1 or cpu,cpu")
+        self.launch.check_placement(self.jobs, self.devices)
 
     def placement(self) -> tuple[int, tuple[str, ...] | None]:
         """(processes, devices) of :func:`placement` for these options."""

@@ -117,6 +117,14 @@ class LaunchOptions:
         """True for launchers whose runs leave this machine's process pool (Ray, Slurm)."""
         return self.launcher != "local"
 
+    def check_placement(self, jobs: int | None, devices: Sequence[str] | None) -> None:
+        """Refuse ``--jobs``/``--devices`` (this machine's placement) with a Ray or Slurm launcher."""
+        if self.remote and (jobs is not None or devices is not None):
+            raise ConfigError(
+                f"--jobs and --devices place runs on this machine; with --launcher {self.launcher} give the "
+                "resources of each run with --cpus-per-run and --gpus-per-run instead"
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
