@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,deploy,report,privacy,prepare,track,export]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,deploy,report,privacy,prepare,track,export,cluster]"
 	touch $(STAMP)
 
 venv: $(STAMP)

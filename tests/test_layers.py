@@ -63,6 +63,8 @@ ALGORITHM_THIRD_PARTY = ("torch",)
 DEFERRED = (
     "nvflare",
     "mlflow",
+    "ray",  # the cluster extra: --launcher ray | slurm
+    "submitit",
     "fedseg.apps.deploy.flare",  # imports nvflare
     "matplotlib",
     "PIL",

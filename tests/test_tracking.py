@@ -194,3 +194,59 @@ def test_deploy_rehearse_logs_the_servers_results(spec, tmp_path, monkeypatch):
     (r,) = client.search_runs([client.get_experiment_by_name("fedseg").experiment_id])
     assert r.data.tags["fedseg.folder"] == str(out.resolve()) and r.data.params["train.lr"] == "0.001"
     assert "checkpoints" in {a.path for a in client.list_artifacts(r.info.run_id)}
+
+
+@pytest.mark.slow
+def test_mlflow_reads_a_runs_rounds_while_it_runs(spec, tmp_path, monkeypatch):
+    """A study's run logs each round's metrics as the round ends, from the process that runs it, through the
+    engine's ``on_round`` hook: held after round 2 of 3 (a test hook after the tracker's), MLflow's client reads
+    rounds 1 and 2 of a RUNNING run nested under the study's parent, before any results.json exists; released,
+    the same MLflow run ends FINISHED with round 3, its final numbers and its kept models."""
+    import threading
+
+    from fedseg.apps.studies.jobs import Job, run_point
+    from fedseg.apps.tracking import MlflowTracker
+    from helpers import SMALL
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "study"
+    tracker = MlflowTracker(out)
+    parent = tracker.parent(out, "sweep")
+    reached, release = threading.Event(), threading.Event()
+    real = jobs.run
+
+    def held(*args, on_round=None, **kwargs):
+        def hook(entry):
+            on_round(entry)
+            if entry["round"] == 2:
+                reached.set()
+                assert release.wait(300)
+
+        return real(*args, on_round=hook, **kwargs)
+
+    monkeypatch.setattr(jobs, "run", held)
+    job = Job(str(spec), str(out / "lr"), (*SMALL, "device=cpu", "eval.every=1"), "fedavg", 0, 3)
+    kwargs = {"log": lambda m: None, "track": tracker.target(parent)}
+    worker = threading.Thread(target=run_point, args=(job,), kwargs=kwargs)
+    worker.start()
+    client = MlflowClient(tracker.uri)
+    try:
+        assert reached.wait(300)
+        (r,) = client.search_runs([tracker.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+        assert r.info.status == "RUNNING" and not (out / "lr" / "results.json").exists()
+        keys = [k for k in r.data.metrics if k.startswith("val_dice/global/")]
+        assert keys and "time_s" in r.data.metrics
+        assert sorted(m.step for m in client.get_metric_history(r.info.run_id, keys[0])) == [1, 2]
+    finally:
+        release.set()
+        worker.join(300)
+    done = client.get_run(r.info.run_id)
+    res = json.loads((out / "lr" / "results.json").read_text())
+    assert done.info.status == "FINISHED" and done.data.metrics["client_avg_dice"] == pytest.approx(
+        res["client_avg_dice"]
+    )
+    hist = sorted(client.get_metric_history(r.info.run_id, keys[0]), key=lambda m: m.step)
+    site = keys[0].rsplit("/", 1)[1]
+    assert [m.value for m in hist] == pytest.approx([e["val_dice"]["global"][site] for e in res["history"]])
+    assert {a.path for a in client.list_artifacts(r.info.run_id, "checkpoints")} >= {"checkpoints/best.safetensors"}
+    assert done.data.params["train.lr"]  # the resolved config, logged when the run ended

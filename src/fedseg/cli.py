@@ -28,7 +28,8 @@ from fedseg.apps.studies.fedsm import sweep, unseen
 from fedseg.apps.studies.fedsm_seeds import over_seeds, tabulate
 from fedseg.apps.studies.grid import sweep as grid_sweep
 from fedseg.apps.studies.jobs import StudyOptions
-from fedseg.apps.tracking import tracker_for
+from fedseg.apps.studies.launchers import LAUNCHERS, LaunchOptions
+from fedseg.apps.tracking import LiveRun, tracker_for
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import PRESET_NAMES, synthesize
 from fedseg.data.validate import raise_if_invalid, validate_federation
@@ -107,6 +108,13 @@ def cmd_run(a: argparse.Namespace) -> int:
     if getattr(a, "tensorboard", False):
         logger = TensorBoardLogger(a.tensorboard_dir or Path(out) / "tensorboard")
         print(f"TensorBoard scalars: {logger.logdir.resolve()} (view with: tensorboard --logdir {logger.logdir})")
+    live = LiveRun(tracker.target(), out) if tracker is not None else None  # each round as it ends
+    hooks = [h for h in (logger, live) if h is not None]
+
+    def on_round(entry: dict) -> None:
+        for h in hooks:
+            h(entry)
+
     try:
         res = run(
             a.config,
@@ -117,7 +125,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             rounds=a.rounds,
             seed=a.seed,
             device=a.device,
-            on_round=logger,
+            on_round=on_round if hooks else None,
         )
     finally:
         if logger is not None:
@@ -197,6 +205,21 @@ def _study_options(a: argparse.Namespace, overrides: list[str]) -> StudyOptions:
         jobs=a.jobs,
         devices=tuple(_csv(a.devices)) if a.devices else None,
         track=a.track,
+        track_uri=a.track_uri,
+        launch=_launch_options(a),
+    )
+
+
+def _launch_options(a: argparse.Namespace) -> LaunchOptions:
+    return LaunchOptions(
+        launcher=a.launcher,
+        cpus_per_run=a.cpus_per_run,
+        gpus_per_run=a.gpus_per_run,
+        ray_address=a.ray_address,
+        slurm_partition=a.slurm_partition,
+        slurm_time=a.slurm_time,
+        slurm_folder=a.slurm_folder,
+        slurm_parallelism=a.slurm_parallelism,
     )
 
 
@@ -230,10 +253,13 @@ def cmd_fedsm(a: argparse.Namespace) -> int:
             raise ConfigError("give --seed (one run) or --seeds (one run per seed), not both")
         fields.pop("seed", None)
         seeds = [int(s) for s in _csv(a.seeds)]
-        _, table = over_seeds(a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, devices=devices, **kwargs, **fields)
+        launch = _launch_options(a)
+        _, table = over_seeds(
+            a.fedsm_verb, a.config, a.out, seeds, jobs=a.jobs, devices=devices, launch=launch, **kwargs, **fields
+        )
     else:
         study = unseen if a.fedsm_verb == "unseen" else sweep
-        _, table = study(a.config, a.out, jobs=a.jobs, devices=devices, **kwargs, **fields)
+        _, table = study(a.config, a.out, jobs=a.jobs, devices=devices, launch=_launch_options(a), **kwargs, **fields)
     print("\n" + table)
     print(f"table: {Path(a.out).resolve() / name}")
     return 0
@@ -334,6 +360,52 @@ def _jobs_arguments(p: argparse.ArgumentParser) -> None:
         help="one process per device, e.g. cuda:0,cuda:1 (or cpu,cpu); each run on its process's device, the "
         "same results as one after another. Default (neither --jobs nor --devices): every visible CUDA device "
         "where there are several, else one run after another",
+    )
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where the runs run (docs/studies.md)")
+    g.add_argument(
+        "--launcher",
+        choices=list(LAUNCHERS),
+        default="local",
+        help="local: this machine (--jobs, --devices; default); ray: one Ray task per run (a local cluster, or "
+        "--ray-address); slurm: one Slurm array task per run (submitit). The same results whichever runs them; "
+        "OUT must be a folder every worker sees; run the command again to keep finished runs and resume the rest",
+    )
+    g.add_argument(
+        "--cpus-per-run",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ray/slurm: CPUs (and torch threads) per run (default 1)",
+    )
+    g.add_argument(
+        "--gpus-per-run",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="ray/slurm: GPUs per run (default 0; Ray takes fractions)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="ray: a running cluster (head:6379 or ray://head:10001); default: a local one",
+    )
+    g.add_argument("--slurm-partition", metavar="NAME", help="slurm: the partition the runs go to")
+    g.add_argument(
+        "--slurm-time", type=int, default=60, metavar="MIN", help="slurm: minutes a run may take (default 60)"
+    )
+    g.add_argument("--slurm-folder", metavar="DIR", help="slurm: submitit's job files and logs (default: OUT/slurm)")
+    g.add_argument("--slurm-parallelism", type=int, metavar="N", help="slurm: most array tasks running at once")
+
+
+def _track_uri_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--track-uri",
+        metavar="URI",
+        help="MLflow tracking store every run logs to as it goes (e.g. http://host:5000, one the workers reach); "
+        "turns --track mlflow on; default: the config's tracking.uri, MLFLOW_TRACKING_URI, else OUT/mlflow.db",
     )
 
 
@@ -563,7 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
         "score over the seeds, reported on test",
     )
     _jobs_arguments(c)
+    _launch_arguments(c)
     _track_argument(c)
+    _track_uri_argument(c)
     _device_argument(c)
     c.set_defaults(func=cmd_compare)
     sw = sub.add_parser(
@@ -585,7 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", required=True, help="output folder: one subfolder per grid point, seed<k> below it")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     _jobs_arguments(sw)
+    _launch_arguments(sw)
     _track_argument(sw)
+    _track_uri_argument(sw)
     _device_argument(sw)
     sw.set_defaults(func=cmd_sweep)
     f = sub.add_parser("fedsm", help="FedSM studies: unseen-site selection (Table 5), lambda/gamma sweep (Table 7)")
@@ -604,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         x.add_argument("--gamma", help="comma-separated gamma grid (default: fedsm.gamma_grid)")
         _jobs_arguments(x)
+        _launch_arguments(x)
         x.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
         if study == "unseen":
             x.add_argument("--sites", help="comma-separated sites to hold out (default: each site)")

@@ -9,10 +9,15 @@ differential privacy; step = round), its final numbers (``client_avg_dice``, ``g
 one parent run that holds the table, the tuning record and the HTML report.
 
 The store is a local SQLite database beside the output (``OUT/mlflow.db``, artifacts in ``OUT/mlartifacts``; no
-server) unless ``tracking.uri`` or the environment's ``MLFLOW_TRACKING_URI`` names another (a tracking server:
-``http://host:5000``).  A run is logged once: a run already in the store (tag ``fedseg.folder``) is not logged
-again when a comparison is continued.  Runs are logged from the finished folders, after they end, so runs in
-parallel processes (``--jobs``) never write to the store at once.
+server) unless ``tracking.uri``, ``--track-uri`` or the environment's ``MLFLOW_TRACKING_URI`` names another (a
+tracking server: ``http://host:5000``, which remote workers reach).  A run is logged once: a run already in the
+store (tag ``fedseg.folder``) is not logged again when a comparison is continued.
+
+The runs of a study are tracked live (:class:`LiveRun`): the process that runs a run — the driver, a local
+worker process, a Ray task or a Slurm task — opens its MLflow run under the study's parent run when it starts
+(:class:`TrackTarget`: the store's URI, the experiment, the parent run's id), logs each round's metrics through
+the engine's ``on_round`` hook as the round ends, and its final numbers and kept files when it finishes; a
+resumed run goes on logging into the same MLflow run.  A failure to log is reported and never ends a run.
 """
 
 from __future__ import annotations
@@ -31,7 +36,17 @@ from fedseg.algorithms import known_sections
 from fedseg.foundation.config import RunConfig, dataclass_from_dict, load_run_config
 from fedseg.foundation.errors import ConfigError
 
-__all__ = ["SECTION", "MlflowTracker", "TrackingParams", "flatten", "round_metrics", "tracker_for", "tracking_params"]
+__all__ = [
+    "SECTION",
+    "LiveRun",
+    "MlflowTracker",
+    "TrackTarget",
+    "TrackingParams",
+    "flatten",
+    "round_metrics",
+    "tracker_for",
+    "tracking_params",
+]
 
 SECTION = "tracking"
 
@@ -72,21 +87,26 @@ def tracking_params(cfg: RunConfig | Mapping[str, Any]) -> TrackingParams:
 
 
 def tracker_for(
-    track: str | None, out: str | Path, config: str | Path | RunConfig | None = None, overrides: Sequence[str] = ()
+    track: str | None,
+    out: str | Path,
+    config: str | Path | RunConfig | None = None,
+    overrides: Sequence[str] = (),
+    uri: str | None = None,
 ) -> MlflowTracker | None:
     """The tracker a command asks for: ``track`` (``--track``: ``"mlflow"`` or ``"off"``) before the run config's
     ``[tracking]`` section (read from ``config`` with ``overrides``; a config that is not there is left to the run
-    to refuse); None when tracking is off."""
+    to refuse); None when tracking is off.  ``uri`` (``--track-uri``): the store, before ``tracking.uri``; it
+    turns tracking on unless ``track`` is ``"off"``."""
     params = TrackingParams()
     if config is not None and (isinstance(config, RunConfig) or Path(config).is_file()):
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, list(overrides), known_sections())
         params = tracking_params(cfg)
-    backend = track or params.backend
+    backend = track or ("mlflow" if uri else params.backend)
     if backend == "off":
         return None
     if backend != "mlflow":
         raise ConfigError(f"--track {backend!r}: use 'mlflow' (or 'off')")
-    return MlflowTracker(out, params.experiment, params.uri)
+    return MlflowTracker(out, params.experiment, uri or params.uri)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -152,6 +172,7 @@ class MlflowTracker:
                 f"--track mlflow needs MLflow ({e}); install it with: pip install 'fedseg[track]'"
             ) from None
         out = Path(out).resolve()
+        self.experiment = experiment
         self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out / 'mlflow.db'}"
         local = self.uri.startswith("sqlite:") and not (uri or os.environ.get("MLFLOW_TRACKING_URI"))
         if local:
@@ -166,11 +187,43 @@ class MlflowTracker:
             )
         )
 
-    def _find(self, tag: str, value: str) -> str | None:
+    def _find_run(self, tag: str, value: str) -> Any:
         found = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`{tag}` = '{value.replace(chr(39), '')}'", max_results=1
         )
-        return found[0].info.run_id if found else None
+        return found[0] if found else None
+
+    def _find(self, tag: str, value: str) -> str | None:
+        found = self._find_run(tag, value)
+        return found.info.run_id if found is not None else None
+
+    def target(self, parent_id: str | None = None) -> TrackTarget:
+        """What a worker needs to log a run of this store live under ``parent_id`` (:class:`LiveRun`)."""
+        return TrackTarget(self.uri, self.experiment, parent_id)
+
+    def start_run(self, folder: str | Path, parent_id: str | None = None, name: str | None = None) -> str:
+        """The MLflow run of the run in ``folder`` as it starts (tag ``fedseg.live``): the one already opened for
+        that folder (a resumed run), else a new one under ``parent_id``."""
+        folder = Path(folder).resolve()
+        found = self._find_run("fedseg.folder", str(folder))
+        if found is not None:
+            if "fedseg.complete" not in found.data.tags:
+                self.client.update_run(found.info.run_id, status="RUNNING")
+            return str(found.info.run_id)
+        tags = {"fedseg.folder": str(folder), "fedseg.live": "1"}
+        if parent_id is not None:
+            tags["mlflow.parentRunId"] = parent_id
+        return str(self.client.create_run(self.experiment_id, run_name=name or folder.name, tags=tags).info.run_id)
+
+    def log_round(self, run_id: str, entry: Mapping[str, Any]) -> None:
+        """One round's metrics (a history entry, :func:`round_metrics`) at step = its round."""
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, v, now, step) for k, v, step in round_metrics([entry])]
+        for i in range(0, len(ms), 1000):
+            self.client.log_batch(run_id, metrics=ms[i : i + 1000])
+        self.client.log_batch(run_id, tags=[RunTag("fedseg.round", str(int(entry["round"])))])
 
     def parent(self, out: str | Path, kind: str, params: Mapping[str, Any] | None = None) -> str:
         """The parent run of a ``compare`` / ``sweep`` into ``out`` (the same one when the command is continued)."""
@@ -202,22 +255,42 @@ class MlflowTracker:
     ) -> str:
         """Log the finished run in ``folder`` (its ``results.json``) as one MLflow run, with ``params`` and
         ``metrics`` of the caller's (a grid point, its validation score) beside the run's own; returns its id.
-        A run already logged from this folder is not logged again."""
+        A run already logged from this folder is not logged again; one tracked live (:class:`LiveRun`) gets what
+        it lacks (its final numbers and files, then the caller's ``params`` and ``metrics``) once."""
         from mlflow.entities import Metric
 
         folder = Path(folder).resolve()
-        found = self._find("fedseg.folder", str(folder))
-        if found is not None:
-            return found
+        found = self._find_run("fedseg.folder", str(folder))
+        tags_now = found.data.tags if found is not None else {}
+        if found is not None and "fedseg.live" not in tags_now:
+            return str(found.info.run_id)
+        extra = bool(params or metrics) and "fedseg.study" not in tags_now
+        if "fedseg.complete" in tags_now and not extra:
+            return str(found.info.run_id)
         res = json.loads((folder / "results.json").read_text())
         tags = {"fedseg.folder": str(folder), "fedseg.method": str(res["method"]), "fedseg.seed": str(res["seed"])}
         if parent_id is not None:
             tags["mlflow.parentRunId"] = parent_id
-        run = self.client.create_run(self.experiment_id, run_name=f"{res['label']} seed {res['seed']}", tags=tags)
-        rid = run.info.run_id
+        if found is None:
+            run = self.client.create_run(self.experiment_id, run_name=f"{res['label']} seed {res['seed']}", tags=tags)
+            rid = run.info.run_id
+        else:
+            rid = found.info.run_id
+            if "fedseg.complete" in tags_now:  # finished by its worker: the study's own numbers only
+                self._params(rid, flatten(params or {}))
+                self.log_metrics(
+                    rid, dict(metrics or {}), step=max((int(e["round"]) for e in res.get("history") or []), default=0)
+                )
+                self.client.set_tag(rid, "fedseg.study", "1")
+                return str(rid)
+            for k, v in tags.items():
+                self.client.set_tag(rid, k, v)
+            self.client.set_tag(rid, "mlflow.runName", f"{res['label']} seed {res['seed']}")
         self._params(rid, {**flatten(res.get("config") or {}), **flatten(params or {})})
         now = int(time.time() * 1000)
-        ms = [Metric(k, v, now, step) for k, v, step in round_metrics(res.get("history") or [])]
+        logged = int(tags_now.get("fedseg.round", 0))  # a live run's rounds up to this one were logged as they ended
+        history = [e for e in res.get("history") or [] if int(e["round"]) > logged]
+        ms = [Metric(k, v, now, step) for k, v, step in round_metrics(history)]
         final = {
             "client_avg_dice": res.get("client_avg_dice"),
             "global_dice": res.get("global_dice"),
@@ -238,8 +311,11 @@ class MlflowTracker:
         for name in CHECKPOINT_FILES:
             if (folder / "checkpoints" / name).is_file():
                 self.client.log_artifact(rid, str(folder / "checkpoints" / name), "checkpoints")
+        self.client.set_tag(rid, "fedseg.complete", "1")
+        if params or metrics:
+            self.client.set_tag(rid, "fedseg.study", "1")
         self.client.set_terminated(rid)
-        return rid
+        return str(rid)
 
     def log_files(self, run_id: str, files: Sequence[str | Path]) -> None:
         """Attach the files that exist among ``files`` to a run as artifacts."""
@@ -247,13 +323,61 @@ class MlflowTracker:
             if Path(f).is_file():
                 self.client.log_artifact(run_id, str(f))
 
-    def log_metrics(self, run_id: str, values: Mapping[str, float]) -> None:
+    def log_metrics(self, run_id: str, values: Mapping[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        ms = [Metric(_key(k), float(v), now, 0) for k, v in values.items() if not math.isnan(float(v))]
+        ms = [Metric(_key(k), float(v), now, step) for k, v in values.items() if not math.isnan(float(v))]
         if ms:
             self.client.log_batch(run_id, metrics=ms)
 
     def end(self, run_id: str) -> None:
         self.client.set_terminated(run_id)
+
+
+@dataclass(frozen=True)
+class TrackTarget:
+    """Where a worker logs a study's run live: the tracking store's URI (one the worker reaches), the
+    experiment, and the study's parent run (None: a run of its own)."""
+
+    uri: str
+    experiment: str = "fedseg"
+    parent_id: str | None = None
+
+
+class LiveRun:
+    """A run's MLflow run, logged as the run goes: opened (or reopened, for a resumed run) under
+    ``target.parent_id`` when made, each round's metrics when the engine calls it with the round's history entry
+    (its ``on_round`` hook), the final numbers and kept files on :meth:`finish`.  Any failure to log is said once
+    through ``log`` and ends the logging, never the run."""
+
+    def __init__(self, target: TrackTarget, folder: str | Path, name: str | None = None, log: Any = print) -> None:
+        self.target, self.folder, self.log = target, Path(folder), log
+        self.tracker: MlflowTracker | None = None
+        self.run_id: str | None = None
+        try:
+            self.tracker = MlflowTracker(folder, target.experiment, target.uri)
+            self.run_id = self.tracker.start_run(folder, target.parent_id, name)
+        except Exception as e:
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        self.log(f"{self.folder}: MLflow logging stopped ({type(e).__name__}: {e}); the run goes on")
+        self.tracker = None
+
+    def __call__(self, entry: Mapping[str, Any]) -> None:
+        if self.tracker is None or self.run_id is None:
+            return
+        try:
+            self.tracker.log_round(self.run_id, entry)
+        except Exception as e:
+            self._failed(e)
+
+    def finish(self) -> None:
+        """Log the finished run's final numbers and kept files (:meth:`MlflowTracker.log_run`)."""
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.log_run(self.folder, self.target.parent_id)
+        except Exception as e:
+            self._failed(e)

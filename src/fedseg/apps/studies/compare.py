@@ -92,7 +92,8 @@ def compare(
 
     ``options`` (:class:`~fedseg.apps.studies.jobs.StudyOptions`, default: its defaults): the seeds, rounds and overrides of every run;
     ``jobs`` > 1 runs the independent runs in that many processes with one torch thread each, ``devices`` one
-    process per device (neither: one per CUDA device where there are several, else one after another).
+    process per device (neither: one per CUDA device where there are several, else one after another);
+    ``launch`` one Ray task or Slurm array task per run (:mod:`fedseg.apps.studies.launchers`).
     ``track`` (``"mlflow"``, or the config's ``[tracking]`` section): every run an
     MLflow run, nested under one parent run that holds the table, the tuning record and the HTML report
     (``out/report.html``, without the model sections; :mod:`fedseg.apps.tracking`).  Writes ``out/comparison.md`` (Table 3 layout, mean ± sd over seeds) and
@@ -106,7 +107,7 @@ def compare(
     missing = sorted({m for m, _, _ in axes if m is not None} - {p[0] for p in parsed})
     if missing:
         raise ConfigError(f"--tune names {missing}, which --methods does not run; add them or drop that --tune")
-    tracker = tracker_for(options.track, out, config, options.overrides)
+    tracker = tracker_for(options.track, out, config, options.overrides, options.track_uri)
     parent = (
         tracker.parent(
             out,

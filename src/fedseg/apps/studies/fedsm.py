@@ -10,8 +10,10 @@
 * :func:`sweep` runs one FedSM per λ (Table 7: Client Avg and Global Dice per λ) and
   reports the test Dice per γ.
 * Both studies' runs are independent: ``jobs``/``devices`` run them in spawned processes, one per device
-  (:func:`fedseg.apps.studies.jobs.placement`; by default one per CUDA device where there are several), each
-  the same numbers as one after another.
+  (:func:`fedseg.apps.studies.jobs.placement`; by default one per CUDA device where there are several), and
+  ``launch`` as Ray tasks or Slurm array tasks (:mod:`fedseg.apps.studies.launchers`), each the same numbers as
+  one after another.  A run's folder keeps its settings (``point.json``): a finished run of the same settings is
+  reused and an interrupted one resumed from its checkpoint when the study is run again.
 * Either study over several seeds, and the table over them: :mod:`fedseg.apps.studies.fedsm_seeds`.
 """
 
@@ -26,11 +28,14 @@ from typing import Any
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm import FedSM, route_task
 from fedseg.algorithms.fedsm.selection import PER_MODEL
-from fedseg.apps.studies.jobs import map_in_processes, placement
+from fedseg.apps.studies.jobs import POINT_FILE, check_point, placement, resolved_settings
+from fedseg.apps.studies.launchers import LaunchOptions, RunSpec, launch_all, launcher_for
+from fedseg.data.spec import load_federation
 from fedseg.evaluation.tables import table5
 from fedseg.execution.engine import Engine
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
+from fedseg.seams.checkpoint import PROGRESS, save_json
 from fedseg.seams.transport import Transport
 from fedseg.simulation.runner import build_engine, load_federation_data, write_results
 from fedseg.site.runtime import SiteData
@@ -141,6 +146,7 @@ def run_fedsm(
     gammas: Sequence[float] | None = None,
     progress: bool = False,
     log: Callable[[str], None] = print,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run a FedSM variant in simulation and add ``results["fedsm"]`` (:func:`routing_report` on test).
 
@@ -149,6 +155,8 @@ def run_fedsm(
     heldout
         A site left out of training (Table 5): it is addressable for testing only and
         gets ``results["fedsm"]["per_site"][heldout]``.
+    resume
+        Continue the run from its checkpoint in ``out`` (the engine's resume).
     """
     algorithm = get_algorithm(cfg)
     if not isinstance(algorithm, FedSM):
@@ -166,7 +174,7 @@ def run_fedsm(
         algorithm=algorithm,
         heldout={heldout: site_data[heldout]} if heldout is not None else None,
     )
-    results = engine.run()
+    results = engine.run(resume=resume)
     assert results is not None
     report_sites = [*train, *([heldout] if heldout is not None else [])]
     results["fedsm"] = routing_report(engine, engine.transport, report_sites, gammas)
@@ -210,41 +218,91 @@ def _fedsm_point(
     log: Callable[[str], None] = print,
 ) -> str:
     """One run of a study into ``out`` (:func:`run_fedsm`; in a process of its own it loads the federation
-    itself); returns ``out``, whose ``results.json`` is read back."""
+    itself); returns ``out``, whose ``results.json`` is read back.  A finished run of the same settings
+    (``point.json``) is reused, an interrupted one resumed from its checkpoint, a folder of other settings refused."""
     if device is not None:
         cfg = dataclasses.replace(cfg, device=device)
+    folder = Path(out)
+    want = resolved_settings(cfg)
+    check_point(folder, want)
+    done = folder / "results.json"
+    if done.is_file() and "fedsm" in json.loads(done.read_text()):
+        log(f"{folder.name}: already done ({done})")
+        return out
+    ckpt = folder / "checkpoints"
+    resume = (folder / "config.toml").is_file() and (
+        (ckpt / PROGRESS).is_file() or (ckpt / f"{PROGRESS}.next").is_file()
+    )
+    if resume:
+        log(f"{folder.name}: resuming {folder}")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_json(want, folder / POINT_FILE)
     if data is None or workload is None:
         fed, data = load_federation_data(cfg.federation)
         workload = workload_for(fed, cfg)
-    run_fedsm(cfg, workload, data, out=out, heldout=heldout, gammas=gammas, progress=progress, log=log)
+    run_fedsm(cfg, workload, data, out=out, heldout=heldout, gammas=gammas, progress=progress, log=log, resume=resume)
     return out
 
 
 def _run_points(
     points: Sequence[tuple[RunConfig, Path, str | None]],
-    workload: Workload,
-    data: Mapping[str, SiteData],
+    workload: Workload | None,
+    data: Mapping[str, SiteData] | None,
     gammas: Sequence[float] | None,
     jobs: int | None,
     devices: Sequence[str] | None,
     overrides: Sequence[str],
     progress: bool,
     log: Callable[[str], None],
+    launch: LaunchOptions | None = None,
+    root: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Run a study's runs ``(config, folder, held-out site)`` one after another or, as
     :func:`~fedseg.apps.studies.jobs.placement` says for ``jobs``/``devices``, in spawned processes (one torch
-    thread each; one per device); returns each run's ``results.json`` as written, the same either way."""
-    if jobs is None and devices is None and points and points[0][0].device == "cpu":
-        jobs = 1  # set to the CPU: no CUDA devices by default
-    n, devs = placement(jobs, devices, overrides)
-    if n == 1 or len(points) <= 1:
-        for cfg, out, held in points:
-            dev = devs[0] if devs else None
-            _fedsm_point(cfg, str(out), held, gammas, dev, workload, data, progress, log)
+    thread each; one per device), or as ``launch`` says (Ray tasks, Slurm array tasks); returns each run's
+    ``results.json`` as written, the same either way.  ``workload``/``data``: the federation as loaded here, for
+    runs in this process (None: each run loads it)."""
+    launch = launch or LaunchOptions()
+    launch.check_placement(jobs, devices)
+    if launch.remote:
+        n, devs = 1, None
     else:
-        calls: list[tuple[tuple, dict[str, Any]]] = [((cfg, str(out), held, gammas), {}) for cfg, out, held in points]
-        map_in_processes(_fedsm_point, calls, n, log, devices=devs, what="FedSM runs")
+        if jobs is None and devices is None and points and points[0][0].device == "cpu":
+            jobs = 1  # set to the CPU: no CUDA devices by default
+        n, devs = placement(jobs, devices, overrides)
+    specs = []
+    for cfg, out, held in points:
+        if (Path(out) / "results.json").is_file():  # finished: checked and read here, never dispatched
+            _fedsm_point(cfg, str(out), held, gammas, None, workload, data, progress, log)
+            continue
+        local = {"workload": workload, "data": data, "progress": progress, "log": log}
+        name = Path(out).name if root is None else Path(out).relative_to(root).as_posix()
+        specs.append(
+            RunSpec(name, _fedsm_point, (cfg, str(out), held, gammas), folder=str(out), local_kwargs=local, placed=True)
+        )
+    launch_all(launcher_for(launch, n, devs, root or Path("."), log), specs, log)
     return [json.loads((Path(out) / "results.json").read_text()) for _, out, _ in points]
+
+
+def _study_setup(
+    config: str | Path | RunConfig,
+    overrides: Sequence[str],
+    progress: bool,
+    launch: LaunchOptions | None,
+    fields: Mapping[str, Any],
+) -> tuple[RunConfig, Workload | None, dict[str, SiteData] | None, list[str]]:
+    """A study's config, and its federation loaded here — or, for runs dispatched to Ray or Slurm, only its site
+    names (each run loads the federation where it runs)."""
+    if launch is not None and launch.remote:
+        cfg = (
+            config
+            if isinstance(config, RunConfig)
+            else load_run_config(config, list(overrides), known_sections(), **fields)
+        )
+        return cfg, None, None, [s.name for s in load_federation(cfg.federation).sites]
+    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    return cfg, workload, data, list(data)
 
 
 # ------------------------------------------------------------------- Table 5
@@ -259,18 +317,20 @@ def unseen(
     jobs: int | None = None,
     devices: Sequence[str] | None = None,
     device: str | None = None,
+    launch: LaunchOptions | None = None,
     **fields: Any,
 ) -> tuple[list[dict[str, Any]], str]:
     """FedSM Table 5: for each held-out site k, train on the others, test the composite on k.
 
-    ``jobs``/``devices``: the held-out sites' runs in processes (:func:`_run_points`); ``device``: every run's.
+    ``jobs``/``devices``: the held-out sites' runs in processes (:func:`_run_points`); ``launch``: as Ray or
+    Slurm tasks; ``device``: every run's.
 
     Returns the rows and the Markdown table (also ``out/unseen.md`` and ``out/unseen.json``).
     Each row: ``site``, ``selection_at_0`` ({model: frequency} at γ = 0), ``dice_at_0``,
     ``best_gamma``, ``best_dice``, ``dice_by_gamma``, and what the run chose on the training sites'
     validation (:func:`_chosen`: ``gamma``, ``gamma_per_model``, ``dice_at_chosen``).
     """
-    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    cfg, workload, data, names = _study_setup(config, overrides, progress, launch, fields)
     if cfg.method != "fedsm":
         cfg = dataclasses.replace(cfg, method="fedsm")
     if device is not None:
@@ -278,9 +338,12 @@ def unseen(
     grid = sorted({0.0, *(gammas if gammas is not None else get_algorithm(cfg).params.gamma_grid)})
     out = Path(out)
     rows = []
-    held = list(sites or list(data))
+    held = list(sites or names)
+    unknown = [k for k in held if k not in names]
+    if unknown:
+        raise ConfigError(f"held-out site(s) {unknown} are not in the federation; sites: {names}")
     points = [(cfg, out / f"unseen-{k}", k) for k in held]
-    done = _run_points(points, workload, data, grid, jobs, devices, overrides, progress, log)
+    done = _run_points(points, workload, data, grid, jobs, devices, overrides, progress, log, launch, out)
     for k, res in zip(held, done):
         r = res["fedsm"]["per_site"][k]
         dbg = {float(g): d for g, d in r["dice_by_gamma"].items()}
@@ -298,7 +361,7 @@ def unseen(
             }
         )
         log(f"unseen {k}: Dice at γ=0 {dbg[0.0]:.4f}, best γ {best_g} → {dbg[best_g]:.4f}")
-    table = table5(rows, list(data))
+    table = table5(rows, names)
     out.mkdir(parents=True, exist_ok=True)
     (out / "unseen.md").write_text(table)
     (out / "unseen.json").write_text(json.dumps(rows, indent=1))
@@ -339,17 +402,19 @@ def sweep(
     jobs: int | None = None,
     devices: Sequence[str] | None = None,
     device: str | None = None,
+    launch: LaunchOptions | None = None,
     **fields: Any,
 ) -> tuple[list[dict[str, Any]], str]:
     """FedSM Table 7: one FedSM run per λ (Client Avg and Global Dice), plus test Dice per γ.
 
-    ``jobs``/``devices``: the λs' runs in processes (:func:`_run_points`); ``device``: every run's.
+    ``jobs``/``devices``: the λs' runs in processes (:func:`_run_points`); ``launch``: as Ray or Slurm tasks;
+    ``device``: every run's.
 
     Every λ in [0, 1] runs (the paper's Table 7 includes λ = 0.1 < 1/K = 1/6; below 1/K a
     warning says that a site's own model then weighs less than each other site's); a λ
     outside [0, 1] is reported as rejected rather than run.
     """
-    cfg, workload, data = load_spec(config, overrides, progress=progress, **fields)
+    cfg, workload, data, _ = _study_setup(config, overrides, progress, launch, fields)
     if cfg.method != "fedsm":
         cfg = dataclasses.replace(cfg, method="fedsm")
     if device is not None:
@@ -358,7 +423,8 @@ def sweep(
     rows = []
     ok = [lam for lam in lams if 0.0 <= lam <= 1.0]
     points = [(with_fedsm(cfg, lam=float(lam)), out / f"lam{lam:g}", None) for lam in ok]
-    results = dict(zip(ok, _run_points(points, workload, data, gammas, jobs, devices, overrides, progress, log)))
+    done = _run_points(points, workload, data, gammas, jobs, devices, overrides, progress, log, launch, out)
+    results = dict(zip(ok, done))
     for lam in lams:
         if lam not in results:
             rows.append({"lam": lam, "rejected": f"λ = {lam} is outside [0, 1]"})

@@ -1,17 +1,19 @@
 """FedSM's studies over several seeds: :func:`over_seeds` runs the λ/γ sweep or the unseen-site study
 (:mod:`fedseg.apps.studies.fedsm`) once per seed (``out/seed<N>``, in processes where ``jobs``/``devices``
-ask for them) and :func:`tabulate` puts the seeds' studies into one table (mean ± sd over seeds), from
+ask for them; with ``launch`` on Ray or Slurm, every run of every seed a task of its own) and :func:`tabulate` puts the seeds' studies into one table (mean ± sd over seeds), from
 their ``sweep.json`` or ``unseen.json`` alone."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from fedseg.apps.studies.fedsm import gamma_text, sweep, unseen
 from fedseg.apps.studies.jobs import map_in_processes, placement
+from fedseg.apps.studies.launchers import LaunchOptions
 from fedseg.evaluation.tables import mean_sd
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
@@ -31,24 +33,32 @@ def over_seeds(
     log: Callable[[str], None] = print,
     jobs: int | None = None,
     devices: Sequence[str] | None = None,
+    launch: LaunchOptions | None = None,
     **kwargs: Any,
 ) -> tuple[dict[int, list[dict[str, Any]]], str]:
     """Run ``study`` (``"sweep"`` or ``"unseen"``, with :func:`sweep`'s / :func:`unseen`'s arguments)
     once per seed into ``out/seed<N>`` (``jobs`` > 1 or ``devices``: the seeds in that many processes, one torch
     thread each, one per device, the same numbers; one seed: its study's runs in them), then write their table
-    over seeds (:func:`tabulate`) to ``out/<study>.md``.
+    over seeds (:func:`tabulate`) to ``out/<study>.md``.  ``launch`` on Ray or Slurm: the seeds' studies are
+    planned here side by side and each of their runs is a task of its own (the tables once every run is in).
     Returns the rows by seed and that table."""
     if study not in STUDY_FILES:
         raise ConfigError(f"unknown FedSM study {study!r}; use 'sweep' or 'unseen'")
     if not seeds:
         raise ConfigError("over_seeds needs at least one seed, e.g. --seeds 0,1,2")
     fn = sweep if study == "sweep" else unseen
+    if launch is not None:
+        launch.check_placement(jobs, devices)
     out = Path(out)
     if isinstance(config, RunConfig) and jobs is None and devices is None and config.device == "cpu":
         jobs = 1
-    n, devs = placement(jobs, devices, kwargs.get("overrides", ()))
+    n, devs = placement(jobs, devices, kwargs.get("overrides", ())) if not (launch and launch.remote) else (1, None)
     calls: list[tuple[tuple, dict[str, Any]]]
-    if n > 1 and len(seeds) > 1:
+    if launch is not None and launch.remote:
+        kwargs.update(launch=launch, log=log)
+        with ThreadPoolExecutor(len(seeds)) as pool:  # each seed's study submits its runs; the cluster runs them
+            done = list(pool.map(lambda seed: fn(config, out / f"seed{seed}", seed=seed, **kwargs), seeds))
+    elif n > 1 and len(seeds) > 1:
         kwargs.update(progress=False, jobs=1)
         calls = [((config, out / f"seed{seed}"), {"seed": seed, **kwargs}) for seed in seeds]
         done = map_in_processes(fn, calls, n, log, devices=devs)

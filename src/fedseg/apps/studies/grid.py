@@ -177,8 +177,8 @@ def tune(
     ``out/<entry>/<point>/seed<k>`` (``flat``: ``out/<point>/seed<k>``, one entry).  Returns the tuning
     record (also ``out/tuning.json``): per entry its points with their validation scores per seed, the chosen
     point, and the folders of the chosen point's runs (whose test numbers are the comparison's).
-    ``tracker``: every run is logged as an MLflow run under ``parent_id`` with its grid point, validation score
-    and whether it was chosen.
+    ``tracker``: every run is logged as an MLflow run under ``parent_id`` as it goes (per round, from the process
+    that runs it), then with its grid point, validation score and whether it was chosen.
     """
     out = Path(out)
     options = options or StudyOptions()
@@ -206,7 +206,16 @@ def tune(
                         tuple(p.items()),
                     )
                 )
-    results = run_jobs(all_jobs, options.jobs, options.devices, progress=options.progress, log=options.log)
+    results = run_jobs(
+        all_jobs,
+        options.jobs,
+        options.devices,
+        progress=options.progress,
+        log=options.log,
+        launch=options.launch,
+        track=tracker.target(parent_id) if tracker is not None else None,
+        root=out,
+    )
     record: dict[str, Any] = {
         "selection": (
             "per method, the grid point with the highest mean over the seeds of the best validation score its runs "
@@ -292,7 +301,7 @@ def sweep(
     if other:
         raise ConfigError(f"--grid names {other}, not the swept method {method!r}; use {method}:KEY or a dotted KEY")
     out = Path(out)
-    tracker = tracker_for(options.track, out, config, options.overrides)
+    tracker = tracker_for(options.track, out, config, options.overrides, options.track_uri)
     parent = (
         tracker.parent(
             out, "sweep", {"config": str(config), "method": method, "grid": list(grid), "seeds": list(seeds)}
