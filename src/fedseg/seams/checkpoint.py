@@ -13,7 +13,10 @@ is spelled out once.  Layout of a run folder's ``checkpoints/``:
   :func:`save_site` / :func:`restore_site`; deployed sites write the same two files into
   their own work folder);
 * ``progress.json`` — the last completed round, the history, the names/shapes/dtypes of the
-  server and best arrays (``layout``) and the staged file names: the commit record.
+  server and best arrays (``layout``) and the staged file names: the commit record;
+* ``pruned.json`` — written when a finished run's resumable state was removed
+  (:func:`prune_checkpoints`, ``checkpoint_keep``): what went, its bytes and the setting; a resume of
+  that run is refused with one message (:func:`check_resumable`).
 
 A checkpoint is written as one unit: every file first as ``<name>.next`` (sites to
 ``sites.next/``), then ``progress.json.next`` (the record), then everything is moved into
@@ -53,15 +56,19 @@ __all__ = [
     "BEST_ARRAYS",
     "BEST_META",
     "PROGRESS",
+    "PRUNED",
     "SERVER",
     "SITES",
     "Best",
     "CheckpointWriter",
     "JsonDoc",
     "best_files",
+    "check_resumable",
     "commit_checkpoint",
     "load_best",
     "load_checked",
+    "prunable",
+    "prune_checkpoints",
     "read_best_meta",
     "read_progress",
     "restore_site",
@@ -74,6 +81,7 @@ SERVER = "server.safetensors"
 BEST_ARRAYS = "best.safetensors"
 BEST_META = "best.json"
 PROGRESS = "progress.json"
+PRUNED = "pruned.json"
 SITES = "sites"
 _RESUME_FIX = "restore {name} from a backup, or start the run again without --resume"
 
@@ -334,3 +342,72 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+
+# ------------------------------------------------------------------ finished runs
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def prunable(d: str | Path, keep: str) -> list[tuple[Path, int]]:
+    """The files and folders of the checkpoint folder ``d`` a finished run does not keep under ``keep``
+    (``checkpoint_keep``), each with its bytes: every site's state (``sites/``, models, optimizer moments and
+    scalers: what only ``--resume`` reads), staged leftovers (``*.next``, ``*.tmp``) and, under ``"best"``, the
+    last round's server state.  Kept: ``best.safetensors`` + ``best.json`` (every candidate's best round and the
+    models assembled after the last round, FedSM's composite: what ``evaluate``, ``predict``, ``export``, the
+    report and MLflow read), ``progress.json`` (the last round and the history) and, under ``"final"``,
+    ``server.safetensors``; ``"all"`` keeps everything."""
+    d = Path(d)
+    if keep not in ("best", "final", "all"):
+        raise ConfigError(f"checkpoint_keep = {keep!r}; use 'best', 'final' or 'all'")
+    if keep == "all" or not d.is_dir():
+        return []
+    gone = [d / SITES, *sorted(d.glob("*.next")), *sorted(d.glob("*.tmp"))]
+    if keep == "best":
+        gone.append(d / SERVER)
+    return [(p, _size(p)) for p in gone if p.exists()]
+
+
+def prune_checkpoints(d: str | Path, keep: str, *, force: bool = False) -> list[tuple[Path, int]]:
+    """Remove what a finished run does not keep (:func:`prunable`) from the checkpoint folder ``d`` and record it
+    in ``pruned.json``; returns what was removed (nothing under ``keep = "all"``).  A folder without
+    ``best.safetensors`` + ``best.json`` is refused unless ``force``: pruning it would leave no model."""
+    d = Path(d)
+    gone = prunable(d, keep)
+    if not gone:
+        return []
+    if not force and not ((d / BEST_ARRAYS).is_file() and (d / BEST_META).is_file()):
+        raise ConfigError(
+            f"{d} has no {BEST_ARRAYS} + {BEST_META}: pruning its resumable state would leave no model; "
+            "finish the run first (or force it)"
+        )
+    prev = json.loads((d / PRUNED).read_text()) if (d / PRUNED).is_file() else {"removed": {}}
+    removed = dict(prev.get("removed") or {})
+    for path, size in gone:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed[path.name] = removed.get(path.name, 0) + size
+    save_json({"keep": keep, "removed": removed, "bytes": sum(removed.values())}, d / PRUNED)
+    return gone
+
+
+def check_resumable(d: str | Path) -> None:
+    """Refuse, with one message, to resume from the checkpoint folder ``d`` of a finished run whose resumable
+    state was pruned (``pruned.json``)."""
+    path = Path(d) / PRUNED
+    if not path.is_file():
+        return
+    try:
+        keep = json.loads(path.read_text()).get("keep", "best")
+    except (ValueError, AttributeError):
+        keep = "best"
+    raise ConfigError(
+        f"{Path(d).parent} is a finished run whose resumable state (every site's state and optimizer moments) was "
+        f"pruned (checkpoint_keep = {keep!r}, see {path.name}); its best models, results and config are kept for "
+        "fedseg evaluate / predict / export / report. To train further start a new run; set checkpoint_keep = "
+        '"all" (--set checkpoint_keep=all) to keep what --resume needs'
+    )
