@@ -74,7 +74,7 @@ SECTIONS = (
     ("alpha", "Auto-FedAvg aggregation weights"),
     ("loss-surface", "Loss surface"),
     ("tsne", "Model selector features (t-SNE)"),
-    ("predictions", "Sample predictions"),
+    ("predictions", "Predictions on test"),
     ("runs", "Runs"),
     ("config", "Configuration"),
 )
