@@ -21,6 +21,7 @@ the separate copies MLflow held before it linked them, with every run's resumabl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -35,7 +36,7 @@ from fedseg.apps.clean import clean, run_folders
 from fedseg.apps.studies.compare import compare
 from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.data.synth import synthesize
-from fedseg.seams.checkpoint import prunable
+from fedseg.seams.checkpoint import BEST_ARRAYS, PRUNED, prunable
 from fedseg.simulation.runner import run
 
 
@@ -70,6 +71,11 @@ def measure(name: str, folder: Path, rows: list[list[str]], summary: dict) -> No
     copies = apparent(store)
     clean(folder, keep="best", log=lambda m: None)
     after = disk(folder)
+    shared = sum(
+        json.loads((r / "checkpoints" / PRUNED).read_text())["removed"].get(f"{BEST_ARRAYS} (tensors stored twice)", 0)
+        for r in runs
+    )
+    final -= shared  # 'final' stores the best models' shared tensors once too
     rows.append([name, str(len(runs)), mb(old), mb(before), mb(final), mb(after)])
     summary[name] = {"runs": len(runs), "old": old, "all": before, "final": final, "best": after, "mlflow": copies}
 

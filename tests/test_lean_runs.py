@@ -72,7 +72,8 @@ def test_clean_prunes_an_old_style_study_folder_and_links_mlflow_copies(tmp_path
     assert _run(cut, "all", method="fedprox", stop_after=1) is None
     copy = study / "mlartifacts" / "1" / "abc" / "artifacts" / "checkpoints" / "best.safetensors"
     copy.parent.mkdir(parents=True)
-    shutil.copy(done / "checkpoints" / "best.safetensors", copy)
+    for name in ("best.safetensors", "best.json"):
+        shutil.copy(done / "checkpoints" / name, copy.with_name(name))
     site_bytes = sum(f.stat().st_size for f in (done / "checkpoints" / "sites").iterdir())
     # an unfinished run: refused, naming it and the fix, before anything is removed
     assert main(["clean", str(study)]) == 2
@@ -88,6 +89,7 @@ def test_clean_prunes_an_old_style_study_folder_and_links_mlflow_copies(tmp_path
     rep = clean(study, force=True, log=lambda m: None)
     assert not (done / "checkpoints" / "sites").exists() and not (cut / "checkpoints" / "sites").exists()
     assert os.path.samefile(copy, done / "checkpoints" / "best.safetensors")
+    assert os.path.samefile(copy.with_name("best.json"), done / "checkpoints" / "best.json")
     assert rep.freed >= site_bytes + copy.stat().st_size
     assert clean(study, force=True, log=lambda m: None).freed == 0  # nothing left to prune
 
@@ -201,3 +203,33 @@ def test_mlflow_holds_the_best_checkpoint_once(tmp_path, monkeypatch):
     assert arts == {"checkpoints/best.safetensors", "checkpoints/best.json"}
     logged = list((tmp_path / "out" / "mlartifacts").rglob("best.safetensors"))
     assert len(logged) == 1 and os.path.samefile(logged[0], run_dir / "checkpoints" / "best.safetensors")
+
+
+def test_compacted_best_models_store_a_shared_tensor_once_and_load_unchanged(tmp_path):
+    """FedSM's composite holds copies of its best global and personalized models; a finished run stores each
+    tensor once.  By hand: candidates a = {w: x, z: +0.0}, b = {w: x (a copy), z: -0.0}: b's w becomes an alias
+    of a/w (the file loses 4 × 1000 bytes), b's z stays (its bytes differ from a's), and load_best gives both
+    candidates back bit for bit."""
+    from fedseg.seams.algorithm import Candidate
+    from fedseg.seams.checkpoint import Best, best_files, compact_best, load_best, save_arrays, save_json
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    best = {
+        "a": Best(0.5, 1, Candidate("a", {"w": x, "z": torch.zeros(1)})),
+        "b": Best(0.6, 2, Candidate("b", {"w": x.clone(), "z": -torch.zeros(1)})),
+    }
+    arrays, meta = best_files(best)
+    save_arrays(arrays, tmp_path / "best.safetensors")
+    save_json(meta, tmp_path / "best.json")
+    size = (tmp_path / "best.safetensors").stat().st_size
+    assert compact_best(tmp_path) == size - (tmp_path / "best.safetensors").stat().st_size >= 4000
+    assert json.loads((tmp_path / "best.json").read_text())["b"]["aliases"] == {"w": "a/w"}
+    got = load_best(tmp_path)
+    for name, b in best.items():
+        arr = got[name].candidate.arrays
+        assert arr.keys() == b.candidate.arrays.keys()
+        assert all(
+            torch.equal(arr[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8))
+            for k, v in b.candidate.arrays.items()
+        )
+    assert compact_best(tmp_path) == 0  # already once each

@@ -3,7 +3,8 @@
 A run folder is a folder holding ``checkpoints/`` (``fedseg run``'s ``OUT``, or every ``<entry>/<point>/seed<k>``
 of a ``compare`` / ``sweep``).  Each finished one (``results.json`` written) loses what only ``--resume`` reads
 (:func:`fedseg.seams.checkpoint.prunable`: every site's state and optimizer moments, staged leftovers; with
-``keep = "best"`` also the last round's server state) and keeps its best models, results, config and history, so
+``keep = "best"`` also the last round's server state; a tensor its best models hold twice is stored once,
+:func:`fedseg.seams.checkpoint.compact_best`) and keeps its best models, results, config and history, so
 ``evaluate``, ``predict``, ``export`` and ``report`` work as before.  An MLflow store beside the runs
 (``OUT/mlartifacts``, written by ``--track mlflow`` before it linked the checkpoints) holding a copy of a run's best
 checkpoint gets a hard link to the run's file in place of the copy (one copy on disk).
@@ -53,24 +54,25 @@ def run_folders(out: str | Path) -> list[Path]:
 
 
 def _mlflow_copies(out: Path, runs: list[Path]) -> list[tuple[Path, Path]]:
-    """(copy in ``out/mlartifacts``, the run's file) for every best checkpoint MLflow holds as a separate copy."""
+    """(copy in ``out/mlartifacts``, the run's file) for the best checkpoints MLflow holds as separate copies: an
+    artifact folder's ``best.safetensors`` and ``best.json`` both equal to one run's (so that, linked to the run's
+    files, they stay a pair)."""
     store = out / "mlartifacts"
     if not store.is_dir():
         return []
-    originals: dict[tuple[str, int], list[Path]] = {}
+    by_size: dict[int, list[Path]] = {}
     for r in runs:
-        for name in (BEST_ARRAYS, BEST_META):
-            f = r / "checkpoints" / name
-            if f.is_file():
-                originals.setdefault((name, f.stat().st_size), []).append(f)
+        f = r / "checkpoints" / BEST_ARRAYS
+        if f.is_file() and (r / "checkpoints" / BEST_META).is_file():
+            by_size.setdefault(f.stat().st_size, []).append(r / "checkpoints")
     pairs = []
-    for name in (BEST_ARRAYS, BEST_META):
-        for copy in sorted(store.rglob(name)):
-            st = copy.stat()
-            for orig in originals.get((name, st.st_size), []):
-                if not os.path.samefile(copy, orig) and filecmp.cmp(copy, orig, shallow=False):
-                    pairs.append((copy, orig))
-                    break
+    for copy in sorted(store.rglob(BEST_ARRAYS)):
+        meta = copy.with_name(BEST_META)
+        for ck in by_size.get(copy.stat().st_size, []):
+            same = [(c, ck / c.name) for c in (copy, meta)]
+            if all(c.is_file() and not os.path.samefile(c, o) and filecmp.cmp(c, o, shallow=False) for c, o in same):
+                pairs += same
+                break
     return pairs
 
 
@@ -101,15 +103,16 @@ def clean(
             "(fedseg run --resume, or the same compare / sweep command) or add --force to prune them anyway "
             "(they can then not be resumed); nothing was removed"
         )
+    copies = _mlflow_copies(out, rep.runs)  # matched before pruning rewrites a best file (shared tensors once)
     for r in rep.runs:
         ck = r / "checkpoints"
         gone = prunable(ck, keep)
         if gone and not dry_run:
             gone = prune_checkpoints(ck, keep, force=force)
         rep.removed += gone
-    for copy, orig in _mlflow_copies(out, rep.runs):
+    for copy, orig in copies:
         rep.linked.append((copy, copy.stat().st_size))
-        if not dry_run:
+        if not dry_run:  # the run's file as it is now: best.safetensors and best.json stay a pair
             tmp = copy.with_name(copy.name + ".link")
             os.link(orig, tmp)
             os.replace(tmp, copy)

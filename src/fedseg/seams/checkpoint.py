@@ -64,6 +64,7 @@ __all__ = [
     "JsonDoc",
     "best_files",
     "check_resumable",
+    "compact_best",
     "commit_checkpoint",
     "load_best",
     "load_checked",
@@ -186,13 +187,22 @@ def read_best_meta(folder: str | Path, fix: str | None = None) -> dict[str, dict
 
 def load_best(folder: str | Path, layout: dict[str, Any] | None = None, fix: str | None = None) -> dict[str, Best]:
     """``{candidate: Best}`` from ``folder/best.safetensors`` + ``best.json`` (host tensors), checked as
-    :func:`load_checked` and :func:`read_best_meta`."""
+    :func:`load_checked` and :func:`read_best_meta`; a tensor a finished run stores once for several candidates
+    (``best.json``'s ``aliases``, :func:`compact_best`) is given to each of them."""
     meta = read_best_meta(folder, fix)
     arrays = load_checked(Path(folder) / BEST_ARRAYS, layout, fix)
     out = {}
     for name, m in meta.items():
         vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
-        cand = Candidate(name, strip_prefix(name, arrays), m["predictor"], vs, m["home_site"], m["config"])
+        own = strip_prefix(name, arrays)
+        try:  # a finished run's shared tensors (compact_best): stored once, under another candidate's name
+            own.update({k: arrays[t].clone() for k, t in (m.get("aliases") or {}).items()})
+        except (KeyError, AttributeError, TypeError) as e:
+            raise ConfigError(
+                f"{Path(folder) / BEST_META} names a shared tensor that {BEST_ARRAYS} lacks ({e}); "
+                f"{fix or _RESUME_FIX.format(name=BEST_META)}"
+            ) from None
+        cand = Candidate(name, own, m["predictor"], vs, m["home_site"], m["config"])
         out[name] = Best(m["score"], m["round"], cand)
     return out
 
@@ -370,6 +380,45 @@ def prunable(d: str | Path, keep: str) -> list[tuple[Path, int]]:
     return [(p, _size(p)) for p in gone if p.exists()]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (so that -0.0 and 0.0 differ)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def compact_best(d: str | Path) -> int:
+    """Store every tensor of ``d/best.safetensors`` once: a candidate's tensor equal (dtype, shape, bytes) to one
+    stored under an earlier candidate's name is dropped from the file and named in that candidate's ``aliases``
+    in ``best.json`` (``{its name: the stored name}``; :func:`load_best` gives it back).  FedSM's composite is
+    its best global and personalized models and a selector: its copies of them go.  Returns the bytes saved.
+    Only for a finished run: the file no longer has the layout ``progress.json`` records for ``--resume``."""
+    d = Path(d)
+    path = d / BEST_ARRAYS
+    if not path.is_file() or not (d / BEST_META).is_file():
+        return 0
+    meta = read_best_meta(d)
+    arrays = load_checked(path, None, fix=f"restore {path} from a backup or run the run again")
+    kept: Arrays = {}
+    by_shape: dict[tuple[Any, ...], list[str]] = {}
+    for name, m in meta.items():
+        aliases = dict(m.get("aliases") or {})
+        for k, v in strip_prefix(name, arrays).items():
+            key = (v.dtype, tuple(v.shape))
+            same = next((t for t in by_shape.get(key, []) if torch.equal(_bits(kept[t]), _bits(v))), None)
+            if same is None:
+                kept[f"{name}/{k}"] = v
+                by_shape.setdefault(key, []).append(f"{name}/{k}")
+            else:
+                aliases[k] = same
+        if aliases:
+            m["aliases"] = aliases
+    saved = path.stat().st_size
+    if len(kept) == len(arrays):
+        return 0
+    save_arrays(kept, path)
+    save_json(meta, d / BEST_META)
+    return saved - path.stat().st_size
+
+
 def prune_checkpoints(d: str | Path, keep: str, *, force: bool = False) -> list[tuple[Path, int]]:
     """Remove what a finished run does not keep (:func:`prunable`) from the checkpoint folder ``d`` and record it
     in ``pruned.json``; returns what was removed (nothing under ``keep = "all"``).  A folder without
@@ -391,6 +440,10 @@ def prune_checkpoints(d: str | Path, keep: str, *, force: bool = False) -> list[
         else:
             path.unlink()
         removed[path.name] = removed.get(path.name, 0) + size
+    shared = compact_best(d)
+    if shared:
+        gone.append((d / f"{BEST_ARRAYS} (tensors stored twice)", shared))
+        removed[f"{BEST_ARRAYS} (tensors stored twice)"] = shared
     save_json({"keep": keep, "removed": removed, "bytes": sum(removed.values())}, d / PRUNED)
     return gone
 

@@ -481,7 +481,7 @@ class FedSM(Algorithm):
         routed to the global and to each personalized model, at the composite's own γ (or per-model thresholds;
         the argmax / the top choice without γ), and its routing accuracy (the share sent to the site's own model;
         null for a K + 1-class selector).  Only the selector runs at the sites (``route`` with ``scores =
-        false``): counts come back, no image and no score.  ``fedseg fedsm`` replaces it by the full report with
+        false``): counts come back, no image and no score; a site whose reply is missing or rejected is left out.  ``fedseg fedsm`` replaces it by the full report with
         each model's Dice (:func:`fedseg.apps.studies.fedsm.routing_report`)."""
         cand = best.get("fedsm")
         if cand is None or cand.predictor != "fedsm":
@@ -489,7 +489,8 @@ class FedSM(Algorithm):
         mode = cand.config.get("mode", "gate")
         per_model = cand.config.get("gamma_per_model") is not None
         gammas = [cand.config["gamma"]] if mode == "gate" and not per_model else []
-        replies = route_task(ctx.transport, cand, list(ctx.sites), "testing", gammas, scores=False)
+        # optional: a site whose reply is rejected is left out of the report; the finished run is not stopped
+        replies = route_task(ctx.transport, cand, list(ctx.sites), "testing", gammas, scores=False, optional=True)
         models = ["global", *[f"personal/{s}" for s in cand.config["sites"]]]
         per_site = {}
         for s, m in replies.items():

@@ -398,16 +398,18 @@ def route_task(
     gammas: Sequence[float | None],
     per_model: bool = True,
     scores: bool = True,
+    optional: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``.
     ``per_model = False``: without each model's Dice (:func:`route_stats`), what choosing γ needs; ``scores =
-    False``: where the selector sends the cases and nothing scored (the selector alone runs)."""
+    False``: where the selector sends the cases and nothing scored (the selector alone runs); ``optional``: the
+    sites that answer validly, however few (a deployment's ``deploy.min_sites`` not applied)."""
     config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
     if not per_model:
         config["per_model"] = False
     if not scores:
         config["scores"] = False
-    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})
+    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites}, optional=optional)
     return {s: r.metrics for s, r in replies.items()}
 
 
