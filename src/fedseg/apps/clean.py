@@ -53,10 +53,10 @@ def run_folders(out: str | Path) -> list[Path]:
     return sorted(found)
 
 
-def _mlflow_copies(out: Path, runs: list[Path]) -> list[tuple[Path, Path]]:
-    """(copy in ``out/mlartifacts``, the run's file) for the best checkpoints MLflow holds as separate copies: an
-    artifact folder's ``best.safetensors`` and ``best.json`` both equal to one run's (so that, linked to the run's
-    files, they stay a pair)."""
+def _mlflow_copies(out: Path, runs: list[Path]) -> list[tuple[Path, Path, bool]]:
+    """(artifact in ``out/mlartifacts``, the run's file, whether the artifact is a separate copy) for the best
+    checkpoints MLflow holds: an artifact folder's ``best.safetensors`` and ``best.json`` both equal to one run's
+    (copies, or links to the run's files), so that, linked to the run's files once pruned, they stay a pair."""
     store = out / "mlartifacts"
     if not store.is_dir():
         return []
@@ -65,15 +65,15 @@ def _mlflow_copies(out: Path, runs: list[Path]) -> list[tuple[Path, Path]]:
         f = r / "checkpoints" / BEST_ARRAYS
         if f.is_file() and (r / "checkpoints" / BEST_META).is_file():
             by_size.setdefault(f.stat().st_size, []).append(r / "checkpoints")
-    pairs = []
-    for copy in sorted(store.rglob(BEST_ARRAYS)):
-        meta = copy.with_name(BEST_META)
-        for ck in by_size.get(copy.stat().st_size, []):
-            same = [(c, ck / c.name) for c in (copy, meta)]
-            if all(c.is_file() and not os.path.samefile(c, o) and filecmp.cmp(c, o, shallow=False) for c, o in same):
-                pairs += same
+    found = []
+    for art in sorted(store.rglob(BEST_ARRAYS)):
+        meta = art.with_name(BEST_META)
+        for ck in by_size.get(art.stat().st_size, []):
+            pair = [(a, ck / a.name) for a in (art, meta)]
+            if all(a.is_file() and (os.path.samefile(a, o) or filecmp.cmp(a, o, shallow=False)) for a, o in pair):
+                found += [(a, o, not os.path.samefile(a, o)) for a, o in pair]
                 break
-    return pairs
+    return found
 
 
 def clean(
@@ -110,9 +110,11 @@ def clean(
         if gone and not dry_run:
             gone = prune_checkpoints(ck, keep, force=force)
         rep.removed += gone
-    for copy, orig in copies:
-        rep.linked.append((copy, copy.stat().st_size))
-        if not dry_run:  # the run's file as it is now: best.safetensors and best.json stay a pair
+    for copy, orig, separate in copies:
+        if separate:
+            rep.linked.append((copy, copy.stat().st_size))
+        if not dry_run and not os.path.samefile(copy, orig):  # a copy, or a link to the file before pruning
+            # the run's file as it is now: best.safetensors and best.json stay a pair
             tmp = copy.with_name(copy.name + ".link")
             os.link(orig, tmp)
             os.replace(tmp, copy)
