@@ -129,7 +129,7 @@ def test_fedsm_stores_where_its_test_cases_went_and_the_report_shows_it(tmp_path
     FedSM section shows the routing table from results.json alone (no model loaded)."""
     from fedseg.algorithms.fedsm.selection import load_composite, route, selector_probs, thresholds
     from fedseg.apps.report.fedsm_section import fedsm_section
-    from fedseg.apps.report.model_sections import test_summary
+    from fedseg.apps.report.model_sections import cases_summary
     from fedseg.apps.report.runs import load_runs
     from fedseg.seams.checkpoint import load_best
     from fedseg.simulation.runner import build_engine
@@ -152,7 +152,7 @@ def test_fedsm_stores_where_its_test_cases_went_and_the_report_shows_it(tmp_path
     (run,) = load_runs([out])
     html = fedsm_section([run], {run.label: rep})
     assert "Routing on test" in html and "PM site3" in html
-    summary = test_summary([run])
+    summary = cases_summary([run])
     worst = min(range(3), key=lambda i: res["per_case_dice"]["fedsm"]["site1"][i])
     assert f"worst #{worst}" in summary and "→ " in summary
 

@@ -212,11 +212,11 @@ def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) 
         "ground truth filled; then each method's reported model: its prediction filled over the image, the ground "
         "truth as a line, the case's Dice, and for FedSM the model the selector sent the image to (→ GM / → PM site)."
     )
-    summary = test_summary([m.run for m in models])
+    summary = cases_summary([m.run for m in models])
     return figure("fig-predictions", png, caption) + summary + "".join(note(n) for n in notes)
 
 
-def test_summary(runs: Sequence[Run]) -> str:
+def cases_summary(runs: Sequence[Run]) -> str:
     """Every site's test predictions of each run, from the per-case Dice its ``results.json`` stores (no model
     runs): the cases, the mean and the worst case (its index in the site's test split and its Dice), and for a
     FedSM run the model its selector sent most of the site's test cases to (``results["fedsm"]``)."""
