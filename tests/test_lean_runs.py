@@ -222,6 +222,8 @@ def test_compacted_best_models_store_a_shared_tensor_once_and_load_unchanged(tmp
     save_arrays(arrays, tmp_path / "best.safetensors")
     save_json(meta, tmp_path / "best.json")
     size = (tmp_path / "best.safetensors").stat().st_size
+    assert compact_best(tmp_path, dry_run=True) == 4000  # b/w: 1000 float32 (what `fedseg clean --dry-run` lists)
+    assert (tmp_path / "best.safetensors").stat().st_size == size
     assert compact_best(tmp_path) == size - (tmp_path / "best.safetensors").stat().st_size >= 4000
     assert json.loads((tmp_path / "best.json").read_text())["b"]["aliases"] == {"w": "a/w"}
     got = load_best(tmp_path)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedseg.foundation.errors import ConfigError
-from fedseg.seams.checkpoint import BEST_ARRAYS, BEST_META, prunable, prune_checkpoints
+from fedseg.seams.checkpoint import BEST_ARRAYS, BEST_META, compact_best, prunable, prune_checkpoints
 
 __all__ = ["CleanReport", "add_clean_parser", "clean", "run_folders"]
 
@@ -83,10 +83,10 @@ def clean(
     force: bool = False,
     log: Callable[[str], None] = print,
 ) -> CleanReport:
-    """Prune every finished run under ``out`` to what ``keep`` (``checkpoint_keep``: 'final' or 'best') says, and
-    link MLflow's copies of their best checkpoints (``keep``: 'best', the default of a run, or 'final', which keeps
-    the last round's server state too); ``dry_run`` only lists.  Refuses (one error naming them) when
-    some runs are unfinished, unless ``force``, which prunes them too (they can no longer be resumed)."""
+    """Prune every finished run under ``out`` to what ``keep`` says (``checkpoint_keep``: 'best', a run's default,
+    or 'final', which keeps the last round's server state too) and link MLflow's copies of their best checkpoints;
+    ``dry_run`` only lists.  Refuses (one error naming them) when some runs are unfinished, unless ``force``, which
+    prunes them too (they can no longer be resumed)."""
     out = Path(out)
     if not out.is_dir():
         raise ConfigError(f"{out} is not a folder; give the output folder of a fedseg run, compare or sweep")
@@ -109,15 +109,23 @@ def clean(
         gone = prunable(ck, keep)
         if gone and not dry_run:
             gone = prune_checkpoints(ck, keep, force=force)
+        elif gone:  # what pruning would also save: the best models' tensors stored twice, stored once
+            shared = compact_best(ck, dry_run=True)
+            gone = gone + [(ck / f"{BEST_ARRAYS} (tensors stored twice)", shared)] * (shared > 0)
         rep.removed += gone
     for copy, orig, separate in copies:
-        if separate:
-            rep.linked.append((copy, copy.stat().st_size))
+        size = copy.stat().st_size
         if not dry_run and not os.path.samefile(copy, orig):  # a copy, or a link to the file before pruning
             # the run's file as it is now: best.safetensors and best.json stay a pair
             tmp = copy.with_name(copy.name + ".link")
-            os.link(orig, tmp)
+            try:
+                os.link(orig, tmp)
+            except OSError as e:  # another file system: the copy stays
+                log(f"{copy} stays a copy: it cannot be linked to {orig} ({e})")
+                continue
             os.replace(tmp, copy)
+        if separate:
+            rep.linked.append((copy, size))
     verb = "would remove" if dry_run else "removed"
     for path, size in rep.removed:
         log(f"{verb} {path} ({size / 1e6:.1f} MB)")

@@ -385,12 +385,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def compact_best(d: str | Path) -> int:
+def compact_best(d: str | Path, dry_run: bool = False) -> int:
     """Store every tensor of ``d/best.safetensors`` once: a candidate's tensor equal (dtype, shape, bytes) to one
     stored under an earlier candidate's name is dropped from the file and named in that candidate's ``aliases``
     in ``best.json`` (``{its name: the stored name}``; :func:`load_best` gives it back).  FedSM's composite is
-    its best global and personalized models and a selector: its copies of them go.  Returns the bytes saved.
-    Only for a finished run: the file no longer has the layout ``progress.json`` records for ``--resume``."""
+    its best global and personalized models and a selector: its copies of them go.  Returns the bytes saved
+    (``dry_run``: the bytes of the tensors it would drop, nothing written).  Only for a finished run: the file no
+    longer has the layout ``progress.json`` records for ``--resume``."""
     d = Path(d)
     path = d / BEST_ARRAYS
     if not path.is_file() or not (d / BEST_META).is_file():
@@ -414,6 +415,8 @@ def compact_best(d: str | Path) -> int:
     saved = path.stat().st_size
     if len(kept) == len(arrays):
         return 0
+    if dry_run:
+        return sum(v.numel() * v.element_size() for k, v in arrays.items() if k not in kept)
     save_arrays(kept, path)
     save_json(meta, d / BEST_META)
     return saved - path.stat().st_size
