@@ -135,7 +135,7 @@ def test_fedsm_stores_where_its_test_cases_went_and_the_report_shows_it(tmp_path
     from fedseg.simulation.runner import build_engine
 
     out = tmp_path / "fedsm"
-    cfg = dataclasses.replace(tiny_config("fedsm", rounds=2), checkpoint_keep="final", params=SEL)
+    cfg = dataclasses.replace(tiny_config("fedsm", rounds=1), checkpoint_keep="final", params=SEL)
     wl = segmentation_workload(2, 1, ["fg"], TINY_MODEL)
     res = simulate(cfg, wl, tiny_sites(), out=out, **QUIET)
     rep = res["fedsm"]
