@@ -43,4 +43,5 @@ def unet_overrides(
         "model.num_res_units=1",
         f"eval.every={eval_every}",
         f"checkpoint_every={rounds}",
+        "checkpoint_keep=final",  # benchmarks/fedsm_ensemble.py reads the last round's server state
     ]

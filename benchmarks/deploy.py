@@ -85,7 +85,7 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
         dep = rehearse(run_toml, a.sites, out / f"dep-{tag}", overrides=ov, method="fga", policy=CLEAR)
         dep_wall = time.perf_counter() - t0
         sim = run(
-            load_deploy_config(run_toml, ov, method="fga", federation=str(sim_spec)),
+            load_deploy_config(run_toml, [*ov, "checkpoint_keep=final"], method="fga", federation=str(sim_spec)),
             out=out / f"sim-{tag}",
             progress=False,
         )
@@ -379,7 +379,9 @@ def main() -> None:
         dep_wall = time.perf_counter() - t0
         t0 = time.perf_counter()
         sim = run(
-            load_deploy_config(run_toml, ov, method=m, federation=str(sim_spec)), out=out / f"sim-{m}", progress=False
+            load_deploy_config(run_toml, [*ov, "checkpoint_keep=final"], method=m, federation=str(sim_spec)),
+            out=out / f"sim-{m}",
+            progress=False,
         )
         sim_wall = time.perf_counter() - t0
         wa = load_file(str(out / f"dep-{m}" / "checkpoints" / "server.safetensors"))

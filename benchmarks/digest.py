@@ -35,6 +35,7 @@ SMALL = [
     "rounds=2",
     "seed=0",
     "device=cpu",
+    "checkpoint_keep=all",  # every saved tensor is hashed, the sites' states included
 ]
 STEPS = ["train.local_steps=2"]
 

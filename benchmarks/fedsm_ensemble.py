@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses
 from fedseg.apps.studies.fedsm import load_spec
 from fedseg.foundation.arrays import strip_prefix
+from fedseg.seams.checkpoint import load_best
 from fedseg.site.runtime import batch_of, dataset_len
 
 
@@ -278,7 +279,7 @@ def composite(run: Path) -> str:
 
     _cfg, workload, data = load_spec(run / "config.toml")
     sites = list(data)
-    best = strip_prefix("fedsm", load_file(str(run / "checkpoints" / "best.safetensors")))
+    best = load_best(run / "checkpoints")["fedsm"].candidate.arrays  # (a finished run stores shared tensors once)
     server = load_file(str(run / "checkpoints" / "server.safetensors"))
     meta = json.loads((run / "checkpoints" / "best.json").read_text())["fedsm"]["config"].get("assembled", {})
 

@@ -43,6 +43,7 @@ def tiny_config(method: str = "fedavg", rounds: int = 3, **train) -> RunConfig:
         rounds=rounds,
         model=TINY_MODEL,
         train=TrainConfig(batch_size=4, **train),
+        checkpoint_keep="all",  # the tests read every site's state of finished runs (resume, bitwise equality)
     )
 
 

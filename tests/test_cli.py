@@ -56,7 +56,8 @@ def test_validate_ok_and_bad(spec, tmp_path, capsys):
 @pytest.mark.slow
 def test_run_resume_evaluate_compare(spec, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["run", str(spec), "--method", "fedavg", "--rounds", "2", "--out", str(out), *SMALL]) == 0
+    keep = ["--set", "checkpoint_keep=all"]  # resumed with more rounds below
+    assert main(["run", str(spec), "--method", "fedavg", "--rounds", "2", "--out", str(out), *SMALL, *keep]) == 0
     res = json.loads((out / "results.json").read_text())
     for key in ("method", "sites", "seed", "per_site_dice", "client_avg_dice", "global_dice", "history", "config"):
         assert key in res

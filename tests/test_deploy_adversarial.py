@@ -538,7 +538,9 @@ def test_forged_fedsm_routing_replies_are_rejected_and_the_run_finishes(tmp_path
     assert res is not None and "fedsm" in {r["name"] for r in res["rows"]}
     drops = [d for d in res["deploy"]["dropouts"] if d["task"] == "route"]
     assert drops and {d["site"] for d in drops} == {"site2"}
-    assert all("route reply: a selection's dice_sum is not in" in d["reason"] for d in drops), drops
+    assert all("route reply: a selection's" in d["reason"] for d in drops), drops  # γ's and the test report's
+    assert any("route reply: a selection's dice_sum is not in" in d["reason"] for d in drops), drops
+    assert set(res["fedsm"]["per_site"]) == {"site1"}  # the routing on test of the sites that answered validly
     best = json.loads((tmp_path / "checkpoints/best.json").read_text())["fedsm"]["config"]
     assert len(best["gamma_per_model"]) == 2
 

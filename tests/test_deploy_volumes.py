@@ -41,6 +41,7 @@ RUN = [
     "model.num_res_units=0",
     "eval.every=1",
     "privacy.secure_aggregation=false",
+    "checkpoint_keep=final",  # the simulated run's last server state is compared with the deployed one's
 ]
 
 
@@ -189,7 +190,7 @@ def test_deployed_patches2d_fedavg_equals_simulation(tmp_path):
     evaluation at every site, one common shape (the slices' in-plane axes and the volumes' three), the
     plan's in-plane patch; FedAvg ends with the simulation's weights and Dice bitwise."""
     spec = patches2d_federation(tmp_path / "data", n=(2, 1, 1))
-    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0"]
+    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0", "checkpoint_keep=final"]
     dep, logs = _deploy(spec, tmp_path, run2d)
     sim = run(spec, out=tmp_path / "sim", overrides=[*run2d, "volume_cache=off"], progress=False, log=lambda m: None)
     assert any("2D patches of axial slices" in m for m in logs)
@@ -226,7 +227,7 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
 
 
 VALIDATE_OFTEN = ["train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "model.roi_size=[8, 8, 8]"]
-VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]"]
+VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]", "checkpoint_keep=final"]
 
 
 def test_deployed_server_derives_the_simulations_validation_interval(tmp_path):

@@ -82,6 +82,7 @@ def config(
         train=t,
         eval=EvalConfig(every=1000),
         params=params or {},
+        checkpoint_keep="all",  # the tests read the sites' states of finished runs
     )
 
 

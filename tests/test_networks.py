@@ -69,7 +69,7 @@ def test_every_named_network_runs_a_fedavg_round_from_the_run_config(fundus, tmp
     )
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(
-        f'federation = "{fundus}"\nmethod = "fedavg"\nrounds = 1\n[train]\nbatch_size = 2\nlocal_steps = 2\n[model]\n{table}'
+        f'federation = "{fundus}"\nmethod = "fedavg"\nrounds = 1\ncheckpoint_keep = "final"\n[train]\nbatch_size = 2\nlocal_steps = 2\n[model]\n{table}'
     )
     cfg = load_run_config(cfg_path)
     res = run(cfg, out=tmp_path / "out", progress=False, log=lambda m: None)

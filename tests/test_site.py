@@ -120,6 +120,7 @@ def test_local_batch_norm_fedsm_composite_uses_the_sites_own_statistics(sites, t
         model=model,
         train=TrainConfig(batch_size=4, bn_policy="local"),
         params={"fedsm": {"selector_width": 0.0625, "selector_hidden": 8}},
+        checkpoint_keep="all",  # the site's saved state is read below
     )
     wl = segmentation_workload(2, 1, ["fg"], model)
     simulate(cfg, wl, sites, out=tmp_path, progress=False)

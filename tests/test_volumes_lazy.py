@@ -98,6 +98,7 @@ def test_a_run_reading_from_the_cache_equals_one_holding_the_volumes(tmp_path, m
         "train.foreground_share=0.5",
         "model.num_res_units=0",
         f"volume_cache={tmp_path / 'cache'}",
+        "checkpoint_keep=all",  # every site's state is compared
     ]
     logs: list[str] = []
     results = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.audit.command import add_audit_parser
+from fedseg.apps.clean import add_clean_parser
 from fedseg.apps.deploy import run as dep
 from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.predict import load_predictor, predict_files
@@ -755,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     for x in dsub.choices.values():
         x.set_defaults(func=cmd_deploy)
     add_audit_parser(sub, _device_argument)
+    add_clean_parser(sub)
     st = sub.add_parser(
         "settings", help="every setting of a run: section, type or allowed values, default, description"
     )

@@ -5,7 +5,8 @@ per-round metrics from ``results.json``'s history (``train_loss/<site>``, ``val_
 ``val_score/<candidate>``, ``bytes_sent`` / ``bytes_received`` summed over the sites, ``epsilon/<site>`` under
 differential privacy; step = round), its final numbers (``client_avg_dice``, ``global_dice``,
 ``test_dice/<site>``, ``validation_score``) and its files as artifacts (``results.json``, ``results.md``,
-``config.toml``, the best checkpoints).  The runs of one ``fedseg compare`` or ``fedseg sweep`` are nested under
+``config.toml``, the best checkpoints: in a local store a hard link to the run's file, so that the checkpoint is on
+disk once).  The runs of one ``fedseg compare`` or ``fedseg sweep`` are nested under
 one parent run that holds the table, the tuning record and the HTML report.
 
 The store is a local SQLite database beside the output (``OUT/mlflow.db``, artifacts in ``OUT/mlartifacts``; no
@@ -310,12 +311,33 @@ class MlflowTracker:
                 self.client.log_artifact(rid, str(folder / name))
         for name in CHECKPOINT_FILES:
             if (folder / "checkpoints" / name).is_file():
-                self.client.log_artifact(rid, str(folder / "checkpoints" / name), "checkpoints")
+                self.log_once(rid, folder / "checkpoints" / name, "checkpoints")
         self.client.set_tag(rid, "fedseg.complete", "1")
         if params or metrics:
             self.client.set_tag(rid, "fedseg.study", "1")
         self.client.set_terminated(rid)
         return str(rid)
+
+    def log_once(self, run_id: str, path: Path, artifact_path: str) -> None:
+        """Log ``path`` as an artifact of the run without a second copy on this machine: in a local artifact store
+        (``file:`` URI, the default ``OUT/mlartifacts``) a hard link to the file (the run's checkpoint and the
+        artifact are one file on disk; a later rewrite of the run's file replaces it, the artifact keeps its
+        bytes); in a remote store (a tracking server) an upload, and a copy where a link is not possible (another
+        file system)."""
+        uri = self.client.get_run(run_id).info.artifact_uri
+        if uri.startswith("file:") or Path(uri).is_absolute():
+            from mlflow.utils.file_utils import local_file_uri_to_path
+
+            dest = Path(local_file_uri_to_path(uri)) / artifact_path / path.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                if dest.exists():
+                    dest.unlink()
+                os.link(path, dest)
+                return
+            except OSError:
+                pass  # another file system: copied by MLflow below
+        self.client.log_artifact(run_id, str(path), artifact_path)
 
     def log_files(self, run_id: str, files: Sequence[str | Path]) -> None:
         """Attach the files that exist among ``files`` to a run as artifacts."""

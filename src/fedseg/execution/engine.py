@@ -12,7 +12,8 @@ progress record) are written after every ``checkpoint_every`` rounds as one unit
 back on ``--resume``; their files and the commit protocol are :mod:`fedseg.seams.checkpoint`'s.
 The engine takes a synchronous snapshot to host memory and hands it to a
 :class:`~fedseg.seams.checkpoint.CheckpointWriter`, which writes it in a background thread
-while the next round trains.
+while the next round trains.  Once the caller has written the results, :meth:`Engine.finish` prunes what only
+``--resume`` reads (``checkpoint_keep``; :func:`~fedseg.seams.checkpoint.prune_checkpoints`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from fedseg.seams.checkpoint import (
     CheckpointWriter,
     JsonDoc,
     best_files,
+    check_resumable,
     commit_checkpoint,
     load_best,
     load_checked,
+    prune_checkpoints,
     read_progress,
 )
 from fedseg.seams.transport import Transport
@@ -296,6 +299,7 @@ class Engine:
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir
         if d is not None:
+            check_resumable(d)  # a finished run pruned of its resumable state: one message
             commit_checkpoint(d)  # finish a checkpoint interrupted after its commit record
         progress = read_progress(d) if d is not None else None
         if d is None or progress is None:
@@ -308,6 +312,23 @@ class Engine:
             b.candidate.arrays = to_device(b.candidate.arrays, self.device)
             self.best[name] = b
         self.transport.restore_sites(d / SITES)
+
+    def finish(self) -> int:
+        """After the run's results are written: remove from ``OUT/checkpoints`` what only ``--resume`` reads, as
+        ``checkpoint_keep`` says ('best': every site's state and the last round's server state; 'final': every
+        site's state; 'all': nothing); returns the bytes removed.  The best models, ``progress.json`` and the results stay."""
+        d = self.ckpt_dir
+        if d is None:
+            return 0
+        self.writer.wait()
+        gone = prune_checkpoints(d, self.cfg.checkpoint_keep)
+        freed = sum(size for _, size in gone)
+        if gone:
+            self.log(
+                f"checkpoint_keep = {self.cfg.checkpoint_keep}: removed the resumable state of the finished run "
+                f"({freed / 1e6:.1f} MB: {', '.join(p.name for p, _ in gone)}); --set checkpoint_keep=all keeps it"
+            )
+        return freed
 
     # ------------------------------------------------------------------ loop
     def run(
@@ -392,6 +413,9 @@ class Engine:
             self.save_checkpoint()
             self.writer.wait()
         per_case, test_metrics = self.test_all()
+        extra = self.algorithm.test_report(
+            {n: b.candidate for n, b in self.best.items()}, {n: b.round for n, b in self.best.items()}, self.ctx
+        )
         results = summarize(
             method=self.algorithm.name,
             sites=list(self.ctx.sites),
@@ -409,6 +433,7 @@ class Engine:
                 f"sites {results['sites_without_results']} have no test result (left out of every test exchange, "
                 "or without an own model): the client average is over the other sites"
             )
+        results.update({k: v for k, v in extra.items() if k not in results})  # e.g. FedSM's routing on test
         results["wall_time_s"] = time.perf_counter() - t_start
         results["device"] = describe(self.device)
         results["precision"] = cfg.train.precision

@@ -237,6 +237,14 @@ class Algorithm:
         best parts).  Returns ``{name: candidate}`` for the names replaced; the default replaces none."""
         return {}
 
+    def test_report(
+        self, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Any]:
+        """Entries the method adds to ``results.json`` after the test, asked of the sites through ``ctx`` with the
+        tested candidates ``best`` (FedSM: where its selector sent each site's test cases, ``results["fedsm"]``);
+        the default adds none."""
+        return {}
+
     def check_reply(self, task: Task, reply: Reply) -> None:
         """Server side, before a deployed site's reply reaches the algorithm: raise ``PayloadError`` (the
         transport rejects the reply and logs why) when the metrics of the algorithm's own task kinds do

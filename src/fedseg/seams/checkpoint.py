@@ -13,7 +13,10 @@ is spelled out once.  Layout of a run folder's ``checkpoints/``:
   :func:`save_site` / :func:`restore_site`; deployed sites write the same two files into
   their own work folder);
 * ``progress.json`` — the last completed round, the history, the names/shapes/dtypes of the
-  server and best arrays (``layout``) and the staged file names: the commit record.
+  server and best arrays (``layout``) and the staged file names: the commit record;
+* ``pruned.json`` — written when a finished run's resumable state was removed
+  (:func:`prune_checkpoints`, ``checkpoint_keep``): what went, its bytes and the setting; a resume of
+  that run is refused with one message (:func:`check_resumable`).
 
 A checkpoint is written as one unit: every file first as ``<name>.next`` (sites to
 ``sites.next/``), then ``progress.json.next`` (the record), then everything is moved into
@@ -53,15 +56,20 @@ __all__ = [
     "BEST_ARRAYS",
     "BEST_META",
     "PROGRESS",
+    "PRUNED",
     "SERVER",
     "SITES",
     "Best",
     "CheckpointWriter",
     "JsonDoc",
     "best_files",
+    "check_resumable",
     "commit_checkpoint",
+    "compact_best",
     "load_best",
     "load_checked",
+    "prunable",
+    "prune_checkpoints",
     "read_best_meta",
     "read_progress",
     "restore_site",
@@ -74,6 +82,7 @@ SERVER = "server.safetensors"
 BEST_ARRAYS = "best.safetensors"
 BEST_META = "best.json"
 PROGRESS = "progress.json"
+PRUNED = "pruned.json"
 SITES = "sites"
 _RESUME_FIX = "restore {name} from a backup, or start the run again without --resume"
 
@@ -178,13 +187,22 @@ def read_best_meta(folder: str | Path, fix: str | None = None) -> dict[str, dict
 
 def load_best(folder: str | Path, layout: dict[str, Any] | None = None, fix: str | None = None) -> dict[str, Best]:
     """``{candidate: Best}`` from ``folder/best.safetensors`` + ``best.json`` (host tensors), checked as
-    :func:`load_checked` and :func:`read_best_meta`."""
+    :func:`load_checked` and :func:`read_best_meta`; a tensor a finished run stores once for several candidates
+    (``best.json``'s ``aliases``, :func:`compact_best`) is given to each of them."""
     meta = read_best_meta(folder, fix)
     arrays = load_checked(Path(folder) / BEST_ARRAYS, layout, fix)
     out = {}
     for name, m in meta.items():
         vs = tuple(m["val_sites"]) if m["val_sites"] is not None else None
-        cand = Candidate(name, strip_prefix(name, arrays), m["predictor"], vs, m["home_site"], m["config"])
+        own = strip_prefix(name, arrays)
+        try:  # a finished run's shared tensors (compact_best): stored once, under another candidate's name
+            own.update({k: arrays[t].clone() for k, t in (m.get("aliases") or {}).items()})
+        except (KeyError, AttributeError, TypeError) as e:
+            raise ConfigError(
+                f"{Path(folder) / BEST_META} names a shared tensor that {BEST_ARRAYS} lacks ({e}); "
+                f"{fix or _RESUME_FIX.format(name=BEST_META)}"
+            ) from None
+        cand = Candidate(name, own, m["predictor"], vs, m["home_site"], m["config"])
         out[name] = Best(m["score"], m["round"], cand)
     return out
 
@@ -334,3 +352,118 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+
+# ------------------------------------------------------------------ finished runs
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def prunable(d: str | Path, keep: str) -> list[tuple[Path, int]]:
+    """The files and folders of the checkpoint folder ``d`` a finished run does not keep under ``keep``
+    (``checkpoint_keep``), each with its bytes: every site's state (``sites/``, models, optimizer moments and
+    scalers: what only ``--resume`` reads), staged leftovers (``*.next``, ``*.tmp``) and, under ``"best"``, the
+    last round's server state.  Kept: ``best.safetensors`` + ``best.json`` (every candidate's best round and the
+    models assembled after the last round, FedSM's composite: what ``evaluate``, ``predict``, ``export``, the
+    report and MLflow read), ``progress.json`` (the last round and the history) and, under ``"final"``,
+    ``server.safetensors``; ``"all"`` keeps everything."""
+    d = Path(d)
+    if keep not in ("best", "final", "all"):
+        raise ConfigError(f"checkpoint_keep = {keep!r}; use 'best', 'final' or 'all'")
+    if keep == "all" or not d.is_dir():
+        return []
+    gone = [d / SITES, *sorted(d.glob("*.next")), *sorted(d.glob("*.tmp"))]
+    if keep == "best":
+        gone.append(d / SERVER)
+    return [(p, _size(p)) for p in gone if p.exists()]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (so that -0.0 and 0.0 differ)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def compact_best(d: str | Path, dry_run: bool = False) -> int:
+    """Store every tensor of ``d/best.safetensors`` once: a candidate's tensor equal (dtype, shape, bytes) to one
+    stored under an earlier candidate's name is dropped from the file and named in that candidate's ``aliases``
+    in ``best.json`` (``{its name: the stored name}``; :func:`load_best` gives it back).  FedSM's composite is
+    its best global and personalized models and a selector: its copies of them go.  Returns the bytes saved
+    (``dry_run``: the bytes of the tensors it would drop, nothing written).  Only for a finished run: the file no
+    longer has the layout ``progress.json`` records for ``--resume``."""
+    d = Path(d)
+    path = d / BEST_ARRAYS
+    if not path.is_file() or not (d / BEST_META).is_file():
+        return 0
+    meta = read_best_meta(d)
+    arrays = load_checked(path, None, fix=f"restore {path} from a backup or run the run again")
+    kept: Arrays = {}
+    by_shape: dict[tuple[Any, ...], list[str]] = {}
+    for name, m in meta.items():
+        aliases = dict(m.get("aliases") or {})
+        for k, v in strip_prefix(name, arrays).items():
+            key = (v.dtype, tuple(v.shape))
+            same = next((t for t in by_shape.get(key, []) if torch.equal(_bits(kept[t]), _bits(v))), None)
+            if same is None:
+                kept[f"{name}/{k}"] = v
+                by_shape.setdefault(key, []).append(f"{name}/{k}")
+            else:
+                aliases[k] = same
+        if aliases:
+            m["aliases"] = aliases
+    saved = path.stat().st_size
+    if len(kept) == len(arrays):
+        return 0
+    if dry_run:
+        return sum(v.numel() * v.element_size() for k, v in arrays.items() if k not in kept)
+    save_arrays(kept, path)
+    save_json(meta, d / BEST_META)
+    return saved - path.stat().st_size
+
+
+def prune_checkpoints(d: str | Path, keep: str, *, force: bool = False) -> list[tuple[Path, int]]:
+    """Remove what a finished run does not keep (:func:`prunable`) from the checkpoint folder ``d`` and record it
+    in ``pruned.json``; returns what was removed (nothing under ``keep = "all"``).  A folder without
+    ``best.safetensors`` + ``best.json`` is refused unless ``force``: pruning it would leave no model."""
+    d = Path(d)
+    gone = prunable(d, keep)
+    if not gone:
+        return []
+    if not force and not ((d / BEST_ARRAYS).is_file() and (d / BEST_META).is_file()):
+        raise ConfigError(
+            f"{d} has no {BEST_ARRAYS} + {BEST_META}: pruning its resumable state would leave no model; "
+            "finish the run first (or force it)"
+        )
+    prev = json.loads((d / PRUNED).read_text()) if (d / PRUNED).is_file() else {"removed": {}}
+    removed = dict(prev.get("removed") or {})
+    for path, size in gone:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed[path.name] = removed.get(path.name, 0) + size
+    shared = compact_best(d)
+    if shared:
+        gone.append((d / f"{BEST_ARRAYS} (tensors stored twice)", shared))
+        removed[f"{BEST_ARRAYS} (tensors stored twice)"] = shared
+    save_json({"keep": keep, "removed": removed, "bytes": sum(removed.values())}, d / PRUNED)
+    return gone
+
+
+def check_resumable(d: str | Path) -> None:
+    """Refuse, with one message, to resume from the checkpoint folder ``d`` of a finished run whose resumable
+    state was pruned (``pruned.json``)."""
+    path = Path(d) / PRUNED
+    if not path.is_file():
+        return
+    try:
+        keep = json.loads(path.read_text()).get("keep", "best")
+    except (ValueError, AttributeError):
+        keep = "best"
+    raise ConfigError(
+        f"{Path(d).parent} is a finished run whose resumable state (every site's state and optimizer moments) was "
+        f"pruned (checkpoint_keep = {keep!r}, see {path.name}); its best models, results and config are kept for "
+        "fedseg evaluate / predict / export / report. To train further start a new run; set checkpoint_keep = "
+        '"all" (--set checkpoint_keep=all) to keep what --resume needs'
+    )

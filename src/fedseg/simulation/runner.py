@@ -32,7 +32,7 @@ from fedseg.foundation.config import RunConfig, dump_toml, load_run_config
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
-from fedseg.seams.checkpoint import save_json
+from fedseg.seams.checkpoint import check_resumable, save_json
 from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
 from fedseg.site.workload import Workload, workload_for
 
@@ -206,6 +206,7 @@ def simulate(
     results = engine.run(resume=resume, stop_after=stop_after)
     if results is not None and out is not None:
         write_results(results, out)
+        engine.finish()  # the results are on disk: drop what only --resume reads (checkpoint_keep)
     return results
 
 
@@ -326,6 +327,7 @@ def run(
         saved = Path(out) / "config.toml"
         if not saved.is_file():
             raise ConfigError(f"{out} has no config.toml: it is not a fedseg run folder; check the path")
+        check_resumable(Path(out) / "checkpoints")  # a pruned finished run: said before any data is read
         cfg = load_run_config(saved, overrides, known_sections(), **fields)
     elif not isinstance(cfg, RunConfig):
         cfg = load_run_config(cfg, overrides, known_sections(), **fields)

@@ -474,6 +474,45 @@ class FedSM(Algorithm):
             cand.config["val_score"] = pick_gamma(replies, [cand.config["gamma"]], self.cfg.eval.best_criterion)[1]
         return {**out, **personal}
 
+    def test_report(
+        self, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
+    ) -> dict[str, Any]:
+        """``results["fedsm"]``: where the composite's selector sent each site's test cases — per site the share
+        routed to the global and to each personalized model, at the composite's own γ (or per-model thresholds;
+        the argmax / the top choice without γ), and its routing accuracy (the share sent to the site's own model;
+        null for a K + 1-class selector).  Only the selector runs at the sites (``route`` with ``scores =
+        false``): counts come back, no image and no score; a site whose reply is missing or rejected is left out.  ``fedseg fedsm`` replaces it by the full report with
+        each model's Dice (:func:`fedseg.apps.studies.fedsm.routing_report`)."""
+        cand = best.get("fedsm")
+        if cand is None or cand.predictor != "fedsm":
+            return {}
+        mode = cand.config.get("mode", "gate")
+        per_model = cand.config.get("gamma_per_model") is not None
+        gammas = [cand.config["gamma"]] if mode == "gate" and not per_model else []
+        # optional: a site whose reply is rejected is left out of the report; the finished run is not stopped
+        replies = route_task(ctx.transport, cand, list(ctx.sites), "testing", gammas, scores=False, optional=True)
+        models = ["global", *[f"personal/{s}" for s in cand.config["sites"]]]
+        per_site = {}
+        for s, m in replies.items():
+            n, counts = m["n"], m["selections"][-1]["counts"]
+            per_site[s] = {
+                "n": n,
+                "routing_acc": m["routing_acc"],
+                "selection": {name: (c / n if n else None) for name, c in zip(models, counts)},
+                "counts": dict(zip(models, counts)),
+            }
+        report = {
+            "split": "testing",
+            "gamma": cand.config.get("gamma"),
+            "gamma_per_model": cand.config.get("gamma_per_model"),
+            "mode": mode,
+            "models": models,
+            "best_round": best_rounds.get("fedsm"),
+            "per_site": per_site,
+            "scored": False,
+        }
+        return {"fedsm": report}
+
     selector_criterion = "routing_acc"
     """How :meth:`final_candidates` compares the final and the best earlier selector (:meth:`selector_score`)."""
 

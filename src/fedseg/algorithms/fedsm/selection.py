@@ -196,6 +196,8 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     probs = selector_probs(site, sel, split)
     n = probs.shape[0]
     top = probs.argmax(dim=1)
+    if not cfg.get("scores", True):
+        return _routing_only(site, cfg, probs, sites, len(models))
     per_model: torch.Tensor | None = None
     if mode == "gate" and not cfg.get("per_model", True):
         # γ-gated routing sends a case to the global model (index 0) or to its top class's personalized model
@@ -264,6 +266,34 @@ def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     )
 
 
+def _routing_only(site: Site, cfg: Mapping[str, Any], probs: torch.Tensor, sites: list[str], models: int) -> Reply:
+    """A ``route`` reply with ``scores = false``: where the selector sends each case and nothing else (the selector
+    runs, no segmentation model): ``n``, ``routing_acc`` (Eq. 2 selector; null for a K + 1-class selector, whose
+    agreement with Eq. 1's labels needs every model), ``dice_sum_per_model`` and ``n_by_top`` null, one selection
+    per γ (plus the per-model one) or one for argmax / mix, each ``gamma`` and ``counts`` with ``dice_sum`` null."""
+    n = probs.shape[0]
+    acc = None
+    if probs.shape[1] == len(sites) and site.name in sites:
+        acc = routing_accuracy(probs, sites.index(site.name), 0)
+    gates: list[tuple[Any, Any]] = [(None, None)]
+    if cfg.get("mode", "gate") == "gate":
+        gates = [(float(g), float(g)) for g in cfg.get("gammas", [])]
+        if cfg.get("gamma_per_model") is not None:
+            gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
+    selections = [
+        {
+            "gamma": label,
+            "dice_sum": None,
+            "counts": torch.bincount(
+                probs.argmax(dim=1) if gamma is None else route(probs, gamma), minlength=models
+            ).tolist(),
+        }
+        for label, gamma in gates
+    ]
+    metrics = {"n": n, "routing_acc": acc, "dice_sum_per_model": None, "n_by_top": None, "selections": selections}
+    return Reply(metrics=metrics, num_samples=n)
+
+
 # ----------------------------------------------------------------- on the server
 def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
     """Raise :class:`PayloadError` unless ``metrics`` is what :func:`route_stats` returns for a route task of
@@ -291,6 +321,9 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
     if acc is not None and not number(acc, 1.0):
         raise bad(f"routing_acc = {str(acc)[:40]} is not null or in [0, 1]")
     per_model = metrics.get("dice_sum_per_model")
+    if not config.get("scores", True):  # routing only: counts, nothing scored
+        _check_counts_only(metrics, want, models, n, bad)
+        return
     if gate and not config.get("per_model", True):
         if per_model is not None:
             raise bad("dice_sum_per_model was not asked for (per_model = false) and must be null")
@@ -331,6 +364,26 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
                 )
 
 
+def _check_counts_only(metrics: Mapping[str, Any], want: int, models: int, n: int, bad: Any) -> None:
+    """The rest of :func:`check_route_metrics` for a ``scores = false`` reply (:func:`_routing_only`)."""
+    if metrics.get("dice_sum_per_model") is not None or metrics.get("n_by_top") is not None:
+        raise bad("dice_sum_per_model and n_by_top were not asked for (scores = false) and must be null")
+    sels = metrics.get("selections")
+    if not isinstance(sels, list) or len(sels) != want:
+        raise bad(f"{len(sels) if isinstance(sels, list) else 'no'} selections, expected {want}")
+    for sel in sels:
+        counts = sel.get("counts") if isinstance(sel, dict) else None
+        if not isinstance(sel, dict) or sel.get("dice_sum") is not None:
+            raise bad(f"a selection's dice_sum was not asked for (scores = false): {str(sel)[:80]}")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != models
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            or sum(counts) != n
+        ):
+            raise bad(f"a selection's counts are not {models} counts adding up to n = {n}: {str(counts)[:80]}")
+
+
 def mean_routing(accs: Mapping[str, Any] | None) -> float | None:
     """Mean over sites of the per-site routing accuracies (None / NaN left out); None if there is none."""
     vals = [float(v) for v in (accs or {}).values() if v is not None and not math.isnan(float(v))]
@@ -344,13 +397,19 @@ def route_task(
     split: str,
     gammas: Sequence[float | None],
     per_model: bool = True,
+    scores: bool = True,
+    optional: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``.
-    ``per_model = False``: without each model's Dice (:func:`route_stats`), what choosing γ needs."""
+    ``per_model = False``: without each model's Dice (:func:`route_stats`), what choosing γ needs; ``scores =
+    False``: where the selector sends the cases and nothing scored (the selector alone runs); ``optional``: the
+    sites that answer validly, however few (a deployment's ``deploy.min_sites`` not applied)."""
     config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
     if not per_model:
         config["per_model"] = False
-    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites})
+    if not scores:
+        config["scores"] = False
+    replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites}, optional=optional)
     return {s: r.metrics for s, r in replies.items()}
 
 

@@ -74,7 +74,7 @@ SECTIONS = (
     ("alpha", "Auto-FedAvg aggregation weights"),
     ("loss-surface", "Loss surface"),
     ("tsne", "Model selector features (t-SNE)"),
-    ("predictions", "Sample predictions"),
+    ("predictions", "Predictions on test"),
     ("runs", "Runs"),
     ("config", "Configuration"),
 )
@@ -86,6 +86,9 @@ class ReportOptions:
 
     models
         Build the sections that need the trained models (loss surface, t-SNE, predictions).
+    loss_surface, tsne
+        With ``models``: build the loss surface / the t-SNE map (minutes on a CPU; the demo leaves them out and
+        keeps the sample predictions).
     loss_site
         Site whose training data the loss surface uses (default: the site with the
         fewest training cases, where local training overfits most; FedSM uses client 5).
@@ -113,8 +116,12 @@ class ReportOptions:
         cases: int = 2,
         tsne_cases: int = 40,
         seed: int = 0,
+        loss_surface: bool = True,
+        tsne: bool = True,
     ):
         self.models = models
+        self.loss_surface = loss_surface
+        self.tsne = tsne
         self.loss_site = loss_site
         self.directions = directions
         self.steps = steps
@@ -171,9 +178,8 @@ def build_report(
     out = Path(html_path)
     base = out.parent
     doc = Doc(title or "fedseg report: " + ", ".join(dict.fromkeys(r.variant for r in runs)))
-    steps = (
-        ["tables", "curves"] + (["models", "loss surface", "t-SNE", "predictions"] if opts.models else []) + ["FedSM"]
-    )
+    model_steps = ["models"] + ["loss surface"] * opts.loss_surface + ["t-SNE"] * opts.tsne + ["predictions"]
+    steps = ["tables", "curves"] + (model_steps if opts.models else []) + ["FedSM"]
     bar = tqdm(steps, desc="report", unit="step", disable=not progress, leave=False)
     colors = sections.colors_of(runs)
     cache = DataCache(progress=progress)

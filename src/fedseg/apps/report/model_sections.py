@@ -19,8 +19,8 @@ from fedseg.algorithms.fedsm.selection import thresholds
 from fedseg.algorithms.softpull import route
 from fedseg.apps.report import figures
 from fedseg.apps.report.loss_surface import loss_surface, trainable_arrays
-from fedseg.apps.report.markup import figure, note, table
-from fedseg.apps.report.numbers import is_fedsm, model_short
+from fedseg.apps.report.markup import figure, note, para, table
+from fedseg.apps.report.numbers import is_fedsm, method_cases, model_short
 from fedseg.apps.report.runs import DataCache, Run, RunModels
 from fedseg.apps.report.tsne import selector_features, tsne_embed
 from fedseg.foundation.errors import ConfigError
@@ -213,7 +213,36 @@ def predictions_section(models: Sequence[RunModels], opts: Any, progress: bool) 
         "ground truth filled; then each method's reported model: its prediction filled over the image, the ground "
         "truth as a line, the case's Dice, and for FedSM the model the selector sent the image to (→ GM / → PM site)."
     )
-    return figure("fig-predictions", png, caption) + "".join(note(n) for n in notes)
+    summary = cases_summary([m.run for m in models])
+    return figure("fig-predictions", png, caption) + summary + "".join(note(n) for n in notes)
+
+
+def cases_summary(runs: Sequence[Run]) -> str:
+    """Every site's test predictions of each run, from the per-case Dice its ``results.json`` stores (no model
+    runs): the cases, the mean and the worst case (its index in the site's test split and its Dice), and for a
+    FedSM run the model its selector sent most of the site's test cases to (``results["fedsm"]``)."""
+    sites = list(dict.fromkeys(s for r in runs for s in r.results["sites"]))
+    rows = []
+    for s in sites:
+        row = [s]
+        for r in runs:
+            cases = method_cases(r.results).get(s) or []
+            if not cases:
+                row.append("–")
+                continue
+            worst = min(range(len(cases)), key=lambda i: cases[i])
+            cell = f"{len(cases)} cases, mean {sum(cases) / len(cases):.3f}, worst #{worst} {cases[worst]:.3f}"
+            sel = ((r.results.get("fedsm") or {}).get("per_site", {}).get(s) or {}).get("selection") or {}
+            if sel and any(v for v in sel.values()):
+                top = max(sel, key=lambda m: sel[m] or 0.0)
+                cell += f"; {100 * (sel[top] or 0.0):.0f} % → {model_short(top)}"
+            row.append(cell)
+        rows.append(row)
+    intro = para(
+        "Test predictions per site, from the per-case Dice each run stored (case numbers are positions in the "
+        "site's test split); for FedSM the model its selector sent most of the site's test cases to."
+    )
+    return intro + table(["Site", *[r.variant for r in runs]], rows)
 
 
 @torch.no_grad()

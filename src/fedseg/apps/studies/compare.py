@@ -23,11 +23,29 @@ from fedseg.seams.checkpoint import load_best
 from fedseg.simulation.runner import build_engine, load_federation_data
 from fedseg.site.workload import workload_for
 
-__all__ = ["DEMO_METHODS", "compare", "demo", "evaluate_run", "parse_method_entry", "split_method_entries"]
+__all__ = [
+    "DEMO_METHODS",
+    "DEMO_OVERRIDES",
+    "compare",
+    "demo",
+    "evaluate_run",
+    "parse_method_entry",
+    "split_method_entries",
+]
 
 DEMO_METHODS = ("local", "centralized", "fedavg", "fedsm")
 """The demo's methods; FedSM runs with its defaults (one γ per personalized model chosen on validation, selector
 trained by gradient averaging on flipped batches)."""
+
+DEMO_OVERRIDES = (
+    "train.batch_size=4",
+    "eval.every=2",
+    "checkpoint_every=10",
+    "model.channels=[8,16,32,64,128]",
+    "model.num_res_units=1",
+)
+"""The demo's settings over the defaults: a U-Net of the default's depth at half its width with one residual unit,
+batch 4, validation every 2 rounds (``benchmarks/demo_traffic.py`` measures the demo's traffic with them)."""
 
 
 def split_method_entries(text: str) -> list[str]:
@@ -168,7 +186,10 @@ def demo(
     log: Callable[[str], None] = print,
 ) -> tuple[str, Path]:
     """Synthesize a small fundus-like federation (6 sites), compare local, centralized, FedAvg and FedSM
-    (default settings), and write the HTML report of the runs.
+    (default settings), and write the HTML report of the runs: tables, curves, FedSM's routing on test (which
+    model each site's test cases went to, stored in its ``results.json``) and the predictions on test (the
+    per-case summary of every site and the first cases' masks; the loss surface and t-SNE are left to
+    ``fedseg report``).
 
     Sized for about 5 minutes on 2 CPU cores (docs/results/demo.md): a U-Net of the default's depth at
     half its width with one residual unit (the cost of a CPU step is its number of small operations more
@@ -180,25 +201,19 @@ def demo(
     out = Path(out)
     log(f"synthesizing a 6-site fundus-like federation ({size}x{size}, scale {scale}) in {out / 'data'}")
     spec = synthesize("fundus", out / "data", seed=seed, scale=scale, size=size, progress=progress)
-    overrides = [
-        "train.batch_size=4",
-        "eval.every=2",
-        "checkpoint_every=10",
-        "model.channels=[8,16,32,64,128]",
-        "model.num_res_units=1",
-    ]
+    overrides = list(DEMO_OVERRIDES)
     _runs, table = compare(
         spec,
         DEMO_METHODS,
         out,
         StudyOptions(seeds=(seed,), rounds=rounds, overrides=tuple(overrides), progress=progress, log=log),
     )
-    # tables, curves and FedSM's routing only: the model sections (loss surface, t-SNE) take
-    # minutes on a CPU — `fedseg report runs/demo` builds them
+    # tables, curves, FedSM's routing on test (stored by the run) and the test predictions (a few cases per site
+    # through each reported model); the loss surface and t-SNE take minutes on a CPU — `fedseg report runs/demo`
     report = build_report(
         [out / m / f"seed{seed}" for m in DEMO_METHODS],
         out / "report.html",
-        options=ReportOptions(models=False),
+        options=ReportOptions(loss_surface=False, tsne=False),
         progress=progress,
         log=log,
         title="fedseg demo: local, centralized, FedAvg and FedSM on a synthetic fundus federation",

@@ -184,6 +184,7 @@ def run_fedsm(
         write_results(results, out)
         with open(Path(out) / "results.md", "a") as f:
             f.write("\n" + routing_markdown(results) + "\n")
+        engine.finish()  # drop what only --resume reads (checkpoint_keep)
     return results
 
 

@@ -116,6 +116,34 @@ def point_folder(point: Mapping[str, str]) -> str:
     return "".join(c if c.isalnum() or c in "._=-" else "-" for c in text) or "default"
 
 
+def _section_of(key: str) -> str | None:
+    """The method section a dotted key belongs to (``fedsm.lam`` → ``fedsm``), None for any other setting."""
+    head = key.partition(".")[0]
+    return head if "." in key and head in {c.section for c in REGISTRY.values() if c.section} else None
+
+
+def reads(method: str, key: str) -> bool:
+    """Whether a run of ``method`` reads the setting ``key``: every setting outside the methods' sections, and of
+    those only its own section's (a method parses nothing but ``[<its section>]``)."""
+    section = _section_of(key)
+    return section is None or REGISTRY[method].section == section
+
+
+def check_read(axes: Sequence[tuple[str | None, str, Sequence[str]]], methods: Sequence[str]) -> None:
+    """Refuse, before anything runs, a grid axis of a method section that none of ``methods`` it applies to reads
+    (``--methods fedavg --tune fedsm.lam=0.3,0.5`` would train FedAvg once per value, the same run each time)."""
+    for m, key, _ in axes:
+        listed = [x for x in dict.fromkeys(methods) if m is None or x == m]
+        if listed and not any(reads(x, key) for x in listed):
+            section = _section_of(key)
+            readers = sorted(n for n, c in REGISTRY.items() if c.section == section)
+            raise ConfigError(
+                f"--tune/--grid {key}: no method listed ({', '.join(listed)}) reads [{section}], so every value "
+                f"would train the same run; [{section}] is read by {', '.join(readers)} -> add one of them to "
+                "--methods or drop that axis"
+            )
+
+
 # ------------------------------------------------------------- choosing on validation
 def validation_score(results: Mapping[str, Any]) -> float:
     """The validation score a run selects its best round by, for its method's row (``eval.best_criterion``):
@@ -185,10 +213,11 @@ def tune(
     seeds, rounds, overrides = options.seeds, options.rounds, options.overrides
     if not seeds:
         raise ConfigError("give at least one seed, e.g. --seeds 0,1,2")
+    check_read(axes, [method for _, method, _, _ in entries])
     plan: list[tuple[str, str, str, list[dict[str, str]]]] = []
     all_jobs: list[Job] = []
     for entry, method, own, label in entries:
-        mine = [(k, v) for m, k, v in axes if m is None or m == method]
+        mine = [(k, v) for m, k, v in axes if (m is None or m == method) and reads(method, k)]
         points = grid_points(mine)
         base = out if flat else out / entry.replace(":", "-").replace(",", "-").replace(" ", "")
         plan.append((entry, method, label, points))

@@ -56,9 +56,9 @@ POINT_FILE = "point.json"
 """Written into a grid run's folder before it starts: the resolved settings it was asked to run with (defaults
 filled in, before a volume federation's plan), by which a later call recognizes the run as its own."""
 
-IGNORED = ("device", "tracking")
+IGNORED = ("device", "tracking", "checkpoint_keep")
 """Settings that do not make a run another one (``--devices`` places runs of one grid on several devices;
-``[tracking]`` says where a finished run is logged)."""
+``[tracking]`` says where a finished run is logged; ``checkpoint_keep`` what it keeps once finished)."""
 
 
 @dataclasses.dataclass(frozen=True)

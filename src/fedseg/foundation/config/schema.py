@@ -24,6 +24,7 @@ from fedseg.foundation.errors import ConfigError
 
 __all__ = [
     "BEST_CRITERIA",
+    "CHECKPOINT_KEEP",
     "DP_MODES",
     "EXCLUSIVE",
     "OPTIMIZERS",
@@ -32,6 +33,7 @@ __all__ = [
     "UNET_STRIDES",
     "VOLUME_READS",
     "BestCriterion",
+    "CheckpointKeep",
     "DPMode",
     "DPRandomness",
     "EvalConfig",
@@ -65,6 +67,9 @@ DPRandomness = Literal["os", "seeded"]
 VolumeReads = Literal["auto", "memory", "cache"]
 """Values of ``RunConfig.volume_reads`` (:func:`fedseg.data.volumes.load.memory_budget`)."""
 VOLUME_READS: tuple[str, ...] = typing.get_args(VolumeReads)
+CheckpointKeep = Literal["best", "final", "all"]
+"""Values of ``RunConfig.checkpoint_keep`` (:func:`fedseg.seams.checkpoint.prune_checkpoints`)."""
+CHECKPOINT_KEEP: tuple[str, ...] = typing.get_args(CheckpointKeep)
 
 UNET_CHANNELS = (16, 32, 64, 128, 256)
 """``model.channels`` when unset outside a volume plan: the FedSM reference's 2D U-Net."""
@@ -426,6 +431,12 @@ class RunConfig:
     """Write a checkpoint (weights, optimizer state, progress) every this many rounds and after the last one (>= 1)."""
     checkpoint_background: bool = True
     """Write checkpoints in a background thread (after a synchronous snapshot to host memory)."""
+    checkpoint_keep: CheckpointKeep = "best"
+    """What a finished run keeps in checkpoints/ once its results are written: 'best' (default) the best models
+    (every candidate's best round and the models assembled after the last one, e.g. FedSM's composite: what
+    evaluate, predict, export and the report read); 'final' also the last round's server state; 'all'
+    everything, every site's state and optimizer moments included, so that --resume can continue it. Results,
+    config and history are always kept; `fedseg clean OUT` prunes an existing folder the same way."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'; see :mod:`fedseg.foundation.device`."""
     deterministic: bool = True
