@@ -173,7 +173,14 @@ def test_predict_2d_fedsm_masks_and_routing_equal_evaluation(tmp_path, capsys):
     run(
         fed_dir / "federation.toml",
         out=out,
-        overrides=["method=fedsm", "rounds=2", "train.local_steps=2", "fedsm.gamma=0.0", *SMALL, "checkpoint_keep=all"],  # site2's state is copied below
+        overrides=[
+            "method=fedsm",
+            "rounds=2",
+            "train.local_steps=2",
+            "fedsm.gamma=0.0",
+            *SMALL,
+            "checkpoint_keep=all",
+        ],  # site2's state is copied below
         progress=False,
         log=lambda m: None,
     )
