@@ -464,7 +464,9 @@ def lockstep_round(
 
     def step0(s: str) -> Task:
         arrays = dict(first or {})
-        if s in stale and sync_w:
+        # every site gets the resync (the in-sync ones hold the same weights and moments): under secure
+        # aggregation each site reveals only when every survivor answered the same task
+        if stale and sync_w:
             arrays.update(prefixed(prefix, sync_w))
             arrays.update(prefixed("optim", sync_o))
         return Task(kind, arrays, {**base, "step": 0})

@@ -31,6 +31,7 @@ from fedseg.foundation.device import (
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
+from fedseg.privacy.protocol import task_digest
 from fedseg.site import scoring, secure, state
 from fedseg.site.batches import SiteData, batch_of, dataset_len, placed_split, steps_per_round, training_batches
 from fedseg.site.calls import ApplyCall, Asks, Executor, FitCall, GradientCall, LocalExecutor, LossSums, as_asks, drive
@@ -149,6 +150,14 @@ class Site:
         self.secagg_record = secure.Record()
         """What this site masked per (task kind, round, step) (:class:`fedseg.site.secure.Record`): not part of
         its saved state, so restoring a checkpoint does not rewind it; a deployed site keeps it in a file."""
+        self.salt: int | None = None
+        """A deployed site's own random salt for this run (from the operating system, kept in its work folder,
+        mixed with the run id): mixed into its non-DP batch order and augmentation
+        (:func:`fedseg.site.batches.training_batches`) so that two runs never give bitwise-equal updates.  None
+        (simulation; a site whose policy has ``reproducible = true``): the run seed alone drives them."""
+        self.epoch = ""
+        """What the site's secure-aggregation record files this run's replies under (a deployed site's run id;
+        empty in simulation): :class:`fedseg.site.secure.Record`."""
         self.identity: Identity | None = None
         """The site's certificate and private key, which sign its secure-aggregation keys
         (:mod:`fedseg.privacy.identity`); set by a deployed site from its startup kit, None in simulation."""
@@ -176,11 +185,12 @@ class Site:
             )
         if self.cfg.privacy.secure_aggregation and self.algorithm.summed(task):
             secure.check_summed(self, task)
+        asked = task_digest(task.arrays, task.config, self.name) if "secagg" in task.config else None
         reply = yield from as_asks(handler(self, task))
         if self.cfg.privacy.dp != "off":  # no training loss leaves the site under DP (fedseg.site.dp)
             reply.metrics.update({k: None for k in reply.metrics if k.endswith("loss")})
         if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
-            reply = secure.mask_reply(self, task, reply)
+            reply = secure.mask_reply(self, task, reply, asked)
         return reply
 
     # ----------------------------------------------------------------- models

@@ -42,7 +42,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
-from fedseg.privacy.protocol import SiteParty
+from fedseg.privacy.protocol import SiteParty, task_digest
 
 
 class Site(Protocol):
@@ -68,14 +68,17 @@ _SCRATCH = "secagg"
 
 
 class Record:
-    """What a site masked, per ``"<task kind>|<round>|<step>"``: ``{"masked": U2 (sorted), "input": SHA-256 of the
-    encoded input (hex), "survived": the U3 it attested (sorted) or None}``.  In memory, and with ``path`` also
-    in an append-only file of JSON lines (``{"key": …, "entry": …}``, the last line of a key holding), each
-    change appended and flushed to disk before the reply leaves the site, read back on creation."""
+    """What a site masked, per ``"<run>|<task kind>|<round>|<step>"`` (``<run>``: the site's :attr:`epoch`, its
+    deployed run id; empty in simulation): ``{"masked": U2 (sorted), "input": SHA-256 of the encoded input (hex),
+    "survived": the U3 it attested (sorted) or None}``, and indexed by the input's hash across every run it
+    holds (:meth:`with_input`).  In memory, and with ``path`` also in an append-only file of JSON lines
+    (``{"key": …, "entry": …}``, the last line of a key holding), each change appended and flushed to disk
+    before the reply leaves the site, read back on creation.  A deployed site keeps one file for all its runs."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else None
         self.entries: dict[str, dict[str, Any]] = {}
+        self.inputs: dict[str, dict[str, dict[str, Any]]] = {}  # input digest -> {key: entry}
         if self.path is not None and self.path.is_file():
             fix = (
                 "restore it from a backup (deleting it lets the server ask this site again for replies it already sent)"
@@ -99,12 +102,23 @@ class Record:
                         f"the secure-aggregation record {self.path}: line {i + 1} is not a key and an entry; {fix}"
                     )
                 self.entries[key] = entry
+                self._index(key, entry)
+
+    def _index(self, key: str, entry: dict[str, Any]) -> None:
+        digest = entry.get("input")
+        if isinstance(digest, str):
+            self.inputs.setdefault(digest, {})[key] = entry
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.entries.get(key)
 
+    def with_input(self, digest: str) -> list[dict[str, Any]]:
+        """Every entry (of any run) whose masked input had the encoding hash ``digest``."""
+        return list(self.inputs.get(digest, {}).values())
+
     def put(self, key: str, entry: dict[str, Any]) -> None:
         self.entries[key] = entry
+        self._index(key, entry)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
@@ -122,8 +136,13 @@ def record_of(site: Site) -> Record:
     return record
 
 
-def _key(task: Task) -> str:
+def _label(task: Task) -> str:
     return f"{task.kind}|{task.config.get('round')}|{task.config.get('step')}"
+
+
+def _key(site: Site, task: Task) -> str:
+    epoch = getattr(site, "epoch", "")
+    return f"{epoch}|{_label(task)}" if epoch else _label(task)
 
 
 def _party(site: Site, config: dict[str, Any]) -> SiteParty:
@@ -199,10 +218,12 @@ def handle(site: Site, task: Task) -> Reply:
     raise PayloadError(f"site {site.name}: unknown secure-aggregation task {task.kind!r}")
 
 
-def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
+def mask_reply(site: Site, task: Task, reply: Reply, asked: str | None = None) -> Reply:
     """Step 3: the reply with its arrays encoded (× the public weight: its sample count under
     ``weighting = "samples"``, else 1; per name prefix with ``prefix_weighting``, :func:`weights_by_name`), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
-    their dtypes and which peers' shares did not open."""
+    their dtypes and which peers' shares did not open.  ``asked``: the task's digest
+    (:func:`fedseg.privacy.protocol.task_digest`, taken before the handler ran; default: now), attested in the
+    consistency round so that the site reveals only when every survivor answered the same task."""
     config = task.config["secagg"]
     party = _party(site, config)
     rnd = task.config.get("round")
@@ -218,21 +239,30 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
             f"with privacy.secagg_fraction_bits = {bits}; server and sites must run the same config"
         )
     weights = weights_by_name(config, reply.num_samples)
+    if asked is None:
+        asked = task_digest(task.arrays, task.config, site.name)
     arrays, dtypes, unopened = party.mask(
-        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits
+        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits, asked
     )
-    key, record = _key(task), record_of(site)
+    key, record = _key(site, task), record_of(site)
     entry = record.get(key)
     masked = sorted(party.masked_with)
     if entry is not None and (
         entry.get("input") != party.input_digest or masked not in (entry.get("masked"), entry.get("survived"))
     ):
         raise PayloadError(
-            f"site {site.name}: sent its masked reply for {key} already (masked with {entry.get('masked')}, "
+            f"site {site.name}: sent its masked reply for {_label(task)} already (masked with {entry.get('masked')}, "
             f"survivors attested {entry.get('survived')}); it sends another only with the same input and the same "
             f"sites or the survivors it attested, not with {masked} or another input (the difference of two sums "
             "over different sets is one site's input)"
         )
+    for before in record.with_input(party.input_digest):  # the same bits, in any run this site took part in
+        if masked not in (before.get("masked"), before.get("survived")):
+            raise PayloadError(
+                f"site {site.name}: masked the same input bits before (for another ask, or in another run), with "
+                f"{before.get('masked')}; it does not send them again masked with {masked} (the difference of two "
+                "sums over different sets is one site's input)"
+            )
     if entry is None:
         record.put(key, {"masked": masked, "input": party.input_digest, "survived": None})
     party.record_key = key

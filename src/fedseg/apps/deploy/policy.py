@@ -80,6 +80,11 @@ class SitePolicy:
     site's cases only (per-case scores of a model the server crafts reveal each case's labels)."""
     release_models: bool = True
     """Consent to hand the site's final own model to the server (FedSM's ``fedsm_release``); false refuses it."""
+    reproducible: bool = False
+    """The site lets the run seed drive its randomness — seeded DP noise and, without a site salt, batch order
+    and augmentation — for rehearsals that compare deployment with simulation.  false: the site mixes its own
+    salt (``WORKDIR/site_salt``) into its non-DP batch order and augmentation, so two runs never give
+    bitwise-equal updates."""
 
     # ---------------------------------------------------------------- checks
     def refusals(self, cfg: Any, sites: list[str], sigma: float | None = None) -> list[str]:
@@ -172,6 +177,7 @@ _CHECKS = {
     "tasks": _names,
     "evaluation": _choice(EVALUATION),
     "release_models": _bool,
+    "reproducible": _bool,
 }
 assert set(_CHECKS) == {f.name for f in fields(SitePolicy)}
 

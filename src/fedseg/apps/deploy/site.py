@@ -56,6 +56,7 @@ from fedseg.site.workload import Workload, workload_for
 
 __all__ = [
     "RELEASE_LOG",
+    "SALT_NAME",
     "SITE_CONFIG_NAME",
     "SiteConfig",
     "SiteRuntime",
@@ -67,6 +68,9 @@ __all__ = [
 
 SITE_CONFIG_NAME = "fedseg_site.json"
 """File name of a site's config inside its kit's ``local/`` folder."""
+
+SALT_NAME = "site_salt"
+"""A site's own random secret in its working folder (hex, made once from the OS): its salt per run (:meth:`SiteRuntime._salt`)."""
 
 RELEASE_LOG = "releases.jsonl"
 """A site's release log in its working folder: one JSON line per reply it sent (append-only)."""
@@ -312,7 +316,12 @@ class SiteRuntime:
             if why:
                 self.site = None
                 return self._refuse(why)
-        self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
+        # one record for every run of this site, outside the checkpoints: restore keeps it, a new run id does not
+        # reset it (fedseg.site.secure.Record)
+        self.site.secagg_record = Record(Path(self.config.workdir) / RECORD_NAME)
+        self.site.epoch = run_id
+        if self.policy is not None and not self.policy.reproducible:
+            self.site.salt = self._salt(run_id)
         if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
             self.site.identity = self._identity()
         log.info(
@@ -323,6 +332,28 @@ class SiteRuntime:
             self.site.num_train,
         )
         return self._summary()
+
+    def _salt(self, run_id: str) -> int:
+        """This site's salt for run ``run_id``: SHA-256 of the site's own secret (32 bytes from the operating
+        system, made once and kept in ``WORKDIR/site_salt``, never sent) and the run id, as a 63-bit integer
+        (:func:`fedseg.site.batches.stream_generator`).  Another run id gives other batches and augmentation;
+        the same run id again (a restart, a resumed round) the same ones."""
+        path = Path(self.config.workdir) / SALT_NAME
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(os.urandom(32).hex() + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        try:
+            secret = bytes.fromhex(path.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"site {self.name}: its salt {path} is unreadable ({e}); delete it (a new one is made at the next setup)"
+            ) from None
+        digest = hashlib.sha256(b"fedseg site salt|" + secret + b"|" + run_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
     def _refuse(self, why: list[str]) -> dict[str, Any]:
         """Refuse the run being set up (logged here; the reply tells the server why)."""
