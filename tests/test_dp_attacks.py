@@ -404,3 +404,48 @@ def test_client_level_noise_is_not_regenerated_from_the_seed(wl):
     g = generator(site.cfg.seed, site.index, "dp-client", "global", 0)
     regenerated = torch.randn(sent.numel(), generator=g, dtype=torch.float64) * SIGMA * CLIP / math.sqrt(5)
     assert float((sent - regenerated - truth).norm() / truth.norm()) > 1.0
+
+
+def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_path):
+    """Acting as the server over a deployed site's operations: one run after another (new run ids), each within
+    its own ``privacy.epsilon`` = the policy's ``max_epsilon`` = E, each taking two privatized steps.  Against a
+    site whose ceiling held per run id, every run was taken and the ledger's entries composed to ε(6 steps) > E
+    after three runs (without bound as runs go on).  Derivation of the bound: the runs release on the same data,
+    so their RDP adds up as steps do; E is ε(3 steps) at q = 4/6, σ = 1, so a fourth step passes it.  Now the
+    site composes every run in its ledger before each step: the run whose next round would pass E is refused at
+    setup, or its step is refused, and the ledger's ε (all runs, by Opacus' RDP accountant) never passes E."""
+    import json
+
+    from fedseg.apps.deploy.policy import SitePolicy
+    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.execution.remote.wire import decode_reply, encode_task
+    from fedseg.foundation.config import dump_toml
+
+    q, delta = 4 / 6, 1e-5
+    ceiling = accountant.epsilon([(SIGMA, q, 3)], delta)
+    cfg = dataclasses.replace(tiny_config("fga", rounds=1), privacy=_privacy(epsilon=ceiling, delta=delta))
+    data = tiny_sites(2)
+    rt = SiteRuntime(
+        SiteConfig("site1", "(in memory)", str(tmp_path / "work")),
+        loader=lambda *a: (data["site1"], wl),
+        policy=SitePolicy(secure_aggregation=False, max_epsilon=ceiling),
+    )
+    refused = []
+    for run in ("r1", "r2", "r3"):
+        desc = {"run_id": run, "sites": list(data), "data": {}, "config_toml": dump_toml(cfg.to_dict())}
+        setup = json.loads(rt.call("setup", json.dumps(desc).encode()))
+        if "refused" in setup:
+            refused.append((run, setup["refused"]))
+            continue
+        for step in (0, 1):
+            try:
+                rt.call("task", encode_task(_fga_task(wl, step)))
+            except PayloadError as e:
+                refused.append((run, str(e)))
+                break
+        report = decode_reply(rt.call("task", encode_task(Task("privacy", {}, {})))).metrics
+        assert report.get("epsilon_lifetime", report["epsilon"]) <= ceiling
+    lines = [json.loads(line) for line in (tmp_path / "work" / "privacy-ledger.jsonl").read_text().splitlines()]
+    steps = sum(1 for e in lines if e["kind"] == "sample")
+    assert accountant.epsilon([(SIGMA, q, steps)], delta) <= ceiling
+    assert refused and "lifetime" in refused[0][1] and "max_epsilon" in refused[0][1], refused

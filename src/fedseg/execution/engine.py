@@ -423,7 +423,11 @@ class Engine:
                 # "seeded": the server knows the seed, regenerates the noise and the batches: no ε holds against it
                 "epsilon_against_server": "inf" if cfg.privacy.dp_randomness == "seeded" else "epsilon",
                 "sites": {
-                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches")}
+                    s: {
+                        k: r[k]
+                        for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches", "epsilon_lifetime")
+                        if k in r  # epsilon_lifetime: a deployed site's ε over every run in its ledger
+                    }
                     for s, r in report.items()
                 },
                 "stopped_after_round": stopped_at,

@@ -316,6 +316,20 @@ class SiteRuntime:
             if why:
                 self.site = None
                 return self._refuse(why)
+        if self.policy is not None and self.policy.max_epsilon is not None and cfg.privacy.dp != "off":
+            # the policy's ceiling holds over every run of this site's ledger, composed before each release
+            dp = self.site.dp
+            dp.lifetime_ceiling = self.policy.max_epsilon
+            spent, next_round = dp.lifetime_epsilon(), dp.lifetime_epsilon(extra_rounds=1)
+            if next_round > self.policy.max_epsilon:
+                self.site = None
+                return self._refuse(
+                    [
+                        f"this site's data has spent ε = {spent:.4g} over {len(dp.ledger.earlier)} earlier runs "
+                        f"(δ = {cfg.privacy.delta:g}) and one more round of this run would take it to "
+                        f"{next_round:.4g} > the policy's lifetime ceiling max_epsilon = {self.policy.max_epsilon:g}"
+                    ]
+                )
         # one record for every run of this site, outside the checkpoints: restore keeps it, a new run id does not
         # reset it (fedseg.site.secure.Record)
         self.site.secagg_record = Record(Path(self.config.workdir) / RECORD_NAME)
