@@ -194,7 +194,8 @@ def test_aggregates_only_evaluation_sends_per_site_means_and_keeps_the_means(tmp
         return blob
 
     same = dataclasses.replace(OPEN, reproducible=True)  # both runs train alike: the run seed drives the batches
-    for name, policy in (("cases", same), ("means", dataclasses.replace(same, evaluation="aggregates"))):
+    cases = dataclasses.replace(same, evaluation="per_case")
+    for name, policy in (("cases", cases), ("means", dataclasses.replace(same, evaluation="aggregates"))):
         data = tiny_sites(2)
         _prepare(tmp_path / name, cfg, list(data))
         runtimes = _runtimes(tmp_path / name, data, {"site2": policy})

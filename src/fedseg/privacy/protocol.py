@@ -78,7 +78,7 @@ from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected", "survivors_statement", "task_digest"]
+__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected", "model_digest", "survivors_statement", "task_digest"]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
@@ -159,6 +159,12 @@ def task_digest(arrays: Mapping[str, torch.Tensor], config: Mapping[str, Any], m
     rest = {k: v for k, v in config.items() if k != "secagg"}
     part(json.dumps(rest, sort_keys=True, default=repr).encode())
     return h.hexdigest()
+
+
+def model_digest(arrays: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of one model's arrays (:func:`task_digest` with no config): what a deployed site's
+    policy names in ``allowed_models`` and what it compares an evaluation candidate with."""
+    return task_digest(arrays, {})
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
