@@ -82,7 +82,9 @@ def test_only_models_that_left_training_are_evaluated(tmp_path):
         _evaluate(rt, {"probe": probe}, "validation")
     torch.manual_seed(0)
     w0 = {k: v.detach().clone() for k, v in _workload(cfg).build_model().state_dict().items()}
-    sent = decode_reply(rt.call("task", encode_task(Task("train", {f"global/{k}": v for k, v in w0.items()}, {"round": 1}))))
+    sent = decode_reply(
+        rt.call("task", encode_task(Task("train", {f"global/{k}": v for k, v in w0.items()}, {"round": 1})))
+    )
     w1 = {k[len("global/") :]: v for k, v in sent.arrays.items()}  # the round's aggregate (here: this site's)
     assert len(_evaluate(rt, {"global": w0}, "validation")["per_case"]["global"]) == len(data.val)
     aggregate = {k: (v + w0[k]) / 2 if v.is_floating_point() else v for k, v in w1.items()}

@@ -67,7 +67,7 @@ def _attack_two_models(k: int = 3):
     def ask(s, kind, config, arrays):
         return _ask(sites, s, kind, config, arrays)
 
-    total, weights = _exchange(ask, list(sites), "e-two", lambda s: state if s == target else zeros)
+    total, _ = _exchange(ask, list(sites), "e-two", lambda s: state if s == target else zeros)
     _, truth, n = _truth(k, target, state)
     return {name: v / n for name, v in total.items()}, truth
 

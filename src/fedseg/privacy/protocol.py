@@ -78,7 +78,16 @@ from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected", "model_digest", "survivors_statement", "task_digest"]
+__all__ = [
+    "CANARY",
+    "MASKED",
+    "ServerParty",
+    "SiteParty",
+    "SumRejected",
+    "model_digest",
+    "survivors_statement",
+    "task_digest",
+]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""

@@ -36,8 +36,8 @@ __all__ = [
     "dataset_len",
     "on_device",
     "placed_split",
-    "stream_generator",
     "steps_per_round",
+    "stream_generator",
     "tensor_pair",
     "training_batches",
 ]

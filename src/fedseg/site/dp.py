@@ -85,15 +85,15 @@ class Ledger:
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
-        self.earlier: dict[str, list[dict[str, Any]]] = {}
-        """The entries of the other runs the file holds, per run (the site's earlier releases on the same data)."""
+        self.other_runs: dict[str, list[dict[str, Any]]] = {}
+        """The entries of the other runs the file holds, per run (the site's other releases on the same data)."""
         self.path: Path | None = None
         self.run: str | None = None
         self._per_batch: dict[str, int] = {}
 
     def attach(self, path: str | Path, run: str | None = None, fresh: bool = False) -> None:
         """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds (and those
-        of every other run into :attr:`earlier`).  ``fresh`` starts the file anew (a simulation started from
+        of every other run into :attr:`other_runs`).  ``fresh`` starts the file anew (a simulation started from
         scratch in the same folder)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ class Ledger:
             path.unlink()
         kept = self.entries
         self.entries, self._per_batch, self.path, self.run = [], {}, path, run
-        self.earlier = {}
+        self.other_runs = {}
         if path.exists():
             lines = path.read_text().splitlines()
             for i, line in enumerate(lines):
@@ -123,7 +123,7 @@ class Ledger:
                     self._index(entry)
                     self.entries.append(entry)
                 else:
-                    self.earlier.setdefault(str(entry.get("run")), []).append(entry)
+                    self.other_runs.setdefault(str(entry.get("run")), []).append(entry)
         for entry in kept:  # bookings made before the file was attached
             self.append(entry)
 
@@ -203,7 +203,7 @@ class SiteDP:
         """A deployed site's ε ceiling over every run in its ledger (its policy's ``max_epsilon``): each
         privatized release is refused when the composition of every run's entries would pass it.  None: no
         ceiling over runs (simulation; a site without one)."""
-        self._earlier: tuple[int, dict[tuple[float, float], int]] | None = None
+        self._other_runs: tuple[int, dict[tuple[float, float], int]] | None = None
 
     # ------------------------------------------------------------- accounting
     @property
@@ -292,12 +292,12 @@ class SiteDP:
         t.seen = len(entries)
         return t
 
-    def earlier_counts(self) -> dict[tuple[float, float], int]:
+    def other_run_counts(self) -> dict[tuple[float, float], int]:
         """The accountant's counts ``{(σ_eff, q): releases}`` of every other run in the ledger, each run tallied on
         its own (batch and exchange names are per run), then summed: RDP composes over runs as over steps."""
-        runs = self.ledger.earlier
+        runs = self.ledger.other_runs
         size = sum(len(v) for v in runs.values())
-        if self._earlier is None or self._earlier[0] != size:
+        if self._other_runs is None or self._other_runs[0] != size:
             counts: dict[tuple[float, float], int] = {}
             for entries in runs.values():
                 tally = _Tally({})
@@ -305,14 +305,14 @@ class SiteDP:
                     tally.add(e)
                 for key, n in tally.counts.items():
                     counts[key] = counts.get(key, 0) + n
-            self._earlier = (size, counts)
-        return self._earlier[1]
+            self._other_runs = (size, counts)
+        return self._other_runs[1]
 
     def lifetime_history(
         self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None
     ) -> list[tuple[float, float, int]]:
         """The accountant history of every run in the ledger, this one's (plus ``extra``) included."""
-        counts = dict(self.earlier_counts())
+        counts = dict(self.other_run_counts())
         for sigma, q, t in self.history(extra):
             counts[(sigma, q)] = counts.get((sigma, q), 0) + t
         hist = [(s, q, t) for (s, q), t in sorted(counts.items()) if t > 0]
@@ -348,7 +348,7 @@ class SiteDP:
                 raise PayloadError(
                     f"site {self.site.name}: {what} would take the ε of this site's data over all its runs to "
                     f"{after:.4g} > its policy's max_epsilon = {ceiling:g} (δ = {self.settings.delta:g}; "
-                    f"{len(self.ledger.earlier)} earlier runs in its ledger): the site refuses it whatever the "
+                    f"{len(self.ledger.other_runs)} other runs in its ledger): the site refuses it whatever the "
                     "server asks; the ceiling is a lifetime budget, not one per run"
                 )
         budget = self.settings.epsilon
@@ -389,11 +389,11 @@ class SiteDP:
     def report(self) -> dict[str, Any]:
         """What the engine records per site and round: ε spent, ε after one more round (:meth:`forecast`), σ, q,
         releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞); with
-        earlier runs in the ledger or a lifetime ceiling also ``epsilon_lifetime`` (every run composed),
+        other runs in the ledger or a lifetime ceiling also ``epsilon_lifetime`` (every run composed),
         ``epsilon_lifetime_next`` and ``epsilon_ceiling``."""
         epsilon_next = self.forecast()
         self._reported = len(self.ledger.entries)
-        out = {
+        out: dict[str, Any] = {
             "epsilon": self.epsilon(),
             "epsilon_next": epsilon_next,
             "noise_multiplier": self.sigma,
@@ -403,9 +403,10 @@ class SiteDP:
             "dp_randomness": self.random.mode,
             "epsilon_against_server": "inf" if self.random.seeded else "epsilon",
         }
-        if self.ledger.earlier or self.lifetime_ceiling is not None:  # a deployed site's ε over all its runs
-            out["epsilon_lifetime"] = self.lifetime_epsilon()
-            out["epsilon_lifetime_next"] = max(self.lifetime_epsilon(extra_rounds=1), out["epsilon_lifetime"])
+        if self.ledger.other_runs or self.lifetime_ceiling is not None:  # a deployed site's ε over all its runs
+            spent = self.lifetime_epsilon()
+            out["epsilon_lifetime"] = spent
+            out["epsilon_lifetime_next"] = max(self.lifetime_epsilon(extra_rounds=1), spent)
             out["epsilon_ceiling"] = self.lifetime_ceiling
         return out
 

@@ -31,7 +31,6 @@ from fedseg.foundation.device import (
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
-from fedseg.privacy.protocol import task_digest
 from fedseg.site import scoring, secure, state
 from fedseg.site.batches import SiteData, batch_of, dataset_len, placed_split, steps_per_round, training_batches
 from fedseg.site.calls import ApplyCall, Asks, Executor, FitCall, GradientCall, LocalExecutor, LossSums, as_asks, drive
@@ -185,12 +184,11 @@ class Site:
             )
         if self.cfg.privacy.secure_aggregation and self.algorithm.summed(task):
             secure.check_summed(self, task)
-        asked = task_digest(task.arrays, task.config, self.name) if "secagg" in task.config else None
         reply = yield from as_asks(handler(self, task))
         if self.cfg.privacy.dp != "off":  # no training loss leaves the site under DP (fedseg.site.dp)
             reply.metrics.update({k: None for k in reply.metrics if k.endswith("loss")})
         if "secagg" in task.config:  # the server sums this reply securely: mask it before it leaves the site
-            reply = secure.mask_reply(self, task, reply, asked)
+            reply = secure.mask_reply(self, task, reply)
         return reply
 
     # ----------------------------------------------------------------- models

@@ -55,8 +55,8 @@ from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses,
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
-from fedseg.site.batches import stream_generator
 from fedseg.seams.algorithm import Algorithm, ServerContext
+from fedseg.site.batches import stream_generator
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, dataset_len
 

@@ -150,7 +150,7 @@ class SitePolicy:
         if kind not in EVALUATION_KINDS:
             return None
         try:
-            split = split_name(config.get("split"))
+            split = split_name(str(config.get("split")))
         except PayloadError as e:
             return str(e)
         if split == "training":

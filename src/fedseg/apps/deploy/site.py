@@ -42,16 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.apps.deploy.guard import SALT_NAME, Guard, site_salt
 from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, read_policy
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
 from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
-from fedseg.foundation.arrays import strip_prefix
-from fedseg.foundation.messages import Reply, Task, split_name
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy.identity import Identity, load_identity
-from fedseg.privacy.protocol import model_digest
 from fedseg.seams.checkpoint import restore_site, save_site
 from fedseg.site.runtime import Site, SiteData, dataset_len
 from fedseg.site.secure import RECORD_NAME, Record
@@ -71,9 +69,6 @@ __all__ = [
 
 SITE_CONFIG_NAME = "fedseg_site.json"
 """File name of a site's config inside its kit's ``local/`` folder."""
-
-SALT_NAME = "site_salt"
-"""A site's own random secret in its working folder (hex, made once from the OS): its salt per run (:meth:`SiteRuntime._salt`)."""
 
 RELEASE_LOG = "releases.jsonl"
 """A site's release log in its working folder: one JSON line per reply it sent (append-only)."""
@@ -197,11 +192,8 @@ class SiteRuntime:
         """Why this site refused the run set up last (None: it took part)."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
-        self._seen: set[str] = set()  # digests of the models that left training here in this run
-        self._trained: set[int] = set()  # the rounds of this run the site trained
-        self._fresh = 0  # evaluations of models not seen before, in this run (validation)
-        self._tested = 0  # the same on the testing split
-        self._histograms = 0  # histogram intervals answered since the last setup
+        self.guard = Guard()
+        """What the site's policy checks of its evaluations and planning requests in this run (:class:`Guard`)."""
 
     @property
     def name(self) -> str:
@@ -262,16 +254,12 @@ class SiteRuntime:
             return _json({"site": self.name, "ready": self.site is not None})
         if op in VOLUME_OPS:
             body = parse_json_object(payload, f"site {self.name}: {op}")
-            if self.policy is not None:
-                why = self.policy.task_refusal(op)
-                if why is None and op == "histogram":
-                    why = self.policy.histogram_refusal(body, self._histograms)
-                if why:
-                    log.warning("site %s refuses a planning request: %s", self.name, why)
-                    raise PayloadError(f"site {self.name} refuses by its policy: {why}")
+            why = self.guard.planning_refusal(self.policy, op, body) if self.policy is not None else None
+            if why:
+                log.warning("site %s refuses a planning request: %s", self.name, why)
+                raise PayloadError(f"site {self.name} refuses by its policy: {why}")
             out = site_operation(self.name, self.config.datalist, op, body, log.info)
-            if op == "histogram":
-                self._histograms += len(body.get("requests") or [])
+            self.guard.planned(op, body)
             return _json(out)
         raise PayloadError(
             f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
@@ -305,7 +293,7 @@ class SiteRuntime:
             return {"site": self.name, "refused": self.refused}
         self.site, self.refused = None, None
         self.run_id = run_id
-        self._seen, self._trained, self._fresh, self._tested, self._histograms = set(), set(), 0, 0, 0
+        self.guard = Guard()
         self.run_dir().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             p = Path(tmp) / "config.toml"
@@ -344,7 +332,7 @@ class SiteRuntime:
                 self.site = None
                 return self._refuse(
                     [
-                        f"this site's data has spent ε = {spent:.4g} over {len(dp.ledger.earlier)} earlier runs "
+                        f"this site's data has spent ε = {spent:.4g} over {len(dp.ledger.other_runs)} other runs "
                         f"(δ = {cfg.privacy.delta:g}) and one more round of this run would take it to "
                         f"{next_round:.4g} > the policy's lifetime ceiling max_epsilon = {self.policy.max_epsilon:g}"
                     ]
@@ -352,9 +340,9 @@ class SiteRuntime:
         # one record for every run of this site, outside the checkpoints: restore keeps it, a new run id does not
         # reset it (fedseg.site.secure.Record)
         self.site.secagg_record = Record(Path(self.config.workdir) / RECORD_NAME)
-        self.site.epoch = run_id
+        self.site.epoch = str(run_id)
         if self.policy is not None and not self.policy.reproducible:
-            self.site.salt = self._salt(run_id)
+            self.site.salt = site_salt(Path(self.config.workdir), str(run_id), self.name)
         if cfg.privacy.secure_aggregation and cfg.privacy.secagg_identity == "auto":
             self.site.identity = self._identity()
         log.info(
@@ -365,28 +353,6 @@ class SiteRuntime:
             self.site.num_train,
         )
         return self._summary()
-
-    def _salt(self, run_id: str) -> int:
-        """This site's salt for run ``run_id``: SHA-256 of the site's own secret (32 bytes from the operating
-        system, made once and kept in ``WORKDIR/site_salt``, never sent) and the run id, as a 63-bit integer
-        (:func:`fedseg.site.batches.stream_generator`).  Another run id gives other batches and augmentation;
-        the same run id again (a restart, a resumed round) the same ones."""
-        path = Path(self.config.workdir) / SALT_NAME
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(os.urandom(32).hex() + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-        try:
-            secret = bytes.fromhex(path.read_text().strip())
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"site {self.name}: its salt {path} is unreadable ({e}); delete it (a new one is made at the next setup)"
-            ) from None
-        digest = hashlib.sha256(b"fedseg site salt|" + secret + b"|" + run_id.encode()).digest()
-        return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
     def _refuse(self, why: list[str]) -> dict[str, Any]:
         """Refuse the run being set up (logged here; the reply tells the server why)."""
@@ -443,67 +409,15 @@ class SiteRuntime:
             masked=isinstance(secagg, dict),
         )
         check_arrays(task.arrays, f"site {self.name}: task {task.kind!r} from the server")
-        why = None
-        if self.policy is not None:
-            why = self.policy.task_refusal(task.kind) or self.policy.evaluation_refusal(task.kind, task.config)
-            if why is None and task.kind == "evaluate":
-                why = self._unseen_candidates(task)
+        why = self.guard.task_refusal(self.policy, task) if self.policy is not None else None
         if why:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
         reply = self.site.handle(task)
-        if self.policy is not None:
-            self._saw(task, reply)
+        self.guard.saw(task, reply)
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
             reply = dataclasses.replace(reply, metrics=aggregate_scores(reply.metrics))
         return encode_reply(reply)
-
-    # ------------------------------------------------------------ evaluation
-    def _saw(self, task: Task, reply: Reply) -> None:
-        """Note the models that left training at this site: the arrays of a task of the method's that names a
-        round (the round's model as the server sent it to train from) and the plain arrays of any reply."""
-        if task.kind not in ("evaluate", "privacy", "route") and not task.kind.startswith("secagg/"):
-            rnd = task.config.get("round")
-            if isinstance(rnd, int) and not isinstance(rnd, bool):
-                self._trained.add(rnd)
-                self._seen |= _model_digests(task.arrays)
-        plain = {k: v for k, v in reply.arrays.items() if not k.startswith("secagg/")}
-        self._seen |= _model_digests(plain)
-
-    def _unseen_candidates(self, task: Task) -> str | None:
-        """Why an ``evaluate`` task is refused: it names a candidate whose arrays are not a model this site saw
-        leave training (:meth:`_saw`), nor one its policy allows, nor the model of a round it trained that has
-        not been evaluated yet.  One evaluation with new models is allowed per round this site trained (the
-        engine evaluates each round's aggregate before it sends it as the next round's model) and one on the
-        testing split per run (the final test; FedSM's composite of its best parts).  A candidate with no arrays
-        is the site's own model."""
-        assert self.policy is not None
-        allowed = self._seen | set(self.policy.allowed_models)
-        new = []
-        for cand in task.config.get("candidates") or []:
-            name = cand.get("name") if isinstance(cand, dict) else None
-            if not isinstance(name, str):
-                return "an evaluation candidate without a name"
-            arrays = strip_prefix(name, task.arrays)
-            if arrays and model_digest(arrays) not in allowed:
-                new.append((name, model_digest(arrays)))
-        if not new:
-            return None
-        testing = split_name(task.config.get("split")) == "testing"
-        used, most = (self._tested, 1) if testing else (self._fresh, len(self._trained))
-        if used >= most:
-            allowance = "one final test per run" if testing else f"one per round it trained ({most})"
-            return (
-                f"candidates {[n for n, _ in new]} are models this site did not see leave training, and the "
-                f"evaluations of new models it allows ({allowance}) are spent; a model from outside the run is "
-                "evaluated only when the site's policy lists its digest in allowed_models"
-            )
-        if testing:
-            self._tested += 1
-        else:
-            self._fresh += 1
-        self._seen |= {d for _, d in new}
-        return None
 
     def _checkpoint(self, rnd: int) -> dict[str, Any]:
         if self.site is None:
@@ -536,19 +450,6 @@ class SiteRuntime:
                 "site %s: no checkpoint of round %d; resumed from its round %d (it missed rounds)", self.name, rnd, r
             )
         return {"site": self.name, "restored": r}
-
-
-def _model_digests(arrays: dict[str, Any]) -> set[str]:
-    """Digests of the models in ``arrays``: the whole dict and each group under one first path component
-    (``global/…``, ``selector/…``), stripped of it (:func:`fedseg.privacy.protocol.model_digest`)."""
-    if not arrays:
-        return set()
-    groups: dict[str, dict[str, Any]] = {}
-    for name, v in arrays.items():
-        head, _, rest = name.partition("/")
-        if rest:
-            groups.setdefault(head, {})[rest] = v
-    return {model_digest(arrays), *(model_digest(g) for g in groups.values())}
 
 
 def is_plain_name(name: Any) -> bool:
