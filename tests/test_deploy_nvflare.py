@@ -29,8 +29,9 @@ OVERRIDES = [
     "deploy.setup_timeout_s=90",
     "privacy.secure_aggregation=false",  # a deployment's default is on; these runs equal a plain simulation
 ]
-POLICY = {"secure_aggregation": False}
-"""The sites' policy in these rehearsals: they join runs without secure aggregation too."""
+POLICY = {"secure_aggregation": False, "reproducible": True, "evaluation": "per_case"}
+"""The sites' policy in these rehearsals: they join runs without secure aggregation too, let the run seed drive
+their batches (no site salt: the deployment equals the simulation bitwise) and send per-case scores."""
 
 
 def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):

@@ -156,7 +156,12 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
     overrides = [*RUN, "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
     try:
         dep = rehearse(
-            spec, 2, tmp_path / "dep", overrides=overrides, timeout=150, policy={"secure_aggregation": False}
+            spec,
+            2,
+            tmp_path / "dep",
+            overrides=overrides,
+            timeout=150,
+            policy={"secure_aggregation": False, "reproducible": True, "evaluation": "per_case"},
         )
     except Exception as e:  # pragma: no cover - environment without a working nvflare
         if "provision" in str(e):

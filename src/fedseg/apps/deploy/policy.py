@@ -86,9 +86,9 @@ class SitePolicy:
     """Digests (:func:`fedseg.privacy.protocol.model_digest`, 64 hex digits) of models the site evaluates besides
     the ones it saw leave training (docs/deploy.md, "Site policy"), e.g. a model trained elsewhere that the
     federation compares with."""
-    max_histogram_requests: int = 64
+    max_histogram_requests: int = 256
     """How many intensity intervals (``histogram`` requests of the volume plan) the site answers between two
-    run setups; a plan's exact percentiles take a few per CT channel."""
+    run setups; a plan's exact percentiles take at most 64 per CT channel (4 ranks × 16 exchanges)."""
     min_histogram_width: float = 0.0
     """The narrowest bin (interval width / bins, in intensity units) the site answers; 0: any (the plan's exact
     float percentiles narrow their interval 4096-fold per exchange)."""
