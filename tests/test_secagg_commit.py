@@ -134,7 +134,7 @@ def _wire_ask(runtimes):
     return ask
 
 
-def _attack_second_run(tmp, policy):
+def _attack_second_run(tmp, policy, lr_b=None):
     """Run A: round 1 of a FedAvg run over the four sites, with weights w and seed the server chose.  Run B (another
     run id): the same round, the same w and seed, the same site order, without the target in the exchange.  Without
     DP a site's update is a function of w, the seed and its index: (sum A − sum B) / n_target is the target's."""
@@ -145,7 +145,11 @@ def _attack_second_run(tmp, policy):
     state = {f"global/{k}": v.detach().clone() for k, v in _workload(cfg).build_model().state_dict().items()}
     _setup(runtimes, "run-a", cfg)
     first, weights = _exchange(_wire_ask(runtimes), NAMES, "e-a", lambda s: state)
-    _setup(runtimes, "run-b", cfg)
+    _setup(
+        runtimes,
+        "run-b",
+        cfg if lr_b is None else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr_b)),
+    )
     second, _ = _exchange(_wire_ask(runtimes), [s for s in NAMES if s != TARGET], "e-b", lambda s: state)
     n = weights[TARGET]
     recovered = {k: (first[k] - second[k]) / n for k in first}
@@ -180,3 +184,13 @@ def test_a_salted_site_gives_another_update_in_another_run(tmp_path):
     assert _relative_error(recovered, truth, sent) > 0.5
     salts = {(tmp_path / "sites" / n / SALT_NAME).read_text() for n in NAMES}
     assert len(salts) == len(NAMES) and all(len(s.strip()) == 64 for s in salts)
+
+
+def test_a_reproducible_site_answers_one_ask_once_over_all_its_runs(tmp_path):
+    """Attack 5 with a run config a hair away from run A's (learning rate × 1.001): the inputs are not the same bits
+    any more, but without a salt each site's update is a near copy of run A's, and (sum A − sum B)/n is close to
+    the target's update.  A deployed site without a salt answers one ask (arrays, kind, round, step) with one
+    input and one set of sites over all its runs."""
+    cfg = tiny_config("fedavg")
+    with pytest.raises(PayloadError, match=r"was asked train\|1\|None with the same arrays before"):
+        _attack_second_run(tmp_path, SitePolicy(reproducible=True), lr_b=cfg.train.lr * 1.001)

@@ -196,6 +196,7 @@ class SiteParty:
         self.task = ""  # the digest of the task whose reply it masked (task_digest), attested with U3
         self.attested: list[str] | None = None  # U3 (sorted), once this site attested it
         self.record_key: str | None = None  # what the site files its masked input under (fedseg.site.secure.Record)
+        self.asked_key: str | None = None  # and, at a deployed site without a salt, what was asked
         self.c = secagg.keypair()
         self.s = secagg.keypair()
         self.b = os.urandom(KEY_BYTES)

@@ -17,9 +17,18 @@ second masked reply for the same (kind, round, step) goes out only for the same 
 same set or with the survivor set it attested (a round resumed after a site dropped), and it attests no other
 survivor set.  Every honest site attests at most one set per key, and a sum needs t > K/2 attestations, so
 all the sums of one key that come out are over one set of sites and the same inputs: two sums whose
-difference would be one site's input never both come out.  The record is not part of the site's saved state
-(:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not rewind it; a deployed site
-keeps it in ``WORKDIR/<run_id>/secagg_record.jsonl``.  With ``privacy.secure_aggregation`` on in the site's
+difference would be one site's input never both come out.  Across runs (a deployed site keeps one record for
+all its runs, ``WORKDIR/secagg_record.jsonl``, its keys naming the run id) the record is indexed by the hash of
+each input: the same input bits never go out masked with another set of sites, whatever run asks.  A deployed
+site without a salt (its policy's ``reproducible = true``: its batches are a function of the run seed) also
+answers one ask — the task's arrays, kind, round and step — with one input and one set over all its runs; a
+salted site's next run trains on other batches, so no exact replay exists to refuse.  The record is not part
+of the site's saved state (:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not
+rewind it.
+
+**One task per exchange.**  The site hashes the task it masks a reply to
+(:func:`fedseg.privacy.protocol.task_digest`) and attests that digest with the survivor set; it reveals only
+when every survivor attested the same digest (:meth:`~fedseg.privacy.protocol.SiteParty.reveal`).  With ``privacy.secure_aggregation`` on in the site's
 own config, :meth:`~fedseg.site.runtime.Site.handle` refuses a task whose reply the method sums
 (:meth:`fedseg.seams.algorithm.Algorithm.summed`) when it comes without the ``secagg`` field or with a
 ``steps`` count (the local work comes from the site's config).
@@ -199,7 +208,10 @@ def handle(site: Site, task: Task) -> Reply:
             raise PayloadError(
                 f"site {site.name}: the survivor list of exchange {party.exchange} is not a list of names"
             )
+        asked = record.get(party.asked_key) if party.asked_key is not None else None
         before = entry.get("survived")
+        if before is None and asked is not None:
+            before = asked.get("survived")
         if before is not None and before != sorted(survived):
             raise PayloadError(
                 f"site {site.name}: attested the survivors {before} for {key} already; it does not attest "
@@ -207,6 +219,8 @@ def handle(site: Site, task: Task) -> Reply:
             )
         attestation = party.attest(dropped, survived)
         record.put(key, {**entry, "survived": sorted(survived)})
+        if party.asked_key is not None:
+            record.put(party.asked_key, {**(asked or {}), "survived": sorted(survived)})
         return Reply(metrics={"secagg": attestation})
     if task.kind == "secagg/reveal":
         shares = party.reveal(dropped, survived, task.config.get("attestations"))
@@ -218,7 +232,7 @@ def handle(site: Site, task: Task) -> Reply:
     raise PayloadError(f"site {site.name}: unknown secure-aggregation task {task.kind!r}")
 
 
-def mask_reply(site: Site, task: Task, reply: Reply, asked: str | None = None) -> Reply:
+def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     """Step 3: the reply with its arrays encoded (× the public weight: its sample count under
     ``weighting = "samples"``, else 1; per name prefix with ``prefix_weighting``, :func:`weights_by_name`), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
     their dtypes and which peers' shares did not open.  ``asked``: the task's digest
@@ -239,10 +253,9 @@ def mask_reply(site: Site, task: Task, reply: Reply, asked: str | None = None) -
             f"with privacy.secagg_fraction_bits = {bits}; server and sites must run the same config"
         )
     weights = weights_by_name(config, reply.num_samples)
-    if asked is None:
-        asked = task_digest(task.arrays, task.config, site.name)
+    digest = task_digest(task.arrays, task.config, site.name)
     arrays, dtypes, unopened = party.mask(
-        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits, asked
+        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits, digest
     )
     key, record = _key(site, task), record_of(site)
     entry = record.get(key)
@@ -263,6 +276,24 @@ def mask_reply(site: Site, task: Task, reply: Reply, asked: str | None = None) -
                 f"{before.get('masked')}; it does not send them again masked with {masked} (the difference of two "
                 "sums over different sets is one site's input)"
             )
+    if getattr(site, "epoch", "") and getattr(site, "salt", None) is None:
+        # a deployed site whose batches the run seed drives (policy reproducible = true): what was asked — the
+        # arrays, kind, round and step — gets one input and one set over all its runs, so that another run config
+        # (another learning rate, say) cannot make a near copy of its reply masked with other sites
+        ask = f"asked|{_label(task)}|{task_digest(task.arrays, {}, site.name)}"
+        prior = record.get(ask)
+        if prior is not None and (
+            prior.get("input") != party.input_digest or masked not in (prior.get("masked"), prior.get("survived"))
+        ):
+            raise PayloadError(
+                f"site {site.name}: was asked {_label(task)} with the same arrays before (in this or another run) and "
+                f"masked its reply with {prior.get('masked')}; without a site salt it sends another reply to the same "
+                f"ask only with the same input and sites, not with {masked} or another input (give this site a salt: "
+                "its policy's reproducible = false)"
+            )
+        if prior is None:
+            record.put(ask, {"masked": masked, "input": party.input_digest, "survived": None})
+        party.asked_key = ask
     if entry is None:
         record.put(key, {"masked": masked, "input": party.input_digest, "survived": None})
     party.record_key = key
