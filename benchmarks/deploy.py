@@ -43,8 +43,10 @@ from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
-CLEAR = {"secure_aggregation": False}
-"""The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure)."""
+CLEAR = {"secure_aggregation": False, "reproducible": True, "evaluation": "per_case"}
+"""The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure), let the
+run seed drive their batches (no site salt: the deployment is compared with the simulation bitwise) and send
+per-case scores."""
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:

@@ -414,7 +414,8 @@ class SiteRuntime:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
         reply = self.site.handle(task)
-        self.guard.saw(task, reply)
+        if self.policy is not None:
+            self.guard.saw(task, reply)
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":
             reply = dataclasses.replace(reply, metrics=aggregate_scores(reply.metrics))
         return encode_reply(reply)
