@@ -449,3 +449,24 @@ def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_pa
     steps = sum(1 for e in lines if e["kind"] == "sample")
     assert accountant.epsilon([(SIGMA, q, steps)], delta) <= ceiling
     assert refused and "lifetime" in refused[0][1] and "max_epsilon" in refused[0][1], refused
+
+
+def test_the_server_stops_before_a_round_past_a_sites_lifetime_ceiling():
+    """The engine reads each site's report: a site whose next round would pass its policy's ceiling over all its
+    runs (``epsilon_lifetime_next`` > ``epsilon_ceiling``) stops training before that round, whatever
+    ``budget_action`` says (the site would refuse the round's steps); a site within it, or without a ceiling,
+    does not."""
+    import types
+
+    from fedseg.execution.engine import Engine
+
+    logs: list[str] = []
+    for action in ("stop", "warn"):
+        cfg = dataclasses.replace(tiny_config(), privacy=_privacy(epsilon=100.0, budget_action=action))
+        engine = types.SimpleNamespace(cfg=cfg, log=logs.append)
+        within = {"epsilon_next": 1.0, "epsilon_lifetime_next": 2.5, "epsilon_ceiling": 3.0}
+        past = {"epsilon_next": 1.0, "epsilon_lifetime_next": 3.5, "epsilon_ceiling": 3.0}
+        no_ceiling = {"epsilon_next": 1.0, "epsilon_lifetime_next": 30.0, "epsilon_ceiling": None}
+        assert not Engine.over_budget(engine, {"site1": within, "site2": no_ceiling}, 2)
+        assert Engine.over_budget(engine, {"site1": within, "site2": past}, 2)
+    assert "site site2 to ε = 3.5 over all its runs > its policy's max_epsilon = 3" in logs[-1]
