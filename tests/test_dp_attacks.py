@@ -470,3 +470,27 @@ def test_the_server_stops_before_a_round_past_a_sites_lifetime_ceiling():
         assert not Engine.over_budget(engine, {"site1": within, "site2": no_ceiling}, 2)
         assert Engine.over_budget(engine, {"site1": within, "site2": past}, 2)
     assert "site site2 to ε = 3.5 over all its runs > its policy's max_epsilon = 3" in logs[-1]
+
+
+def test_augmentation_and_selector_flips_under_dp_are_not_the_run_seeds(wl):
+    """Acting as the server: it ships the run seed and assigns the site index, so a stream seeded by them alone is
+    one it regenerates — under DP, which augmentation (crop, flip) a training case got, and FedSM's selector
+    flips.  Against a site that seeded them by (seed, site, round, purpose) the server's regeneration was the
+    site's draw; now a DP site keys them by its DP randomness (fresh OS bytes per draw): two sites with the same
+    seed and index draw differently, and neither draws the server's.  The seeded test mode stays reproducible,
+    and without DP the run seed drives them as before (a simulation's bitwise reproducibility)."""
+    from fedseg.site.batches import stream_generator
+
+    def draw(site, *purpose) -> torch.Tensor:
+        return torch.rand(16, generator=stream_generator(site, 1, *purpose))
+
+    for purpose in (("train", "transform"), ("selector-flip", 0)):
+        public = torch.rand(16, generator=generator(0, 0, 1, *purpose))  # what the server regenerates
+        a, b = draw(_site(wl, "fedavg"), *purpose), draw(_site(wl, "fedavg"), *purpose)
+        assert not torch.equal(a, b) and not torch.equal(a, public) and not torch.equal(b, public)
+        seeded = [draw(_site(wl, "fedavg", dp_randomness="seeded"), *purpose) for _ in range(2)]
+        assert torch.equal(seeded[0], seeded[1])
+        plain = dataclasses.replace(tiny_config("fedavg", rounds=2), privacy=PrivacyConfig())
+        data = tiny_sites(2)["site1"]
+        site = Site("site1", 0, data, wl, plain, get_algorithm(plain))
+        assert torch.equal(draw(site, *purpose), public)
