@@ -43,9 +43,10 @@ from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
 
-CLEAR = {"secure_aggregation": False, "min_sites": 2, "reproducible": True}
+CLEAR = {"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"}
 """The sites' policy in these benchmarks: they join runs without secure aggregation (what they measure), of two
-sites, and let the run seed drive their randomness (the benchmarks compare deployment with simulation)."""
+sites, let the run seed drive their randomness (no site salt: the deployment is compared with the simulation
+bitwise) and send per-case scores."""
 
 
 def unet_for_mb(mb: float, out_channels: int = 2) -> tuple[list[int], int]:

@@ -29,9 +29,10 @@ OVERRIDES = [
     "deploy.setup_timeout_s=90",
     "privacy.secure_aggregation=false",  # a deployment's default is on; these runs equal a plain simulation
 ]
-POLICY = {"secure_aggregation": False, "min_sites": 2, "reproducible": True}
-"""The sites' policy in these rehearsals: they join runs without secure aggregation too, of two sites, and let the
-run seed drive their randomness (``reproducible``: a rehearsal compares deployment with simulation bitwise)."""
+POLICY = {"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"}
+"""The sites' policy in these rehearsals: they join runs without secure aggregation too, of two sites, let the run
+seed drive their randomness (``reproducible``, no site salt: a rehearsal compares deployment with simulation
+bitwise) and send per-case scores."""
 
 
 def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):

@@ -162,7 +162,7 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
             tmp_path / "dep",
             overrides=overrides,
             timeout=150,
-            policy={"secure_aggregation": False, "min_sites": 2, "reproducible": True},
+            policy={"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"},
         )
     except Exception as e:  # pragma: no cover - environment without a working nvflare
         if "provision" in str(e):

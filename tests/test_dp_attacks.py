@@ -404,3 +404,93 @@ def test_client_level_noise_is_not_regenerated_from_the_seed(wl):
     g = generator(site.cfg.seed, site.index, "dp-client", "global", 0)
     regenerated = torch.randn(sent.numel(), generator=g, dtype=torch.float64) * SIGMA * CLIP / math.sqrt(5)
     assert float((sent - regenerated - truth).norm() / truth.norm()) > 1.0
+
+
+def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_path):
+    """Acting as the server over a deployed site's operations: one run after another (new run ids), each within
+    its own ``privacy.epsilon`` = the policy's ``max_epsilon`` = E, each taking two privatized steps.  Against a
+    site whose ceiling held per run id, every run was taken and the ledger's entries composed to ε(6 steps) > E
+    after three runs (without bound as runs go on).  Derivation of the bound: the runs release on the same data,
+    so their RDP adds up as steps do; E is ε(3 steps) at q = 4/6, σ = 1, so a fourth step passes it.  Now the
+    site composes every run in its ledger before each step: the run whose next round would pass E is refused at
+    setup, or its step is refused, and the ledger's ε (all runs, by Opacus' RDP accountant) never passes E."""
+    import json
+
+    from fedseg.apps.deploy.policy import SitePolicy
+    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.execution.remote.wire import decode_reply, encode_task
+    from fedseg.foundation.config import dump_toml
+
+    q, delta = 4 / 6, 1e-5
+    ceiling = accountant.epsilon([(SIGMA, q, 3)], delta)
+    cfg = dataclasses.replace(tiny_config("fga", rounds=1), privacy=_privacy(epsilon=ceiling, delta=delta))
+    data = tiny_sites(2)
+    rt = SiteRuntime(
+        SiteConfig("site1", "(in memory)", str(tmp_path / "work")),
+        loader=lambda *a: (data["site1"], wl),
+        policy=SitePolicy(secure_aggregation=False, max_epsilon=ceiling),
+    )
+    refused = []
+    for run in ("r1", "r2", "r3"):
+        desc = {"run_id": run, "sites": list(data), "data": {}, "config_toml": dump_toml(cfg.to_dict())}
+        setup = json.loads(rt.call("setup", json.dumps(desc).encode()))
+        if "refused" in setup:
+            refused.append((run, setup["refused"]))
+            continue
+        for step in (0, 1):
+            try:
+                rt.call("task", encode_task(_fga_task(wl, step)))
+            except PayloadError as e:
+                refused.append((run, str(e)))
+                break
+        report = decode_reply(rt.call("task", encode_task(Task("privacy", {}, {})))).metrics
+        assert report.get("epsilon_lifetime", report["epsilon"]) <= ceiling
+    lines = [json.loads(line) for line in (tmp_path / "work" / "privacy-ledger.jsonl").read_text().splitlines()]
+    steps = sum(1 for e in lines if e["kind"] == "sample")
+    assert accountant.epsilon([(SIGMA, q, steps)], delta) <= ceiling
+    assert refused and "lifetime" in refused[0][1] and "max_epsilon" in refused[0][1], refused
+
+
+def test_the_server_stops_before_a_round_past_a_sites_lifetime_ceiling():
+    """The engine reads each site's report: a site whose next round would pass its policy's ceiling over all its
+    runs (``epsilon_lifetime_next`` > ``epsilon_ceiling``) stops training before that round, whatever
+    ``budget_action`` says (the site would refuse the round's steps); a site within it, or without a ceiling,
+    does not."""
+    import types
+
+    from fedseg.execution.engine import Engine
+
+    logs: list[str] = []
+    for action in ("stop", "warn"):
+        cfg = dataclasses.replace(tiny_config(), privacy=_privacy(epsilon=100.0, budget_action=action))
+        engine = types.SimpleNamespace(cfg=cfg, log=logs.append)
+        within = {"epsilon_next": 1.0, "epsilon_lifetime_next": 2.5, "epsilon_ceiling": 3.0}
+        past = {"epsilon_next": 1.0, "epsilon_lifetime_next": 3.5, "epsilon_ceiling": 3.0}
+        no_ceiling = {"epsilon_next": 1.0, "epsilon_lifetime_next": 30.0, "epsilon_ceiling": None}
+        assert not Engine.over_budget(engine, {"site1": within, "site2": no_ceiling}, 2)
+        assert Engine.over_budget(engine, {"site1": within, "site2": past}, 2)
+    assert "site site2 to ε = 3.5 over all its runs > its policy's max_epsilon = 3" in logs[-1]
+
+
+def test_augmentation_and_selector_flips_under_dp_are_not_the_run_seeds(wl):
+    """Acting as the server: it ships the run seed and assigns the site index, so a stream seeded by them alone is
+    one it regenerates — under DP, which augmentation (crop, flip) a training case got, and FedSM's selector
+    flips.  Against a site that seeded them by (seed, site, round, purpose) the server's regeneration was the
+    site's draw; now a DP site keys them by its DP randomness (fresh OS bytes per draw): two sites with the same
+    seed and index draw differently, and neither draws the server's.  The seeded test mode stays reproducible,
+    and without DP the run seed drives them as before (a simulation's bitwise reproducibility)."""
+    from fedseg.site.batches import stream_generator
+
+    def draw(site, *purpose) -> torch.Tensor:
+        return torch.rand(16, generator=stream_generator(site, 1, *purpose))
+
+    for purpose in (("train", "transform"), ("selector-flip", 0)):
+        public = torch.rand(16, generator=generator(0, 0, 1, *purpose))  # what the server regenerates
+        a, b = draw(_site(wl, "fedavg"), *purpose), draw(_site(wl, "fedavg"), *purpose)
+        assert not torch.equal(a, b) and not torch.equal(a, public) and not torch.equal(b, public)
+        seeded = [draw(_site(wl, "fedavg", dp_randomness="seeded"), *purpose) for _ in range(2)]
+        assert torch.equal(seeded[0], seeded[1])
+        plain = dataclasses.replace(tiny_config("fedavg", rounds=2), privacy=PrivacyConfig())
+        data = tiny_sites(2)["site1"]
+        site = Site("site1", 0, data, wl, plain, get_algorithm(plain))
+        assert torch.equal(draw(site, *purpose), public)

@@ -291,9 +291,10 @@ def test_replayed_masked_input_fails_the_check_word():
     assert secagg.canary("round2", "site0") != secagg.canary("round2", "site1")
 
 
-def test_input_masked_with_another_site_list_fails_the_check_word():
-    """A site told a different list of sites (U2) masks with other pairs: its pairwise masks no longer
-    cancel and the sum is rejected.  An input without its check word is malformed and leaves its site out."""
+def test_input_masked_with_another_site_list_is_never_unmasked():
+    """A site told a different list of sites (U2) masks with other pairs (its pairwise masks would not cancel):
+    it cannot attest the survivor set, so no survivor reveals and the sum is never unmasked.  An input without
+    its check word is malformed and leaves its site out."""
     inputs = {f"site{k}": _arrays(k) for k in range(3)}
     server = ServerParty("e", BITS)
     parties = {u: SiteParty(u, "e", min_sites=2) for u in inputs}  # site0 masks with 2 of the 3
@@ -310,10 +311,14 @@ def test_input_masked_with_another_site_list_fails_the_check_word():
             with pytest.raises(PayloadError, match="no masked check word"):
                 server.accept_input(u, {k: v for k, v in arrays.items() if k != CANARY}, dtypes, 1.0)
         server.accept_input(u, arrays, dtypes, 1.0)
-    reveals = _consistency(server, parties)  # site0 masked with 2 sites, not the survivors' 3: it does not attest
-    assert sorted(reveals) == ["site1", "site2"]
-    with pytest.raises(SumRejected, match="exchange e:"):
-        server.unmask(reveals, log=lambda m: None)
+    # site0 masked with 2 sites, not the survivors' 3: it does not attest, and a site reveals only with every
+    # survivor's attestation, so the server's reveal request and a request sent anyway both fail
+    with pytest.raises(PayloadError, match=r"no attestation from \['site0'\]"):
+        _consistency(server, parties)
+    cfg = {**server.consistency_config(), "attestations": dict(server.attestations)}
+    for u in ("site1", "site2"):
+        with pytest.raises(PayloadError, match="2 survivors attested .* all 3 needed; not \\['site0'\\]"):
+            parties[u].reveal(cfg["dropped"], cfg["survived"], cfg["attestations"])
 
 
 def _keyed(k: int, exchange: str = "e", min_sites: int = 3):

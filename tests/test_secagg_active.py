@@ -294,9 +294,10 @@ def test_the_same_task_again_with_the_same_sites_and_input_is_answered():
 
 @pytest.mark.slow
 def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
-    """A deployed site keeps its record in WORKDIR/<run_id>/secagg_record.jsonl, outside its checkpoints: after a
-    restore (the server's ``restore`` operation) and after a restart of the site process it still knows what it
-    masked and attested, so neither rewinds its one-reply-per-(kind, round, step) rule."""
+    """A deployed site keeps one record for all its runs in WORKDIR/secagg_record.jsonl (keys name the run id),
+    outside its checkpoints: after a restore (the server's ``restore`` operation) and after a restart of the site
+    process it still knows what it masked and attested, so neither rewinds its one-reply-per-(kind, round, step)
+    rule."""
     import json
     from unittest.mock import ANY
 
@@ -317,11 +318,14 @@ def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
         return LoopbackChannel(runtimes)(site, op, payload, timeout)
 
     serve(tmp_path / "dep", channel, log=lambda m: None)
-    key, names = "train|1|None", list(data)
+    key, names = "run-1|train|1|None", list(data)
     runtimes["site1"].call("restore", json.dumps({"round": 0}).encode())
     assert runtimes["site1"].site.secagg_record.get(key)["masked"] == names
-    lines = (tmp_path / "sites" / "site1" / "run-1" / RECORD_NAME).read_text().splitlines()
-    assert json.loads(lines[-1]) == {"key": key, "entry": {"masked": names, "input": ANY, "survived": names}}
+    lines = [json.loads(line) for line in (tmp_path / "sites" / "site1" / RECORD_NAME).read_text().splitlines()]
+    assert [e for e in lines if e["key"] == key][-1] == {
+        "key": key,
+        "entry": {"masked": names, "input": ANY, "survived": names},
+    }
     restarted = _runtimes(tmp_path, data)["site1"]  # a new process on the same work folder
     restarted.call("setup", setups["site1"])
     assert restarted.site.secagg_record.get(key) == runtimes["site1"].site.secagg_record.get(key)

@@ -193,7 +193,9 @@ def test_aggregates_only_evaluation_sends_per_site_means_and_keeps_the_means(tmp
             wire.append(reply.metrics)
         return blob
 
-    for name, policy in (("cases", OPEN), ("means", dataclasses.replace(OPEN, evaluation="aggregates"))):
+    same = dataclasses.replace(OPEN, reproducible=True)  # both runs train alike: the run seed drives the batches
+    cases = dataclasses.replace(same, evaluation="per_case")
+    for name, policy in (("cases", cases), ("means", dataclasses.replace(same, evaluation="aggregates"))):
         data = tiny_sites(2)
         _prepare(tmp_path / name, cfg, list(data))
         runtimes = _runtimes(tmp_path / name, data, {"site2": policy})

@@ -42,8 +42,9 @@ the server's copy holds the first site's.
 Deployed, a site left out of one exchange (error, deadline, rejected reply) takes no
 further part in that round and is *stale* (it may have missed an averaged gradient);
 the round ends by asking a site that answered every exchange for its weights and
-optimizer state (:func:`optimizer_moments`), which the stale site receives with its
-next step-0 task (:func:`lockstep_round`).  A simulation never has a stale site.
+optimizer state (:func:`optimizer_moments`), which every site receives with its
+next step-0 task (:func:`lockstep_round`; the in-sync sites hold the same already, and under secure
+aggregation every site of an exchange must answer the same task).  A simulation never has a stale site.
 
 With ``privacy.secure_aggregation = true`` each step's gradients are one secure sum
 (:func:`fedseg.algorithms.secure.secure_ask`, weighted by the public batch sizes): the server learns the
@@ -425,8 +426,8 @@ def lockstep_round(
     may have missed an averaged gradient, so its weights and optimizer state no longer match: it is
     *stale*.  While any site is stale the round ends by asking the reference site for its weights and
     optimizer state, kept in the server state as ``resync/<prefix>/{weights,optim}/…`` with the mask
-    ``resync/<prefix>/stale`` (one entry per site of ``ctx.sites``; read from ``state``), and a stale
-    site gets both with its next step-0 task — it is back in sync from that round on.  Without
+    ``resync/<prefix>/stale`` (one entry per site of ``ctx.sites``; read from ``state``), and every site
+    gets both with its next step-0 task — a stale one is back in sync from that round on.  Without
     left-out sites (every simulation) nothing is added and no byte more is sent.
     """
     sites = list(ctx.sites)
@@ -464,7 +465,9 @@ def lockstep_round(
 
     def step0(s: str) -> Task:
         arrays = dict(first or {})
-        if s in stale and sync_w:
+        # every site gets the resync (the in-sync ones hold the same weights and moments): under secure
+        # aggregation each site reveals only when every survivor answered the same task
+        if stale and sync_w:
             arrays.update(prefixed(prefix, sync_w))
             arrays.update(prefixed("optim", sync_o))
         return Task(kind, arrays, {**base, "step": 0})

@@ -229,9 +229,27 @@ class Engine:
 
     def over_budget(self, report: dict[str, dict[str, Any]] | None, rnd: int) -> bool:
         """True when round ``rnd`` would take a site past ``privacy.epsilon`` and ``budget_action = "stop"``
-        (logged either way); a budget that not even the first round fits is a :class:`ConfigError`."""
+        (logged either way); a budget that not even the first round fits is a :class:`ConfigError`.  Also True
+        (whatever ``budget_action``) when it would take a deployed site past its policy's lifetime ceiling over
+        all its runs (``epsilon_lifetime_next`` > ``epsilon_ceiling`` in its report): the site would refuse it."""
         target = self.cfg.privacy.epsilon
-        if report is None or target is None:
+        if report is None:
+            return False
+        lifetime = {
+            s: r["epsilon_lifetime_next"]
+            for s, r in report.items()
+            if r.get("epsilon_ceiling") is not None and r.get("epsilon_lifetime_next", 0.0) > r["epsilon_ceiling"]
+        }
+        if lifetime and rnd > 1:  # round 1: the site refused the run at setup already
+            worst = max(lifetime, key=lambda s: lifetime[s])
+            self.log(
+                f"privacy budget: round {rnd} would take the data of site {worst} to ε = {lifetime[worst]:.3g} over "
+                f"all its runs > its policy's max_epsilon = {report[worst]['epsilon_ceiling']:g} (sites over it: "
+                f"{sorted(lifetime)}): training stops after round {rnd - 1} (checkpoint saved) and its models are "
+                "tested; the site's lifetime budget is its own"
+            )
+            return True
+        if target is None:
             return False
         over = {s: r["epsilon_next"] for s, r in report.items() if r["epsilon_next"] > target}
         if not over:
@@ -448,7 +466,11 @@ class Engine:
                 # "seeded": the server knows the seed, regenerates the noise and the batches: no ε holds against it
                 "epsilon_against_server": "inf" if cfg.privacy.dp_randomness == "seeded" else "epsilon",
                 "sites": {
-                    s: {k: r[k] for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches")}
+                    s: {
+                        k: r[k]
+                        for k in ("epsilon", "noise_multiplier", "sample_rate", "steps", "batches", "epsilon_lifetime")
+                        if k in r  # epsilon_lifetime: a deployed site's ε over every run in its ledger
+                    }
                     for s, r in report.items()
                 },
                 "stopped_after_round": stopped_at,

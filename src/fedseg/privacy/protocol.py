@@ -22,10 +22,21 @@ step  server → site                             site → server
 U1 and U2 hold at least ``min_sites`` sites (``privacy.secagg_min_sites``) and U2 at least t = ⌊|U1|/2⌋ + 1;
 it masks once per exchange and remembers U2; the lists of 4a and 4b must split U2 exactly with itself and at
 least t sites among the survivors; it attests one U3 per exchange, and reveals only for the U3 it attested
-and only after at least t survivors (itself counted) attested that same U3.  Two different survivor sets
+and only after every survivor attested that same U3 (t of them at least).  Two different survivor sets
 would each need t > |U1|/2 attestations, so some honest site would have attested both: at most one survivor
-set per exchange gets any shares, and the server never gets both secrets of one site.  The attestation is the
-site's certificate's signature of :func:`survivors_statement` when it has an identity; without one, an
+set per exchange gets any shares, and the server never gets both secrets of one site.
+
+**One task per exchange.**  What a site attests binds the task it masked its reply to as well
+(:func:`task_digest`: SHA-256 of the task's arrays — names, dtypes, shapes, bytes — and its config less the
+``secagg`` fields), and a site reveals only when every survivor's attestation names the same digest as its
+own.  A server that sends the target real weights and the others all-zero weights (their updates are then
+known, and the sum minus them is the target's update) gets no share: the target's digest differs from the
+others', so no site sees every survivor attest its own task.  What remains: a server that sends ONE crafted
+model to every site learns only the sum of the replies to it, as for an honest model — bounded by DP
+(``privacy.dp``), not by secure aggregation.
+
+The attestation is the site's certificate's signature of :func:`survivors_statement` when it has an
+identity; without one, an
 HMAC-SHA256 of it for each other survivor under the key the pair derives from its ``c`` keys (X25519 + HKDF,
 purpose "consistency"), which a server that relayed the ``c`` keys unchanged cannot compute (one that replaced
 them holds every pair's key: only signed keys stop it).
@@ -58,6 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -71,7 +83,16 @@ from fedseg.privacy import secagg
 from fedseg.privacy.identity import Identity
 from fedseg.privacy.secagg import KEY_BYTES
 
-__all__ = ["CANARY", "MASKED", "ServerParty", "SiteParty", "SumRejected", "survivors_statement"]
+__all__ = [
+    "CANARY",
+    "MASKED",
+    "ServerParty",
+    "SiteParty",
+    "SumRejected",
+    "model_digest",
+    "survivors_statement",
+    "task_digest",
+]
 
 MASKED = "secagg/"
 """Prefix of the masked arrays in a reply (distinct from the plain names, whose dtype they do not have)."""
@@ -117,14 +138,47 @@ def _ad(exchange: str, sender: str, recipient: str) -> bytes:
 _SURVIVORS = b"fedseg secagg survivors v1"
 
 
-def survivors_statement(exchange: str, signer: str, survived: Sequence[str]) -> bytes:
-    """What a site attests in the consistency round: a label, the exchange, the attesting site and the survivor
-    set U3 (sorted), each prefixed by its length (no two different tuples give the same bytes)."""
+def survivors_statement(exchange: str, signer: str, survived: Sequence[str], task: str = "") -> bytes:
+    """What a site attests in the consistency round: a label, the exchange, the attesting site, the hash of the
+    task it masked its reply to (:func:`task_digest`) and the survivor set U3 (sorted), each prefixed by its
+    length (no two different tuples give the same bytes)."""
     out = bytearray(_SURVIVORS)
-    for part in (exchange, signer, *sorted(survived)):
+    for part in (exchange, signer, task, *sorted(survived)):
         raw = part.encode()
         out += struct.pack(">I", len(raw)) + raw
     return bytes(out)
+
+
+_TASK = b"fedseg secagg task v1"
+
+
+def task_digest(arrays: Mapping[str, torch.Tensor], config: Mapping[str, Any], me: str = "") -> str:
+    """SHA-256 (hex) of what a task asks: its arrays in name order (each name, dtype, shape and bytes, each
+    prefixed by its length) and its config less the secure-aggregation fields (``secagg``: the exchange's
+    own lists and shares, which differ per site), as canonical JSON.  A path component of an array name equal
+    to ``me`` (the recipient: FedSM's first round sends each site ``personal/<site>/…``) reads ``<self>``, so
+    the same model sent to every site has the same digest at every site."""
+    h = hashlib.sha256(_TASK)
+
+    def part(raw: bytes) -> None:
+        h.update(struct.pack(">Q", len(raw)) + raw)
+
+    for name in sorted(arrays):
+        v = arrays[name].detach().cpu().contiguous()
+        canonical = "/".join("<self>" if me and c == me else c for c in name.split("/"))
+        part(canonical.encode())
+        part(str(v.dtype).encode())
+        part(repr(tuple(v.shape)).encode())
+        part(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    rest = {k: v for k, v in config.items() if k != "secagg"}
+    part(json.dumps(rest, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
+def model_digest(arrays: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of one model's arrays (:func:`task_digest` with no config): what a deployed site's
+    policy names in ``allowed_models`` and what it compares an evaluation candidate with."""
+    return task_digest(arrays, {})
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
@@ -144,8 +198,10 @@ class SiteParty:
         self.certs: dict[str, Any] = {}  # peer -> its certificate (PEM) as relayed in step 1, with an identity
         self.masked_with: list[str] = []  # U2, once this site masked
         self.input_digest = ""  # SHA-256 of the encoded input it masked (hex)
+        self.task = ""  # the digest of the task whose reply it masked (task_digest), attested with U3
         self.attested: list[str] | None = None  # U3 (sorted), once this site attested it
         self.record_key: str | None = None  # what the site files its masked input under (fedseg.site.secure.Record)
+        self.asked_key: str | None = None  # and, at a deployed site without a salt, what was asked
         self.c = secagg.keypair()
         self.s = secagg.keypair()
         self.b = os.urandom(KEY_BYTES)
@@ -222,10 +278,13 @@ class SiteParty:
         order: Sequence[str],
         shares: Mapping[str, str],
         fraction_bits: int,
+        task: str = "",
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
         """Step 3: open the shares sealed for this site, then encode ``weight`` · arrays (a function of the
         array's name: per-name weights, :func:`fedseg.privacy.secagg.encode`) and mask them with every site
         of ``order`` (U2), with this site's check word appended (:func:`fedseg.privacy.secagg.canary`).
+        ``task``: the digest of the task the arrays answer (:func:`task_digest`), attested in the consistency
+        round: the site reveals only if every survivor masked a reply to the same task.
         Returns the masked arrays (``secagg/<name>``, int64, and the masked check word :data:`CANARY`), their
         dtypes and the senders whose share did not open (they are not held; the sum still works if
         enough others are)."""
@@ -266,6 +325,7 @@ class SiteParty:
                 bad.append(sender)
         encoded, layout = secagg.encode(arrays, weight, fraction_bits, len(order), f"site {self.me}")
         self.masked_with = order
+        self.task = str(task)
         self.input_digest = hashlib.sha256(
             "|".join(f"{n}:{s}:{d}" for n, s, d in zip(layout.names, layout.shapes, layout.dtypes)).encode()
             + encoded.tobytes()
@@ -331,7 +391,7 @@ class SiteParty:
                 f"does not attest another set {sorted(survived)}"
             )
         self.attested = sorted(survived)
-        data = survivors_statement(self.exchange, self.me, survived)
+        data = survivors_statement(self.exchange, self.me, survived, self.task)
         if self.identity is not None:
             return {"signature": self.identity.sign_bytes(data)}
         return {"macs": {v: _mac(self._pair_key(v), data).hex() for v in survived if v != self.me}}
@@ -343,7 +403,7 @@ class SiteParty:
         """Whether ``attestation`` (as relayed) is ``peer``'s valid attestation of ``survived``."""
         if not isinstance(attestation, dict):
             return False
-        data = survivors_statement(self.exchange, peer, survived)
+        data = survivors_statement(self.exchange, peer, survived, self.task)
         if self.identity is not None:
             return self.identity.verify_peer(peer, self.certs.get(peer), attestation.get("signature"), data)
         macs = attestation.get("macs")
@@ -362,8 +422,11 @@ class SiteParty:
         """Step 4: shares of s_d for each dropped site and of b_u for each surviving one (this site among
         them), ``{"s": {d: hex}, "b": {u: hex}}``.  Refused unless the lists split U2 exactly with at least t
         survivors, this site attested that survivor set and ``attestations`` ({survivor: its attestation, as
-        relayed}) hold valid attestations of it from at least t survivors (this site's own counted); refused
-        as well when this exchange was revealed before: an honest site never gives out both shares of one peer."""
+        relayed}) hold a valid attestation of the same survivor set and the same task (:func:`task_digest`) from
+        EVERY survivor: a server that sent one survivor other arrays or another config than the rest (real
+        weights to the target, all-zero weights to the others) gets no share of anyone's secrets, so it never
+        unmasks a sum of replies to different tasks.  Refused as well when this exchange was revealed before:
+        an honest site never gives out both shares of one peer."""
         if self.revealed:
             raise PayloadError(f"site {self.me}: revealed its shares of exchange {self.exchange} already")
         dropped, survived = self._check_lists(dropped, survived, "reveal shares")
@@ -373,17 +436,18 @@ class SiteParty:
                 f"it attested {self.attested} in the consistency round"
             )
         attestations = attestations if isinstance(attestations, Mapping) else {}
-        t = secagg.threshold_for(len(self.order))
-        valid = 1 + sum(
-            1
+        missing = sorted(
+            u
             for u in survived
-            if u != self.me and u in attestations and self._attested_by(u, attestations[u], survived)
+            if u != self.me and not (u in attestations and self._attested_by(u, attestations[u], survived))
         )
-        if valid < t:
+        if missing:
             raise PayloadError(
-                f"site {self.me}: refuses to reveal shares of exchange {self.exchange}: {valid} survivors attested "
-                f"the survivor set {sorted(survived)} validly, t = {t} needed (the server sent different survivor "
-                "lists to different sites, or altered their attestations)"
+                f"site {self.me}: refuses to reveal shares of exchange {self.exchange}: "
+                f"{len(survived) - len(missing)} survivors attested the survivor set {sorted(survived)} and this "
+                f"site's task validly, all {len(survived)} needed; not {missing} (the server sent them other "
+                "survivor lists or another task — other arrays or config — than this site's, or altered their "
+                "attestations)"
             )
         self.revealed = True
         return {
@@ -568,13 +632,15 @@ class ServerParty:
 
     def reveal_config(self) -> dict[str, Any]:
         """Step 4's task config: who dropped after masking, who survived and the survivors' attestations; sent to
-        the survivors that attested (at least t of them, or :class:`PayloadError`)."""
+        the survivors (every survivor must have attested, or :class:`PayloadError`: a site reveals only with
+        every survivor's attestation of the same survivor set and task)."""
         cfg = self.consistency_config()
-        t = secagg.threshold_for(len(self.order))
         attested = {u: self.attestations[u] for u in cfg["survived"] if u in self.attestations}
-        if len(attested) < t:
+        if len(attested) < len(cfg["survived"]):
+            missing = [u for u in cfg["survived"] if u not in attested]
             raise PayloadError(
-                f"exchange {self.exchange}: {len(attested)} survivors attested the survivor set, t = {t} needed"
+                f"exchange {self.exchange}: {len(attested)} of the {len(cfg['survived'])} survivors attested the "
+                f"survivor set; no attestation from {missing}, and every survivor's is needed"
             )
         return {**cfg, "attestations": attested}
 

@@ -1,7 +1,8 @@
 """A site's data: its splits, where their tensors live, and the batches a round trains on.
 
 Random draws (batch order, crops) come from generators seeded by (run seed, site index, round, stream name):
-see :mod:`fedseg.foundation.seeding`.  Under ``privacy.dp = "sample"`` the batches are Poisson samples from the
+see :mod:`fedseg.foundation.seeding` — and a deployed site's own salt where it salts (:func:`stream_generator`);
+under differential privacy from the site's DP randomness instead.  Under ``privacy.dp = "sample"`` the batches are Poisson samples from the
 site's DP randomness (:mod:`fedseg.site.dp`).
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "on_device",
     "placed_split",
     "steps_per_round",
+    "stream_generator",
     "tensor_pair",
     "training_batches",
 ]
@@ -180,7 +182,7 @@ def training_batches(
     bs = batch_size or site.cfg.train.batch_size
     steps = site.steps_per_round(split) if steps is None else steps
     tf = site.workload.train_transform
-    g_tf = generator(site.cfg.seed, site.index, rnd, stream, "transform") if tf is not None else None
+    g_tf = stream_generator(site, rnd, stream, "transform") if tf is not None else None
     cases_aware = isinstance(tf, CaseTransform)
     lazy = isinstance(ds, CachedVolumes) and cases_aware
     # padded volumes: each case's own shape, so that patches stay within it (the workload's patch crop)
@@ -195,9 +197,7 @@ def training_batches(
         return
     done, epoch = 0, 0
     while done < steps:
-        order = torch.randperm(
-            n, generator=generator(site.cfg.seed, site.index, rnd, stream, epoch)
-        )  # drawn on the CPU on every device
+        order = torch.randperm(n, generator=stream_generator(site, rnd, stream, epoch))  # on the CPU on every device
         perm = order.to(site.device) if isinstance(ds, Placed) else order  # one copy per pass
         for start in range(0, n, bs):
             if done >= steps:
@@ -205,6 +205,23 @@ def training_batches(
             yield batch_at(site, ds, perm[start : start + bs], order[start : start + bs], tf, g_tf, lazy, extents)
             done += 1
         epoch += 1
+
+
+def stream_generator(site: Any, rnd: int, *purpose: int | str) -> torch.Generator:
+    """The generator of one of a site's training streams (batch order of a pass, augmentation, FedSM's selector
+    flips) in round ``rnd``.  Under differential privacy (``privacy.dp`` not off) it is keyed by the site's DP
+    randomness (:mod:`fedseg.privacy.randomness`: fresh OS bytes, or the seeded test mode's hash), never by the
+    public run seed alone: the server cannot predict which augmentation a case got.  Otherwise it is seeded by
+    (run seed, site index, round, purpose) and, at a deployed site that salts (``site.salt``), its salt: two runs
+    never draw the same batches, so (sum of run A − sum of run B) is not one site's update."""
+    if site.cfg.privacy.dp != "off":
+        key = site.dp.random.key("stream", int(rnd), *purpose)
+        g = torch.Generator()
+        g.manual_seed(int.from_bytes(key[:8], "big") & ((1 << 63) - 1))
+        return g
+    salt = getattr(site, "salt", None)
+    extra = () if salt is None else (int(salt),)
+    return generator(site.cfg.seed, site.index, rnd, *purpose, *extra)
 
 
 def batch_at(

@@ -85,26 +85,45 @@ class Ledger:
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
+        self.other_runs: dict[str, list[dict[str, Any]]] = {}
+        """The entries of the other runs the file holds, per run (the site's other releases on the same data)."""
         self.path: Path | None = None
         self.run: str | None = None
         self._per_batch: dict[str, int] = {}
 
     def attach(self, path: str | Path, run: str | None = None, fresh: bool = False) -> None:
-        """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds.
-        ``fresh`` starts the file anew (a simulation started from scratch in the same folder)."""
+        """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds (and those
+        of every other run into :attr:`other_runs`).  ``fresh`` starts the file anew (a simulation started from
+        scratch in the same folder)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if fresh and path.exists():
             path.unlink()
         kept = self.entries
         self.entries, self._per_batch, self.path, self.run = [], {}, path, run
+        self.other_runs = {}
         if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
+            lines = path.read_text().splitlines()
+            for i, line in enumerate(lines):
+                if not line.strip():
+                    continue
+                try:
                     entry = json.loads(line)
-                    if entry.get("run") == run:
-                        self._index(entry)
-                        self.entries.append(entry)
+                    ok = isinstance(entry, dict) and entry.get("kind") in ("sample", "client", "reveal")
+                except ValueError:
+                    ok = False
+                if not ok:
+                    if i == len(lines) - 1:  # a last line cut short by a crash: that booking's step never ran
+                        break
+                    raise PayloadError(
+                        f"the privacy ledger {path} is unreadable at line {i + 1}; restore it from a backup (its "
+                        "entries are the site's spent ε: deleting it would let runs spend it again)"
+                    )
+                if entry.get("run") == run:
+                    self._index(entry)
+                    self.entries.append(entry)
+                else:
+                    self.other_runs.setdefault(str(entry.get("run")), []).append(entry)
         for entry in kept:  # bookings made before the file was attached
             self.append(entry)
 
@@ -180,6 +199,11 @@ class SiteDP:
         self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
         self._reported: int | None = None  # ledger entries at the last report (in this process)
         self._tallied: _Tally | None = None
+        self.lifetime_ceiling: float | None = None
+        """A deployed site's ε ceiling over every run in its ledger (its policy's ``max_epsilon``): each
+        privatized release is refused when the composition of every run's entries would pass it.  None: no
+        ceiling over runs (simulation; a site without one)."""
+        self._other_runs: tuple[int, dict[tuple[float, float], int]] | None = None
 
     # ------------------------------------------------------------- accounting
     @property
@@ -268,6 +292,40 @@ class SiteDP:
         t.seen = len(entries)
         return t
 
+    def other_run_counts(self) -> dict[tuple[float, float], int]:
+        """The accountant's counts ``{(σ_eff, q): releases}`` of every other run in the ledger, each run tallied on
+        its own (batch and exchange names are per run), then summed: RDP composes over runs as over steps."""
+        runs = self.ledger.other_runs
+        size = sum(len(v) for v in runs.values())
+        if self._other_runs is None or self._other_runs[0] != size:
+            counts: dict[tuple[float, float], int] = {}
+            for entries in runs.values():
+                tally = _Tally({})
+                for e in entries:
+                    tally.add(e)
+                for key, n in tally.counts.items():
+                    counts[key] = counts.get(key, 0) + n
+            self._other_runs = (size, counts)
+        return self._other_runs[1]
+
+    def lifetime_history(
+        self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None
+    ) -> list[tuple[float, float, int]]:
+        """The accountant history of every run in the ledger, this one's (plus ``extra``) included."""
+        counts = dict(self.other_run_counts())
+        for sigma, q, t in self.history(extra):
+            counts[(sigma, q)] = counts.get((sigma, q), 0) + t
+        hist = [(s, q, t) for (s, q), t in sorted(counts.items()) if t > 0]
+        if extra_rounds:
+            hist.append((self._planned_sigma(), self.sample_rate, self.plan()[0] * extra_rounds))
+        return hist
+
+    def lifetime_epsilon(self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None) -> float:
+        """ε at this run's ``privacy.delta`` of every run in the ledger composed (this one's ``extra`` included):
+        what the site's data has spent over its life."""
+        s = self.settings
+        return accountant.epsilon(self.lifetime_history(extra_rounds, extra), s.delta, s.accountant)
+
     def epsilon(self, extra_rounds: int = 0, extra: list[dict[str, Any]] | None = None) -> float:
         """ε at ``privacy.delta`` of the ledger (plus ``extra_rounds`` planned rounds and ``extra`` entries)."""
         s = self.settings
@@ -281,7 +339,18 @@ class SiteDP:
         return sum(1 for e in self.ledger.entries if e["kind"] in ("sample", "client"))
 
     def _refuse_past_budget(self, entry: dict[str, Any], what: str) -> None:
-        """A :class:`PayloadError` naming ``privacy.epsilon`` if booking ``entry`` would pass the budget."""
+        """A :class:`PayloadError` naming ``privacy.epsilon`` if booking ``entry`` would pass the run's budget, or
+        naming the site's lifetime ceiling (:attr:`lifetime_ceiling`) if it would take every run's ε past it."""
+        ceiling = self.lifetime_ceiling
+        if ceiling is not None:
+            after = self.lifetime_epsilon(extra=[entry])
+            if after > ceiling:
+                raise PayloadError(
+                    f"site {self.site.name}: {what} would take the ε of this site's data over all its runs to "
+                    f"{after:.4g} > its policy's max_epsilon = {ceiling:g} (δ = {self.settings.delta:g}; "
+                    f"{len(self.ledger.other_runs)} other runs in its ledger): the site refuses it whatever the "
+                    "server asks; the ceiling is a lifetime budget, not one per run"
+                )
         budget = self.settings.epsilon
         if budget is None:
             return
@@ -319,10 +388,12 @@ class SiteDP:
 
     def report(self) -> dict[str, Any]:
         """What the engine records per site and round: ε spent, ε after one more round (:meth:`forecast`), σ, q,
-        releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞)."""
+        releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞); with
+        other runs in the ledger or a lifetime ceiling also ``epsilon_lifetime`` (every run composed),
+        ``epsilon_lifetime_next`` and ``epsilon_ceiling``."""
         epsilon_next = self.forecast()
         self._reported = len(self.ledger.entries)
-        return {
+        out: dict[str, Any] = {
             "epsilon": self.epsilon(),
             "epsilon_next": epsilon_next,
             "noise_multiplier": self.sigma,
@@ -332,6 +403,12 @@ class SiteDP:
             "dp_randomness": self.random.mode,
             "epsilon_against_server": "inf" if self.random.seeded else "epsilon",
         }
+        if self.ledger.other_runs or self.lifetime_ceiling is not None:  # a deployed site's ε over all its runs
+            spent = self.lifetime_epsilon()
+            out["epsilon_lifetime"] = spent
+            out["epsilon_lifetime_next"] = max(self.lifetime_epsilon(extra_rounds=1), spent)
+            out["epsilon_ceiling"] = self.lifetime_ceiling
+        return out
 
     # ---------------------------------------------------------------- batches
     def batch(self, rnd: int, stream: str, split: str, step: int, n: int, batch_size: int) -> torch.Tensor:

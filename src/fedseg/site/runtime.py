@@ -149,6 +149,14 @@ class Site:
         self.secagg_record = secure.Record()
         """What this site masked per (task kind, round, step) (:class:`fedseg.site.secure.Record`): not part of
         its saved state, so restoring a checkpoint does not rewind it; a deployed site keeps it in a file."""
+        self.salt: int | None = None
+        """A deployed site's own random salt for this run (from the operating system, kept in its work folder,
+        mixed with the run id): mixed into its non-DP batch order and augmentation
+        (:func:`fedseg.site.batches.training_batches`) so that two runs never give bitwise-equal updates.  None
+        (simulation; a site whose policy has ``reproducible = true``): the run seed alone drives them."""
+        self.epoch = ""
+        """What the site's secure-aggregation record files this run's replies under (a deployed site's run id;
+        empty in simulation): :class:`fedseg.site.secure.Record`."""
         self.identity: Identity | None = None
         """The site's certificate and private key, which sign its secure-aggregation keys
         (:mod:`fedseg.privacy.identity`); set by a deployed site from its startup kit, None in simulation."""

@@ -17,9 +17,18 @@ second masked reply for the same (kind, round, step) goes out only for the same 
 same set or with the survivor set it attested (a round resumed after a site dropped), and it attests no other
 survivor set.  Every honest site attests at most one set per key, and a sum needs t > K/2 attestations, so
 all the sums of one key that come out are over one set of sites and the same inputs: two sums whose
-difference would be one site's input never both come out.  The record is not part of the site's saved state
-(:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not rewind it; a deployed site
-keeps it in ``WORKDIR/<run_id>/secagg_record.jsonl``.  With ``privacy.secure_aggregation`` on in the site's
+difference would be one site's input never both come out.  Across runs (a deployed site keeps one record for
+all its runs, ``WORKDIR/secagg_record.jsonl``, its keys naming the run id) the record is indexed by the hash of
+each input: the same input bits never go out masked with another set of sites, whatever run asks.  A deployed
+site without a salt (its policy's ``reproducible = true``: its batches are a function of the run seed) also
+answers one ask — the task's arrays, kind, round and step — with one input and one set over all its runs; a
+salted site's next run trains on other batches, so no exact replay exists to refuse.  The record is not part
+of the site's saved state (:meth:`~fedseg.site.runtime.Site.state_arrays`): restoring a checkpoint does not
+rewind it.
+
+**One task per exchange.**  The site hashes the task it masks a reply to
+(:func:`fedseg.privacy.protocol.task_digest`) and attests that digest with the survivor set; it reveals only
+when every survivor attested the same digest (:meth:`~fedseg.privacy.protocol.SiteParty.reveal`).  With ``privacy.secure_aggregation`` on in the site's
 own config, :meth:`~fedseg.site.runtime.Site.handle` refuses a task whose reply the method sums
 (:meth:`fedseg.seams.algorithm.Algorithm.summed`) when it comes without the ``secagg`` field or with a
 ``steps`` count (the local work comes from the site's config).
@@ -42,7 +51,7 @@ from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
-from fedseg.privacy.protocol import SiteParty
+from fedseg.privacy.protocol import SiteParty, task_digest
 
 
 class Site(Protocol):
@@ -68,14 +77,17 @@ _SCRATCH = "secagg"
 
 
 class Record:
-    """What a site masked, per ``"<task kind>|<round>|<step>"``: ``{"masked": U2 (sorted), "input": SHA-256 of the
-    encoded input (hex), "survived": the U3 it attested (sorted) or None}``.  In memory, and with ``path`` also
-    in an append-only file of JSON lines (``{"key": …, "entry": …}``, the last line of a key holding), each
-    change appended and flushed to disk before the reply leaves the site, read back on creation."""
+    """What a site masked, per ``"<run>|<task kind>|<round>|<step>"`` (``<run>``: the site's :attr:`epoch`, its
+    deployed run id; empty in simulation): ``{"masked": U2 (sorted), "input": SHA-256 of the encoded input (hex),
+    "survived": the U3 it attested (sorted) or None}``, and indexed by the input's hash across every run it
+    holds (:meth:`with_input`).  In memory, and with ``path`` also in an append-only file of JSON lines
+    (``{"key": …, "entry": …}``, the last line of a key holding), each change appended and flushed to disk
+    before the reply leaves the site, read back on creation.  A deployed site keeps one file for all its runs."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else None
         self.entries: dict[str, dict[str, Any]] = {}
+        self.inputs: dict[str, dict[str, dict[str, Any]]] = {}  # input digest -> {key: entry}
         if self.path is not None and self.path.is_file():
             fix = (
                 "restore it from a backup (deleting it lets the server ask this site again for replies it already sent)"
@@ -99,12 +111,23 @@ class Record:
                         f"the secure-aggregation record {self.path}: line {i + 1} is not a key and an entry; {fix}"
                     )
                 self.entries[key] = entry
+                self._index(key, entry)
+
+    def _index(self, key: str, entry: dict[str, Any]) -> None:
+        digest = entry.get("input")
+        if isinstance(digest, str):
+            self.inputs.setdefault(digest, {})[key] = entry
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.entries.get(key)
 
+    def with_input(self, digest: str) -> list[dict[str, Any]]:
+        """Every entry (of any run) whose masked input had the encoding hash ``digest``."""
+        return list(self.inputs.get(digest, {}).values())
+
     def put(self, key: str, entry: dict[str, Any]) -> None:
         self.entries[key] = entry
+        self._index(key, entry)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
@@ -122,8 +145,13 @@ def record_of(site: Site) -> Record:
     return record
 
 
-def _key(task: Task) -> str:
+def _label(task: Task) -> str:
     return f"{task.kind}|{task.config.get('round')}|{task.config.get('step')}"
+
+
+def _key(site: Site, task: Task) -> str:
+    epoch = getattr(site, "epoch", "")
+    return f"{epoch}|{_label(task)}" if epoch else _label(task)
 
 
 def _party(site: Site, config: dict[str, Any]) -> SiteParty:
@@ -180,7 +208,10 @@ def handle(site: Site, task: Task) -> Reply:
             raise PayloadError(
                 f"site {site.name}: the survivor list of exchange {party.exchange} is not a list of names"
             )
+        asked = record.get(party.asked_key) if party.asked_key is not None else None
         before = entry.get("survived")
+        if before is None and asked is not None:
+            before = asked.get("survived")
         if before is not None and before != sorted(survived):
             raise PayloadError(
                 f"site {site.name}: attested the survivors {before} for {key} already; it does not attest "
@@ -188,6 +219,8 @@ def handle(site: Site, task: Task) -> Reply:
             )
         attestation = party.attest(dropped, survived)
         record.put(key, {**entry, "survived": sorted(survived)})
+        if party.asked_key is not None:
+            record.put(party.asked_key, {**(asked or {}), "survived": sorted(survived)})
         return Reply(metrics={"secagg": attestation})
     if task.kind == "secagg/reveal":
         shares = party.reveal(dropped, survived, task.config.get("attestations"))
@@ -202,7 +235,9 @@ def handle(site: Site, task: Task) -> Reply:
 def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     """Step 3: the reply with its arrays encoded (× the public weight: its sample count under
     ``weighting = "samples"``, else 1; per name prefix with ``prefix_weighting``, :func:`weights_by_name`), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
-    their dtypes and which peers' shares did not open."""
+    their dtypes and which peers' shares did not open.  ``asked``: the task's digest
+    (:func:`fedseg.privacy.protocol.task_digest`, taken before the handler ran; default: now), attested in the
+    consistency round so that the site reveals only when every survivor answered the same task."""
     config = task.config["secagg"]
     party = _party(site, config)
     rnd = task.config.get("round")
@@ -218,21 +253,47 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
             f"with privacy.secagg_fraction_bits = {bits}; server and sites must run the same config"
         )
     weights = weights_by_name(config, reply.num_samples)
+    digest = task_digest(task.arrays, task.config, site.name)
     arrays, dtypes, unopened = party.mask(
-        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits
+        reply.arrays, weights, config.get("order", []), config.get("shares", {}), bits, digest
     )
-    key, record = _key(task), record_of(site)
+    key, record = _key(site, task), record_of(site)
     entry = record.get(key)
     masked = sorted(party.masked_with)
     if entry is not None and (
         entry.get("input") != party.input_digest or masked not in (entry.get("masked"), entry.get("survived"))
     ):
         raise PayloadError(
-            f"site {site.name}: sent its masked reply for {key} already (masked with {entry.get('masked')}, "
+            f"site {site.name}: sent its masked reply for {_label(task)} already (masked with {entry.get('masked')}, "
             f"survivors attested {entry.get('survived')}); it sends another only with the same input and the same "
             f"sites or the survivors it attested, not with {masked} or another input (the difference of two sums "
             "over different sets is one site's input)"
         )
+    for before in record.with_input(party.input_digest):  # the same bits, in any run this site took part in
+        if masked not in (before.get("masked"), before.get("survived")):
+            raise PayloadError(
+                f"site {site.name}: masked the same input bits before (for another ask, or in another run), with "
+                f"{before.get('masked')}; it does not send them again masked with {masked} (the difference of two "
+                "sums over different sets is one site's input)"
+            )
+    if getattr(site, "epoch", "") and getattr(site, "salt", None) is None:
+        # a deployed site whose batches the run seed drives (policy reproducible = true): what was asked — the
+        # arrays, kind, round and step — gets one input and one set over all its runs, so that another run config
+        # (another learning rate, say) cannot make a near copy of its reply masked with other sites
+        ask = f"asked|{_label(task)}|{task_digest(task.arrays, {}, site.name)}"
+        prior = record.get(ask)
+        if prior is not None and (
+            prior.get("input") != party.input_digest or masked not in (prior.get("masked"), prior.get("survived"))
+        ):
+            raise PayloadError(
+                f"site {site.name}: was asked {_label(task)} with the same arrays before (in this or another run) and "
+                f"masked its reply with {prior.get('masked')}; without a site salt it sends another reply to the same "
+                f"ask only with the same input and sites, not with {masked} or another input (give this site a salt: "
+                "its policy's reproducible = false)"
+            )
+        if prior is None:
+            record.put(ask, {"masked": masked, "input": party.input_digest, "survived": None})
+        party.asked_key = ask
     if entry is None:
         record.put(key, {"masked": masked, "input": party.input_digest, "survived": None})
     party.record_key = key

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.foundation.config import DP_MODES
-from fedseg.foundation.errors import ConfigError
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import split_name
 
 __all__ = [
     "POLICY_NAME",
@@ -56,6 +57,9 @@ ALWAYS_ALLOWED = ("privacy",)
 aggregation's own steps (``"secagg/…"``), which carry keys and shares, never data."""
 
 EVALUATION = ("per_case", "aggregates")
+
+EVALUATION_KINDS = frozenset({"evaluate", "route"})
+"""Task kinds that score models on a split the task names (the built-in evaluation, FedSM's routing)."""
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,27 @@ class SitePolicy:
     tasks: tuple[str, ...] | None = None
     """Task kinds the site answers (e.g. ["train", "evaluate"]); None (or "*"): any.  Its ε report and
     secure aggregation's steps are always answered."""
-    evaluation: str = "per_case"
-    """'per_case': evaluation replies carry one score per case; 'aggregates': each candidate's mean over the
-    site's cases only (per-case scores of a model the server crafts reveal each case's labels)."""
+    evaluation: str = "aggregates"
+    """'aggregates' (default): evaluation replies carry each candidate's mean over the site's cases only;
+    'per_case': one score per case (per-case scores of a model the server crafts reveal each case's labels)."""
+    allowed_models: tuple[str, ...] = ()
+    """Digests (:func:`fedseg.privacy.protocol.model_digest`, 64 hex digits) of models the site evaluates besides
+    the ones it saw leave training (docs/deploy.md, "Site policy"), e.g. a model trained elsewhere that the
+    federation compares with."""
+    max_histogram_requests: int = 256
+    """How many intensity intervals (``histogram`` requests of the volume plan) the site answers between two
+    run setups; a plan's exact percentiles take at most 64 per CT channel (4 ranks × 16 exchanges)."""
+    min_histogram_width: float = 0.0
+    """The narrowest bin (interval width / bins, in intensity units) the site answers; 0: any (the plan's exact
+    float percentiles narrow their interval 4096-fold per exchange)."""
     release_models: bool = True
     """Consent to hand the site's final own model to the server (FedSM's ``fedsm_release``); false refuses it."""
     reproducible: bool = False
     """The site lets the run seed drive its randomness — seeded DP noise and, without a site salt, batch order and
     augmentation — for rehearsals that compare deployment with simulation; never in production.  false: the
     site's DP noise and batches come from its operating system's random source whatever
-    ``privacy.dp_randomness`` the run ships."""
+    ``privacy.dp_randomness`` the run ships, and it mixes its own salt (``WORKDIR/site_salt``) into its non-DP
+    batch order and augmentation, so two runs never give bitwise-equal updates."""
 
     # ---------------------------------------------------------------- checks
     def delta_limit(self, num_train: int | None) -> float | None:
@@ -158,10 +173,53 @@ class SitePolicy:
             return None
         return f"task kind {kind!r} is not among the policy's tasks {list(self.tasks)}"
 
+    def evaluation_refusal(self, kind: str, config: dict[str, Any]) -> str | None:
+        """Why an evaluation-like task (``evaluate``, FedSM's ``route``) is refused for the split it names: the
+        training split never (a model the server crafts, e.g. an all-foreground probe, would give each training
+        case's foreground size: no DP noise covers an evaluation)."""
+        if kind not in EVALUATION_KINDS:
+            return None
+        try:
+            split = split_name(str(config.get("split")))
+        except PayloadError as e:
+            return str(e)
+        if split == "training":
+            return (
+                f"task {kind!r} scores models on the training split; this site evaluates only on its validation "
+                "and testing splits (a crafted model's scores on the training cases are a label oracle that no "
+                "DP noise covers)"
+            )
+        return None
+
+    def histogram_refusal(self, body: dict[str, Any], answered: int) -> str | None:
+        """Why a ``histogram`` request of the volume plan is refused: more intervals than
+        ``max_histogram_requests`` since the last setup (``answered`` so far), or a bin narrower than
+        ``min_histogram_width``."""
+        requests = body.get("requests")
+        if not isinstance(requests, list):
+            return None  # malformed: the planning operation names that itself
+        if answered + len(requests) > self.max_histogram_requests:
+            return (
+                f"{answered} histogram intervals answered since the last setup and {len(requests)} more asked; the "
+                f"policy's max_histogram_requests is {self.max_histogram_requests}"
+            )
+        for r in requests:
+            try:
+                width = (float(r["hi"]) - float(r["lo"])) / max(1, int(r["bins"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if width < self.min_histogram_width:
+                return (
+                    f"a histogram bin of width {width:.3g} is asked; the policy's min_histogram_width is "
+                    f"{self.min_histogram_width:g}"
+                )
+        return None
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("methods", "tasks"):
             d[k] = "*" if d[k] is None else list(d[k])
+        d["allowed_models"] = list(d["allowed_models"])
         return d
 
 
@@ -217,6 +275,7 @@ def enforced(cfg: Any, policy: SitePolicy | None, where: str | None, identity: A
             min_sites=policy.min_sites,
             evaluation=policy.evaluation,
             reproducible=policy.reproducible,
+            salted=not policy.reproducible,
         )
     return out
 
@@ -234,6 +293,15 @@ def _names(key: str, v: Any) -> tuple[str, ...] | None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
         raise ValueError('a non-empty list of names (e.g. ["fedavg", "fedsm"]) or "*" (any)')
+    return tuple(v)
+
+
+def _digests(v: Any) -> tuple[str, ...]:
+    ok = isinstance(v, list) and all(
+        isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x) for x in v
+    )
+    if not ok:
+        raise ValueError("a list of model digests (64 lowercase hex digits each; [] for none)")
     return tuple(v)
 
 
@@ -262,6 +330,9 @@ _CHECKS = {
     "methods": _names,
     "tasks": _names,
     "evaluation": _choice(EVALUATION),
+    "allowed_models": lambda k, v: _digests(v),
+    "max_histogram_requests": lambda k, v: _number(k, v, minimum=0, integer=True),
+    "min_histogram_width": lambda k, v: _number(k, v, minimum=0.0),
     "release_models": _bool,
     "reproducible": _bool,
 }

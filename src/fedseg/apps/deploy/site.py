@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
+from fedseg.apps.deploy.guard import SALT_NAME, Guard, site_salt
 from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, enforced, read_policy, site_held
 from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
@@ -61,6 +62,7 @@ from fedseg.site.workload import Workload, workload_for
 
 __all__ = [
     "RELEASE_LOG",
+    "SALT_NAME",
     "SITE_CONFIG_NAME",
     "SiteConfig",
     "SiteRuntime",
@@ -178,6 +180,8 @@ class SiteRuntime:
         and sent with its ε report."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
+        self.guard = Guard()
+        """What the site's policy checks of its evaluations and planning requests in this run (:class:`Guard`)."""
 
     @property
     def name(self) -> str:
@@ -238,7 +242,13 @@ class SiteRuntime:
             return _json({"site": self.name, "ready": self.site is not None})
         if op in VOLUME_OPS:
             body = parse_json_object(payload, f"site {self.name}: {op}")
-            return _json(site_operation(self.name, self.config.datalist, op, body, log.info))
+            why = self.guard.planning_refusal(self.policy, op, body) if self.policy is not None else None
+            if why:
+                log.warning("site %s refuses a planning request: %s", self.name, why)
+                raise PayloadError(f"site {self.name} refuses by its policy: {why}")
+            out = site_operation(self.name, self.config.datalist, op, body, log.info)
+            self.guard.planned(op, body)
+            return _json(out)
         raise PayloadError(
             f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
         )
@@ -271,6 +281,7 @@ class SiteRuntime:
             return {"site": self.name, "refused": self.refused}
         self.site, self.refused = None, None
         self.run_id = run_id
+        self.guard = Guard()
         self.run_dir().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             p = Path(tmp) / "config.toml"
@@ -317,7 +328,26 @@ class SiteRuntime:
             if why:
                 self.site = None
                 return self._refuse(why)
-        self.site.secagg_record = Record(self.run_dir() / RECORD_NAME)  # outside the checkpoints: restore keeps it
+        if self.policy is not None and self.policy.max_epsilon is not None and cfg.privacy.dp != "off":
+            # the policy's ceiling holds over every run of this site's ledger, composed before each release
+            dp = self.site.dp
+            dp.lifetime_ceiling = self.policy.max_epsilon
+            spent, next_round = dp.lifetime_epsilon(), dp.lifetime_epsilon(extra_rounds=1)
+            if next_round > self.policy.max_epsilon:
+                self.site = None
+                return self._refuse(
+                    [
+                        f"this site's data has spent ε = {spent:.4g} over {len(dp.ledger.other_runs)} other runs "
+                        f"(δ = {cfg.privacy.delta:g}) and one more round of this run would take it to "
+                        f"{next_round:.4g} > the policy's lifetime ceiling max_epsilon = {self.policy.max_epsilon:g}"
+                    ]
+                )
+        # one record for every run of this site, outside the checkpoints: restore keeps it, a new run id does not
+        # reset it (fedseg.site.secure.Record)
+        self.site.secagg_record = Record(Path(self.config.workdir) / RECORD_NAME)
+        self.site.epoch = str(run_id)
+        if self.policy is not None and not self.policy.reproducible:
+            self.site.salt = site_salt(Path(self.config.workdir), str(run_id), self.name)
         self.site.identity = identity
         where = self.config.policy or ("its default policy" if self.policy is not None else None)
         self.enforced = enforced(cfg, self.policy, where, identity, self.site.num_train)
@@ -386,7 +416,7 @@ class SiteRuntime:
             masked=isinstance(secagg, dict),
         )
         check_arrays(task.arrays, f"site {self.name}: task {task.kind!r} from the server")
-        why = self.policy.task_refusal(task.kind) if self.policy is not None else None
+        why = self.guard.task_refusal(self.policy, task) if self.policy is not None else None
         if why:
             log.warning("site %s refuses a task: %s", self.name, why)
             raise PayloadError(f"site {self.name} refuses by its policy: {why}")
@@ -395,6 +425,8 @@ class SiteRuntime:
         except PayloadError as e:  # a refusal of the site's own checks (secure aggregation's among them): logged here
             log.warning("site %s refuses a %r task: %s", self.name, task.kind, e)
             raise
+        if self.policy is not None:
+            self.guard.saw(task, reply)
         if task.kind == "privacy":  # the site's own statement of what it enforced, beside its ε
             reply = dataclasses.replace(reply, metrics={**reply.metrics, "enforced": dict(self.enforced)})
         if task.kind == "evaluate" and self.policy is not None and self.policy.evaluation == "aggregates":

@@ -33,6 +33,7 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
                     site,
                     priv.get("dp", "–"),
                     _num(s.get("epsilon"), ".3f"),
+                    _num(s.get("epsilon_lifetime", s.get("epsilon")), ".3f"),
                     "∞ (seeded)" if priv.get("epsilon_against_server") == "inf" else _num(s.get("epsilon"), ".3f"),
                     _num(priv.get("delta"), "g"),
                     priv.get("accountant", "–"),
@@ -50,6 +51,8 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
     intro = para(
         "Differential privacy of each run with privacy.dp on: the ε each site has spent over the run at the given δ, "
         "by the accountant named (Poisson-sampling analysis at q = batch size / training cases; docs/privacy.md), "
+        "and 'ε all runs', what its data has spent over every run in its ledger (a deployed site's lifetime "
+        "budget, its policy's max_epsilon; the run's own ε where the ledger holds no other run), "
         "with the noise multiplier σ, the clipping bound C and the privatized steps it counts. "
         "'ε vs server' is ∞ for a run with privacy.dp_randomness = seeded (a test mode): the server knows the seed "
         "and can regenerate the noise and the batches. "
@@ -60,6 +63,7 @@ def privacy_section(runs: Sequence[Run]) -> str | None:
         "Site",
         "DP",
         "ε",
+        "ε all runs",
         "ε vs server",
         "δ",
         "accountant",
