@@ -145,23 +145,16 @@ def test_planning_operations_refuse_a_malformed_request(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
-def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
-    """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1; the plan is
-    made from the fingerprints the sites send through FLARE."""
-    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
+def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path, flare_cluster):
+    """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1 (the volume
+    sites of the shared cluster, ``rehearse`` submitting one more job to it); the plan is made from the
+    fingerprints the sites send through FLARE."""
     from fedseg.apps.deploy.run import rehearse
 
-    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    spec = flare_cluster.volumes
+    assert not plan_path(load_federation(spec)).exists()  # no plan beside the spec: made over the wire
     overrides = [*RUN, "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
-    try:
-        dep = rehearse(
-            spec, 2, tmp_path / "dep", overrides=overrides, timeout=150, policy={"secure_aggregation": False}
-        )
-    except Exception as e:  # pragma: no cover - environment without a working nvflare
-        if "provision" in str(e):
-            pytest.skip(f"nvflare cannot provision here: {e}")
-        raise
+    dep = rehearse(spec, 2, tmp_path / "dep", overrides=overrides, timeout=150, cluster=flare_cluster.cluster)
     sim = run(spec, out=tmp_path / "sim", overrides=RUN, progress=False, log=lambda m: None)
     assert dep is not None and dep["plan"] == sim["plan"]
     assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
