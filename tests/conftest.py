@@ -147,34 +147,29 @@ def flare_lock():
         yield
 
 
-@pytest.fixture(scope="session")
-def _shared_flare(tmp_path_factory):
-    from rehearsals import SharedCluster
-
-    shared = SharedCluster(tmp_path_factory.mktemp("flare"), FLARE_LOCK)
-    _SHARED["cluster"] = shared
-    yield shared
-    shared.close()
-
-
 _SHARED: dict = {}
 
 
 @pytest.fixture
-def flare_cluster(_shared_flare):
+def flare_cluster(tmp_path_factory):
     """The FLARE cluster shared by the rehearsals that need no fault (tests/rehearsals.py): provisioned and
-    started by the first test that asks for it, stopped after the last (the hook below); a test submits its
+    started by the first test that asks for it, stopped after the last (the hooks below); a test submits its
     own run to it.  It holds the FLARE lock while it runs."""
     pytest.importorskip(
         "nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests"
     )
+    from rehearsals import SharedCluster
+
+    if "cluster" not in _SHARED:
+        _SHARED["cluster"] = SharedCluster(tmp_path_factory.mktemp("flare"), FLARE_LOCK)
+    shared = _SHARED["cluster"]
     try:
-        _shared_flare.start()
+        shared.start()
     except Exception as e:  # pragma: no cover - environment without a working nvflare
         if "provision" in str(e):
             pytest.skip(f"nvflare cannot provision here: {e}")
         raise
-    return _shared_flare
+    return shared
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -185,3 +180,10 @@ def pytest_runtest_teardown(item, nextitem):
         shared = _SHARED.get("cluster")
         if shared is not None:
             shared.close()
+
+
+def pytest_unconfigure(config):
+    """Stop the shared FLARE cluster if a test run ends while it runs (interrupted)."""
+    shared = _SHARED.get("cluster")
+    if shared is not None:
+        shared.close()

@@ -326,7 +326,7 @@ def rehearse(
     if not 1 <= sites <= len(fed.sites):
         raise ConfigError(f"--sites {sites}: the federation has {len(fed.sites)} sites; give 1..{len(fed.sites)}")
     names = list(fed.site_names[:sites])
-    site_data = {n: fed.site(n).datalist for n in names}
+    site_data: dict[str, str | Path] = {n: fed.site(n).datalist for n in names}
     if cluster is not None:
         if policy is not None:
             raise ConfigError("rehearse: give policy= only without cluster= (a running cluster's sites keep theirs)")
