@@ -20,15 +20,14 @@ demo: $(STAMP)
 	$(BIN)/fedseg demo
 
 # one pytest worker per core (at most 4; pytest-xdist): the tests use one torch thread each, and
-# the deployment tests mostly wait on their FLARE processes; the tests that start FLARE form one
-# xdist group (tests/conftest.py), run on one worker (--dist loadgroup) while the others take the
-# rest, most of them on one shared cluster, so two clusters never run at once
+# the deployment tests mostly wait on their FLARE processes; the tests that start FLARE take turns
+# (tests/conftest.py: flare_lock), so two clusters never run at once
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup --durations=10
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10
 
 # the same without the tests marked slow (end-to-end runs, FLARE deployments)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup --durations=10 -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10 -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -57,22 +57,18 @@ def workload():
     return segmentation_workload(2, 1, ["fg"], TINY_MODEL)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it.  Tests that start FLARE
-    processes (:data:`FLARE_FIXTURES`) go into one xdist group and run one after another where the first of
-    them was collected, those on the shared cluster first (it starts once, and stops before the others start
-    clusters of their own)."""
+    processes (:data:`FLARE_FIXTURES`) run first, one after another, those on the shared cluster first (it starts
+    once, and stops before the others start clusters of their own): pytest-xdist's default distribution sends
+    each worker a first chunk of consecutive tests (about an eighth of them on two workers), so they all go to
+    the first worker while the other runs the rest."""
     flare = [i for i in items if any(f in getattr(i, "fixturenames", ()) for f in FLARE_FIXTURES)]
     if flare:
-        first = items.index(flare[0])
         shared = [i for i in flare if "flare_cluster" in i.fixturenames]
         block = shared + [i for i in flare if "flare_cluster" not in i.fixturenames]
         chosen = set(flare)
-        rest = [i for i in items if i not in chosen]
-        items[:] = rest[:first] + block + rest[first:]
-        for i in block:
-            i.add_marker(pytest.mark.xdist_group("flare"))
+        items[:] = block + [i for i in items if i not in chosen]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a GPU); CI runs the CPU paths of the same code")
@@ -134,8 +130,8 @@ class _FlareLock:
 
 FLARE_LOCK = _FlareLock()
 FLARE_FIXTURES = ("flare_lock", "flare_cluster")
-"""Tests that use one of these start FLARE processes: they run in one pytest-xdist group ("flare", one worker
-under ``--dist loadgroup``), next to each other, the ones on the shared cluster first."""
+"""Tests that use one of these start FLARE processes: they run first, next to each other, the ones on the shared
+cluster first (:func:`pytest_collection_modifyitems`)."""
 
 
 @pytest.fixture
