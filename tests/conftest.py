@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import sys
 import tempfile
@@ -58,7 +59,17 @@ def workload():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
+    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it.  Tests that start FLARE
+    processes (:data:`FLARE_FIXTURES`) run first, one after another, those on the shared cluster first (it starts
+    once, and stops before the others start clusters of their own): pytest-xdist's default distribution sends
+    each worker a first chunk of consecutive tests (about an eighth of them on two workers), so they all go to
+    the first worker while the other runs the rest."""
+    flare = [i for i in items if any(f in getattr(i, "fixturenames", ()) for f in FLARE_FIXTURES)]
+    if flare:
+        shared = [i for i in flare if "flare_cluster" in i.fixturenames]
+        block = shared + [i for i in flare if "flare_cluster" not in i.fixturenames]
+        chosen = set(flare)
+        items[:] = block + [i for i in items if i not in chosen]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a GPU); CI runs the CPU paths of the same code")
@@ -87,14 +98,89 @@ def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
     return calls
 
 
-@pytest.fixture
-def flare_lock():
-    """One NVIDIA FLARE cluster at a time on this machine: a test that starts FLARE processes holds this lock
-    (an flock on a file in the temp folder) for its whole run, so pytest workers never run two clusters at
-    once (two clusters on two cores have made a site's job fail to start)."""
-    with (Path(tempfile.gettempdir()) / "fedseg-tests-flare.lock").open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+class _FlareLock:
+    """One NVIDIA FLARE cluster at a time on this machine: an flock on a file in the temp folder, held while any
+    holder in this process holds it (a rehearsal's own cluster inside the shared cluster's life takes it again
+    without waiting for itself)."""
+
+    def __init__(self) -> None:
+        self.holders = 0
+        self.fh = None
+
+    @contextlib.contextmanager
+    def held(self):
+        self.acquire()
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            self.release()
+
+    def acquire(self) -> None:
+        if self.holders == 0:
+            self.fh = (Path(tempfile.gettempdir()) / "fedseg-tests-flare.lock").open("w")
+            fcntl.flock(self.fh, fcntl.LOCK_EX)
+        self.holders += 1
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0 and self.fh is not None:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+            self.fh = None
+
+
+FLARE_LOCK = _FlareLock()
+FLARE_FIXTURES = ("flare_lock", "flare_cluster")
+"""Tests that use one of these start FLARE processes: they run first, next to each other, the ones on the shared
+cluster first (:func:`pytest_collection_modifyitems`)."""
+
+
+@pytest.fixture
+def flare_lock():
+    """One NVIDIA FLARE cluster at a time on this machine: a test that starts FLARE processes of its own holds
+    this lock (an flock on a file in the temp folder) for its whole run, so pytest workers never run two
+    clusters at once (two clusters on two cores have made a site's job fail to start)."""
+    with FLARE_LOCK.held():
+        yield
+
+
+_SHARED: dict = {}
+
+
+@pytest.fixture
+def flare_cluster(tmp_path_factory):
+    """The FLARE cluster shared by the rehearsals that need no fault (tests/rehearsals.py): provisioned and
+    started by the first test that asks for it, stopped after the last (the hooks below); a test submits its
+    own run to it.  It holds the FLARE lock while it runs."""
+    pytest.importorskip(
+        "nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests"
+    )
+    from rehearsals import SharedCluster
+
+    if "cluster" not in _SHARED:
+        _SHARED["cluster"] = SharedCluster(tmp_path_factory.mktemp("flare"), FLARE_LOCK)
+    shared = _SHARED["cluster"]
+    try:
+        shared.start()
+    except Exception as e:  # pragma: no cover - environment without a working nvflare
+        if "provision" in str(e):
+            pytest.skip(f"nvflare cannot provision here: {e}")
+        raise
+    return shared
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared FLARE cluster after the last test of a run of tests that use it."""
+    if "flare_cluster" in getattr(item, "fixturenames", ()) and (
+        nextitem is None or "flare_cluster" not in getattr(nextitem, "fixturenames", ())
+    ):
+        shared = _SHARED.get("cluster")
+        if shared is not None:
+            shared.close()
+
+
+def pytest_unconfigure(config):
+    """Stop the shared FLARE cluster if a test run ends while it runs (interrupted)."""
+    shared = _SHARED.get("cluster")
+    if shared is not None:
+        shared.close()

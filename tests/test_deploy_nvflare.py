@@ -1,4 +1,4 @@
-"""End to end on NVIDIA FLARE: provisioned kits, mutual TLS, a server and 2 site processes on 127.0.0.1."""
+"""End to end on NVIDIA FLARE: provisioned kits, mutual TLS, a server and site processes on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -15,24 +15,10 @@ from fedseg.apps.deploy.run import LocalCluster, start_site, stop, submit_run, s
 from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.data.synth import synthesize
 from fedseg.simulation.runner import run
+from rehearsals import OVERRIDES, POLICY
 
-# the tests here start FLARE processes: one cluster at a time (tests/conftest.py: flare_lock)
-pytestmark = pytest.mark.usefixtures("flare_lock")
-
-OVERRIDES = [
-    "model.channels=[4,8,16]",
-    "model.strides=[2,2]",
-    "model.num_res_units=1",
-    "train.batch_size=4",
-    "rounds=2",
-    "deploy.round_deadline_s=60",
-    "deploy.setup_timeout_s=90",
-    "privacy.secure_aggregation=false",  # a deployment's default is on; these runs equal a plain simulation
-]
-POLICY = {"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"}
-"""The sites' policy in these rehearsals: they join runs without secure aggregation too, of two sites, let the run
-seed drive their randomness (``reproducible``, no site salt: a rehearsal compares deployment with simulation
-bitwise) and send per-case scores."""
+# Rehearsals that need no fault submit their runs to the shared cluster (fixture flare_cluster, tests/rehearsals.py);
+# the drills start clusters of their own, one at a time (tests/conftest.py: flare_lock).
 
 
 def _prepared_run(tmp_path, method: str, overrides: list[str], names=("site1", "site2")):
@@ -61,14 +47,12 @@ def _simulate_same(tmp_path, spec, run_toml, overrides, names=("site1", "site2")
     """The in-process simulation of the same run on the same sites."""
     sim_spec = subset_spec(spec, list(names), tmp_path / "sim" / "federation.toml")
     return run(
-        load_deploy_config(run_toml, [*overrides, "checkpoint_keep=final"], federation=str(sim_spec)),
-        out=tmp_path / "sim" / "out",
-        progress=False,
+        load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False
     )
 
 
 @pytest.mark.slow
-def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
+def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path, flare_cluster):
     """2 rounds of FedAvg deployed (server + 2 site processes, mutual TLS) give the simulation's weights bitwise;
     a site holding a kit from another provisioning (another root CA) never joins.
 
@@ -76,39 +60,33 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path):
     with one torch thread like the simulation, and the seeds follow the federation order.
     """
     # Prepare
-    names = ["site1", "site2"]
-    spec, run_toml, out, fed, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
-    intruder = None
+    from fedseg.apps.deploy.flare import Admin, provision_kits
+    from fedseg.apps.deploy.run import configure_site
+
+    run_toml, out = flare_cluster.prepare(tmp_path, "fedavg", OVERRIDES)
+    port = int(json.loads((flare_cluster.cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
+    foreign = provision_kits(tmp_path / "foreign", ["intruder"], "localhost", port, port + 1)
+    datalist = flare_cluster.cluster.site_data["site3"]
+    configure_site(foreign["intruder"], datalist, tmp_path / "sites" / "intruder", "intruder")
+    intruder = start_site(foreign["intruder"], flare_cluster.cluster.env, tmp_path / "intruder.log")
     try:
-        _provision(cluster)
-        from fedseg.apps.deploy.flare import Admin, provision_kits
-
-        port = int(json.loads((cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
-        foreign = provision_kits(tmp_path / "foreign", ["intruder"], "localhost", port, port + 1)
-        from fedseg.apps.deploy.run import configure_site
-
-        configure_site(foreign["intruder"], fed.site("site3").datalist, tmp_path / "sites" / "intruder", "intruder")
         # Execute
-        cluster.__enter__()
-        intruder = start_site(foreign["intruder"], cluster.env, tmp_path / "intruder.log")
         t0 = time.perf_counter()
-        submit_run(cluster.kits["admin"], out, names, timeout=75)
+        flare_cluster.submit(out, timeout=75)
         took = time.perf_counter() - t0
-        admin = Admin(cluster.kits["admin"])
+        admin = Admin(flare_cluster.kits["admin"])
         connected = admin.connected_sites()
         admin.close()
     finally:
-        if intruder is not None:
-            stop(intruder, grace=0.5)
-        cluster.__exit__(None, None, None)
-    sim = _simulate_same(tmp_path, spec, run_toml, OVERRIDES)
+        stop(intruder, grace=0.5)
+    sim = flare_cluster.simulate(tmp_path, run_toml, OVERRIDES)
     # Assert
     dep = json.loads((out / "results.json").read_text())
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
     b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
-    assert connected == ["site1", "site2"], f"an unprovisioned participant joined: {connected}"
+    assert connected == sorted(flare_cluster.cluster.site_data), f"an unprovisioned participant joined: {connected}"
     assert took < 75
 
 
@@ -143,18 +121,15 @@ def test_cli_deploy_errors_name_the_fix(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_fga_deployed_equals_simulation(tmp_path):
+def test_fga_deployed_equals_simulation(tmp_path, flare_cluster):
     """20 FGA steps (10 rounds × 2 lockstep steps, float64) over NVIDIA FLARE with mutual TLS give the
     simulation's weights bitwise: one gradient exchange per step over the same channel as FedAvg's rounds."""
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + ["rounds=10", "train.dtype=float64"]
-    names = ["site1", "site2"]
-    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fga", overrides)
-    _provision(cluster)
+    run_toml, out = flare_cluster.prepare(tmp_path, "fga", overrides)
     # Execute
-    with cluster:
-        submit_run(cluster.kits["admin"], out, names, timeout=120)
-    _simulate_same(tmp_path, spec, run_toml, overrides)
+    flare_cluster.submit(out, timeout=120)
+    flare_cluster.simulate(tmp_path, run_toml, overrides)
     # Assert
     dep = json.loads((out / "results.json").read_text())
     assert sum(e["steps"] for e in dep["history"]) == 20 and all(e["in_sync"] for e in dep["history"])
@@ -174,16 +149,21 @@ def _wait_round(out, rnd: int, timeout: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("flare_lock")  # a cluster of its own
 def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
     """Faults on real FLARE processes (mutual TLS, 127.0.0.1): site1 frozen (SIGSTOP on its processes) for longer
     than the round deadline is cut off and answers again once thawed; site2 killed mid-run is left out, and
     when restarted it logs in with a new session, the supervisor ends the job after the current round and
-    re-submits it from that checkpoint with site2 back. The run finishes with every round."""
+    re-submits it from that checkpoint with site2 back. The run finishes with every round.
+
+    Sized so that the faults land mid-run: the freeze after round 2, the kill one round after the thaw (round
+    4 or 5 of 10), and while site2 is out every round of the first job waits out the deadline (6 s) and the
+    probe (2 s), so that job reaches the supervisor's restart request with rounds to spare."""
     import threading
 
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith(("rounds=", "deploy.round_deadline_s"))] + [
-        "rounds=16",
+        "rounds=10",
         "train.local_steps=20",
         "train.local_epochs=none",
         "deploy.round_deadline_s=6",
@@ -202,14 +182,14 @@ def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
         # Execute: freeze site1 for longer than the deadline
         _wait_round(out, 2, 240)
         cluster.pause("site1")
-        time.sleep(8)
+        time.sleep(7)  # the deadline (6 s) and a little
         cluster.resume("site1")
         r = json.loads((out / "checkpoints" / "progress.json").read_text())["round"]
         _wait_round(out, r + 1, 60)
         # kill site2, then restart it
         cluster.kill("site2")
         t_kill = time.monotonic()
-        time.sleep(3)
+        time.sleep(1)
         cluster.start_site("site2")
         worker.join(400)
         t_end = time.monotonic()
@@ -217,7 +197,7 @@ def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
     assert not worker.is_alive(), "the supervised run did not finish"
     res = json.loads((out / "results.json").read_text())
     drops = res["deploy"]["dropouts"]
-    assert len(res["history"]) == 16
+    assert len(res["history"]) == 10
     assert any(d["site"] == "site1" and "timed out after 6" in d["reason"] for d in drops), drops
     assert any(d["site"] == "site2" for d in drops)
     assert set(res["history"][-1]["train_loss"]) == {"site1", "site2"}, "site2 did not rejoin"
@@ -228,6 +208,7 @@ def test_hung_site_cut_off_and_killed_site_rejoins_over_flare(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("flare_lock")  # a cluster of its own
 def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     """The FLARE server process is killed mid-run (its job dies with it; the supervisor's admin session breaks);
     after a restart of the server, `fedseg deploy run --resume OUT` continues from the last round checkpoint as a
@@ -275,59 +256,24 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     print(f"server killed after round {killed_at}; restart + resume to the end took {resume_s:.1f} s")
 
 
-EVIL_SITECUSTOMIZE = """
-# Loaded at interpreter start by every Python process of the hostile site (PYTHONPATH): its site runtime
-# returns its trained weights replaced by 3e38 (finite but huge), as a site running modified code would.
-import fedseg.apps.deploy.site as _site
-from fedseg.execution.remote.wire import decode_reply, encode_reply
-from fedseg.foundation.messages import Reply
-
-_call = _site.SiteRuntime.call
-
-
-def _evil(self, op, payload):
-    out = _call(self, op, payload)
-    if op == "task":
-        r = decode_reply(out)
-        if r.arrays:
-            out = encode_reply(Reply({k: v.clone().fill_(3e38) if v.is_floating_point() else v for k, v in r.arrays.items()}, r.metrics, r.num_samples))
-    return out
-
-
-_site.SiteRuntime.call = _evil
-"""
-
-
 @pytest.mark.slow
-def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path):
-    """site2's processes run modified code that sends 3e38 weights (averaged in, they would train every site to
-    NaN the next round).  Over FLARE with mutual TLS the server rejects each such reply (update norm), the run
-    finishes, and the global model is bitwise the simulation of site1 alone: site2 had no influence.  The
-    network is MONAI's SegResNet named in the run config with [model.kwargs]: the server and the site
-    processes build it from the run config they share."""
+def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path, flare_cluster):
+    """site3's processes run modified code that sends 3e38 weights (averaged in, they would train every site to
+    NaN the next round; tests/rehearsals.py: HOSTILE_SITE).  Over FLARE with mutual TLS the server rejects each
+    such reply (update norm), the run finishes, and the global model is bitwise the simulation of site1 alone:
+    site3 had no influence.  The network is MONAI's SegResNet named in the run config with [model.kwargs]: the
+    server and the site processes build it from the run config they share."""
     # Prepare
-    names = ["site1", "site2"]
+    names = ["site1", "site3"]
     over = [
         *[o for o in OVERRIDES if not o.startswith("model.")],
         "model.name=segresnet",
         "model.kwargs={init_filters = 8, blocks_down = [1, 1, 1], blocks_up = [1, 1]}",
     ]
-    spec, run_toml, out, _fed, cluster = _prepared_run(tmp_path, "fedavg", over)
-    evil = tmp_path / "evil"
-    evil.mkdir()
-    (evil / "sitecustomize.py").write_text(EVIL_SITECUSTOMIZE)
-    _provision(cluster)
-    try:
-        cluster.start_server()
-        cluster.start_site("site1")
-        cluster.procs["site2"] = start_site(
-            cluster.kits["site2"], {**cluster.env, "PYTHONPATH": str(evil)}, tmp_path / "site2.log"
-        )
-        # Execute
-        submit_run(cluster.kits["admin"], out, names, timeout=150)
-    finally:
-        cluster.__exit__(None, None, None)
-    _simulate_same(tmp_path, spec, run_toml, over, names=("site1",))
+    run_toml, out = flare_cluster.prepare(tmp_path, "fedavg", over, names=names)
+    # Execute
+    flare_cluster.submit(out, names, timeout=150)
+    flare_cluster.simulate(tmp_path, run_toml, over, names=("site1",))
     # Assert
     dep = json.loads((out / "results.json").read_text())
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
@@ -335,6 +281,24 @@ def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path):
     assert any("convInit" in k for k in a), sorted(a)[:3]  # SegResNet's layers
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     drops = [d for d in dep["deploy"]["dropouts"] if d["task"] == "train"]
-    assert [(d["round"], d["site"]) for d in drops] == [(0, "site2"), (1, "site2")]
+    assert [(d["round"], d["site"]) for d in drops] == [(0, "site3"), (1, "site3")]
     assert all("update norm" in d["reason"] and "deploy.max_update_ratio = 10" in d["reason"] for d in drops), drops
     assert len(dep["history"]) == 2 and all(set(h["train_loss"]) == {"site1"} for h in dep["history"])
+
+
+def test_rehearsal_on_a_running_cluster_needs_its_sites(tmp_path):
+    """``rehearse(cluster=...)`` submits to a running cluster only when it has the run's sites with the
+    federation's datalists, and takes no policy (the running sites keep theirs): one error naming the fix."""
+    from fedseg.apps.deploy.run import rehearse
+    from fedseg.foundation.errors import ConfigError
+
+    spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32)
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(f'federation = "{spec}"\nmethod = "fedavg"\n')
+    cluster = LocalCluster(tmp_path / "nv", {"site1": tmp_path / "elsewhere.json"}, tmp_path / "sites")
+    cluster.kits = {"admin": tmp_path / "admin"}  # as provisioned
+    with pytest.raises(ConfigError, match=r"has no site \['site1', 'site2'\] with the datalist of federation"):
+        rehearse(run_toml, 2, tmp_path / "out", cluster=cluster)
+    with pytest.raises(ConfigError, match="give policy= only without cluster="):
+        rehearse(run_toml, 2, tmp_path / "out", cluster=cluster, policy={"secure_aggregation": False})
+    assert not (tmp_path / "out").exists()

@@ -41,7 +41,6 @@ RUN = [
     "model.num_res_units=0",
     "eval.every=1",
     "privacy.secure_aggregation=false",
-    "checkpoint_keep=final",  # the simulated run's last server state is compared with the deployed one's
 ]
 
 
@@ -146,28 +145,16 @@ def test_planning_operations_refuse_a_malformed_request(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
-def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path):
-    """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1; the plan is
-    made from the fingerprints the sites send through FLARE."""
-    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
+def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path, flare_cluster):
+    """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1 (the volume
+    sites of the shared cluster, ``rehearse`` submitting one more job to it); the plan is made from the
+    fingerprints the sites send through FLARE."""
     from fedseg.apps.deploy.run import rehearse
 
-    spec = write_federation(tmp_path / "data", n=(2, 1, 1))
+    spec = flare_cluster.volumes
+    assert not plan_path(load_federation(spec)).exists()  # no plan beside the spec: made over the wire
     overrides = [*RUN, "deploy.round_deadline_s=60", "deploy.setup_timeout_s=90"]
-    try:
-        dep = rehearse(
-            spec,
-            2,
-            tmp_path / "dep",
-            overrides=overrides,
-            timeout=150,
-            policy={"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"},
-        )
-    except Exception as e:  # pragma: no cover - environment without a working nvflare
-        if "provision" in str(e):
-            pytest.skip(f"nvflare cannot provision here: {e}")
-        raise
+    dep = rehearse(spec, 2, tmp_path / "dep", overrides=overrides, timeout=150, cluster=flare_cluster.cluster)
     sim = run(spec, out=tmp_path / "sim", overrides=RUN, progress=False, log=lambda m: None)
     assert dep is not None and dep["plan"] == sim["plan"]
     assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"))
@@ -190,7 +177,7 @@ def test_deployed_patches2d_fedavg_equals_simulation(tmp_path):
     evaluation at every site, one common shape (the slices' in-plane axes and the volumes' three), the
     plan's in-plane patch; FedAvg ends with the simulation's weights and Dice bitwise."""
     spec = patches2d_federation(tmp_path / "data", n=(2, 1, 1))
-    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0", "checkpoint_keep=final"]
+    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0"]
     dep, logs = _deploy(spec, tmp_path, run2d)
     sim = run(spec, out=tmp_path / "sim", overrides=[*run2d, "volume_cache=off"], progress=False, log=lambda m: None)
     assert any("2D patches of axial slices" in m for m in logs)
@@ -227,7 +214,7 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
 
 
 VALIDATE_OFTEN = ["train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "model.roi_size=[8, 8, 8]"]
-VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]", "checkpoint_keep=final"]
+VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]"]
 
 
 def test_deployed_server_derives_the_simulations_validation_interval(tmp_path):

@@ -86,19 +86,16 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
-def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
+def test_secure_aggregation_over_flare_equals_simulation(tmp_path, flare_cluster):
     """FedAvg with secure aggregation over NVIDIA FLARE (provisioned kits, mutual TLS, site processes): the
     four steps of each exchange cross FLARE's channel, every site signs its keys with its kit's certificate
     (RSA, as FLARE provisions) and checks the other's, and the run ends with the simulation's (unsigned)
     weights bitwise.  The rehearsal has two sites, so they accept masking with two (privacy.secagg_min_sites =
     2): the protocol, the signatures and the consistency check are what it tests."""
-    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
     import torch
     from safetensors.torch import load_file
 
-    from fedseg.apps.deploy.run import submit_run
-    from test_deploy_nvflare import OVERRIDES, _prepared_run, _provision, _simulate_same
+    from rehearsals import OVERRIDES
 
     overrides = [
         *OVERRIDES,
@@ -106,61 +103,32 @@ def test_secure_aggregation_over_flare_equals_simulation(tmp_path):
         "privacy.secagg_min_sites=2",
         "deploy.max_update_ratio=0",
     ]
-    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", overrides)
-    _provision(cluster)
-    with cluster:
-        submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=180)
-    _simulate_same(tmp_path, spec, run_toml, overrides)
+    run_toml, out = flare_cluster.prepare(tmp_path, "fedavg", overrides)
+    mark = flare_cluster.mark()
+    flare_cluster.submit(out, timeout=180)
+    flare_cluster.simulate(tmp_path, run_toml, overrides)
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
     b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     for name in ("site1", "site2"):
-        site_log = (cluster.root / "logs" / f"{name}.log").read_text()
-        assert f"site {name}: signs its secure-aggregation keys with its kit's certificate" in site_log
-
-
-SERVER_SPY = """
-# Loaded at interpreter start by the FLARE server's processes (PYTHONPATH): every reply the deployed server
-# accepts is recorded (its task, and its arrays' names and dtypes) as one JSON line.
-import json as _json
-
-import fedseg.execution.remote.transport as _transport
-
-_ask = _transport.RemoteTransport.ask
-
-
-def _recording_ask(self, tasks, optional=False):
-    replies = _ask(self, tasks, optional)
-    with open({path!r}, "a") as fh:
-        for s, r in replies.items():
-            t = tasks[s]
-            entry = {{"site": s, "kind": t.kind, "round": t.config.get("round"), "step": t.config.get("step")}}
-            entry["arrays"] = {{k: str(v.dtype) for k, v in r.arrays.items()}}
-            fh.write(_json.dumps(entry) + "\\n")
-    return replies
-
-
-_transport.RemoteTransport.ask = _recording_ask
-"""
+        signs = f"site {name}: signs its secure-aggregation keys with its kit's certificate"
+        assert signs in flare_cluster.since(mark, name, expect=signs)
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
-def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_masks(tmp_path):
+def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_masks(tmp_path, flare_cluster):
     """FedSM (SoftPull, the lockstep ``fga`` selector) with secure aggregation over NVIDIA FLARE (provisioned
     kits, mutual TLS, site processes): 2 rounds end with the simulation's server state and test Dice bitwise,
-    and every reply the FLARE server accepted carried only masked int64 arrays (``secagg/…``) but the
-    synchronized selector weights at a lockstep round's end and the final release of the best personalized
-    models, as in process (``tests/test_secagg_fedsm.py``)."""
-    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
+    and every reply the FLARE server accepted (recorded by the server's processes, tests/rehearsals.py:
+    SERVER_RECORDER) carried only masked int64 arrays (``secagg/…``) but the synchronized selector weights at a
+    lockstep round's end and the final release of the best personalized models, as in process
+    (``tests/test_secagg_fedsm.py``)."""
     import json
-    import os
 
     import torch
     from safetensors.torch import load_file
 
-    from fedseg.apps.deploy.run import start_server, submit_run
-    from test_deploy_nvflare import OVERRIDES, _prepared_run, _provision, _simulate_same
+    from rehearsals import OVERRIDES
 
     overrides = [
         *OVERRIDES,
@@ -170,29 +138,17 @@ def test_secure_fedsm_over_flare_equals_simulation_and_the_server_sees_only_mask
         "fedsm.selector_width=0.0625",
         "fedsm.selector_hidden=8",
     ]
-    spec, run_toml, out, _, cluster = _prepared_run(tmp_path, "fedsm", overrides)
-    spy, seen = tmp_path / "spy", tmp_path / "server_replies.jsonl"
-    spy.mkdir()
-    (spy / "sitecustomize.py").write_text(SERVER_SPY.format(path=str(seen)))
-    path = os.pathsep.join(p for p in (str(spy), os.environ.get("PYTHONPATH", "")) if p)
-    _provision(cluster)
-    try:
-        cluster.procs["server"] = start_server(
-            cluster.kits["server"], {**cluster.env, "PYTHONPATH": path}, cluster.root / "logs" / "server.log"
-        )
-        for name in ("site1", "site2"):
-            cluster.start_site(name)
-        submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=180)
-    finally:
-        cluster.__exit__(None, None, None)
-    sim = _simulate_same(tmp_path, spec, run_toml, overrides)
+    run_toml, out = flare_cluster.prepare(tmp_path, "fedsm", overrides)
+    mark = flare_cluster.mark()
+    flare_cluster.submit(out, timeout=180)
+    replies = flare_cluster.replies_since(mark)
+    sim = flare_cluster.simulate(tmp_path, run_toml, overrides)
     dep = json.loads((out / "results.json").read_text())
     a = load_file(str(out / "checkpoints" / "server.safetensors"))
     b = load_file(str(tmp_path / "sim" / "out" / "checkpoints" / "server.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(k.startswith("personal") for k in a)
     assert dep["per_site_dice"] == sim["per_site_dice"] and dep["deploy"]["dropouts"] == []
-    replies = [json.loads(line) for line in seen.read_text().splitlines()]
     kinds = {e["kind"] for e in replies if e["arrays"]}
     assert {"train", "selector_step", "fedsm_release"} <= kinds, kinds
     for e in replies:

@@ -341,30 +341,30 @@ def test_fedsm_selector_gradients_in_the_clear_are_warned_about_at_both_ends(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("flare_lock")  # one FLARE cluster at a time
-def test_flare_rehearsal_sites_refuse_a_job_without_secure_aggregation(tmp_path):
+def test_flare_rehearsal_sites_refuse_a_job_without_secure_aggregation(tmp_path, flare_cluster):
     """Over NVIDIA FLARE (provisioned kits, mutual TLS, a server and two site processes): the sites keep the
-    default policy ``fedseg deploy site`` writes (secure aggregation required) and the server submits a run
-    with ``privacy.secure_aggregation = false``.  Both sites refuse at setup and log why; the server logs each
-    refusal, records them and ends the job; the supervisor stops with the reasons instead of re-submitting."""
-    pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed")
-    from fedseg.apps.deploy.run import submit_run
-    from test_deploy_nvflare import OVERRIDES, _prepared_run, _provision
+    default policy ``fedseg deploy site`` writes (secure aggregation required; each job's site processes read
+    the policy file when the job starts) and the server submits a run with ``privacy.secure_aggregation =
+    false``.  Both sites refuse at setup and log why; the server logs each refusal, records them and ends the
+    job; the supervisor stops with the reasons instead of re-submitting."""
+    from rehearsals import OVERRIDES
 
-    _spec, _run_toml, out, _, cluster = _prepared_run(tmp_path, "fedavg", OVERRIDES)
-    cluster.policy = SitePolicy()  # the defaults, as `fedseg deploy site` writes them
-    _provision(cluster)
-    with cluster, pytest.raises(DeployError, match="too few sites accepted the run") as e:
-        submit_run(cluster.kits["admin"], out, ["site1", "site2"], timeout=90, log=lambda m: None)
+    _run_toml, out = flare_cluster.prepare(tmp_path, "fedavg", OVERRIDES)
+    mark = flare_cluster.mark()
+    with (
+        flare_cluster.policy(SitePolicy()),  # the defaults, as `fedseg deploy site` writes them
+        pytest.raises(DeployError, match="too few sites accepted the run") as e,
+    ):
+        flare_cluster.submit(out, timeout=90, log=lambda m: None)
     why = "the run has privacy.secure_aggregation = false and the policy requires secure aggregation"
     assert why in str(e.value)
     assert set(json.loads((out / REFUSED).read_text())) == {"site1", "site2"}
     assert len(json.loads((out / "supervisor.json").read_text())["jobs"]) == 1  # not re-submitted
-    server_log = (cluster.root / "logs" / "server.log").read_text()
+    server_log = flare_cluster.since(mark, "server", expect="[deploy] the run stops")
     assert "site site1 left out of 'setup': refused the run" in server_log
     assert "[deploy] the run stops" in server_log and "FATAL_SYSTEM_ERROR" not in server_log  # a clean end
     for name in ("site1", "site2"):
-        site_log = (cluster.root / "logs" / f"{name}.log").read_text()
+        site_log = flare_cluster.since(mark, name, expect=why)
         assert f"site {name} refuses run" in site_log and why in site_log
 
 

@@ -222,3 +222,37 @@ def test_command_returns_after_the_results_even_if_the_job_never_ends(tmp_path):
     assert done - (tmp_path / "run" / "results.md").stat().st_mtime < 0.5 + 2.0
     assert res["deploy"]["jobs"][0]["status"] == "RUNNING, aborted after its results"
     assert any("aborting it" in m for m in logs)
+
+
+def test_job_stopped_for_a_rejoin_is_ended_when_flare_keeps_it_open(tmp_path):
+    """site2 restarts while job 0 runs; the server stops after the current round on the supervisor's request,
+    but FLARE keeps the job open (the old site2's part of it is dead; over FLARE on this 2-core machine it took 9 s to end it).
+    The supervisor aborts it deploy.shutdown_grace_s after the server's stop record and re-submits at once;
+    before, it waited for FLARE (here: forever, until the run's timeout)."""
+    # Prepare
+    cfg = _cfg(rounds=6)
+    _prepare(tmp_path / "run", cfg, ["site1", "site2"])
+    admin = FakeAdmin(tmp_path / "run", _runtimes(tmp_path / "s", tiny_sites(2)))
+    aborted: list[str] = []
+    admin.abort = aborted.append
+    original = admin.status
+
+    def status(job_id):  # site2 restarts once job 0 has completed a round; job 0 never ends by itself
+        if job_id == "job0":
+            if (tmp_path / "run" / "checkpoints" / "progress.json").is_file():
+                admin.sessions["site2"] = "site2-token-1"
+            return "RUNNING"
+        return original(job_id)
+
+    admin.status = status
+    logs: list[str] = []
+    params = DeployParams(round_deadline_s=30.0, setup_timeout_s=5.0, rejoin_wait_s=0.0, shutdown_grace_s=0.2)
+    sup = _supervisor(admin, tmp_path, params=params, log=logs.append, poll_s=0.05)
+    # Execute
+    sup.run(timeout=60)
+    # Assert
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert aborted == ["job0"] and len(admin.jobs) == 2
+    assert sup.jobs[0]["status"] == "RUNNING, aborted after its stop for the rejoin"
+    assert sup.recoveries[0]["reason"] == "rejoin of ['site2']" and len(res["history"]) == 6
+    assert any("after its stop for the rejoin" in m and "aborting it" in m for m in logs), logs

@@ -342,29 +342,41 @@ def rehearse(
     stop_after: int | None = None,
     progress: bool = False,
     policy: dict[str, Any] | None = None,
+    cluster: LocalCluster | None = None,
     **fields: Any,
 ) -> dict[str, Any] | None:
     """Run ``config`` deployed on this machine: the first ``sites`` sites of its federation, each in its own
     process, a server process, mutual TLS, 127.0.0.1 only.  Writes ``OUT/results.json`` like a simulation.
-    ``policy``: settings of every site's policy (default: the policy's defaults)."""
+    ``policy``: settings of every site's policy (default: the policy's defaults).  ``cluster``: a running
+    :class:`LocalCluster` whose sites include these sites with the federation's datalists: the run is one
+    more job on it (its sites keep their policies) instead of a cluster started and stopped for this run."""
     cfg = load_deploy_config(config, overrides, **fields)
     fed = load_federation(cfg.federation)
     if not 1 <= sites <= len(fed.sites):
         raise ConfigError(f"--sites {sites}: the federation has {len(fed.sites)} sites; give 1..{len(fed.sites)}")
     names = list(fed.site_names[:sites])
+    site_data: dict[str, str | Path] = {n: fed.site(n).datalist for n in names}
+    if cluster is not None:
+        if policy is not None:
+            raise ConfigError("rehearse: give policy= only without cluster= (a running cluster's sites keep theirs)")
+        other = [n for n in names if Path(cluster.site_data.get(n, "")).resolve() != Path(site_data[n]).resolve()]
+        if other or not cluster.kits:
+            raise ConfigError(
+                f"rehearse: the cluster at {cluster.root} has no site {other} with the datalist of federation "
+                f"{fed.name}; start a LocalCluster with these sites' datalists, or leave cluster= out"
+            )
     out = Path(out).resolve()
     desc = prepare_run(cfg, out, sites=names)
     desc["transport"] = "nvflare-rehearsal"
     if stop_after is not None:
         desc["stop_after"] = stop_after
     save_json(desc, out / "deploy.json")
-    with (
-        terminate_as_interrupt(),
-        LocalCluster(
-            out / "nvflare", {n: fed.site(n).datalist for n in names}, out / "sites", policy=policy
-        ) as cluster,
-    ):
-        submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
+    with terminate_as_interrupt():
+        if cluster is not None:
+            submit_run(cluster.kits["admin"], out, names, timeout=timeout, progress=progress)
+        else:
+            with LocalCluster(out / "nvflare", site_data, out / "sites", policy=policy) as started:
+                submit_run(started.kits["admin"], out, names, timeout=timeout, progress=progress)
     res = out / "results.json"
     return json.loads(res.read_text()) if res.is_file() else None
 

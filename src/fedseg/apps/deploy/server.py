@@ -38,6 +38,7 @@ from fedseg.site.workload import workload_for
 
 __all__ = [
     "CONTROL_RESTART",
+    "CONTROL_STOPPED",
     "REFUSED",
     "check_aggregate",
     "load_deploy_config",
@@ -49,6 +50,10 @@ __all__ = [
 
 CONTROL_RESTART = Path("control") / "restart"
 """A file the server polls: the supervisor asks the job to end after the current round (a site rejoins)."""
+
+CONTROL_STOPPED = Path("control") / "stopped"
+"""Written by the server when its run stopped on that request (``{"round": r}``): the job has nothing left to
+do, and the supervisor ends it when FLARE does not (a job with a dead site's part stays open)."""
 
 REFUSED = "refused.json"
 """Written by the server when too few sites accepted the run (``{site: why}`` of the sites that refused it
@@ -263,6 +268,7 @@ def serve(out: str | Path, call: Call, log: Callable[[str], None] = print) -> di
     results = engine.run(resume=resume, stop_after=desc.get("stop_after"), stop_requested=restart.is_file)
     if results is None and restart.is_file():
         log(f"[deploy] stopped after round {engine.round} on the supervisor's request ({restart.read_text()})")
+        save_json({"round": engine.round}, out / CONTROL_STOPPED)
     if results is None:
         return None
     results["deploy"] = {

@@ -14,6 +14,9 @@ submits it on its own:
   server's engine to end the job after the current round (file
   ``OUT/control/restart``, read by :func:`fedseg.apps.deploy.server.serve`), then
   re-submit from that round's checkpoint with the site back in (``deploy.rejoin``).
+  Once the server has stopped (``OUT/control/stopped``), a job FLARE keeps open
+  (the dead site's part of it) is aborted after ``deploy.shutdown_grace_s``, as one
+  whose results are complete.
 
 A resume by hand (``fedseg deploy run --resume OUT``, e.g. after the server
 crashed) goes through the same supervisor and is recorded as a recovery too.
@@ -38,7 +41,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fedseg.apps.deploy.server import CONTROL_RESTART, REFUSED, read_deploy_json
+from fedseg.apps.deploy.server import CONTROL_RESTART, CONTROL_STOPPED, REFUSED, read_deploy_json
 from fedseg.execution.remote.params import DeployParams
 from fedseg.execution.remote.transport import DeployError
 from fedseg.foundation.errors import ConfigError
@@ -161,7 +164,10 @@ class Supervisor:
         return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
 
     def _results_since(self, t_wall: float) -> bool:
-        p = self.run_dir / "results.json"
+        return self._written_since(self.run_dir / "results.json", t_wall)
+
+    @staticmethod
+    def _written_since(p: Path, t_wall: float) -> bool:
         return p.is_file() and p.stat().st_mtime >= t_wall - 1.0
 
     def _request_restart(self, reason: str) -> None:
@@ -171,6 +177,7 @@ class Supervisor:
 
     def _clear_restart(self) -> None:
         (self.run_dir / CONTROL_RESTART).unlink(missing_ok=True)
+        (self.run_dir / CONTROL_STOPPED).unlink(missing_ok=True)
 
     def _save_record(self, results: bool = False) -> None:
         """Write ``OUT/supervisor.json``; with ``results`` also the run's finished ``results.json``."""
@@ -238,21 +245,24 @@ class Supervisor:
             self.log(f"[supervisor] job {job_id} submitted with sites {job_sites} from round {record['from_round']}")
             rejoining: list[str] = []
             results_at: float | None = None
+            done = ""  # what ended the run's part in this job: its results, or the stop asked for a rejoin
             while True:
                 status = self.admin.status(job_id)
                 if status.startswith("FINISHED"):
                     break
                 if results_at is None and self._results_since(t_wall):
-                    results_at = time.monotonic()
+                    results_at, done = time.monotonic(), "its results"
+                elif results_at is None and rejoining and self._written_since(self.run_dir / CONTROL_STOPPED, t_wall):
+                    results_at, done = time.monotonic(), "its stop for the rejoin"
                 if results_at is not None and time.monotonic() - results_at >= self.params.shutdown_grace_s:
-                    # the run is complete; FLARE may still wait for a site that died (it keeps the job open for
-                    # minutes): nothing is left to wait for, so end the job instead of blocking the command
+                    # the run is complete (or stopped for a rejoin); FLARE may still wait for a site that died (it
+                    # keeps the job open for minutes): nothing is left to wait for, so end the job instead
                     self.log(
-                        f"[supervisor] results are complete but job {job_id} is still {status} after "
-                        f"{self.params.shutdown_grace_s:g} s (deploy.shutdown_grace_s; a dead site can hold it open): aborting it"
+                        f"[supervisor] job {job_id} is still {status} {self.params.shutdown_grace_s:g} s after {done} "
+                        f"(deploy.shutdown_grace_s; a dead site can hold it open): aborting it"
                     )
                     self.admin.abort(job_id)
-                    status = f"{status}, aborted after its results"
+                    status = f"{status}, aborted after {done}"
                     break
                 rnd = completed_round(self.run_dir)
                 bar.n = rnd

@@ -60,9 +60,9 @@ class DeployParams:
         magnitude than this (or a NaN/infinity); the previous checkpoint stays
         the one ``--resume`` starts from.
     shutdown_grace_s
-        Once the run has its results, how long the supervisor lets FLARE end the
-        job by itself before aborting it (a killed site can keep FLARE's job open
-        for minutes).
+        Once the run has its results, or has stopped for a site's rejoin, how long
+        the supervisor lets FLARE end the job by itself before aborting it (a
+        killed site can keep FLARE's job open for minutes).
     """
 
     min_sites: int = 1
@@ -86,7 +86,7 @@ class DeployParams:
     max_abs_value: float = 1e12
     """Refuse to checkpoint an aggregate holding a value larger in magnitude than this (or NaN / infinity)."""
     shutdown_grace_s: float = 10.0
-    """Once results are in, seconds FLARE may take to end the job by itself before it is aborted."""
+    """Once results are in (or the run stopped for a site's rejoin), seconds FLARE may take to end the job by itself before it is aborted."""
 
     def validate(self) -> None:
         if self.min_sites < 1:
