@@ -45,7 +45,7 @@ def _csv(text: str) -> list[str]:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    table, report = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed)
+    table, report = demo(out=a.out, rounds=a.rounds, scale=a.scale, size=a.size, seed=a.seed, overrides=a.set)
     print("\n" + table)
     print(f"results, resolved configs and checkpoints: {Path(a.out).resolve()}")
     print(f"HTML report: {Path(report).resolve()}")
@@ -425,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--scale", type=float, default=0.15, help="fraction of the paper's Table 1 case counts")
     d.add_argument("--size", type=int, default=64, help="image side in pixels")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of every run, after the demo's own (repeatable); --set train.lr=1e-3: the papers' learning "
+        "rate instead of the demo's 1e-2",
+    )
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser(
