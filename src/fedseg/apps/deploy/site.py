@@ -231,7 +231,7 @@ class SiteRuntime:
             return _json({"site": self.name, "ready": self.site is not None})
         if op in VOLUME_OPS:
             body = parse_json_object(payload, f"site {self.name}: {op}")
-            return _json(site_operation(self.name, self.config.datalist, op, body, log.info))
+            return _json(site_operation(self.name, self.config.datalist, op, body, log.info, self.config.device))
         raise PayloadError(
             f"site {self.name}: unknown operation {op!r}; server and site must run the same fedseg version"
         )
