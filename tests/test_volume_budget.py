@@ -9,7 +9,15 @@ import pytest
 
 from fedseg.cli import main
 from fedseg.data.spec import load_federation
-from fedseg.data.volumes.budget import CPU_LADDER, DeviceBudget, device_budget, step_flops, weakest
+from fedseg.data.volumes.budget import (
+    CPU_LADDER,
+    DeviceBudget,
+    device_budget,
+    network_step_flops,
+    step_flops,
+    unet_step_flops,
+    weakest,
+)
 from fedseg.data.volumes.load import ensure_plan, plan_federation, plan_for_run, plan_path
 from fedseg.data.volumes.plan import GPU_MEMORY_GIB, device_network_plan, network_plan, round_cost
 from fedseg.foundation.config import RunConfig, TrainConfig
@@ -29,6 +37,17 @@ def test_step_flops_counts_the_convolutions_by_hand():
     assert step_flops([4, 4, 4], [[2, 2, 2]], [2, 4], None, 1, 1, 2) == 443136
 
 
+def test_unet_step_flops_counts_monais_unet_by_hand():
+    """MONAI's U-Net 2 → 4, one stride 2, 2 residual units, on 4 × 4 × 4 (level 1: 2 × 2 × 2 = 8 voxels): the
+    down layer 27·8·(2·1·2 + 1·2·2) = 1728 (two convolutions and the strided residual one); the up layer's
+    transposed convolution from the 2 + 4 concatenated channels to the 1 label 27·8·6·1 = 1296 and its
+    convolution 27·64·1·1 = 1728; the bottom 8·(27·(2·4 + 4·4) + 2·4) = 5248; 10000 multiply-adds a patch,
+    × 2 × 3 × batch 2 = 120000 — the U-Net convolves its first level at half resolution, so far less than
+    DynUNet's 443136 on the same levels."""
+    assert unet_step_flops([4, 4, 4], [[2, 2, 2]], [2, 4], 1, 1, 2) == 120000
+    assert network_step_flops("unet", [4, 4, 4], [[2, 2, 2]], [2, 4], None, 1, 1, 2) == 120000
+
+
 def test_a_cpu_budget_plans_a_smaller_network_than_the_8_gib_gpu_plan():
     """A CPU of 20 GFLOP/s with a target of 0.5 s a step of 2 patches: the chosen rung's estimate is within the
     target and the next rung's is not; patch and features are far below nnU-Net's 8 GiB plan (56 × 192 × 192,
@@ -37,14 +56,18 @@ def test_a_cpu_budget_plans_a_smaller_network_than_the_8_gib_gpu_plan():
     budget = DeviceBudget("cpu", step_seconds=0.5, gflops=20.0, batch=2)
     cpu, record = device_network_plan(CT_SHAPE, CT_SPACING, budget)
     assert math.prod(cpu["patch"]) < math.prod(gpu["patch"]) / 10 and cpu["channels"][0] < gpu["channels"][0]
-    flops = step_flops(cpu["patch"], cpu["strides"], cpu["channels"], cpu["kernels"], 1, 1, 2)
+    flops = unet_step_flops(cpu["patch"], cpu["strides"], cpu["channels"], 1, 1, 2)
     assert record["estimate_s"] == pytest.approx(flops / 20e9, abs=1e-3) and record["estimate_s"] <= 0.5
     assert record["device"] == "cpu" and record["gflops"] == 20.0 and cpu["batch_size"] == 2
+    assert record["network"] == "unet"  # sized for the network "auto" builds on a CPU
     rung = record["rung"]
     assert 0 <= rung < len(CPU_LADDER) - 1
     nxt, base = CPU_LADDER[rung + 1]
     bigger = network_plan(CT_SHAPE, CT_SPACING, base=base, patch_voxels=nxt)
-    assert step_flops(bigger["patch"], bigger["strides"], bigger["channels"], bigger["kernels"], 1, 1, 2) / 20e9 > 0.5
+    assert unet_step_flops(bigger["patch"], bigger["strides"], bigger["channels"], 1, 1, 2) / 20e9 > 0.5
+    # sized for DynUNet's step (more work a voxel) the plan is no larger
+    slim, rec = device_network_plan(CT_SHAPE, CT_SPACING, budget, network="dynunet")
+    assert rec["rung"] <= rung and rec["network"] == "dynunet"
     # a faster CPU affords at least as large a plan; a GPU budget is nnU-Net's plan for its memory
     faster, rec = device_network_plan(CT_SHAPE, CT_SPACING, DeviceBudget("cpu", step_seconds=0.5, gflops=200.0))
     assert rec["rung"] >= rung and math.prod(faster["patch"]) >= math.prod(cpu["patch"])
@@ -89,7 +112,8 @@ def test_gpu_memory_gives_nnunets_plan_and_records_the_gpu(tmp_path, capsys):
 
 def test_auto_network_follows_the_plans_device_and_the_run_logs_a_rounds_cost():
     """A CPU plan makes ``model.name = "auto"`` the plan's network and logs the estimated cost: 10 steps of
-    batch 2 on a 4³ patch pooled once with channels 2 → 4 = 10 × 443136 flop at 1 GFLOP/s → 0.0044 s a round."""
+    U-Net's 10 steps of batch 2 on a 4³ patch pooled once with channels 2 → 4 = 10 × 120000 flop at 1 GFLOP/s:
+    0.00012 s a step, 0.0012 s a round."""
     from fedseg.data.volumes.plan import Plan
 
     plan = Plan(

@@ -11,7 +11,7 @@ tens of seconds a step on two cores.  A plan is therefore made for a **device bu
   the largest rung of :data:`CPU_LADDER` (a patch of at most so many voxels, features from a base width)
   whose estimated step time fits, estimated as :func:`step_flops` (the multiply-adds of the network's
   convolutions over the patch, forward and backward) divided by the CPU's measured throughput
-  (:func:`probe_cpu`: a few timed training steps of one reference DynUNet, with the process's torch threads).
+  (:func:`probe_cpu`: a few timed training steps of one reference U-Net, with the process's torch threads).
 
 The probe's timing only chooses a rung of a small discrete ladder; the choice, the throughput and the
 estimate are recorded in the plan file (``Plan.budget``), which a repeated or resumed run, and every
@@ -38,8 +38,10 @@ __all__ = [
     "GFLOPS_ENV",
     "DeviceBudget",
     "device_budget",
+    "network_step_flops",
     "probe_cpu",
     "step_flops",
+    "unet_step_flops",
     "weakest",
 ]
 
@@ -64,7 +66,7 @@ equal-time measurement of ``benchmarks/volume_networks.py``, docs/results/volume
 GFLOPS_ENV = "FEDSEG_CPU_GFLOPS"
 """Environment variable that sets a CPU's throughput (GFLOP/s) in place of the probe."""
 PROBE_PATCH, PROBE_BASE = 24, 16
-"""The probe's reference network: a DynUNet of base 16 on a 24³ patch (3 levels, 16 → 64)."""
+"""The probe's reference network: MONAI's U-Net of base 16 on a 24³ patch (3 levels, 16 → 64)."""
 
 
 @dataclass(frozen=True)
@@ -143,26 +145,70 @@ def step_flops(
     return 6.0 * batch * macs
 
 
+def unet_step_flops(
+    patch: Sequence[int],
+    strides: Sequence[Sequence[int]],
+    channels: Sequence[int],
+    in_channels: int = 1,
+    labels: int = 1,
+    batch: int = 2,
+    res_units: int = 2,
+) -> float:
+    """Floating-point operations of one training step of MONAI's ``UNet`` (3 × 3 × 3 kernels, ``res_units``
+    convolutions a residual unit) on ``batch`` patches.
+
+    Its first level already convolves at the first stride, so with ``V_s`` the voxels of level ``s`` (``V_0``
+    the patch) and ``F_s`` the channels: down layer ``i`` gives ``27 V_{i+1} (2 F_{i-1} F_i + (R − 1) F_i²)``
+    (``R`` convolutions and a strided residual convolution), the bottom layer ``V_L (27 (F_{L-1} F_L + (R − 1)
+    F_L²) + F_{L-1} F_L)``, and up layer ``i`` a transposed convolution ``27 V_{i+1} U_i O_i`` and one
+    convolution ``27 V_i O_i²`` (``U_i`` the concatenated inputs, ``O_i`` its output: ``F_{i-1}``, the labels
+    at the top).  A step: ``2 × 3 × batch`` times the multiply-adds."""
+    size = [int(v) for v in patch]
+    voxels = [math.prod(size)]
+    for stride in strides:
+        size = [max(1, size[a] // int(stride[a])) for a in range(len(size))]
+        voxels.append(math.prod(size))
+    depth = len(channels) - 1
+    macs = 0.0
+    for i in range(depth):
+        fin = in_channels if i == 0 else channels[i - 1]
+        f = channels[i]
+        macs += 27 * voxels[i + 1] * (2 * fin * f + (res_units - 1) * f * f)
+        out = labels if i == 0 else channels[i - 1]
+        up_in = f + channels[i + 1] if i == depth - 1 else 2 * f
+        macs += 27 * voxels[i + 1] * up_in * out + 27 * voxels[i] * out * out
+    a, b = channels[depth - 1], channels[depth]
+    macs += voxels[depth] * (27 * (a * b + (res_units - 1) * b * b) + a * b)
+    return 6.0 * batch * macs
+
+
+def network_step_flops(
+    network: str,
+    patch: Sequence[int],
+    strides: Sequence[Sequence[int]],
+    channels: Sequence[int],
+    kernels: Sequence[Sequence[int]] | None = None,
+    in_channels: int = 1,
+    labels: int = 1,
+    batch: int = 2,
+) -> float:
+    """:func:`unet_step_flops` for ``"unet"``, :func:`step_flops` (DynUNet) otherwise."""
+    if network == "unet":
+        return unet_step_flops(patch, strides, channels, in_channels, labels, batch)
+    return step_flops(patch, strides, channels, kernels, in_channels, labels, batch)
+
+
 def probe_cpu(repeats: int = 2) -> float:
     """The CPU's training throughput (GFLOP/s) with this process's torch threads: the fastest of ``repeats``
-    timed training steps (after one warm-up) of a DynUNet of base :data:`PROBE_BASE` on a
-    :data:`PROBE_PATCH`³ patch, batch 2, Adam, divided into :func:`step_flops` of that network."""
-    from monai.networks.nets import DynUNet
+    timed training steps (after one warm-up) of the network a CPU plan builds (MONAI's ``UNet``, base
+    :data:`PROBE_BASE`, 3 levels, 2 residual units, instance norm) on a :data:`PROBE_PATCH`³ patch, batch 2,
+    Adam, divided into :func:`unet_step_flops` of that network."""
+    from monai.networks.nets import UNet
 
     patch = [PROBE_PATCH] * 3
-    strides = [[2, 2, 2], [2, 2, 2]]  # the plan's topology of an isotropic 24³ patch: 24 → 12 → 6
-    kernels = [[3, 3, 3]] * 3
+    strides = [[2, 2, 2], [2, 2, 2]]
     channels = [PROBE_BASE * 2**i for i in range(3)]
-    net = DynUNet(
-        3,
-        1,
-        1,
-        kernel_size=kernels,
-        strides=[[1, 1, 1], *strides],
-        upsample_kernel_size=strides,
-        filters=channels,
-        res_block=False,
-    )
+    net = UNet(3, 1, 1, channels=channels, strides=strides, num_res_units=2, norm="instance")
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, *patch, generator=g)
@@ -175,7 +221,7 @@ def probe_cpu(repeats: int = 2) -> float:
         opt.step()
         if i:
             best = min(best, time.perf_counter() - t0)
-    return step_flops(patch, strides, channels, kernels, 1, 1, 2) / best / 1e9
+    return unet_step_flops(patch, strides, channels, 1, 1, 2) / best / 1e9
 
 
 def device_budget(

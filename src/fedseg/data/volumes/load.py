@@ -133,6 +133,7 @@ def plan_federation(
     weighting: str = "case",
     log: Callable[[str], None] = print,
     budget: DeviceBudget | None = None,
+    network: str | None = None,
 ) -> Plan:
     """Fingerprint every site's training cases and make the plan, asking the sites for histograms as the plan
     needs them (each request a pass over a site's own cases); no voxel leaves a site.  The plan is sized for
@@ -152,6 +153,7 @@ def plan_federation(
         labels=len(fed.labels),
         in_channels=fed.in_channels,
         budget=budget,
+        network=network,
         intensity=fed.intensity_table(),
         window=fed.window,
         weighting=weighting,

@@ -20,8 +20,9 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
   share of the median shape until the network's feature maps fit the budget; levels pooling each axis
   while it keeps ≥ 4 voxels at the deepest level and its spacing is within 2 × the finest
   (:func:`topology`), 1 × 3 × 3 kernels on a thick-slice axis until its spacing catches up, features 32
-  doubling to at most 320, a batch of at least 2; the network of a volume run is MONAI's DynUNet built
-  from it, with deep supervision (:mod:`fedseg.models.networks`);
+  doubling to at most 320, a batch of at least 2 (:mod:`fedseg.data.volumes.sizing`); on a GPU plan the
+  network of a volume run is MONAI's DynUNet built from it, with deep supervision
+  (:mod:`fedseg.models.networks`);
 * **the device** (:mod:`fedseg.data.volumes.budget`) — a GPU's memory sizes the plan as above
   (``fedseg plan --gpu-memory GIB``, or the CUDA device's memory); on a CPU the plan is the largest rung of
   :data:`fedseg.data.volumes.budget.CPU_LADDER` (a smaller patch and fewer features) whose training step is
@@ -52,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.volumes.budget import AUTO_NETWORK, DeviceBudget, step_flops
+from fedseg.data.volumes.budget import AUTO_NETWORK, DeviceBudget, network_step_flops
 from fedseg.data.volumes.fingerprint import check_fingerprint
 from fedseg.data.volumes.intensity import HISTOGRAM_BINS, PERCENTILES, Ask, check_intensity, plan_intensity
 from fedseg.data.volumes.sizing import (
@@ -249,6 +250,7 @@ def make_plan(
     labels: int = 1,
     in_channels: int = 1,
     budget: DeviceBudget | None = None,
+    network: str | None = None,
     intensity: str | Mapping[str, Sequence[str]] = "auto",
     window: Sequence[float] | None = None,
     weighting: str = "case",
@@ -270,6 +272,9 @@ def make_plan(
     budget
         The device the plan is made for (:func:`device_network_plan`; :func:`fedseg.data.volumes.budget.device_budget`);
         None: a GPU of ``gpu_memory``.
+    network
+        What ``model.name = "auto"`` builds from the plan (``"dynunet"`` or ``"unet"``), and on a CPU the network
+        whose step the plan is sized for; None: :data:`fedseg.data.volumes.budget.AUTO_NETWORK` of the device.
     patch_voxels
         Most voxels of one patch beside the memory budget (None: the budget alone).
     labels
@@ -314,10 +319,12 @@ def make_plan(
     spacing = target_spacing(spacings, shapes)
     resampled = np.median(shapes * spacings / np.asarray(spacing), axis=0)
     budget = budget or DeviceBudget("cuda", gpu_memory=gpu_memory)
+    network = network or AUTO_NETWORK[budget.kind]
     net, record = device_network_plan(
         resampled.tolist(),
         spacing,
         budget,
+        network=network,
         labels=labels,
         in_channels=in_channels,
         patch_voxels=patch_voxels,
@@ -341,7 +348,7 @@ def make_plan(
         batch_size=net["batch_size"],
         gpu_memory=budget.gpu_memory,
         budget=record,
-        network=AUTO_NETWORK[budget.kind],
+        network=network,
         intensity=scheme,
         sites=sorted(ok),
         rejected=rejected,
@@ -366,7 +373,7 @@ def describe_budget(plan: Plan) -> str:
 def round_cost(plan: Plan, model: ModelConfig, batch: int, steps: int, in_channels: int = 1) -> str | None:
     """The line a run logs at its start on what a round will cost, from a CPU plan's measured throughput
     (``plan.budget["gflops"]``): the seconds of a training step of the run's patch and network (the plan's
-    channels and strides; :func:`fedseg.data.volumes.budget.step_flops`) at ``batch``, and of a round of
+    channels and strides; :func:`fedseg.data.volumes.budget.network_step_flops`) at ``batch``, and of a round of
     ``steps`` steps at one site.  None where the plan was made for a GPU or the network is not the plan's
     (each site then says what its first steps took)."""
     b = plan.budget or {}
@@ -375,7 +382,9 @@ def round_cost(plan: Plan, model: ModelConfig, batch: int, steps: int, in_channe
         return None
     if model.module is not None or model.name not in ("dynunet", "unet") or model.channels != tuple(plan.channels):
         return None
-    flops = step_flops(model.roi_size, plan.strides, plan.channels, plan.kernels, in_channels, 1, batch)
+    flops = network_step_flops(
+        model.name, model.roi_size, plan.strides, plan.channels, plan.kernels, in_channels, 1, batch
+    )
     per = flops / (gflops * 1e9)
     return (
         f"plan: a training step of {batch} patches of {list(model.roi_size)} estimated {per:.2f} s on this CPU "

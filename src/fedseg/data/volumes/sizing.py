@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fedseg.data.volumes.budget import CPU_LADDER, DeviceBudget, step_flops
+from fedseg.data.volumes.budget import AUTO_NETWORK, CPU_LADDER, DeviceBudget, network_step_flops
 
 __all__ = [
     "BASE_FEATURES",
@@ -178,13 +178,16 @@ def device_network_plan(
     in_channels: int = 1,
     dataset_voxels: float | None = None,
     patch_voxels: int | None = None,
+    network: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`network_plan` for a device budget, and the budget's record for ``Plan.budget``.
 
     A GPU budget is nnU-Net's plan for its memory.  A CPU budget walks :data:`CPU_LADDER` from the
     cheapest rung: each rung's plan is :func:`network_plan` with the rung's base features and its patch
-    voxels (also at most ``patch_voxels`` when given), its step estimated as :func:`step_flops` at the
-    budget's batch over the measured throughput; the plan is the last rung whose estimate is within
+    voxels (also at most ``patch_voxels`` when given), its step estimated as
+    :func:`fedseg.data.volumes.budget.network_step_flops` at the budget's batch over the measured throughput,
+    for ``network`` (default: what ``model.name = "auto"`` builds on the budget's device,
+    :data:`fedseg.data.volumes.budget.AUTO_NETWORK`); the plan is the last rung whose estimate is within
     ``step_seconds`` (the first rung when none is), with the budget's batch."""
     if budget.kind == "cuda":
         net = network_plan(
@@ -197,14 +200,15 @@ def device_network_plan(
         )
         return net, budget.to_json()
     assert budget.gflops is not None and budget.step_seconds is not None
+    network = network or AUTO_NETWORK[budget.kind]
     chosen: tuple[int, dict[str, Any], float] | None = None
     for rung, (voxels, base) in enumerate(CPU_LADDER):
         cap = voxels if patch_voxels is None else min(voxels, patch_voxels)
         net = network_plan(
             median_shape, spacing, labels=labels, dataset_voxels=dataset_voxels, base=base, patch_voxels=cap
         )
-        flops = step_flops(
-            net["patch"], net["strides"], net["channels"], net["kernels"], in_channels, labels, budget.batch
+        flops = network_step_flops(
+            network, net["patch"], net["strides"], net["channels"], net["kernels"], in_channels, labels, budget.batch
         )
         seconds = flops / (budget.gflops * 1e9)
         if chosen is None or seconds <= budget.step_seconds:
@@ -214,4 +218,4 @@ def device_network_plan(
     assert chosen is not None
     rung, net, seconds = chosen
     net["batch_size"] = budget.batch
-    return net, {**budget.to_json(), "rung": rung, "estimate_s": round(seconds, 3)}
+    return net, {**budget.to_json(), "rung": rung, "estimate_s": round(seconds, 3), "network": network}
