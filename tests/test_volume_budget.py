@@ -172,3 +172,27 @@ def test_a_long_round_says_its_cost_and_progress(monkeypatch):
     for done in range(1, 5):
         later.step(done)
     assert not any("measured" in m for m in said[n:])
+
+
+@pytest.mark.slow
+def test_sites_say_the_cost_of_their_rounds_and_the_numbers_do_not_change(monkeypatch, capsys, workload):
+    """A simulation whose rounds "last longer" than the progress interval (0 s here): each site says after
+    its first round's first steps what a step took and the round's estimate, and where it is during the round;
+    the run's Dice and losses equal those of the same run without those lines."""
+    from conftest import tiny_config, tiny_sites
+
+    from fedseg.simulation.runner import simulate
+
+    sites = tiny_sites(num_sites=2, n_train=4, size=8)
+    cfg = tiny_config(rounds=2, local_steps=6, local_epochs=None)
+    quiet = simulate(cfg, workload, sites, progress=False, log=lambda m: None)
+    capsys.readouterr()
+    monkeypatch.setattr(calls, "PROGRESS_EVERY_S", 0.0)
+    loud = simulate(cfg, workload, sites, progress=False, log=lambda m: None)
+    said = capsys.readouterr().out
+    for site in ("site1", "site2"):
+        assert f"{site}: round 1: about" in said and "for this round's 6 steps" in said
+        assert f"{site}: round 2: step 5/6" in said
+        assert f"{site}: round 2: about" not in said  # the estimate once, in the first round
+    assert loud["per_site_dice"] == quiet["per_site_dice"]
+    assert [h.get("train_loss") for h in loud["history"]] == [h.get("train_loss") for h in quiet["history"]]
