@@ -67,6 +67,7 @@ def test_a_cpu_budget_plans_a_smaller_network_than_the_8_gib_gpu_plan():
     assert unet_step_flops(bigger["patch"], bigger["strides"], bigger["channels"], 1, 1, 2) / 20e9 > 0.5
     # sized for DynUNet's step (more work a voxel) the plan is no larger
     slim, rec = device_network_plan(CT_SHAPE, CT_SPACING, budget, network="dynunet")
+    assert math.prod(slim["patch"]) <= math.prod(cpu["patch"])
     assert rec["rung"] <= rung and rec["network"] == "dynunet"
     # a faster CPU affords at least as large a plan; a GPU budget is nnU-Net's plan for its memory
     faster, rec = device_network_plan(CT_SHAPE, CT_SPACING, DeviceBudget("cpu", step_seconds=0.5, gflops=200.0))
@@ -180,7 +181,6 @@ def test_sites_say_the_cost_of_their_rounds_and_the_numbers_do_not_change(monkey
     its first round's first steps what a step took and the round's estimate, and where it is during the round;
     the run's Dice and losses equal those of the same run without those lines."""
     from conftest import tiny_config, tiny_sites
-
     from fedseg.simulation.runner import simulate
 
     sites = tiny_sites(num_sites=2, n_train=4, size=8)
