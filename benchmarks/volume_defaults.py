@@ -4,7 +4,7 @@
 
 Candidates, each trained with FedAvg for about ``--budget`` seconds of training over the sites (its time per
 training step measured first on this machine, one torch thread; its local steps per round set to fill the
-budget over ``--rounds`` rounds), then its test cases scored in their own grids (Dice, HD95 in mm):
+budget over ``--rounds`` rounds, or with ``--steps N`` its rounds of N local steps), then its test cases scored in their own grids (Dice, HD95 in mm):
 
 * **DynUNet, 8 GiB GPU plan** — what ``model.name = "auto"`` built on any device before plans knew their device
   (nnU-Net's plan for an 8 GiB GPU);
@@ -44,6 +44,13 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--budget", type=float, default=90.0, help="training seconds per network, all sites")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="fixed local steps per round, the rounds set to fill the budget (default: --rounds fixed, the local "
+        "steps set to fill it)",
+    )
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
@@ -75,7 +82,6 @@ def main() -> None:
         f"train.batch_size={a.batch}",
         "train.local_epochs=none",
         f"train.lr={a.lr}",
-        f"rounds={a.rounds}",
         "eval.every=1000",
         "volume_cache=off",
     ]
@@ -86,12 +92,15 @@ def main() -> None:
         save_plan(plan, plan_path(fed))
         summary["plans"][name] = plan.to_json()
         sec = step_seconds(spec, plan, [*common, "train.local_steps=1", *over], a.batch)
-        steps = max(1, int(a.budget / sec / (a.rounds * len(fed.sites))))
+        if a.steps is None:
+            rounds, steps = a.rounds, max(1, int(a.budget / sec / (a.rounds * len(fed.sites))))
+        else:
+            rounds, steps = max(1, int(a.budget / sec / (a.steps * len(fed.sites)))), a.steps
         t0 = time.perf_counter()
         res = run(
             spec,
             out=out / f"net{i}",
-            overrides=[*common, f"train.local_steps={steps}", *over],
+            overrides=[*common, f"rounds={rounds}", f"train.local_steps={steps}", *over],
             method="fedavg",
             progress=False,
             log=lambda m: None,
@@ -103,6 +112,7 @@ def main() -> None:
         summary["networks"][name] = {
             "step_s": sec,
             "steps_per_round": steps,
+            "rounds": rounds,
             "wall_s": wall,
             "roi_size": roi,
             "channels": channels,
@@ -114,7 +124,7 @@ def main() -> None:
                 "×".join(map(str, roi)),
                 f"{channels[0]}→{channels[-1]}, {len(channels)} levels",
                 f"{sec:.3f}",
-                str(steps),
+                f"{rounds} × {steps}",
                 f"{wall:.0f}",
                 f"{res['client_avg_dice']:.3f}",
                 f"{res.get('client_avg_hd95', float('nan')):.1f}",
@@ -123,12 +133,14 @@ def main() -> None:
         print(rows[-1], flush=True)
     machine = f"{platform.processor() or platform.machine()}, torch threads 1"
     md = [
-        f"FedAvg on ct-lesion (size {a.size}, scale {a.scale}), {a.rounds} rounds, batch {a.batch}, Adam lr {a.lr}, "
+        f"FedAvg on ct-lesion (size {a.size}, scale {a.scale}, seed {a.seed}), "
+        + (f"{a.rounds} rounds" if a.steps is None else f"{a.steps} local steps a round")
+        + f", batch {a.batch}, Adam lr {a.lr}, "
         f"about {a.budget:.0f} s of training per network over the sites ({machine}; CPU plan budget "
         f"{cpu_plan.budget}):",
         "",
         *md_table(
-            ["network", "patch", "features", "s / step", "steps / round", "run wall (s)", "test Dice", "HD95 (mm)"],
+            ["network", "patch", "features", "s / step", "rounds × steps", "run wall (s)", "test Dice", "HD95 (mm)"],
             rows,
         ),
     ]

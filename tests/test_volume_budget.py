@@ -140,7 +140,7 @@ def test_auto_network_follows_the_plans_device_and_the_run_logs_a_rounds_cost():
 
 def test_weakest_device_and_a_malformed_budget():
     """The server plans for a CPU when any site trains on one (the slowest per patch), else the smallest GPU;
-    a site's malformed budget is refused with one error naming it."""
+    a site's malformed budget is refused with one error naming it, and so is a target of no time."""
     slow = DeviceBudget("cpu", step_seconds=0.5, gflops=5.0, batch=2)
     fast = DeviceBudget("cpu", step_seconds=0.5, gflops=50.0, batch=2)
     small, large = DeviceBudget("cuda", gpu_memory=8.0), DeviceBudget("cuda", gpu_memory=80.0)
@@ -149,6 +149,8 @@ def test_weakest_device_and_a_malformed_budget():
     for bad in ({"device": "tpu"}, {"device": "cpu", "step_seconds": 0.5, "gflops": -1}, [1]):
         with pytest.raises(ConfigError, match="site x"):
             DeviceBudget.from_json(bad, "site x")
+    with pytest.raises(ConfigError, match="step_seconds = 0"):
+        device_budget("cpu", step_seconds=0)
 
 
 def test_a_long_round_says_its_cost_and_progress(monkeypatch):

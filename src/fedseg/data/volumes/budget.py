@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
 
 __all__ = [
@@ -238,9 +239,11 @@ def device_budget(
     must make the same plan without a plan file set it alike — else :func:`probe_cpu`)."""
     if gpu_memory is not None:
         return DeviceBudget("cuda", gpu_memory=float(gpu_memory))
-    dev = torch.device(
-        "cuda" if str(device) == "auto" and torch.cuda.is_available() else str(device).replace("auto", "cpu")
-    )
+    if not (step_seconds > 0 and math.isfinite(step_seconds)) or batch < 1:
+        raise ConfigError(
+            f"a CPU plan's budget: step_seconds = {step_seconds}, batch = {batch}; give a positive time and batch"
+        )
+    dev = resolve_device(str(device))
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
         return DeviceBudget("cuda", gpu_memory=round(props.total_memory / 2**30, 1))
