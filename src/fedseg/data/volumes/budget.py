@@ -209,7 +209,8 @@ def probe_cpu(repeats: int = 2) -> float:
     patch = [PROBE_PATCH] * 3
     strides = [[2, 2, 2], [2, 2, 2]]
     channels = [PROBE_BASE * 2**i for i in range(3)]
-    net = UNet(3, 1, 1, channels=channels, strides=strides, num_res_units=2, norm="instance")
+    per_axis: Any = strides  # MONAI's UNet takes a stride per axis as well as one number
+    net = UNet(3, 1, 1, channels=channels, strides=per_axis, num_res_units=2, norm="instance")
     opt = torch.optim.Adam(net.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, *patch, generator=g)
