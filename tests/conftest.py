@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,9 @@ from fedseg.site.workload import segmentation_workload
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes them
 # crawl when another process holds the second core.
 torch.set_num_threads(1)
+
+# A CPU's volume plan is made for a fixed throughput in tests (no probe): the same plan on every machine.
+os.environ.setdefault("FEDSEG_CPU_GFLOPS", "20")
 
 TINY_MODEL = ModelConfig(channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
 

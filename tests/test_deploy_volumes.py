@@ -16,6 +16,7 @@ from fedseg.apps.deploy.server import load_deploy_config, prepare_run, serve
 from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
 from fedseg.apps.deploy.volumes import plan_and_shape, site_cache_setting, site_operation
 from fedseg.data.spec import load_federation
+from fedseg.data.volumes.budget import device_budget
 from fedseg.data.volumes.load import (
     ensure_plan,
     load_volume_site,
@@ -42,6 +43,12 @@ RUN = [
     "eval.every=1",
     "privacy.secure_aggregation=false",
 ]
+
+
+def _budget():
+    """The budget the sites report and a simulation plans for: this machine's device at the run's batch
+    (a CPU's throughput fixed by the suite's ``FEDSEG_CPU_GFLOPS``)."""
+    return device_budget("auto", batch=2)
 
 
 def _runtimes(spec, tmp_path):
@@ -71,7 +78,7 @@ def test_deployed_fingerprint_gives_the_plan_of_fedseg_plan_and_the_simulations_
     numbers `fedseg plan` combines in one process: the same plan, field for field; the volume shape the
     sites agree is the one the simulation pads every site to."""
     spec, plan, header, _ = _planned(tmp_path)
-    assert plan.to_json() == plan_federation(load_federation(spec), log=lambda m: None).to_json()
+    assert plan.to_json() == plan_federation(load_federation(spec), log=lambda m: None, budget=_budget()).to_json()
     assert plan.intensity["channels"][0]["mode"] == "ct" and plan.sites == ["lps", "ras"]
     fed = load_federation(spec)  # the simulation's padding of every split of every site to one shape
     data = {s.name: SiteData(*load_volume_site(fed, s, plan, "auto", log=lambda m: None)) for s in fed.sites}
@@ -108,7 +115,7 @@ def test_deployed_volume_run_plans_like_fedseg_plan_and_equals_simulation(tmp_pa
     # Execute
     with caplog.at_level("INFO", logger="fedseg.apps.deploy.site"):
         dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
-    expected = plan_federation(load_federation(spec), log=lambda m: None)
+    expected = plan_federation(load_federation(spec), log=lambda m: None, budget=_budget())
     sim = run(spec, out=tmp_path / "sim", overrides=[*RUN, "volume_cache=off"], progress=False, log=lambda m: None)
     # Assert
     sites_said = [r.getMessage() for r in caplog.records if r.name == "fedseg.apps.deploy.site"]
@@ -199,7 +206,7 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
     transport = RemoteTransport(desc["sites"], LoopbackChannel(_runtimes(spec, tmp_path)), deploy_params(cfg))
     _, header, plan = plan_and_shape(tmp_path / "dep", desc, cfg, transport, 60.0, lambda m: None)
     assert plan.intensity == {"channels": [{"name": "0", "mode": "window", "window": [-100.0, 100.0]}]}
-    assert plan.to_json() == plan_federation(fed, log=lambda m: None).to_json()
+    assert plan.to_json() == plan_federation(fed, log=lambda m: None, budget=_budget()).to_json()
     # over a plan file made with the plan's own scheme ("ct"), the spec's window wins in both
     save_plan(
         plan_federation(load_federation(write_federation(tmp_path / "ct", n=(2, 1, 1))), log=print), plan_path(fed)

@@ -261,7 +261,7 @@ def load_pretrained(model: nn.Module, path: str | Path) -> nn.Module:
 def build_model(spatial_dims: int, in_channels: int, out_channels: int, cfg: ModelConfig | None = None) -> nn.Module:
     """The segmentation network ``cfg`` names (module docstring): ``cfg.module``'s factory, else
     :data:`NETWORKS` ``[cfg.name]`` (``"auto"`` builds ``"unet"``; a volume run's plan makes it
-    ``"dynunet"``), loaded from ``cfg.init`` when set."""
+    the plan's ``network``: ``"dynunet"`` on a GPU plan, ``"unet"`` on a CPU plan), loaded from ``cfg.init`` when set."""
     cfg = cfg or ModelConfig()
     cfg.validate()
     if cfg.module is not None:

@@ -232,6 +232,8 @@ def load_federation_data(
     log: Callable[[str], None] = print,
     volume_cache: str = "auto",
     volume_reads: str = "auto",
+    device: str = "auto",
+    batch: int = 2,
 ) -> tuple[Any, dict[str, SiteData]]:
     """Validate a federation spec and load every site's splits into memory.
 
@@ -239,11 +241,12 @@ def load_federation_data(
     file beside the spec, made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`),
     each case read from its site's cache of preprocessed cases when it is there (``volume_cache``, the run
     setting) and held in memory or read from there as used (``volume_reads``); ``patches2d`` training splits
-    are the volumes' axial slices."""
+    are the volumes' axial slices.  A new plan is made for the run's ``device`` and ``batch`` patches a step
+    (:func:`fedseg.data.volumes.load.ensure_plan`)."""
     raise_if_invalid(federation)
     fed = load_federation(federation)
     if fed.volumes:
-        plan = ensure_plan(fed, log=log)
+        plan = ensure_plan(fed, log=log, device=device, batch=batch)
         data = {
             s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log, volume_reads, len(fed.sites)))
             for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
@@ -335,7 +338,13 @@ def run(
     resolve_device(cfg.device)  # --device cuda without CUDA stops here, before any data is read
     _check_slice_evaluation(cfg, algorithm)
     fed, data = load_federation_data(
-        cfg.federation, progress=progress, log=log, volume_cache=cfg.volume_cache, volume_reads=cfg.volume_reads
+        cfg.federation,
+        progress=progress,
+        log=log,
+        volume_cache=cfg.volume_cache,
+        volume_reads=cfg.volume_reads,
+        device=cfg.device,
+        batch=cfg.train.batch_size,
     )
     plan = None
     if fed.volumes:

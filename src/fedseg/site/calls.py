@@ -16,6 +16,7 @@ the requests of all sites of one ask stacked.  Every executor runs in the callin
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
@@ -36,6 +37,7 @@ __all__ = [
     "GradientCall",
     "LocalExecutor",
     "LossSums",
+    "RoundProgress",
     "as_asks",
     "drive",
     "local_apply",
@@ -123,6 +125,49 @@ class LossSums:
 
 
 # ------------------------------------------------------------------ computed at the site
+PROGRESS_EVERY_S = 30.0
+"""A round of local training that lasts longer than this says where it is about this often."""
+FIRST_STEPS = 3
+"""Steps of a site's first round after which it says what a step and the round will cost (the first step,
+which builds the network's buffers, is left out of the estimate)."""
+
+
+class RoundProgress:
+    """What a site says while a round of local training runs: after its first round's first
+    :data:`FIRST_STEPS` steps, the measured seconds a step and the round's estimate when the round will take
+    longer than :data:`PROGRESS_EVERY_S`; then a line every :data:`PROGRESS_EVERY_S` seconds.  It reads only the
+    clock (no loss, no device synchronization), so a run's numbers are the same with or without it."""
+
+    def __init__(self, site: Any, rnd: int, total: int, log: Callable[[str], None] | None = None):
+        self.site, self.rnd, self.total = site, rnd, total
+        self.log = log or print
+        self.t0 = self.last = time.perf_counter()
+        self.t1: float | None = None
+        self.first = not site.scratch.get("round_progress_said")
+
+    def step(self, done: int) -> None:
+        now = time.perf_counter()
+        if done == 1:
+            self.t1 = now
+        if self.first and done == FIRST_STEPS + 1 and self.t1 is not None:
+            self.first = False
+            self.site.scratch["round_progress_said"] = True
+            per = (now - self.t1) / FIRST_STEPS
+            left = per * (self.total - done)
+            if (now - self.t0) + left > PROGRESS_EVERY_S:
+                self.log(
+                    f"{self.site.name}: round {self.rnd}: about {per:.2f} s a training step measured, about "
+                    f"{(now - self.t0) + left:.0f} s for this round's {self.total} steps"
+                )
+        if now - self.last >= PROGRESS_EVERY_S and done < self.total:
+            self.last = now
+            per = (now - self.t0) / done
+            self.log(
+                f"{self.site.name}: round {self.rnd}: step {done}/{self.total}, {now - self.t0:.0f} s, "
+                f"about {per * (self.total - done):.0f} s left"
+            )
+
+
 def local_fit(c: FitCall) -> dict[str, float]:
     """A :class:`FitCall` computed at its site.
 
@@ -130,7 +175,8 @@ def local_fit(c: FitCall) -> dict[str, float]:
     may edit gradients before the step (SCAFFOLD's correction).  The forward pass runs under
     ``train.precision``'s autocast (the proximal term outside it, in the weights' dtype); fp16 scales the loss
     (:attr:`Site.scalers`, one per role, kept across rounds).  The loss is summed on the device and read once
-    at the end of the round, so no step waits for the host."""
+    at the end of the round, so no step waits for the host.  A round that takes minutes says what it costs and
+    where it is (:class:`RoundProgress`)."""
     site = c.site
     model = site.model(c.role)
     opt = c.optimizer or site.optimizer(c.role)
@@ -142,7 +188,8 @@ def local_fit(c: FitCall) -> dict[str, float]:
         )
     model.train()
     sums = LossSums(site.device)
-    for x, y in site.batches(c.rnd, c.stream, c.steps):
+    progress = RoundProgress(site, c.rnd, c.steps if c.steps is not None else site.steps_per_round())
+    for done, (x, y) in enumerate(site.batches(c.rnd, c.stream, c.steps), 1):
         opt.zero_grad(set_to_none=True)
         with site.autocast():
             loss = site.workload.loss(model(x), y)
@@ -150,6 +197,7 @@ def local_fit(c: FitCall) -> dict[str, float]:
             loss = loss + c.extra_loss(model)
         site.step(c.role, opt, loss, model, c.after_backward)
         sums.add("loss", loss)
+        progress.step(done)
     means = sums.means()
     return {"loss": means.get("loss", 0.0), "steps": sums.count("loss")}
 

@@ -246,7 +246,7 @@ class SiteRuntime:
             if why:
                 log.warning("site %s refuses a planning request: %s", self.name, why)
                 raise PayloadError(f"site {self.name} refuses by its policy: {why}")
-            out = site_operation(self.name, self.config.datalist, op, body, log.info)
+            out = site_operation(self.name, self.config.datalist, op, body, log.info, self.config.device)
             self.guard.planned(op, body)
             return _json(out)
         raise PayloadError(

@@ -2,7 +2,9 @@
 
 Before the sites set up a volume run (``mode = "3d"`` or ``"patches2d"``), the server (:func:`plan_and_shape`):
 
-1. **plans** — unless the run carries a plan (the file beside the federation spec, which ``prepare_run``
+1. **plans** — for the weakest device the sites report with their fingerprints (a CPU's measured
+   time a step where any site trains on a CPU, else the smallest GPU memory;
+   :func:`fedseg.data.volumes.budget.weakest`) — unless the run carries a plan (the file beside the federation spec, which ``prepare_run``
    copies into ``deploy.json`` with the spec's ``data.intensity`` applied, or the one an earlier job of the
    run made), it asks every site for its fingerprint (operation ``fingerprint``: per-case spacings and
    shapes, foreground moments per channel; never a voxel), then the sites pooled for a CT channel for
@@ -33,11 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from fedseg.data.spec import INTENSITIES, VOLUME_MODES, FederationSpec, SiteSpec
+from fedseg.data.volumes.budget import DeviceBudget, device_budget, weakest
 from fedseg.data.volumes.fingerprint import WEIGHTINGS, site_fingerprint, site_histogram
 from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, split_shape, training_cases
 from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
 from fedseg.foundation.config import RunConfig, dump_toml
-from fedseg.foundation.errors import PayloadError
+from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.seams.checkpoint import save_json
 from fedseg.simulation.runner import validation_work
 from fedseg.site.runtime import SiteData, dataset_len
@@ -178,9 +181,11 @@ def load_volume_site_data(
 
 
 def site_operation(
-    name: str, datalist: str | Path, op: str, body: dict[str, Any], log: Callable[[str], None]
+    name: str, datalist: str | Path, op: str, body: dict[str, Any], log: Callable[[str], None], device: str = "auto"
 ) -> dict[str, Any]:
-    """A site's answer to one planning operation (:data:`VOLUME_OPS`); ``body`` holds the data header."""
+    """A site's answer to one planning operation (:data:`VOLUME_OPS`); ``body`` holds the data header.  The
+    fingerprint's reply also carries the budget of the ``device`` the site trains on
+    (:func:`fedseg.data.volumes.budget.device_budget`, for the ``batch`` the body names)."""
     where = f"site {name}: {op}"
     header = body.get("data")
     if not isinstance(header, dict) or header.get("mode") not in VOLUME_MODES:
@@ -188,7 +193,14 @@ def site_operation(
     fed = local_spec(name, datalist, header)
     site = fed.sites[0]
     if op == "fingerprint":
-        return {"site": name, "fingerprint": site_fingerprint(training_cases(fed, site))}
+        batch = body.get("batch", 2)
+        if not (isinstance(batch, int) and not isinstance(batch, bool) and 1 <= batch <= 1 << 16):
+            raise PayloadError(f"{where}: batch {batch!r} is not a positive count of patches")
+        return {
+            "site": name,
+            "fingerprint": site_fingerprint(training_cases(fed, site)),
+            "device": device_budget(device, batch=batch).to_json(),
+        }
     if op == "histogram":
         weighting = body.get("weighting")
         if weighting not in WEIGHTINGS:
@@ -214,10 +226,22 @@ def site_operation(
     raise PayloadError(f"{where}: not a planning operation")
 
 
-def _deployed_plan(transport: Any, header: dict[str, Any], timeout: float, log: Callable[[str], None]) -> Plan:
-    replies = transport.exchange("fingerprint", {"data": header}, timeout)
+def _deployed_plan(
+    transport: Any, header: dict[str, Any], timeout: float, log: Callable[[str], None], batch: int = 2
+) -> Plan:
+    replies = transport.exchange("fingerprint", {"data": header, "batch": batch}, timeout)
     # federation order, as `fedseg plan` combines the sites (the pooled moments' rounding follows the order)
     fingerprints = {s: replies[s].get("fingerprint") for s in transport.sites if s in replies}
+    budgets = []
+    for s in transport.sites:
+        if s in replies and replies[s].get("device") is not None:
+            try:
+                budgets.append(DeviceBudget.from_json(replies[s]["device"], f"site {s}'s device budget"))
+            except ConfigError as e:
+                log(f"[deploy] {e}; planning for the other sites' devices")
+    budget = weakest(budgets)
+    if budget is not None:
+        log(f"[deploy] planning for the weakest site device: {budget.to_json()}")
 
     def histograms(requests: list[dict[str, Any]], weighting: str, sites: list[str]) -> dict[str, Any]:
         asked = tuple(s for s in transport.sites if s in sites)
@@ -230,6 +254,9 @@ def _deployed_plan(transport: Any, header: dict[str, Any], timeout: float, log: 
     return make_plan(
         fingerprints,
         histograms,
+        budget=budget,
+        labels=len(header.get("labels") or {}) or 1,
+        in_channels=int(header.get("in_channels", 1)),
         intensity=_requested(header, where),
         window=window,
         channel_names=header.get("channels") or None,
@@ -246,7 +273,7 @@ def plan_and_shape(
     sites set up with (the plan and the volume shape added) and the plan."""
     header = dict(desc["data"])
     if desc.get("plan") is None:
-        plan = _deployed_plan(transport, header, timeout, log)
+        plan = _deployed_plan(transport, header, timeout, log, cfg.train.batch_size)
         desc["plan"] = plan.to_json()
         log(f"[deploy] plan made from the fingerprints of {plan.sites} ({plan.cases} training cases)")
     plan = Plan.from_json(desc["plan"], where=f"{out / 'deploy.json'}: plan")

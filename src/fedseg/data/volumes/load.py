@@ -33,6 +33,7 @@ import torch
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.loading import label_channels
 from fedseg.data.spec import FederationSpec, SiteSpec
+from fedseg.data.volumes.budget import DeviceBudget, device_budget
 from fedseg.data.volumes.cache import CACHE_DIR, CachedCase, VolumeCache, plan_key
 from fedseg.data.volumes.fingerprint import site_fingerprint, site_histogram
 from fedseg.data.volumes.geometry import (
@@ -47,9 +48,11 @@ from fedseg.data.volumes.plan import (
     EVAL_SHARE,
     GPU_MEMORY_GIB,
     Plan,
+    describe_budget,
     eval_interval,
     load_plan,
     make_plan,
+    round_cost,
     save_plan,
     slice_patch,
     sliding_windows,
@@ -129,9 +132,12 @@ def plan_federation(
     patch_voxels: int | None = None,
     weighting: str = "case",
     log: Callable[[str], None] = print,
+    budget: DeviceBudget | None = None,
+    network: str | None = None,
 ) -> Plan:
     """Fingerprint every site's training cases and make the plan, asking the sites for histograms as the plan
-    needs them (each request a pass over a site's own cases); no voxel leaves a site."""
+    needs them (each request a pass over a site's own cases); no voxel leaves a site.  The plan is sized for
+    ``budget`` (:mod:`fedseg.data.volumes.budget`; None: a GPU of ``gpu_memory``)."""
     fingerprints = {s.name: site_fingerprint(training_cases(fed, s)) for s in fed.sites}
 
     def histograms(requests: list[dict], weighting: str, sites: list[str]) -> dict[str, list[list[float]]]:
@@ -145,6 +151,9 @@ def plan_federation(
         gpu_memory=gpu_memory,
         patch_voxels=patch_voxels,
         labels=len(fed.labels),
+        in_channels=fed.in_channels,
+        budget=budget,
+        network=network,
         intensity=fed.intensity_table(),
         window=fed.window,
         weighting=weighting,
@@ -194,15 +203,18 @@ def with_spec_intensity(
     return dataclasses.replace(plan, intensity={"channels": entries})
 
 
-def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print) -> Plan:
-    """The federation's plan file, or a new plan written beside the spec (and logged) when there is none;
-    the spec's ``data.intensity`` overrides its intensity scheme."""
+def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print, device: str = "auto", batch: int = 2) -> Plan:
+    """The federation's plan file, or a new plan written beside the spec (and logged) when there is none,
+    made for the ``device`` the run trains on with ``batch`` patches a step
+    (:func:`fedseg.data.volumes.budget.device_budget`; a CPU is probed once, here, and the choice kept in the
+    file, which later runs reuse); the spec's ``data.intensity`` overrides its intensity scheme."""
     path = plan_path(fed)
     if path.is_file():
         return with_spec_intensity(load_plan(path), fed, str(path), log)
-    plan = plan_federation(fed, log=log)
+    plan = plan_federation(fed, log=log, budget=device_budget(device, batch=batch))
     save_plan(plan, path)
     log(f"plan: {path} (made from {plan.cases} training cases of {len(plan.sites)} sites; edit it to override)")
+    log(describe_budget(plan))
     return plan
 
 
@@ -443,7 +455,10 @@ def plan_for_run(
         log(f"plan: model.roi_size = {list(plan.patch_size)} (patches and sliding windows)")
     from_plan = model.channels is None and model.strides is None
     if mode != "patches2d" and model.name == "auto" and model.module is None and from_plan:
-        if len(plan.channels) >= 3:
+        if plan.network == "unet":
+            model = dataclasses.replace(model, name="unet")
+            log("plan: model.name = unet (MONAI's U-Net: what the plan's device trains best in equal time)")
+        elif len(plan.channels) >= 3:
             model = dataclasses.replace(model, name="dynunet")
             log("plan: model.name = dynunet (MONAI's DynUNet, nnU-Net's network, with deep supervision)")
         else:  # MONAI's DynUNet needs at least 3 levels; a patch that small keeps MONAI's U-Net
@@ -459,6 +474,10 @@ def plan_for_run(
         )
         log(f"plan: network channels {plan.channels}, strides {plan.strides}, kernels {plan.kernels}")
     assert model.roi_size is not None  # set from the plan above when unset
+    if mode == "3d" and sites:
+        line = round_cost(plan, model, train.batch_size, max(p for _, p in sites.values()) // train.batch_size)
+        if line:
+            log(line)
     if ev.every is None:
         every, why = plan.eval_every, "the plan's eval_every"
         if every is None and sites and volume is not None:

@@ -20,8 +20,16 @@ nnU-Net derives its plan from a pooled dataset, without pooling a voxel:
   share of the median shape until the network's feature maps fit the budget; levels pooling each axis
   while it keeps ≥ 4 voxels at the deepest level and its spacing is within 2 × the finest
   (:func:`topology`), 1 × 3 × 3 kernels on a thick-slice axis until its spacing catches up, features 32
-  doubling to at most 320, a batch of at least 2; the network of a volume run is MONAI's DynUNet built
-  from it, with deep supervision (:mod:`fedseg.models.networks`);
+  doubling to at most 320, a batch of at least 2 (:mod:`fedseg.data.volumes.sizing`); on a GPU plan the
+  network of a volume run is MONAI's DynUNet built from it, with deep supervision
+  (:mod:`fedseg.models.networks`);
+* **the device** (:mod:`fedseg.data.volumes.budget`) — a GPU's memory sizes the plan as above
+  (``fedseg plan --gpu-memory GIB``, or the CUDA device's memory); on a CPU the plan is the largest rung of
+  :data:`fedseg.data.volumes.budget.CPU_LADDER` (a smaller patch and fewer features) whose training step is
+  estimated within :data:`fedseg.data.volumes.budget.CPU_STEP_SECONDS` from a short probe of this CPU
+  (:func:`device_network_plan`); the budget, the rung and the estimate are recorded in ``budget``, and
+  ``network`` names what ``model.name = "auto"`` builds from the plan (DynUNet on a GPU, the network the
+  equal-time measurement chose on a CPU);
 * **validation interval** — left to the run (``eval_every = None``): :func:`eval_interval` picks the
   fewest rounds between validations that keeps sliding-window validation at most
   :data:`EVAL_SHARE` (a fifth) of the computation of the rounds it follows, from each site's validation
@@ -45,19 +53,34 @@ from typing import Any
 
 import numpy as np
 
+from fedseg.data.volumes.budget import AUTO_NETWORK, DeviceBudget, network_step_flops
 from fedseg.data.volumes.fingerprint import check_fingerprint
 from fedseg.data.volumes.intensity import HISTOGRAM_BINS, PERCENTILES, Ask, check_intensity, plan_intensity
+from fedseg.data.volumes.sizing import (
+    GPU_MEMORY_GIB,
+    device_network_plan,
+    feature_map_size,
+    features,
+    network_plan,
+    topology,
+)
+from fedseg.foundation.config import ModelConfig
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
+    "GPU_MEMORY_GIB",
     "HISTOGRAM_BINS",
     "PERCENTILES",
     "Plan",
+    "describe_budget",
+    "device_network_plan",
     "eval_interval",
     "feature_map_size",
+    "features",
     "load_plan",
     "make_plan",
     "network_plan",
+    "round_cost",
     "save_plan",
     "slice_patch",
     "sliding_windows",
@@ -66,15 +89,6 @@ __all__ = [
 ]
 
 ANISOTROPY = 3.0
-MIN_FEATURE = 4
-"""Fewest voxels an axis keeps at the deepest level (nnU-Net's ``featuremap_min_edge_length``)."""
-BASE_FEATURES, MAX_FEATURES = 32, 320
-"""nnU-Net's feature channels: 32 at the first level, doubling, at most 320."""
-GPU_MEMORY_GIB = 8.0
-"""Default memory budget of a plan (nnU-Net's reference GPU), GiB."""
-REFERENCE_FEATURE_VOXELS, REFERENCE_GIB, REFERENCE_BATCH = 560_000_000, 8.0, 2
-"""nnU-Net v2's calibration of :func:`feature_map_size`: 560 M feature-map voxels fit batch 2 in 8 GB."""
-MIN_BATCH = 2
 EVAL_SHARE = 0.2
 """Most share of a run's computation that validation may take (:func:`eval_interval`)."""
 MIN_VALIDATIONS = 4
@@ -108,7 +122,16 @@ class Plan:
     """Patches per training batch the memory budget allows (nnU-Net's rule, at least 2); reported beside
     ``train.batch_size``, which sets the batch a run uses."""
     gpu_memory: float | None = None
-    """Memory budget (GiB) the plan was sized for (``fedseg plan --gpu-memory``)."""
+    """Memory budget (GiB) the plan was sized for (``fedseg plan --gpu-memory``, or the CUDA device's); None
+    for a CPU plan."""
+    budget: dict[str, Any] | None = None
+    """The device budget the plan was made for (:mod:`fedseg.data.volumes.budget`): ``{"device": "cuda",
+    "gpu_memory"}`` or ``{"device": "cpu", "step_seconds", "gflops", "batch", "rung", "estimate_s"}`` (the
+    CPU's measured throughput, the ladder rung chosen and its estimated seconds a step).  None: a plan made
+    before plans recorded their device (an 8 GiB GPU's)."""
+    network: str | None = None
+    """What ``model.name = "auto"`` builds from the plan: ``"dynunet"`` or ``"unet"`` (with the plan's channels
+    and strides); None: ``"dynunet"``."""
     eval_every: int | None = None
     """Validate every this many rounds; None (default): derived per run by :func:`eval_interval` (sliding
     windows over every validation volume are costly)."""
@@ -154,6 +177,8 @@ class Plan:
                 f"{where}: patch_size {self.patch_size} is not divisible by the strides' down-sampling {factor} -> "
                 "make each side a multiple of its factor"
             )
+        if self.network not in (None, "dynunet", "unet"):
+            raise ConfigError(f"{where}: network = {self.network!r}; give 'dynunet' or 'unet' (or null)")
         check_intensity(self.intensity, where)
 
 
@@ -216,140 +241,6 @@ def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
     return [float(v) for v in target]
 
 
-def topology(
-    patch: Sequence[int], spacing: Sequence[float], min_edge: int = MIN_FEATURE
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """nnU-Net v2's ``get_pool_and_conv_props``: the strides and kernels of every level and the patch
-    rounded to a multiple of each axis' down-sampling.
-
-    At each level an axis is pooled while it keeps at least ``2 · min_edge`` voxels and its current
-    spacing is within 2 × the finest of the poolable axes; a lone poolable axis needs ``3 · min_edge``.
-    An axis' kernel is 3 from the first level its spacing is within 2 × the finest, 1 before (a 1×3×3
-    kernel on a thick-slice axis), and the bottleneck's is 3 on every axis.
-
-    Returns
-    -------
-    strides
-        One ``[x, y, z]`` per level below the first (2 where the axis is pooled).
-    kernels
-        One ``[x, y, z]`` per level, the first included.
-    patch
-        The patch, each side rounded down to a multiple of its axis' down-sampling (nnU-Net rounds up and
-        pads the cases; rounding down keeps the patch within the median case), with the topology of the
-        rounded patch.
-    """
-    dims = len(spacing)
-    sp, size = [float(v) for v in spacing], [float(v) for v in patch]
-    kernel = [1] * dims
-    strides: list[list[int]] = []
-    kernels: list[list[int]] = []
-    pools = [0] * dims
-    while True:
-        valid = [a for a in range(dims) if size[a] >= 2 * min_edge]
-        if not valid:
-            break
-        finest = min(sp[a] for a in valid)
-        valid = [a for a in valid if sp[a] / finest < 2]
-        if len(valid) == 1 and size[valid[0]] < 3 * min_edge:
-            break
-        for a in range(dims):
-            if kernel[a] != 3 and sp[a] / min(sp) < 2:
-                kernel[a] = 3
-        strides.append([2 if a in valid else 1 for a in range(dims)])
-        kernels.append(list(kernel))
-        for a in valid:
-            pools[a] += 1
-            sp[a] *= 2
-            size[a] = math.ceil(size[a] / 2)
-    kernels.append([3] * dims)
-    factor = [2**p for p in pools]
-    rounded = [max(factor[a], int(patch[a]) // factor[a] * factor[a]) for a in range(dims)]
-    if rounded != [int(v) for v in patch]:  # a smaller patch may pool less: derive its own topology
-        return topology(rounded, spacing, min_edge)
-    return strides, kernels, rounded
-
-
-def features(levels: int, base: int = BASE_FEATURES, cap: int = MAX_FEATURES) -> list[int]:
-    """nnU-Net's feature channels: ``base`` at the first level, doubling per level, at most ``cap``."""
-    return [min(base * 2**i, cap) for i in range(levels)]
-
-
-def feature_map_size(
-    patch: Sequence[int], strides: Sequence[Sequence[int]], channels: Sequence[int], labels: int
-) -> int:
-    """nnU-Net v2's VRAM proxy (``PlainConvUNet.compute_conv_feature_map_size``), in feature-map voxels.
-
-    With ``V_s`` the voxels of level ``s`` and ``F_s`` its channels: the encoder's two convolutions per
-    level give ``Σ_s 2 F_s V_s``; each decoder level ``t`` below the deepest gives its two convolutions,
-    the transposed convolution into it (``3 F_t V_t``) and a segmentation output ``C V_t`` (deep
-    supervision)."""
-    size = [int(v) for v in patch]
-    voxels = [math.prod(size)]
-    for s in strides:
-        size = [size[a] // s[a] for a in range(len(size))]
-        voxels.append(math.prod(size))
-    encoder = sum(2 * f * v for f, v in zip(channels, voxels))
-    decoder = sum(3 * channels[t] * voxels[t] + labels * voxels[t] for t in range(len(channels) - 1))
-    return int(encoder + decoder)
-
-
-def network_plan(
-    median_shape: Sequence[float],
-    spacing: Sequence[float],
-    *,
-    gpu_memory: float = GPU_MEMORY_GIB,
-    labels: int = 1,
-    dataset_voxels: float | None = None,
-    base: int = BASE_FEATURES,
-    patch_voxels: int | None = None,
-) -> dict[str, Any]:
-    """nnU-Net v2's 3D full-resolution network plan for a memory budget.
-
-    1. The starting patch holds 256³ voxels shaped isotropic in mm (``1/spacing`` scaled), clipped to
-       the median resampled shape; its topology from :func:`topology`.
-    2. While :func:`feature_map_size` exceeds :data:`REFERENCE_FEATURE_VOXELS` × ``gpu_memory / 8``
-       (nnU-Net's calibration: 560 M at batch 2 on 8 GB), the axis whose patch is the largest share of the
-       median shape loses one multiple of its down-sampling, and the topology is derived again.
-       With ``patch_voxels`` the patch is shrunk the same way until it also holds at most that many voxels
-       (a budget for small machines and tests).
-    3. The batch is ``round(2 · reference / estimate)``, at most the patches that cover 5 % of the
-       dataset's voxels, at least 2.
-
-    Returns ``{"patch", "strides", "kernels", "channels", "batch_size", "estimate"}``.
-    """
-    dims = len(spacing)
-    median = [float(v) for v in median_shape]
-    inv = [1.0 / float(v) for v in spacing]
-    scale = (256.0**dims / math.prod(inv)) ** (1.0 / dims)
-    patch = [max(1, min(round(inv[a] * scale), round(median[a]))) for a in range(dims)]
-    strides, kernels, patch = topology(patch, spacing)
-    reference = REFERENCE_FEATURE_VOXELS * gpu_memory / REFERENCE_GIB
-    estimate = feature_map_size(patch, strides, features(len(kernels), base), labels)
-    while estimate > reference or (patch_voxels is not None and math.prod(patch) > patch_voxels):
-        factor = [math.prod(s[a] for s in strides) for a in range(dims)]
-        shrinkable = [a for a in range(dims) if patch[a] > factor[a]]
-        if not shrinkable:
-            break
-        a = max(shrinkable, key=lambda i: patch[i] / median[i])
-        trial = list(patch)
-        trial[a] -= factor[a]
-        trial_strides = topology(trial, spacing)[0]
-        patch[a] = max(1, patch[a] - math.prod(s[a] for s in trial_strides))
-        strides, kernels, patch = topology(patch, spacing)
-        estimate = feature_map_size(patch, strides, features(len(kernels), base), labels)
-    batch = round(REFERENCE_BATCH * reference / max(estimate, 1))
-    if dataset_voxels is not None:
-        batch = min(batch, round(dataset_voxels * 0.05 / math.prod(patch)))
-    return {
-        "patch": patch,
-        "strides": strides,
-        "kernels": kernels,
-        "channels": features(len(kernels), base),
-        "batch_size": max(MIN_BATCH, batch),
-        "estimate": estimate,
-    }
-
-
 def make_plan(
     fingerprints: Mapping[str, Any],
     histogram: Ask,
@@ -357,6 +248,9 @@ def make_plan(
     gpu_memory: float = GPU_MEMORY_GIB,
     patch_voxels: int | None = None,
     labels: int = 1,
+    in_channels: int = 1,
+    budget: DeviceBudget | None = None,
+    network: str | None = None,
     intensity: str | Mapping[str, Sequence[str]] = "auto",
     window: Sequence[float] | None = None,
     weighting: str = "case",
@@ -373,11 +267,20 @@ def make_plan(
         ``histogram(requests, weighting, sites) -> {site: [counts per request]}``: asks ``sites`` for
         :func:`fedseg.data.volumes.fingerprint.site_histogram` (:data:`fedseg.data.volumes.intensity.Ask`).
     gpu_memory
-        Memory budget (GiB) the network, patch and batch are sized for (:func:`network_plan`).
+        Memory budget (GiB) the network, patch and batch are sized for (:func:`network_plan`) when no
+        ``budget`` is given.
+    budget
+        The device the plan is made for (:func:`device_network_plan`; :func:`fedseg.data.volumes.budget.device_budget`);
+        None: a GPU of ``gpu_memory``.
+    network
+        What ``model.name = "auto"`` builds from the plan (``"dynunet"`` or ``"unet"``), and on a CPU the network
+        whose step the plan is sized for; None: :data:`fedseg.data.volumes.budget.AUTO_NETWORK` of the device.
     patch_voxels
         Most voxels of one patch beside the memory budget (None: the budget alone).
     labels
         Label channels (the network's outputs).
+    in_channels
+        Image channels (the network's inputs; a CPU plan's cost estimate).
     intensity
         ``"auto"`` (per site and channel: CT-like values → ``"ct"``, else ``"zscore"``), one scheme for
         every channel and site, or ``{site: [scheme per channel]}`` with "auto" where the plan decides (the
@@ -415,11 +318,15 @@ def make_plan(
     shapes = np.array([c["shape"] for c in cases], dtype=np.float64)
     spacing = target_spacing(spacings, shapes)
     resampled = np.median(shapes * spacings / np.asarray(spacing), axis=0)
-    net = network_plan(
+    budget = budget or DeviceBudget("cuda", gpu_memory=gpu_memory)
+    network = network or AUTO_NETWORK[budget.kind]
+    net, record = device_network_plan(
         resampled.tolist(),
         spacing,
-        gpu_memory=gpu_memory,
+        budget,
+        network=network,
         labels=labels,
+        in_channels=in_channels,
         patch_voxels=patch_voxels,
         dataset_voxels=float(np.sum(np.prod(shapes * spacings / np.asarray(spacing), axis=1))),
     )
@@ -439,11 +346,49 @@ def make_plan(
         strides=strides,
         kernels=net["kernels"],
         batch_size=net["batch_size"],
-        gpu_memory=gpu_memory,
+        gpu_memory=budget.gpu_memory,
+        budget=record,
+        network=network,
         intensity=scheme,
         sites=sorted(ok),
         rejected=rejected,
         cases=sum(len(ok[s]["cases"]) for s in ok),
+    )
+
+
+def describe_budget(plan: Plan) -> str:
+    """One line saying which device budget the plan was made for, and how to get the GPU plan."""
+    b = plan.budget or {"device": "cuda", "gpu_memory": plan.gpu_memory or GPU_MEMORY_GIB}
+    net = plan.network or "dynunet"
+    shape = f"patch {plan.patch_size}, {net} {plan.channels[0]} → {plan.channels[-1]} in {len(plan.channels)} levels"
+    if b.get("device") == "cpu":
+        return (
+            f"plan: made for this CPU ({b.get('gflops')} GFLOP/s measured): a training step of {b.get('batch')} "
+            f"patches estimated {b.get('estimate_s')} s (target {b.get('step_seconds')} s), {shape}; "
+            "`fedseg plan SPEC --gpu-memory 8` writes nnU-Net's plan for an 8 GiB GPU instead"
+        )
+    return f"plan: made for a GPU of {b.get('gpu_memory')} GiB (nnU-Net's rule): {shape}"
+
+
+def round_cost(plan: Plan, model: ModelConfig, batch: int, steps: int, in_channels: int = 1) -> str | None:
+    """The line a run logs at its start on what a round will cost, from a CPU plan's measured throughput
+    (``plan.budget["gflops"]``): the seconds of a training step of the run's patch and network (the plan's
+    channels and strides; :func:`fedseg.data.volumes.budget.network_step_flops`) at ``batch``, and of a round of
+    ``steps`` steps at one site.  None where the plan was made for a GPU or the network is not the plan's
+    (each site then says what its first steps took)."""
+    b = plan.budget or {}
+    gflops = b.get("gflops")
+    if b.get("device") != "cpu" or not isinstance(gflops, (int, float)) or gflops <= 0 or model.roi_size is None:
+        return None
+    if model.module is not None or model.name not in ("dynunet", "unet") or model.channels != tuple(plan.channels):
+        return None
+    flops = network_step_flops(
+        model.name, model.roi_size, plan.strides, plan.channels, plan.kernels, in_channels, 1, batch
+    )
+    per = flops / (gflops * 1e9)
+    return (
+        f"plan: a training step of {batch} patches of {list(model.roi_size)} estimated {per:.2f} s on this CPU "
+        f"({gflops} GFLOP/s measured when planning); a round of {steps} local steps about {per * steps:.0f} s a site"
     )
 
 

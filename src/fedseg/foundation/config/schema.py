@@ -88,11 +88,12 @@ class ModelConfig:
 
     Defaults are the FedSM reference's 2D U-Net: channels (16, 32, 64, 128, 256),
     strides 2 (:meth:`levels`; a volume run's plan sets both where the run leaves them unset),
-    2 residual units, instance norm; volumes (``mode = "3d"``) get MONAI's DynUNet configured from the plan.
+    2 residual units, instance norm; volumes (``mode = "3d"``) get the plan's network (DynUNet on a GPU plan,
+    the U-Net on a CPU plan) configured from the plan.
     """
 
     name: NetworkName = "auto"
-    """'auto': MONAI's DynUNet configured from the plan for volumes (data.mode "3d") when model.channels and model.strides are left to the plan, else MONAI's U-Net (2D images, 2D patches, a network set by hand); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
+    """'auto': for volumes (data.mode "3d") when model.channels and model.strides are left to the plan, the plan's network: MONAI's DynUNet on a plan made for a GPU, MONAI's U-Net on one made for a CPU (docs/data.md); else MONAI's U-Net (2D images, 2D patches, a network set by hand); 'unet': MONAI's U-Net; 'fga-unet': FGA's reduced U-Net (single 5x5 stride-2 convolutions down, the deepest 3x3, 5x5 transposed convolutions up, skips, ReLU, no normalization; the paper's network is channels = [2, 4, 8, 16, 32, 64], strides = [2, 2, 2, 2, 2]); 'dynunet' (nnU-Net's network: channels, strides, kernels), 'segresnet', 'swinunetr', 'unetr', 'basicunet', 'attentionunet': MONAI's networks of those names, with [model.kwargs] passed to their constructor (docs/models.md)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the network's constructor beside spatial_dims, in_channels and out_channels (e.g. [model.kwargs] feature_size = 24 for swinunetr); they override what fedseg derives from channels, strides and kernels."""
     module: str | None = None
