@@ -201,7 +201,7 @@ class SharedCluster:
 
         sim_spec = subset_spec(self.fundus, list(names), tmp_path / "sim" / "federation.toml")
         return run(
-            load_deploy_config(run_toml, overrides, federation=str(sim_spec)),
+            load_deploy_config(run_toml, [*overrides, "checkpoint_keep=final"], federation=str(sim_spec)),
             out=tmp_path / "sim" / "out",
             progress=False,
         )

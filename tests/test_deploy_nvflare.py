@@ -47,7 +47,9 @@ def _simulate_same(tmp_path, spec, run_toml, overrides, names=("site1", "site2")
     """The in-process simulation of the same run on the same sites."""
     sim_spec = subset_spec(spec, list(names), tmp_path / "sim" / "federation.toml")
     return run(
-        load_deploy_config(run_toml, overrides, federation=str(sim_spec)), out=tmp_path / "sim" / "out", progress=False
+        load_deploy_config(run_toml, [*overrides, "checkpoint_keep=final"], federation=str(sim_spec)),
+        out=tmp_path / "sim" / "out",
+        progress=False,
     )
 
 

@@ -42,6 +42,7 @@ RUN = [
     "model.num_res_units=0",
     "eval.every=1",
     "privacy.secure_aggregation=false",
+    "checkpoint_keep=final",  # the simulated run's last server state is compared with the deployed one's
 ]
 
 
@@ -184,7 +185,7 @@ def test_deployed_patches2d_fedavg_equals_simulation(tmp_path):
     evaluation at every site, one common shape (the slices' in-plane axes and the volumes' three), the
     plan's in-plane patch; FedAvg ends with the simulation's weights and Dice bitwise."""
     spec = patches2d_federation(tmp_path / "data", n=(2, 1, 1))
-    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0"]
+    run2d = ["rounds=2", "train.local_steps=2", "train.batch_size=4", "model.num_res_units=0", "checkpoint_keep=final"]
     dep, logs = _deploy(spec, tmp_path, run2d)
     sim = run(spec, out=tmp_path / "sim", overrides=[*run2d, "volume_cache=off"], progress=False, log=lambda m: None)
     assert any("2D patches of axial slices" in m for m in logs)

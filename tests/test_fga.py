@@ -356,6 +356,7 @@ def test_fga_with_instance_norm_unet_and_dice_matches_centralized(tmp_path):
         model=TINY_MODEL,
         train=TrainConfig(batch_size=2, dtype="float64"),
         eval=EvalConfig(every=1000),
+        checkpoint_keep="all",  # the server's final state is read below
     )
     # Execute
     simulate(cfg, wl, data, out=tmp_path, progress=False)
