@@ -361,7 +361,6 @@ ONE_CONCEPT = {
     "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
     "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
     "fedseg/execution/remote/transport.py": "RemoteTransport: deadlines, minimum sites and the checks on every reply",
-    "fedseg/privacy/protocol.py": "secure aggregation as messages: the site's and the server's side of each step of one exchange, with every check each makes",
     "fedseg/site/dp.py": "a site's differential privacy: its privatized steps, Poisson batches, the ledger its ε and budget come from",
 }
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
