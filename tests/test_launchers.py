@@ -18,6 +18,7 @@ from fedseg.apps.studies.grid import sweep
 from fedseg.apps.studies.jobs import Job, StudyOptions, run_point
 from fedseg.apps.studies.launchers import LaunchOptions, Outcome, RunSpec, StudyRunsFailed, fault_hook, launch_all
 from fedseg.cli import build_parser, main
+from fedseg.commands.options import study_options
 from fedseg.foundation.errors import ConfigError
 from helpers import SETS, SMALL, assert_same_checkpoints, synth_fundus
 
@@ -38,9 +39,7 @@ def test_launch_options_and_the_command_line():
             *("--gpus-per-run", "0.5", "--ray-address", "head:6379", "--track-uri", "http://h:5000"),
         ]
     )
-    from fedseg.cli import _study_options
-
-    opts = _study_options(a, [])
+    opts = study_options(a, [])
     assert opts.launch == LaunchOptions(launcher="ray", gpus_per_run=0.5, ray_address="head:6379")
     assert opts.track_uri == "http://h:5000" and opts.launch.remote
     assert not StudyOptions().launch.remote

@@ -15,7 +15,7 @@ CSPRNG, fresh per draw, so the server — which ships the run seed and assigns t
 regenerate either.  ``privacy.dp_randomness = "seeded"`` keys them by the run seed instead, for bitwise
 reproducible tests; such a run records ε against the server as ∞.
 
-**Ledger** (:class:`Ledger`).  Every privatized release is booked before it leaves the site, in an
+**Ledger** (:class:`~fedseg.site.ledger.Ledger`).  Every privatized release is booked before it leaves the site, in an
 append-only ledger outside the site's checkpointed state: the server's ``restore`` reloads models and
 optimizers but cannot rewind ε.  In simulation the ledger is kept in memory and, with an output folder,
 in ``<out>/privacy/<site>.jsonl``; a deployed site keeps it in ``<workdir>/privacy-ledger.jsonl`` (one line per
@@ -51,11 +51,9 @@ would see each update with only σ/√K of noise: the setting is refused (``priv
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +64,7 @@ from fedseg.privacy.dp import clip_update, noise_like, privatized_gradient
 from fedseg.privacy.randomness import Randomness
 from fedseg.privacy.secagg import threshold_for
 from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor, local_apply
+from fedseg.site.ledger import Ledger, Tally
 
 __all__ = ["DPExecutor", "Ledger", "SiteDP"]
 
@@ -75,111 +74,6 @@ _DRAWS = "privacy/draws"
 WORST_CASE_SURVIVORS = 0.5
 """Client level: the fewest survivors secure aggregation unmasks with are t = ⌊K/2⌋ + 1 > K/2, so every booking
 is at noise multiplier at least σ√(1/2); a σ derived from ``privacy.epsilon`` plans for that worst case."""
-
-
-class Ledger:
-    """A site's append-only privacy ledger: one JSON object per booking (``kind`` "sample", "client" or
-    "reveal"), kept in memory and, once :meth:`attach`-ed, appended and fsynced to a JSON-lines file.  No
-    method removes or rewrites an entry; the site's checkpoint does not hold it, so ``restore`` cannot
-    rewind it."""
-
-    def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
-        self.other_runs: dict[str, list[dict[str, Any]]] = {}
-        """The entries of the other runs the file holds, per run (the site's other releases on the same data)."""
-        self.path: Path | None = None
-        self.run: str | None = None
-        self._per_batch: dict[str, int] = {}
-
-    def attach(self, path: str | Path, run: str | None = None, fresh: bool = False) -> None:
-        """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds (and those
-        of every other run into :attr:`other_runs`).  ``fresh`` starts the file anew (a simulation started from
-        scratch in the same folder)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh and path.exists():
-            path.unlink()
-        kept = self.entries
-        self.entries, self._per_batch, self.path, self.run = [], {}, path, run
-        self.other_runs = {}
-        if path.exists():
-            lines = path.read_text().splitlines()
-            for i, line in enumerate(lines):
-                if not line.strip():
-                    continue
-                try:
-                    entry = json.loads(line)
-                    ok = isinstance(entry, dict) and entry.get("kind") in ("sample", "client", "reveal")
-                except ValueError:
-                    ok = False
-                if not ok:
-                    if i == len(lines) - 1:  # a last line cut short by a crash: that booking's step never ran
-                        break
-                    raise PayloadError(
-                        f"the privacy ledger {path} is unreadable at line {i + 1}; restore it from a backup (its "
-                        "entries are the site's spent ε: deleting it would let runs spend it again)"
-                    )
-                if entry.get("run") == run:
-                    self._index(entry)
-                    self.entries.append(entry)
-                else:
-                    self.other_runs.setdefault(str(entry.get("run")), []).append(entry)
-        for entry in kept:  # bookings made before the file was attached
-            self.append(entry)
-
-    def _index(self, entry: dict[str, Any]) -> None:
-        if entry.get("kind") == "sample":
-            self._per_batch[entry["batch"]] = self._per_batch.get(entry["batch"], 0) + 1
-
-    def models_on(self, batch: str) -> int:
-        """How many model releases are booked on ``batch`` so far."""
-        return self._per_batch.get(batch, 0)
-
-    def append(self, entry: dict[str, Any]) -> None:
-        entry = {**entry, "run": self.run}
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        self._index(entry)
-        self.entries.append(entry)
-
-
-class _Tally:
-    """The accountant's view of ledger entries: per batch (σ, q, models), per exchange its latest (σ_eff, q),
-    and the count of each (σ_eff, q) — :meth:`SiteDP.history`."""
-
-    def __init__(self, counts: dict[tuple[float, float], int], source: list | None = None):
-        self.counts = counts
-        self.batches: dict[str, tuple[float, float, int]] = {}
-        self.exchanges: dict[str, tuple[float, float]] = {}
-        self.source, self.seen = source, 0
-
-    def add(self, e: dict[str, Any], fallback: _Tally | None = None) -> None:
-        if e["kind"] == "sample":
-            key = e["batch"]
-            prior: tuple[float, float, int] | None = self.batches.get(key) or (
-                fallback.batches.get(key) if fallback is not None else None
-            )
-            if prior is not None:
-                self._count((prior[0] / math.sqrt(prior[2]), prior[1]), -1)
-            if prior is not None:
-                sigma, q, m = prior[0], prior[1], prior[2] + 1
-            else:
-                sigma, q, m = e["sigma"], e["q"], 1
-            self.batches[key] = (sigma, q, m)
-            self._count((sigma / math.sqrt(m), q), 1)
-        else:  # "client" / "reveal": the exchange's latest booking replaces its earlier one
-            key = e["exchange"]
-            latest = self.exchanges.get(key) or (fallback.exchanges.get(key) if fallback is not None else None)
-            if latest is not None:
-                self._count(latest, -1)
-            self.exchanges[key] = (e["sigma"], e["q"])
-            self._count((e["sigma"], e["q"]), 1)
-
-    def _count(self, key: tuple[float, float], n: int) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
 
 
 class SiteDP:
@@ -198,7 +92,7 @@ class SiteDP:
         self._current: tuple[str, float, int] | None = None  # the last batch drawn: (name, q, B)
         self._pending: dict[str, tuple[int, int]] = {}  # exchange -> (K masked with, threshold t)
         self._reported: int | None = None  # ledger entries at the last report (in this process)
-        self._tallied: _Tally | None = None
+        self._tallied: Tally | None = None
         self.lifetime_ceiling: float | None = None
         """A deployed site's ε ceiling over every run in its ledger (its policy's ``max_epsilon``): each
         privatized release is refused when the composition of every run's entries would pass it.  None: no
@@ -277,16 +171,16 @@ class SiteDP:
         tally = self._tally()
         counts = dict(tally.counts)
         if extra:
-            overlay = _Tally(counts)
+            overlay = Tally(counts)
             for e in extra:
                 overlay.add(e, fallback=tally)
         return [(s, q, t) for (s, q), t in sorted(counts.items()) if t > 0]
 
-    def _tally(self) -> _Tally:
+    def _tally(self) -> Tally:
         entries = self.ledger.entries
         t = self._tallied
         if t is None or t.source is not entries or t.seen > len(entries):
-            t = self._tallied = _Tally({}, source=entries)
+            t = self._tallied = Tally({}, source=entries)
         for e in entries[t.seen :]:
             t.add(e)
         t.seen = len(entries)
@@ -300,7 +194,7 @@ class SiteDP:
         if self._other_runs is None or self._other_runs[0] != size:
             counts: dict[tuple[float, float], int] = {}
             for entries in runs.values():
-                tally = _Tally({})
+                tally = Tally({})
                 for e in entries:
                     tally.add(e)
                 for key, n in tally.counts.items():
