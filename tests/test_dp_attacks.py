@@ -424,7 +424,7 @@ def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_pa
     q, delta = 4 / 6, 1e-5
     ceiling = accountant.epsilon([(SIGMA, q, 3)], delta)
     cfg = dataclasses.replace(tiny_config("fga", rounds=1), privacy=_privacy(epsilon=ceiling, delta=delta))
-    data = tiny_sites(2)
+    data = tiny_sites(3)  # the policy's default min_sites: a run of fewer is refused before any ε is spent
     rt = SiteRuntime(
         SiteConfig("site1", "(in memory)", str(tmp_path / "work")),
         loader=lambda *a: (data["site1"], wl),
