@@ -56,9 +56,10 @@ def _prepare(out: Path, cfg, names, run_id="run-1", stop_after=None):
     (out / "deploy.json").write_text(json.dumps(desc))
 
 
-REHEARSAL = SitePolicy(secure_aggregation=False, min_sites=1, reproducible=True)
+REHEARSAL = SitePolicy(secure_aggregation=False, min_sites=1, reproducible=True, evaluation="per_case")
 """The site policy of the tests that compare a deployment with its simulation bitwise: it joins any run and lets
-the run seed drive the site's randomness (``reproducible``), as a rehearsal's sites do."""
+the run seed drive the site's randomness (``reproducible``) and sends per-case scores (``evaluation``), as a
+rehearsal's sites do."""
 
 
 def _runtimes(tmp: Path, data):
