@@ -177,7 +177,10 @@ def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
 
 
 def test_site_rejoins_after_missing_a_round(tmp_path):
-    """A site down in round 1 answers again in round 2 and is aggregated there."""
+    """A site down in round 1 answers again in round 2 and is aggregated and evaluated there.  Round 1's
+    aggregate is a model the site did not see leave training (it missed the round): its policy's guard refuses to
+    evaluate it (fedseg.apps.deploy.guard: a crafted probe looks the same to a site that was not there), a refusal
+    the server records as a dropout of that evaluation, not of the site."""
     # Prepare
     cfg, data = _cfg(rounds=2), tiny_sites(2)
     _prepare(tmp_path / "a", cfg, list(data))
@@ -195,9 +198,12 @@ def test_site_rejoins_after_missing_a_round(tmp_path):
     res = serve(tmp_path / "a", call, log=lambda m: None)
     # Assert
     drops = res["deploy"]["dropouts"]
-    assert [(d["round"], d["site"], d["task"]) for d in drops] == [(0, "site2", "train")]
+    assert [(d["round"], d["site"], d["task"]) for d in drops] == [(0, "site2", "train"), (0, "site2", "evaluate")]
+    assert "did not see leave training" in drops[1]["reason"], drops
     assert set(res["history"][1]["train_loss"]) == {"site1", "site2"}
     assert set(res["history"][0]["train_loss"]) == {"site1"}
+    assert set(res["history"][1]["val_dice"]["global"]) == {"site1", "site2"}
+    assert set(res["history"][0]["val_dice"]["global"]) == {"site1"}
 
 
 DEPLOYABLE = sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site)
