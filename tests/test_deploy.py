@@ -62,13 +62,12 @@ the run seed drive the site's randomness (``reproducible``) and sends per-case s
 rehearsal's sites do."""
 
 
-def _runtimes(tmp: Path, data):
+def _runtimes(tmp: Path, data, policy: SitePolicy = REHEARSAL):
     def loader(name, datalist, header, cfg):
         return data[name], _workload(cfg)
 
     return {
-        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, policy=REHEARSAL)
-        for n in data
+        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, policy=policy) for n in data
     }
 
 
