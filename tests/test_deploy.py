@@ -56,18 +56,18 @@ def _prepare(out: Path, cfg, names, run_id="run-1", stop_after=None):
     (out / "deploy.json").write_text(json.dumps(desc))
 
 
-REHEARSAL = SitePolicy(secure_aggregation=False, min_sites=1, reproducible=True)
+REHEARSAL = SitePolicy(secure_aggregation=False, min_sites=1, reproducible=True, evaluation="per_case")
 """The site policy of the tests that compare a deployment with its simulation bitwise: it joins any run and lets
-the run seed drive the site's randomness (``reproducible``), as a rehearsal's sites do."""
+the run seed drive the site's randomness (``reproducible``) and sends per-case scores (``evaluation``), as a
+rehearsal's sites do."""
 
 
-def _runtimes(tmp: Path, data):
+def _runtimes(tmp: Path, data, policy: SitePolicy = REHEARSAL):
     def loader(name, datalist, header, cfg):
         return data[name], _workload(cfg)
 
     return {
-        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, policy=REHEARSAL)
-        for n in data
+        n: SiteRuntime(SiteConfig(n, "(in memory)", str(tmp / "sites" / n)), loader=loader, policy=policy) for n in data
     }
 
 
@@ -176,7 +176,10 @@ def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
 
 
 def test_site_rejoins_after_missing_a_round(tmp_path):
-    """A site down in round 1 answers again in round 2 and is aggregated there."""
+    """A site down in round 1 answers again in round 2 and is aggregated and evaluated there.  Round 1's
+    aggregate is a model the site did not see leave training (it missed the round): its policy's guard refuses to
+    evaluate it (fedseg.apps.deploy.guard: a crafted probe looks the same to a site that was not there), a refusal
+    the server records as a dropout of that evaluation, not of the site."""
     # Prepare
     cfg, data = _cfg(rounds=2), tiny_sites(2)
     _prepare(tmp_path / "a", cfg, list(data))
@@ -194,9 +197,12 @@ def test_site_rejoins_after_missing_a_round(tmp_path):
     res = serve(tmp_path / "a", call, log=lambda m: None)
     # Assert
     drops = res["deploy"]["dropouts"]
-    assert [(d["round"], d["site"], d["task"]) for d in drops] == [(0, "site2", "train")]
+    assert [(d["round"], d["site"], d["task"]) for d in drops] == [(0, "site2", "train"), (0, "site2", "evaluate")]
+    assert "did not see leave training" in drops[1]["reason"], drops
     assert set(res["history"][1]["train_loss"]) == {"site1", "site2"}
     assert set(res["history"][0]["train_loss"]) == {"site1"}
+    assert set(res["history"][1]["val_dice"]["global"]) == {"site1", "site2"}
+    assert set(res["history"][0]["val_dice"]["global"]) == {"site1"}
 
 
 DEPLOYABLE = sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site)

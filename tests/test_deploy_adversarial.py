@@ -31,7 +31,7 @@ from fedseg.execution.remote.wire import decode_reply, decode_task, encode_reply
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply
 from helpers import same_arrays, server_state
-from test_deploy import _prepare, _runtimes
+from test_deploy import REHEARSAL, _prepare, _runtimes
 
 
 def _cfg(**deploy):
@@ -215,6 +215,43 @@ def test_evaluation_attack_inflates_nothing(tmp_path, reference, rewrite, reason
         assert list(entry["val_dice"]["global"]) == ["site1"]
     drops = res["deploy"]["dropouts"]
     assert {d["site"] for d in drops} == {"site2"} and {d["task"] for d in drops} == {"evaluate"}
+    assert len(drops) == 3 and all(re.search(reason, d["reason"]) for d in drops), drops
+
+
+AGGREGATE_ATTACKS = [
+    (lambda m, n: ({"not-a-candidate": next(iter(m.values()))}, n), r"but was asked for the candidates \['global'\]"),
+    (lambda m, n: (m, 5000), r"claims 5000 (validation|testing) cases, but the site declared 3 at setup"),
+    (lambda m, n: ({k: [1.5 for _ in v] for k, v in m.items()}, n), r"a score of 'global' is outside \[0, 1\]"),
+    (lambda m, n: ({k: "high" for k in m}, n), r"mean of 'global' is high, not one mean per metric"),
+]
+
+
+@pytest.mark.parametrize(
+    "rewrite, reason", AGGREGATE_ATTACKS, ids=["unknown-candidate", "5000-cases", "dice-above-1", "not-a-list"]
+)
+def test_forged_aggregate_scores_inflate_nothing(tmp_path, reference, rewrite, reason):
+    """The same forgeries in the reply layout of the sites' default policy (``evaluation = "aggregates"``: each
+    candidate's mean and the case count): the server checks the expanded means as it checks per-case scores, so
+    training is the honest run's bitwise and no forged mean or case is pooled into the reported Dice."""
+    cfg, data = _cfg(), tiny_sites(2)
+    _prepare(tmp_path, cfg, list(data))
+
+    def fault(op, blob):
+        r = decode_reply(blob)
+        if "mean" not in r.metrics:
+            return blob
+        means, n = rewrite(r.metrics["mean"], r.num_samples)
+        return encode_reply(Reply(r.arrays, {**r.metrics, "mean": means}, n))
+
+    policy = dataclasses.replace(REHEARSAL, evaluation="aggregates")
+    res = serve(tmp_path, LoopbackChannel(_runtimes(tmp_path, data, policy), {"site2": fault}), log=lambda m: None)
+    assert res is not None
+    _honest, w_honest = reference("honest")
+    assert same_arrays(server_state(tmp_path), w_honest)
+    assert res["num_cases"] == {"site1": 3, "site2": 0}
+    assert res["global_dice"] == pytest.approx(res["per_site_dice"]["site1"])
+    drops = res["deploy"]["dropouts"]
+    assert {(d["site"], d["task"]) for d in drops} == {("site2", "evaluate")}
     assert len(drops) == 3 and all(re.search(reason, d["reason"]) for d in drops), drops
 
 

@@ -424,7 +424,7 @@ def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_pa
     q, delta = 4 / 6, 1e-5
     ceiling = accountant.epsilon([(SIGMA, q, 3)], delta)
     cfg = dataclasses.replace(tiny_config("fga", rounds=1), privacy=_privacy(epsilon=ceiling, delta=delta))
-    data = tiny_sites(2)
+    data = tiny_sites(3)  # the policy's default min_sites: a run of fewer is refused before any ε is spent
     rt = SiteRuntime(
         SiteConfig("site1", "(in memory)", str(tmp_path / "work")),
         loader=lambda *a: (data["site1"], wl),
@@ -470,6 +470,26 @@ def test_the_server_stops_before_a_round_past_a_sites_lifetime_ceiling():
         assert not Engine.over_budget(engine, {"site1": within, "site2": no_ceiling}, 2)
         assert Engine.over_budget(engine, {"site1": within, "site2": past}, 2)
     assert "site site2 to ε = 3.5 over all its runs > its policy's max_epsilon = 3" in logs[-1]
+
+
+def test_a_lockstep_rounds_overshoot_is_forecast_against_the_lifetime_ceiling(wl):
+    """The engine stops before a round that would pass a site's lifetime ceiling by the site's
+    ``epsilon_lifetime_next``.  A lockstep round (FGA) takes the largest site's step count: here 3 steps a round
+    at a site that planned 2 (6 cases, B = 4).  Derivation: after two rounds of 3 steps at q = 4/6, σ = 1 the next
+    round takes the ledger to ε(9 steps), the planned round only to ε(8 steps).  Before, the lifetime forecast
+    counted the planned round (ε(8 steps)) while the run's own forecast repeated the last round: a server
+    trusting it started a round the site then refused a step of.  Now both repeat the last round."""
+    site = _site(wl, epsilon=100.0)
+    site.dp.lifetime_ceiling = 100.0
+    assert site.dp.plan() == (2, 1) and site.dp.sample_rate == pytest.approx(4 / 6)
+    for rnd in (1, 2):
+        for step in range(3):
+            site.handle(_fga_task(wl, step) if rnd == 1 else Task("fga_step", {}, {"round": 2, "step": step}))
+        report = site.handle(Task("privacy", {}, {})).metrics
+    q, delta = site.dp.sample_rate, site.cfg.privacy.delta
+    assert accountant.epsilon([(SIGMA, q, 9)], delta) > accountant.epsilon([(SIGMA, q, 8)], delta)
+    assert report["epsilon_next"] == pytest.approx(accountant.epsilon([(SIGMA, q, 9)], delta))
+    assert report["epsilon_lifetime_next"] == pytest.approx(accountant.epsilon([(SIGMA, q, 9)], delta))
 
 
 def test_augmentation_and_selector_flips_under_dp_are_not_the_run_seeds(wl):

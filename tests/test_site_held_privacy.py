@@ -331,7 +331,9 @@ def test_the_server_cannot_choose_delta(tmp_path, kits):
     derived its noise for ε = 1 at δ = 0.5 (run against the code before: set up, no refusal).  What that is worth,
     by the site's own accountant: for one step at q = 1 the σ that gives ε = 1 at δ = 0.5 gives ε = 7.1 at
     δ = 1e-5.  Now the site's δ ceiling, min(1e-5, 1/(10·n_k)) by default, refuses the run at setup, naming
-    privacy.delta; the same run at δ = 1e-5 is taken."""
+    privacy.delta; the same run at δ = 1e-5 is taken with a σ whose round fits ε = 1 there (its round is 2 steps
+    at q = 4/6 on site1's 6 cases: σ = 5 spends ε = 0.82 at δ = 1e-5, σ = 4 spends 1.07 and is refused at setup by
+    the policy's lifetime ceiling: not one round of it fits)."""
     sigma = accountant.noise_multiplier(1.0, 0.5, 1.0, 1)
     assert accountant.epsilon([(sigma, 1.0, 1)], 0.5) <= 1.0 < 5.0 < accountant.epsilon([(sigma, 1.0, 1)], 1e-5)
     ceiling = SitePolicy(secure_aggregation=False, dp="sample", max_epsilon=1.0)
@@ -348,8 +350,15 @@ def test_the_server_cannot_choose_delta(tmp_path, kits):
     assert "privacy.delta = 0.5 is above min(1e-5, 1/(10·n_k)) of this site = 1e-05" in reply["refused"]
     with pytest.raises(PayloadError, match="refuses run run-1 by its policy"):
         rt.call("task", encode_task(Task("train", {}, {"round": 1})))
-    strict = dataclasses.replace(loose, privacy=dataclasses.replace(loose.privacy, delta=1e-5, noise_multiplier=4.0))
-    assert _target(tmp_path / "ok", kits, strict, ceiling).site is not None
+    at = dataclasses.replace(loose.privacy, delta=1e-5)
+    assert accountant.epsilon([(4.0, 4 / 6, 2)], 1e-5) > 1.0 > accountant.epsilon([(5.0, 4 / 6, 2)], 1e-5)
+    short = dataclasses.replace(loose, privacy=dataclasses.replace(at, noise_multiplier=4.0))
+    desc = {**desc, "config_toml": dump_toml(short.to_dict())}
+    reply = json.loads(rt.call("setup", json.dumps({**desc, "run_id": "run-2"}).encode()))
+    assert "one more round of this run would take it to 1.066 > the policy's lifetime ceiling" in reply["refused"]
+    strict = dataclasses.replace(loose, privacy=dataclasses.replace(at, noise_multiplier=5.0))
+    site = _target(tmp_path / "ok", kits, strict, ceiling).site
+    assert site is not None and site.dp.lifetime_epsilon(extra_rounds=1) <= 1.0
 
 
 def test_a_run_naming_a_party_outside_the_roster_is_refused_at_setup(tmp_path, kits):

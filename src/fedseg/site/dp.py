@@ -274,18 +274,25 @@ class SiteDP:
         """ε after one more round: the larger of the planned round's and a repeat of what was booked since the
         last report (a lockstep round can take more batches than this site's plan: the largest site's)."""
         planned = self.epsilon(extra_rounds=1)
-        entries = self.ledger.entries
-        if self._reported is None or self.client:
-            return planned
-        again = [{**e, "batch": f"{e['batch']}+next"} for e in entries[self._reported :] if e.get("kind") == "sample"]
+        again = self._repeat()
         return max(planned, self.epsilon(extra=again)) if again else planned
+
+    def _repeat(self) -> list[dict[str, Any]]:
+        """The sample-level bookings since the last report, as a next round would book them again (new batch
+        names); [] before the first report and at client level."""
+        if self._reported is None or self.client:
+            return []
+        entries = self.ledger.entries[self._reported :]
+        return [{**e, "batch": f"{e['batch']}+next"} for e in entries if e.get("kind") == "sample"]
 
     def report(self) -> dict[str, Any]:
         """What the engine records per site and round: ε spent, ε after one more round (:meth:`forecast`), σ, q,
         releases booked, distinct batches, and the randomness (``"seeded"``: ε against the server is ∞); with
         other runs in the ledger or a lifetime ceiling also ``epsilon_lifetime`` (every run composed),
-        ``epsilon_lifetime_next`` and ``epsilon_ceiling``."""
+        ``epsilon_lifetime_next`` (every run and one more round, forecast as :meth:`forecast` does) and
+        ``epsilon_ceiling``."""
         epsilon_next = self.forecast()
+        again = self._repeat()
         self._reported = len(self.ledger.entries)
         out: dict[str, Any] = {
             "epsilon": self.epsilon(),
@@ -299,8 +306,11 @@ class SiteDP:
         }
         if self.ledger.other_runs or self.lifetime_ceiling is not None:  # a deployed site's ε over all its runs
             spent = self.lifetime_epsilon()
+            nxt = self.lifetime_epsilon(extra_rounds=1)  # as forecast(): a lockstep round can take more batches
+            if again:
+                nxt = max(nxt, self.lifetime_epsilon(extra=again))
             out["epsilon_lifetime"] = spent
-            out["epsilon_lifetime_next"] = max(self.lifetime_epsilon(extra_rounds=1), spent)
+            out["epsilon_lifetime_next"] = max(nxt, spent)
             out["epsilon_ceiling"] = self.lifetime_ceiling
         return out
 
