@@ -15,14 +15,8 @@ CSPRNG, fresh per draw, so the server — which ships the run seed and assigns t
 regenerate either.  ``privacy.dp_randomness = "seeded"`` keys them by the run seed instead, for bitwise
 reproducible tests; such a run records ε against the server as ∞.
 
-**Ledger** (:class:`~fedseg.site.ledger.Ledger`).  Every privatized release is booked before it leaves the site, in an
-append-only ledger outside the site's checkpointed state: the server's ``restore`` reloads models and
-optimizers but cannot rewind ε.  In simulation the ledger is kept in memory and, with an output folder,
-in ``<out>/privacy/<site>.jsonl``; a deployed site keeps it in ``<workdir>/privacy-ledger.jsonl`` (one line per
-booking, each naming its run).  ε is computed from the ledger only, and a site refuses (:class:`PayloadError`
-naming ``privacy.epsilon``) a privatized step or update that would take it past ``privacy.epsilon``,
-whatever the server asks — ``privacy.budget_action`` only decides whether the server stops before a round
-its forecast says would not fit.
+**Ledger** (:mod:`fedseg.site.ledger`).  Every privatized release is booked before it leaves the site, and a
+step or update that would take ε past ``privacy.epsilon`` is refused (:class:`PayloadError`).
 
 **Several models on one batch.**  FedSM trains its global and personalized models (and, in its joint
 phase, its selector) on the same batches of a round.  m models privatized with noise multiplier σ on one

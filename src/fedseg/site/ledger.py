@@ -1,6 +1,15 @@
 """A site's privacy ledger (:class:`Ledger`: every privatized release, booked before it leaves the site, in
 a file no one else can rewind) and the accountant's view of its entries (:class:`Tally`), from which
-:class:`~fedseg.site.dp.SiteDP` computes ε (the derivations are :mod:`fedseg.site.dp`'s)."""
+:class:`~fedseg.site.dp.SiteDP` computes ε (the derivations are :mod:`fedseg.site.dp`'s).
+
+Every privatized release is booked before it leaves the site, in an
+append-only ledger outside the site's checkpointed state: the server's ``restore`` reloads models and
+optimizers but cannot rewind ε.  In simulation the ledger is kept in memory and, with an output folder,
+in ``<out>/privacy/<site>.jsonl``; a deployed site keeps it in ``<workdir>/privacy-ledger.jsonl`` (one line per
+booking, each naming its run).  ε is computed from the ledger only, and a site refuses (:class:`PayloadError`
+naming ``privacy.epsilon``) a privatized step or update that would take it past ``privacy.epsilon``,
+whatever the server asks — ``privacy.budget_action`` only decides whether the server stops before a round
+its forecast says would not fit."""
 
 from __future__ import annotations
 
