@@ -222,7 +222,7 @@ def test_deployed_plan_follows_the_spec_intensity_as_fedseg_plan(tmp_path):
 
 
 VALIDATE_OFTEN = ["train.local_steps=1", "train.batch_size=2", "model.num_res_units=0", "model.roi_size=[8, 8, 8]"]
-VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]"]
+VALIDATE_OFTEN += ["model.channels=[4, 8]", "model.strides=[2]", "checkpoint_keep=final"]
 
 
 def test_deployed_server_derives_the_simulations_validation_interval(tmp_path):
