@@ -188,9 +188,17 @@ class SharedCluster:
         return run_toml, out
 
     def submit(self, out: Path, names=("site1", "site2"), timeout: float = 120.0, **kw: Any) -> dict[str, Any]:
-        """Submit the run prepared in ``out`` and supervise it until it has results (``submit_run``)."""
-        from fedseg.apps.deploy.run import submit_run
+        """Submit the run prepared in ``out`` and supervise it until it has results (``submit_run``).
 
+        Each rehearsal is a federation of its own: the sites' records of what they masked across runs (the
+        replay guard of ``fedseg.site.secure.Record``, kept in each site's work folder) are cleared first, as
+        they would be for a new federation's sites; a record that persists across one rehearsal's jobs (a
+        supervisor's restarts) is untouched."""
+        from fedseg.apps.deploy.run import submit_run
+        from fedseg.site.secure import RECORD_NAME
+
+        for record in (self.root / "sites").glob(f"*/{RECORD_NAME}"):
+            record.unlink()
         return submit_run(self.kits["admin"], out, list(names), timeout=timeout, **kw)
 
     def simulate(self, tmp_path: Path, run_toml: Path, overrides: list[str], names=("site1", "site2")) -> dict:
