@@ -28,8 +28,8 @@ POLICY = SitePolicy(secure_aggregation=False, evaluation="per_case")
 """The loosest evaluation a policy allows (per-case scores) in a run without secure aggregation (cheap to run)."""
 
 
-def _site(tmp_path, policy=POLICY):
-    cfg = dataclasses.replace(tiny_config("fedavg", rounds=2), privacy=PrivacyConfig())
+def _site(tmp_path, policy=POLICY, cfg=None):
+    cfg = cfg or dataclasses.replace(tiny_config("fedavg", rounds=2), privacy=PrivacyConfig())
     data = tiny_sites(3)
     rt = SiteRuntime(
         SiteConfig("site1", "(in memory)", str(tmp_path / "site1")),
@@ -98,6 +98,46 @@ def test_only_models_that_left_training_are_evaluated(tmp_path):
     allowed = dataclasses.replace(POLICY, allowed_models=(model_digest(probe),))
     rt2, _, _ = _site(tmp_path / "b", allowed)
     assert _evaluate(rt2, {"probe": probe}, "validation")["per_case"]["probe"]
+
+
+def test_route_runs_only_selectors_that_left_training(tmp_path):
+    """FedSM's ``route`` task runs a composite's selector over a split's cases and sends back how many went to each
+    model: a server that crafts a selector with one output per case region reads the site's labels or features
+    from the counts.  Against the old site any crafted selector was routed on validation, without limit (only the
+    training split was refused); now ``route`` is held to the evaluation rule, part by part.
+
+    Acting as the server: a crafted selector (every weight 0, one output's bias +10: every case to one model)
+    before any round is refused; after a round whose task carried the run's selector, a route of that selector
+    (with the global and personalized models the round sent) is answered and spends nothing, the crafted one then
+    takes the round's one new model, a second one the run's one final assembly (FedSM routes the composite it
+    assembles after the last round on validation), and a third is refused."""
+    fedsm = {"selector_width": 0.0625, "selector_hidden": 8, "selector_training": "fedavg", "selector_steps": 1}
+    cfg = dataclasses.replace(tiny_config("fedsm", rounds=2, local_epochs=None, local_steps=1), privacy=PrivacyConfig())
+    cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": fedsm})
+    rt, cfg, _ = _site(tmp_path, cfg=cfg)
+    sites, wl = ["site1", "site2", "site3"], _workload(cfg)
+    torch.manual_seed(0)
+    w0 = {k: v.detach().clone() for k, v in wl.build_model().state_dict().items()}
+    sel = {k: v.detach().clone() for k, v in wl.selector(3, 0.0625, 8).state_dict().items()}
+    crafted = {k: torch.zeros_like(v) for k, v in sel.items()}
+    crafted[[k for k in crafted if k.endswith("bias")][-1]][0] = 10.0
+    models = {f"{p}/{k}": v for p in ["global", *(f"personal/{s}" for s in sites)] for k, v in w0.items()}
+    config = {"sites": sites, "num_classes": 3, "mode": "gate", "gammas": [0.5], "scores": False}
+
+    def route(selector):
+        arrays = {**models, **{f"selector/{k}": v for k, v in selector.items()}}
+        return _ask(rt, "route", arrays, {**config, "split": "validation"})
+
+    with pytest.raises(PayloadError, match=r"\['selector', .* did not see leave training"):
+        route(crafted)
+    base = {"round": 1, "phase": "joint", "sites": sites, "num_classes": 3, "mode": "gate", "train_selector": True}
+    sent = {k: v for k, v in models.items() if not k.startswith(("personal/site2/", "personal/site3/"))}
+    _ask(rt, "train", {**sent, **{f"selector/{k}": v for k, v in sel.items()}}, base)
+    assert route(sel)["n"] > 0  # the selector the round sent, with the models it sent: seen
+    assert route(crafted)["selections"][0]["counts"][1] > 0  # the round's one new model
+    assert route({k: v * 2 for k, v in crafted.items()})["n"] > 0  # the run's one final assembly
+    with pytest.raises(PayloadError, match=r"one per round it trained \(1\)"):
+        route({k: v * 3 for k, v in crafted.items()})
 
 
 def test_deployed_sites_evaluate_aggregates_by_default():

@@ -11,8 +11,11 @@ With a policy (:class:`~fedseg.apps.deploy.policy.SitePolicy`) the site
   round it trained (the engine evaluates each round's aggregate before it sends it as the next round's model),
   or one new model on the testing split per run (the final test), or a digest its policy lists in
   ``allowed_models`` (:func:`fedseg.privacy.protocol.model_digest`).  A candidate without arrays is the site's
-  own model.  A server that crafts probes thus gets at most one per round it runs, and one more per run, each a
-  mean over validation or testing cases (the default ``evaluation = "aggregates"``);
+  own model.  FedSM's ``route`` is held to the same rule for each part of the composite it loads (selector,
+  global and personalized models; :meth:`Guard.unseen_route`) and spends the same allowance, plus one route of
+  new models on validation per run (the composite assembled after the last round).  A server that crafts probes
+  thus gets at most one per round it runs, and two more per run, each a mean over validation or testing cases
+  (the default ``evaluation = "aggregates"``) or a route's counts;
 * answers the volume plan's requests (``fingerprint``, ``histogram``, ``volumes``) only where its ``tasks``
   allow them, and at most ``max_histogram_requests`` intervals between two setups, none with bins narrower
   than ``min_histogram_width`` (:meth:`~fedseg.apps.deploy.policy.SitePolicy.histogram_refusal`).
@@ -65,15 +68,15 @@ def site_salt(workdir: Path, run_id: str, site: str) -> int:
 
 
 def model_digests(arrays: dict[str, Any]) -> set[str]:
-    """Digests of the models in ``arrays``: the whole dict and each group under one first path component
-    (``global/…``, ``selector/…``), stripped of it (:func:`fedseg.privacy.protocol.model_digest`)."""
+    """Digests of the models in ``arrays``: the whole dict and each group under a path prefix (``global/…``,
+    ``selector/…``, ``personal/<site>/…``), stripped of it (:func:`fedseg.privacy.protocol.model_digest`)."""
     if not arrays:
         return set()
     groups: dict[str, dict[str, Any]] = {}
     for name, v in arrays.items():
-        head, _, rest = name.partition("/")
-        if rest:
-            groups.setdefault(head, {})[rest] = v
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            groups.setdefault("/".join(parts[:i]), {})["/".join(parts[i:])] = v
     return {model_digest(arrays), *(model_digest(g) for g in groups.values())}
 
 
@@ -86,6 +89,7 @@ class Guard:
         self.trained: set[int] = set()  # the rounds of this run the site trained
         self.fresh = 0  # evaluations of models not seen before (validation)
         self.tested = 0  # the same on the testing split
+        self.assembled = False  # the run's one final assembly's route of new models (validation) is spent
         self.histograms = 0  # histogram intervals answered since the last setup
 
     def task_refusal(self, policy: SitePolicy, task: Task) -> str | None:
@@ -94,6 +98,8 @@ class Guard:
         why = policy.task_refusal(task.kind) or policy.evaluation_refusal(task.kind, task.config)
         if why is None and task.kind == "evaluate":
             why = self.unseen(policy, task)
+        elif why is None and task.kind == "route":
+            why = self.unseen_route(policy, task)
         return why
 
     def saw(self, task: Task, reply: Reply) -> None:
@@ -119,10 +125,46 @@ class Guard:
             arrays = strip_prefix(name, task.arrays)
             if arrays and model_digest(arrays) not in allowed:
                 new.append((name, model_digest(arrays)))
+        why = self._spend(task, new)
+        if why is None:  # the parts of an evaluated composite (a FedSM selector) count as seen too
+            for cand in task.config.get("candidates") or []:
+                self.seen |= model_digests(strip_prefix(cand["name"], task.arrays))
+        return why
+
+    def unseen_route(self, policy: SitePolicy, task: Task) -> str | None:
+        """Why FedSM's ``route`` task is refused, by :meth:`unseen`'s rule applied to the parts of its composite the
+        site loads (:func:`fedseg.algorithms.fedsm.selection.load_composite`): the selector (``selector/…``), the
+        global model (``global/…``) and the personalized model of each site its config names
+        (``personal/<site>/…``).  A route whose parts the site all saw (or its policy allows) is answered; one with
+        new parts spends the same allowance as an evaluation (one per round it trained, one on the testing split
+        per run) or, on validation, the run's one final assembly.  An answered route's parts and its whole
+        composite count as seen from then on, so the engine's evaluation of that composite, and the final
+        test-time route of a composite assembled from seen parts (``test_report``), spend nothing more."""
+        sites = task.config.get("sites")
+        if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites):
+            return "a route task without its list of sites"
+        allowed = self.seen | set(policy.allowed_models)
+        parts = {
+            name: strip_prefix(name, task.arrays) for name in ["selector", "global", *(f"personal/{s}" for s in sites)]
+        }
+        digests = {name: model_digest(a) for name, a in parts.items() if a}
+        why = self._spend(task, [(n, d) for n, d in digests.items() if d not in allowed], route=True)
+        if why is None:
+            self.seen |= set(digests.values()) | model_digests(task.arrays)
+        return why
+
+    def _spend(self, task: Task, new: list[tuple[str, str]], route: bool = False) -> str | None:
+        """Accept ``new`` (name, digest) models of ``task`` under the allowance of its split, or say why not.  A
+        ``route`` on validation past the per-round allowance takes the run's one final assembly (the composite
+        FedSM assembles from its best parts after the last round, and routes on validation to pick its γ)."""
         if not new:
             return None
         testing = split_name(str(task.config.get("split"))) == "testing"
         used, most = (self.tested, 1) if testing else (self.fresh, len(self.trained))
+        if route and not testing and used >= most and self.trained and not self.assembled:
+            self.assembled = True
+            self.seen |= {d for _, d in new}
+            return None
         if used >= most:
             allowance = "one final test per run" if testing else f"one per round it trained ({most})"
             return (
