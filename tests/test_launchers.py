@@ -23,9 +23,17 @@ from fedseg.foundation.errors import ConfigError
 from helpers import SETS, SMALL, assert_same_checkpoints, synth_fundus
 
 LRS = ("1e-3", "1e-2")
-BASE = [*SMALL, "eval.every=1", "checkpoint_every=1", "checkpoint_background=false", "device=cpu"]
+BASE = [
+    *SMALL,
+    "eval.every=1",
+    "checkpoint_every=1",
+    "checkpoint_background=false",
+    "device=cpu",
+    "checkpoint_keep=all",
+]
 """One grid's settings: a small U-Net, every round validated and checkpointed (synchronously, so that a worker
-killed after a round leaves that round's checkpoint behind)."""
+killed after a round leaves that round's checkpoint behind), and a finished run's whole state kept (compared
+byte for byte)."""
 BASE_ARGS = [x for s in BASE for x in ("--set", s)]
 LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Ray's switch which, set to 0, binds a local cluster to the loopback address."""
