@@ -33,7 +33,7 @@ from fedseg.algorithms import known_sections
 from fedseg.data.spec import load_federation
 from fedseg.data.synth3d import synthesize_ct
 from fedseg.data.volumes.load import ensure_plan, plan_for_run, plan_path
-from fedseg.data.volumes.plan import _topology, save_plan
+from fedseg.data.volumes.plan import features, save_plan, topology
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import load_federation_data, run
@@ -65,8 +65,16 @@ def main() -> None:
     t_synth = time.perf_counter() - t0
     fed = load_federation(spec)
     plan = ensure_plan(fed, log=lambda m: None)
-    channels, strides = _topology(roi, spacing)
-    plan = dataclasses.replace(plan, target_spacing=spacing, patch_size=roi, channels=channels, strides=strides)
+    strides, kernels, roi = topology(roi, spacing)
+    channels = features(len(kernels))
+    plan = dataclasses.replace(
+        plan,
+        target_spacing=spacing,
+        patch_size=roi,
+        channels=channels,
+        strides=strides,
+        kernels=kernels,
+    )
     plan.check()
     save_plan(plan, plan_path(fed))
     t0 = time.perf_counter()
