@@ -149,6 +149,12 @@ def _label(task: Task) -> str:
     return f"{task.kind}|{task.config.get('round')}|{task.config.get('step')}"
 
 
+def _same_answer(entry: dict[str, Any], input_digest: str, masked: list[str]) -> bool:
+    """An earlier record lets a site send this masked reply again: the same input, masked with the same sites or
+    with the survivors it attested (a repeat of one sum, never the difference of two)."""
+    return entry.get("input") == input_digest and masked in (entry.get("masked"), entry.get("survived"))
+
+
 def _key(site: Site, task: Task) -> str:
     epoch = getattr(site, "epoch", "")
     return f"{epoch}|{_label(task)}" if epoch else _label(task)
@@ -260,9 +266,7 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
     key, record = _key(site, task), record_of(site)
     entry = record.get(key)
     masked = sorted(party.masked_with)
-    if entry is not None and (
-        entry.get("input") != party.input_digest or masked not in (entry.get("masked"), entry.get("survived"))
-    ):
+    if entry is not None and not _same_answer(entry, party.input_digest, masked):
         raise PayloadError(
             f"site {site.name}: sent its masked reply for {_label(task)} already (masked with {entry.get('masked')}, "
             f"survivors attested {entry.get('survived')}); it sends another only with the same input and the same "
@@ -282,9 +286,7 @@ def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
         # (another learning rate, say) cannot make a near copy of its reply masked with other sites
         ask = f"asked|{_label(task)}|{task_digest(task.arrays, {}, site.name)}"
         prior = record.get(ask)
-        if prior is not None and (
-            prior.get("input") != party.input_digest or masked not in (prior.get("masked"), prior.get("survived"))
-        ):
+        if prior is not None and not _same_answer(prior, party.input_digest, masked):
             raise PayloadError(
                 f"site {site.name}: was asked {_label(task)} with the same arrays before (in this or another run) and "
                 f"masked its reply with {prior.get('masked')}; without a site salt it sends another reply to the same "
