@@ -65,7 +65,8 @@ from typing import Any, Literal, cast
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.fedavg import Weighting, aggregation_weights, train_global
+from fedseg.algorithms.fedavg import aggregation_weights, train_global
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, check_compatible, is_float, nbytes, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task

@@ -75,8 +75,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.secure import secure_ask
+from fedseg.algorithms.weighting import GradientWeighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
@@ -127,8 +127,7 @@ class FGAParams:
         state; warn if they differ (they are bitwise equal on identical hardware).
     """
 
-    weighting: Weighting = "samples"
-    """Gradient average weights: 'samples' (by batch sample counts: the pooled batch's gradient) or 'even' (uniform mean)."""
+    weighting: GradientWeighting = "samples"
     steps: Literal["max", "min"] = "max"
     """Lockstep steps per round: 'max' over the sites' steps per round (smaller sites cycle their data) or 'min' (stop with the smallest site)."""
     check_sync: bool = True
@@ -137,7 +136,7 @@ class FGAParams:
 
 # ---------------------------------------------------------------------------- maths
 def average_gradients(
-    grads: Sequence[Mapping[str, torch.Tensor]], batch_sizes: Sequence[int], weighting: str = "samples"
+    grads: Sequence[Mapping[str, torch.Tensor]], batch_sizes: Sequence[int], weighting: GradientWeighting = "samples"
 ) -> Arrays:
     """The server's averaged gradient g = Σ_k p_k g_k.
 
@@ -405,7 +404,7 @@ def lockstep_round(
     kind: str = "fga_step",
     first: Arrays | None = None,
     config: Mapping[str, Any] | None = None,
-    weighting: str = "samples",
+    weighting: GradientWeighting = "samples",
     steps: str = "max",
     check_sync: bool = True,
     prefix: str = ROLE,

@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from fedseg.algorithms.fedavg import FedAvgParams, Weighting
+from fedseg.algorithms.fedavg import FedAvgParams
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.errors import ConfigError
 
 __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
