@@ -57,6 +57,7 @@ from fedseg.data.volumes.plan import (
     slice_patch,
     sliding_windows,
 )
+from fedseg.data.volumes.schemes import SCHEMES, CTNormalization, scheme_from_config
 from fedseg.data.volumes.splits import (
     SliceDataset,
     VolumeDataset,
@@ -171,35 +172,41 @@ def with_spec_intensity(
     ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan whose
     channel has no CT statistics is refused, naming the file and the fix."""
     names = fed.channel_names
-    table = {s: channel_schemes(plan.intensity, s, len(names)) for s in fed.site_names}
+    table = {
+        s: [scheme_from_config(x, where) for x in channel_schemes(plan.intensity, s, len(names))]
+        for s in fed.site_names
+    }
     changed = []
     for site, wants in fed.intensity_table().items():
         for c, want in enumerate(wants):
             have = table[site][c]
-            if want == "auto" or (
-                want == have.get("mode") and (want != "window" or have.get("window") == list(fed.window or ()))
-            ):
+            if want == "auto":
                 continue
             if want == "ct":
-                pooled = [s for s in table.values() if s[c].get("mode") == "ct"]
+                if isinstance(have, CTNormalization):
+                    continue
+                pooled = [t[c] for t in table.values() if isinstance(t[c], CTNormalization)]
                 if not pooled:
                     raise ConfigError(
                         f"{where}: the spec asks for intensity 'ct' on channel {names[c]} at {site} but the plan has "
                         "no pooled CT statistics for it -> delete the plan file and run `fedseg plan` on the spec to "
                         "fingerprint the sites again"
                     )
-                table[site][c] = dict(pooled[0][c])
-            else:
-                table[site][c] = {"mode": want, **({"window": list(fed.window or ())} if want == "window" else {})}
-            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.get('mode')!r})")
+                table[site][c] = pooled[0]
+            else:  # without the fingerprint: a z-score over the non-zero voxels, the spec's window
+                asked = SCHEMES[want].planned(ct_like=False, window=fed.window)
+                if have.mode == want and (want != "window" or have == asked):
+                    continue
+                table[site][c] = asked
+            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.mode!r})")
     if not changed:
         return plan
     log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
     entries = []
     for c, name in enumerate(names):
         first = table[fed.site_names[0]][c]
-        differ = {s: t[c] for s, t in table.items() if t[c] != first}
-        entries.append({"name": name, **first, **({"sites": differ} if differ else {})})
+        differ = {s: t[c].to_config() for s, t in table.items() if t[c] != first}
+        entries.append({"name": name, **first.to_config(), **({"sites": differ} if differ else {})})
     return dataclasses.replace(plan, intensity={"channels": entries})
 
 
