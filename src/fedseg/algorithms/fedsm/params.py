@@ -244,7 +244,7 @@ class FedSMParams(FedAvgParams):
         """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns
         Eq. 2's site labels (FedSM); False for FedSM-extra and the ensemble, whose selector targets come from
         the models' losses on the image: no flips there by default (a flip keeps an image's site, not which
-        model segments it best — fundus, 3 seeds: FedSM-extra 2.8 points lower with flips, docs/results/fedsm-extra.md)."""
+        model segments it best; FedSM-extra with flips: docs/results/fedsm-extra.md)."""
         fill = dict(PROFILE_DEFAULTS[self.profile])
         if not site_labels:
             fill["selector_augment"] = "none"

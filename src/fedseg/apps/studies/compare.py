@@ -203,7 +203,7 @@ def demo(
     40 rounds are a short budget.  ``overrides`` (``key=value``, after the demo's own) change any
     setting of every run: ``["train.lr=1e-3"]`` is the papers' learning rate.
 
-    Sized for about 5 minutes on 2 CPU cores (docs/results/demo.md): a U-Net of the default's depth at
+    Sized to run in minutes on 2 CPU cores (its time: docs/results/demo.md): a U-Net of the default's depth at
     half its width with one residual unit (the cost of a CPU step is its number of small operations more
     than the image size), validation every 2 rounds.
 
