@@ -160,7 +160,7 @@ def selector_study(
     from fedseg.algorithms.fedsm import FedSMParams
     from fedseg.algorithms.fedsm import fedaws as aws
     from fedseg.algorithms.fedsm.selector import restricted_logits
-    from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
+    from fedseg.algorithms.gradients import optimizer_moments, set_optimizer_moments
     from fedseg.algorithms.softpull import routing_accuracy
     from fedseg.foundation.arrays import prefixed, strip_prefix, weighted_mean
     from fedseg.foundation.seeding import generator

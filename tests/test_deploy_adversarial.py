@@ -653,6 +653,7 @@ def test_fga_without_the_resync_a_site_that_missed_a_step_stays_out_of_sync(tmp_
     """The resync is what brings site3 back: with the resync arrays dropped from its step-0 task, the same
     run ends round 2 with different digests (the run still finishes, with the warning)."""
     import fedseg.algorithms.fga as fga
+    from fedseg.algorithms.gradients import FGAEquivalenceWarning
 
     real = fga.lockstep_round
 
@@ -664,7 +665,7 @@ def test_fga_without_the_resync_a_site_that_missed_a_step_stays_out_of_sync(tmp_
     cfg = dataclasses.replace(_cfg(), method="fga", rounds=2)
     data = tiny_sites(3)
     _prepare(tmp_path, cfg, list(data))
-    with pytest.warns(fga.FGAEquivalenceWarning, match="different weights or optimizer states"):
+    with pytest.warns(FGAEquivalenceWarning, match="different weights or optimizer states"):
         res = serve(tmp_path, _down_for("site3", {2}, LoopbackChannel(_runtimes(tmp_path, data))), log=lambda m: None)
     assert res["history"][1]["in_sync"] is False
 

@@ -10,7 +10,7 @@ Both take the words ``"samples"`` and ``"even"``; they differ in whose samples c
 * :data:`GradientWeighting`: FGA's average of the sites' *batch gradients* at one lockstep step:
   p_k = b_k / Σ_j b_j with b_k the samples of site k's batch (then the average is the gradient of the
   pooled batch), or p_k = 1 / K (Remedios et al. 2020, Alg. 1 line 14).  The ``weighting`` setting of FGA
-  (:func:`fedseg.algorithms.fga.average_gradients`).
+  (:func:`fedseg.algorithms.gradients.average_gradients`).
 
 Each vocabulary carries its description (:class:`fedseg.foundation.settings.Doc`): a setting of that type
 without a docstring of its own is described by it in ``fedseg settings``.
