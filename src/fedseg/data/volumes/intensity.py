@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.spec import INTENSITY_MODES
+from fedseg.data.spec import INTENSITY_MODES, FederationSpec
 from fedseg.data.volumes.fingerprint import CT_AIR, WEIGHTINGS, bin_edges, check_histogram, combine_moments
 from fedseg.data.volumes.schemes import (
     SCHEMES,
@@ -56,6 +56,7 @@ __all__ = [
     "normalize_case",
     "normalize_volume",
     "plan_intensity",
+    "spec_intensity",
 ]
 
 HISTOGRAM_BINS = 4096
@@ -319,3 +320,50 @@ def plan_intensity(
         how = "; ".join(f"{k} at {', '.join(v)}" for k, v in groups.items())
         log(f"plan: intensity of channel {names[c]}: {how}")
     return {"channels": entries}, rejected
+
+
+def spec_intensity(
+    intensity: Mapping[str, Any], fed: FederationSpec, where: str = "plan", log: Callable[[str], None] = print
+) -> dict[str, Any] | None:
+    """A plan's ``intensity`` with the spec's schemes (``data.intensity``, per channel, and each site's own
+    ``intensity``) in place of its own where they name one ("auto": the plan's); None when they change nothing.
+
+    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan whose
+    channel has no CT statistics is refused, naming ``where`` and the fix.  Another scheme the spec names
+    is the one a plan makes without the fingerprint: a z-score over the non-zero voxels, the spec's window."""
+    names = fed.channel_names
+    table = {
+        s: [scheme_from_config(x, where) for x in channel_schemes(intensity, s, len(names))] for s in fed.site_names
+    }
+    changed = []
+    for site, wants in fed.intensity_table().items():
+        for c, want in enumerate(wants):
+            have = table[site][c]
+            if want == "auto":
+                continue
+            if want == "ct":
+                if isinstance(have, CTNormalization):
+                    continue
+                pooled = [t[c] for t in table.values() if isinstance(t[c], CTNormalization)]
+                if not pooled:
+                    raise ConfigError(
+                        f"{where}: the spec asks for intensity 'ct' on channel {names[c]} at {site} but the plan has "
+                        "no pooled CT statistics for it -> delete the plan file and run `fedseg plan` on the spec to "
+                        "fingerprint the sites again"
+                    )
+                table[site][c] = pooled[0]
+            else:
+                asked = SCHEMES[want].planned(ct_like=False, window=fed.window)
+                if have.mode == want and (want != "window" or have == asked):
+                    continue
+                table[site][c] = asked
+            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.mode!r})")
+    if not changed:
+        return None
+    log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
+    entries = []
+    for c, name in enumerate(names):
+        first = table[fed.site_names[0]][c]
+        differ = {s: t[c].to_config() for s, t in table.items() if t[c] != first}
+        entries.append({"name": name, **first.to_config(), **({"sites": differ} if differ else {})})
+    return {"channels": entries}
