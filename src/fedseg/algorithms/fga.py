@@ -16,8 +16,8 @@ batches have the same size.
 The equivalence needs per-sample operations: no batch norm in training mode (its
 batch statistics mix the samples of one site's batch), a loss that is a mean over
 samples (not ``reduction="sum"``, not MONAI ``DiceLoss(batch=True)``) and
-deterministic layers (dropout draws differ).  :func:`equivalence_problems` finds
-the first two and the site warns (:class:`FGAEquivalenceWarning`).
+deterministic layers (dropout draws differ).  :func:`~fedseg.algorithms.gradients.equivalence_problems`
+finds the first two and the site warns (:class:`~fedseg.algorithms.gradients.FGAEquivalenceWarning`).
 
 The exchange itself (its protocol, the digests of the sites' states, a stale site's resync, secure
 aggregation of each step) is :mod:`fedseg.algorithms.lockstep`; this module is FGA's settings and its two

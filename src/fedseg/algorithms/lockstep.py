@@ -5,8 +5,9 @@ under ``fedsm.global_training = "fga"``, its global model with it.
 
 The site half is :func:`gradient_step` (apply the previous average, compute this step's batch gradient), the
 server half :func:`lockstep_round` (one round of exchanges, averaged as
-:data:`~fedseg.algorithms.weighting.GradientWeighting` says); the resync of a stale site here, the arithmetic (the average, the gradient's checks, the optimizer state as
-arrays, the digest of a site's state) in :mod:`fedseg.algorithms.gradients`.
+:data:`~fedseg.algorithms.weighting.GradientWeighting` says), with the resync of a stale site; the
+arithmetic (the average, the gradient's checks, the optimizer state as arrays, the digest of a site's state)
+is :mod:`fedseg.algorithms.gradients`.
 
 Protocol (one round = one epoch of lockstep steps)::
 
