@@ -13,7 +13,7 @@ from fedseg.algorithms import REGISTRY
 from fedseg.apps.settings import MARKDOWN_COMMAND, markdown, sections
 from fedseg.apps.tracking import TrackingParams
 from fedseg.cli import main
-from fedseg.execution.remote.params import DeployParams
+from fedseg.deployment.params import DeployParams
 from fedseg.foundation.config import SECTIONS, RunConfig
 from fedseg.foundation.settings import Doc, describe, field_docs
 from fedseg.seams.algorithm import NoParams

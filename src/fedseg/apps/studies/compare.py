@@ -17,10 +17,11 @@ from fedseg.apps.tracking import tracker_for
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import load_best
-from fedseg.simulation.runner import build_engine, load_federation_data
+from fedseg.simulation.runner import build_engine
 from fedseg.site.workload import workload_for
 
 __all__ = [
