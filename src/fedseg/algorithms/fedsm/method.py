@@ -31,10 +31,10 @@ from fedseg.algorithms.fedsm.selection import (
     mean_routing,
     pick_gamma,
     pick_gamma_per_model,
-    route_stats,
     route_task,
     thresholds,
 )
+from fedseg.algorithms.fedsm.validation import route_stats
 from fedseg.algorithms.fga import FP16_GRADIENT_AVERAGING, gradient_step, lockstep_round, without_resync
 from fedseg.algorithms.ft import FT
 from fedseg.algorithms.perfedavg import PerFedAvg
@@ -358,17 +358,13 @@ class FedSM(Algorithm):
         if self.secure:  # the personalized models are at their sites: no composite until they are released
             return [Candidate("global", strip_prefix("global", state)), *sm_secure.held_candidates(ctx.sites)]
         have_selector = any(k.startswith("selector/") for k in state)
-        out = []
         if have_selector:
-            cand = self.composite(state, ctx)
-            if self.gamma_auto:
-                replies = route_task(
-                    ctx.transport, cand, list(ctx.sites), "validation", self.params.gamma_grid, per_model=False
-                )
-                self.set_gamma(cand, replies)
-            out.append(cand)
-        out.append(Candidate("global", strip_prefix("global", state)))
-        out += [
+            return self._validated_candidates(state, ctx)
+        return [Candidate("global", strip_prefix("global", state)), *self._personal_candidates(state, ctx)]
+
+    @staticmethod
+    def _personal_candidates(state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        return [
             Candidate(
                 f"personal/{s}",
                 strip_prefix(f"personal/{s}", state),
@@ -378,7 +374,44 @@ class FedSM(Algorithm):
             )
             for s in ctx.sites
         ]
-        return out
+
+    def _validated_candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
+        """:meth:`candidates` with a selector, validated in one ``"route"`` task per site: each site reads its cases
+        once, runs each model once on them (:func:`.validation.one_pass`) and sends the composite's Dice sums at
+        every γ of the grid (γ-gated; one selection for argmax and the mix) and the sums of the global model and of
+        its own personalized model.  γ is chosen on those sums (``gamma = "auto"``, ``"auto-per-model"``); each
+        candidate carries its validation sums (``scored``), so the engine asks the sites nothing more."""
+        cand = self.composite(state, ctx)
+        sites = list(ctx.sites)
+        grid: Sequence[float] = []
+        if self.mode == "gate":
+            grid = self.params.gamma_grid if self.gamma_auto else [cand.config["gamma"]]
+        replies = route_task(ctx.transport, cand, sites, "validation", grid, per_model=False, candidates=True)
+        with_cases = {s: r for s, r in replies.items() if r["n"]}
+        if self.gamma_auto and with_cases:
+            self.set_gamma(cand, replies)
+        cand.scored = {s: (r["n"], self._composite_sum(r, cand.config, grid)) for s, r in replies.items()}
+        glob = Candidate("global", strip_prefix("global", state))
+        glob.scored = {s: (r["n"], r["candidate_sums"]["global"]) for s, r in replies.items()}
+        personal = self._personal_candidates(state, ctx)
+        for c in personal:
+            r = replies.get(c.home_site or "")
+            c.scored = {} if r is None else {c.home_site: (r["n"], r["candidate_sums"]["personal"])}
+        return [cand, glob, *personal]
+
+    def _composite_sum(self, reply: dict[str, Any], config: dict[str, Any], grid: Sequence[float]) -> float:
+        """The composite's Dice sum over a site's cases at its thresholds, from a one-pass route ``reply``: the
+        selection of its γ, or per personalized model j the Dice of the cases of top class j at γ_j (a case's
+        route depends only on its top class's threshold, :func:`pick_gamma_per_model`)."""
+        if not reply["n"]:
+            return 0.0
+        sels = reply["selections"]
+        if self.mode != "gate":
+            return float(sels[0]["dice_sum"])
+        per = config.get("gamma_per_model")
+        if per is None:
+            return float(sels[list(grid).index(config["gamma"])]["dice_sum"])
+        return sum(sels[list(grid).index(g)]["dice_sum_by_top"][j] for j, g in enumerate(per))
 
     def final_candidates(
         self, state: Arrays, best: dict[str, Candidate], best_rounds: dict[str, int], ctx: ServerContext
