@@ -356,7 +356,6 @@ def test_every_folder_is_one_layer():
 
 MAX_LINES = 500
 ONE_CONCEPT = {
-    "fedseg/algorithms/fedsm/method.py": "FedSM's server and site halves, shared by FedSM-extra and the ensemble",
     "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
     "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
 }
