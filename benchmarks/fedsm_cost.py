@@ -5,7 +5,8 @@ The federation `fedseg demo` builds (synthetic fundus, 6 sites, 64², scale 0.15
 validation every 2 rounds), FedAvg and FedSM each with its defaults, on the CPU with one thread.  Per method:
 
 * **time**: the median wall time of rounds 2–N of a ``--rounds`` run (round 1 builds the models and optimizers;
-  every second round validates, as in the demo), from the engine's ``time_s`` per round;
+  every second round validates, as in the demo), from the engine's ``time_s`` per round; with ``--repeat R`` the
+  median over R runs of each, FedAvg's and FedSM's in turn (a machine shared with other work loads both alike);
 * **operators** per round by role and phase (the ATen operators torch dispatches, views apart: what stands for
   GPU kernel launches, ``benchmarks/_operators.py``), from a second run of 3 rounds, each validating, counted over
   rounds 2–3;
@@ -69,6 +70,7 @@ def one_run(spec: Path, fed, data, method: str, rounds: int, out: Path, extra: l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8, help="rounds of the timed runs (the median is of rounds 2–N)")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per method, the methods in turn")
     ap.add_argument("--small", action="store_true", help="32², scale 0.05, 4 rounds: a check of the script")
     ap.add_argument("--vectorize", default="off", help="simulation.vectorize of every run (the demo's CPU: off)")
     ap.add_argument("--out", default=None)
@@ -82,10 +84,14 @@ def main() -> None:
     spec = synthesize("fundus", out / "data", seed=0, scale=scale, size=size, progress=False)
     fed, data = load_federation_data(spec, progress=False)
     extra = [f"simulation.vectorize={args.vectorize}"]
+    hists: dict[str, list[list[dict]]] = {m: [] for m in METHODS}
+    for r in range(args.repeat):  # the methods in turn, so that a load on the machine weighs on both alike
+        for method in METHODS:
+            hists[method].append(one_run(spec, fed, data, method, rounds, out / f"{method}-{r}", extra))
     res: dict[str, dict] = {}
     for method in METHODS:
-        hist = one_run(spec, fed, data, method, rounds, out / method, extra)
-        times = [e["time_s"] for e in hist[1:]]
+        hist = hists[method][-1]
+        times = [e["time_s"] for h in hists[method] for e in h[1:]]
         train = [b for e in hist[1:] if (b := per_site(e, "bytes")) is not None]
         evals = [b for e in hist if (b := per_site(e, "eval_bytes")) is not None]
         counter = OperatorCounter()
@@ -93,7 +99,7 @@ def main() -> None:
         ops = counter.per_round()
         res[method] = {
             "median_round_s": statistics.median(times),
-            "round_s": [e["time_s"] for e in hist],
+            "round_s": [[e["time_s"] for e in h] for h in hists[method]],
             "train_bytes_per_site": train[-1] if train else None,
             "eval_bytes_per_site": max(evals) if evals else None,
             "operators": ops,
@@ -109,7 +115,7 @@ def main() -> None:
     ratios = {k: ratio(k) for k in ("median_round_s", "operators_per_round", "train_bytes_per_site")}
     rows = []
     for label, key, fmt in (
-        (f"median round, rounds 2–{rounds} (s)", "median_round_s", "{:.3f}"),
+        (f"median round, rounds 2–{rounds} of {args.repeat} run(s) (s)", "median_round_s", "{:.3f}"),
         ("operators per round (3-round run, each validating)", "operators_per_round", "{:,.0f}"),
         ("bytes per site, training round after the first", "train_bytes_per_site", "{:,.0f}"),
         ("bytes per site, validation", "eval_bytes_per_site", "{:,.0f}"),

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route
-from fedseg.foundation.arrays import Arrays, strip_prefix
+from fedseg.foundation.arrays import Arrays, check_compatible, strip_prefix
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate
@@ -28,6 +28,7 @@ __all__ = [
     "check_route_metrics",
     "classes_of",
     "composite_predict",
+    "load_by_reference",
     "load_composite",
     "mean_routing",
     "oracle_accuracy",
@@ -92,16 +93,18 @@ def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module]
 def load_composite(
     site: Site, arrays: Arrays, config: Mapping[str, Any], factory: SelectorFactory, prefix: str
 ) -> tuple[nn.Module, list[nn.Module]]:
-    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site."""
+    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site
+    (:func:`load_by_reference`: the payload's tensors become the models' weights)."""
     c = int(config["num_classes"])
     role = selector_role(c, prefix)
-    sel = site.load(role, strip_prefix("selector", arrays), factory(site, c))
+    sel = load_by_reference(site, role, strip_prefix("selector", arrays), factory(site, c))
     # under train.bn_policy = "local": the site's own running statistics — those of its
     # personalized model for its own, those of its global model for the others
-    models = [site.load(f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
+    models = [load_by_reference(site, f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
     for j, s in enumerate(config["sites"]):
         models.append(
-            site.load(
+            load_by_reference(
+                site,
                 f"{prefix}p{j}",
                 strip_prefix(f"personal/{s}", arrays),
                 bn_from="personal" if s == site.name else "global",
@@ -111,6 +114,23 @@ def load_composite(
     for m in models:
         m.eval()
     return sel, models
+
+
+def load_by_reference(
+    site: Site, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None
+) -> nn.Module:
+    """:meth:`Site.load` of a model that only evaluates, without the copy: after the same checks (names, shapes,
+    dtypes) the arrays become the role's weights (``load_state_dict(assign=True)``; moved only when on another
+    device).  The arrays must be the site's own and unchanged while the model is used: a task's payload, which the
+    transport hands to this site alone, or a checkpoint's.  Under ``train.bn_policy = "local"`` the payload lacks
+    the running statistics, which come from the site's role ``bn_from``: :meth:`Site.load` copies them."""
+    if site.cfg.train.bn_policy == "local":
+        return site.load(role, arrays, factory, bn_from=bn_from)
+    model = site.model(role, factory)
+    own = model.state_dict()
+    check_compatible(own, arrays, what=f"site {site.name}: model '{role}'")
+    model.load_state_dict({k: v.to(own[k].device) for k, v in arrays.items()}, assign=True)
+    return model
 
 
 def thresholds(config: Mapping[str, Any], gamma: float | None = None) -> float | list[float]:
