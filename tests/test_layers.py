@@ -382,7 +382,6 @@ def test_every_folder_is_one_layer():
 
 MAX_LINES = 500
 ONE_CONCEPT = {
-    "fedseg/algorithms/fedsm/method.py": "FedSM's server and site halves, shared by FedSM-extra and the ensemble",
 }
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
 

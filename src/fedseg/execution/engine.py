@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedseg.evaluation.summary import summarize
-from fedseg.foundation.arrays import Arrays, clone, layout_of, prefixed
+from fedseg.foundation.arrays import Arrays, layout_of, prefixed
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.device import DTYPES, configure_determinism, describe, resolve_device, to_device
 from fedseg.foundation.errors import ConfigError
@@ -180,29 +180,38 @@ class Engine:
 
     def _validate(self, rnd: int) -> dict[str, Any]:
         cands = self.algorithm.candidates(self.state, self.ctx)
-        scores = self.evaluate(cands, "validation", lambda c: c.val_sites or self.ctx.sites)
+        asked = [c for c in cands if c.scored is None]  # the others the algorithm scored while building them
+        scores = self.evaluate(asked, "validation", lambda c: c.val_sites or self.ctx.sites) if asked else {}
         record: dict[str, Any] = {"val_dice": {}, "val_score": {}}
+        snapshot: dict[int, torch.Tensor] = {}  # one copy of each tensor however many improved candidates hold it
         for c in cands:
-            per_site = scores[c.name]
-            case_means = [sum(case) / len(case) for cases in per_site.values() for case in cases]
-            if not case_means:
+            if c.scored is None:
+                per_site = scores[c.name]
+                case_means = [sum(case) / len(case) for cases in per_site.values() for case in cases]
+                sums = {s: (len(cases), sum(sum(x) / len(x) for x in cases)) for s, cases in per_site.items()}
+                pooled = sum(case_means)
+            else:
+                sums = c.scored
+                pooled = sum(t for _, t in sums.values())
+            n = sum(k for k, _ in sums.values())
+            if not n:
                 continue
             if self.cfg.eval.best_criterion == "sites":  # mean of the per-site means (the papers' client average)
-                site_means = [sum(sum(c) / len(c) for c in cases) / len(cases) for cases in per_site.values() if cases]
+                site_means = [t / k for k, t in sums.values() if k]
                 score = sum(site_means) / len(site_means)
             else:  # "cases": mean over the pooled validation cases
-                score = sum(case_means) / len(case_means)
-            record["val_dice"][c.name] = {
-                s: (sum(sum(x) / len(x) for x in cases) / len(cases) if cases else None)
-                for s, cases in per_site.items()
-            }
+                score = pooled / n
+            record["val_dice"][c.name] = {s: (t / k if k else None) for s, (k, t) in sums.items()}
             record["val_score"][c.name] = score
             prev = self.best.get(c.name)
             if prev is None or score > prev.score:
+                kept = {}
+                for k, v in c.arrays.items():
+                    if id(v) not in snapshot:
+                        snapshot[id(v)] = v.detach().clone()
+                    kept[k] = snapshot[id(v)]
                 self.best[c.name] = Best(
-                    score,
-                    rnd,
-                    Candidate(c.name, clone(c.arrays), c.predictor, c.val_sites, c.home_site, dict(c.config)),
+                    score, rnd, Candidate(c.name, kept, c.predictor, c.val_sites, c.home_site, dict(c.config))
                 )
         return record
 

@@ -69,6 +69,11 @@ class Candidate:
         For a site's own model (local, personalized): the site it belongs to.
     config
         JSON-able settings for the predictor.
+    scored
+        Its validation scores when the algorithm measured them while building it, ``{site: (cases, sum over
+        the cases of their mean score)}`` (FedSM scores its composite, global and personalized models in one
+        pass over each site's cases): the engine then does not ask the sites to evaluate it again.  None:
+        the engine evaluates it.
     """
 
     name: str
@@ -77,6 +82,7 @@ class Candidate:
     val_sites: tuple[str, ...] | None = None
     home_site: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    scored: dict[str, tuple[int, float]] | None = None
 
 
 @dataclass

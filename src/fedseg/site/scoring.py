@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -14,7 +14,7 @@ from fedseg.site import extent
 from fedseg.site import predict as prediction
 from fedseg.site.batches import batch_of, case_extents, dataset_len, on_device, placed_split
 
-__all__ = ["OriginalGrids", "eval_groups", "evaluate", "score_cases"]
+__all__ = ["OriginalGrids", "eval_groups", "evaluate", "score_cases", "score_each"]
 
 
 @runtime_checkable
@@ -62,36 +62,55 @@ def score_cases(
     Volumes are scored in each scan's own grid (the prediction resampled back first), with that grid's
     voxel spacing; other data with unit spacing.  A volume is predicted over its own extent
     (:meth:`eval_batches`) and the prediction, cut back to that extent, resampled from there."""
-    out = []
-    extra: dict[str, list[torch.Tensor]] = {k: [] for k in (site.workload.test_metrics if test_metrics else {})}
+    return score_each(site, [predict], split, test_metrics)[0]
+
+
+@torch.no_grad()
+def score_each(
+    site: Any, predicts: Sequence[Callable[[torch.Tensor], torch.Tensor]], split: str, test_metrics: bool = False
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """:func:`score_cases` of several predictors in one pass over the split: each batch read once and given to
+    every predictor in turn (which may share work on it: the same batch tensor reaches each), the scores of each
+    as :func:`score_cases` gives them."""
+    names = list(site.workload.test_metrics) if test_metrics else []
+    out: list[list[torch.Tensor]] = [[] for _ in predicts]
+    extra: list[dict[str, list[torch.Tensor]]] = [{k: [] for k in names} for _ in predicts]
     ds = site.data.split(split)
     restore = ds.original_grid if isinstance(ds, OriginalGrids) and ds.originals is not None else None
-    for first, ext, x, y in eval_groups(site, split):
-        pred = prediction.logits(site, predict, x)
-        if restore is None:
-            if ext is not None:  # a volume split kept in the plan's grid: scored over the extents
-                pred, y = extent.crop_to_extent(pred, ext), extent.crop_to_extent(y, ext)
-            out.append(site.workload.metric(pred, y).double())
-            for k in extra:
-                extra[k].append(site.workload.test_metrics[k](pred, y, None).double())
-        else:
-            for j in range(pred.shape[0]):
-                pj = pred[j] if ext is None else extent.crop_to_extent(pred[j], ext)
-                # scored in the region of the scan's grid that either mask can reach (on the device)
-                p, t = restore(first + j, pj.float(), threshold=site.cfg.eval.threshold)
-                out.append(site.workload.metric(p[None], t[None]).double())
-                for k in extra:
-                    grid = ds.originals[first + j]
-                    m = site.workload.test_metrics[k]
-                    fov = {"field_of_view": grid.shape} if getattr(m, "takes_field_of_view", False) else {}
-                    extra[k].append(m(p[None], t[None], grid.spacing, **fov).double())
-    out = [o.cpu() for o in out]  # one transfer per split, after every batch is queued
+    for first, ext, x, y0 in eval_groups(site, split):
+        for i, predict in enumerate(predicts):
+            pred, y = prediction.logits(site, predict, x), y0
+            if restore is None:
+                if ext is not None:  # a volume split kept in the plan's grid: scored over the extents
+                    pred, y = extent.crop_to_extent(pred, ext), extent.crop_to_extent(y, ext)
+                out[i].append(site.workload.metric(pred, y).double())
+                for k in names:
+                    extra[i][k].append(site.workload.test_metrics[k](pred, y, None).double())
+            else:
+                for j in range(pred.shape[0]):
+                    pj = pred[j] if ext is None else extent.crop_to_extent(pred[j], ext)
+                    # scored in the region of the scan's grid that either mask can reach (on the device)
+                    p, t = restore(first + j, pj.float(), threshold=site.cfg.eval.threshold)
+                    out[i].append(site.workload.metric(p[None], t[None]).double())
+                    for k in names:
+                        grid = ds.originals[first + j]
+                        m = site.workload.test_metrics[k]
+                        fov = {"field_of_view": grid.shape} if getattr(m, "takes_field_of_view", False) else {}
+                        extra[i][k].append(m(p[None], t[None], grid.spacing, **fov).double())
     width = len(site.workload.metric_names)
-    scores = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
-    return scores, {
-        k: torch.cat([v.cpu() for v in vs]) if vs else torch.zeros(0, width, dtype=torch.float64)
-        for k, vs in extra.items()
-    }
+    result = []
+    for scores, more in zip(out, extra):
+        scores = [o.cpu() for o in scores]  # one transfer per split, after every batch is queued
+        result.append(
+            (
+                torch.cat(scores) if scores else torch.zeros(0, width, dtype=torch.float64),
+                {
+                    k: torch.cat([v.cpu() for v in vs]) if vs else torch.zeros(0, width, dtype=torch.float64)
+                    for k, vs in more.items()
+                },
+            )
+        )
+    return result
 
 
 def evaluate(site: Any, task: Task) -> Reply:

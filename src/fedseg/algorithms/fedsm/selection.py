@@ -8,7 +8,6 @@ The maths (``route``, ``routing_accuracy``, ``oracle_labels``, ``ensemble_mix``)
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route, routing_accuracy
-from fedseg.foundation.arrays import Arrays, strip_prefix
+from fedseg.algorithms.softpull import ensemble_mix, oracle_labels, route
+from fedseg.foundation.arrays import Arrays, check_compatible, strip_prefix
 from fedseg.foundation.errors import PayloadError
-from fedseg.foundation.messages import Reply, Task
+from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate
 from fedseg.seams.transport import Transport
 from fedseg.site.runtime import Site, dataset_len
@@ -29,12 +28,12 @@ __all__ = [
     "check_route_metrics",
     "classes_of",
     "composite_predict",
+    "load_by_reference",
     "load_composite",
     "mean_routing",
     "oracle_accuracy",
     "pick_gamma",
     "pick_gamma_per_model",
-    "route_stats",
     "route_task",
     "selector_probs",
     "selector_role",
@@ -94,16 +93,18 @@ def oracle_accuracy(site: Site, selector: nn.Module, models: Sequence[nn.Module]
 def load_composite(
     site: Site, arrays: Arrays, config: Mapping[str, Any], factory: SelectorFactory, prefix: str
 ) -> tuple[nn.Module, list[nn.Module]]:
-    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site."""
+    """Selector and models [global, personal_1 … personal_K] of a composite payload, loaded at the site
+    (:func:`load_by_reference`: the payload's tensors become the models' weights)."""
     c = int(config["num_classes"])
     role = selector_role(c, prefix)
-    sel = site.load(role, strip_prefix("selector", arrays), factory(site, c))
+    sel = load_by_reference(site, role, strip_prefix("selector", arrays), factory(site, c))
     # under train.bn_policy = "local": the site's own running statistics — those of its
     # personalized model for its own, those of its global model for the others
-    models = [site.load(f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
+    models = [load_by_reference(site, f"{prefix}global", strip_prefix("global", arrays), bn_from="global")]
     for j, s in enumerate(config["sites"]):
         models.append(
-            site.load(
+            load_by_reference(
+                site,
                 f"{prefix}p{j}",
                 strip_prefix(f"personal/{s}", arrays),
                 bn_from="personal" if s == site.name else "global",
@@ -113,6 +114,23 @@ def load_composite(
     for m in models:
         m.eval()
     return sel, models
+
+
+def load_by_reference(
+    site: Site, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None
+) -> nn.Module:
+    """:meth:`Site.load` of a model that only evaluates, without the copy: after the same checks (names, shapes,
+    dtypes) the arrays become the role's weights (``load_state_dict(assign=True)``; moved only when on another
+    device).  The arrays must be the site's own and unchanged while the model is used: a task's payload, which the
+    transport hands to this site alone, or a checkpoint's.  Under ``train.bn_policy = "local"`` the payload lacks
+    the running statistics, which come from the site's role ``bn_from``: :meth:`Site.load` copies them."""
+    if site.cfg.train.bn_policy == "local":
+        return site.load(role, arrays, factory, bn_from=bn_from)
+    model = site.model(role, factory)
+    own = model.state_dict()
+    check_compatible(own, arrays, what=f"site {site.name}: model '{role}'")
+    model.load_state_dict({k: v.to(own[k].device) for k, v in arrays.items()}, assign=True)
+    return model
 
 
 def thresholds(config: Mapping[str, Any], gamma: float | None = None) -> float | list[float]:
@@ -157,148 +175,12 @@ def predict_routed(site: Site, models: Sequence[nn.Module], x: torch.Tensor, idx
     return out
 
 
-def _per_case(site: Site, models: Sequence[nn.Module], index: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A predictor for :meth:`Site.score` that segments the split's i-th case with ``models[index[i]]``
-    (``score`` visits a split's cases in dataset order, batch after batch)."""
-    at = 0
-
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        nonlocal at
-        idx = index[at : at + x.shape[0]].to(x.device)
-        at += x.shape[0]
-        return predict_routed(site, models, x, idx)
-
-    return predict
-
-
-def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
-    """Site half of a ``route`` task: aggregate routing statistics of a composite on one split (only
-    sums and counts leave the site).
-
-    Config: ``split``, ``sites``, ``num_classes``, ``mode``, ``gammas``, ``per_model`` (default true;
-    false — γ-gated only — scores each case with the two models a threshold can send it to, the global
-    model and its top class's, instead of all K + 1, and reports ``dice_sum_per_model`` as null: what
-    choosing γ during a run needs).  Metrics:
-    ``n`` cases, ``routing_acc`` (Eq. 2 selector: fraction routed to the site's own
-    model, None for a site outside the federation; K + 1-class selector: fraction
-    whose argmax is Eq. 1's oracle label),
-    ``dice_sum_per_model`` (K + 1 sums of per-case Dice: global, personal…), ``n_by_top`` (γ-gated: K counts,
-    the cases whose top class is each personalized model; null otherwise), and
-    ``selections``: one entry per γ (gate) or one entry (argmax / mix) with
-    ``gamma``, ``dice_sum`` and ``counts`` (cases routed to each of the K + 1 models); gate entries also
-    ``dice_sum_by_top`` (K sums: the routed Dice of the cases whose top class is each personalized model,
-    what :func:`pick_gamma_per_model` chooses on), and when the config has ``gamma_per_model`` one more
-    entry last, ``gamma = "per-model"``, routed with those thresholds.
-    """
-    cfg = task.config
-    split, sites, mode = cfg["split"], list(cfg["sites"]), cfg.get("mode", "gate")
-    sel, models = load_composite(site, task.arrays, cfg, factory, "fedsm-eval/")
-    probs = selector_probs(site, sel, split)
-    n = probs.shape[0]
-    top = probs.argmax(dim=1)
-    if not cfg.get("scores", True):
-        return _routing_only(site, cfg, probs, sites, len(models))
-    per_model: torch.Tensor | None = None
-    if mode == "gate" and not cfg.get("per_model", True):
-        # γ-gated routing sends a case to the global model (index 0) or to its top class's personalized model
-        # (top + 1), never to another: score those two per case (2 forward passes a case instead of K + 1)
-        to_global = site.score(lambda x: site.workload.predict(models[0], x), split).mean(dim=1)
-        to_top = site.score(_per_case(site, models, top + 1), split).mean(dim=1)
-
-        def routed(idx: torch.Tensor) -> torch.Tensor:
-            return torch.where(idx == 0, to_global, to_top)
-    else:
-        per_model = (
-            torch.stack(
-                [site.score(functools.partial(site.workload.predict, m), split).mean(dim=1) for m in models], dim=1
-            )
-            if n
-            else torch.zeros(0, len(models), dtype=torch.float64)
-        )
-
-        def routed(idx: torch.Tensor) -> torch.Tensor:
-            return per_model.gather(1, idx.unsqueeze(1)).squeeze(1)
-
-    n_by_top = torch.bincount(top, minlength=probs.shape[1]).tolist() if mode == "gate" else None
-    if probs.shape[1] == len(sites):  # Eq. 2 selector: is the site itself picked?
-        acc = routing_accuracy(probs, sites.index(site.name), 0) if site.name in sites else None
-    else:  # K + 1 classes (fedsm-extra, ensemble): agreement with Eq. 1's oracle labels
-        acc = oracle_accuracy(site, sel, models, split) if n else None
-    selections = []
-    if mode == "gate":
-        gates: list[tuple[Any, float | list[float]]] = [(float(g), float(g)) for g in cfg.get("gammas", [0.9])]
-        if cfg.get("gamma_per_model") is not None:
-            gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
-        for label, gamma in gates:
-            idx = route(probs, gamma)
-            dice = routed(idx)
-            by_top = torch.zeros(probs.shape[1], dtype=torch.float64).index_add_(0, top, dice.double())
-            selections.append(
-                {
-                    "gamma": label,
-                    "dice_sum": float(dice.sum()),
-                    "counts": torch.bincount(idx, minlength=len(models)).tolist(),
-                    "dice_sum_by_top": by_top.tolist(),
-                }
-            )
-    else:
-        idx = top
-        if mode == "mix":
-            dice = site.score(composite_predict(site, sel, models, "mix", 0.0), split).mean(dim=1)
-        else:
-            dice = routed(idx)
-        selections.append(
-            {
-                "gamma": None,
-                "dice_sum": float(dice.sum()),
-                "counts": torch.bincount(idx, minlength=len(models)).tolist(),
-            }
-        )
-    return Reply(
-        metrics={
-            "n": n,
-            "routing_acc": acc,
-            "dice_sum_per_model": per_model.sum(dim=0).tolist() if per_model is not None else None,
-            "n_by_top": n_by_top,
-            "selections": selections,
-        },
-        num_samples=n,
-    )
-
-
-def _routing_only(site: Site, cfg: Mapping[str, Any], probs: torch.Tensor, sites: list[str], models: int) -> Reply:
-    """A ``route`` reply with ``scores = false``: where the selector sends each case and nothing else (the selector
-    runs, no segmentation model): ``n``, ``routing_acc`` (Eq. 2 selector; null for a K + 1-class selector, whose
-    agreement with Eq. 1's labels needs every model), ``dice_sum_per_model`` and ``n_by_top`` null, one selection
-    per γ (plus the per-model one) or one for argmax / mix, each ``gamma`` and ``counts`` with ``dice_sum`` null."""
-    n = probs.shape[0]
-    acc = None
-    if probs.shape[1] == len(sites) and site.name in sites:
-        acc = routing_accuracy(probs, sites.index(site.name), 0)
-    gates: list[tuple[Any, Any]] = [(None, None)]
-    if cfg.get("mode", "gate") == "gate":
-        gates = [(float(g), float(g)) for g in cfg.get("gammas", [])]
-        if cfg.get("gamma_per_model") is not None:
-            gates.append((PER_MODEL, [float(g) for g in cfg["gamma_per_model"]]))
-    selections = [
-        {
-            "gamma": label,
-            "dice_sum": None,
-            "counts": torch.bincount(
-                probs.argmax(dim=1) if gamma is None else route(probs, gamma), minlength=models
-            ).tolist(),
-        }
-        for label, gamma in gates
-    ]
-    metrics = {"n": n, "routing_acc": acc, "dice_sum_per_model": None, "n_by_top": None, "selections": selections}
-    return Reply(metrics=metrics, num_samples=n)
-
-
 # ----------------------------------------------------------------- on the server
 def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
-    """Raise :class:`PayloadError` unless ``metrics`` is what :func:`route_stats` returns for a route task of
-    ``config``: ``n`` a count, ``routing_acc`` null or in [0, 1], ``dice_sum_per_model`` K + 1 sums in
-    [0, n], and one selection per γ asked (plus the per-model one when the config has thresholds; one
+    """Raise :class:`PayloadError` unless ``metrics`` is what :func:`.validation.route_stats` returns for a route
+    task of ``config``: ``n`` a count, ``routing_acc`` null or in [0, 1], ``dice_sum_per_model`` K + 1 sums in
+    [0, n] (null with ``per_model = false``), ``candidate_sums`` (asked with ``candidates``) the global and the
+    site's personalized model's sums in [0, n] (the latter null at a site outside the federation), and one selection per γ asked (plus the per-model one when the config has thresholds; one
     for argmax / mix) with ``dice_sum`` in [0, n], ``counts`` K + 1 counts adding up to n and, γ-gated,
     ``dice_sum_by_top`` K sums in [0, n] adding up to ``dice_sum`` (and ``n_by_top``, K counts adding up to
     n).  A deployed site's reply is checked before the server reads it (``Algorithm.check_reply``): a malformed one is rejected, not a crash."""
@@ -324,11 +206,21 @@ def check_route_metrics(config: Mapping[str, Any], metrics: Mapping[str, Any]) -
     if not config.get("scores", True):  # routing only: counts, nothing scored
         _check_counts_only(metrics, want, models, n, bad)
         return
-    if gate and not config.get("per_model", True):
+    if not config.get("per_model", True):
         if per_model is not None:
             raise bad("dice_sum_per_model was not asked for (per_model = false) and must be null")
     elif not isinstance(per_model, list) or len(per_model) != models or not all(number(x, n) for x in per_model):
         raise bad(f"dice_sum_per_model is not {models} sums in [0, {n}]")
+    if config.get("candidates"):
+        sums = metrics.get("candidate_sums")
+        own = sums.get("personal", 0.0) if isinstance(sums, dict) else None
+        if (
+            not isinstance(sums, dict)
+            or set(sums) != {"global", "personal"}
+            or not number(sums["global"], n)
+            or not (own is None or number(own, n))
+        ):
+            raise bad(f"candidate_sums is not the global and personalized models' sums in [0, {n}]: {str(sums)[:80]}")
     by_top_n = metrics.get("n_by_top")
     if gate and (
         not isinstance(by_top_n, list)
@@ -399,16 +291,21 @@ def route_task(
     per_model: bool = True,
     scores: bool = True,
     optional: bool = False,
+    candidates: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Ask ``sites`` for the routing statistics of a ``"fedsm"`` candidate on ``split``; returns ``{site: metrics}``.
-    ``per_model = False``: without each model's Dice (:func:`route_stats`), what choosing γ needs; ``scores =
+    ``per_model = False``: without each model's Dice (:func:`.validation.route_stats`), what choosing γ needs; ``scores =
     False``: where the selector sends the cases and nothing scored (the selector alone runs); ``optional``: the
-    sites that answer validly, however few (a deployment's ``deploy.min_sites`` not applied)."""
+    sites that answer validly, however few (a deployment's ``deploy.min_sites`` not applied); ``candidates`` (with
+    ``per_model = False``): each site's sums of the global and its own personalized model's scores too, from the
+    same pass over its cases (:func:`.validation.one_pass`)."""
     config = {**candidate.config, "split": split, "gammas": [float(g) for g in gammas if g is not None]}
     if not per_model:
         config["per_model"] = False
     if not scores:
         config["scores"] = False
+    if candidates:
+        config["candidates"] = True
     replies = transport.ask({s: Task("route", dict(candidate.arrays), config) for s in sites}, optional=optional)
     return {s: r.metrics for s, r in replies.items()}
 
