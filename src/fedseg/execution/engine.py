@@ -10,15 +10,18 @@ this code.
 Checkpoints (``OUT/checkpoints/``: server state, best candidates, every site's state, the
 progress record) are written after every ``checkpoint_every`` rounds as one unit and read
 back on ``--resume``; their files and the commit protocol are :mod:`fedseg.seams.checkpoint`'s.
-The engine takes a synchronous snapshot to host memory and hands it to a
-:class:`~fedseg.seams.checkpoint.CheckpointWriter`, which writes it in a background thread
-while the next round trains.  Once the caller has written the results, :meth:`Engine.finish` prunes what only
-``--resume`` reads (``checkpoint_keep``; :func:`~fedseg.seams.checkpoint.prune_checkpoints`).
+The engine copies the server state and the best models to host memory and hands them, with the
+sites' live state, to a :class:`~fedseg.seams.checkpoint.CheckpointWriter`, which copies each
+site's state (asked again only once its copy is taken: the next round trains while the later
+sites are copied) and writes it all in a background thread while the next round trains.  Once
+the caller has written the results, :meth:`Engine.finish` prunes what only ``--resume`` reads
+(``checkpoint_keep``; :func:`~fedseg.seams.checkpoint.prune_checkpoints`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +35,7 @@ from fedseg.foundation.arrays import Arrays, clone, layout_of, prefixed
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.device import configure_determinism, describe, resolve_device, to_device
 from fedseg.foundation.errors import ConfigError
-from fedseg.foundation.messages import Task
+from fedseg.foundation.messages import Reply, Task
 from fedseg.foundation.seeding import derive_seed
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 from fedseg.seams.checkpoint import (
@@ -44,6 +47,8 @@ from fedseg.seams.checkpoint import (
     Best,
     CheckpointWriter,
     JsonDoc,
+    SiteCopies,
+    SiteState,
     best_files,
     check_resumable,
     commit_checkpoint,
@@ -52,10 +57,50 @@ from fedseg.seams.checkpoint import (
     prune_checkpoints,
     read_progress,
 )
-from fedseg.seams.transport import Transport
+from fedseg.seams.transport import Traffic, Transport
 from fedseg.site.workload import Workload
 
 __all__ = ["Engine"]
+
+
+def _given(state: tuple[Arrays, dict[str, Any]]) -> tuple[Arrays, dict[str, Any]]:
+    return state
+
+
+class _AfterCopies:
+    """The transport as the server half and the engine ask it while the checkpoint writer copies the sites'
+    state in the background (:class:`~fedseg.seams.checkpoint.SiteCopies`): a site is asked once its copy is
+    taken.  Where the transport computes its sites one after another (in process, not vectorized) each site
+    waits for its own copy only, so the copies of the later sites overlap the training of the earlier ones;
+    otherwise (vectorized: every site of an ask at once) every copy is waited for first."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.sites: tuple[str, ...] = inner.sites
+        self.traffic: Traffic = inner.traffic  # the same record: the engine takes it from either
+        self.copies: SiteCopies | None = None
+
+    def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
+        copies = self.copies
+        if copies is None or not copies.pending():
+            return self.inner.ask(tasks, optional=optional)
+        if getattr(self.inner, "vectorized", True) is not None:  # its sites computed together (or not known)
+            copies.wait()
+            return self.inner.ask(tasks, optional=optional)
+        replies: dict[str, Reply] = {}
+        for name, task in tasks.items():  # what the transport does itself: each site in turn
+            copies.wait([name])
+            replies.update(self.inner.ask({name: task}, optional=optional))
+        return replies
+
+    def save_sites(self, folder: Path) -> None:
+        self.inner.save_sites(folder)
+
+    def restore_sites(self, folder: Path) -> None:
+        self.inner.restore_sites(folder)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class Engine:
@@ -102,8 +147,10 @@ class Engine:
         self.log = log
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
+        self.asks = _AfterCopies(transport)
+        """The transport as the round loop asks it: after the checkpoint writer's copy of each asked site."""
         self.ctx = ServerContext(
-            transport=transport,
+            transport=self.asks,
             sites=tuple(transport.sites),
             cfg=cfg,
             init_arrays=self.init_arrays,
@@ -126,6 +173,7 @@ class Engine:
         self._saved_best: dict[str, Any] | None = None
         self.check_state: Callable[[Arrays], None] | None = None  # raises to refuse committing a state (deployment)
         self.writer = CheckpointWriter(background=cfg.checkpoint_background)
+        self._site_names: list[str] | None = None  # every site the transport snapshots, in its order
         self.checkpoint_s = 0.0
         """Seconds the round loop spent on checkpoints (snapshot + staging; the write itself when not in the background)."""
 
@@ -167,7 +215,7 @@ class Engine:
                 arrays.update(prefixed(c.name, c.arrays))
             spec = [{"name": c.name, "predictor": c.predictor, "config": c.config} for c in cs]
             tasks[s] = Task("evaluate", arrays, {"split": split, "candidates": spec})
-        replies = self.transport.ask(tasks)
+        replies = self.asks.ask(tasks)
         out: dict[str, dict[str, list[list[float]]]] = {c.name: {} for c in candidates}
         extra: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
         for s, rep in replies.items():
@@ -223,7 +271,7 @@ class Engine:
         privatized steps (a ``"privacy"`` task, answered by the site from its privacy ledger); None with dp off."""
         if self.cfg.privacy.dp == "off":
             return None
-        replies = self.transport.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
+        replies = self.asks.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
         self.transport.traffic.take()  # a few numbers per site, not counted as the round's traffic
         return {s: dict(replies[s].metrics) for s in self.ctx.sites if s in replies}
 
@@ -281,9 +329,12 @@ class Engine:
         previous round's checkpoint or a commit record to finish — never a server state of one round
         with the progress (or site state) of another.
 
-        Everything is first copied to host memory here (server state, best models, every site's
-        state, the JSON records), then :attr:`writer` writes it — in a background thread unless
-        ``checkpoint_background = false`` — so training may change the live tensors at once."""
+        The server state, the best models and the JSON records are copied to host memory here; every site's
+        state too on a GPU (non-blocking copies into pinned buffers).  On the CPU :attr:`writer` copies the
+        sites' state itself, site after site, and :attr:`asks` asks a site again only once its copy is taken
+        (:class:`~fedseg.seams.checkpoint.SiteCopies`): the next round trains its first site while the writer
+        copies the others.  The writer then writes it all — in a background thread unless
+        ``checkpoint_background = false`` (then everything before this returns)."""
         d = self.ckpt_dir
         if d is None:
             return
@@ -301,18 +352,33 @@ class Engine:
             files[f"{BEST_META}.next"] = JsonDoc(copy.deepcopy(best_meta))
             staged += [BEST_ARRAYS, BEST_META]
             self._saved_best = best_meta
+        sites: dict[str, SiteState] = {}
         snapshot = getattr(self.transport, "snapshot_sites", None)
         if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
             self.transport.save_sites(d / f"{SITES}.next")
-        else:
+        elif self.device.type == "cpu":  # host tensors: the writer copies them, each site before it is asked again
+            sites = self._site_states(snapshot)
+        else:  # device tensors: non-blocking copies into pinned buffers now, one synchronization
             for name, (arrays, meta) in snapshot().items():
                 files[f"{SITES}.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
                 files[f"{SITES}.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
         progress = {"round": self.round, "history": self.history, "staged": staged, "layout": layout}
         files[f"{PROGRESS}.next"] = JsonDoc(copy.deepcopy(progress))
         self.writer.copies_done()
-        self.writer.submit(d, files)
+        copies = SiteCopies(sites) if sites and self.cfg.checkpoint_background else None
+        self.writer.submit(d, files, sites, copies)
+        self.asks.copies = copies
         self.checkpoint_s += time.perf_counter() - t0
+
+    def _site_states(self, snapshot: Callable[[], dict[str, tuple[Arrays, dict[str, Any]]]]) -> dict[str, SiteState]:
+        """Every site's state as the writer reads it: the first time from ``snapshot()`` (read now, which names
+        the sites), then from each site when the writer comes to it (the in-process transport's ``site(name)``)."""
+        site = getattr(self.transport, "site", None)
+        if self._site_names is None or site is None:
+            states = snapshot()
+            self._site_names = list(states)
+            return {name: functools.partial(_given, st) for name, st in states.items()}
+        return {name: functools.partial(site(name).state_arrays, copy=False) for name in self._site_names}
 
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir

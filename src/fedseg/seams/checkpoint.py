@@ -34,11 +34,13 @@ this module.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,7 @@ __all__ = [
     "Best",
     "CheckpointWriter",
     "JsonDoc",
+    "SiteCopies",
     "best_files",
     "check_resumable",
     "commit_checkpoint",
@@ -286,6 +289,42 @@ def commit_checkpoint(d: Path) -> None:
             f.unlink()
 
 
+class SiteCopies:
+    """The sites whose state a checkpoint in the background is still copying to host memory, in the order the
+    writer copies them (the order the round loop asks them in).  Whoever changes a site's state — the next
+    round's task, an evaluation — first waits for that site's copy (:meth:`wait`): the copies of the later
+    sites overlap the training of the earlier ones.  A copy that failed opens every gate and is raised by
+    :meth:`wait` (and by :meth:`CheckpointWriter.wait`)."""
+
+    def __init__(self, names: Iterable[str]):
+        self._done = {n: threading.Event() for n in names}
+        self._error: BaseException | None = None
+
+    def done(self, name: str) -> None:
+        self._done[name].set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        for ev in self._done.values():
+            ev.set()
+
+    def pending(self) -> bool:
+        return not all(ev.is_set() for ev in self._done.values())
+
+    def wait(self, names: Iterable[str] | None = None) -> None:
+        """Block until the copies of ``names`` (None: every site) are taken."""
+        for n in self._done if names is None else names:
+            ev = self._done.get(n)
+            if ev is not None:
+                ev.wait()
+        if self._error is not None:
+            raise self._error
+
+
+SiteState = Callable[[], tuple[Arrays, dict[str, Any]]]
+"""A site's live state (:meth:`fedseg.site.runtime.Site.state_arrays` with ``copy=False``), read when called."""
+
+
 class CheckpointWriter:
     """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
 
@@ -328,15 +367,49 @@ class CheckpointWriter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+    def submit(
+        self,
+        folder: Path,
+        files: dict[str, Arrays | JsonDoc],
+        sites: Mapping[str, SiteState] | None = None,
+        gate: SiteCopies | None = None,
+    ) -> None:
+        """Write ``files`` (their last entry the commit record) and commit them.  ``sites``: ``{name: its live
+        state}`` of host (CPU) tensors, copied into host buffers by the writer, one site after the other, each
+        opening its gate in ``gate`` once copied, then written to ``sites.next/<name>.safetensors`` + ``.json``
+        before the commit record; the caller changes no site's state before its gate opens."""
         self.wait()
         if self._pool is None:
-            self._write(folder, files)
+            self._write(folder, files, sites, gate)
         else:
-            self._pending = self._pool.submit(self._write, folder, files)
+            self._pending = self._pool.submit(self._write, folder, files, sites, gate)
 
-    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
+    def _copy_sites(self, sites: Mapping[str, SiteState], gate: SiteCopies | None) -> dict[str, Arrays | JsonDoc]:
+        out: dict[str, Arrays | JsonDoc] = {}
+        try:
+            for name, state in sites.items():
+                arrays, meta = state()
+                out[f"{SITES}.next/{name}.safetensors"] = self.host_copy(f"sites/{name}", arrays)
+                out[f"{SITES}.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
+                if gate is not None:
+                    gate.done(name)
+        except BaseException as e:
+            if gate is not None:
+                gate.fail(e)
+            raise
+        return out
+
+    def _write(
+        self,
+        folder: Path,
+        files: dict[str, Arrays | JsonDoc],
+        sites: Mapping[str, SiteState] | None = None,
+        gate: SiteCopies | None = None,
+    ) -> None:
         t0 = time.perf_counter()
+        if sites:
+            *rest, record = files.items()
+            files = {**dict(rest), **self._copy_sites(sites, gate), record[0]: record[1]}
         for rel, content in files.items():
             path = folder / rel
             path.parent.mkdir(parents=True, exist_ok=True)
