@@ -21,7 +21,8 @@ from fedseg.cli import main
 from fedseg.foundation.config import RunConfig, TrainConfig, load_run_config
 from fedseg.foundation.device import autocast, resolve_device, to_host
 from fedseg.foundation.errors import ConfigError
-from fedseg.seams.checkpoint import CheckpointWriter, JsonDoc, SiteCopies, commit_checkpoint
+from fedseg.seams.checkpoint import JsonDoc, commit_checkpoint
+from fedseg.seams.writer import CheckpointWriter, SiteCopies
 from fedseg.simulation.runner import build_transport, simulate
 from helpers import assert_same_arrays, assert_same_checkpoints, same_arrays, server_state, strip_times
 

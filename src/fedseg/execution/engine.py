@@ -11,7 +11,7 @@ Checkpoints (``OUT/checkpoints/``: server state, best candidates, every site's s
 progress record) are written after every ``checkpoint_every`` rounds as one unit and read
 back on ``--resume``; their files and the commit protocol are :mod:`fedseg.seams.checkpoint`'s.
 The engine copies the server state and the best models to host memory and hands them, with the
-sites' live state, to a :class:`~fedseg.seams.checkpoint.CheckpointWriter`, which copies each
+sites' live state, to a :class:`~fedseg.seams.writer.CheckpointWriter`, which copies each
 site's state (asked again only once its copy is taken: the next round trains while the later
 sites are copied) and writes it all in a background thread while the next round trains.  Once
 the caller has written the results, :meth:`Engine.finish` prunes what only ``--resume`` reads
@@ -21,7 +21,6 @@ the caller has written the results, :meth:`Engine.finish` prunes what only ``--r
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from fedseg.foundation.arrays import Arrays, clone, layout_of, prefixed
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.device import configure_determinism, describe, resolve_device, to_device
 from fedseg.foundation.errors import ConfigError
-from fedseg.foundation.messages import Reply, Task
+from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 from fedseg.seams.checkpoint import (
@@ -45,10 +44,7 @@ from fedseg.seams.checkpoint import (
     SERVER,
     SITES,
     Best,
-    CheckpointWriter,
     JsonDoc,
-    SiteCopies,
-    SiteState,
     best_files,
     check_resumable,
     commit_checkpoint,
@@ -57,50 +53,11 @@ from fedseg.seams.checkpoint import (
     prune_checkpoints,
     read_progress,
 )
-from fedseg.seams.transport import Traffic, Transport
+from fedseg.seams.transport import Transport
+from fedseg.seams.writer import AfterCopies, CheckpointWriter, SiteCopies, SiteState, site_states
 from fedseg.site.workload import Workload
 
 __all__ = ["Engine"]
-
-
-def _given(state: tuple[Arrays, dict[str, Any]]) -> tuple[Arrays, dict[str, Any]]:
-    return state
-
-
-class _AfterCopies:
-    """The transport as the server half and the engine ask it while the checkpoint writer copies the sites'
-    state in the background (:class:`~fedseg.seams.checkpoint.SiteCopies`): a site is asked once its copy is
-    taken.  Where the transport computes its sites one after another (in process, not vectorized) each site
-    waits for its own copy only, so the copies of the later sites overlap the training of the earlier ones;
-    otherwise (vectorized: every site of an ask at once) every copy is waited for first."""
-
-    def __init__(self, inner: Transport):
-        self.inner = inner
-        self.sites: tuple[str, ...] = inner.sites
-        self.traffic: Traffic = inner.traffic  # the same record: the engine takes it from either
-        self.copies: SiteCopies | None = None
-
-    def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
-        copies = self.copies
-        if copies is None or not copies.pending():
-            return self.inner.ask(tasks, optional=optional)
-        if getattr(self.inner, "vectorized", True) is not None:  # its sites computed together (or not known)
-            copies.wait()
-            return self.inner.ask(tasks, optional=optional)
-        replies: dict[str, Reply] = {}
-        for name, task in tasks.items():  # what the transport does itself: each site in turn
-            copies.wait([name])
-            replies.update(self.inner.ask({name: task}, optional=optional))
-        return replies
-
-    def save_sites(self, folder: Path) -> None:
-        self.inner.save_sites(folder)
-
-    def restore_sites(self, folder: Path) -> None:
-        self.inner.restore_sites(folder)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class Engine:
@@ -147,7 +104,7 @@ class Engine:
         self.log = log
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
-        self.asks = _AfterCopies(transport)
+        self.asks = AfterCopies(transport)
         """The transport as the round loop asks it: after the checkpoint writer's copy of each asked site."""
         self.ctx = ServerContext(
             transport=self.asks,
@@ -329,12 +286,10 @@ class Engine:
         previous round's checkpoint or a commit record to finish — never a server state of one round
         with the progress (or site state) of another.
 
-        The server state, the best models and the JSON records are copied to host memory here; every site's
-        state too on a GPU (non-blocking copies into pinned buffers).  On the CPU :attr:`writer` copies the
-        sites' state itself, site after site, and :attr:`asks` asks a site again only once its copy is taken
-        (:class:`~fedseg.seams.checkpoint.SiteCopies`): the next round trains its first site while the writer
-        copies the others.  The writer then writes it all — in a background thread unless
-        ``checkpoint_background = false`` (then everything before this returns)."""
+        The server state, best models and JSON records are copied to host memory here, every site's state too
+        on a GPU (non-blocking, pinned).  On the CPU :attr:`writer` copies the sites itself, one after another,
+        and :attr:`asks` asks a site only once its copy is taken (:class:`~fedseg.seams.writer.SiteCopies`).
+        The writer writes it all in a background thread unless ``checkpoint_background = false``."""
         d = self.ckpt_dir
         if d is None:
             return
@@ -357,7 +312,7 @@ class Engine:
         if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
             self.transport.save_sites(d / f"{SITES}.next")
         elif self.device.type == "cpu":  # host tensors: the writer copies them, each site before it is asked again
-            sites = self._site_states(snapshot)
+            sites, self._site_names = site_states(self.transport, snapshot, self._site_names)
         else:  # device tensors: non-blocking copies into pinned buffers now, one synchronization
             for name, (arrays, meta) in snapshot().items():
                 files[f"{SITES}.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
@@ -369,16 +324,6 @@ class Engine:
         self.writer.submit(d, files, sites, copies)
         self.asks.copies = copies
         self.checkpoint_s += time.perf_counter() - t0
-
-    def _site_states(self, snapshot: Callable[[], dict[str, tuple[Arrays, dict[str, Any]]]]) -> dict[str, SiteState]:
-        """Every site's state as the writer reads it: the first time from ``snapshot()`` (read now, which names
-        the sites), then from each site when the writer comes to it (the in-process transport's ``site(name)``)."""
-        site = getattr(self.transport, "site", None)
-        if self._site_names is None or site is None:
-            states = snapshot()
-            self._site_names = list(states)
-            return {name: functools.partial(_given, st) for name, st in states.items()}
-        return {name: functools.partial(site(name).state_arrays, copy=False) for name in self._site_names}
 
     def load_checkpoint(self) -> None:
         d = self.ckpt_dir

@@ -21,7 +21,7 @@ is spelled out once.  Layout of a run folder's ``checkpoints/``:
 A checkpoint is written as one unit: every file first as ``<name>.next`` (sites to
 ``sites.next/``), then ``progress.json.next`` (the record), then everything is moved into
 place (:func:`commit_checkpoint`), so a crash never pairs one round's server state with
-another round's progress.  :class:`CheckpointWriter` does this from host copies, in a
+another round's progress.  :class:`fedseg.seams.writer.CheckpointWriter` does this from host copies, in a
 background thread.  Every tensor on disk is a host (CPU) tensor, so a run checkpointed on a
 GPU resumes on the CPU and back.
 
@@ -34,14 +34,10 @@ this module.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +58,7 @@ __all__ = [
     "SERVER",
     "SITES",
     "Best",
-    "CheckpointWriter",
     "JsonDoc",
-    "SiteCopies",
     "best_files",
     "check_resumable",
     "commit_checkpoint",
@@ -287,144 +281,6 @@ def commit_checkpoint(d: Path) -> None:
             shutil.rmtree(f)
         else:
             f.unlink()
-
-
-class SiteCopies:
-    """The sites whose state a checkpoint in the background is still copying to host memory, in the order the
-    writer copies them (the order the round loop asks them in).  Whoever changes a site's state — the next
-    round's task, an evaluation — first waits for that site's copy (:meth:`wait`): the copies of the later
-    sites overlap the training of the earlier ones.  A copy that failed opens every gate and is raised by
-    :meth:`wait` (and by :meth:`CheckpointWriter.wait`)."""
-
-    def __init__(self, names: Iterable[str]):
-        self._done = {n: threading.Event() for n in names}
-        self._error: BaseException | None = None
-
-    def done(self, name: str) -> None:
-        self._done[name].set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        for ev in self._done.values():
-            ev.set()
-
-    def pending(self) -> bool:
-        return not all(ev.is_set() for ev in self._done.values())
-
-    def wait(self, names: Iterable[str] | None = None) -> None:
-        """Block until the copies of ``names`` (None: every site) are taken."""
-        for n in self._done if names is None else names:
-            ev = self._done.get(n)
-            if ev is not None:
-                ev.wait()
-        if self._error is not None:
-            raise self._error
-
-
-SiteState = Callable[[], tuple[Arrays, dict[str, Any]]]
-"""A site's live state (:meth:`fedseg.site.runtime.Site.state_arrays` with ``copy=False``), read when called."""
-
-
-class CheckpointWriter:
-    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
-
-    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
-    commit record ``progress.json.next``; the files are written one after another and the
-    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
-    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
-    committed and re-raises a failed write.  The engine waits before it stages the next
-    checkpoint and before the run returns, so at most one checkpoint is in flight and the
-    commit protocol (staged ``.next`` files, then the record) is unchanged.
-    """
-
-    def __init__(self, background: bool = True):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
-        self._pending: Future | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.write_s = 0.0
-        """Seconds spent writing (in the worker thread when in the background)."""
-
-    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
-        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
-        when the source is on a GPU, so the copies run without blocking until one final
-        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
-        page-faulting a checkpoint's worth of memory each time; they are free again once
-        :meth:`wait` has returned, which every caller does before copying."""
-        out: Arrays = {}
-        for k, v in arrays.items():
-            name = f"{group}/{k}"
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-                self._buffers[name] = buf
-            buf.copy_(v.detach(), non_blocking=v.is_cuda)
-            out[k] = buf
-        return out
-
-    @staticmethod
-    def copies_done() -> None:
-        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def submit(
-        self,
-        folder: Path,
-        files: dict[str, Arrays | JsonDoc],
-        sites: Mapping[str, SiteState] | None = None,
-        gate: SiteCopies | None = None,
-    ) -> None:
-        """Write ``files`` (their last entry the commit record) and commit them.  ``sites``: ``{name: its live
-        state}`` of host (CPU) tensors, copied into host buffers by the writer, one site after the other, each
-        opening its gate in ``gate`` once copied, then written to ``sites.next/<name>.safetensors`` + ``.json``
-        before the commit record; the caller changes no site's state before its gate opens."""
-        self.wait()
-        if self._pool is None:
-            self._write(folder, files, sites, gate)
-        else:
-            self._pending = self._pool.submit(self._write, folder, files, sites, gate)
-
-    def _copy_sites(self, sites: Mapping[str, SiteState], gate: SiteCopies | None) -> dict[str, Arrays | JsonDoc]:
-        out: dict[str, Arrays | JsonDoc] = {}
-        try:
-            for name, state in sites.items():
-                arrays, meta = state()
-                out[f"{SITES}.next/{name}.safetensors"] = self.host_copy(f"sites/{name}", arrays)
-                out[f"{SITES}.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
-                if gate is not None:
-                    gate.done(name)
-        except BaseException as e:
-            if gate is not None:
-                gate.fail(e)
-            raise
-        return out
-
-    def _write(
-        self,
-        folder: Path,
-        files: dict[str, Arrays | JsonDoc],
-        sites: Mapping[str, SiteState] | None = None,
-        gate: SiteCopies | None = None,
-    ) -> None:
-        t0 = time.perf_counter()
-        if sites:
-            *rest, record = files.items()
-            files = {**dict(rest), **self._copy_sites(sites, gate), record[0]: record[1]}
-        for rel, content in files.items():
-            path = folder / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, JsonDoc):
-                save_json(content.data, path)
-            else:
-                save_arrays(content, path)
-        commit_checkpoint(folder)
-        self.write_s += time.perf_counter() - t0
-
-    def wait(self) -> None:
-        """Block until the checkpoint in flight is committed (re-raises its error)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
 
 
 # ------------------------------------------------------------------ finished runs
