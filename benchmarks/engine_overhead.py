@@ -97,6 +97,43 @@ def bare_loop(data, workload, rounds: int, batch_size: int, seed: int, device: t
     return time.perf_counter() - t0
 
 
+def timed(fn) -> tuple[float, float, float]:
+    """``fn()``'s wall seconds, CPU seconds of the calling thread (the round loop's own work, which other
+    jobs on the machine do not add to; the background checkpoint writer's is not in it) and CPU seconds of
+    the whole process (every thread)."""
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0, time.process_time() - p0
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f})"
+
+
+def profile(engine_run, bare_run, folder: Path, top: int) -> None:
+    """cProfile of one fedseg run and one bare run, timed by the main thread's CPU clock; prints fedseg's
+    functions (and torch's module calls) by cumulative time and writes both profiles to ``folder``."""
+    import cProfile
+    import pstats
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, fn in (("fedseg", engine_run), ("bare", bare_run)):
+        prof = cProfile.Profile(time.thread_time)
+        prof.runcall(fn)
+        prof.dump_stats(str(folder / f"{name}.prof"))
+        stats = pstats.Stats(prof)
+        print(f"\n{name}: {stats.total_tt:.2f} s of main-thread CPU; top {top} fedseg functions by cumulative time")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # type: ignore[attr-defined]
+        shown = 0
+        for (file, line, func), (_, calls, own, cum, _) in rows:
+            if "/fedseg/" not in file and "engine_overhead" not in file:
+                continue
+            print(f"  {cum:8.3f} s  {own:7.3f} s own  {calls:6d}×  {file.split('/fedseg/')[-1]}:{line} {func}")
+            shown += 1
+            if shown >= top:
+                break
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -104,6 +141,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument(
         "--sync-checkpoints",
         action="store_true",
@@ -118,7 +156,13 @@ def main() -> None:
     ap.add_argument(
         "--checkpoint-every", type=int, default=1, help="0 = no output folder, no checkpoints (pure engine overhead)"
     )
+    ap.add_argument(
+        "--profile", type=Path, help="also profile one run of each (cProfile, main-thread CPU) into this folder"
+    )
+    ap.add_argument("--top", type=int, default=30, help="fedseg functions --profile prints")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     tmp = Path(tempfile.mkdtemp(prefix="fedseg-overhead-"))
     spec = synthesize("fundus", tmp / "data", seed=0, scale=args.scale, size=args.size)
@@ -136,37 +180,56 @@ def main() -> None:
     )
     workload = segmentation_workload(2, fed.in_channels, fed.labels, cfg.model, cfg.train)
     steps = sum(math.ceil(len(d.train) / args.batch_size) for d in data.values())
-    engine_t, bare_t = [], []
-    if device.type == "cuda":  # discarded: CUDA context, cuDNN handles and plans, lazy kernel loading
-        simulate(dataclasses.replace(cfg, rounds=1), workload, data, out=None, progress=False, log=lambda m: None)
-        bare_loop(data, workload, 1, args.batch_size, seed=0, device=device)
-    for rep in range(args.repeats):
-        t0 = time.perf_counter()
-        simulate(
-            cfg,
-            workload,
-            data,
-            out=tmp / f"run{rep}" if args.checkpoint_every > 0 else None,
-            progress=False,
-            log=lambda m: None,
-        )
+
+    def engine_run(rep: int, rounds: int = args.rounds) -> None:
+        out = tmp / f"run{rep}" if args.checkpoint_every > 0 else None
+        simulate(dataclasses.replace(cfg, rounds=rounds), workload, data, out=out, progress=False, log=lambda m: None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        engine_t.append(time.perf_counter() - t0)
-        bare_t.append(bare_loop(data, workload, args.rounds, args.batch_size, seed=rep, device=device))
-        print(f"repeat {rep}: fedseg {engine_t[-1]:.2f} s, bare loop {bare_t[-1]:.2f} s")
-    e, b = statistics.median(engine_t), statistics.median(bare_t)
+
+    def bare_run(rep: int, rounds: int = args.rounds) -> None:
+        bare_loop(data, workload, rounds, args.batch_size, seed=rep, device=device)
+
+    # discarded: one round of each first (CUDA: context, cuDNN plans, lazy kernel loading; CPU: first-use
+    # allocations and imports), so that neither timed series pays a start-up the other does not
+    engine_run(-1, 1)
+    bare_run(-1, 1)
+    runs: dict[str, list[tuple[float, float, float]]] = {"fedseg": [], "bare": []}
+    for rep in range(args.repeats):
+        order = [("fedseg", engine_run), ("bare", bare_run)]
+        for name, fn in order if rep % 2 == 0 else order[::-1]:  # alternating, so that drift in the load cancels
+            runs[name].append(timed(lambda fn=fn, rep=rep: fn(rep)))
+        (ew, ec, ep), (bw, bc, bp) = runs["fedseg"][-1], runs["bare"][-1]
+        print(
+            f"repeat {rep}: fedseg {ew:.2f} s (main thread CPU {ec:.2f} s, process CPU {ep:.2f} s), "
+            f"bare loop {bw:.2f} s (CPU {bc:.2f} s, {bp:.2f} s): ratio {ew / bw:.3f} wall, {ec / bc:.3f} main-thread CPU"
+        )
+    wall = [e[0] / b[0] for e, b in zip(runs["fedseg"], runs["bare"])]
+    cpu = [e[1] / b[1] for e, b in zip(runs["fedseg"], runs["bare"])]
+    proc = [e[2] / b[2] for e, b in zip(runs["fedseg"], runs["bare"])]
+    e = statistics.median(r[0] for r in runs["fedseg"])
+    b = statistics.median(r[0] for r in runs["bare"])
     print(
-        f"\n6 sites, {args.rounds} rounds, {steps} local steps per round, {args.size}x{args.size}, batch {args.batch_size}"
+        f"\n6 sites, {args.rounds} rounds, {steps} local steps per round, {args.size}x{args.size}, batch {args.batch_size}, "
+        f"{torch.get_num_threads()} torch threads"
     )
-    print(f"median fedseg {e:.2f} s, median bare loop {b:.2f} s, ratio {e / b:.3f}")
+    print(
+        f"median fedseg {e:.2f} s ({e / args.rounds:.3f} s/round), median bare loop {b:.2f} s ({b / args.rounds:.3f} s/round)"
+    )
+    print(
+        f"ratio per repeat, median (spread): wall {spread(wall)}; main-thread CPU {spread(cpu)}; process CPU {spread(proc)}"
+    )
     ckpt = f"checkpoint every {args.checkpoint_every}" if args.checkpoint_every > 0 else "no checkpoints"
     if args.checkpoint_every > 0:
         ckpt += " (written in the round loop)" if args.sync_checkpoints else " (background writer)"
     print(
-        f"\n| scale {args.scale}, {args.rounds} rounds × {steps} steps, {ckpt} | {e:.2f} s | {b:.2f} s | {e / b:.3f} | "
+        f"\n| scale {args.scale}, {args.rounds} rounds × {steps} steps, {ckpt} | {e:.2f} s | {b:.2f} s | "
+        f"{statistics.median(wall):.3f} ({min(wall):.3f}–{max(wall):.3f}) | "
+        f"{statistics.median(cpu):.3f} ({min(cpu):.3f}–{max(cpu):.3f}) | "
         f"{describe(device)}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads |"
     )
+    if args.profile is not None:
+        profile(lambda: engine_run(-2), lambda: bare_run(-2), args.profile, args.top)
 
 
 if __name__ == "__main__":

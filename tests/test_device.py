@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from fedseg.cli import main
 from fedseg.foundation.config import RunConfig, TrainConfig, load_run_config
 from fedseg.foundation.device import autocast, resolve_device, to_host
 from fedseg.foundation.errors import ConfigError
-from fedseg.seams.checkpoint import CheckpointWriter, JsonDoc, commit_checkpoint
+from fedseg.seams.checkpoint import JsonDoc, commit_checkpoint
+from fedseg.seams.writer import CheckpointWriter, SiteCopies
 from fedseg.simulation.runner import build_transport, simulate
 from helpers import assert_same_arrays, assert_same_checkpoints, same_arrays, server_state, strip_times
 
@@ -352,6 +354,56 @@ def test_writer_commits_in_order_and_a_failed_write_leaves_the_previous_checkpoi
     assert json.loads((d / "progress.json").read_text())["round"] == 2
     assert torch.equal(load_file(str(d / "server.safetensors"))["w"], torch.full((3,), 2.0))
     assert not list(d.glob("*.next"))
+
+
+def test_a_site_is_released_to_the_round_loop_only_once_the_writer_has_copied_it(tmp_path):
+    """The round loop trains site a as soon as its copy is taken, while the writer is still at site b: the
+    checkpoint holds both sites as they were when it was staged, and site b stays held until its copy."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    live = {"a": {"w": torch.zeros(3)}, "b": {"w": torch.zeros(3)}}
+    b_may_be_read = threading.Event()
+
+    def state_of(name):
+        def read():
+            if name == "b":
+                b_may_be_read.wait()
+            return live[name], {"site": name}
+
+        return read
+
+    w = CheckpointWriter(background=True)
+    gate = SiteCopies(["a", "b"])
+    record = {"progress.json.next": JsonDoc({"round": 1, "staged": []})}
+    w.submit(d, record, {n: state_of(n) for n in ("a", "b")}, gate)
+    gate.wait(["a"])
+    live["a"]["w"].add_(1.0)  # the next round trains site a
+    held = threading.Thread(target=gate.wait, args=(["b"],))
+    held.start()
+    held.join(0.3)
+    assert held.is_alive() and gate.pending()  # site b is not released before its copy
+    b_may_be_read.set()
+    held.join()
+    live["b"]["w"].add_(1.0)
+    w.wait()
+    for n in ("a", "b"):
+        assert torch.equal(load_file(str(d / "sites" / f"{n}.safetensors"))["w"], torch.zeros(3)), n
+        assert json.loads((d / "sites" / f"{n}.json").read_text()) == {"site": n}
+    assert json.loads((d / "progress.json").read_text())["round"] == 1
+
+
+def test_a_failed_site_copy_releases_every_site_and_is_raised(tmp_path):
+    def broken():
+        raise RuntimeError("cannot read the site")
+
+    w = CheckpointWriter(background=True)
+    gate = SiteCopies(["a", "b"])
+    w.submit(tmp_path, {"progress.json.next": JsonDoc({"round": 1, "staged": []})}, {"a": broken}, gate)
+    with pytest.raises(RuntimeError, match="cannot read the site"):
+        gate.wait(["b"])  # released (no deadlock) and told
+    with pytest.raises(RuntimeError, match="cannot read the site"):
+        w.wait()
+    assert not (tmp_path / "progress.json").exists()
 
 
 def test_writer_host_buffers_are_reused_copies():

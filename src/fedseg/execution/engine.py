@@ -10,10 +10,12 @@ this code.
 Checkpoints (``OUT/checkpoints/``: server state, best candidates, every site's state, the
 progress record) are written after every ``checkpoint_every`` rounds as one unit and read
 back on ``--resume``; their files and the commit protocol are :mod:`fedseg.seams.checkpoint`'s.
-The engine takes a synchronous snapshot to host memory and hands it to a
-:class:`~fedseg.seams.checkpoint.CheckpointWriter`, which writes it in a background thread
-while the next round trains.  Once the caller has written the results, :meth:`Engine.finish` prunes what only
-``--resume`` reads (``checkpoint_keep``; :func:`~fedseg.seams.checkpoint.prune_checkpoints`).
+The engine copies the server state and the best models to host memory and hands them, with the
+sites' live state, to a :class:`~fedseg.seams.writer.CheckpointWriter`, which copies each
+site's state (asked again only once its copy is taken: the next round trains while the later
+sites are copied) and writes it all in a background thread while the next round trains.  Once
+the caller has written the results, :meth:`Engine.finish` prunes what only ``--resume`` reads
+(``checkpoint_keep``; :func:`~fedseg.seams.checkpoint.prune_checkpoints`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from fedseg.seams.checkpoint import (
     SERVER,
     SITES,
     Best,
-    CheckpointWriter,
     JsonDoc,
     best_files,
     check_resumable,
@@ -53,6 +54,7 @@ from fedseg.seams.checkpoint import (
     read_progress,
 )
 from fedseg.seams.transport import Transport
+from fedseg.seams.writer import AfterCopies, CheckpointWriter, SiteCopies, SiteState, site_states
 from fedseg.site.workload import Workload
 
 __all__ = ["Engine"]
@@ -102,8 +104,10 @@ class Engine:
         self.log = log
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
+        self.asks = AfterCopies(transport)
+        """The transport as the round loop asks it: after the checkpoint writer's copy of each asked site."""
         self.ctx = ServerContext(
-            transport=transport,
+            transport=self.asks,
             sites=tuple(transport.sites),
             cfg=cfg,
             init_arrays=self.init_arrays,
@@ -126,6 +130,7 @@ class Engine:
         self._saved_best: dict[str, Any] | None = None
         self.check_state: Callable[[Arrays], None] | None = None  # raises to refuse committing a state (deployment)
         self.writer = CheckpointWriter(background=cfg.checkpoint_background)
+        self._site_names: list[str] | None = None  # every site the transport snapshots, in its order
         self.checkpoint_s = 0.0
         """Seconds the round loop spent on checkpoints (snapshot + staging; the write itself when not in the background)."""
 
@@ -167,7 +172,7 @@ class Engine:
                 arrays.update(prefixed(c.name, c.arrays))
             spec = [{"name": c.name, "predictor": c.predictor, "config": c.config} for c in cs]
             tasks[s] = Task("evaluate", arrays, {"split": split, "candidates": spec})
-        replies = self.transport.ask(tasks)
+        replies = self.asks.ask(tasks)
         out: dict[str, dict[str, list[list[float]]]] = {c.name: {} for c in candidates}
         extra: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
         for s, rep in replies.items():
@@ -232,7 +237,7 @@ class Engine:
         privatized steps (a ``"privacy"`` task, answered by the site from its privacy ledger); None with dp off."""
         if self.cfg.privacy.dp == "off":
             return None
-        replies = self.transport.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
+        replies = self.asks.ask({s: Task("privacy", {}, {}) for s in self.ctx.sites})
         self.transport.traffic.take()  # a few numbers per site, not counted as the round's traffic
         return {s: dict(replies[s].metrics) for s in self.ctx.sites if s in replies}
 
@@ -290,9 +295,10 @@ class Engine:
         previous round's checkpoint or a commit record to finish — never a server state of one round
         with the progress (or site state) of another.
 
-        Everything is first copied to host memory here (server state, best models, every site's
-        state, the JSON records), then :attr:`writer` writes it — in a background thread unless
-        ``checkpoint_background = false`` — so training may change the live tensors at once."""
+        The server state, best models and JSON records are copied to host memory here, every site's state too
+        on a GPU (non-blocking, pinned).  On the CPU :attr:`writer` copies the sites itself, one after another,
+        and :attr:`asks` asks a site only once its copy is taken (:class:`~fedseg.seams.writer.SiteCopies`).
+        The writer writes it all in a background thread unless ``checkpoint_background = false``."""
         d = self.ckpt_dir
         if d is None:
             return
@@ -310,17 +316,22 @@ class Engine:
             files[f"{BEST_META}.next"] = JsonDoc(copy.deepcopy(best_meta))
             staged += [BEST_ARRAYS, BEST_META]
             self._saved_best = best_meta
+        sites: dict[str, SiteState] = {}
         snapshot = getattr(self.transport, "snapshot_sites", None)
         if snapshot is None:  # sites that persist themselves (deployment): asked now, synchronously
             self.transport.save_sites(d / f"{SITES}.next")
-        else:
+        elif self.device.type == "cpu":  # host tensors: the writer copies them, each site before it is asked again
+            sites, self._site_names = site_states(self.transport, snapshot, self._site_names)
+        else:  # device tensors: non-blocking copies into pinned buffers now, one synchronization
             for name, (arrays, meta) in snapshot().items():
                 files[f"{SITES}.next/{name}.safetensors"] = self.writer.host_copy(f"sites/{name}", arrays)
                 files[f"{SITES}.next/{name}.json"] = JsonDoc(copy.deepcopy(meta))
         progress = {"round": self.round, "history": self.history, "staged": staged, "layout": layout}
         files[f"{PROGRESS}.next"] = JsonDoc(copy.deepcopy(progress))
         self.writer.copies_done()
-        self.writer.submit(d, files)
+        copies = SiteCopies(sites) if sites and self.cfg.checkpoint_background else None
+        self.writer.submit(d, files, sites, copies)
+        self.asks.copies = copies
         self.checkpoint_s += time.perf_counter() - t0
 
     def load_checkpoint(self) -> None:

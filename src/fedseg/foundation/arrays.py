@@ -116,12 +116,16 @@ def weighted_means(
     that order (integer tensors from ``items[order[0]]``); :func:`weighted_mean` is one row of normalized
     weights, SoftPull's personalized models K rows.
 
-    Each item's floating tensors are cast to the accumulation dtype (float64 for float32 and below) once, not
-    once per row, and each (row, item) term is one ``torch._foreach_add_`` over all tensors: K casts per
-    tensor and K² foreach operators instead of 2·K² operators per tensor.  The arithmetic is a row's
-    ``acc = 0; acc += p_i · x_i`` in order, tensor by tensor, as with one ``add_`` per tensor: bitwise the
-    same on the CPU (its foreach is that loop); CUDA's fused foreach kernel computes the same float64 terms,
-    its rounding before the cast back at most float64's."""
+    The accumulation dtype is float64 for float32 and below.  On a GPU each item's floating tensors are cast
+    to it once, not once per row, and each (row, item) term is one ``torch._foreach_add_`` over all tensors:
+    K casts per tensor and K² foreach operators instead of 2·K² operators per tensor.  On the CPU the sums go
+    tensor by tensor (:func:`_weighted_means_by_tensor`): one accumulator takes all its terms while it is in
+    the cache and its ``add_`` casts each float32 tensor as it reads it (exact), instead of K float64 copies of
+    every model (less memory traffic; the server's share of a FedAvg round in
+    ``benchmarks/engine_overhead.py --profile``).  The arithmetic is a row's
+    ``acc = 0; acc += p_i · x_i`` in order, tensor by tensor: bitwise the same both ways on the CPU (its
+    foreach is that loop); CUDA's fused foreach kernel computes the same float64 terms, its rounding before
+    the cast back at most float64's."""
     if not items:
         raise ValueError("weighted_mean of no arrays: aggregation needs at least one reply")
     first = items[0]
@@ -132,6 +136,8 @@ def weighted_means(
         torch.float64 if first[n].dtype in (torch.float16, torch.bfloat16, torch.float32) else first[n].dtype
         for n in names
     ]
+    if all(item[n].device.type == "cpu" for item in items for n in names):
+        return _weighted_means_by_tensor(items, rows, names, acc_dtypes)
     cast: dict[int, list[torch.Tensor]] = {}
     out = []
     for order, p in rows:
@@ -147,6 +153,31 @@ def weighted_means(
         own = items[order[0]]
         out.append(
             {name: (summed[name].to(ref.dtype) if name in summed else own[name].clone()) for name, ref in own.items()}
+        )
+    return out
+
+
+def _weighted_means_by_tensor(
+    items: Sequence[Mapping[str, torch.Tensor]],
+    rows: Sequence[tuple[Sequence[int], Sequence[float]]],
+    names: list[str],
+    acc_dtypes: list[torch.dtype],
+) -> list[Arrays]:
+    """:func:`weighted_means` on the CPU, one tensor at a time: each tensor's accumulator takes all its terms
+    while it is in the cache, and the add casts each float32 tensor as it reads it (no cast of whole models)."""
+    summed: list[dict[str, torch.Tensor]] = [{} for _ in rows]
+    for n, d in zip(names, acc_dtypes):
+        for r, (order, p) in enumerate(rows):
+            acc = torch.zeros(items[0][n].shape, dtype=d)
+            for i, pk in zip(order, p):
+                if pk != 0.0:
+                    acc.add_(items[i][n], alpha=pk)
+            summed[r][n] = acc
+    out = []
+    for (order, _), sums in zip(rows, summed):
+        own = items[order[0]]
+        out.append(
+            {name: (sums[name].to(ref.dtype) if name in sums else own[name].clone()) for name, ref in own.items()}
         )
     return out
 

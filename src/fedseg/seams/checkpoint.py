@@ -21,7 +21,7 @@ is spelled out once.  Layout of a run folder's ``checkpoints/``:
 A checkpoint is written as one unit: every file first as ``<name>.next`` (sites to
 ``sites.next/``), then ``progress.json.next`` (the record), then everything is moved into
 place (:func:`commit_checkpoint`), so a crash never pairs one round's server state with
-another round's progress.  :class:`CheckpointWriter` does this from host copies, in a
+another round's progress.  :class:`fedseg.seams.writer.CheckpointWriter` does this from host copies, in a
 background thread.  Every tensor on disk is a host (CPU) tensor, so a run checkpointed on a
 GPU resumes on the CPU and back.
 
@@ -37,9 +37,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +58,6 @@ __all__ = [
     "SERVER",
     "SITES",
     "Best",
-    "CheckpointWriter",
     "JsonDoc",
     "best_files",
     "check_resumable",
@@ -284,74 +281,6 @@ def commit_checkpoint(d: Path) -> None:
             shutil.rmtree(f)
         else:
             f.unlink()
-
-
-class CheckpointWriter:
-    """Writes staged checkpoint files, then commits them (:func:`commit_checkpoint`), in order.
-
-    :meth:`submit` takes ``{relative path: host arrays | JsonDoc}`` whose last entry is the
-    commit record ``progress.json.next``; the files are written one after another and the
-    checkpoint is committed.  With ``background`` this happens in one worker thread, so a
-    round trains while the previous checkpoint is written; :meth:`wait` blocks until it is
-    committed and re-raises a failed write.  The engine waits before it stages the next
-    checkpoint and before the run returns, so at most one checkpoint is in flight and the
-    commit protocol (staged ``.next`` files, then the record) is unchanged.
-    """
-
-    def __init__(self, background: bool = True):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedseg-checkpoint") if background else None
-        self._pending: Future | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.write_s = 0.0
-        """Seconds spent writing (in the worker thread when in the background)."""
-
-    def host_copy(self, group: str, arrays: Arrays) -> Arrays:
-        """Copies of ``arrays`` in host buffers reused from one checkpoint to the next (pinned
-        when the source is on a GPU, so the copies run without blocking until one final
-        synchronization; see :meth:`copies_done`).  Reusing them saves allocating and
-        page-faulting a checkpoint's worth of memory each time; they are free again once
-        :meth:`wait` has returned, which every caller does before copying."""
-        out: Arrays = {}
-        for k, v in arrays.items():
-            name = f"{group}/{k}"
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda)
-                self._buffers[name] = buf
-            buf.copy_(v.detach(), non_blocking=v.is_cuda)
-            out[k] = buf
-        return out
-
-    @staticmethod
-    def copies_done() -> None:
-        """Wait for non-blocking device-to-host copies of :meth:`host_copy` (no-op without CUDA)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-    def submit(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
-        self.wait()
-        if self._pool is None:
-            self._write(folder, files)
-        else:
-            self._pending = self._pool.submit(self._write, folder, files)
-
-    def _write(self, folder: Path, files: dict[str, Arrays | JsonDoc]) -> None:
-        t0 = time.perf_counter()
-        for rel, content in files.items():
-            path = folder / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, JsonDoc):
-                save_json(content.data, path)
-            else:
-                save_arrays(content, path)
-        commit_checkpoint(folder)
-        self.write_s += time.perf_counter() - t0
-
-    def wait(self) -> None:
-        """Block until the checkpoint in flight is committed (re-raises its error)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
 
 
 # ------------------------------------------------------------------ finished runs
