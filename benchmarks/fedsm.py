@@ -166,7 +166,7 @@ def selector_study(
     from fedseg.foundation.seeding import generator
     from fedseg.models import Selector
     from fedseg.simulation.runner import load_federation_data
-    from fedseg.site.runtime import batch_of
+    from fedseg.site.batches import batch_of
 
     fp = FedSMParams(**(params or {}))
     fp.validate()

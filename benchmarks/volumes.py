@@ -44,7 +44,7 @@ from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, pla
 from fedseg.data.volumes.plan import PERCENTILES, Plan, save_plan
 from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import simulate, validation_work, write_results
-from fedseg.site.runtime import SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 METHODS = {"centralized": "Centralized", "local": "Local (own site)", "fedavg": "FedAvg", "autofedavg": "Auto-FedAvg"}

@@ -39,7 +39,7 @@ from fedseg.data.spec import load_federation
 from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, plan_federation, plan_for_run
 from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import simulate, validation_work
-from fedseg.site.runtime import SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 SHAPE = (32, 32, 16)

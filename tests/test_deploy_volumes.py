@@ -29,7 +29,7 @@ from fedseg.execution.remote.params import deploy_params
 from fedseg.execution.remote.transport import LoopbackChannel, RemoteTransport
 from fedseg.foundation.errors import PayloadError
 from fedseg.simulation.runner import load_federation_data, plan_volume_run, run
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from helpers import assert_same_arrays, server_state
 from test_patches2d import patches2d_federation
 from test_volumes_run import write_federation

@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 from fedseg.execution.vectorize import FitCall, VectorizedExecutor
 from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.simulation.runner import build_transport, vectorized_schedule
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import segmentation_workload
 from test_vectorize import PLAIN, _assert_close, _cfg, _run, _states
 

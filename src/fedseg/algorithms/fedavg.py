@@ -29,8 +29,9 @@ from fedseg.algorithms.secure import secure_ask
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
-from fedseg.site.runtime import Site, steps_per_round
+from fedseg.site.runtime import Site
 
 Weighting = Literal["samples", "even"]
 """FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""

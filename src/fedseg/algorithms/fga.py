@@ -81,8 +81,9 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_me
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks, step_with_gradient
-from fedseg.site.runtime import Site, steps_per_round
+from fedseg.site.runtime import Site
 
 __all__ = [
     "FGA",

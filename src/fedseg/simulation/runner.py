@@ -33,7 +33,8 @@ from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
 from fedseg.seams.checkpoint import check_resumable, save_json
-from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
+from fedseg.site.batches import SiteData, dataset_len, steps_per_round
+from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload, workload_for
 
 if TYPE_CHECKING:
