@@ -6,6 +6,10 @@ site.gradient(role, x, y)`` (:class:`GradientCall`), ``yield from site.step_with
 (:class:`ApplyCall`) — and receives the result; it returns its :class:`~fedseg.foundation.messages.Reply`.  A
 handler that trains nothing may be a plain function returning the reply.
 
+A call is a complete request: the site works out everything when it asks (the model, the optimizer, the
+round's batches as a lazy :class:`Batches` source, the loss, the device, the precision and its autocast, the
+fp16 scaler, the hooks), so an executor computes from the call alone and never touches the site.
+
 An executor drives all the handlers of one ask: it advances each to its next request, computes the requests
 and sends the results back.  :class:`LocalExecutor` computes each request at its site, one handler after the
 other (deployed sites; simulations that run their sites in turn); :class:`fedseg.site.dpsgd.DPExecutor` computes

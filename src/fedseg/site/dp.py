@@ -4,9 +4,10 @@ the site in a ledger that no one else can rewind.
 **Sample level** (``privacy.dp = "sample"``).  Every :meth:`Site.fit <fedseg.site.runtime.Site.fit>` step
 and every :meth:`Site.gradient <fedseg.site.runtime.Site.gradient>` (lockstep gradient averaging: FGA,
 FedSM's global model by FGA and its selector) uses DP-SGD's privatized gradient
-(:func:`fedseg.privacy.dp.privatized_gradient`) instead of the batch gradient.  A data-independent extra
-loss (FedProx's proximal term) is added after the noise, as is SCAFFOLD's correction (``after_backward``):
-neither reads the data.  The batches are Poisson samples (:meth:`SiteDP.batch`): each training case enters
+(:func:`fedseg.privacy.dp.privatized_gradient`) instead of the batch gradient (the site's executor,
+:class:`fedseg.site.dpsgd.DPExecutor`).  A data-independent extra loss (FedProx's proximal term) is added after
+the noise, as are SCAFFOLD's corrections (``after_backward``, ``after_step``): none reads the data.  The batches
+are Poisson samples (:meth:`SiteDP.batch`, through :class:`fedseg.site.dpsgd.PoissonSampler`): each training case enters
 batch j of round r independently with probability q = B / n, and the privatized sum is divided by the
 expected batch size B — the mechanism the accountant analyses.
 
