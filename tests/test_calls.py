@@ -206,13 +206,13 @@ class Recording(LocalExecutor):
         return super().answer(call)
 
 
-def test_a_request_the_vectorized_executor_does_not_stack_goes_to_the_sites_own_executor():
-    """Two sites whose models have dropout (which does not run under vmap): each fit is answered by that site's
-    own executor (under ``privacy.dp = "sample"`` its DP executor), the handler goes on with the result."""
-    executors, calls, results = [Recording(), Recording()], [], []
+def _drive_two(executors, model_of, logs):
+    """Two sites' handlers of one fit each, driven by a vectorized executor: (the executor, the calls, the
+    steps each handler got back)."""
+    calls, results = [], []
 
     def handler(i: int):
-        model = nn.Sequential(nn.Linear(2, 1), nn.Dropout(0.5)).double()
+        model = model_of()
         call = fit_call(model, torch.optim.SGD(model.parameters(), lr=LR), Batches([(X, T)]))
         call.site = f"s{i}"
         calls.append(call)
@@ -220,12 +220,35 @@ def test_a_request_the_vectorized_executor_does_not_stack_goes_to_the_sites_own_
         results.append(out["steps"])
         return Reply(metrics={"steps": out["steps"]})
 
-    logs: list[str] = []
     ex = VectorizedExecutor(log=logs.append)
     replies = ex.run([Handler(f"s{i}", "train", handler(i), executors[i], "m") for i in range(2)])
-    assert [e.answered for e in executors] == [[calls[0]], [calls[1]]]
-    assert results == [1, 1] and [r.metrics["steps"] for r in replies] == [1, 1] and ex.vectorized_fits == 0
+    assert [r.metrics["steps"] for r in replies] == results == [1, 1]
+    return ex, calls
+
+
+def test_a_request_the_vectorized_executor_does_not_stack_goes_to_the_sites_own_executor():
+    """Two sites whose models have dropout (which does not run under vmap): each fit is answered by that
+    site's own executor, and the handler goes on with the result."""
+    executors, logs = [LocalExecutor(), LocalExecutor()], []
+    answered: list[list[object]] = [[], []]
+    for i, e in enumerate(executors):  # record on the instances: the executors stay plain LocalExecutors
+        e.answer = lambda call, i=i, real=e.answer: answered[i].append(call) or real(call)  # type: ignore[method-assign]
+    ex, calls = _drive_two(executors, lambda: nn.Sequential(nn.Linear(2, 1), nn.Dropout(0.5)).double(), logs)
+    assert answered == [[calls[0]], [calls[1]]] and ex.vectorized_fits == 0
     assert any("role 'global' of site s0 trains sequentially: dropout" in m for m in logs)
+
+
+def test_a_site_whose_executor_computes_otherwise_answers_all_its_own_requests():
+    """Sites whose own executor is not the plain local one (under ``privacy.dp = "sample"`` their DP executor)
+    are never stacked, even with models that would stack: each answers its own requests, as it would alone, so
+    vectorize + DP keeps DP-SGD's steps."""
+    executors, logs = [Recording(), Recording()], []
+    ex, calls = _drive_two(executors, lambda: linear([1.0, 1.0], 0.0), logs)
+    assert [e.answered for e in executors] == [[calls[0]], [calls[1]]] and ex.vectorized_fits == 0
+    assert "vectorize: site s0 answers its own requests: its executor (Recording) computes them otherwise" in logs[0]
+    plain, logs = [LocalExecutor(), LocalExecutor()], []
+    ex, _ = _drive_two(plain, lambda: linear([1.0, 1.0], 0.0), logs)
+    assert ex.vectorized_fits == 2  # the same models with the plain executor: stacked
 
 
 def test_round_progress_sets_the_sites_flag_once():

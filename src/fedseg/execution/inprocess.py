@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class HostedSite(Protocol):
-    """What the in-process transport uses of a site (a :class:`fedseg.site.runtime.Site`): it answers a task
+    """What the in-process transport uses of a site (the site runtime's ``Site``): it answers a task
     alone (``handle``) or hands its handler and its own executor to the vectorized executor (``asks``,
     ``executor``), and saves and restores its state."""
 

@@ -24,6 +24,7 @@ from fedseg.execution.vectorize.scheduler import (
     site_names,
 )
 from fedseg.foundation.messages import Reply
+from fedseg.site.calls import LocalExecutor
 
 
 class VectorizedExecutor:
@@ -95,11 +96,22 @@ class VectorizedExecutor:
     # ------------------------------------------------------------ scheduling
     def run(self, handlers: Sequence[Handler]) -> list[Reply]:
         """Every handler driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`), each request
-        that is not stacked answered by its site's own executor; returns the replies in order."""
+        that is not stacked answered by its site's own executor; returns the replies in order.  Only the requests
+        of sites whose own executor is a plain :class:`~fedseg.site.calls.LocalExecutor` are stacked: a site
+        whose executor computes otherwise (DP-SGD's :class:`~fedseg.site.dpsgd.DPExecutor`) answers all of its
+        own."""
+        stackable = [type(h.executor) is LocalExecutor for h in handlers]
+        for h, ok in zip(handlers, stackable):
+            if not ok:
+                self.say(
+                    f"site {h.site} answers its own requests: its executor ({type(h.executor).__name__}) computes "
+                    "them otherwise than a stacked step would"
+                )
         replies, asked = run_handlers(
             [h.asks for h in handlers],
             {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
             [h.executor.answer for h in handlers],
+            stackable,
         )
         unfitted: dict[str, list[str]] = {}
         for h, did in zip(handlers, asked):

@@ -92,17 +92,20 @@ def run_handlers(
     handlers: Sequence[Asks[Reply]],
     together: dict[type, Callable[[list[Any]], list[Any]]],
     answers: Sequence[Callable[[Call], Any]],
+    stackable: Sequence[bool] | None = None,
 ) -> tuple[list[Reply], list[bool]]:
-    """Advance every handler in order to its next request or its end; hand each kind of pending request
-    (``together``: call type → the function computing a list of them) to its function; send each handler its
-    result (:data:`SEQUENTIAL`: computed by the handler's own ``answers[i]``, in site order); until all are done.
-    Returns the replies and, per handler, whether it asked for anything.  A handler's error closes the others
-    and is raised here."""
+    """Advance every handler in order to its next request or its end; hand each kind of pending request of the
+    ``stackable`` handlers (default: all) to its function (``together``: call type → the function computing a
+    list of them); send each handler its result (:data:`SEQUENTIAL`, and every request of a handler that is not
+    stackable: computed by the handler's own ``answers[i]``, in site order); until all are done.  Returns the
+    replies and, per handler, whether it asked for anything.  A handler's error closes the others and is raised
+    here."""
     n = len(handlers)
     pending: list[Any] = [None] * n
     replies: list[Any] = [None] * n
     asked = [False] * n
     done = [False] * n
+    stacks = list(stackable) if stackable is not None else [True] * n
 
     def advance(i: int, value: Any) -> None:
         try:
@@ -118,7 +121,7 @@ def run_handlers(
             live = [i for i in range(n) if not done[i]]
             results: dict[int, Any] = {}
             for kind, compute in together.items():
-                group = [i for i in live if isinstance(pending[i], kind)]
+                group = [i for i in live if stacks[i] and isinstance(pending[i], kind)]
                 if group:
                     for i, r in zip(group, compute([pending[i] for i in group])):
                         results[i] = r
