@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import TINY_MODEL, tiny_sites
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.fga import (
+from fedseg.algorithms.gradients import (
     FGAEquivalenceWarning,
     apply_gradient,
     average_gradients,

@@ -12,8 +12,8 @@ import fedseg.site.secure as site_secure
 from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms import secure as server_secure
+from fedseg.deployment.params import deploy_params
 from fedseg.execution.inprocess import InProcessTransport
-from fedseg.execution.remote.params import deploy_params
 from fedseg.foundation.arrays import strip_prefix, weighted_mean
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.foundation.errors import ConfigError
