@@ -29,7 +29,7 @@ from fedseg.execution.engine import Engine
 from fedseg.foundation.config import RunConfig, TrainConfig
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.simulation.runner import build_transport
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import segmentation_workload
 
 

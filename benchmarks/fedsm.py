@@ -166,7 +166,7 @@ def selector_study(
     from fedseg.foundation.arrays import prefixed, strip_prefix, weighted_mean
     from fedseg.foundation.seeding import generator
     from fedseg.models import Selector
-    from fedseg.site.runtime import batch_of
+    from fedseg.site.batches import batch_of
 
     fp = FedSMParams(**(params or {}))
     fp.validate()

@@ -33,7 +33,7 @@ from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses
 from fedseg.apps.studies.fedsm import load_spec
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.seams.checkpoint import load_best
-from fedseg.site.runtime import batch_of, dataset_len
+from fedseg.site.batches import batch_of, dataset_len
 
 
 def _frozen(run: Path, workload, sites):

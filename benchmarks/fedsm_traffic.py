@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import segmentation_workload
 
 UNETS = {

@@ -37,7 +37,8 @@ from fedseg.algorithms import get_algorithm
 from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
 from fedseg.foundation.seeding import derive_seed, generator
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload, accuracy_metric
 
 NUM_CLASSES = 10

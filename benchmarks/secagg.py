@@ -51,7 +51,7 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
     from fedseg.foundation.config import EvalConfig, PrivacyConfig, RunConfig, TrainConfig
     from fedseg.privacy.protocol import ServerParty
     from fedseg.simulation.runner import simulate
-    from fedseg.site.runtime import SiteData
+    from fedseg.site.batches import SiteData
     from fedseg.site.workload import segmentation_workload
 
     g = torch.Generator().manual_seed(0)

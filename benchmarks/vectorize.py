@@ -50,7 +50,7 @@ def one(args: argparse.Namespace) -> dict:
     from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
     from fedseg.foundation.device import resolve_device
     from fedseg.simulation.runner import build_transport
-    from fedseg.site.runtime import SiteData
+    from fedseg.site.batches import SiteData
     from fedseg.site.workload import segmentation_workload
 
     torch.set_num_threads(args.threads)

@@ -28,7 +28,7 @@ from _report import emit, md_table
 from fedseg.data.spec import load_federation
 from fedseg.data.synth import synthesize
 from fedseg.data.volumes.load import load_volume_site, pad_to_common_shape, plan_federation
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 
 SETTINGS = ("memory", "cache")
 

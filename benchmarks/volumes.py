@@ -46,7 +46,7 @@ from fedseg.execution.federation import validation_work
 from fedseg.execution.results import write_results
 from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 METHODS = {"centralized": "Centralized", "local": "Local (own site)", "fedavg": "FedAvg", "autofedavg": "Auto-FedAvg"}

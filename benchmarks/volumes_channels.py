@@ -40,7 +40,7 @@ from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, pla
 from fedseg.execution.federation import validation_work
 from fedseg.foundation.config import load_run_config
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 
 SHAPE = (32, 32, 16)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import segmentation_workload
 
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes them

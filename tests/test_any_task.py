@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 from fedseg.algorithms import REGISTRY
 from fedseg.foundation.config import EvalConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import Workload, accuracy_metric
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"

@@ -437,7 +437,7 @@ def test_the_re_identification_pool_leaves_out_flipped_copies_of_the_attacked_im
     """The selector sees its batch flipped: the site's unflipped copy of an attacked image is the same image,
     not a rival for its reconstruction; other images stay."""
     from fedseg.apps.audit.run import _pool
-    from fedseg.site.runtime import SiteData
+    from fedseg.site.batches import SiteData
 
     images = _site_images(5)
     seen = images[1:2].flip(3)

@@ -25,7 +25,8 @@ from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import derive_seed
 from fedseg.simulation.runner import build_engine, simulate
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 from helpers import assert_same_arrays, server_state, site_state
 
 PERSONAL = ["ft", "apfl", "perfedavg", "pfedme", "ditto"]

@@ -30,7 +30,7 @@ from fedseg.deployment.volumes import plan_and_shape, site_cache_setting, site_o
 from fedseg.execution.federation import load_federation_data, plan_volume_run
 from fedseg.foundation.errors import PayloadError
 from fedseg.simulation.runner import run
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from helpers import assert_same_arrays, server_state
 from test_patches2d import patches2d_federation
 from test_volumes_run import write_federation

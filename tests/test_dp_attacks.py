@@ -62,7 +62,7 @@ class _Truth:
     recorded around :func:`fedseg.privacy.dp.privatized_gradient` (the attacks never read it)."""
 
     def __init__(self, monkeypatch):
-        import fedseg.site.dp as site_dp
+        import fedseg.site.dpsgd as site_dp
 
         self.sums: list[dict[str, torch.Tensor]] = []
         self.losses: list[float] = []
@@ -499,10 +499,9 @@ def test_augmentation_and_selector_flips_under_dp_are_not_the_run_seeds(wl):
     site's draw; now a DP site keys them by its DP randomness (fresh OS bytes per draw): two sites with the same
     seed and index draw differently, and neither draws the server's.  The seeded test mode stays reproducible,
     and without DP the run seed drives them as before (a simulation's bitwise reproducibility)."""
-    from fedseg.site.batches import stream_generator
 
     def draw(site, *purpose) -> torch.Tensor:
-        return torch.rand(16, generator=stream_generator(site, 1, *purpose))
+        return torch.rand(16, generator=site.streams.generator(1, *purpose))
 
     for purpose in (("train", "transform"), ("selector-flip", 0)):
         public = torch.rand(16, generator=generator(0, 0, 1, *purpose))  # what the server regenerates

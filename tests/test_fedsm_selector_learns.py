@@ -26,7 +26,8 @@ from fedseg.algorithms.fedsm import oracle_accuracy
 from fedseg.algorithms.softpull import oracle_labels
 from fedseg.models import Selector
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 
 # the selector as drawn (no flips): these tests follow the batches image by image
 SEL = {"selector_width": 0.0625, "selector_hidden": 8, "selector_lr": 0.01, "selector_augment": "none"}

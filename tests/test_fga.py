@@ -30,7 +30,8 @@ from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload, accuracy_metric, segmentation_workload
 
 # ----------------------------------------------------------------------- helpers

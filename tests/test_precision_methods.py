@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from conftest import count_host_reads, tiny_config, tiny_sites
 from fedseg.foundation.errors import ConfigError
 from fedseg.simulation.runner import simulate
-from fedseg.site.runtime import LossSums, Site
+from fedseg.site.calls import LossSums
+from fedseg.site.runtime import Site
 
 FEDSM_FEDAVG = {"fedsm": {"selector_training": "fedavg", "selector_steps": "all"}}
 

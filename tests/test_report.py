@@ -471,7 +471,7 @@ def test_routing_computed_from_the_checkpoint_matches_the_one_recorded_in_traini
     from fedseg.apps.report.model_sections import routed_models, routing_on_test
     from fedseg.apps.report.numbers import model_short
     from fedseg.apps.report.runs import DataCache, RunModels, load_runs
-    from fedseg.site.runtime import batch_of, dataset_len
+    from fedseg.site.batches import batch_of, dataset_len
 
     # Prepare
     (run,) = load_runs([runs / "unseen-site6"])

@@ -25,17 +25,18 @@ from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
 from fedseg.execution.vectorize import (
     AUTO_MIN_SITES,
-    ApplyCall,
-    FitCall,
-    GradientCall,
     VectorizedExecutor,
     group_size_for,
+    lockstep,
     resolve_vectorize,
 )
+from fedseg.execution.vectorize import fit as stacked_fit
+from fedseg.execution.vectorize.scheduler import Handler
 from fedseg.foundation.config import RunConfig, SimulationConfig, load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.simulation.runner import build_transport, simulate
+from fedseg.site.calls import LocalExecutor
 from fedseg.site.workload import segmentation_workload
 from helpers import assert_same_checkpoints
 
@@ -314,9 +315,9 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
     monkeypatch.setattr(memory, "fit_site_bytes", lambda item: 400)
     groups: list[int] = []
-    real = VectorizedExecutor.train_group
+    real = stacked_fit.train_group
     monkeypatch.setattr(
-        VectorizedExecutor, "train_group", lambda self, items: groups.append(len(items)) or real(self, items)
+        stacked_fit, "train_group", lambda state, items: groups.append(len(items)) or real(state, items)
     )
     _run(tmp_path, _cfg("fedavg", "off"), "seq")
     _, logs = _run(tmp_path, _cfg("fedavg", "on"), "vec")
@@ -338,11 +339,9 @@ def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda device: next(free))
     monkeypatch.setattr(memory, "gradient_site_bytes", lambda call, loss: 400)
     groups: list[int] = []
-    real = VectorizedExecutor.gradient_group
+    real = lockstep.gradient_group
     monkeypatch.setattr(
-        VectorizedExecutor,
-        "gradient_group",
-        lambda self, calls, loss: groups.append(len(calls)) or real(self, calls, loss),
+        lockstep, "gradient_group", lambda state, calls, loss: groups.append(len(calls)) or real(state, calls, loss)
     )
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
     assert groups[:4] == [2, 1, 2, 1] and set(groups[4:]) == {3}
@@ -358,33 +357,36 @@ def _fit_calls(steps: list[int], mu: float = 0.0):
     transport = build_transport(cfg, wl, tiny_sites(len(steps)), log=lambda m: None)
     torch.manual_seed(0)
     init = {k: v.double() for k, v in wl.build_model().state_dict().items()}
-    calls = []
+    sites, calls = [], []
     for name, n in zip(transport.sites, steps):
         site = transport.site(name)
         model = site.load("global", init)
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
-        calls.append(
-            FitCall(
-                site, "global", 1, "train", site.optimizer("global"), proximal_loss(anchor, mu) if mu else None, None, n
-            )
-        )
-    return calls
+        extra = proximal_loss(anchor, mu) if mu else None
+        sites.append(site)
+        calls.append(next(site.fit("global", 1, "train", site.optimizer("global"), extra, None, n)))
+    return sites, calls
+
+
+def _handler(site, task):
+    """A site's handler of ``task`` as the vectorized executor drives it (the in-process transport's)."""
+    return Handler(site.name, task.kind, site.asks(task), site.executor, site.algorithm.name)
 
 
 def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
     """Site 1 takes 1 step, site 2 takes 4: site 1's weights, Adam moments and step count are those
     of its single sequential step — the three padding steps change nothing (not just a zero gradient,
     which Adam would still turn into a step through its moments)."""
-    seq = _fit_calls([1, 4], mu=0.1)
-    seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, c.extra_loss, None, c.steps)) for c in seq]
-    vec = _fit_calls([1, 4], mu=0.1)
+    _, seq = _fit_calls([1, 4], mu=0.1)
+    seq_out = [LocalExecutor().answer(c) for c in seq]
+    _, vec = _fit_calls([1, 4], mu=0.1)
     ex = VectorizedExecutor(log=lambda m: None)
     vec_out = ex.fit_together(vec)
     assert ex.vectorized_fits == 2
     assert [o["steps"] for o in vec_out] == [1, 4] == [o["steps"] for o in seq_out]
     for a, b, out_a, out_b in zip(seq, vec, seq_out, vec_out):
         assert out_b["loss"] == pytest.approx(out_a["loss"], rel=1e-12)
-        ma, mb = a.site.model("global"), b.site.model("global")
+        ma, mb = a.model, b.model
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             torch.testing.assert_close(pb, pa, rtol=1e-12, atol=1e-13)
             sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
@@ -392,31 +394,30 @@ def test_a_site_that_has_finished_is_not_touched_by_padding_steps():
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(sb[key], sa[key], rtol=1e-12, atol=1e-16)
     # the site views of the stacked weights are gone: each model owns its tensors again
-    p1, p2 = (next(c.site.model("global").parameters()) for c in vec)
+    p1, p2 = (next(c.model.parameters()) for c in vec)
     assert p1.untyped_storage().data_ptr() != p2.untyped_storage().data_ptr()
 
 
 def test_batches_are_the_sites_seeded_batches(monkeypatch):
-    """The vectorized step draws every site's batches from Site.batches (its seeded streams)."""
-    from fedseg.site.runtime import Site
+    """The vectorized step draws every site's batches from its call's batch source (the site's seeded streams),
+    as the site's own executor does."""
+    from fedseg.site import batches as site_batches
 
     seen: dict[str, list[torch.Tensor]] = {}
-    real = Site.batches
+    real = site_batches.training_batches
 
-    def spy(self, rnd, stream="train", steps=None, split="train", batch_size=None):
-        for x, y in real(self, rnd, stream, steps, split, batch_size):
-            seen.setdefault(f"{self.name}/{threading.current_thread() is threading.main_thread()}", []).append(
-                x.clone()
-            )
+    def spy(b):
+        for x, y in real(b):
+            seen.setdefault(f"{b.site}/{threading.current_thread() is threading.main_thread()}", []).append(x.clone())
             yield x, y
 
-    monkeypatch.setattr(Site, "batches", spy)
-    calls = _fit_calls([2, 3])
+    monkeypatch.setattr(site_batches, "training_batches", spy)
+    _, calls = _fit_calls([2, 3])
     VectorizedExecutor(log=lambda m: None).fit_together(calls)
     vec = {k: v for k, v in seen.items()}
     seen.clear()
-    for c in _fit_calls([2, 3]):
-        c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, c.steps))
+    for c in _fit_calls([2, 3])[1]:
+        LocalExecutor().answer(c)
     assert vec.keys() == seen.keys() == {"site1/True", "site2/True"}
     for k in vec:
         assert len(vec[k]) == len(seen[k]) and all(torch.equal(a, b) for a, b in zip(vec[k], seen[k]))
@@ -453,8 +454,7 @@ def test_a_method_with_its_own_loop_runs_sequentially_and_says_so(tmp_path):
 
 
 def test_an_error_in_one_site_ends_the_ask_and_closes_the_other_handlers():
-    calls = _fit_calls([1, 1, 1])
-    sites = [c.site for c in calls]
+    sites, _ = _fit_calls([1, 1, 1])
     closed: list[str] = []
 
     def bad(site, task):
@@ -471,7 +471,7 @@ def test_an_error_in_one_site_ends_the_ask_and_closes_the_other_handlers():
         s._handlers = {"train": bad}
     ex = VectorizedExecutor(log=lambda m: None)
     with pytest.raises(PayloadError, match="hostile"):
-        ex.run([(s, Task("train")) for s in sites])
+        ex.run([_handler(s, Task("train")) for s in sites])
     assert closed == ["site1"]  # site1 waited for its fit; site3 never started (site2 failed first)
 
 
@@ -510,12 +510,12 @@ def test_the_vectorized_executor_starts_no_thread_and_computes_a_fallback_at_the
         seen.append(out["steps"])
         return Reply()
 
-    calls = _fit_calls([1, 1, 1])
-    for c in calls:
-        c.site._handlers = {"train": handler}
+    sites, _ = _fit_calls([1, 1, 1])
+    for s in sites:
+        s._handlers = {"train": handler}
     monkeypatch.setattr(VectorizedExecutor, "fit_together", lambda self, calls: [SEQUENTIAL] * len(calls))
     ex = VectorizedExecutor(log=lambda m: None)
-    ex.run([(c.site, Task("train")) for c in calls])
+    ex.run([_handler(s, Task("train")) for s in sites])
     assert seen == [1, 1, 1] and ex.vectorized_fits == 0
 
 
@@ -532,7 +532,7 @@ def test_instance_norm_model_gives_the_same_best_rounds_and_table(tmp_path):
 def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_falls_back(tmp_path, monkeypatch):
     """Out of memory at a group's first step (nothing updated yet): the group trains as two halves.
     Any other error at the first step: the group trains sequentially, with the error logged."""
-    real = VectorizedExecutor.stacked_gradients
+    real = stacked_fit.stacked_gradients
 
     def oom_for_groups(batch, *rest):
         if len(batch) > 1:
@@ -540,7 +540,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
         return real(batch, *rest)
 
     _run(tmp_path, _cfg("fedavg", "off", local_steps=2, local_epochs=None), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(oom_for_groups))
+    monkeypatch.setattr(stacked_fit, "stacked_gradients", oom_for_groups)
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "split")
     assert (
         "vectorize: a group of 3 sites does not fit in memory; training groups of at most 1 (set simulation.vectorize_group)"
@@ -551,7 +551,7 @@ def test_a_group_out_of_memory_at_its_first_step_is_split_and_a_vmap_failure_fal
     def unsupported(*args):
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
-    monkeypatch.setattr(VectorizedExecutor, "stacked_gradients", staticmethod(unsupported))
+    monkeypatch.setattr(stacked_fit, "stacked_gradients", unsupported)
     _, logs = _run(tmp_path, _cfg("fedavg", "on", local_steps=2, local_epochs=None), "fallback")
     assert any(
         "trains sequentially: its loss does not run under torch.func.vmap (RuntimeError: vmap: an op" in m for m in logs
@@ -631,12 +631,12 @@ def test_a_loss_that_fails_under_vmap_computes_the_gradients_sequentially(tmp_pa
     changes while a gradient is computed), is logged once and is not tried again."""
     tries = {"n": 0}
 
-    def unsupported(self, calls, loss):
+    def unsupported(state, calls, loss):
         tries["n"] += 1
         raise RuntimeError("vmap: an op without a batching rule (simulated)")
 
     _run(tmp_path, _cfg("fga", "off"), "seq")
-    monkeypatch.setattr(VectorizedExecutor, "gradient_group", unsupported)
+    monkeypatch.setattr(lockstep, "gradient_group", unsupported)
     _, logs = _run(tmp_path, _cfg("fga", "on"), "vec")
     assert [m for m in logs if m.startswith("vectorize:")] == [
         "vectorize: the gradients of role 'global' of sites site1, site2, site3 are computed as one vectorized computation",
@@ -652,18 +652,18 @@ def test_gradients_together_equal_each_sites_own_gradient_at_different_weights()
     """Site.gradient vectorized does not rely on the sites holding the same weights (lockstep keeps them
     equal, but the stacked rows are the sites' own): two sites with different weights and different
     batch sizes get exactly the gradients and losses their own Site.gradient computes."""
-    calls = _fit_calls([1, 1])
+    sites, _ = _fit_calls([1, 1])
     with torch.no_grad():
-        for p in calls[1].site.model("global").parameters():
+        for p in sites[1].model("global").parameters():
             p.mul_(0.5).add_(0.01)
-    batches = [next(c.site.batches(1, "train", 1, batch_size=b)) for c, b in zip(calls, (4, 3))]
-    grads = [GradientCall(c.site, "global", x, y, None) for c, (x, y) in zip(calls, batches)]
+    batches = [next(s.batches(1, "train", 1, batch_size=b)) for s, b in zip(sites, (4, 3))]
+    grads = [next(s.gradient("global", x, y)) for s, (x, y) in zip(sites, batches)]
     ex = VectorizedExecutor(log=lambda m: None)
     vec = ex.gradients_together(grads)
     assert ex.vectorized_gradients == 2
-    for c, (x, y), (g_vec, loss_vec) in zip(calls, batches, vec):
-        g_seq, loss_seq = c.site.now(c.site.gradient("global", x, y))
-        assert g_vec.keys() == g_seq.keys() and len(g_seq) == len(list(c.site.model("global").parameters()))
+    for s, (x, y), (g_vec, loss_vec) in zip(sites, batches, vec):
+        g_seq, loss_seq = s.now(s.gradient("global", x, y))
+        assert g_vec.keys() == g_seq.keys() and len(g_seq) == len(list(s.model("global").parameters()))
         torch.testing.assert_close(loss_vec, loss_seq, rtol=1e-12, atol=0)
         for n in g_seq:
             torch.testing.assert_close(g_vec[n], g_seq[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
@@ -680,15 +680,15 @@ def test_lockstep_adam_steps_together_equal_each_sites_own_step():
 
     from fedseg.algorithms.gradients import apply_gradient
 
-    calls = _fit_calls([1, 1, 1])
+    sites, _ = _fit_calls([1, 1, 1])
     with torch.no_grad():
-        for p in calls[1].site.model("global").parameters():
+        for p in sites[1].model("global").parameters():
             p.mul_(0.5).add_(0.01)
-    models = [c.site.model("global") for c in calls]
+    models = [s.model("global") for s in sites]
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-3) for m in models]
-    x, y = next(calls[0].site.batches(1, "train", 1, batch_size=4))
+    x, y = next(sites[0].batches(1, "train", 1, batch_size=4))
     ex = VectorizedExecutor(log=lambda m: None)
-    grads = [g for g, _ in ex.gradients_together([GradientCall(c.site, "global", x, y, None) for c in calls])]
+    grads = [g for g, _ in ex.gradients_together([next(s.gradient("global", x, y)) for s in sites])]
     grads[2] = grads[0]  # site 3: site 1's gradient
     left_out = list(grads[0])[-1]
     for i in (0, 2):  # sites 1 and 3 take a first step, the same one
@@ -703,7 +703,7 @@ def test_lockstep_adam_steps_together_equal_each_sites_own_step():
         ref_opts.append(ref)
     for m, o, g in zip(ref_models, ref_opts, grads):
         apply_gradient(m, o, g)
-    out = ex.apply_together([ApplyCall(c.site, m, o, g) for c, m, o, g in zip(calls, models, opts, grads)])
+    out = ex.apply_together([next(s.step_with_gradient(m, o, g)) for s, m, o, g in zip(sites, models, opts, grads)])
     assert out == [True] * 3 and ex.vectorized_applies == 3
     for m, o, rm, ro in zip(models, opts, ref_models, ref_opts):
         for (n, p), rp in zip(m.named_parameters(), rm.parameters()):

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedseg.execution.vectorize import FitCall, VectorizedExecutor
+from fedseg.execution.vectorize import VectorizedExecutor
 from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.simulation.runner import build_transport, vectorized_schedule
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.calls import LocalExecutor
 from fedseg.site.workload import segmentation_workload
 from test_vectorize import PLAIN, _assert_close, _cfg, _run, _states
 
@@ -97,7 +98,7 @@ def _calls(rnd: int, transport=None):
     calls = []
     for name in transport.sites:
         site = transport.site(name)
-        calls.append(FitCall(site, "global", rnd, "train", site.optimizer("global"), None, None, None))
+        calls.append(next(site.fit("global", rnd, "train", site.optimizer("global"))))
     return transport, calls
 
 
@@ -111,7 +112,7 @@ def test_regrouped_fit_equals_each_sites_own_fit_and_computes_no_finished_row(st
     ex = VectorizedExecutor(log=lambda m: None)
     for rnd in (1, 2):
         _, seq = _calls(rnd, seq_t)
-        seq_out = [c.site.now(c.site.fit(c.role, c.rnd, c.stream, c.optimizer, None, None, None)) for c in seq]
+        seq_out = [LocalExecutor().answer(c) for c in seq]
         _, vec = _calls(rnd, vec_t)
         stacks.clear()
         vec_out = ex.fit_together(vec)
@@ -119,7 +120,7 @@ def test_regrouped_fit_equals_each_sites_own_fit_and_computes_no_finished_row(st
         assert [o["steps"] for o in vec_out] == STEPS == [o["steps"] for o in seq_out]
         for a, b, out_a, out_b in zip(seq, vec, seq_out, vec_out):
             assert out_b["loss"] == pytest.approx(out_a["loss"], rel=1e-12)
-            ma, mb = a.site.model("global"), b.site.model("global")
+            ma, mb = a.model, b.model
             assert torch.equal(ma.gain, mb.gain)
             for pa, pb in zip(ma.parameters(), mb.parameters()):
                 torch.testing.assert_close(pb, pa, rtol=1e-12, atol=1e-13)

@@ -161,16 +161,14 @@ def test_a_long_round_says_its_cost_and_progress(monkeypatch):
     monkeypatch.setattr(calls.time, "perf_counter", lambda: float(next(ticks)))
     monkeypatch.setattr(calls, "PROGRESS_EVERY_S", 5.0)
 
-    class FakeSite:
-        name, scratch = "s1", {}
-
+    flag = calls.Flag()
     said: list[str] = []
-    progress = calls.RoundProgress(FakeSite(), 1, 10, said.append)
+    progress = calls.RoundProgress("s1", flag, 1, 10, said.append)
     for done in range(1, 11):
         progress.step(done)
     assert said[0] == "s1: round 1: about 1.00 s a training step measured, about 10 s for this round's 10 steps"
     assert said[1] == "s1: round 1: step 5/10, 5 s, about 5 s left"
-    later = calls.RoundProgress(FakeSite(), 2, 10, said.append)
+    later = calls.RoundProgress("s1", flag, 2, 10, said.append)
     n = len(said)
     for done in range(1, 5):
         later.step(done)

@@ -52,13 +52,22 @@ def test_poly_schedule_and_nesterov_sgd(tmp_path, monkeypatch):
         TrainConfig(nesterov=True).validate()
 
 
-def test_poly_schedule_reaches_the_optimizer_inside_a_wrapper():
-    """SCAFFOLD steps through a wrapper that exposes its optimizer as ``opt`` (no parameter groups of its own):
-    the poly schedule sets the wrapped optimizer's rate, 0.01 · (1/2)^0.9 in round 2 of 2."""
-    inner = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+def test_poly_schedule_reaches_the_optimizer_scaffold_steps_with():
+    """SCAFFOLD's step correction is a hook after each step (``after_step``), not an optimizer wrapper: its
+    request carries the site's own optimizer, whose rate the poly schedule set for the round,
+    0.01 · (1/2)^0.9 in round 2 of 2."""
+    from fedseg.algorithms import get_algorithm
+    from fedseg.foundation.arrays import prefixed
+    from fedseg.foundation.messages import Task
+    from fedseg.site.calls import FitCall
+    from fedseg.site.runtime import Site
 
-    class Wrapper:
-        opt = inner
-
-    poly_lr(Wrapper(), 2, 2)
-    assert inner.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**0.9)
+    cfg = tiny_config("scaffold", rounds=2, local_steps=1, local_epochs=None)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="sgd", lr=0.01, lr_schedule="poly"))
+    wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+    site = Site("site1", 0, tiny_sites(1)["site1"], wl, cfg, get_algorithm(cfg))
+    state = prefixed("global", wl.build_model().state_dict())
+    call = next(site.asks(Task("train", state, {"round": 2})))
+    assert isinstance(call, FitCall) and call.optimizer is site.optimizer("global")
+    assert type(call.optimizer) is torch.optim.SGD and call.after_step is not None and call.after_backward is None
+    assert call.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**0.9)

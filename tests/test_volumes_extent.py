@@ -21,8 +21,9 @@ from fedseg.data.volumes.geometry import Geometry, to_plan_grid
 from fedseg.data.volumes.load import VolumeDataset, load_volume_split, pad_to_shape, plan_federation
 from fedseg.data.volumes.plan import sliding_windows
 from fedseg.foundation.config import EvalConfig, ModelConfig
+from fedseg.site.batches import SiteData, batch_of
 from fedseg.site.extent import window_shape
-from fedseg.site.runtime import Site, SiteData, batch_of
+from fedseg.site.runtime import Site
 from fedseg.site.workload import segmentation_workload
 
 RAS = np.diag([1.0, 1.0, 1.0, 1.0])

@@ -30,8 +30,9 @@ from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
-from fedseg.site.runtime import Site, steps_per_round
+from fedseg.site.runtime import Site
 
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:

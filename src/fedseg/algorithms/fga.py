@@ -35,8 +35,9 @@ from fedseg.algorithms.weighting import GradientWeighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
-from fedseg.site.runtime import Site, steps_per_round
+from fedseg.site.runtime import Site
 
 __all__ = ["FGA", "FGAParams", "fga_step"]
 

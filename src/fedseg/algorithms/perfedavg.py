@@ -53,8 +53,8 @@ from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
-from fedseg.site.calls import Asks
-from fedseg.site.runtime import LossSums, Site
+from fedseg.site.calls import Asks, LossSums
+from fedseg.site.runtime import Site
 
 __all__ = [
     "MetaAdaptation",

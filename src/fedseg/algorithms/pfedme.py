@@ -51,8 +51,8 @@ from fedseg.foundation.arrays import Arrays, lerp, prefixed, strip_prefix, weigh
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate, ServerContext
-from fedseg.site.calls import Asks
-from fedseg.site.runtime import LossSums, Site
+from fedseg.site.calls import Asks, LossSums
+from fedseg.site.runtime import Site
 
 __all__ = [
     "MoreauEnvelope",

@@ -52,8 +52,9 @@ from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
-from fedseg.site.runtime import Site, steps_per_round
+from fedseg.site.runtime import Site
 
 __all__ = ["Scaffold", "ScaffoldParams", "control_update", "correction", "server_control_update", "server_model_update"]
 
@@ -130,26 +131,6 @@ class ScaffoldParams:
         check_positive("scaffold", "server_lr", self.server_lr)
 
 
-class _CorrectedStep:
-    """The site's optimizer, followed after each step by w ← w − η_l (c − c_i) (``correction = "step"``)."""
-
-    def __init__(self, opt: torch.optim.Optimizer, model: torch.nn.Module, corr: Arrays, lr: float):
-        self.opt, self.model, self.corr, self.lr = opt, model, corr, lr
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        self.opt.step()
-        self.after_step()
-
-    def after_step(self) -> None:
-        """w ← w − η_l (c − c_i) on the model's parameters (also called by :mod:`fedseg.execution.vectorize` after its stacked step)."""
-        with torch.no_grad():
-            for k, p in self.model.named_parameters():
-                p.sub_(self.corr[k], alpha=self.lr)
-
-
 def train_scaffold(site: Site, task: Task) -> Asks[Reply]:
     """Site half: corrected local steps from x, option II update of c_i; sends y and Δc_i."""
     rnd = task.config["round"]
@@ -165,23 +146,26 @@ def train_scaffold(site: Site, task: Task) -> Asks[Reply]:
     mode = params.correction
 
     def after_backward(m: torch.nn.Module) -> None:
+        """g ← g + (c − c_i) before each step (``correction = "gradient"``)."""
         for k, p in m.named_parameters():
             if p.grad is not None:
                 p.grad.add_(corr[k])
 
-    if mode == "gradient":
-        metrics = yield from site.fit(
-            "global", rnd, stream="train", optimizer=opt, after_backward=after_backward, steps=task.config.get("steps")
-        )
-    else:
-        metrics = yield from site.fit(
-            "global",
-            rnd,
-            stream="train",
-            # the executors step any object with zero_grad() and step() (site.calls.local_fit)
-            optimizer=cast(torch.optim.Optimizer, _CorrectedStep(opt, model, corr, lr)),
-            steps=task.config.get("steps"),
-        )
+    def after_step(m: torch.nn.Module) -> None:
+        """w ← w − η_l (c − c_i) after each step (``correction = "step"``)."""
+        with torch.no_grad():
+            for k, p in m.named_parameters():
+                p.sub_(corr[k], alpha=lr)
+
+    metrics = yield from site.fit(
+        "global",
+        rnd,
+        stream="train",
+        optimizer=opt,
+        after_backward=after_backward if mode == "gradient" else None,
+        after_step=after_step if mode == "step" else None,
+        steps=task.config.get("steps"),
+    )
     y = {k: v.detach().clone() for k, v in model.named_parameters()}
     c_new = control_update(c_i, c, x, y, metrics["steps"], lr)
     site.store.update(prefixed("scaffold/c", c_new))

@@ -16,7 +16,7 @@ from fedseg.foundation.arrays import Arrays, is_float
 from fedseg.foundation.config import TrainConfig
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import SPLITS, Reply, Task
-from fedseg.site.runtime import steps_per_round
+from fedseg.site.batches import steps_per_round
 
 
 def declared_counts(summary: dict[str, Any]) -> dict[str, int]:

@@ -23,7 +23,7 @@ With a policy (:class:`~fedseg.deployment.policy.SitePolicy`) the site
 **The salt** (:func:`site_salt`).  Without DP a site's update is a function of the weights, the run seed and its
 index, all the server's: two runs that differ by one site give that site's update as the difference of their
 sums.  A site whose policy does not set ``reproducible = true`` mixes a salt of its own into its non-DP batch
-order and augmentation (:func:`fedseg.site.batches.stream_generator`).
+order and augmentation (:class:`fedseg.site.batches.Streams`).
 """
 
 from __future__ import annotations

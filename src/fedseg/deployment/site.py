@@ -56,7 +56,8 @@ from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy.identity import Identity, load_identity
 from fedseg.seams.checkpoint import restore_site, save_site
-from fedseg.site.runtime import Site, SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
+from fedseg.site.runtime import Site
 from fedseg.site.secure import RECORD_NAME, Record
 from fedseg.site.workload import Workload, workload_for
 

@@ -43,7 +43,7 @@ from fedseg.execution.federation import validation_work
 from fedseg.foundation.config import RunConfig, dump_toml
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.seams.checkpoint import save_json
-from fedseg.site.runtime import SiteData, dataset_len
+from fedseg.site.batches import SiteData, dataset_len
 
 if TYPE_CHECKING:
     from fedseg.data.volumes.lazy import CachedVolumes

@@ -16,7 +16,7 @@ from fedseg.data.validate import raise_if_invalid
 from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run, split_shape
 from fedseg.foundation.config import RunConfig
 from fedseg.seams.checkpoint import save_json
-from fedseg.site.runtime import SiteData, dataset_len, steps_per_round
+from fedseg.site.batches import SiteData, dataset_len, steps_per_round
 
 if TYPE_CHECKING:
     from fedseg.data.volumes.lazy import CachedVolumes

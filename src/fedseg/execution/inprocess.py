@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from fedseg.foundation.arrays import clone
+from fedseg.execution.vectorize.scheduler import Handler
+from fedseg.foundation.arrays import Arrays, clone
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.checkpoint import restore_site, save_site
 from fedseg.seams.transport import Traffic
-from fedseg.site.runtime import Site
+from fedseg.site.calls import Asks, Executor
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedseg.execution.vectorize import VectorizedExecutor
 
 
-class InProcessTransport:
+class HostedSite(Protocol):
+    """What the in-process transport uses of a site (the site runtime's ``Site``): it answers a task
+    alone (``handle``) or hands its handler and its own executor to the vectorized executor (``asks``,
+    ``executor``), and saves and restores its state."""
+
+    name: str
+    algorithm: Any  # the site half: its name, for the log
+    executor: Executor
+
+    def handle(self, task: Task) -> Reply: ...
+
+    def asks(self, task: Task) -> Asks[Reply]: ...
+
+    def state_arrays(self, copy: bool = True) -> tuple[Arrays, dict[str, Any]]: ...
+
+    def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None: ...
+
+
+S = TypeVar("S", bound=HostedSite)
+
+
+class InProcessTransport(Generic[S]):
     """Calls ``site.handle(task)`` directly.
 
     Tensors are copied in both directions, so a site can never alias the server's
@@ -35,14 +58,17 @@ class InProcessTransport:
     """
 
     def __init__(
-        self, sites: list[Site], extra: list[Site] | None = None, vectorized: VectorizedExecutor | None = None
+        self,
+        sites: Sequence[S],
+        extra: Sequence[S] | None = None,
+        vectorized: VectorizedExecutor | None = None,
     ):
         self._sites = {s.name: s for s in [*sites, *(extra or [])]}
         self.sites = tuple(s.name for s in sites)
         self.traffic = Traffic()
         self.vectorized = vectorized
 
-    def site(self, name: str) -> Site:
+    def site(self, name: str) -> S:
         return self._sites[name]
 
     def ask(self, tasks: dict[str, Task], optional: bool = False) -> dict[str, Reply]:
@@ -63,9 +89,13 @@ class InProcessTransport:
         unknown = [n for n in tasks if n not in self._sites]
         if unknown:
             raise PayloadError(f"no site named {unknown[0]!r}; sites are {sorted(self._sites)}")
-        calls = [(self._sites[n], Task(t.kind, clone(t.arrays), dict(t.config))) for n, t in tasks.items()]
+        handlers = []
+        for n, t in tasks.items():
+            site = self._sites[n]
+            asks = site.asks(Task(t.kind, clone(t.arrays), dict(t.config)))
+            handlers.append(Handler(n, t.kind, asks, site.executor, site.algorithm.name))
         replies = {}
-        for (name, task), reply in zip(tasks.items(), self.vectorized.run(calls)):  # type: ignore[union-attr]
+        for (name, task), reply in zip(tasks.items(), self.vectorized.run(handlers)):  # type: ignore[union-attr]
             reply = Reply(clone(reply.arrays), reply.metrics, reply.num_samples)
             self.traffic.record(name, task, reply)
             replies[name] = reply

@@ -40,7 +40,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -48,7 +48,6 @@ from safetensors.torch import load_file, save_file
 from fedseg.foundation.arrays import Arrays, check_layout, nonfinite, prefixed, strip_prefix
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.seams.algorithm import Candidate
-from fedseg.site.runtime import Site
 
 __all__ = [
     "BEST_ARRAYS",
@@ -205,7 +204,17 @@ def load_best(folder: str | Path, layout: dict[str, Any] | None = None, fix: str
 
 
 # ------------------------------------------------------------------ site state
-def save_site(site: Site, folder: str | Path) -> Path:
+class SiteState(Protocol):
+    """What a site's state files are written from and read into (a :class:`fedseg.site.runtime.Site`)."""
+
+    name: str
+
+    def state_arrays(self, copy: bool = True) -> tuple[Arrays, dict[str, Any]]: ...
+
+    def load_state_arrays(self, arrays: Arrays, meta: dict[str, Any]) -> None: ...
+
+
+def save_site(site: SiteState, folder: str | Path) -> Path:
     """Write the site's state (:meth:`Site.state_arrays`) to ``folder/<site>.safetensors`` + ``.json``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -216,7 +225,7 @@ def save_site(site: Site, folder: str | Path) -> Path:
     return path
 
 
-def restore_site(site: Site, folder: str | Path) -> bool:
+def restore_site(site: SiteState, folder: str | Path) -> bool:
     """Load the state :func:`save_site` wrote into ``site``; False when ``folder`` holds none for it.
     A state that is unreadable, non-finite or does not fit the site's models is one error naming the file."""
     path = Path(folder) / f"{site.name}.safetensors"

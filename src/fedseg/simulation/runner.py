@@ -32,7 +32,8 @@ from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
 from fedseg.seams.checkpoint import check_resumable
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = ["build_engine", "build_transport", "run", "simulate", "vectorized_schedule"]

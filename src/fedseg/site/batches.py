@@ -1,15 +1,16 @@
 """A site's data: its splits, where their tensors live, and the batches a round trains on.
 
 Random draws (batch order, crops) come from generators seeded by (run seed, site index, round, stream name):
-see :mod:`fedseg.foundation.seeding` — and a deployed site's own salt where it salts (:func:`stream_generator`);
-under differential privacy from the site's DP randomness instead.  Under ``privacy.dp = "sample"`` the batches are Poisson samples from the
-site's DP randomness (:mod:`fedseg.site.dp`).
+see :mod:`fedseg.foundation.seeding` — and a deployed site's own salt where it salts (:class:`Streams`);
+under differential privacy from the site's DP randomness instead.  Which cases make a batch is a
+:class:`Sampler`'s choice: seeded permutations (:class:`SeededOrder`), or under ``privacy.dp = "sample"`` Poisson
+samples from the site's DP randomness (:class:`fedseg.site.dpsgd.PoissonSampler`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,22 +23,23 @@ from fedseg.foundation.device import fits_on_device
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import split_name
 from fedseg.foundation.seeding import generator
-from fedseg.site.dp import draw_batches
 from fedseg.site.workload import CaseTransform
 
 __all__ = [
     "CaseExtents",
     "ImagePairs",
     "Placed",
+    "RoundBatches",
+    "Sampler",
+    "SeededOrder",
     "SiteData",
+    "Splits",
+    "Streams",
     "batch_at",
     "batch_of",
     "case_extents",
     "dataset_len",
-    "on_device",
-    "placed_split",
     "steps_per_round",
-    "stream_generator",
     "tensor_pair",
     "training_batches",
 ]
@@ -122,120 +124,192 @@ def steps_per_round(train: TrainConfig, n: int) -> int:
     return max(1, round(float(train.local_epochs or 0.0) * math.ceil(n / train.batch_size)))
 
 
-def placed_split(site: Any, split: str) -> Dataset | None:
-    """A split as the training loop reads it: on a CUDA run, in-memory tensors are moved to the
-    device once (``train.data = "device"``, or ``"auto"`` when they fit in half the free GPU
-    memory) or kept on the host and copied per batch from pinned memory (``"stream"``).  On the
-    CPU "device" wraps the same tensors (nothing is copied)."""
-    ds = site.data.split(split)
-    if ds is None:
-        return ds
-    key = split_name(split)
-    if key not in site.placed:
-        pair = tensor_pair(ds)
-        if pair is None or len(pair) != 2:
-            site.placed[key] = ds  # a generic dataset: each batch is copied to the device as it is used
-        else:
-            mode = site.cfg.train.data
-            if mode == "auto":
-                mode = (
-                    "device"
-                    if fits_on_device(sum(t.numel() * t.element_size() for t in pair), site.device)
-                    else "stream"
-                )
-            # "stream": the host tensors; each batch is pinned and copied without blocking
-            site.placed[key] = Placed(pair[0].to(site.device), pair[1].to(site.device)) if mode == "device" else ds
-    return site.placed[key]
+class Splits:
+    """A site's splits as its loops read them: each split placed once (:meth:`placed`) and a batch tensor moved
+    to the run's device (:meth:`on_device`).
+
+    On a CUDA run, in-memory tensors are moved to the device once (``train.data = "device"``, or ``"auto"`` when
+    they fit in half the free GPU memory) or kept on the host and copied per batch from pinned memory
+    (``"stream"``).  On the CPU "device" wraps the same tensors (nothing is copied)."""
+
+    def __init__(self, data: SiteData, device: torch.device, dtype: torch.dtype, mode: str = "auto"):
+        self.data, self.device, self.dtype, self.mode = data, device, dtype, mode
+        self._placed: dict[str, Dataset | None] = {}
+
+    def placed(self, split: str) -> Dataset | None:
+        """A split as the training loop reads it (placed on first use)."""
+        ds = self.data.split(split)
+        if ds is None:
+            return ds
+        key = split_name(split)
+        if key not in self._placed:
+            pair = tensor_pair(ds)
+            if pair is None or len(pair) != 2:
+                self._placed[key] = ds  # a generic dataset: each batch is copied to the device as it is used
+            else:
+                mode = self.mode
+                if mode == "auto":
+                    nbytes = sum(t.numel() * t.element_size() for t in pair)
+                    mode = "device" if fits_on_device(nbytes, self.device) else "stream"
+                # "stream": the host tensors; each batch is pinned and copied without blocking
+                self._placed[key] = Placed(pair[0].to(self.device), pair[1].to(self.device)) if mode == "device" else ds
+        return self._placed[key]
+
+    def on_device(self, t: torch.Tensor, cast: bool) -> torch.Tensor:
+        """A batch tensor on the run's device (through pinned memory, non-blocking, when it comes from the host),
+        in the run's dtype with ``cast``."""
+        if t.device.type == "cpu" and self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        elif t.device != self.device:
+            t = t.to(self.device)
+        return t.to(self.dtype) if cast else t
+
+    def steps_per_round(self, train: TrainConfig, split: str = "train") -> int:
+        """Local optimizer steps in one round on ``split`` (:func:`steps_per_round`)."""
+        return steps_per_round(train, dataset_len(self.data.split(split)))
 
 
-def on_device(site: Any, t: torch.Tensor, cast: bool) -> torch.Tensor:
-    """A batch tensor on the run's device (through pinned memory, non-blocking, when it comes from the host)."""
-    if t.device.type == "cpu" and site.device.type == "cuda":
-        t = t.pin_memory().to(site.device, non_blocking=True)
-    elif t.device != site.device:
-        t = t.to(site.device)
-    return t.to(site.dtype) if cast else t
+class StreamKeys(Protocol):
+    """A site's differential-privacy randomness, as its training streams use it
+    (:class:`fedseg.privacy.randomness.Randomness`)."""
+
+    def key(self, *position: Any) -> bytes: ...
 
 
-def training_batches(
-    site: Any,
-    rnd: int,
-    stream: str = "train",
-    steps: int | None = None,
-    split: str = "train",
-    batch_size: int | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Training batches of one round: successive seeded permutations cut into batches.
+class Streams:
+    """The generators of a site's training streams (batch order of a pass, augmentation, FedSM's selector flips).
 
-    Each pass over the data is a permutation drawn from the generator of
-    (seed, site, round, stream, pass); the last batch of a pass may be smaller.  Under
-    ``privacy.dp = "sample"`` each batch is instead a Poisson sample (every case with probability
-    q = B / n) from the site's DP randomness, the same for every model trained on the round's
-    batches (:meth:`fedseg.site.dp.SiteDP.batch`); an empty sample is a batch of zero rows.  Volumes kept in the
-    site's cache (:class:`fedseg.data.volumes.lazy.CachedVolumes`) go to a patch transform as a
-    :class:`~fedseg.data.volumes.lazy.CaseBatch`, which reads only the patches.
-    """
-    ds = placed_split(site, split)
+    Under differential privacy (``random`` given: the site's DP randomness) each is keyed by that randomness
+    (:mod:`fedseg.privacy.randomness`: fresh OS bytes, or the seeded test mode's hash), never by the public run
+    seed alone: the server cannot predict which augmentation a case got.  Otherwise it is seeded by (run seed,
+    site index, round, purpose) and, at a deployed site that salts (:attr:`salt`), its salt: two runs never
+    draw the same batches, so (sum of run A − sum of run B) is not one site's update."""
+
+    def __init__(self, seed: int, index: int, random: StreamKeys | None = None):
+        self.seed, self.index, self.random = seed, index, random
+        self.salt: int | None = None
+
+    def generator(self, rnd: int, *purpose: int | str) -> torch.Generator:
+        """The generator of one stream in round ``rnd``."""
+        if self.random is not None:
+            key = self.random.key("stream", int(rnd), *purpose)
+            g = torch.Generator()
+            g.manual_seed(int.from_bytes(key[:8], "big") & ((1 << 63) - 1))
+            return g
+        extra = () if self.salt is None else (int(self.salt),)
+        return generator(self.seed, self.index, rnd, *purpose, *extra)
+
+
+class Sampler(Protocol):
+    """Which cases make each batch of a round: ``(on the dataset's device, on the CPU)`` index tensors of batches
+    ``0..steps-1`` of round ``rnd`` (``place`` moves CPU indices to the dataset's device)."""
+
+    def __call__(
+        self,
+        rnd: int,
+        stream: str,
+        split: str,
+        steps: int,
+        n: int,
+        batch_size: int,
+        place: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class SeededOrder:
+    """Successive seeded permutations cut into batches (a :class:`Sampler`): each pass over the data is a
+    permutation drawn from the stream of (round, stream name, pass) (:class:`Streams`); the last batch of a
+    pass may be smaller."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+
+    def __call__(
+        self,
+        rnd: int,
+        stream: str,
+        split: str,
+        steps: int,
+        n: int,
+        batch_size: int,
+        place: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        done, epoch = 0, 0
+        while done < steps:
+            order = torch.randperm(n, generator=self.streams.generator(rnd, stream, epoch))  # on the CPU everywhere
+            perm = place(order)  # one copy per pass
+            for start in range(0, n, batch_size):
+                if done >= steps:
+                    break
+                yield perm[start : start + batch_size], order[start : start + batch_size]
+                done += 1
+            epoch += 1
+
+
+@dataclass(frozen=True)
+class RoundBatches:
+    """The training batches of one round of one site (a :class:`fedseg.site.calls.Batches`): ``steps`` batches
+    of ``batch_size`` cases of ``split``, the cases chosen by ``sampler`` (:class:`SeededOrder`, or the site's
+    Poisson sampler under ``privacy.dp = "sample"``: :class:`fedseg.site.dpsgd.PoissonSampler`) and each batch
+    through the workload's transform, drawn lazily; each iteration starts the round's streams afresh.  An empty
+    sample is a batch of zero rows.  Volumes kept in the site's cache
+    (:class:`fedseg.data.volumes.lazy.CachedVolumes`) go to a patch transform as a
+    :class:`~fedseg.data.volumes.lazy.CaseBatch`, which reads only the patches."""
+
+    site: str
+    splits: Splits
+    streams: Streams
+    sampler: Sampler
+    transform: Any
+    rnd: int
+    stream: str
+    steps: int
+    batch_size: int
+    split: str = "train"
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return training_batches(self)
+
+
+def training_batches(b: RoundBatches) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of :class:`RoundBatches` ``b``."""
+    splits = b.splits
+    ds = splits.placed(b.split)
     n = dataset_len(ds)
     if ds is None or n == 0:
-        raise PayloadError(f"site {site.name}: the {split} split is empty; add cases to its datalist")
-    bs = batch_size or site.cfg.train.batch_size
-    steps = site.steps_per_round(split) if steps is None else steps
-    tf = site.workload.train_transform
-    g_tf = stream_generator(site, rnd, stream, "transform") if tf is not None else None
+        raise PayloadError(f"site {b.site}: the {b.split} split is empty; add cases to its datalist")
+    tf = b.transform
+    g_tf = b.streams.generator(b.rnd, b.stream, "transform") if tf is not None else None
     cases_aware = isinstance(tf, CaseTransform)
     lazy = isinstance(ds, CachedVolumes) and cases_aware
     # padded volumes: each case's own shape, so that patches stay within it (the workload's patch crop)
-    extents = case_extents(site.data.split(split)) if cases_aware and not lazy else None
-    if site.cfg.privacy.dp == "sample":  # Poisson batches from the site's DP randomness (fedseg.site.dp)
-        for idx in draw_batches(site.dp, rnd, stream, split, steps, n, bs):
-            empty = idx.numel() == 0  # a batch of no case: one case's shapes, cut to zero rows
-            take = torch.zeros(1, dtype=torch.int64) if empty else idx
-            placed = take.to(site.device) if isinstance(ds, Placed) else take
-            x, y = batch_at(site, ds, placed, take, tf, g_tf, lazy, extents)
-            yield (x[:0], y[:0]) if empty else (x, y)
-        return
-    done, epoch = 0, 0
-    while done < steps:
-        order = torch.randperm(n, generator=stream_generator(site, rnd, stream, epoch))  # on the CPU on every device
-        perm = order.to(site.device) if isinstance(ds, Placed) else order  # one copy per pass
-        for start in range(0, n, bs):
-            if done >= steps:
-                break
-            yield batch_at(site, ds, perm[start : start + bs], order[start : start + bs], tf, g_tf, lazy, extents)
-            done += 1
-        epoch += 1
+    extents = case_extents(splits.data.split(b.split)) if cases_aware and not lazy else None
+    on_dataset = isinstance(ds, Placed)
 
+    def place(idx: torch.Tensor) -> torch.Tensor:
+        return idx.to(splits.device) if on_dataset else idx
 
-def stream_generator(site: Any, rnd: int, *purpose: int | str) -> torch.Generator:
-    """The generator of one of a site's training streams (batch order of a pass, augmentation, FedSM's selector
-    flips) in round ``rnd``.  Under differential privacy (``privacy.dp`` not off) it is keyed by the site's DP
-    randomness (:mod:`fedseg.privacy.randomness`: fresh OS bytes, or the seeded test mode's hash), never by the
-    public run seed alone: the server cannot predict which augmentation a case got.  Otherwise it is seeded by
-    (run seed, site index, round, purpose) and, at a deployed site that salts (``site.salt``), its salt: two runs
-    never draw the same batches, so (sum of run A − sum of run B) is not one site's update."""
-    if site.cfg.privacy.dp != "off":
-        key = site.dp.random.key("stream", int(rnd), *purpose)
-        g = torch.Generator()
-        g.manual_seed(int.from_bytes(key[:8], "big") & ((1 << 63) - 1))
-        return g
-    salt = getattr(site, "salt", None)
-    extra = () if salt is None else (int(salt),)
-    return generator(site.cfg.seed, site.index, rnd, *purpose, *extra)
+    for placed, order in b.sampler(b.rnd, b.stream, b.split, b.steps, n, b.batch_size, place):
+        if order.numel() == 0:  # a batch of no case: one case's shapes, cut to zero rows
+            take = torch.zeros(1, dtype=torch.int64)
+            x, y = batch_at(splits, ds, place(take), take, tf, g_tf, lazy, extents)
+            yield x[:0], y[:0]
+        else:
+            yield batch_at(splits, ds, placed, order, tf, g_tf, lazy, extents)
 
 
 def batch_at(
-    site: Any, ds: Dataset, idx: torch.Tensor, order: torch.Tensor, tf: Any, g_tf: Any, lazy: bool, extents: Any
+    splits: Splits, ds: Dataset, idx: torch.Tensor, order: torch.Tensor, tf: Any, g_tf: Any, lazy: bool, extents: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Training cases ``idx`` (on the dataset's device; ``order``: the same on the CPU) as a batch on the
     run's device, through the workload's transform."""
     if lazy and isinstance(ds, CachedVolumes):  # volumes in the site's cache: the transform reads only its patches
         cases = ds.batch(idx)
-        cases.place = lambda t, cast: on_device(site, t, cast)
+        cases.place = splits.on_device
         return tf(cases, cases, g_tf)
     x, y = batch_of(ds, idx)
-    x = on_device(site, x, cast=True)
-    y = on_device(site, y, cast=y.is_floating_point())
+    x = splits.on_device(x, cast=True)
+    y = splits.on_device(y, cast=y.is_floating_point())
     if extents is not None:
         return tf(x, y, g_tf, [extents[i] for i in order.tolist()])
     if tf is not None:

@@ -6,9 +6,13 @@ site.gradient(role, x, y)`` (:class:`GradientCall`), ``yield from site.step_with
 (:class:`ApplyCall`) — and receives the result; it returns its :class:`~fedseg.foundation.messages.Reply`.  A
 handler that trains nothing may be a plain function returning the reply.
 
+A call is a complete request: the site works out everything when it asks (the model, the optimizer, the
+round's batches as a lazy :class:`Batches` source, the loss, the device, the precision and its autocast, the
+fp16 scaler, the hooks), so an executor computes from the call alone and never touches the site.
+
 An executor drives all the handlers of one ask: it advances each to its next request, computes the requests
 and sends the results back.  :class:`LocalExecutor` computes each request at its site, one handler after the
-other (deployed sites; simulations that run their sites in turn); :class:`fedseg.site.dp.DPExecutor` computes
+other (deployed sites; simulations that run their sites in turn); :class:`fedseg.site.dpsgd.DPExecutor` computes
 them privatized (``privacy.dp = "sample"``); :class:`fedseg.execution.vectorize.VectorizedExecutor` computes
 the requests of all sites of one ask stacked.  Every executor runs in the calling thread.
 """
@@ -17,28 +21,33 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedseg.foundation.config.schema import Precision
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply
 
 __all__ = [
     "ApplyCall",
     "Asks",
+    "Batches",
     "Call",
     "Executor",
     "FitCall",
+    "Flag",
     "GradientCall",
     "LocalExecutor",
     "LossSums",
     "RoundProgress",
     "as_asks",
+    "backward_step",
     "drive",
     "local_apply",
     "local_fit",
@@ -48,34 +57,75 @@ __all__ = [
 
 T = TypeVar("T")
 
+Hook = Callable[[nn.Module], None]
+"""A per-site edit of the model during local training (``after_backward``: of its gradients; ``after_step``: of
+its weights)."""
+
+Loss = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``loss(output, target)``: the workload's loss, or a method's own (FGA's, FedSM's selector's)."""
+
+
+class Batches(Protocol):
+    """The ``(x, y)`` training batches of one round, drawn lazily: each iteration starts the round's stream
+    afresh (the same seeded batches), and :attr:`steps` is how many it yields at most."""
+
+    @property
+    def steps(self) -> int: ...
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@dataclass
+class Flag:
+    """A mutable yes/no a site keeps across rounds (e.g. whether its first round has said what a step costs)."""
+
+    set: bool = False
+
 
 @dataclass
 class FitCall:
-    """One round of local training of the role's model (:meth:`Site.fit <fedseg.site.runtime.Site.fit>`);
-    answered with ``{"loss": mean, "steps": n}``."""
+    """One round of local training of ``model`` (:meth:`Site.fit <fedseg.site.runtime.Site.fit>`), complete: the
+    site works out everything when it asks.  Answered with ``{"loss": mean, "steps": n}``.
 
-    site: Any  # a fedseg.site.runtime.Site (which imports this module)
+    ``extra_loss(model)`` is added to ``loss`` (FedProx's proximal term); ``after_backward(model)`` may edit the
+    gradients before each step (SCAFFOLD's gradient correction); ``after_step(model)`` edits the weights after
+    each optimizer step (SCAFFOLD's step correction).  The forward pass runs under ``autocast()``; ``scaler``
+    (fp16, one per role, kept across rounds) scales the loss.  ``said`` is the site's flag that its first
+    round's cost has been said (:class:`RoundProgress`)."""
+
+    site: str  # the site's name, for messages
     role: str
     rnd: int
-    stream: str = "train"
-    optimizer: Any = None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Batches
+    loss: Loss
+    device: torch.device
+    precision: Precision
+    autocast: Callable[[], AbstractContextManager[Any]]
+    scaler: torch.amp.GradScaler | None = None
     extra_loss: Callable[[nn.Module], torch.Tensor] | None = None
-    after_backward: Callable[[nn.Module], None] | None = None
-    steps: int | None = None
+    after_backward: Hook | None = None
+    after_step: Hook | None = None
+    said: Flag = field(default_factory=Flag)
 
 
 @dataclass
 class GradientCall:
-    """The batch gradient of ``loss(model(x), target)`` at the role's weights or at ``at`` (a lockstep
+    """The batch gradient of ``loss(model(x), target)`` at the model's weights or at ``at`` (a lockstep
     gradient-averaging step; :meth:`Site.gradient <fedseg.site.runtime.Site.gradient>`); answered with
     ``({name: gradient}, loss)``."""
 
-    site: Any
+    site: str
     role: str
+    model: nn.Module
     x: torch.Tensor
     target: Any
-    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
-    at: Any = None  # the weights to differentiate at (name → tensor), None: the model's own
+    loss: Loss
+    device: torch.device
+    precision: Precision
+    autocast: Callable[[], AbstractContextManager[Any]]
+    at: Mapping[str, torch.Tensor] | None = None  # the weights to differentiate at (name → tensor), None: the model's
 
 
 @dataclass
@@ -83,10 +133,11 @@ class ApplyCall:
     """One optimizer step of ``model`` with ``grad`` (parameter name → tensor) as its gradient
     (:meth:`Site.step_with_gradient <fedseg.site.runtime.Site.step_with_gradient>`); answered with None."""
 
-    site: Any
+    site: str
+    role: str  # the model's role at the site ("?" when it is none of its roles), for messages
     model: nn.Module
-    optimizer: Any
-    grad: Any
+    optimizer: torch.optim.Optimizer
+    grad: Mapping[str, torch.Tensor]
 
 
 Call = FitCall | GradientCall | ApplyCall
@@ -136,14 +187,15 @@ class RoundProgress:
     """What a site says while a round of local training runs: after its first round's first
     :data:`FIRST_STEPS` steps, the measured seconds a step and the round's estimate when the round will take
     longer than :data:`PROGRESS_EVERY_S`; then a line every :data:`PROGRESS_EVERY_S` seconds.  It reads only the
-    clock (no loss, no device synchronization), so a run's numbers are the same with or without it."""
+    clock (no loss, no device synchronization), so a run's numbers are the same with or without it.  ``said``:
+    the site's flag that its first round has said its estimate (set here, kept by the site)."""
 
-    def __init__(self, site: Any, rnd: int, total: int, log: Callable[[str], None] | None = None):
-        self.site, self.rnd, self.total = site, rnd, total
+    def __init__(self, name: str, said: Flag, rnd: int, total: int, log: Callable[[str], None] | None = None):
+        self.name, self.said, self.rnd, self.total = name, said, rnd, total
         self.log = log or print
         self.t0 = self.last = time.perf_counter()
         self.t1: float | None = None
-        self.first = not site.scratch.get("round_progress_said")
+        self.first = not said.set
 
     def step(self, done: int) -> None:
         now = time.perf_counter()
@@ -151,51 +203,74 @@ class RoundProgress:
             self.t1 = now
         if self.first and done == FIRST_STEPS + 1 and self.t1 is not None:
             self.first = False
-            self.site.scratch["round_progress_said"] = True
+            self.said.set = True
             per = (now - self.t1) / FIRST_STEPS
             left = per * (self.total - done)
             if (now - self.t0) + left > PROGRESS_EVERY_S:
                 self.log(
-                    f"{self.site.name}: round {self.rnd}: about {per:.2f} s a training step measured, about "
+                    f"{self.name}: round {self.rnd}: about {per:.2f} s a training step measured, about "
                     f"{(now - self.t0) + left:.0f} s for this round's {self.total} steps"
                 )
         if now - self.last >= PROGRESS_EVERY_S and done < self.total:
             self.last = now
             per = (now - self.t0) / done
             self.log(
-                f"{self.site.name}: round {self.rnd}: step {done}/{self.total}, {now - self.t0:.0f} s, "
+                f"{self.name}: round {self.rnd}: step {done}/{self.total}, {now - self.t0:.0f} s, "
                 f"about {per * (self.total - done):.0f} s left"
             )
 
 
-def local_fit(c: FitCall) -> dict[str, float]:
-    """A :class:`FitCall` computed at its site.
+def backward_step(
+    opt: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    scaler: torch.amp.GradScaler | None = None,
+    model: nn.Module | None = None,
+    after_backward: Hook | None = None,
+    after_step: Hook | None = None,
+) -> None:
+    """``loss.backward()`` and one step of ``opt``; under fp16 through ``scaler`` (scaled backward, unscaled
+    gradients for ``after_backward(model)``, a step skipped and the scale backed off when a gradient
+    overflowed).  ``after_step(model)`` follows the step."""
+    if scaler is None:
+        loss.backward()
+        if after_backward is not None and model is not None:
+            after_backward(model)
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if after_backward is not None and model is not None:
+            after_backward(model)
+        scaler.step(opt)
+        scaler.update()
+    if after_step is not None and model is not None:
+        after_step(model)
 
-    ``extra_loss(model)`` is added to the workload loss (FedProx's proximal term); ``after_backward(model)``
-    may edit gradients before the step (SCAFFOLD's correction).  The forward pass runs under
-    ``train.precision``'s autocast (the proximal term outside it, in the weights' dtype); fp16 scales the loss
-    (:attr:`Site.scalers`, one per role, kept across rounds).  The loss is summed on the device and read once
-    at the end of the round, so no step waits for the host.  A round that takes minutes says what it costs and
-    where it is (:class:`RoundProgress`)."""
-    site = c.site
-    model = site.model(c.role)
-    opt = c.optimizer or site.optimizer(c.role)
-    scaler = site.scaler(c.role)
-    if scaler is not None and not isinstance(opt, torch.optim.Optimizer):
+
+def local_fit(c: FitCall) -> dict[str, float]:
+    """A :class:`FitCall` computed at its site, from the call alone.
+
+    The forward pass runs under the call's autocast (the extra loss outside it, in the weights' dtype); fp16
+    scales the loss (the call's scaler).  The loss is summed on the device and read once at the end of the
+    round, so no step waits for the host.  A round that takes minutes says what it costs and where it is
+    (:class:`RoundProgress`)."""
+    if c.scaler is not None and c.after_step is not None:
         raise ConfigError(
-            f"train.precision = 'fp16' needs a plain torch optimizer, but {site.algorithm.name!r} steps "
-            f"with {type(opt).__name__}; use --set train.precision=bf16 (no loss scaling needed)"
+            f"site {c.site}: train.precision = 'fp16' skips an overflowed step, which a correction after each "
+            "step (SCAFFOLD's correction = 'step') would not know; use --set train.precision=bf16 (no loss "
+            "scaling needed)"
         )
+    model, opt = c.model, c.optimizer
     model.train()
-    sums = LossSums(site.device)
-    progress = RoundProgress(site, c.rnd, c.steps if c.steps is not None else site.steps_per_round())
-    for done, (x, y) in enumerate(site.batches(c.rnd, c.stream, c.steps), 1):
+    sums = LossSums(c.device)
+    progress = RoundProgress(c.site, c.said, c.rnd, c.batches.steps)
+    for done, (x, y) in enumerate(c.batches, 1):
         opt.zero_grad(set_to_none=True)
-        with site.autocast():
-            loss = site.workload.loss(model(x), y)
+        with c.autocast():
+            loss = c.loss(model(x), y)
         if c.extra_loss is not None:
             loss = loss + c.extra_loss(model)
-        site.step(c.role, opt, loss, model, c.after_backward)
+        backward_step(opt, loss, c.scaler, model, c.after_backward, c.after_step)
         sums.add("loss", loss)
         progress.step(done)
     means = sums.means()
@@ -207,19 +282,17 @@ def local_gradient(c: GradientCall) -> tuple[dict[str, torch.Tensor], torch.Tens
     loss)`` (parameters the loss does not reach are left out; the loss detached, not read).  With ``at`` the
     gradient is taken at those weights, as leaves of their own (the model's parameters and ``.grad`` are not
     touched)."""
-    site = c.site
-    model = site.model(c.role)
+    model = c.model
     model.train()
-    loss = site.workload.loss if c.loss is None else c.loss
     if c.at is not None:
         p = {k: t.detach().requires_grad_(True) for k, t in c.at.items()}
-        with site.autocast():
-            value = loss(functional_call(model, p, (c.x,)), c.target)
+        with c.autocast():
+            value = c.loss(functional_call(model, p, (c.x,)), c.target)
         gs = torch.autograd.grad(value, list(p.values()), allow_unused=True)
         return {k: g for k, g in zip(p, gs) if g is not None}, value.detach()
     model.zero_grad(set_to_none=True)
-    with site.autocast():
-        value = loss(model(c.x), c.target)
+    with c.autocast():
+        value = c.loss(model(c.x), c.target)
     value.backward()
     grads = {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}
     return grads, value.detach()

@@ -4,9 +4,10 @@ the site in a ledger that no one else can rewind.
 **Sample level** (``privacy.dp = "sample"``).  Every :meth:`Site.fit <fedseg.site.runtime.Site.fit>` step
 and every :meth:`Site.gradient <fedseg.site.runtime.Site.gradient>` (lockstep gradient averaging: FGA,
 FedSM's global model by FGA and its selector) uses DP-SGD's privatized gradient
-(:func:`fedseg.privacy.dp.privatized_gradient`) instead of the batch gradient.  A data-independent extra
-loss (FedProx's proximal term) is added after the noise, as is SCAFFOLD's correction (``after_backward``):
-neither reads the data.  The batches are Poisson samples (:meth:`SiteDP.batch`): each training case enters
+(:func:`fedseg.privacy.dp.privatized_gradient`) instead of the batch gradient (the site's executor,
+:class:`fedseg.site.dpsgd.DPExecutor`).  A data-independent extra loss (FedProx's proximal term) is added after
+the noise, as are SCAFFOLD's corrections (``after_backward``, ``after_step``): none reads the data.  The batches
+are Poisson samples (:meth:`SiteDP.batch`, through :class:`fedseg.site.dpsgd.PoissonSampler`): each training case enters
 batch j of round r independently with probability q = B / n, and the privatized sum is divided by the
 expected batch size B — the mechanism the accountant analyses.
 
@@ -47,20 +48,42 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
+from fedseg.foundation.arrays import Arrays
+from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy import accountant
-from fedseg.privacy.dp import clip_update, noise_like, privatized_gradient
+from fedseg.privacy.dp import clip_update, noise_like
 from fedseg.privacy.randomness import Randomness
 from fedseg.privacy.secagg import threshold_for
-from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor, local_apply
 from fedseg.site.ledger import Ledger, Tally
 
-__all__ = ["DPExecutor", "Ledger", "SiteDP"]
+__all__ = ["Ledger", "PrivateSite", "SiteDP"]
+
+
+class PrivateSite(Protocol):
+    """What a site's differential privacy reads of its :class:`~fedseg.site.runtime.Site` (which imports this
+    module): its name, index and settings, the method's plan of privatized batches, its training-set size, its
+    saved store (the seeded mode's draw counter), its secure-aggregation party (client level) and its shared
+    arrays."""
+
+    name: str
+    index: int
+    cfg: RunConfig
+    algorithm: Any  # the site half: its name, dp_batches_per_round / dp_steps_per_round (optional)
+    store: Arrays
+    scratch: dict[str, Any]
+    device: torch.device
+
+    @property
+    def num_train(self) -> int: ...
+
+    def arrays(self, role: str) -> Arrays: ...
+
 
 _DRAWS = "privacy/draws"
 """``site.store`` key of the seeded mode's draw counter (keys the seeded noise; restored with the site)."""
@@ -73,9 +96,9 @@ is at noise multiplier at least σ√(1/2); a σ derived from ``privacy.epsilon`
 class SiteDP:
     """The differential privacy of one :class:`~fedseg.site.runtime.Site` (``site.dp``; module docstring)."""
 
-    def __init__(self, site: Any):
+    def __init__(self, site: PrivateSite):
         self.site = site
-        """The :class:`~fedseg.site.runtime.Site` (typed loosely: the runtime imports this module)."""
+        """The site whose data this protects."""
         self.settings = site.cfg.privacy
         self.random = Randomness(self.settings.dp_randomness, site.cfg.seed, site.index)
         """Where the noise and the batches come from (:mod:`fedseg.privacy.randomness`)."""
@@ -327,20 +350,10 @@ class SiteDP:
         return got[1]
 
     # ------------------------------------------------------------------ steps
-    def gradient(
-        self,
-        role: str,
-        x: torch.Tensor,
-        target: Any,
-        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
-        at: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The privatized gradient of one batch of the role's model and its mean loss (kept at the site).
-        Booked first on the current batch (:meth:`batch`; a batch that did not come from it is booked as one
-        of its own), refused past the budget."""
-        site = self.site
-        model = site.model(role)
-        model.train()
+    def book_step(self, role: str) -> int:
+        """Book a privatized step of model ``role`` on the current batch (:meth:`batch`; a batch that did not
+        come from it is booked as one of its own at the configured rate), refused past the budget; returns the
+        batch's expected size B, which the privatized sum is divided by."""
         current = self._current
         if current is None:  # not from :meth:`batch`: a batch of its own at the configured rate
             name = f"draw/{len(self.ledger.entries)}" if self.random.seeded else os.urandom(8).hex()
@@ -349,54 +362,15 @@ class SiteDP:
         batch, q, expected = current
         entry = {"kind": "sample", "batch": batch, "role": role, "sigma": self.sigma, "q": q}
         self._book(entry, f"a privatized step of model {role!r}")
-        draw = int(site.store[_DRAWS]) if _DRAWS in site.store else 0
-        if self.random.seeded:
-            site.store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
-        position = ("noise", role, draw)
-        return privatized_gradient(
-            model,
-            site.workload.loss if loss is None else loss,
-            x,
-            target,
-            self.settings.clip,
-            self.sigma,
-            lambda count, std: self.random.normal(count, std, *position, device=site.device),
-            params=at,
-            autocast=site.autocast,
-            batch_size=expected,
-        )
+        return expected
 
-    def fit(self, call: FitCall) -> dict[str, float]:
-        """A :class:`~fedseg.site.calls.FitCall` with DP-SGD's gradient at every step."""
-        role, optimizer, extra_loss, after_backward = call.role, call.optimizer, call.extra_loss, call.after_backward
-        site = self.site
-        if site.precision == "fp16":
-            raise ConfigError(
-                "privacy.dp = 'sample' does not run with fp16 loss scaling; use --set train.precision=bf16"
-            )
-        model = site.model(role)
-        opt = optimizer or site.optimizer(role)
-        total = torch.zeros((), dtype=torch.float64, device=site.device)
-        count = 0
-        for x, y in site.batches(call.rnd, call.stream, call.steps):
-            opt.zero_grad(set_to_none=True)
-            grads, value = self.gradient(role, x, y)
-            if extra_loss is not None:  # data-independent (FedProx's proximal term): its exact gradient
-                extra = extra_loss(model)
-                extra.backward()
-                value = value + extra.detach()
-            for name, p in model.named_parameters():
-                g = grads.get(name)
-                if g is None:
-                    continue
-                g = g.to(dtype=p.dtype)
-                p.grad = g if p.grad is None else p.grad + g
-            if after_backward is not None:
-                after_backward(model)
-            opt.step()
-            total += value.double()
-            count += 1
-        return {"loss": float(total) / max(count, 1), "steps": count}
+    def next_draw(self) -> int:
+        """The number of this noise draw (kept in the site's store in the seeded mode, restored with the site)."""
+        store = self.site.store
+        draw = int(store[_DRAWS]) if _DRAWS in store else 0
+        if self.random.seeded:
+            store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
+        return draw
 
     # ----------------------------------------------------------- client level
     def masked_with(self, task: Any) -> tuple[str, int]:
@@ -440,10 +414,7 @@ class SiteDP:
         arrays = site.arrays(role)
         delta = {n: v - start[n].to(v) for n, v in arrays.items() if v.is_floating_point()}
         clipped, _ = clip_update(delta, s.clip)
-        draw = int(site.store[_DRAWS]) if _DRAWS in site.store else 0
-        if self.random.seeded:
-            site.store[_DRAWS] = torch.tensor(draw + 1, dtype=torch.int64)
-        position = ("client-noise", role, draw)
+        position = ("client-noise", role, self.next_draw())
         noise = noise_like(
             clipped,
             self.sigma * s.clip / k**0.5,
@@ -475,23 +446,3 @@ class SiteDP:
             "survived": u,
         }
         self.ledger.append(entry)  # less noise than booked only if u < t, refused above: never past the budget
-
-
-class DPExecutor(LocalExecutor):
-    """Answers a site's requests privatized (``privacy.dp = "sample"``), the handlers one after another: every
-    :class:`~fedseg.site.calls.FitCall` by DP-SGD's steps (:meth:`SiteDP.fit`), every
-    :class:`~fedseg.site.calls.GradientCall` by DP-SGD's privatized gradient (:meth:`SiteDP.gradient`); an
-    :class:`~fedseg.site.calls.ApplyCall` (a step with an averaged, already privatized gradient) at the site."""
-
-    def answer(self, call: Call) -> Any:
-        if isinstance(call, FitCall):
-            return call.site.dp.fit(call)
-        if isinstance(call, GradientCall):
-            return call.site.dp.gradient(call.role, call.x, call.target, call.loss, call.at)
-        return local_apply(call)
-
-
-def draw_batches(dp: SiteDP, rnd: int, stream: str, split: str, steps: int, n: int, bs: int) -> Iterator[torch.Tensor]:
-    """Poisson batches ``0..steps-1`` of round ``rnd`` (:meth:`SiteDP.batch`), lazily."""
-    for step in range(steps):
-        yield dp.batch(rnd, stream, split, step, n, bs)

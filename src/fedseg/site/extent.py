@@ -59,7 +59,7 @@ def eval_groups(
     """A split's cases in dataset order as evaluation batches (:data:`EvalGroup`).
 
     ``take(ds, idx)`` returns cases ``idx`` of ``ds`` as ``(images, labels)`` (e.g.
-    :func:`fedseg.site.runtime.batch_of`).  Without ``extents``: ``batch_size`` cases at a time, as stored.
+    :func:`fedseg.site.batches.batch_of`).  Without ``extents``: ``batch_size`` cases at a time, as stored.
     With them: consecutive cases of one extent, at most ``batch_size``, cut to that extent and padded at the
     far end up to :func:`window_shape` (module docstring)."""
     n = len(ds)

@@ -27,7 +27,7 @@ from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.errors import PayloadError
 
 
-class Site(Protocol):
+class PredictingSite(Protocol):
     """What prediction needs of a :class:`fedseg.site.runtime.Site` (which imports this module)."""
 
     name: str
@@ -42,7 +42,7 @@ Predict = Callable[[torch.Tensor], torch.Tensor]
 """A batch ``(B, C, *spatial)`` → per-channel logits ``(B, L, *spatial)``."""
 
 
-def predictor(site: Site, name: str, kind: str, arrays: Arrays, config: Mapping[str, Any]) -> Predict:
+def predictor(site: PredictingSite, name: str, kind: str, arrays: Arrays, config: Mapping[str, Any]) -> Predict:
     """Candidate ``name``'s predictor at ``site``: the algorithm's predictor ``kind`` made from the candidate's
     ``arrays`` and ``config`` (what evaluation and ``fedseg predict`` both run)."""
     make = site.algorithm.predictors().get(kind)
@@ -59,7 +59,7 @@ def mirror_axes(spatial_dims: int) -> list[tuple[int, ...]]:
 
 
 @torch.no_grad()
-def logits(site: Site, predict: Predict, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
+def logits(site: PredictingSite, predict: Predict, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
     """``predict(x)`` under the site's autocast; with ``tta`` the mean of the sigmoid probabilities of every
     mirrored copy of ``x`` (:func:`mirror_axes`, each flipped back), returned as logits (float32) so that
     thresholds and metrics apply unchanged."""

@@ -33,22 +33,32 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
 from fedseg.site import scoring, secure, state
-from fedseg.site.batches import SiteData, batch_of, dataset_len, placed_split, steps_per_round, training_batches
-from fedseg.site.calls import ApplyCall, Asks, Executor, FitCall, GradientCall, LocalExecutor, LossSums, as_asks, drive
-from fedseg.site.dp import DPExecutor, SiteDP
+from fedseg.site.batches import RoundBatches, Sampler, SeededOrder, SiteData, Splits, Streams, dataset_len
+from fedseg.site.calls import (
+    ApplyCall,
+    Asks,
+    Executor,
+    FitCall,
+    Flag,
+    GradientCall,
+    Hook,
+    LocalExecutor,
+    Loss,
+    as_asks,
+    backward_step,
+    drive,
+)
+from fedseg.site.dp import SiteDP
+from fedseg.site.dpsgd import DPExecutor, PoissonSampler
 from fedseg.site.workload import Workload
 
 
-def poly_lr(opt: Any, rnd: int, rounds: int, exponent: float = 0.9) -> None:
+def poly_lr(opt: torch.optim.Optimizer, rnd: int, rounds: int, exponent: float = 0.9) -> None:
     """nnU-Net's poly schedule for round ``rnd`` (1-based) of ``rounds``: every parameter group's learning
     rate becomes its first one (kept as ``initial_lr``, as torch's schedulers keep it) times
-    ``(1 − (rnd − 1) / rounds)^exponent``.  A wrapper exposing its optimizer as ``opt`` (SCAFFOLD's corrected
-    step) schedules that optimizer; one without parameter groups is left alone."""
-    groups = getattr(opt, "param_groups", None) or getattr(getattr(opt, "opt", None), "param_groups", None)
-    if not groups:
-        return
+    ``(1 − (rnd − 1) / rounds)^exponent``."""
     factor = (1.0 - (rnd - 1) / rounds) ** exponent
-    for g in groups:
+    for g in opt.param_groups:
         g.setdefault("initial_lr", g["lr"])
         g["lr"] = g["initial_lr"] * factor
 
@@ -72,14 +82,7 @@ class SiteHalf(Protocol):
     def summed(self, task: Task) -> bool: ...
 
 
-__all__ = [
-    "LossSums",
-    "Site",
-    "SiteData",
-    "batch_of",
-    "dataset_len",
-    "steps_per_round",
-]
+__all__ = ["Site", "SiteHalf", "poly_lr"]
 
 T = TypeVar("T")
 
@@ -105,7 +108,7 @@ class Site:
     executor
         Who answers the requests of this site's handlers when it handles a task alone (:meth:`handle`;
         :attr:`executor`): default :class:`~fedseg.site.calls.LocalExecutor`, under ``privacy.dp = "sample"``
-        :class:`~fedseg.site.dp.DPExecutor`.
+        :class:`~fedseg.site.dpsgd.DPExecutor`.
     """
 
     def __init__(
@@ -120,7 +123,6 @@ class Site:
     ):
         self.name = name
         self.index = index
-        self.data = data
         self.workload = workload
         self.cfg = cfg
         self.algorithm = algorithm
@@ -132,33 +134,54 @@ class Site:
         configure_determinism(self.device, cfg.deterministic)
         self.precision = cfg.train.precision
         self.scalers: dict[str, torch.amp.GradScaler] = {}
-        self.placed: dict[str, Dataset | None] = {}
-        """Each split as the training loop reads it, once placed (:func:`fedseg.site.batches.placed_split`)."""
+        self.splits = Splits(data, self.device, self.dtype, cfg.train.data)
+        """Its splits, each placed once where the training loop reads it (:class:`fedseg.site.batches.Splits`)."""
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.store: Arrays = {}
         self._workload_models: dict[str, nn.Module] = {}
         self.template_role: str | None = None
         self._handlers = algorithm.site_handlers()
-        self.executor: Executor = executor or (DPExecutor() if cfg.privacy.dp == "sample" else LocalExecutor())
-        """Who answers this site's requests in :meth:`handle` and :meth:`now` (a simulation that vectorizes its
-        sites drives their handlers with its own executor instead: :meth:`asks`)."""
         self.dp = SiteDP(self)
         """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
+        self.streams = Streams(cfg.seed, index, self.dp.random if cfg.privacy.dp != "off" else None)
+        """The generators of its training streams (:class:`fedseg.site.batches.Streams`)."""
+        sample = cfg.privacy.dp == "sample"
+        self.sampler: Sampler = PoissonSampler(self.dp) if sample else SeededOrder(self.streams)
+        """Which cases make each training batch: seeded permutations, or DP-SGD's Poisson samples."""
+        self.executor: Executor = executor or (DPExecutor(self.dp) if sample else LocalExecutor())
+        """Who answers this site's requests in :meth:`handle` and :meth:`now` (a simulation that vectorizes its
+        sites drives their handlers with its own executor instead, and hands it what it does not stack:
+        :meth:`asks`)."""
+        self.progress_said = Flag()
+        """Whether its first round of local training has said what a step costs
+        (:class:`fedseg.site.calls.RoundProgress`)."""
         self.secagg_record = secure.Record()
         """What this site masked per (task kind, round, step) (:class:`fedseg.site.secure.Record`): not part of
         its saved state, so restoring a checkpoint does not rewind it; a deployed site keeps it in a file."""
-        self.salt: int | None = None
-        """A deployed site's own random salt for this run (from the operating system, kept in its work folder,
-        mixed with the run id): mixed into its non-DP batch order and augmentation
-        (:func:`fedseg.site.batches.training_batches`) so that two runs never give bitwise-equal updates.  None
-        (simulation; a site whose policy has ``reproducible = true``): the run seed alone drives them."""
         self.epoch = ""
         """What the site's secure-aggregation record files this run's replies under (a deployed site's run id;
         empty in simulation): :class:`fedseg.site.secure.Record`."""
         self.identity: Identity | None = None
         """The site's certificate and private key, which sign its secure-aggregation keys
         (:mod:`fedseg.privacy.identity`); set by a deployed site from its startup kit, None in simulation."""
+
+    @property
+    def data(self) -> SiteData:
+        """Its splits (:class:`fedseg.site.batches.SiteData`)."""
+        return self.splits.data
+
+    @property
+    def salt(self) -> int | None:
+        """A deployed site's own random salt for this run (from the operating system, kept in its work folder,
+        mixed with the run id): mixed into its non-DP batch order and augmentation
+        (:class:`fedseg.site.batches.Streams`) so that two runs never give bitwise-equal updates.  None
+        (simulation; a site whose policy has ``reproducible = true``): the run seed alone drives them."""
+        return self.streams.salt
+
+    @salt.setter
+    def salt(self, value: int | None) -> None:
+        self.streams.salt = value
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: Task) -> Reply:
@@ -281,12 +304,36 @@ class Site:
 
     # ------------------------------------------------------------------- data
     def split_data(self, split: str) -> Dataset | None:
-        """A split as the training loop reads it (:func:`fedseg.site.batches.placed_split`)."""
-        return placed_split(self, split)
+        """A split as the training loop reads it (:meth:`fedseg.site.batches.Splits.placed`)."""
+        return self.splits.placed(split)
 
     def steps_per_round(self, split: str = "train") -> int:
         """Local optimizer steps in one round: ``local_steps``, or ``local_epochs`` × batches per epoch."""
-        return steps_per_round(self.cfg.train, dataset_len(self.data.split(split)))
+        return self.splits.steps_per_round(self.cfg.train, split)
+
+    def round_batches(
+        self,
+        rnd: int,
+        stream: str = "train",
+        steps: int | None = None,
+        split: str = "train",
+        batch_size: int | None = None,
+    ) -> RoundBatches:
+        """The training batches of one round, drawn lazily (:class:`fedseg.site.batches.RoundBatches`): its
+        ``steps`` (default :meth:`steps_per_round`) batches of ``batch_size`` (default ``train.batch_size``)
+        cases, chosen by the site's :attr:`sampler`."""
+        return RoundBatches(
+            self.name,
+            self.splits,
+            self.streams,
+            self.sampler,
+            self.workload.train_transform,
+            rnd,
+            stream,
+            self.steps_per_round(split) if steps is None else steps,
+            batch_size or self.cfg.train.batch_size,
+            split,
+        )
 
     def batches(
         self,
@@ -296,8 +343,8 @@ class Site:
         split: str = "train",
         batch_size: int | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Training batches of one round (:func:`fedseg.site.batches.training_batches`)."""
-        return training_batches(self, rnd, stream, steps, split, batch_size)
+        """Training batches of one round (:meth:`round_batches`), as an iterator."""
+        return iter(self.round_batches(rnd, stream, steps, split, batch_size))
 
     # ------------------------------------------------------------- local work
     def fit(
@@ -307,27 +354,49 @@ class Site:
         stream: str = "train",
         optimizer: torch.optim.Optimizer | None = None,
         extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
+        after_backward: Hook | None = None,
         steps: int | None = None,
+        after_step: Hook | None = None,
     ) -> Asks[dict[str, float]]:
         """Ask for one round of local training of the role's model (``stats = yield from site.fit(...)`` in a
         handler): ``{"loss": mean, "steps": n}``, computed by the executor that drives the handler
         (:func:`fedseg.site.calls.local_fit` at the site; stacked with other sites' in a vectorized
-        simulation; DP-SGD's steps under ``privacy.dp = "sample"``).
+        simulation; DP-SGD's steps under ``privacy.dp = "sample"``).  The request is complete
+        (:class:`~fedseg.site.calls.FitCall`): the model, the optimizer (default: the role's), the round's batches,
+        the loss, the precision and the scaler are worked out here.
 
         ``extra_loss(model)`` is added to the workload loss (FedProx's proximal term);
-        ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's correction).  Under
+        ``after_backward(model)`` may edit gradients before the step (SCAFFOLD's gradient correction);
+        ``after_step(model)`` edits the weights after each step (SCAFFOLD's step correction).  Under
         ``train.lr_schedule = "poly"`` the optimizer's learning rate is set for the round first (:func:`poly_lr`)."""
+        opt = optimizer or self.optimizer(role)
         if self.cfg.train.lr_schedule == "poly":
-            poly_lr(optimizer or self.optimizer(role), rnd, self.cfg.rounds)
-        return (yield FitCall(self, role, rnd, stream, optimizer, extra_loss, after_backward, steps))
+            poly_lr(opt, rnd, self.cfg.rounds)
+        call = FitCall(
+            self.name,
+            role,
+            rnd,
+            self.model(role),
+            opt,
+            self.round_batches(rnd, stream, steps),
+            self.workload.loss,
+            self.device,
+            self.precision,
+            self.autocast,
+            self.scaler(role),
+            extra_loss,
+            after_backward,
+            after_step,
+            self.progress_said,
+        )
+        return (yield call)
 
     def gradient(
         self,
         role: str,
         x: torch.Tensor,
         target: Any,
-        loss: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        loss: Loss | None = None,
         at: Mapping[str, torch.Tensor] | None = None,
     ) -> Asks[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Ask for the gradient of ``loss(model(x), target)`` (default: the workload loss) at the role's current
@@ -336,8 +405,12 @@ class Site:
         ``({name: gradient}, loss)`` (parameters the loss does not reach are left out; the loss detached, not
         read).  The forward pass and the loss run under ``train.precision``'s autocast.  ``target`` is a tensor
         or a tuple/list of tensors.  Under ``privacy.dp = "sample"`` it is DP-SGD's privatized gradient
-        (:class:`fedseg.site.dp.DPExecutor`)."""
-        return (yield GradientCall(self, role, x, target, loss, at))
+        (:class:`fedseg.site.dpsgd.DPExecutor`)."""
+        model = self.model(role)
+        value = self.workload.loss if loss is None else loss
+        return (
+            yield GradientCall(self.name, role, model, x, target, value, self.device, self.precision, self.autocast, at)
+        )
 
     def step_with_gradient(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, grad: Mapping[str, torch.Tensor]
@@ -345,7 +418,8 @@ class Site:
         """Ask for one ``optimizer`` step of ``model`` (one of this site's) with ``grad`` (parameter name →
         tensor; a parameter it does not name gets no gradient) as its gradient
         (``yield from site.step_with_gradient(...)``)."""
-        yield ApplyCall(self, model, optimizer, grad)
+        role = next((r for r, m in self.models.items() if m is model), "?")
+        yield ApplyCall(self.name, role, model, optimizer, grad)
 
     def now(self, asks: Asks[T]) -> T:
         """Run ``asks`` (e.g. ``site.fit(role, rnd)``) to its end with the site's own executor
@@ -363,24 +437,11 @@ class Site:
         opt: torch.optim.Optimizer,
         loss: torch.Tensor,
         model: nn.Module | None = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
+        after_backward: Hook | None = None,
     ) -> None:
         """``loss.backward()`` and one step of ``opt``; under fp16 through the role's gradient
-        scaler (scaled backward, unscaled gradients for ``after_backward(model)``, a step skipped
-        and the scale backed off when a gradient overflowed).  fp32 and bf16: the plain step."""
-        scaler = self.scaler(role)
-        if scaler is None:
-            loss.backward()
-            if after_backward is not None and model is not None:
-                after_backward(model)
-            opt.step()
-            return
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        if after_backward is not None and model is not None:
-            after_backward(model)
-        scaler.step(opt)
-        scaler.update()
+        scaler (:func:`fedseg.site.calls.backward_step`).  fp32 and bf16: the plain step."""
+        backward_step(opt, loss, self.scaler(role), model, after_backward)
 
     def scaler(self, role: str) -> torch.amp.GradScaler | None:
         """The role's fp16 gradient scaler (None unless ``train.precision = "fp16"``)."""

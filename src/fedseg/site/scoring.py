@@ -9,12 +9,26 @@ import torch
 
 from fedseg.data.volumes.lazy import CachedVolumes
 from fedseg.foundation.arrays import strip_prefix
+from fedseg.foundation.config import RunConfig
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site import extent
 from fedseg.site import predict as prediction
-from fedseg.site.batches import batch_of, case_extents, dataset_len, on_device, placed_split
+from fedseg.site.batches import SiteData, Splits, batch_of, case_extents, dataset_len
+from fedseg.site.workload import Workload
 
-__all__ = ["OriginalGrids", "eval_groups", "evaluate", "score_cases", "score_each"]
+__all__ = ["OriginalGrids", "ScoringSite", "eval_groups", "evaluate", "score_cases", "score_each"]
+
+
+class ScoringSite(prediction.PredictingSite, Protocol):
+    """What scoring reads of a :class:`~fedseg.site.runtime.Site` (which imports this module): its splits, its
+    settings and its workload, and what prediction reads."""
+
+    cfg: RunConfig
+    workload: Workload
+    splits: Splits
+
+    @property
+    def data(self) -> SiteData: ...
 
 
 @runtime_checkable
@@ -29,10 +43,10 @@ class OriginalGrids(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def eval_groups(site: Any, split: str, cast_labels: bool = False) -> Iterator[extent.EvalGroup]:
+def eval_groups(site: ScoringSite, split: str, cast_labels: bool = False) -> Iterator[extent.EvalGroup]:
     """:meth:`Site.eval_batches <fedseg.site.runtime.Site.eval_batches>` with each batch's first case index and
     extent (None: as stored)."""
-    ds = placed_split(site, split)
+    ds = site.splits.placed(split)
     extents = case_extents(site.data.split(split))
     take: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = batch_of
     if isinstance(ds, CachedVolumes) and extents is not None:  # read each case's extent only
@@ -47,14 +61,14 @@ def eval_groups(site: Any, split: str, cast_labels: bool = False) -> Iterator[ex
         yield (
             first,
             ext,
-            on_device(site, x, cast=True),
-            on_device(site, y, cast=cast_labels and y.is_floating_point()),
+            site.splits.on_device(x, cast=True),
+            site.splits.on_device(y, cast=cast_labels and y.is_floating_point()),
         )
 
 
 @torch.no_grad()
 def score_cases(
-    site: Any, predict: Callable[[torch.Tensor], torch.Tensor], split: str, test_metrics: bool = False
+    site: ScoringSite, predict: Callable[[torch.Tensor], torch.Tensor], split: str, test_metrics: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-case metric (N, C) of ``predict`` on a split, in dataset order, and with ``test_metrics`` the
     workload's test metrics (``{name: (N, C)}``, e.g. HD95 in mm) computed on the same predictions.
@@ -67,7 +81,7 @@ def score_cases(
 
 @torch.no_grad()
 def score_each(
-    site: Any, predicts: Sequence[Callable[[torch.Tensor], torch.Tensor]], split: str, test_metrics: bool = False
+    site: ScoringSite, predicts: Sequence[Callable[[torch.Tensor], torch.Tensor]], split: str, test_metrics: bool = False
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """:func:`score_cases` of several predictors in one pass over the split: each batch read once and given to
     every predictor in turn (which may share work on it: the same batch tensor reaches each), the scores of each
@@ -113,7 +127,7 @@ def score_each(
     return result
 
 
-def evaluate(site: Any, task: Task) -> Reply:
+def evaluate(site: ScoringSite, task: Task) -> Reply:
     """The built-in ``"evaluate"`` task: every candidate's per-case scores on a split (and, on the test split, the
     workload's test metrics), each predicted by its predictor (``algorithm.predictors()``)."""
     split = task.config["split"]

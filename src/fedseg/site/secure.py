@@ -54,7 +54,7 @@ from fedseg.privacy.identity import Identity
 from fedseg.privacy.protocol import SiteParty, task_digest
 
 
-class Site(Protocol):
+class SecureSite(Protocol):
     """What secure aggregation uses of :class:`fedseg.site.runtime.Site` (named here, not imported: the
     runtime imports this module)."""
 
@@ -136,7 +136,7 @@ class Record:
                 os.fsync(f.fileno())
 
 
-def record_of(site: Site) -> Record:
+def record_of(site: SecureSite) -> Record:
     """``site.secagg_record``, an in-memory :class:`Record` made on first use when the site has none."""
     record = getattr(site, "secagg_record", None)
     if record is None:
@@ -155,12 +155,12 @@ def _same_answer(entry: dict[str, Any], input_digest: str, masked: list[str]) ->
     return entry.get("input") == input_digest and masked in (entry.get("masked"), entry.get("survived"))
 
 
-def _key(site: Site, task: Task) -> str:
+def _key(site: SecureSite, task: Task) -> str:
     epoch = getattr(site, "epoch", "")
     return f"{epoch}|{_label(task)}" if epoch else _label(task)
 
 
-def _party(site: Site, config: dict[str, Any]) -> SiteParty:
+def _party(site: SecureSite, config: dict[str, Any]) -> SiteParty:
     party = site.scratch.get(_SCRATCH)
     exchange = config.get("exchange")
     if party is None or party.exchange != exchange:
@@ -171,7 +171,7 @@ def _party(site: Site, config: dict[str, Any]) -> SiteParty:
     return party
 
 
-def check_summed(site: Site, task: Task) -> None:
+def check_summed(site: SecureSite, task: Task) -> None:
     """A task whose reply the server sums (``privacy.secure_aggregation`` on in the site's config) is refused
     when it comes without secure aggregation (the site never sends such a reply unmasked) or sets its own
     ``steps`` (the site's local work comes from its own config)."""
@@ -189,7 +189,7 @@ def check_summed(site: Site, task: Task) -> None:
         )
 
 
-def handle(site: Site, task: Task) -> Reply:
+def handle(site: SecureSite, task: Task) -> Reply:
     """Steps 1, 2, the consistency round and step 4: advertise fresh keys, send sealed shares, attest the
     survivor set (once per (kind, round, step), :class:`Record`), reveal the shares the server may have; after
     a reveal, ``site.dp.on_reveal(exchange, masked, survived)`` when the site's DP has that hook."""
@@ -238,7 +238,7 @@ def handle(site: Site, task: Task) -> Reply:
     raise PayloadError(f"site {site.name}: unknown secure-aggregation task {task.kind!r}")
 
 
-def mask_reply(site: Site, task: Task, reply: Reply) -> Reply:
+def mask_reply(site: SecureSite, task: Task, reply: Reply) -> Reply:
     """Step 3: the reply with its arrays encoded (× the public weight: its sample count under
     ``weighting = "samples"``, else 1; per name prefix with ``prefix_weighting``, :func:`weights_by_name`), masked and renamed ``secagg/<name>``; ``metrics["secagg"]`` says
     their dtypes and which peers' shares did not open.  ``asked``: the task's digest

@@ -4,17 +4,41 @@ scales and algorithm state (``site.store``, e.g. control variates) — as flat h
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from fedseg.foundation.arrays import Arrays, strip_prefix
 from fedseg.foundation.device import to_device
 
-__all__ = ["load_state_arrays", "state_arrays"]
+__all__ = ["SavedSite", "load_state_arrays", "state_arrays"]
 
 
-def state_arrays(site: Any, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
+class SavedSite(Protocol):
+    """What a site's saved state is made of (:class:`~fedseg.site.runtime.Site`, which imports this module): its
+    models, optimizers and fp16 scalers by role, its store, and how it creates a role's model and optimizer."""
+
+    name: str
+    algorithm: Any  # the site half: model_factory(site, role), optimizer_params(site, role)
+    models: dict[str, nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer]
+    scalers: dict[str, torch.amp.GradScaler]
+    store: Arrays
+    template_role: str | None
+    device: torch.device
+
+    def model(self, role: str, factory: Callable[[], nn.Module] | None = None) -> nn.Module: ...
+
+    def optimizer(
+        self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None
+    ) -> torch.optim.Optimizer: ...
+
+    def scaler(self, role: str) -> torch.amp.GradScaler | None: ...
+
+
+def state_arrays(site: SavedSite, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
     """Everything the site must remember, as flat host arrays + JSON metadata (device-independent:
     a state saved on a GPU loads on the CPU and back).  ``copy=False`` returns the live tensors
     (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
@@ -43,7 +67,7 @@ def state_arrays(site: Any, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
     return arrays, meta
 
 
-def load_state_arrays(site: Any, arrays: Arrays, meta: dict[str, Any]) -> None:
+def load_state_arrays(site: SavedSite, arrays: Arrays, meta: dict[str, Any]) -> None:
     """Restore :meth:`state_arrays` output.  Models must be creatable by the workload or already exist."""
     template = meta.get("template_role")
     roles = sorted(meta["models"], key=lambda r: r != template)  # the template first, as when it was built

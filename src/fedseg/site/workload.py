@@ -223,7 +223,7 @@ def make_loss(name: str) -> Loss:
 
 class CaseTransform:
     """A training transform that reads each case's own extent and, for volumes kept in a site's cache, a
-    :class:`fedseg.data.volumes.lazy.CaseBatch` instead of stacked tensors (:func:`fedseg.site.batches.training_batches`
+    :class:`fedseg.data.volumes.lazy.CaseBatch` instead of stacked tensors (:class:`fedseg.site.batches.RoundBatches`
     hands it those): ``fn(x, y, g, extents) -> (x, y)``, every draw from ``g``.  A plain callable
     ``(x, y, g) -> (x, y)`` gets the stacked batch only."""
 

@@ -39,7 +39,8 @@ from fedseg.foundation.arrays import Arrays, clone, prefixed, strip_prefix
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
-from fedseg.site.runtime import Site, dataset_len
+from fedseg.site.batches import dataset_len
+from fedseg.site.runtime import Site
 
 __all__ = [
     "HELD",

@@ -21,7 +21,8 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate
 from fedseg.seams.transport import Transport
-from fedseg.site.runtime import Site, dataset_len
+from fedseg.site.batches import dataset_len
+from fedseg.site.runtime import Site
 
 __all__ = [
     "SelectorFactory",

@@ -51,9 +51,9 @@ from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_me
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, ServerContext
-from fedseg.site.batches import stream_generator
+from fedseg.site.batches import dataset_len
 from fedseg.site.calls import Asks
-from fedseg.site.runtime import Site, dataset_len
+from fedseg.site.runtime import Site
 
 __all__ = [
     "ExpertsLoss",
@@ -232,11 +232,11 @@ def augment_for_selector(
     site: Site, x: torch.Tensor, y: torch.Tensor, rnd: int, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fedsm.selector_augment`` on a selector batch ``(x, y)``: ``"flip"`` (:func:`flip_batch` of the
-    images and their masks alike, from :func:`fedseg.site.batches.stream_generator`: the run seed, the site, the round and the step, or the site's DP randomness under DP), ``"none"``
+    images and their masks alike, from :class:`fedseg.site.batches.Streams`: the run seed, the site, the round and the step, or the site's DP randomness under DP), ``"none"``
     the batch as drawn."""
     if cast(Algorithm, site.algorithm).params.selector_augment != "flip":
         return x, y
-    return flip_batch(x, stream_generator(site, rnd, "selector-flip", step), y)
+    return flip_batch(x, site.streams.generator(rnd, "selector-flip", step), y)
 
 
 def routing_accuracy_at(site: Site, sel: nn.Module, sites: Sequence[str], phase: str, labels: str) -> float:

@@ -49,8 +49,9 @@ from fedseg.foundation.seeding import derive_seed
 from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients, privatized_gradient
 from fedseg.privacy.randomness import Randomness
 from fedseg.seams.algorithm import ServerContext
+from fedseg.site.batches import SiteData
 from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload
 
 __all__ = [
@@ -121,16 +122,16 @@ class _Recorder(LocalExecutor):
 
     def answer(self, call: Call) -> Any:
         if isinstance(call, FitCall):
-            self.fits.append({"role": call.role, "round": call.rnd, "stream": call.stream, "steps": call.steps})
+            self.fits.append({"role": call.role, "round": call.rnd, "steps": call.batches.steps})
         elif isinstance(call, GradientCall):
-            at, site = call.at, call.site
-            weights = at if at is not None else {n: p for n, p in site.model(call.role).named_parameters()}
+            at = call.at
+            weights = at if at is not None else dict(call.model.named_parameters())
             self.gradients.append(
                 {
                     "role": call.role,
                     "x": call.x.detach().clone(),
                     "target": _detached(call.target),
-                    "loss": call.loss if call.loss is not None else site.workload.loss,
+                    "loss": call.loss,
                     "weights": {n: t.detach().clone() for n, t in weights.items()},
                 }
             )

@@ -47,7 +47,7 @@ from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import generator
 from fedseg.seams.checkpoint import save_json
-from fedseg.site.runtime import SiteData, batch_of, dataset_len
+from fedseg.site.batches import SiteData, batch_of, dataset_len
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = [

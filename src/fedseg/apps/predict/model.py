@@ -27,7 +27,8 @@ from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Candidate
 from fedseg.seams.checkpoint import load_best, restore_site
 from fedseg.site import predict as prediction
-from fedseg.site.runtime import Site, SiteData
+from fedseg.site.batches import SiteData
+from fedseg.site.runtime import Site
 from fedseg.site.workload import workload_for
 
 __all__ = ["MODEL_CHOICES", "Loaded", "choose_candidate", "find_run", "load_predictor", "load_site_predictor"]

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from fedseg.foundation.arrays import Arrays, flatten
 from fedseg.foundation.seeding import generator
-from fedseg.site.runtime import batch_of, dataset_len
+from fedseg.site.batches import batch_of, dataset_len
 
 __all__ = ["LossSurface", "dataset_loss", "loss_surface", "perturbed", "random_directions", "trainable_arrays"]
 

@@ -25,7 +25,7 @@ from fedseg.apps.report.runs import DataCache, Run, RunModels
 from fedseg.apps.report.tsne import selector_features, tsne_embed
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
-from fedseg.site.runtime import batch_of, dataset_len
+from fedseg.site.batches import batch_of, dataset_len
 from fedseg.site.workload import predicted_channels
 
 __all__ = [

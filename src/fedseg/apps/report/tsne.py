@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.site.runtime import batch_of, dataset_len
+from fedseg.site.batches import batch_of, dataset_len
 
 __all__ = ["selector_features", "tsne_embed"]
 

@@ -40,7 +40,7 @@ from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import PROGRESS, save_json
 from fedseg.seams.transport import Transport
 from fedseg.simulation.runner import build_engine
-from fedseg.site.runtime import SiteData
+from fedseg.site.batches import SiteData
 from fedseg.site.workload import Workload, workload_for
 
 __all__ = [

@@ -22,7 +22,7 @@ class Structure:
         self.tied = _tied(model)
         named = list(model.named_parameters())
         self.pnames = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.params: list[torch.Tensor] = [p for _, p in named]
         self._owners = []  # (name, owning module, attribute): a buffer is read where it lives now
         for name, _ in model.named_buffers():
             path, _, attr = name.rpartition(".")

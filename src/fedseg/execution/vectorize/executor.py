@@ -13,19 +13,28 @@ from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.execution.vectorize import lockstep, memory
 from fedseg.execution.vectorize.eligibility import Structure, optimizer_reason
 from fedseg.execution.vectorize.graphs import Arena
-from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ApplyCall, FitCall, GradientCall, run_handlers, site_names
-from fedseg.foundation.messages import Reply, Task
+from fedseg.execution.vectorize.scheduler import (
+    SEQUENTIAL,
+    ApplyCall,
+    ExecutorState,
+    FitCall,
+    GradientCall,
+    Handler,
+    run_handlers,
+    site_names,
+)
+from fedseg.foundation.messages import Reply
 from fedseg.site.calls import LocalExecutor
-from fedseg.site.runtime import Site
 
 
 class VectorizedExecutor:
     r"""Drives one ask's handlers so that their requests (:mod:`fedseg.site.calls`) are computed together:
     :class:`~fedseg.site.calls.FitCall`\ s trained as one computation (:meth:`fit_together`),
     :class:`~fedseg.site.calls.GradientCall`\ s differentiated in one ``vmap`` (:meth:`gradients_together`),
-    :class:`~fedseg.site.calls.ApplyCall`\ s stepped as one fused Adam step (:meth:`apply_together`); a request
-    that cannot be stacked is computed at its site (:class:`~fedseg.site.calls.LocalExecutor`).  Everything
-    runs in the calling thread.
+    :class:`~fedseg.site.calls.ApplyCall`\ s stepped as one fused Adam step (:meth:`apply_together`), each
+    computed from the call alone; a request that cannot be stacked is answered by its site's own executor
+    (:attr:`Handler.executor <fedseg.execution.vectorize.scheduler.Handler.executor>`).  Everything runs in the
+    calling thread.
 
     Parameters
     ----------
@@ -47,51 +56,73 @@ class VectorizedExecutor:
     def __init__(self, group_size: int = 0, log: Callable[[str], None] = print, cuda_graphs: bool = True):
         self.group_size = group_size
         self.log = log
-        self.cuda_graphs = cuda_graphs
-        self.arenas: dict[tuple, Arena] = {}  # by group key and stack size, least recently used first
-        self._said: set[str] = set()
-        self.vectorized_fits = 0
-        """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
-        self.vectorized_gradients = 0
-        """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
-        self.vectorized_applies = 0
-        """Number of ``apply_gradient`` steps taken stacked so far (for tests and benchmarks)."""
+        self.state = ExecutorState(log, cuda_graphs)
+        """What the stacked fit and the lockstep functions share with the executor (:class:`ExecutorState`)."""
         self._met: set[str] = set()  # task kinds whose handlers met in fit or gradient
         self._stacked_roles: set[str] = set()  # roles whose gradients were stacked at least once
         # gradient groups (key, loss) whose loss failed under vmap: sequential from then on
         self._no_vmap: list[tuple[tuple, Any]] = []
         self._site_bytes: dict[tuple, int] = {}  # estimated bytes per site of a stacked group, by group key
         self._group_sizes: dict[tuple, int] = {}  # the group size last said, by group key and sites
-        # every model met, walked once (a plain dict: the entries hold their models; the executor lives one run)
-        self._structures: dict[nn.Module, Structure] = {}
-        self.local = LocalExecutor()
-        """Computes at its site a request that is not stacked."""
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.state.cuda_graphs
+
+    @property
+    def arenas(self) -> dict[tuple, Arena]:
+        """The CUDA-graph arenas by group key and stack size, least recently used first."""
+        return self.state.arenas
+
+    @property
+    def vectorized_fits(self) -> int:
+        """Number of ``fit`` calls trained stacked so far (for tests and benchmarks)."""
+        return self.state.vectorized_fits
+
+    @property
+    def vectorized_gradients(self) -> int:
+        """Number of ``gradient`` calls computed stacked so far (for tests and benchmarks)."""
+        return self.state.vectorized_gradients
+
+    @property
+    def vectorized_applies(self) -> int:
+        """Number of ``apply_gradient`` steps taken stacked so far (for tests and benchmarks)."""
+        return self.state.vectorized_applies
 
     def say(self, msg: str) -> None:
         """Log ``msg`` once per executor."""
-        if msg not in self._said:
-            self._said.add(msg)
-            self.log(f"vectorize: {msg}")
+        self.state.say(msg)
 
     # ------------------------------------------------------------ scheduling
-    def run(self, calls: Sequence[tuple[Site, Task]]) -> list[Reply]:
-        """Every ``site.handle(task)``, driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`);
-        returns the replies in order."""
+    def run(self, handlers: Sequence[Handler]) -> list[Reply]:
+        """Every handler driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`), each request
+        that is not stacked answered by its site's own executor; returns the replies in order.  Only the requests
+        of sites whose own executor is a plain :class:`~fedseg.site.calls.LocalExecutor` are stacked: a site
+        whose executor computes otherwise (DP-SGD's :class:`~fedseg.site.dpsgd.DPExecutor`) answers all of its
+        own."""
+        stackable = [type(h.executor) is LocalExecutor for h in handlers]
+        for h, ok in zip(handlers, stackable):
+            if not ok:
+                self.say(
+                    f"site {h.site} answers its own requests: its executor ({type(h.executor).__name__}) computes "
+                    "them otherwise than a stacked step would"
+                )
         replies, asked = run_handlers(
-            [site.asks(task) for site, task in calls],
+            [h.asks for h in handlers],
             {FitCall: self.fit_together, GradientCall: self.gradients_together, ApplyCall: self.apply_together},
-            self.local.answer,
+            [h.executor.answer for h in handlers],
+            stackable,
         )
         unfitted: dict[str, list[str]] = {}
-        for (site, task), did in zip(calls, asked):
+        for h, did in zip(handlers, asked):
             if did:
-                self._met.add(task.kind)
+                self._met.add(h.kind)
             else:
-                unfitted.setdefault(task.kind, []).append(site.name)
+                unfitted.setdefault(h.kind, []).append(h.site)
         for kind, names in unfitted.items():
             if kind in self._met:  # e.g. the last, apply-only exchange of a lockstep round
                 continue
-            method = calls[0][0].algorithm.name
+            method = handlers[0].method
             self.say(
                 f"task {kind!r} of {site_names(names)} runs sequentially: method {method!r} computes it in its own loop, not through Site.fit or Site.gradient"
             )
@@ -99,25 +130,21 @@ class VectorizedExecutor:
 
     # -------------------------------------------------------------- planning
     def structure(self, model: nn.Module) -> Structure:
-        """The :class:`Structure` of a model, walked once per model object (every round's fits and every
-        lockstep step ask for it)."""
-        known = self._structures.get(model)
-        if known is None:
-            known = self._structures[model] = Structure(model)
-        return known
+        """The :class:`Structure` of a model, walked once per model object (:meth:`ExecutorState.structure`)."""
+        return self.state.structure(model)
 
     def fit_together(self, calls: Sequence[FitCall]) -> list[Any]:
         """Train the calls that can be stacked; the others get ``SEQUENTIAL`` (computed at their sites)."""
         results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, list[stacked_fit.FitItem]]] = []
         for i, c in enumerate(calls):
-            item, reason = stacked_fit.check_fit(self, i, c)
+            item, reason = stacked_fit.check_fit(self.state, i, c)
             if item is None:
-                self.say(f"role {c.role!r} of site {c.site.name} trains sequentially: {reason}")
+                self.say(f"role {c.role!r} of site {c.site} trains sequentially: {reason}")
                 continue
             key = item.key
             for gkey, members in groups:
-                if gkey == key and members[0].call.site.workload.loss == c.site.workload.loss:
+                if gkey == key and members[0].call.loss == c.loss:
                     members.append(item)
                     break
             else:
@@ -126,22 +153,22 @@ class VectorizedExecutor:
             if len(members) == 1:
                 c = members[0].call
                 self.say(
-                    f"role {c.role!r} of site {c.site.name} trains sequentially: no other site's training of the same model meets it"
+                    f"role {c.role!r} of site {c.site} trains sequentially: no other site's training of the same model meets it"
                 )
                 continue
             self.say(
-                f"role {members[0].call.role!r} of {site_names([m.call.site.name for m in members])} trains as one vectorized computation"
+                f"role {members[0].call.role!r} of {site_names([m.call.site for m in members])} trains as one vectorized computation"
             )
             size = self.group_size or self._memory_group_size(
                 members[0].key,
-                members[0].call.site.device,
-                [m.call.site.name for m in members],
+                members[0].call.device,
+                [m.call.site for m in members],
                 members[0].call.role,
                 functools.partial(memory.fit_site_bytes, members[0]),
             )
             for start in range(0, len(members), size):
                 for item, out in zip(
-                    members[start : start + size], stacked_fit.train(self, members[start : start + size])
+                    members[start : start + size], stacked_fit.train(self.state, members[start : start + size])
                 ):
                     results[item.index] = out
         return results
@@ -170,14 +197,6 @@ class VectorizedExecutor:
             )
         return size
 
-    # -------------------------------------------------------------- training
-    def train_group(self, items: list[stacked_fit.FitItem]) -> list[dict[str, float]]:
-        """One group's stacked fit (:func:`fedseg.execution.vectorize.fit.train_group`)."""
-        return stacked_fit.train_group(self, items)
-
-    stacked_gradients = staticmethod(stacked_fit.stacked_gradients)
-    """The eager step's gradients (:func:`fedseg.execution.vectorize.fit.stacked_gradients`)."""
-
     # ----------------------------------------------------- lockstep gradients
     def gradients_together(self, calls: Sequence[GradientCall]) -> list[Any]:
         """Each call's ``(gradients, loss)`` — those that can be stacked computed in one vmapped call per
@@ -185,12 +204,12 @@ class VectorizedExecutor:
         results: list[Any] = [SEQUENTIAL] * len(calls)
         groups: list[tuple[tuple, Any, list[int]]] = []
         for i, c in enumerate(calls):
-            signature, reason = lockstep.gradient_reason(self, c)
+            signature, reason = lockstep.gradient_reason(self.state, c)
             if reason is not None:
-                self.say(f"the gradient of role {c.role!r} of site {c.site.name} is computed sequentially: {reason}")
+                self.say(f"the gradient of role {c.role!r} of site {c.site} is computed sequentially: {reason}")
                 continue
-            key = (c.role, signature, str(c.site.device), c.site.precision, c.at is None)
-            loss = c.site.workload.loss if c.loss is None else c.loss
+            key = (c.role, signature, str(c.device), c.precision, c.at is None)
+            loss = c.loss
             for gkey, gloss, members in groups:
                 if gkey == key and gloss == loss:
                     members.append(i)
@@ -198,7 +217,7 @@ class VectorizedExecutor:
             else:
                 groups.append((key, loss, [i]))
         for key, loss, members in groups:
-            role, names = calls[members[0]].role, site_names([calls[i].site.name for i in members])
+            role, names = calls[members[0]].role, site_names([calls[i].site for i in members])
             if len(members) == 1:
                 if role not in self._stacked_roles:  # not merely the last site of a loop the others have left
                     self.say(
@@ -211,8 +230,8 @@ class VectorizedExecutor:
             self._stacked_roles.add(role)
             size = self.group_size or self._memory_group_size(
                 (*key, loss),
-                calls[members[0]].site.device,
-                [calls[i].site.name for i in members],
+                calls[members[0]].device,
+                [calls[i].site for i in members],
                 role,
                 functools.partial(memory.gradient_site_bytes, calls[members[0]], loss),
             )
@@ -225,7 +244,7 @@ class VectorizedExecutor:
     def _gradients_split(self, calls: list[GradientCall], loss: Any, key: tuple) -> list[Any]:
         """:meth:`gradient_group`; out of memory: in halves; any other error: sequentially from now on."""
         try:
-            return self.gradient_group(calls, loss)
+            return lockstep.gradient_group(self.state, calls, loss)
         except Exception as e:
             if isinstance(e, torch.OutOfMemoryError) and len(calls) > 1:
                 half = len(calls) // 2
@@ -235,14 +254,10 @@ class VectorizedExecutor:
                 return self._gradients_split(calls[:half], loss, key) + self._gradients_split(calls[half:], loss, key)
             self._no_vmap.append((key, loss))
             self.say(
-                f"the gradients of role {calls[0].role!r} of {site_names([c.site.name for c in calls])} are computed sequentially: "
+                f"the gradients of role {calls[0].role!r} of {site_names([c.site for c in calls])} are computed sequentially: "
                 f"the loss does not run under torch.func.vmap ({type(e).__name__}: {e})"
             )
             return [SEQUENTIAL] * len(calls)
-
-    def gradient_group(self, calls: list[GradientCall], loss: Any) -> list[Any]:
-        """One group's stacked gradients (:func:`lockstep.gradient_group`)."""
-        return lockstep.gradient_group(self, calls, loss)
 
     # ------------------------------------------------- lockstep optimizer steps
     def apply_together(self, calls: Sequence[ApplyCall]) -> list[Any]:
@@ -266,7 +281,7 @@ class VectorizedExecutor:
                 if reason is None and settings[0] != "adam":
                     reason = f"its optimizer is {type(c.optimizer).__name__} (only Adam steps are taken together)"
             if reason is not None:
-                self.say(f"the averaged gradient at site {c.site.name} is applied sequentially: {reason}")
+                self.say(f"the averaged gradient at site {c.site} is applied sequentially: {reason}")
                 continue
             key = (st.signature, settings)
             for gkey, members in groups:
@@ -278,12 +293,11 @@ class VectorizedExecutor:
         for (_, settings), members in groups:
             if len(members) > 1:
                 c = calls[members[0]]
-                role = next((r for r, m in c.site.models.items() if m is c.model), "?")
                 self.say(
-                    f"the averaged gradients of role {role!r} of {site_names([calls[i].site.name for i in members])} "
+                    f"the averaged gradients of role {c.role!r} of {site_names([calls[i].site for i in members])} "
                     "are applied as one fused Adam step"
                 )
-                lockstep.apply_group(self, [calls[i] for i in members], settings)
+                lockstep.apply_group(self.state, [calls[i] for i in members], settings)
                 for i in members:
                     results[i] = True
         return results

@@ -2,11 +2,12 @@
 
 The K models' parameters are stacked into one flat buffer (:class:`Layout`) and each site's model
 parameters become *views* of its rows for the duration of the call, so anything a handler's hook does to
-its model (``extra_loss``, ``after_backward``, an optimizer wrapper's ``after_step``) acts on the stacked
+its model (``extra_loss``, ``after_backward``, ``after_step``) acts on the stacked
 weights.  Each local step draws every site's batch from its own seeded stream, runs the workload loss of
 all sites in one ``torch.func.vmap`` over ``torch.func.functional_call``, adds each site's ``extra_loss``
 gradient and lets its ``after_backward`` edit its row, then steps a stacked, masked Adam or SGD
-(:class:`StackedOptimizer`).  At the end the rows are copied back into each site's own model and the
+(:class:`StackedOptimizer`) and lets each site's ``after_step`` edit its row of the weights.  Everything comes
+from the calls (:class:`~fedseg.site.calls.FitCall`): their models, optimizers, batches, loss and precision.  At the end the rows are copied back into each site's own model and the
 moments into each site's own optimizer state.
 
 Sites of a group need not take the same number of steps (epoch mode with sites of different sizes).  When a
@@ -40,7 +41,6 @@ class FitItem:
     call: FitCall
     model: nn.Module
     opt: torch.optim.Optimizer
-    wrapper: Any  # an optimizer wrapper with ``after_step()`` (SCAFFOLD's corrected step), or None
     params: list[torch.Tensor]  # the model's parameters, in order
     key: tuple  # (role, model signature, optimizer settings, device, precision): who can be stacked together
 
@@ -65,20 +65,14 @@ class _FirstStepFailed(Exception):
 
 def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[FitItem | None, str | None]:
     """The call as an :class:`FitItem` that can be stacked, or why it cannot."""
-    site = call.site
-    model = site.model(call.role)
-    opt = call.optimizer or site.optimizer(call.role)
-    if site.precision == "fp16":
+    model, opt = call.model, call.optimizer
+    if call.precision == "fp16":
         return None, "fp16 loss scaling (a GradScaler per site)"
-    wrapper = None
     if not isinstance(opt, torch.optim.Optimizer):
-        inner = getattr(opt, "opt", None)
-        if isinstance(inner, torch.optim.Optimizer) and callable(getattr(opt, "after_step", None)):
-            wrapper, opt = opt, inner
-        else:
-            return None, f"it steps with {type(opt).__name__}, not a torch optimizer"
+        return None, f"it steps with {type(opt).__name__}, not a torch optimizer"
     st = ex.structure(model)
-    signature, reason, params = st.signature, st.reason, list(st.params)
+    signature, reason = st.signature, st.reason
+    params: list[torch.Tensor] = list(st.params)
     if reason is None and len({p.dtype for p in params}) > 1:
         reason = "its parameters have several dtypes"
     settings: tuple = ()
@@ -86,15 +80,15 @@ def check_fit(ex: ExecutorState, index: int, call: FitCall) -> tuple[FitItem | N
         reason, settings = optimizer_reason(opt, params)
     if reason is not None:
         return None, reason
-    key = (call.role, signature, settings, str(site.device), site.precision)
-    return FitItem(index, call, model, opt, wrapper, params, key), None
+    key = (call.role, signature, settings, str(call.device), call.precision)
+    return FitItem(index, call, model, opt, params, key), None
 
 
 def train(ex: ExecutorState, items: list[FitItem]) -> list[Any]:
     """Train a group; on a CUDA out-of-memory error at its first step, train its halves instead; on any other
     error at its first step, its sites train sequentially (``SEQUENTIAL``)."""
     try:
-        return ex.train_group(items)
+        return train_group(ex, items)
     except _FirstStepFailed as e:
         if isinstance(e.error, torch.OutOfMemoryError) and len(items) > 1:
             half = len(items) // 2
@@ -102,7 +96,7 @@ def train(ex: ExecutorState, items: list[FitItem]) -> list[Any]:
                 f"a group of {len(items)} sites does not fit in memory; training groups of at most {half} (set simulation.vectorize_group)"
             )
             return train(ex, items[:half]) + train(ex, items[half:])
-        names = site_names([it.call.site.name for it in items])
+        names = site_names([it.call.site for it in items])
         ex.say(
             f"role {items[0].call.role!r} of {names} trains sequentially: its loss does not run under torch.func.vmap ({type(e.error).__name__}: {e.error})"
         )
@@ -133,8 +127,8 @@ class StackedFit:
         self.calls = [it.call for it in items]
         self.models = [it.model for it in items]
         self.k = k = len(items)
-        site0 = self.calls[0].site
-        dev, precision, loss_fn = site0.device, site0.precision, site0.workload.loss
+        call0 = self.calls[0]
+        dev, precision, loss_fn = call0.device, call0.precision, call0.loss
         template = self.models[0]
         st = ex.structure(template)
         self.pnames, tied = st.pnames, st.tied
@@ -176,9 +170,7 @@ class StackedFit:
 
         self.losses_of = vmap(site_loss, randomness="error")
         # no per-site hook (FedProx's term, SCAFFOLD's correction): a step is one fixed computation
-        self.hookless = not any(c.extra_loss or c.after_backward for c in self.calls) and all(
-            it.wrapper is None for it in items
-        )
+        self.hookless = not any(c.extra_loss or c.after_backward or c.after_step for c in self.calls)
 
     def next_batches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The next batch of every active site (site index → (x, y)); a site whose stream has ended leaves."""
@@ -207,7 +199,7 @@ class StackedFit:
             losses = graph_step(arena, self.opt, self.losses_of, self.pnames, role, variant, list(batch), ex.say)
             if losses is not None:
                 return losses
-        grads, losses = ex.stacked_gradients(
+        grads, losses = stacked_gradients(
             batch,
             self.weights,
             self.pnames,
@@ -223,11 +215,12 @@ class StackedFit:
         return losses
 
     def after_step(self, batch: dict[int, Any], losses: Any) -> None:
-        """Each stepped site's optimizer wrapper (acting on its row) and its loss sum."""
+        """Each stepped site's ``after_step`` (acting on its model, whose parameters view its row) and its loss
+        sum."""
         for i in batch:
-            wrapper = self.items[i].wrapper
-            if wrapper is not None:
-                wrapper.after_step()  # acts on the site's parameters, i.e. on its row
+            hook = self.calls[i].after_step
+            if hook is not None:
+                hook(self.models[i])
             self.progress[i].total += losses[i]
             self.progress[i].count += 1
 
@@ -262,7 +255,7 @@ def train_group(ex: ExecutorState, items: list[FitItem]) -> list[dict[str, float
     rows and moments are written back and a stack of the sites still training, packed from their rows, takes
     their next step, so no step computes a finished site's row."""
     progress = [
-        _Progress(c.site.batches(c.rnd, c.stream, c.steps), torch.zeros((), dtype=torch.float64, device=c.site.device))
+        _Progress(iter(c.batches), torch.zeros((), dtype=torch.float64, device=c.device))
         for c in (it.call for it in items)
     ]
     fit = StackedFit(ex, items, progress)

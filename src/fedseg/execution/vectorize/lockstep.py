@@ -22,11 +22,9 @@ from fedseg.foundation.device import autocast
 
 def gradient_reason(ex: ExecutorState, call: GradientCall) -> tuple[tuple, str | None]:
     """The call's model signature, and why its gradient cannot be stacked (None when it can)."""
-    site = call.site
-    model = site.model(call.role)
-    st = ex.structure(model)
+    st = ex.structure(call.model)
     signature, reason = st.signature, st.reason
-    if site.precision == "fp16":
+    if call.precision == "fp16":
         return signature, "fp16 loss scaling (a GradScaler per site)"
     if not is_tree(call.x) or not is_tree(call.target):
         return signature, "its batch or target is not a tensor or a tuple/list of tensors"
@@ -50,9 +48,8 @@ def gradient_group(
     round hold the same weights, but nothing here relies on it): each site's loss depends only on its
     row, so the gradient of their sum with respect to the stacked ``K × shape`` weights is, row by row,
     each site's own gradient.  Parameters the loss does not reach get no gradient, as sequentially."""
-    site0 = calls[0].site
-    dev, precision = site0.device, site0.precision
-    models = [c.site.model(c.role) for c in calls]
+    dev, precision = calls[0].device, calls[0].precision
+    models = [c.model for c in calls]
     template = models[0]
     sts = [ex.structure(m) for m in models]
     pnames, tied = sts[0].pnames, sts[0].tied
@@ -75,7 +72,11 @@ def gradient_group(
     results: list[Any] = [None] * len(calls)
     for idx in by_shape.values():
         with torch.no_grad():
-            weights = [torch.stack([plist[i][j] if own else calls[i].at[n] for i in idx]) for j, n in enumerate(pnames)]
+            ats = [calls[i].at or {} for i in idx]
+            weights = [
+                torch.stack([plist[i][j] if own else ats[r][n] for r, i in enumerate(idx)])
+                for j, n in enumerate(pnames)
+            ]
             bufs = {n: torch.stack([blist[i][n] for i in idx]) for n in blist[0]}
         for w in weights:
             w.requires_grad_(True)

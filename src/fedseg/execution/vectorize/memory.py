@@ -60,14 +60,14 @@ def fit_site_bytes(item: Any) -> int:
     gradients as autograd returns them and in the flat buffer, two Adam moments, the step's scratch) and
     twice the activations of one batch (those saved for backward, and the gradients flowing back)."""
     c = item.call
-    x, y = next(iter(c.site.batches(c.rnd, c.stream, 1)))  # the site's first batch (a fresh seeded stream)
+    x, y = next(iter(c.batches))  # the site's first batch (a fresh seeded stream)
     params = sum(p.numel() * p.element_size() for p in item.params)
-    return 6 * params + 2 * activation_bytes(item.model, x, y, c.site.workload.loss, c.site.device, c.site.precision)
+    return 6 * params + 2 * activation_bytes(item.model, x, y, c.loss, c.device, c.precision)
 
 
 def gradient_site_bytes(call: GradientCall, loss: Callable) -> int:
     """Bytes one site adds to a stacked lockstep-gradient group: its weights three times (stacked, their
     gradients, the gradients handed back) and twice the activations of its batch."""
-    model = call.site.model(call.role)
+    model = call.model
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 3 * params + 2 * activation_bytes(model, call.x, call.target, loss, call.site.device, call.site.precision)
+    return 3 * params + 2 * activation_bytes(model, call.x, call.target, loss, call.device, call.precision)
