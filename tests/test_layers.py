@@ -381,8 +381,7 @@ def test_every_folder_is_one_layer():
 
 
 MAX_LINES = 500
-ONE_CONCEPT = {
-}
+ONE_CONCEPT = {}
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
 
 

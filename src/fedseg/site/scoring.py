@@ -81,7 +81,10 @@ def score_cases(
 
 @torch.no_grad()
 def score_each(
-    site: ScoringSite, predicts: Sequence[Callable[[torch.Tensor], torch.Tensor]], split: str, test_metrics: bool = False
+    site: ScoringSite,
+    predicts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    split: str,
+    test_metrics: bool = False,
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """:func:`score_cases` of several predictors in one pass over the split: each batch read once and given to
     every predictor in turn (which may share work on it: the same batch tensor reaches each), the scores of each

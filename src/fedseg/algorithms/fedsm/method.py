@@ -44,7 +44,7 @@ from fedseg.foundation.arrays import Arrays, aggregate, clone, prefixed
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
-from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
+from fedseg.seams.algorithm import ServerContext
 from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
