@@ -47,9 +47,9 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
 
     import fedseg.site.secure as site_secure
     from fedseg.deployment.wire import encode_reply, encode_task
-    from fedseg.execution.inprocess import InProcessTransport
     from fedseg.foundation.config import EvalConfig, PrivacyConfig, RunConfig, TrainConfig
     from fedseg.privacy.protocol import ServerParty
+    from fedseg.simulation.inprocess import InProcessTransport
     from fedseg.simulation.runner import simulate
     from fedseg.site.batches import SiteData
     from fedseg.site.workload import segmentation_workload

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedseg.execution.vectorize import VectorizedExecutor
-from fedseg.execution.vectorize.scheduler import Handler
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply
+from fedseg.simulation.vectorize import VectorizedExecutor
+from fedseg.simulation.vectorize.scheduler import Handler
 from fedseg.site.calls import ApplyCall, FitCall, Flag, GradientCall, LocalExecutor, as_asks, drive
 
 X = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]], dtype=torch.float64)

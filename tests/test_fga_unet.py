@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedseg.execution.vectorize.eligibility import vectorize_reason
 from fedseg.foundation.config import ModelConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.models import FGAUNet, build_model
 from fedseg.models.fga_unet import PAPER_CHANNELS, PAPER_STRIDES
+from fedseg.simulation.vectorize.eligibility import vectorize_reason
 from fedseg.site.workload import make_loss
 
 PAPER = ModelConfig(name="fga-unet", channels=PAPER_CHANNELS, strides=PAPER_STRIDES)

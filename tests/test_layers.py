@@ -13,10 +13,11 @@ The folders of ``src/fedseg`` are the layers, lowest first (``docs/architecture.
    ``seams.algorithm.Candidate``; no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
 4. ``algorithms/`` — the methods;
 5. ``execution/`` — the round loop (``engine``), what both ways of hosting a run share (``federation``: a
-   run's data and plan; ``results``: its results files), the in-process transport and its vectorized executor;
+   run's data and plan; ``results``: its results files);
 6. ``simulation/`` and ``deployment/``, side by side, neither importing the other — one process (a
-   simulated federation) and many machines (the remote transport: wire format, ``[deploy]`` settings,
-   reply checks; the site and server mains; NVIDIA FLARE);
+   simulated federation: the in-process transport and its vectorized executor) and many machines (the
+   remote transport: wire format, ``[deploy]`` settings, reply checks; the site and server mains; NVIDIA
+   FLARE);
 7. ``apps/`` — ``studies/``, ``report/``, ``predict/``, …;
 8. ``cli.py`` (the dispatcher) and ``commands/`` (one module per verb).
 
@@ -257,7 +258,7 @@ def test_files_are_the_checkpoint_modules_not_the_sites_or_the_engines():
     file_io = ("safetensors", "json", "os", "shutil", "pickle")
     bad = [
         f"{MODULES[m].relative_to(SRC)}:{line} imports {target}"
-        for m in ("fedseg.site.runtime", "fedseg.execution.engine", "fedseg.execution.inprocess")
+        for m in ("fedseg.site.runtime", "fedseg.execution.engine", "fedseg.simulation.inprocess")
         for target, line, _ in IMPORTS[m]
         if target.split(".")[0] in file_io
     ]

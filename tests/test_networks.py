@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fedseg.data.volumes.plan import network_plan, topology
-from fedseg.execution.vectorize.eligibility import vectorize_reason
 from fedseg.foundation.config import ModelConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.models import build_model, deep_supervision_loss, deep_supervision_weights
+from fedseg.simulation.vectorize.eligibility import vectorize_reason
 from fedseg.site.workload import make_loss
 
 EINOPS = importlib.util.find_spec("einops") is not None

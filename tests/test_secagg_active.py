@@ -357,8 +357,8 @@ def test_a_run_with_fewer_sites_than_the_minimum_stops_at_once(least):
     """Two sites under secure aggregation: with the default privacy.secagg_min_sites = 3 every site would refuse
     every exchange, so the run stops before training with the setting named; with 2 it runs."""
     from fedseg.execution.engine import Engine
-    from fedseg.execution.inprocess import InProcessTransport
     from fedseg.foundation.errors import ConfigError
+    from fedseg.simulation.inprocess import InProcessTransport
 
     cfg = tiny_config("fedavg", rounds=1)
     cfg = dataclasses.replace(cfg, privacy=PrivacyConfig(secure_aggregation=True, secagg_min_sites=least))

@@ -13,11 +13,11 @@ from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms import secure as server_secure
 from fedseg.deployment.params import deploy_params
-from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import strip_prefix, weighted_mean
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.privacy import secagg
+from fedseg.simulation.inprocess import InProcessTransport
 from fedseg.simulation.runner import simulate
 
 pytest.importorskip("cryptography")

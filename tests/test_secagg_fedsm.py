@@ -13,11 +13,11 @@ from conftest import tiny_config, tiny_sites
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms.fedsm import secure as sm_secure
 from fedseg.algorithms.softpull import soft_pull, soft_pull_from_sum
-from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import strip_prefix, weighted_mean
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.foundation.errors import ConfigError
 from fedseg.privacy import secagg
+from fedseg.simulation.inprocess import InProcessTransport
 from fedseg.simulation.runner import simulate
 from helpers import assert_same_arrays, assert_same_checkpoints, load_arrays, server_state, site_state
 

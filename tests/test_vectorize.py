@@ -23,19 +23,19 @@ from conftest import TINY_MODEL, tiny_config, tiny_sites
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
-from fedseg.execution.vectorize import (
+from fedseg.foundation.config import RunConfig, SimulationConfig, load_run_config
+from fedseg.foundation.errors import ConfigError, PayloadError
+from fedseg.foundation.messages import Reply, Task
+from fedseg.simulation.runner import build_transport, simulate
+from fedseg.simulation.vectorize import (
     AUTO_MIN_SITES,
     VectorizedExecutor,
     group_size_for,
     lockstep,
     resolve_vectorize,
 )
-from fedseg.execution.vectorize import fit as stacked_fit
-from fedseg.execution.vectorize.scheduler import Handler
-from fedseg.foundation.config import RunConfig, SimulationConfig, load_run_config
-from fedseg.foundation.errors import ConfigError, PayloadError
-from fedseg.foundation.messages import Reply, Task
-from fedseg.simulation.runner import build_transport, simulate
+from fedseg.simulation.vectorize import fit as stacked_fit
+from fedseg.simulation.vectorize.scheduler import Handler
 from fedseg.site.calls import LocalExecutor
 from fedseg.site.workload import segmentation_workload
 from helpers import assert_same_checkpoints
@@ -292,7 +292,7 @@ def test_group_size_for_fills_the_free_memory_with_as_few_even_groups_as_fit():
 
 
 def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(workload):
-    from fedseg.execution.vectorize.memory import activation_bytes, free_memory
+    from fedseg.simulation.vectorize.memory import activation_bytes, free_memory
 
     cpu = torch.device("cpu")
     assert free_memory(cpu) is None  # the CPU: all sites in one group unless simulation.vectorize_group says
@@ -310,7 +310,7 @@ def test_free_memory_is_known_on_cuda_only_and_activations_grow_with_the_batch(w
 def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
     """On CUDA with ``vectorize_group = 0`` the group size comes from the free memory and an estimate of
     the bytes per site; here both are set (on the CPU): 1000 bytes free, 400 per site → 2 fit in 80 %."""
-    from fedseg.execution.vectorize import memory
+    from fedseg.simulation.vectorize import memory
 
     monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
     monkeypatch.setattr(memory, "fit_site_bytes", lambda item: 400)
@@ -333,7 +333,7 @@ def test_groups_by_free_memory_equal_one_group(tmp_path, monkeypatch):
 def test_lockstep_gradients_are_grouped_by_free_memory(tmp_path, monkeypatch):
     """The same for FGA's lockstep gradients: 2 of 3 sites fit, and the log says so again only when
     the free memory changes the group size (here from the third exchange on: all 3 fit)."""
-    from fedseg.execution.vectorize import memory
+    from fedseg.simulation.vectorize import memory
 
     free = iter([1000, 1000] + [10_000] * 100)
     monkeypatch.setattr(memory, "free_memory", lambda device: next(free))
@@ -479,7 +479,7 @@ def test_the_vectorized_executor_starts_no_thread_and_computes_a_fallback_at_the
     """A vectorized FedSM round with its FGA selector (fits, lockstep gradients, fused steps) and an FGA round
     run with threading.Thread.start failing inside the executor's asks; a request the stacked functions leave computes at its site, in
     the calling thread, and the handler goes on with its result."""
-    from fedseg.execution.vectorize.scheduler import SEQUENTIAL
+    from fedseg.simulation.vectorize.scheduler import SEQUENTIAL
 
     inside = {"run": 0}
     real_start, real_run = threading.Thread.start, VectorizedExecutor.run
@@ -797,8 +797,8 @@ def test_graph_arena_takes_a_batch_only_of_its_captured_shape():
     shape — fixes its shape; later batches of that shape are copied into the same memory (a finished site's row
     keeps its last batch), any other shape or dtype (the last, smaller batch of an epoch) is refused and nothing
     is copied, so that step runs eagerly."""
-    from fedseg.execution.vectorize.graphs import Arena
-    from fedseg.execution.vectorize.layout import Layout
+    from fedseg.simulation.vectorize.graphs import Arena
+    from fedseg.simulation.vectorize.layout import Layout
 
     params = [torch.zeros(3, 2), torch.zeros(4)]
     arena = Arena(Layout(params, 2), params[0], {})
@@ -827,7 +827,7 @@ def test_masked_adam_first_step_moves_each_unmasked_element_by_lr_times_the_sign
     """Adam's first step, by hand: m = (1 − β₁) g, v = (1 − β₂) g², the bias corrections 1 − β₁ and √(1 − β₂)
     cancel them, so p moves by −lr · g / (|g| + eps) (≈ −lr · sign g).  ``adam_`` (masked) does that where the
     mask holds and leaves p, m and v bitwise unchanged elsewhere; a second step equals torch's Adam."""
-    from fedseg.execution.vectorize.optimizer import adam_, adam_factors
+    from fedseg.simulation.vectorize.optimizer import adam_, adam_factors
 
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
     g = torch.tensor([0.5, -2.0, 1e-3, 3.0], dtype=torch.float64)
@@ -857,9 +857,9 @@ def test_masked_graph_step_arithmetic_equals_the_eager_stacked_adam_step(active)
     same sites, on the CPU too: three sites at Adam step counts 1, 2 and 3 (weight decay on), the active sites'
     weights and moments to float rounding, an inactive site's bitwise unchanged, the step counts advanced for
     the active sites only."""
-    from fedseg.execution.vectorize.graphs import Arena
-    from fedseg.execution.vectorize.layout import Layout
-    from fedseg.execution.vectorize.optimizer import StackedOptimizer
+    from fedseg.simulation.vectorize.graphs import Arena
+    from fedseg.simulation.vectorize.layout import Layout
+    from fedseg.simulation.vectorize.optimizer import StackedOptimizer
 
     g = torch.Generator().manual_seed(0)
     models = [torch.nn.Linear(5, 3) for _ in range(3)]

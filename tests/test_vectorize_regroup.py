@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedseg.execution.vectorize import VectorizedExecutor
-from fedseg.execution.vectorize import fit as stacked_fit
 from fedseg.simulation.runner import build_transport, vectorized_schedule
+from fedseg.simulation.vectorize import VectorizedExecutor
+from fedseg.simulation.vectorize import fit as stacked_fit
 from fedseg.site.batches import SiteData
 from fedseg.site.calls import LocalExecutor
 from fedseg.site.workload import segmentation_workload
@@ -181,7 +181,7 @@ def test_buffers_kept_across_rounds_on_the_cpu_give_bitwise_the_same_run(tmp_pat
     exists per role and stack size the rounds passed through (4, 2 and 1 sites)."""
     from fedseg.algorithms import get_algorithm
     from fedseg.execution.engine import Engine
-    from fedseg.execution.vectorize import graphs
+    from fedseg.simulation.vectorize import graphs
 
     def run(name: str):
         cfg = _cfg(method, "on")

@@ -291,7 +291,7 @@ class SoftPull(PersonalizationBase):
         rnd, steps = task.config["round"], task.config.get("steps")
         # the two models are independent within a round: each runs the generic loop over the round's
         # seeded batches (a vectorized simulation then trains every site's global and personal models
-        # together: fedseg.execution.vectorize); with train_global False only the personal one
+        # together: fedseg.simulation.vectorize); with train_global False only the personal one
         metrics: dict[str, Any] = {}
         if self.train_global:
             g = site.load("global", strip_prefix("global", task.arrays))

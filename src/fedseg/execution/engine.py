@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedseg.evaluation.summary import summarize
+from fedseg.execution.budget import over_budget
 from fedseg.foundation.arrays import Arrays, layout_of, prefixed
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.device import DTYPES, configure_determinism, describe, resolve_device, to_device
@@ -242,50 +243,8 @@ class Engine:
         return {s: dict(replies[s].metrics) for s in self.ctx.sites if s in replies}
 
     def over_budget(self, report: dict[str, dict[str, Any]] | None, rnd: int) -> bool:
-        """True when round ``rnd`` would take a site past ``privacy.epsilon`` and ``budget_action = "stop"``
-        (logged either way); a budget that not even the first round fits is a :class:`ConfigError`.  Also True
-        (whatever ``budget_action``) when it would take a deployed site past its policy's lifetime ceiling over
-        all its runs (``epsilon_lifetime_next`` > ``epsilon_ceiling`` in its report): the site would refuse it."""
-        target = self.cfg.privacy.epsilon
-        if report is None:
-            return False
-        lifetime = {
-            s: r["epsilon_lifetime_next"]
-            for s, r in report.items()
-            if r.get("epsilon_ceiling") is not None and r.get("epsilon_lifetime_next", 0.0) > r["epsilon_ceiling"]
-        }
-        if lifetime and rnd > 1:  # round 1: the site refused the run at setup already
-            worst = max(lifetime, key=lambda s: lifetime[s])
-            self.log(
-                f"privacy budget: round {rnd} would take the data of site {worst} to ε = {lifetime[worst]:.3g} over "
-                f"all its runs > its policy's max_epsilon = {report[worst]['epsilon_ceiling']:g} (sites over it: "
-                f"{sorted(lifetime)}): training stops after round {rnd - 1} (checkpoint saved) and its models are "
-                "tested; the site's lifetime budget is its own"
-            )
-            return True
-        if target is None:
-            return False
-        over = {s: r["epsilon_next"] for s, r in report.items() if r["epsilon_next"] > target}
-        if not over:
-            return False
-        worst = max(over, key=lambda s: over[s])
-        said = (
-            f"privacy budget: round {rnd} would take site {worst} to ε = {over[worst]:.3g} > privacy.epsilon = "
-            f"{target:g} (δ = {self.cfg.privacy.delta:g}; sites over it: {sorted(over)})"
-        )
-        if self.cfg.privacy.budget_action == "warn":
-            self.log(f"{said}; privacy.budget_action = warn: training on")
-            return False
-        if rnd == 1:
-            raise ConfigError(
-                f"{said}: not even one round fits; raise privacy.epsilon or privacy.noise_multiplier, or lower "
-                "train.local_epochs / train.local_steps"
-            )
-        self.log(
-            f"{said}: training stops after round {rnd - 1} (checkpoint saved) and its models are tested; raise "
-            "privacy.epsilon (or privacy.noise_multiplier) to train further, or set privacy.budget_action = warn"
-        )
-        return True
+        """:func:`fedseg.execution.budget.over_budget` for this run's settings and log."""
+        return over_budget(self.cfg.privacy, report, rnd, self.log)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:

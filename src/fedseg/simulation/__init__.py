@@ -1,1 +1,2 @@
-"""One-machine simulation: every site in this process (``run``, ``simulate``), optionally vectorized."""
+"""One-machine simulation: every site in this process (``runner``: ``run``, ``simulate``), through the
+in-process transport (``inprocess``), optionally vectorized (``vectorize/``)."""

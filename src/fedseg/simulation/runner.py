@@ -24,14 +24,14 @@ from fedseg.data.spec import load_federation
 from fedseg.data.volumes.lazy import CachedVolumes
 from fedseg.execution.engine import Engine
 from fedseg.execution.federation import load_federation_data, plan_volume_run, write_layout
-from fedseg.execution.inprocess import InProcessTransport
 from fedseg.execution.results import write_results
-from fedseg.execution.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
 from fedseg.foundation.config import RunConfig, dump_toml, load_run_config
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
 from fedseg.seams.checkpoint import check_resumable
+from fedseg.simulation.inprocess import InProcessTransport
+from fedseg.simulation.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
 from fedseg.site.batches import SiteData
 from fedseg.site.runtime import Site
 from fedseg.site.workload import Workload, workload_for
@@ -56,7 +56,7 @@ def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
 def vectorized_schedule(steps: list[int]) -> list[tuple[int, int]]:
     """The stacks a vectorized round of sites taking ``steps`` local steps passes through, as (sites stacked,
     stacked steps): all of them until the first finishes, then the sites still training (the executor
-    regroups as sites finish, :func:`fedseg.execution.vectorize.fit.train_group`).  The stacked steps add up
+    regroups as sites finish, :func:`fedseg.simulation.vectorize.fit.train_group`).  The stacked steps add up
     to max(steps) and the rows they compute to sum(steps), the arithmetic of training the sites in turn."""
     out: list[tuple[int, int]] = []
     done = 0
@@ -98,7 +98,7 @@ def build_transport(
     heldout: Mapping[str, SiteData] | None = None,
 ) -> InProcessTransport:
     """In-process transport over one :class:`Site` per entry of ``site_data`` (plus the pooled site if needed),
-    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.execution.vectorize`).
+    vectorized when ``simulation.vectorize`` resolves to on (:mod:`fedseg.simulation.vectorize`).
 
     ``heldout``: sites addressable by name for evaluation but not part of the federation (FedSM's
     unseen-site study); their indices follow the federation's (and the pooled site's)."""

@@ -13,7 +13,7 @@ fp16 scaler, the hooks), so an executor computes from the call alone and never t
 An executor drives all the handlers of one ask: it advances each to its next request, computes the requests
 and sends the results back.  :class:`LocalExecutor` computes each request at its site, one handler after the
 other (deployed sites; simulations that run their sites in turn); :class:`fedseg.site.dpsgd.DPExecutor` computes
-them privatized (``privacy.dp = "sample"``); :class:`fedseg.execution.vectorize.VectorizedExecutor` computes
+them privatized (``privacy.dp = "sample"``); :class:`fedseg.simulation.vectorize.VectorizedExecutor` computes
 the requests of all sites of one ask stacked.  Every executor runs in the calling thread.
 """
 

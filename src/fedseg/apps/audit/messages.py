@@ -39,7 +39,6 @@ from fedseg.algorithms.fedsm import FedSM
 from fedseg.algorithms.fedsm.selection import selector_role
 from fedseg.algorithms.secure import secure_ask
 from fedseg.apps.audit.inversion import LocalOptimizer
-from fedseg.execution.inprocess import InProcessTransport
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.config import DPMode, RunConfig
 from fedseg.foundation.device import DTYPES
@@ -49,6 +48,7 @@ from fedseg.foundation.seeding import derive_seed
 from fedseg.privacy.dp import clip_per_sample, clip_update, noise_like, per_sample_gradients, privatized_gradient
 from fedseg.privacy.randomness import Randomness
 from fedseg.seams.algorithm import ServerContext
+from fedseg.simulation.inprocess import InProcessTransport
 from fedseg.site.batches import SiteData
 from fedseg.site.calls import Call, FitCall, GradientCall, LocalExecutor
 from fedseg.site.runtime import Site

@@ -282,7 +282,7 @@ class SimulationConfig:
     """How a one-machine simulation executes the sites' local work (never changes what a site computes).
 
     ``vectorize = "on"`` runs the sites' local steps of a round as one vectorized computation
-    (:mod:`fedseg.execution.vectorize`); ``"auto"`` turns it on on CUDA with at least 4 sites
+    (:mod:`fedseg.simulation.vectorize`); ``"auto"`` turns it on on CUDA with at least 4 sites
     (``AUTO_MIN_SITES``; fewer gained nothing on an H100).  ``vectorize_group = 0`` stacks as many
     sites as fit in the free GPU memory on CUDA (all sites on the CPU).  ``cuda_graphs = "on"``
     removes the per-kernel launch cost that bounds small-image rounds (equal to the eager

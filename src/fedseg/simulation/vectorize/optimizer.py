@@ -8,12 +8,12 @@ from typing import Protocol
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from fedseg.execution.vectorize.layout import Layout
+from fedseg.simulation.vectorize.layout import Layout
 
 
 class StaticBuffers(Protocol):
     """The static buffers a stacked Adam steps in when its step is captured as a CUDA graph
-    (:class:`fedseg.execution.vectorize.graphs.Arena`): the moments, the fused kernel's step count, and the
+    (:class:`fedseg.simulation.vectorize.graphs.Arena`): the moments, the fused kernel's step count, and the
     masked step's per-element mask, step sizes and bias corrections (made at their first use)."""
 
     m: torch.Tensor

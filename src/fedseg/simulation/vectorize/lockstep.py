@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch.func import functional_call, vmap
 
-from fedseg.execution.vectorize.eligibility import is_tree, tree_key
-from fedseg.execution.vectorize.layout import stack_tree
-from fedseg.execution.vectorize.optimizer import adam_, scalar_dtype
-from fedseg.execution.vectorize.scheduler import ApplyCall, ExecutorState, GradientCall
 from fedseg.foundation.device import autocast
+from fedseg.simulation.vectorize.eligibility import is_tree, tree_key
+from fedseg.simulation.vectorize.layout import stack_tree
+from fedseg.simulation.vectorize.optimizer import adam_, scalar_dtype
+from fedseg.simulation.vectorize.scheduler import ApplyCall, ExecutorState, GradientCall
 
 
 def gradient_reason(ex: ExecutorState, call: GradientCall) -> tuple[tuple, str | None]:

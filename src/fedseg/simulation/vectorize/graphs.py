@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from fedseg.execution.vectorize.layout import Layout
-from fedseg.execution.vectorize.optimizer import StackedOptimizer
+from fedseg.simulation.vectorize.layout import Layout
+from fedseg.simulation.vectorize.optimizer import StackedOptimizer
 
 GRAPH_WARMUP_STEPS = 2
 """Eager steps a group takes (on a side stream, as CUDA graph capture asks) before its step is captured."""

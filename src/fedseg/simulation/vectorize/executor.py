@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedseg.execution.vectorize import fit as stacked_fit
-from fedseg.execution.vectorize import lockstep, memory
-from fedseg.execution.vectorize.eligibility import Structure, optimizer_reason
-from fedseg.execution.vectorize.graphs import Arena
-from fedseg.execution.vectorize.scheduler import (
+from fedseg.foundation.messages import Reply
+from fedseg.simulation.vectorize import fit as stacked_fit
+from fedseg.simulation.vectorize import lockstep, memory
+from fedseg.simulation.vectorize.eligibility import Structure, optimizer_reason
+from fedseg.simulation.vectorize.graphs import Arena
+from fedseg.simulation.vectorize.scheduler import (
     SEQUENTIAL,
     ApplyCall,
     ExecutorState,
@@ -23,7 +24,6 @@ from fedseg.execution.vectorize.scheduler import (
     run_handlers,
     site_names,
 )
-from fedseg.foundation.messages import Reply
 from fedseg.site.calls import LocalExecutor
 
 
@@ -33,7 +33,7 @@ class VectorizedExecutor:
     :class:`~fedseg.site.calls.GradientCall`\ s differentiated in one ``vmap`` (:meth:`gradients_together`),
     :class:`~fedseg.site.calls.ApplyCall`\ s stepped as one fused Adam step (:meth:`apply_together`), each
     computed from the call alone; a request that cannot be stacked is answered by its site's own executor
-    (:attr:`Handler.executor <fedseg.execution.vectorize.scheduler.Handler.executor>`).  Everything runs in the
+    (:attr:`Handler.executor <fedseg.simulation.vectorize.scheduler.Handler.executor>`).  Everything runs in the
     calling thread.
 
     Parameters
@@ -48,7 +48,7 @@ class VectorizedExecutor:
         ``simulation.cuda_graphs``: on CUDA, the local step of a group with no per-site hook (``extra_loss``,
         ``after_backward``, an optimizer wrapper) and a plain Adam, whose active sites' batches have the static
         shape, is one of two fixed computations (every site at one step count: the fused Adam kernel; else a
-        masked step, see :func:`fedseg.execution.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
+        masked step, see :func:`fedseg.simulation.vectorize.graphs.graph_step`); each is taken eagerly :data:`GRAPH_WARMUP_STEPS` times, then
         captured once as a CUDA graph over static buffers kept across rounds (:class:`Arena`) and replayed;
         any other step runs eagerly on the same buffers.  A capture that fails is logged and the group stays eager.
     """
@@ -95,7 +95,7 @@ class VectorizedExecutor:
 
     # ------------------------------------------------------------ scheduling
     def run(self, handlers: Sequence[Handler]) -> list[Reply]:
-        """Every handler driven together (:func:`~fedseg.execution.vectorize.scheduler.run_handlers`), each request
+        """Every handler driven together (:func:`~fedseg.simulation.vectorize.scheduler.run_handlers`), each request
         that is not stacked answered by its site's own executor; returns the replies in order.  Only the requests
         of sites whose own executor is a plain :class:`~fedseg.site.calls.LocalExecutor` are stacked: a site
         whose executor computes otherwise (DP-SGD's :class:`~fedseg.site.dpsgd.DPExecutor`) answers all of its

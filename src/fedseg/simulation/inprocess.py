@@ -1,4 +1,4 @@
-"""Simulation: every site in this process, called one after another (or vectorized: :mod:`fedseg.execution.vectorize`)."""
+"""Simulation: every site in this process, called one after another (or vectorized: :mod:`fedseg.simulation.vectorize`)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from fedseg.execution.vectorize.scheduler import Handler
 from fedseg.foundation.arrays import Arrays, clone
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.checkpoint import restore_site, save_site
 from fedseg.seams.transport import Traffic
+from fedseg.simulation.vectorize.scheduler import Handler
 from fedseg.site.calls import Asks, Executor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedseg.execution.vectorize import VectorizedExecutor
+    from fedseg.simulation.vectorize import VectorizedExecutor
 
 
 class HostedSite(Protocol):
@@ -53,7 +53,7 @@ class InProcessTransport(Generic[S]):
         Sites addressable by name but not part of the federation (the pooled
         data of centralized training).
     vectorized
-        A :class:`fedseg.execution.vectorize.VectorizedExecutor` (``simulation.vectorize``): it drives the
+        A :class:`fedseg.simulation.vectorize.VectorizedExecutor` (``simulation.vectorize``): it drives the
         handlers of an ask's tasks together, so that their local training is one vectorized computation.
     """
 

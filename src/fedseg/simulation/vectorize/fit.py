@@ -27,12 +27,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedseg.execution.vectorize.eligibility import optimizer_reason
-from fedseg.execution.vectorize.graphs import Arena, arena_for, graph_step
-from fedseg.execution.vectorize.layout import Layout
-from fedseg.execution.vectorize.optimizer import StackedOptimizer
-from fedseg.execution.vectorize.scheduler import SEQUENTIAL, ExecutorState, FitCall, site_names
 from fedseg.foundation.device import autocast
+from fedseg.simulation.vectorize.eligibility import optimizer_reason
+from fedseg.simulation.vectorize.graphs import Arena, arena_for, graph_step
+from fedseg.simulation.vectorize.layout import Layout
+from fedseg.simulation.vectorize.optimizer import StackedOptimizer
+from fedseg.simulation.vectorize.scheduler import SEQUENTIAL, ExecutorState, FitCall, site_names
 
 
 @dataclass

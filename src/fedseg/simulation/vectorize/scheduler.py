@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from fedseg.execution.vectorize.eligibility import Structure
 from fedseg.foundation.messages import Reply
+from fedseg.simulation.vectorize.eligibility import Structure
 from fedseg.site.calls import ApplyCall, Asks, Call, Executor, FitCall, GradientCall
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
 @dataclass
 class ExecutorState:
     """What the stacked fit loop (``fit``) and the lockstep functions (``lockstep``) share with the
-    :class:`~fedseg.execution.vectorize.executor.VectorizedExecutor` they work for: where the log goes (each
+    :class:`~fedseg.simulation.vectorize.executor.VectorizedExecutor` they work for: where the log goes (each
     message said once), whether steps are captured as CUDA graphs, the counts of stacked requests, the CUDA-graph
     arenas and every model's :class:`Structure`."""
 

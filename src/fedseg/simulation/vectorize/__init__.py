@@ -30,10 +30,10 @@ parameters, batch norm with running statistics, dropout, a site whose model diff
 site alone in its group.  A handler that trains in its own loop runs sequentially as well.
 """
 
-from fedseg.execution.vectorize.eligibility import vectorize_reason
-from fedseg.execution.vectorize.executor import VectorizedExecutor
-from fedseg.execution.vectorize.memory import group_size_for
-from fedseg.execution.vectorize.policy import AUTO_MIN_SITES, resolve_vectorize
+from fedseg.simulation.vectorize.eligibility import vectorize_reason
+from fedseg.simulation.vectorize.executor import VectorizedExecutor
+from fedseg.simulation.vectorize.memory import group_size_for
+from fedseg.simulation.vectorize.policy import AUTO_MIN_SITES, resolve_vectorize
 from fedseg.site.calls import ApplyCall, FitCall, GradientCall
 
 __all__ = [
