@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from _report import emit, md_table
 
-from fedseg.apps.studies.compare import compare
+from fedseg.apps.studies.compare import compare, split_method_entries
 from fedseg.apps.studies.jobs import StudyOptions
 from fedseg.data.synth import synthesize
 
@@ -67,7 +67,11 @@ def main() -> None:
         default="fundus:0.1,fundus:0.2,prostate:0.04,prostate:0.08",
         help="preset:scale of every federation studied (scale: fraction of the paper's case counts)",
     )
-    p.add_argument("--methods", default="local,centralized,fedavg,fedsm")
+    p.add_argument(
+        "--methods",
+        default="local,centralized,fedavg,fedsm",
+        help="method entries as compare --methods (fedavg:weighting=samples,normalize=none: the papers' FedAvg)",
+    )
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2")
     p.add_argument(
         "--tune",
@@ -109,7 +113,7 @@ def main() -> None:
         t1 = time.perf_counter()
         compare(
             spec,
-            a.methods.split(","),
+            split_method_entries(a.methods),
             where / "tuned",
             StudyOptions(
                 seeds=seeds,
@@ -128,7 +132,7 @@ def main() -> None:
     tune_args = "".join(f" --tune {t}" for t in a.tune)
     md = [
         f"**Command:** `OMP_NUM_THREADS=1 python benchmarks/tuning.py --federations {a.federations} "
-        f"--methods {a.methods} --lrs {a.lrs}{tune_args} --seeds {a.seeds} --rounds {a.rounds} --steps {a.steps} "
+        f"--methods '{a.methods}' --lrs {a.lrs}{tune_args} --seeds {a.seeds} --rounds {a.rounds} --steps {a.steps} "
         f"--batch {a.batch} --size {a.size} --channels {a.channels} --eval-every {a.eval_every} --jobs {a.jobs}`",
         "",
         f"**Machine:** {platform.machine()} CPU, torch {torch.__version__}, 1 torch thread per run, {a.jobs} "

@@ -101,9 +101,9 @@ class FedAvgParams:
 
 @dataclass(frozen=True)
 class FedAvgRunParams(FedAvgParams):
-    """Settings of the ``fedavg`` method: :class:`FedAvgParams` with even weights and the step-normalized average
-    by default (measured on the fundus and prostate presets, docs/results/defaults.md); the papers' FedAvg is
-    ``weighting = "samples"``, ``normalize = "none"``.
+    """Settings of FedAvg: even weights and the step-normalized average (FedNova) by default, chosen by
+    measurement (docs/results/defaults.md); ``--set fedavg.weighting=samples fedavg.normalize=none`` is the papers'
+    FedAvg.
 
     normalize
         'steps': each site's update is divided by its local steps of the round and the weighted mean of those
