@@ -102,3 +102,26 @@ def test_an_unknown_normalization_is_refused_naming_the_setting():
     cfg = dataclasses.replace(tiny_config("fedavg"), params={"fedavg": {"normalize": "tau"}})
     with pytest.raises(ConfigError, match="fedavg.normalize"):
         get_algorithm(cfg)
+
+
+def test_client_level_dp_with_the_default_scales_the_clipped_updates_by_the_steps(workload, tmp_path):
+    """``privacy.dp = "client"`` under secure aggregation with FedAvg's defaults: each site clips its update to
+    C, adds its noise share (σ = 10⁻⁶: negligible) and divides by its τ_k; the server adds τ̄ times the mean.
+    Sites of 6, 8 and 10 cases take τ = 2, 2, 3, so the global step has norm ≤ τ̄ · (1/K) Σ_k C / τ_k
+    = 7/3 · (1/2 + 1/2 + 1/3) / 3 · C = 28/27 C, where the plain mean of clipped updates is bounded by C."""
+    from fedseg.foundation.arrays import strip_prefix
+    from fedseg.foundation.config import PrivacyConfig
+    from fedseg.foundation.seeding import derive_seed
+
+    clip = 1e-3
+    cfg = dataclasses.replace(
+        tiny_config("fedavg", rounds=1),
+        privacy=PrivacyConfig(dp="client", noise_multiplier=1e-6, clip=clip, secure_aggregation=True),
+    )
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "run", **QUIET)
+    with torch.random.fork_rng(devices=[]):  # the engine's seeded initial weights (Engine.init_arrays)
+        torch.manual_seed(derive_seed(cfg.seed, "init", "global"))
+        w0 = workload.build_model().state_dict()
+    w1 = strip_prefix("global", server_state(tmp_path / "run"))
+    moved = sum(float((w1[k].double() - w0[k].double()).pow(2).sum()) for k in w0 if w0[k].is_floating_point())
+    assert 0 < moved**0.5 <= 28 / 27 * clip * (1 + 1e-3)
