@@ -33,9 +33,17 @@ PERSONAL = ["ft", "apfl", "perfedavg", "pfedme", "ditto"]
 ALL = ["fedprox", "scaffold", *PERSONAL]
 
 
+PAPERS_FEDAVG = {"weighting": "samples", "normalize": "none"}
+"""The papers' FedAvg (p_k = n_k / n, the plain average), which FedProx at μ = 0, SCAFFOLD's first round, FT,
+APFL's and Ditto's global models reduce to; FedAvg's defaults (even weights, the step-normalized average) are
+tested in tests/test_fedavg_normalize.py."""
+
+
 def cfg_with(method: str, rounds: int = 2, params: dict | None = None, **train):
+    """A tiny config of ``method`` with ``params`` in its section; ``fedavg`` is the papers' unless ``params`` says."""
+    section = {**PAPERS_FEDAVG, **(params or {})} if method == "fedavg" else params or {}
     cfg = tiny_config(method, rounds=rounds, **train)
-    return dataclasses.replace(cfg, params={method: params or {}})
+    return dataclasses.replace(cfg, params={method: section})
 
 
 def t(*xs):

@@ -348,8 +348,8 @@ def test_client_level_dp_clips_each_update_and_accounts_per_round(wl, tmp_path):
     acc = RDPAccountant()
     acc.step(noise_multiplier=1e-6, sample_rate=1.0)
     assert res["privacy"]["sites"]["site1"]["epsilon"] == pytest.approx(acc.get_epsilon(1e-5))
-    with pytest.raises(ConfigError, match="fedavg.weighting = 'even'"):
-        get_algorithm(dataclasses.replace(cfg, method="fedavg"))
+    with pytest.raises(ConfigError, match="fedavg.weighting = 'even'"):  # the papers' weights n_k / n
+        get_algorithm(dataclasses.replace(cfg, method="fedavg", params={"fedavg": {"weighting": "samples"}}))
 
 
 @pytest.mark.slow

@@ -4,7 +4,18 @@ Round r: every site trains the global model w_r for one round of local work
 (``train.local_epochs`` or ``train.local_steps``) with its own optimizer, whose
 moments persist across rounds by default (FedSM reference code); the server sets
 
-    w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("fedavg")   or   p_k = 1/K   ("fedavg-even").
+    w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("samples", the papers')   or   p_k = 1/K   ("even").
+
+FedAvg's defaults are ``weighting = "even"`` with ``normalize = "steps"`` (FedNova's normalized average, Wang
+et al. 2020): site k's update Δ_k = w_{r+1}^{(k)} − w_r is divided by its τ_k local steps of the round and
+
+    w_{r+1} = w_r + τ̄ Σ_k p_k Δ_k / τ_k,   τ̄ = Σ_k p_k τ_k.
+
+With a round of one epoch τ_k grows with n_k, so the plain average weighs site k's data by p_k τ_k (∝ n_k² under
+``"samples"``): the largest site's style takes the global model and the small sites whose style differs fail
+(docs/results/defaults.md).  Normalized, each site counts p_k (1/K: the client average the tables report), and
+τ̄ keeps the size of the global step.  ``--set fedavg.weighting=samples fedavg.normalize=none`` is the papers'
+FedAvg, bitwise (``fedavg-even`` keeps the plain average with p_k = 1/K).
 
 ``fedavg.aggregation = "trimmed_mean" | "median"`` replaces the weighted mean by a
 coordinate-wise robust rule (:func:`fedseg.foundation.arrays.aggregate`); the default
@@ -23,16 +34,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fedseg.algorithms.secure import secure_ask
 from fedseg.algorithms.weighting import Weighting
-from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
+from fedseg.foundation.arrays import (
+    Aggregation,
+    Arrays,
+    aggregate,
+    check_aggregation,
+    is_float,
+    prefixed,
+    strip_prefix,
+)
+from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 from fedseg.site.batches import steps_per_round
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site
+
+Normalize = Literal["none", "steps"]
+"""FedAvg's ``normalize``: 'steps' (each site's update divided by its local steps, FedNova) or 'none' (the plain average)."""
 
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:
@@ -75,6 +98,27 @@ class FedAvgParams:
         check_aggregation(self.aggregation, self.trim, self.section)
 
 
+@dataclass(frozen=True)
+class FedAvgRunParams(FedAvgParams):
+    """Settings of FedAvg: even weights and the step-normalized average (FedNova) by default, chosen by
+    measurement (docs/results/defaults.md); ``--set fedavg.weighting=samples fedavg.normalize=none`` is the papers'
+    FedAvg.
+
+    normalize
+        'steps': each site's update is divided by its local steps of the round and the weighted mean of those
+        rescaled by the weighted mean of the steps (FedNova); 'none': the plain weighted average of the models.
+    """
+
+    weighting: Weighting = "even"
+    normalize: Normalize = "steps"
+    """'steps': average the sites' updates per local step and scale by the mean steps (FedNova: a site's share of the global model does not grow with its steps a round); 'none': the plain average of the models (the papers')."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.normalize not in ("none", "steps"):
+            raise ConfigError(f"{self.section}.normalize = {self.normalize!r}; use 'steps' or 'none'")
+
+
 def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:
     """What a FedAvg-style site sends after training ``role`` from ``start``: its weights, or under
     ``privacy.dp = "client"`` ``start`` plus its clipped update with its share of the noise
@@ -84,12 +128,50 @@ def sent_update(site: Site, task: Task, role: str, start: Arrays) -> Arrays:
     return prefixed(role, site.arrays(role))
 
 
+def rescale(start: Arrays, mean: Arrays, factor: float) -> Arrays:
+    """``start + factor · (mean − start)`` for floating-point tensors (others as in ``mean``)."""
+    out: Arrays = {}
+    for k, v in mean.items():
+        s = start.get(k)
+        out[k] = v if s is None or not is_float(v) else s + factor * (v - s)
+    return out
+
+
+def step_update(start: Arrays, sent: Arrays, steps: int) -> Arrays:
+    """``(sent − start) / steps`` for floating-point tensors (others as sent): the update per local step that a
+    site sends under ``normalize = "steps"`` when the server sees only the sum (secure aggregation) or the site
+    clips and noises its update (client-level DP)."""
+    out: Arrays = {}
+    for k, v in sent.items():
+        s = start.get(k)
+        out[k] = v if s is None or not is_float(v) else (v - s) / steps
+    return out
+
+
+def apply_update(start: Arrays, update: Arrays, factor: float) -> Arrays:
+    """``start + factor · update`` for floating-point tensors (others as in ``update``): the server's side of
+    :func:`step_update`, with ``factor`` = τ̄."""
+    out: Arrays = {}
+    for k, u in update.items():
+        s = start.get(k)
+        out[k] = u if s is None or not is_float(u) else s + factor * u
+    return out
+
+
 def train_global(site: Site, task: Task, role: str = "global") -> Asks[Reply]:
-    """Site half of FedAvg-style methods: load the sent model, train it one round, send it back."""
+    """Site half of FedAvg-style methods: load the sent model, train it one round, send it back (its update per
+    local step when the task asks for ``normalize``: :func:`step_update`)."""
     start = strip_prefix(role, task.arrays)
     site.load(role, start)
     opt = site.optimizer(role, reset=site.cfg.train.reset_optimizer)
     metrics = yield from site.fit(role, task.config["round"], optimizer=opt, steps=task.config.get("steps"))
+    if task.config.get("normalize") == "steps":
+        steps = max(1, int(metrics["steps"]))
+        if site.cfg.privacy.dp == "client":  # the clipped, noised update divided: the server's τ̄ is post-processing
+            sent = step_update(start, strip_prefix(role, sent_update(site, task, role, start)), steps)
+        else:
+            sent = step_update(start, site.arrays(role), steps)
+        return Reply(arrays=prefixed(role, sent), metrics=metrics, num_samples=site.num_train)
     return Reply(arrays=sent_update(site, task, role, start), metrics=metrics, num_samples=site.num_train)
 
 
@@ -97,7 +179,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     title = "FedAvg"
     section = "fedavg"
-    Params: ClassVar[type] = FedAvgParams
+    Params: ClassVar[type] = FedAvgRunParams
     sends_clipped_update: ClassVar[bool] = True
     """Its site half sends :func:`sent_update` (client-level DP's clipped, noised update when asked)."""
     summed_kinds: ClassVar[frozenset[str]] = frozenset({"train"})
@@ -114,25 +196,57 @@ class FedAvg(Algorithm):
             )
         return None
 
+    def normalize(self) -> str:
+        """``normalize`` of the method's settings; 'none' for subclasses whose settings have none (FedProx, FWA)."""
+        return getattr(self.params, "normalize", "none")
+
+    def _steps(self, ctx: ServerContext, counts: Sequence[int]) -> list[int]:
+        """τ_k: the local steps of a round over n_k training cases as the run's settings count them
+        (:func:`~fedseg.site.runtime.steps_per_round`, what each site trains); a site's own report of its steps
+        does not scale the global step."""
+        return [steps_per_round(ctx.cfg.train, n) for n in counts]
+
     def server_round(self, ctx: ServerContext, state: Arrays, rnd: int) -> tuple[Arrays, dict[str, Any]]:
         config: dict[str, Any] = {"round": rnd}
+        normalize = self.normalize()
+        # the sites send their update per step (step_update) when the server sees only a sum (secure aggregation)
+        # or each update is clipped and noised at the site (client-level DP): the server's τ̄ is then
+        # post-processing of the mean; otherwise the server weighs the sites' plain models
+        at_site = normalize == "steps" and (ctx.cfg.privacy.secure_aggregation or ctx.cfg.privacy.dp == "client")
+        if at_site:
+            config["normalize"] = normalize
         task = Task("train", state, config)
         new = dict(state)
         if ctx.cfg.privacy.secure_aggregation:  # the sites mask n_k · w_k (or w_k); the server unmasks the sum only
             result = secure_ask(ctx, {s: task for s in ctx.sites}, self.weighting())
             if result.rejected:  # a replayed or misdirected masked input: no update this round
                 ctx.log(f"[secagg] round {rnd}: the global model keeps its previous weights")
-            new.update(result.mean())  # empty when rejected
+            mean = result.mean()  # empty when rejected
             replies = result.replies
+            if mean and at_site:
+                counts = [replies[s].num_samples for s in replies]
+                p = aggregation_weights(counts, self.weighting())
+                mean = apply_update(state, mean, sum(pk * t for pk, t in zip(p, self._steps(ctx, counts))))
+            new.update(mean)
             return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in replies}}
         replies = ctx.ask({s: task for s in ctx.sites})
         names = list(replies)
-        p = aggregation_weights([replies[s].num_samples for s in names], self.weighting())
+        counts = [replies[s].num_samples for s in names]
+        p = aggregation_weights(counts, self.weighting())
         rule = (
             getattr(self.params, "aggregation", "mean"),
             getattr(self.params, "trim", 0.0),
         )  # subclasses with their own settings: mean
-        new.update(aggregate([replies[s].arrays for s in names], p, *rule))
+        models = [replies[s].arrays for s in names]
+        if normalize == "steps":
+            steps = self._steps(ctx, counts)
+            mean_steps = sum(pk * t for pk, t in zip(p, steps))
+            if at_site:  # client-level DP: the sites sent their clipped, noised updates per step
+                new.update(apply_update(state, aggregate(models, p, *rule), mean_steps))
+                return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
+            if len(set(steps)) > 1:  # equal steps: FedNova's average is the plain one (kept bitwise)
+                models = [rescale(state, m, mean_steps / t) for m, t in zip(models, steps)]
+        new.update(aggregate(models, p, *rule))
         return new, {"train_loss": {s: replies[s].metrics.get("loss") for s in names}}
 
     def candidates(self, state: Arrays, ctx: ServerContext) -> list[Candidate]:
@@ -168,6 +282,7 @@ class FedAvgEven(FedAvg):
 
     @classmethod
     def parse_params(cls, cfg) -> FedAvgParams:
-        """``[fedavg]``'s settings with ``weighting = "even"`` whatever that section says: what this
-        method runs, so ``config.toml`` and ``results.json["config"]`` record it."""
-        return dataclasses.replace(super().parse_params(cfg), weighting="even")
+        """``[fedavg]``'s settings with ``weighting = "even"`` and the plain average (``normalize = "none"``)
+        whatever that section says: what this method runs, so ``config.toml`` and ``results.json["config"]``
+        record it."""
+        return dataclasses.replace(super().parse_params(cfg), weighting="even", normalize="none")

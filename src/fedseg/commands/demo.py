@@ -33,6 +33,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a setting of every run, after the demo's own (repeatable); --set train.lr=1e-3: the papers' learning "
-        "rate instead of the demo's 1e-2",
+        "rate instead of the demo's 1e-2; --set fedavg.weighting=samples --set fedavg.normalize=none: the papers' "
+        "FedAvg (p_k = n_k / n, the plain average) instead of its defaults",
     )
     d.set_defaults(func=cmd_demo)
