@@ -5,7 +5,8 @@ does; none speaks of the team's working process (work sessions, issue numbers, t
 what on which lent machine), cites a file outside the repository (``shared/``) or links a run's
 output folder (``runs/``, which is not in git). History lives in git and ``CHANGELOG.md``.
 Every relative Markdown link in ``docs/**/*.md`` and ``README.md`` points to a file that exists, and
-an ``#anchor`` into a Markdown file to one of its headings.
+an ``#anchor`` into a Markdown file to one of its headings; every test file a line names (``tests/…/x.py``,
+``tests/…/x.py::name``) exists and holds that name.
 """
 
 import re
@@ -44,6 +45,8 @@ FLARE_SESSION = re.compile(
 OUTSIDE = re.compile(r"(?<![\w.-])(\.\./)*shared/")
 #: A Markdown link to a run's output folder.
 RUNS_LINK = re.compile(r"\]\(\s*(\./|\.\./)*runs/")
+#: A test file named in a line, with the name of a test (or a prefix of names, ``test_x_*``) after ``::``.
+TEST_PATH = re.compile(r"(?<![\w/.-])(tests/[\w/]+\.py)(?:::(\w+))?")
 #: Markdown link or image target: [text](target) / ![alt](target).
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
@@ -184,5 +187,46 @@ def test_the_link_check_finds_a_broken_link(tmp_path):
 def test_every_relative_markdown_link_points_to_a_file_that_exists(md):
     # Act
     bad = broken_links(md)
+    # Assert
+    assert not bad, "\n".join(bad)
+
+
+def named_test_files(lines):
+    """What is wrong with the test files ``lines`` name (``(where, line)`` pairs): missing files, missing names."""
+    bad = []
+    for where, line in lines:
+        for path, name in TEST_PATH.findall(line):
+            target = ROOT / path
+            if not target.is_file():
+                bad.append(f"{where}: {path} (no such file)")
+            elif name and not re.search(rf"^\s*(async def|def|class) {name}", target.read_text(), re.M):
+                bad.append(f"{where}: {path}::{name} (no such test)")
+    return bad
+
+
+def test_the_test_file_check_finds_a_moved_file_and_a_renamed_test():
+    # Arrange
+    here = "tests/unit/test_docs.py"
+    lines = [
+        ("a", f"see `{here}` and `{here}::test_the_patterns_catch_process_words_and_spare_flares_session`"),
+        ("b", f"a prefix: `{here}::test_the_patterns_*`; a path below another: `src/tests/nothing.py`"),
+        ("c", "moved: `tests/test_docs.py`"),
+        ("d", f"renamed: `{here}::test_nothing_of_the_kind`"),
+    ]
+    # Act
+    bad = named_test_files(lines)
+    # Assert
+    assert bad == ["c: tests/test_docs.py (no such file)", f"d: {here}::test_nothing_of_the_kind (no such test)"]
+
+
+def test_every_test_file_a_line_names_exists_and_holds_the_test_it_names():
+    # Arrange
+    lines = [
+        (f"{f.relative_to(ROOT)}:{n}", line)
+        for f in scanned_files()
+        for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+    ]
+    # Act
+    bad = named_test_files(lines)
     # Assert
     assert not bad, "\n".join(bad)
