@@ -30,9 +30,9 @@ from fedseg.execution.remote.transport import LoopbackChannel, RemoteTransport
 from fedseg.foundation.errors import PayloadError
 from fedseg.simulation.runner import load_federation_data, plan_volume_run, run
 from fedseg.site.runtime import SiteData
+from tests.runs.test_patches2d import patches2d_federation
 from tests.runs.test_volumes_run import write_federation
 from tests.support.helpers import assert_same_arrays, server_state
-from tests.unit.data.test_patches2d import patches2d_federation
 
 # deployed in the clear (a deployment's default is secure aggregation) to equal the simulation bitwise
 RUN = [

@@ -47,7 +47,7 @@ def test_site_dropping_after_masking_is_removed_from_the_sum(tmp_path):
     reveal its mask key, the server removes its pairwise masks and the round's model is bitwise the one of a
     deployment where site3 was gone from the start of the exchange (the same fixed-point sum of site1 and
     site2).  Two sites are left when site3 is gone at the keys, so the sites accept masking with two
-    (privacy.secagg_min_sites = 2; with the default 3 they refuse, tests/unit/privacy/test_secagg_active.py)."""
+    (privacy.secagg_min_sites = 2; with the default 3 they refuse, tests/deploy/test_secagg_active.py)."""
     cfg, data = _cfg(rounds=1, min_sites=2), tiny_sites(3)
     logs = []
 

@@ -299,12 +299,12 @@ def test_the_run_config_cannot_switch_signing_off(tmp_path, kits):
 def test_the_run_config_cannot_make_dp_noise_regenerable(tmp_path, kits, monkeypatch, reproducible):
     """Attack 3.  The server ships ``privacy.dp_randomness = "seeded"`` to a site whose policy takes DP-SGD runs
     without secure aggregation, asks one FGA step and subtracts the noise it regenerates from the seed it shipped
-    and the index it assigned (tests/unit/privacy/test_dp_attacks.py's regeneration, with the server's config).  Before, the
+    and the index it assigned (tests/deploy/test_dp_attacks.py's regeneration, with the server's config).  Before, the
     site drew seeded noise and the server recovered its clipped gradient sum to a relative error of 2.7e-6
     under noise far above the signal (run against the code before).  Now the site draws from its OS (its policy is not ``reproducible``): the
     best regeneration is off by more than the signal, and the site's own ``privacy`` report says what it drew.
     With ``reproducible`` (rehearsals only) the seeded mode is the site's choice and the server regenerates it."""
-    from tests.unit.privacy.test_dp_attacks import CLIP, SIGMA, _fga_task, _relative_errors, _Truth
+    from tests.deploy.test_dp_attacks import CLIP, SIGMA, _fga_task, _relative_errors, _Truth
 
     truth = _Truth(monkeypatch)
     cfg = _cfg("fga", secure_aggregation=False, dp="sample", noise_multiplier=SIGMA, clip=CLIP, dp_randomness="seeded")

@@ -24,8 +24,8 @@ from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Task
 from fedseg.privacy.protocol import ServerParty, task_digest
 from tests.deploy.test_deploy import HEADER, _workload
+from tests.deploy.test_secagg_active import BITS, RND, _ask, _federation, _truth
 from tests.support.helpers import tiny_config, tiny_sites
-from tests.unit.privacy.test_secagg_active import BITS, RND, _ask, _federation, _truth
 
 pytest.importorskip("cryptography")
 pytest.importorskip("Crypto")

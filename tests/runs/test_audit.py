@@ -190,7 +190,6 @@ def test_the_selector_message_is_computed_with_the_sites_own_label(tiny):
     assert all(s.kind == "gradient" and s.message for s in sent)
 
 
-@pytest.mark.slow
 def test_run_audit_rows(tiny):
     cfg, workload, data = tiny
     opts = AuditOptions(messages=("fga", "fedavg-local"), attack=AttackConfig(iterations=3, restarts=1))
@@ -210,7 +209,6 @@ def test_run_audit_rows(tiny):
     json.dumps(doc)
 
 
-@pytest.mark.slow
 def test_cli_audit_end_to_end(tmp_path, capsys):
     spec = tmp_path / "fed"
     assert main(["synth", "--preset", "fundus", "--out", str(spec), "--scale", "0.03", "--size", "16"]) == 0

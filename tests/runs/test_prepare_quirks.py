@@ -39,7 +39,6 @@ def _tree_hash(root: Path) -> str:
 # --- NCI-ISBI: the NRRD's slice order -----------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_nci_isbi_labels_land_on_their_slices_whichever_way_instance_numbers_run(tmp_path):
     """Replicas as the challenge's loaders read them: NRRD slice k is InstanceNumber k + 1. Prostate on the
     LPS slices 1 (20 px) and 2 (12 px) of 5; a mask laid the wrong way round would land on slices 2 and 3 with
@@ -171,7 +170,7 @@ def test_promise12_missing_raw_is_named_and_splits_are_drawn_after_skips(tmp_pat
 
 def test_three_patients_fill_three_splits_and_two_cannot():
     """0.5/0.25/0.25 of 3 rounds to 2/1/0: an empty split takes a patient from the largest, 1/1/1. The paper
-    tables' counts have no empty split and stay as they were (tests/unit/apps/test_prepare.py)."""
+    tables' counts have no empty split and stay as they were (tests/runs/test_prepare.py)."""
     for fractions, rest in (((0.5, 0.25, 0.25), 2), (AUTOFEDAVG_PANCREAS.fractions, AUTOFEDAVG_PANCREAS.rest)):
         split = split_patients(["a", "b", "c"], 0, "s", fractions, rest)
         assert sorted(split.values()) == ["testing", "training", "validation"]

@@ -88,7 +88,6 @@ def replicas_ids(expected: dict) -> list[str]:
     return [c.replace(" ", "_") for c in expected["cases"]]
 
 
-@pytest.mark.slow
 def test_fundus_replica_becomes_a_valid_federation(fundus):
     """Six sites, validate clean, every case converted, labels 0/1/2 with both disc rim and cup present."""
     _raw, out, summary, expected, _ = fundus
@@ -146,7 +145,6 @@ def test_drishti_soft_maps_are_thresholded_at_half_the_experts(fundus):
         assert (label > 0).sum() == pytest.approx(area, rel=0.25 if cid == "drishtiGS_002" else 0.08), cid
 
 
-@pytest.mark.slow
 def test_prostate_replica_becomes_a_valid_federation(prostate):
     """Slices with prostate only (3 per case), labels 0/1, rows as in the DICOM (not flipped), the release's
     known-bad cases left out with their reason, MSD's T2 channel taken (the ADC replica is constant)."""
@@ -167,7 +165,6 @@ def test_prostate_replica_becomes_a_valid_federation(prostate):
     assert "prostate = [1]" in summary.spec.read_text()
 
 
-@pytest.mark.slow
 def test_prostatex_urethra_counts_only_on_slices_with_a_zone(prostate):
     _raw, out, _summary, _expected, _ = prostate
     slices = sorted(p.stem for p in (out / "prostatex" / "labels" / "ProstateX-0000").glob("*.png"))
@@ -290,7 +287,6 @@ def test_cli_list_and_prepare(fundus, tmp_path, capsys):
     assert main(["prepare"]) == 2
 
 
-@pytest.mark.slow
 def test_fedavg_trains_two_rounds_on_the_prepared_fundus_federation(fundus, tmp_path):
     from fedseg.simulation.runner import run
 
@@ -314,7 +310,6 @@ def test_fedavg_trains_two_rounds_on_the_prepared_fundus_federation(fundus, tmp_
     assert results["sites"] == [r.site for r in fundus[2].sites] and len(results["history"]) == 2
 
 
-@pytest.mark.slow
 def test_fedavg_trains_two_rounds_on_the_prepared_prostate_federation(prostate, tmp_path):
     import re
 

@@ -196,7 +196,6 @@ def _nii(path, data, affine):
     return path.name
 
 
-@pytest.mark.slow
 def test_channel_files_spec_and_overrides(tmp_path):
     """A datalist image as a list of files (one per channel, nnU-Net's _0000/_0001) is read as one case of
     those channels; a channel file off the label's grid or the wrong number of files is one error naming

@@ -48,7 +48,6 @@ def fundus(tmp_path_factory):
     return synthesize("fundus", tmp_path_factory.mktemp("fed"), scale=0.05, size=32, progress=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [*TINY, "module"])
 def test_every_named_network_runs_a_fedavg_round_from_the_run_config(fundus, tmp_path, name):
     """``[model] name`` (or ``module``) and ``[model.kwargs]`` in a run config TOML build that network at the
@@ -163,7 +162,6 @@ def test_plan_for_30_cts_is_nnunets():
     print(json.dumps(p))
 
 
-@pytest.mark.slow
 def test_dynunet_trains_vectorized_as_sequentially(tmp_path):
     """DynUNet (instance norm, no dropout, layers reachable under two names) is stacked by the vectorized
     executor, deep supervision included, and two FedAvg rounds give the sequential run's weights (float64)."""

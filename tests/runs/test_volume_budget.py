@@ -25,7 +25,7 @@ from fedseg.foundation.errors import ConfigError
 from fedseg.site import calls
 from tests.runs.test_volumes_run import write_federation
 
-# nnU-Net's 30-CT example (tests/unit/models/test_networks.py): 512 × 512 × 150 at 0.8 × 0.8 × 2.5 mm
+# nnU-Net's 30-CT example (tests/runs/test_networks.py): 512 × 512 × 150 at 0.8 × 0.8 × 2.5 mm
 CT_SHAPE, CT_SPACING = [512.0, 512.0, 150.0], [0.8, 0.8, 2.5]
 
 
@@ -95,7 +95,7 @@ def test_the_plan_records_its_cpu_budget_and_a_second_run_reuses_it(tmp_path, mo
 
 def test_gpu_memory_gives_nnunets_plan_and_records_the_gpu(tmp_path, capsys):
     """``fedseg plan --gpu-memory 8``: the patch, network and batch of ``network_plan`` at 8 GiB (the plan
-    tests/unit/models/test_networks.py holds to nnU-Net's), DynUNet, the budget recorded as that GPU."""
+    tests/runs/test_networks.py holds to nnU-Net's), DynUNet, the budget recorded as that GPU."""
     spec = write_federation(tmp_path)
     assert main(["plan", str(spec), "--gpu-memory", "8"]) == 0
     plan = json.loads((tmp_path / "fed.plan.json").read_text())
@@ -177,7 +177,6 @@ def test_a_long_round_says_its_cost_and_progress(monkeypatch):
     assert not any("measured" in m for m in said[n:])
 
 
-@pytest.mark.slow
 def test_sites_say_the_cost_of_their_rounds_and_the_numbers_do_not_change(monkeypatch, capsys, workload):
     """A simulation whose rounds "last longer" than the progress interval (0 s here): each site says after
     its first round's first steps what a step took and the round's estimate, and where it is during the round;

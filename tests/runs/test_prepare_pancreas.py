@@ -53,7 +53,6 @@ def test_volumes_keep_their_geometry_and_labels_are_pancreas_with_tumour(pancrea
         assert len({e["split"] for e in cases.values()}) == 3
 
 
-@pytest.mark.slow
 def test_the_prepared_pancreas_federation_validates(pancreas):
     from fedseg.data import validate_federation
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from fedseg.data.volumes.geometry import Geometry, region_scores, scoring_box, to_original_grid, to_original_region
@@ -21,7 +20,6 @@ def _oblique(shape=(30, 26, 12), spacing=(0.9, 1.1, 3.0), angle=0.4):
     return Geometry(a, shape)
 
 
-@pytest.mark.slow
 def test_region_scores_equal_whole_grid_scores():
     """Dice and HD95 (mm), of each thresholded channel and of the delivered label map, of predictions resampled into an oblique anisotropic scan grid: the region path
     (float32, only the voxels the label or a prediction above the threshold can reach) gives the whole

@@ -241,7 +241,6 @@ def test_augment_setting_auto_is_on_for_volumes_and_off_for_2d_images(tmp_path):
     assert workload_for(header, on).train_transform is not None
 
 
-@pytest.mark.slow
 def test_fedavg_on_patches2d_scores_every_test_volume_once_in_its_own_grid(tmp_path):
     spec = patches2d_federation(tmp_path)
     logs = []

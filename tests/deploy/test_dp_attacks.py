@@ -201,7 +201,6 @@ def test_the_site_refuses_a_step_past_its_budget_whatever_the_server_says(wl):
 
 
 # ------------------------------------------------- (e), (f) FedSM booked per batch; ε from the server's view
-@pytest.mark.slow
 def test_fedsm_booking_and_reported_epsilon_equal_an_accountant_of_what_the_server_knows(wl):
     """(e) FedSM trains its global and personalized models and (joint phase) its selector on the same batches
     of a round: ε reported per site equals Opacus' RDP accountant stepped once per batch at σ/√m (m = the
@@ -250,7 +249,6 @@ def test_no_training_loss_leaves_a_dp_site(wl, monkeypatch):
     assert isinstance(plain.metrics["loss"], float)
 
 
-@pytest.mark.slow
 def test_fedsm_replies_carry_no_loss(wl):
     from fedseg.simulation.runner import simulate
 

@@ -1,6 +1,6 @@
 """Differential privacy: DP-SGD's per-sample clipping, its noise and Poisson sampling from the site's CSPRNG,
 the accountant against Opacus' own, and DP-SGD in runs (ε recorded, budgets, refusals).  Attacks by the server
-on the noise, the ledger and the budget: tests/unit/privacy/test_dp_attacks.py."""
+on the noise, the ledger and the budget: tests/deploy/test_dp_attacks.py."""
 
 from __future__ import annotations
 
@@ -215,7 +215,6 @@ def test_derived_noise_multiplier_is_opacus_own():
     assert 4.0 - 0.01 <= acc.get_epsilon(1e-5) <= 4.0
 
 
-@pytest.mark.slow
 def test_fedavg_run_records_epsilon_equal_to_opacus(wl, tmp_path):
     """A 2-round FedAvg run with DP-SGD completes and records ε per site per round (history) and for the
     run (results["privacy"]); each equals Opacus' RDP accountant stepped independently here with the
@@ -244,7 +243,6 @@ def test_fedavg_run_records_epsilon_equal_to_opacus(wl, tmp_path):
         assert rec["epsilon"] == pytest.approx(acc.get_epsilon(cfg.privacy.delta), rel=1e-12)
 
 
-@pytest.mark.slow
 def test_seeded_mode_same_weights_and_resume_bitwise(wl, tmp_path):
     """``privacy.dp_randomness = "seeded"`` (the test mode): the same seed gives bitwise the same checkpoint, a
     resumed run equals an uninterrupted one (the draw count that keys the noise is saved with the sites, the
@@ -266,7 +264,6 @@ def test_seeded_mode_same_weights_and_resume_bitwise(wl, tmp_path):
     assert any(not torch.equal(v, other[k]) for k, v in server_state(tmp_path / "a").items())
 
 
-@pytest.mark.slow
 def test_budget_exhausted_stops_cleanly_with_checkpoint(wl, tmp_path):
     """With σ = 1 and a budget that one round fits but two do not, the run stops before round 2 with the
     round-1 checkpoint saved, tests its models, and says which setting to raise; a budget that not even
@@ -303,7 +300,6 @@ def test_budget_exhausted_stops_cleanly_with_checkpoint(wl, tmp_path):
         )
 
 
-@pytest.mark.slow
 def test_fedprox_fga_and_fedsm_run_with_dp_sample(wl):
     """FedProx (its proximal term added after the noise), FGA (privatized exchanged gradients) and FedSM
     (global, personalized models and selector, on the same batches) train with DP-SGD and count every
@@ -358,7 +354,6 @@ def test_client_level_dp_clips_each_update_and_accounts_per_round(wl, tmp_path):
         get_algorithm(dataclasses.replace(cfg, method="fedavg"))
 
 
-@pytest.mark.slow
 def test_lockstep_overshoot_stops_cleanly_before_a_site_refuses(wl):
     """FGA with sites of 6, 8 and 10 cases (2, 2 and 3 batches a round): lockstep takes 3 steps a round at every
     site, more than the smaller sites planned their σ for.  Each site's forecast repeats what it booked in the

@@ -15,7 +15,6 @@ from fedseg.site.workload import segmentation_workload
 from tests.support.helpers import tiny_config, tiny_sites
 
 
-@pytest.mark.slow
 def test_poly_schedule_and_nesterov_sgd(tmp_path, monkeypatch):
     """Round r of R trains at lr · (1 − (r − 1)/R)^0.9 (nnU-Net's poly, a round per epoch): 0.01, 0.01 · (2/3)^0.9,
     0.01 · (1/3)^0.9 over 3 rounds, measured on the optimizer each site steps with; the SGD is Nesterov's.

@@ -292,7 +292,6 @@ def test_the_same_task_again_with_the_same_sites_and_input_is_answered():
         _honest(sites, names[1:], "e-c", state)
 
 
-@pytest.mark.slow
 def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
     """A deployed site keeps one record for all its runs in WORKDIR/secagg_record.jsonl (keys name the run id),
     outside its checkpoints: after a restore (the server's ``restore`` operation) and after a restart of the site

@@ -22,7 +22,6 @@ def _tree(root):
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
 def test_two_workers_write_the_same_bytes_as_one(tmp_path):
     # Execute: the same tiny federation by this process alone and by two spawned processes
     one = synthesize("fundus", tmp_path / "one", seed=4, scale=0.02, size=16, workers=1).parent
@@ -33,7 +32,6 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path):
     assert _tree(two) == ref
 
 
-@pytest.mark.slow
 def test_two_workers_write_the_same_ct_bytes_as_one(tmp_path):
     one = synthesize("ct-lesion", tmp_path / "one", seed=2, scale=0.1, size=16, workers=1).parent
     two = synthesize("ct-lesion", tmp_path / "two", seed=2, scale=0.1, size=16, workers=2).parent
