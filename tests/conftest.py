@@ -16,7 +16,9 @@ are in ``tests/support/``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -51,6 +53,29 @@ def sites() -> dict[str, SiteData]:
 @pytest.fixture
 def workload():
     return segmentation_workload(2, 1, ["fg"], TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def simulated(tmp_path_factory):
+    """``simulated(cfg, num_sites=2) -> (results, run folder)``: ``cfg`` simulated on ``tiny_sites(num_sites)`` with
+    the tiny segmentation workload, once per pytest process, for the tests that compare another run with it (a
+    resumed run, a deployed run: ``tests.support.helpers.every_method_config``).  They read the folder and never
+    write to it; each gets its own copy of the results."""
+    from fedseg.simulation.runner import simulate
+
+    runs: dict[str, tuple[dict, Path]] = {}
+
+    def run(cfg, num_sites: int = 2):
+        key = json.dumps([cfg.to_dict(), num_sites], sort_keys=True, default=str)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("simulated") / "run"
+            wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+            res = simulate(cfg, wl, tiny_sites(num_sites), out=out, progress=False, log=lambda m: None)
+            runs[key] = (res, out)
+        res, out = runs[key]
+        return copy.deepcopy(res), out
+
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,6 +28,7 @@ from fedseg.site.workload import workload_for
 from tests.support.helpers import (
     assert_same_arrays,
     assert_same_checkpoints,
+    every_method_config,
     load_arrays,
     same_arrays,
     server_state,
@@ -213,29 +214,23 @@ def test_site_rejoins_after_missing_a_round(tmp_path):
 DEPLOYABLE = sorted(m for m, cls in REGISTRY.items() if not cls.needs_pooled_site)
 
 
+@pytest.mark.xdist_group("every-method")  # its simulations are tests/runs/test_resume.py's: one worker runs both
 @pytest.mark.parametrize("method", [*DEPLOYABLE, "fedsm+global-fga"])
-def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
+def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, simulated, method):
     """Each deployable method, unchanged, over the deployed path (wire bytes both ways, long-lived site
-    runtimes): 3 rounds give the simulation's weights bitwise, and a server stopped after round 1 and
+    runtimes): 2 rounds give the simulation's weights bitwise, and a server stopped after round 1 and
     resumed by new site runtimes (from their workdirs) ends bitwise where the uninterrupted run ends.
 
     This is the claim of docs/architecture.md that a transport never changes a number, checked for the
     per-site state each method keeps (SCAFFOLD controls, personalized models, Adam moments, selectors).
     """
     # Prepare
-    method, _, variant = method.partition("+")
-    cfg = dataclasses.replace(_cfg(rounds=3), method=method)
-    if method.startswith("fedsm"):
-        fedsm = {"selector_width": 0.0625, "selector_rounds": 1}
-        if variant == "global-fga":  # the global model's lockstep exchanges, the sites' persistent global Adam
-            fedsm["global_training"] = "fga"
-        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": fedsm})
-    wl = _workload(cfg)
+    cfg = every_method_config(method)
     _prepare(tmp_path / "dep", cfg, ["site1", "site2"])
     _prepare(tmp_path / "part", cfg, ["site1", "site2"], stop_after=1)
     # Execute
     dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(tmp_path / "d", tiny_sites(2))), log=lambda m: None)
-    sim = simulate(cfg, wl, tiny_sites(2), out=tmp_path / "sim", progress=False)
+    sim, sim_out = simulated(cfg)
     assert (
         serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None) is None
     )
@@ -245,11 +240,11 @@ def test_every_method_deployed_equals_simulation_and_resumes(tmp_path, method):
     resumed = serve(tmp_path / "part", LoopbackChannel(_runtimes(tmp_path / "p", tiny_sites(2))), log=lambda m: None)
     # Assert
     assert dep["deploy"]["dropouts"] == []  # (a site dropped for a missed deadline would change the aggregate)
-    assert_same_arrays(server_state(tmp_path / "dep"), server_state(tmp_path / "sim"), "deployed vs simulated")
+    assert_same_arrays(server_state(tmp_path / "dep"), server_state(sim_out), "deployed vs simulated")
     assert dep["per_site_dice"] == sim["per_site_dice"]
     assert_same_checkpoints(tmp_path / "part", tmp_path / "dep", sites=False)  # sites keep theirs in their workdirs
-    for s in ("site1", "site2"):  # ... and their last checkpoints (round 3) are the same too
-        a, b = (tmp_path / w / "sites" / s / "run-1" / "round-000003" for w in ("p", "d"))
+    for s in ("site1", "site2"):  # ... and their last checkpoints (round 2) are the same too
+        a, b = (tmp_path / w / "sites" / s / "run-1" / "round-000002" for w in ("p", "d"))
         assert_same_arrays(load_arrays(a / f"{s}.safetensors"), load_arrays(b / f"{s}.safetensors"), s)
     assert resumed["per_site_dice"] == dep["per_site_dice"] and resumed["deploy"]["resumed"]
 

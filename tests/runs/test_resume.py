@@ -22,14 +22,17 @@ import pytest
 
 from fedseg.algorithms import REGISTRY
 from fedseg.simulation.runner import simulate
-from tests.support.helpers import assert_same_checkpoints, strip_times, tiny_config, tiny_sites
+from tests.support.helpers import assert_same_checkpoints, every_method_config, strip_times, tiny_sites
+
+# the uninterrupted runs are shared with the deployed ones (tests/deploy/test_deploy.py): one worker runs both
+pytestmark = pytest.mark.xdist_group("every-method")
 
 
 @pytest.mark.parametrize("method", sorted(REGISTRY))
-def test_resume_equals_uninterrupted(tmp_path, workload, method):
+def test_resume_equals_uninterrupted(tmp_path, workload, simulated, method):
     # Prepare: 2 rounds straight; 1 round, "crash" (checkpointed), then resume with fresh sites
-    cfg = tiny_config(method, rounds=2)
-    full = simulate(cfg, workload, tiny_sites(2), out=tmp_path / "full", progress=False, log=lambda m: None)
+    cfg = every_method_config(method)
+    full, full_out = simulated(cfg)
     part = simulate(
         cfg, workload, tiny_sites(2), out=tmp_path / "part", progress=False, stop_after=1, log=lambda m: None
     )
@@ -40,5 +43,5 @@ def test_resume_equals_uninterrupted(tmp_path, workload, method):
         cfg, workload, tiny_sites(2), out=tmp_path / "part", progress=False, resume=True, log=lambda m: None
     )
     # Assert: the same checkpoint bit for bit, and the same results
-    assert_same_checkpoints(tmp_path / "full", tmp_path / "part")
+    assert_same_checkpoints(full_out, tmp_path / "part")
     assert strip_times(full) == strip_times(resumed)

@@ -4,6 +4,7 @@ runs (``jobs.run``) of the grid and tracking tests; a counter of host reads of t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "assert_same_arrays",
     "assert_same_checkpoints",
     "count_host_reads",
+    "every_method_config",
     "fake_results",
     "fake_run",
     "load_arrays",
@@ -63,6 +65,21 @@ def tiny_config(method: str = "fedavg", rounds: int = 3, **train) -> RunConfig:
         train=TrainConfig(batch_size=4, **train),
         checkpoint_keep="all",  # the tests read every site's state of finished runs (resume, bitwise equality)
     )
+
+
+def every_method_config(method: str) -> RunConfig:
+    """The tiny run of ``method`` that the every-method comparisons share (the ``simulated`` fixture of
+    tests/conftest.py: resume, deployment): 2 rounds of :func:`tiny_config`; FedSM's variants with a narrow
+    selector trained in round 2 (FedSM-extra crosses its phase boundary there).  ``"fedsm+global-fga"``: FedSM
+    whose global model trains by gradient averaging (lockstep exchanges, the sites' persistent global Adam)."""
+    method, _, variant = method.partition("+")
+    cfg = tiny_config(method, rounds=2)
+    if method.startswith("fedsm"):
+        fedsm = {"selector_width": 0.0625, "selector_rounds": 1}
+        if variant == "global-fga":
+            fedsm["global_training"] = "fga"
+        cfg = dataclasses.replace(cfg, params={**cfg.params, "fedsm": fedsm})
+    return cfg
 
 
 def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
