@@ -11,9 +11,13 @@ exactly that on the default tiny model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import re
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,10 +61,23 @@ def _cfg(
     )
 
 
+_SEQUENTIAL: dict[str, tuple[Path, dict, list[str]]] = {}
+"""The sequential runs of this process on the tiny sites, by config: several tests compare with the same one."""
+
+
 def _run(tmp_path, cfg, name, sites=None):
+    """``cfg`` simulated into ``tmp_path / name``: ``(results, log lines)``.  A sequential run on the tiny sites
+    that this process has run before is copied from that run's folder (the same config gives the same bytes)."""
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    if sites is None and cfg.simulation.vectorize == "off" and key in _SEQUENTIAL:
+        folder, res, logs = _SEQUENTIAL[key]
+        shutil.copytree(folder, tmp_path / name)
+        return copy.deepcopy(res), list(logs)
     logs: list[str] = []
     wl = segmentation_workload(2, 1, ["fg"], cfg.model)
     res = simulate(cfg, wl, sites or tiny_sites(), out=tmp_path / name, progress=False, log=logs.append)
+    if sites is None and cfg.simulation.vectorize == "off":
+        _SEQUENTIAL[key] = (tmp_path / name, copy.deepcopy(res), list(logs))
     return res, logs
 
 
