@@ -55,7 +55,7 @@ def workload():
     return segmentation_workload(2, 1, ["fg"], TINY_MODEL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def simulated(tmp_path_factory):
     """``simulated(cfg, num_sites=2) -> (results, run folder)``: ``cfg`` simulated on ``tiny_sites(num_sites)`` with
     the tiny segmentation workload, once per pytest process, for the tests that compare another run with it (a

@@ -210,13 +210,13 @@ def test_the_test_file_check_finds_a_moved_file_and_a_renamed_test():
     lines = [
         ("a", f"see `{here}` and `{here}::test_the_patterns_catch_process_words_and_spare_flares_session`"),
         ("b", f"a prefix: `{here}::test_the_patterns_*`; a path below another: `src/tests/nothing.py`"),
-        ("c", "moved: `tests/unit/test_docs.py`"),
+        ("c", "moved or gone: `tests/test_gone.py`"),
         ("d", f"renamed: `{here}::test_nothing_of_the_kind`"),
     ]
     # Act
     bad = named_test_files(lines)
     # Assert
-    assert bad == ["c: tests/unit/test_docs.py (no such file)", f"d: {here}::test_nothing_of_the_kind (no such test)"]
+    assert bad == ["c: tests/test_gone.py (no such file)", f"d: {here}::test_nothing_of_the_kind (no such test)"]
 
 
 def test_every_test_file_a_line_names_exists_and_holds_the_test_it_names():
