@@ -21,8 +21,9 @@ demo: $(STAMP)
 
 # every tier (tests/unit, tests/runs, tests/deploy; tests/conftest.py), one pytest worker per core (at most 4;
 # pytest-xdist): the tests use one torch thread each, and the deployment tests mostly wait on their FLARE
-# processes.  --dist loadgroup: the tests that start FLARE are one group (tests/conftest.py), run first by one
-# worker while the others take the remaining tests one at a time
+# processes.  --dist loadgroup: the tests that start FLARE are one group (tests/conftest.py), the every-method
+# comparisons that share their simulations another; each group runs on one worker, the largest first, and the
+# other tests go one at a time to whichever worker is free
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup --durations=15
 

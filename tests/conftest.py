@@ -82,8 +82,9 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it.  Tests that start FLARE
     processes (:data:`FLARE_FIXTURES`) run first, next to each other, those on the shared cluster first (it starts
     once, and stops before the others start clusters of their own), and they are one ``xdist_group``: ``make test``
-    distributes with ``--dist loadgroup``, which gives the group to the first worker as one unit of work (the long
-    pole starts first) and the other tests, one at a time, to whichever worker is free."""
+    distributes with ``--dist loadgroup``, which gives each group to one worker as one unit of work, the groups
+    with the most tests first (the long poles start first: this one and ``every-method``), and the other tests one
+    at a time to whichever worker is free."""
     flare = [i for i in items if any(f in getattr(i, "fixturenames", ()) for f in FLARE_FIXTURES)]
     if flare:
         shared = [i for i in flare if "flare_cluster" in i.fixturenames]
