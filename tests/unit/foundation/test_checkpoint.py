@@ -1,6 +1,6 @@
 """The checkpoint module's files on their own: best models round trip, saved order, damaged records.
 
-(The commit protocol: ``tests/runs/test_engine.py``; the background writer: ``tests/unit/site/test_device.py``;
+(The commit protocol: ``tests/runs/test_engine.py``; the background writer: ``tests/runs/test_device.py``;
 resume = uninterrupted run for every method: ``tests/runs/test_resume.py``.)
 """
 
