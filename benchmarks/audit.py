@@ -34,8 +34,8 @@ from fedseg.algorithms import known_sections
 from fedseg.apps.audit import AttackConfig, AuditOptions, run_audit, write_audit
 from fedseg.apps.audit.run import budget_line
 from fedseg.data.synth import synthesize
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import load_federation_data
 from fedseg.site.workload import workload_for
 
 

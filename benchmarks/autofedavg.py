@@ -28,8 +28,10 @@ from fedseg.algorithms.autofedavg import site_selected_candidates
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.plots import plot_alpha_trajectory, plot_interval_effect
 from fedseg.evaluation.stats import table2
+from fedseg.execution.federation import load_federation_data
+from fedseg.execution.results import write_results
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import load_federation_data, simulate, write_results
+from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 
 VARIANTS = {

@@ -28,8 +28,9 @@ from _report import emit, unet_overrides
 from fedseg.algorithms import known_sections
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.tables import table3
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 
 METHODS = (

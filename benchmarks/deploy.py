@@ -38,9 +38,9 @@ import torch
 from _report import md_table
 from safetensors.torch import load_file
 
-from fedseg.apps.deploy.run import rehearse, subset_spec
-from fedseg.apps.deploy.server import load_deploy_config
 from fedseg.data.synth import synthesize
+from fedseg.deployment.run import rehearse, subset_spec
+from fedseg.deployment.server import load_deploy_config
 from fedseg.simulation.runner import run
 
 CLEAR = {"secure_aggregation": False, "min_sites": 2, "reproducible": True, "evaluation": "per_case"}
@@ -151,7 +151,7 @@ def fga_payloads(a, spec, run_toml, sim_spec, out) -> None:
 
 
 def _round_reached(out: Path, rnd: int, timeout: float = 300.0) -> float:
-    from fedseg.apps.deploy.supervise import completed_round
+    from fedseg.deployment.supervise import completed_round
 
     t0 = time.monotonic()
     while completed_round(out) < rnd:
@@ -181,10 +181,10 @@ def fault_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     """Hang, kill + rejoin, server crash + resume on one FLARE rehearsal cluster; timings to Markdown."""
     import threading
 
-    from fedseg.apps.deploy.run import LocalCluster, deploy_run, submit_run
-    from fedseg.apps.deploy.server import prepare_run
-    from fedseg.apps.deploy.supervise import completed_round
     from fedseg.data.spec import load_federation
+    from fedseg.deployment.run import LocalCluster, deploy_run, submit_run
+    from fedseg.deployment.server import prepare_run
+    from fedseg.deployment.supervise import completed_round
 
     deadline = 6.0
     ov = [
@@ -263,10 +263,10 @@ def dead_site_drill(a, spec: Path, run_toml: Path, out: Path) -> None:
     and how long stopping the local cluster takes after that."""
     import threading
 
-    from fedseg.apps.deploy.run import LocalCluster, submit_run
-    from fedseg.apps.deploy.server import prepare_run
     from fedseg.data.spec import load_federation
-    from fedseg.execution.remote.params import deploy_params
+    from fedseg.deployment.params import deploy_params
+    from fedseg.deployment.run import LocalCluster, submit_run
+    from fedseg.deployment.server import prepare_run
 
     deadline = 6.0
     ov = [

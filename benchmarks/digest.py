@@ -12,7 +12,9 @@ tensor of every ``.safetensors`` file the run saved (checkpoints, models) — na
 sorted order — and prints (``--out``: writes) ``{run: {file: sha256 over its tensors' names and digests}}``
 (``--tensors``: ``{run: {file: {tensor: sha256}}}``); ``--check`` compares with a saved digest of either form and
 names every file (or, against a per-tensor digest, every tensor) that differs.  benchmarks/digest_reference.json
-is the per-file digest of the tree that last changed a run's numbers on purpose; rewrite it (``--out``) with such a change.  About 1–2 minutes on this machine (2-core CPU).
+is the per-file digest of the tree that last changed a run's numbers on purpose; rewrite it (``--out``) with such a change.
+The volume run's plan is made for a CPU of :data:`CPU_GFLOPS` (``FEDSEG_CPU_GFLOPS``, unless set) instead of a
+timed probe, so a loaded machine's slower probe does not choose a smaller plan: the digest depends on the code only.  About 1–2 minutes on this machine (2-core CPU).
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+CPU_GFLOPS = "50"
+"""The CPU throughput the volume run's plan is made for (any value from 5 to 500 gives the reference's plan; a
+probe at 0.5, as on a machine busy with other work, a smaller one)."""
 
 SMALL = [
     "model.channels=[4,8,16]",
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", action="store_true", help="--out writes every tensor's digest (default: per file)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    os.environ.setdefault("FEDSEG_CPU_GFLOPS", CPU_GFLOPS)
     from fedseg.data.synth import synthesize
 
     only = set(args.only.split(",")) if args.only else None

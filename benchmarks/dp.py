@@ -27,8 +27,9 @@ from _report import emit, md_table, unet_overrides
 
 from fedseg.algorithms import known_sections
 from fedseg.data.synth import synthesize
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 
 

@@ -33,9 +33,10 @@ from types import SimpleNamespace
 import torch
 
 from fedseg.data.synth import synthesize
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import EvalConfig, RunConfig, SimulationConfig, TrainConfig
 from fedseg.foundation.device import describe, resolve_device
-from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 
 

@@ -160,12 +160,12 @@ def selector_study(
     from fedseg.algorithms.fedsm import FedSMParams
     from fedseg.algorithms.fedsm import fedaws as aws
     from fedseg.algorithms.fedsm.selector import restricted_logits
-    from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
+    from fedseg.algorithms.gradients import optimizer_moments, set_optimizer_moments
     from fedseg.algorithms.softpull import routing_accuracy
+    from fedseg.execution.federation import load_federation_data
     from fedseg.foundation.arrays import prefixed, strip_prefix, weighted_mean
     from fedseg.foundation.seeding import generator
     from fedseg.models import Selector
-    from fedseg.simulation.runner import load_federation_data
     from fedseg.site.runtime import batch_of
 
     fp = FedSMParams(**(params or {}))

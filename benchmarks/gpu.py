@@ -45,9 +45,10 @@ from _report import emit, md_table
 from fedseg.algorithms import get_algorithm
 from fedseg.data.synth import synthesize
 from fedseg.execution.engine import Engine
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import EvalConfig, ModelConfig, RunConfig, SimulationConfig, TrainConfig
 from fedseg.foundation.device import describe, resolve_device
-from fedseg.simulation.runner import build_transport, load_federation_data
+from fedseg.simulation.runner import build_transport
 from fedseg.site.workload import segmentation_workload
 
 

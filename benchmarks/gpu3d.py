@@ -34,9 +34,10 @@ from fedseg.data.spec import load_federation
 from fedseg.data.synth3d import synthesize_ct
 from fedseg.data.volumes.load import ensure_plan, plan_for_run, plan_path
 from fedseg.data.volumes.plan import features, save_plan, topology
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.device import describe, resolve_device
-from fedseg.simulation.runner import load_federation_data, run
+from fedseg.simulation.runner import run
 from fedseg.site.workload import workload_for
 
 

@@ -25,7 +25,7 @@ from _report import emit
 from gpu import counted_rounds
 
 from fedseg.data.synth import synthesize
-from fedseg.simulation.runner import load_federation_data
+from fedseg.execution.federation import load_federation_data
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ other jobs on a shared machine disturb the most).  Per round:
   revealing shares), the mean over the sites; ``server unmasking``: the server's (checking the replies,
   rebuilding the secrets, removing the masks, decoding);
 * ``bytes``: what crosses the wire per round and site in the deployment's format
-  (:mod:`fedseg.execution.remote.wire`: safetensors + JSON), both directions, plain vs secure.  Masked
+  (:mod:`fedseg.deployment.wire`: safetensors + JSON), both directions, plain vs secure.  Masked
   values are 64-bit integers, twice a float32 weight.
 
     PYTHONPATH=src .venv/bin/python benchmarks/secagg.py --sites 3,6
@@ -46,8 +46,8 @@ def measure(k: int, secure: bool, args: argparse.Namespace) -> dict:
     from torch.utils.data import TensorDataset
 
     import fedseg.site.secure as site_secure
+    from fedseg.deployment.wire import encode_reply, encode_task
     from fedseg.execution.inprocess import InProcessTransport
-    from fedseg.execution.remote.wire import encode_reply, encode_task
     from fedseg.foundation.config import EvalConfig, PrivacyConfig, RunConfig, TrainConfig
     from fedseg.privacy.protocol import ServerParty
     from fedseg.simulation.runner import simulate

@@ -42,8 +42,10 @@ from fedseg.data.volumes.fingerprint import site_fingerprint
 from fedseg.data.volumes.geometry import read_case
 from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, plan_federation, plan_for_run, plan_path
 from fedseg.data.volumes.plan import PERCENTILES, Plan, save_plan
+from fedseg.execution.federation import validation_work
+from fedseg.execution.results import write_results
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import simulate, validation_work, write_results
+from fedseg.simulation.runner import simulate
 from fedseg.site.runtime import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 

@@ -37,8 +37,9 @@ from fedseg.algorithms import known_sections
 from fedseg.data.datalist import SPLITS, load_datalist
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.load import load_volume_split, pad_to_common_shape, plan_federation, plan_for_run
+from fedseg.execution.federation import validation_work
 from fedseg.foundation.config import load_run_config
-from fedseg.simulation.runner import simulate, validation_work
+from fedseg.simulation.runner import simulate
 from fedseg.site.runtime import SiteData, dataset_len
 from fedseg.site.workload import workload_for
 

@@ -1,8 +1,8 @@
 """Deployed runs over an in-process byte channel: equality with simulation, faults, resume of every method.
 
-The server half (:func:`fedseg.apps.deploy.server.serve`), the site runtimes and the
+The server half (:func:`fedseg.deployment.server.serve`), the site runtimes and the
 wire format are the ones NVFlare carries; only the channel is a function call
-(:class:`fedseg.execution.remote.transport.LoopbackChannel`), so these tests are fast.
+(:class:`fedseg.deployment.transport.LoopbackChannel`), so these tests are fast.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fedseg.algorithms import REGISTRY
-from fedseg.apps.deploy.policy import SitePolicy
-from fedseg.apps.deploy.server import serve
-from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.execution.remote.transport import DeployError, LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply, encode_reply
+from fedseg.deployment.policy import SitePolicy
+from fedseg.deployment.server import serve
+from fedseg.deployment.site import SiteConfig, SiteRuntime
+from fedseg.deployment.transport import DeployError, LoopbackChannel
+from fedseg.deployment.wire import decode_reply, encode_reply
 from fedseg.foundation.config import dump_toml
 from fedseg.foundation.messages import Reply
 from fedseg.simulation.runner import simulate
@@ -184,7 +184,7 @@ def test_dead_site_costs_one_deadline_then_only_a_ping(tmp_path):
 def test_site_rejoins_after_missing_a_round(tmp_path):
     """A site down in round 1 answers again in round 2 and is aggregated and evaluated there.  Round 1's
     aggregate is a model the site did not see leave training (it missed the round): its policy's guard refuses to
-    evaluate it (fedseg.apps.deploy.guard: a crafted probe looks the same to a site that was not there), a refusal
+    evaluate it (fedseg.deployment.guard: a crafted probe looks the same to a site that was not there), a refusal
     the server records as a dropout of that evaluation, not of the site."""
     # Prepare
     cfg, data = _cfg(rounds=2), tiny_sites(2)
@@ -253,8 +253,8 @@ def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
     """A deployed FedSM run with no [fedsm] settings writes them resolved into OUT/config.toml (γ per personalized
     model, the fga selector: the default profile), as a simulation does — the server and every site read that file."""
     from fedseg.algorithms import get_algorithm
-    from fedseg.apps.deploy.server import load_deploy_config, prepare_run
     from fedseg.data.synth import synthesize
+    from fedseg.deployment.server import load_deploy_config, prepare_run
 
     # Prepare
     spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32, progress=False)
@@ -272,7 +272,7 @@ def test_prepared_deploy_run_writes_the_resolved_method_settings(tmp_path):
 def test_rehearsal_processes_get_the_thread_count_of_the_process_that_starts_them(tmp_path):
     """A rehearsal's server and sites compute with this process's intra-op thread count (what a simulation
     here uses, the condition of bitwise equality with it) unless told another."""
-    from fedseg.apps.deploy.run import LocalCluster
+    from fedseg.deployment.run import LocalCluster
 
     # Prepare
     before = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """A hostile site over the byte channel: whatever it sends, the run finishes without it.
 
-One provisioned site rewrites its replies (:class:`fedseg.execution.remote.transport.LoopbackChannel`
+One provisioned site rewrites its replies (:class:`fedseg.deployment.transport.LoopbackChannel`
 with a fault function), one row per attack.  For every row:
 
 * the run finishes (``serve`` returns results);
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from fedseg.algorithms import REGISTRY
-from fedseg.apps.deploy.server import serve
-from fedseg.execution.remote.transport import DeployError, LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply, decode_task, encode_reply
+from fedseg.deployment.server import serve
+from fedseg.deployment.transport import DeployError, LoopbackChannel
+from fedseg.deployment.wire import decode_reply, decode_task, encode_reply
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply
 from tests.deploy.test_deploy import REHEARSAL, _prepare, _runtimes
@@ -319,7 +319,7 @@ def test_resume_names_an_unreadable_checkpoint(tmp_path):
 def test_provisioned_private_keys_and_ca_state_are_owner_only(tmp_path):
     """Every private key and the CA state (``.provision/*/state``) is 0600 in 0700 folders; no shipped kit
     holds the CA state or any key but its own."""
-    from fedseg.apps.deploy.run import provision
+    from fedseg.deployment.run import provision
 
     # Execute
     kits = provision(["siteA", "siteB"], "localhost:18002", tmp_path / "kits")
@@ -352,7 +352,7 @@ def test_site_refuses_a_call_from_another_participant(tmp_path):
 
     from nvflare.collab.api.context import get_call_context, set_call_context
 
-    from fedseg.apps.deploy.flare import FedsegSite
+    from fedseg.deployment.flare import FedsegSite
 
     # Prepare
     site = FedsegSite()
@@ -435,9 +435,9 @@ def test_torn_last_dropouts_line_is_skipped_with_a_warning(tmp_path):
 def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
     """deploy.json, supervisor.json and results.json go through a temp file + fsync + rename: a crash
     before the rename leaves the previous file whole."""
-    from fedseg.apps.deploy import supervise
+    from fedseg.deployment import supervise
+    from fedseg.execution.results import write_results
     from fedseg.seams.checkpoint import save_json
-    from fedseg.simulation.runner import write_results
 
     for name in ("deploy.json", "supervisor.json", "results.json"):
         save_json({"run_id": "run-1", "v": 1}, tmp_path / name)
@@ -457,7 +457,7 @@ def test_control_files_survive_a_crash_mid_write(tmp_path, monkeypatch):
 
 
 def _params():
-    from fedseg.execution.remote.params import DeployParams
+    from fedseg.deployment.params import DeployParams
 
     return DeployParams()
 
@@ -465,8 +465,8 @@ def _params():
 def test_damaged_deploy_json_is_named_and_damaged_supervisor_record_set_aside(tmp_path):
     """A torn deploy.json (an older version crashed mid-write) gets one error naming the file and the fix; a torn
     supervisor.json (a log) is moved aside with a warning and the supervisor starts a new record."""
-    from fedseg.apps.deploy.server import read_deploy_json
-    from fedseg.apps.deploy.supervise import Supervisor
+    from fedseg.deployment.server import read_deploy_json
+    from fedseg.deployment.supervise import Supervisor
 
     (tmp_path / "deploy.json").write_text('{"run_id": "fedavg-12')
     with pytest.raises(
@@ -487,7 +487,7 @@ def test_damaged_deploy_json_is_named_and_damaged_supervisor_record_set_aside(tm
 ORPHAN_SCRIPT = """
 import sys, time
 from pathlib import Path
-from fedseg.apps.deploy import run as R
+from fedseg.deployment import run as R
 
 class Cluster(R.LocalCluster):  # rehearse's cluster, with sleepers in place of FLARE's processes
     def provision(self):
@@ -652,6 +652,7 @@ def test_fga_without_the_resync_a_site_that_missed_a_step_stays_out_of_sync(tmp_
     """The resync is what brings site3 back: with the resync arrays dropped from its step-0 task, the same
     run ends round 2 with different digests (the run still finishes, with the warning)."""
     import fedseg.algorithms.fga as fga
+    from fedseg.algorithms.gradients import FGAEquivalenceWarning
 
     real = fga.lockstep_round
 
@@ -663,7 +664,7 @@ def test_fga_without_the_resync_a_site_that_missed_a_step_stays_out_of_sync(tmp_
     cfg = dataclasses.replace(_cfg(), method="fga", rounds=2)
     data = tiny_sites(3)
     _prepare(tmp_path, cfg, list(data))
-    with pytest.warns(fga.FGAEquivalenceWarning, match="different weights or optimizer states"):
+    with pytest.warns(FGAEquivalenceWarning, match="different weights or optimizer states"):
         res = serve(tmp_path, _down_for("site3", {2}, LoopbackChannel(_runtimes(tmp_path, data))), log=lambda m: None)
     assert res["history"][1]["in_sync"] is False
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests")
 
-from fedseg.apps.deploy.run import LocalCluster, start_site, stop, submit_run, subset_spec
-from fedseg.apps.deploy.server import load_deploy_config, prepare_run
 from fedseg.data.synth import synthesize
+from fedseg.deployment.run import LocalCluster, start_site, stop, submit_run, subset_spec
+from fedseg.deployment.server import load_deploy_config, prepare_run
 from fedseg.simulation.runner import run
 from tests.support.rehearsals import OVERRIDES, POLICY
 
@@ -61,8 +61,8 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path, flare_c
     with one torch thread like the simulation, and the seeds follow the federation order.
     """
     # Prepare
-    from fedseg.apps.deploy.flare import Admin, provision_kits
-    from fedseg.apps.deploy.run import configure_site
+    from fedseg.deployment.flare import Admin, provision_kits
+    from fedseg.deployment.run import configure_site
 
     run_toml, out = flare_cluster.prepare(tmp_path, "fedavg", OVERRIDES)
     port = int(json.loads((flare_cluster.cluster.root / "kits" / "kits.json").read_text())["server"].rsplit(":", 1)[1])
@@ -94,7 +94,7 @@ def test_rehearsal_equals_simulation_and_refuses_a_foreign_kit(tmp_path, flare_c
 def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
     """Kits for server, each site and the admin; mutual TLS in every config; fedseg's components on the allow-list."""
     # Execute
-    from fedseg.apps.deploy.run import provision
+    from fedseg.deployment.run import provision
 
     kits = provision(["siteA", "siteB"], "localhost:18002", tmp_path / "kits")
     # Assert
@@ -105,7 +105,7 @@ def test_provision_writes_mtls_kits_that_allow_fedseg(tmp_path):
         and client["servers"][0]["service"]["target"] == "localhost:18002"
     )
     allow = json.loads((kits["siteB"] / "local" / "resources.json").read_text())["class_allow_list"]
-    assert "fedseg.apps.deploy.flare." in allow and "nvflare.collab." in allow
+    assert "fedseg.deployment.flare." in allow and "nvflare.collab." in allow
     assert (kits["siteA"] / "startup" / "rootCA.pem").read_bytes() == (
         kits["server"] / "startup" / "rootCA.pem"
     ).read_bytes()
@@ -139,7 +139,7 @@ def test_fga_deployed_equals_simulation(tmp_path, flare_cluster):
 
 
 def _wait_round(out, rnd: int, timeout: float) -> None:
-    from fedseg.apps.deploy.supervise import completed_round
+    from fedseg.deployment.supervise import completed_round
 
     end = time.monotonic() + timeout
     while completed_round(out) < rnd:
@@ -214,7 +214,7 @@ def test_server_killed_and_resumed_over_flare_equals_simulation(tmp_path):
     uninterrupted simulation bitwise."""
     import threading
 
-    from fedseg.apps.deploy.run import deploy_run
+    from fedseg.deployment.run import deploy_run
 
     # Prepare
     overrides = [o for o in OVERRIDES if not o.startswith("rounds=")] + [
@@ -286,7 +286,7 @@ def test_hostile_site_over_flare_is_rejected_and_the_run_finishes(tmp_path, flar
 def test_rehearsal_on_a_running_cluster_needs_its_sites(tmp_path):
     """``rehearse(cluster=...)`` submits to a running cluster only when it has the run's sites with the
     federation's datalists, and takes no policy (the running sites keep theirs): one error naming the fix."""
-    from fedseg.apps.deploy.run import rehearse
+    from fedseg.deployment.run import rehearse
     from fedseg.foundation.errors import ConfigError
 
     spec = synthesize("fundus", tmp_path / "fed", scale=0.05, size=32)

@@ -12,9 +12,6 @@ import json
 
 import pytest
 
-from fedseg.apps.deploy.server import load_deploy_config, prepare_run, serve
-from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.apps.deploy.volumes import plan_and_shape, site_cache_setting, site_operation
 from fedseg.data.spec import load_federation
 from fedseg.data.volumes.budget import device_budget
 from fedseg.data.volumes.load import (
@@ -25,10 +22,14 @@ from fedseg.data.volumes.load import (
     plan_path,
 )
 from fedseg.data.volumes.plan import save_plan
-from fedseg.execution.remote.params import deploy_params
-from fedseg.execution.remote.transport import LoopbackChannel, RemoteTransport
+from fedseg.deployment.params import deploy_params
+from fedseg.deployment.server import load_deploy_config, prepare_run, serve
+from fedseg.deployment.site import SiteConfig, SiteRuntime
+from fedseg.deployment.transport import LoopbackChannel, RemoteTransport
+from fedseg.deployment.volumes import plan_and_shape, site_cache_setting, site_operation
+from fedseg.execution.federation import load_federation_data, plan_volume_run
 from fedseg.foundation.errors import PayloadError
-from fedseg.simulation.runner import load_federation_data, plan_volume_run, run
+from fedseg.simulation.runner import run
 from fedseg.site.runtime import SiteData
 from tests.runs.test_patches2d import patches2d_federation
 from tests.runs.test_volumes_run import write_federation
@@ -113,12 +114,12 @@ def test_deployed_volume_run_plans_like_fedseg_plan_and_equals_simulation(tmp_pa
     prepare_run(cfg, tmp_path / "dep")
     logs: list[str] = []
     # Execute
-    with caplog.at_level("INFO", logger="fedseg.apps.deploy.site"):
+    with caplog.at_level("INFO", logger="fedseg.deployment.site"):
         dep = serve(tmp_path / "dep", LoopbackChannel(_runtimes(spec, tmp_path)), log=logs.append)
     expected = plan_federation(load_federation(spec), log=lambda m: None, budget=_budget())
     sim = run(spec, out=tmp_path / "sim", overrides=[*RUN, "volume_cache=off"], progress=False, log=lambda m: None)
     # Assert
-    sites_said = [r.getMessage() for r in caplog.records if r.name == "fedseg.apps.deploy.site"]
+    sites_said = [r.getMessage() for r in caplog.records if r.name == "fedseg.deployment.site"]
     assert (reads == "cache") == any("read from the cache as used" in m for m in sites_said)
     deployed_plan = json.loads((tmp_path / "dep" / "plan.json").read_text())
     assert deployed_plan == expected.to_json() == sim["plan"] == dep["plan"]
@@ -155,7 +156,7 @@ def test_volume_run_rehearsed_over_nvidia_flare_equals_simulation(tmp_path, flar
     """The same over NVIDIA FLARE: a server and two site processes with mutual TLS on 127.0.0.1 (the volume
     sites of the shared cluster, ``rehearse`` submitting one more job to it); the plan is made from the
     fingerprints the sites send through FLARE."""
-    from fedseg.apps.deploy.run import rehearse
+    from fedseg.deployment.run import rehearse
 
     spec = flare_cluster.volumes
     assert not plan_path(load_federation(spec)).exists()  # no plan beside the spec: made over the wire

@@ -317,8 +317,8 @@ def test_a_deployed_sites_restore_does_not_rewind_its_ledger(wl, tmp_path):
     reads it back."""
     import json
 
-    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-    from fedseg.execution.remote.wire import decode_reply, encode_task
+    from fedseg.deployment.site import SiteConfig, SiteRuntime
+    from fedseg.deployment.wire import decode_reply, encode_task
     from fedseg.foundation.config import dump_toml
 
     cfg = dataclasses.replace(tiny_config("fga", rounds=2), privacy=_privacy())
@@ -414,9 +414,9 @@ def test_the_policys_epsilon_ceiling_holds_over_every_run_of_the_site(wl, tmp_pa
     setup, or its step is refused, and the ledger's ε (all runs, by Opacus' RDP accountant) never passes E."""
     import json
 
-    from fedseg.apps.deploy.policy import SitePolicy
-    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-    from fedseg.execution.remote.wire import decode_reply, encode_task
+    from fedseg.deployment.policy import SitePolicy
+    from fedseg.deployment.site import SiteConfig, SiteRuntime
+    from fedseg.deployment.wire import decode_reply, encode_task
     from fedseg.foundation.config import dump_toml
 
     q, delta = 4 / 6, 1e-5

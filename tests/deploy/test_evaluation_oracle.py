@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from fedseg.apps.deploy.policy import SitePolicy, policy_from_dict
-from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.execution.remote.wire import decode_reply, encode_task
+from fedseg.deployment.policy import SitePolicy, policy_from_dict
+from fedseg.deployment.site import SiteConfig, SiteRuntime
+from fedseg.deployment.wire import decode_reply, encode_task
 from fedseg.foundation.config import PrivacyConfig, dump_toml
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Task

@@ -300,8 +300,8 @@ def test_a_deployed_sites_record_survives_restore_and_restart(tmp_path):
     import json
     from unittest.mock import ANY
 
-    from fedseg.apps.deploy.server import serve
-    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.transport import LoopbackChannel
     from fedseg.site.secure import RECORD_NAME
     from tests.deploy.test_deploy import _prepare, _runtimes
     from tests.deploy.test_secagg_deploy import _cfg

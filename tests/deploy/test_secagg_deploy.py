@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from fedseg.apps.deploy.server import serve
-from fedseg.execution.remote.transport import LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply, decode_task, encode_reply
+from fedseg.deployment.server import serve
+from fedseg.deployment.transport import LoopbackChannel
+from fedseg.deployment.wire import decode_reply, decode_task, encode_reply
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.simulation.runner import simulate

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from fedseg.algorithms import get_algorithm
-from fedseg.apps.deploy.policy import SitePolicy
-from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.execution.remote.wire import decode_reply, encode_task
+from fedseg.deployment.policy import SitePolicy
+from fedseg.deployment.site import SiteConfig, SiteRuntime
+from fedseg.deployment.wire import decode_reply, encode_task
 from fedseg.foundation.arrays import prefixed
 from fedseg.foundation.config import PrivacyConfig, dump_toml
 from fedseg.foundation.errors import PayloadError
@@ -50,7 +50,7 @@ BITS = 32
 @pytest.fixture(scope="module")
 def kits(tmp_path_factory):
     """A federation provisioned as `fedseg deploy provision` does it (FLARE's provisioner, RSA-2048 keys)."""
-    from fedseg.apps.deploy.run import provision
+    from fedseg.deployment.run import provision
 
     try:
         return provision(SITES, f"{HOST}:18002", tmp_path_factory.mktemp("fed") / "kits")
@@ -388,7 +388,7 @@ def test_a_kit_without_its_roster_refuses_runs_and_is_stopped_before_it_starts(t
     of taking part unchecked."""
     import shutil
 
-    from fedseg.apps.deploy.run import configure_site
+    from fedseg.deployment.run import configure_site
     from fedseg.foundation.errors import ConfigError
 
     old = tmp_path / "site1"

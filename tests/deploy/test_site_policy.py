@@ -3,7 +3,7 @@ on by default for deployments.
 
 The tests act as the server: they write the run config the server sends (secure aggregation switched off, DP
 below a site's floor, a method or task the site does not allow) and serve it over the in-process byte
-channel the deployment tests use (:class:`fedseg.execution.remote.transport.LoopbackChannel`), with the
+channel the deployment tests use (:class:`fedseg.deployment.transport.LoopbackChannel`), with the
 sites' runtimes holding their own policies.
 """
 
@@ -16,11 +16,11 @@ import logging
 
 import pytest
 
-from fedseg.apps.deploy.policy import SitePolicy, policy_from_dict, read_policy, write_policy
-from fedseg.apps.deploy.server import REFUSED, load_deploy_config, serve
-from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-from fedseg.execution.remote.transport import DeployError, LoopbackChannel
-from fedseg.execution.remote.wire import decode_reply, encode_task
+from fedseg.deployment.policy import SitePolicy, policy_from_dict, read_policy, write_policy
+from fedseg.deployment.server import REFUSED, load_deploy_config, serve
+from fedseg.deployment.site import SiteConfig, SiteRuntime
+from fedseg.deployment.transport import DeployError, LoopbackChannel
+from fedseg.deployment.wire import decode_reply, encode_task
 from fedseg.foundation.config import PrivacyConfig, dump_toml
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Task
@@ -63,7 +63,7 @@ def test_site_refuses_a_job_that_switches_secure_aggregation_off(tmp_path, caplo
     _prepare(tmp_path / "dep", cfg, list(data))
     runtimes = _runtimes(tmp_path, data, {"site3": SitePolicy()})
     logs: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="fedseg.apps.deploy.site"):
+    with caplog.at_level(logging.WARNING, logger="fedseg.deployment.site"):
         res = serve(tmp_path / "dep", LoopbackChannel(runtimes), log=logs.append)
     why = "the run has privacy.secure_aggregation = false and the policy requires secure aggregation"
     assert any(why in r.getMessage() and "site3" in r.getMessage() for r in caplog.records), caplog.text
@@ -282,8 +282,8 @@ def test_policy_defaults_round_trip_and_deploy_site_writes_them(tmp_path):
 def test_configure_site_writes_the_default_policy_and_checks_a_given_one(tmp_path):
     """``fedseg deploy site`` writes the defaults into the kit's local/ folder and names the file in the site
     config; a policy given with --policy is checked before anything starts."""
-    from fedseg.apps.deploy.run import configure_site
-    from fedseg.apps.deploy.site import read_site_config
+    from fedseg.deployment.run import configure_site
+    from fedseg.deployment.site import read_site_config
 
     kit = tmp_path / "kit"
     (kit / "startup").mkdir(parents=True)
@@ -333,7 +333,7 @@ def test_fedsm_selector_gradients_in_the_clear_are_warned_about_at_both_ends(tmp
         return inner(site, op, payload, timeout)
 
     logs: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="fedseg.apps.deploy.site"), pytest.raises(DeployError):
+    with caplog.at_level(logging.WARNING, logger="fedseg.deployment.site"), pytest.raises(DeployError):
         serve(tmp_path / "dep", channel, log=logs.append)
     assert "site site1: fedsm.selector_training = 'fga'" in caplog.text
     assert "selector gradient of every step to the server in the clear" in caplog.text
@@ -391,7 +391,7 @@ def test_every_privacy_setting_is_pinned_checked_or_harmless_in_the_docs_table()
     import re
 
     from fedseg.algorithms.fedsm.params import FedSMParams
-    from fedseg.execution.remote.params import DeployParams
+    from fedseg.deployment.params import DeployParams
     from fedseg.foundation.config import RunConfig
 
     rows = _settings_table()

@@ -1,7 +1,7 @@
 """The deployment supervisor: automatic re-submission after an aborted job, rejoin of a restarted site.
 
 The supervisor's admin session is a fake whose "jobs" are threads running fedseg's
-real server half (:func:`fedseg.apps.deploy.server.serve`) over the in-process byte
+real server half (:func:`fedseg.deployment.server.serve`) over the in-process byte
 channel, so the checkpoint/resume path is the deployed one; only FLARE is absent
 (tests/deploy/test_deploy_nvflare.py runs the same over FLARE).
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fedseg.apps.deploy.server import serve
-from fedseg.apps.deploy.supervise import Supervisor
-from fedseg.execution.remote.params import DeployParams
-from fedseg.execution.remote.transport import DeployError, LoopbackChannel
+from fedseg.deployment.params import DeployParams
+from fedseg.deployment.server import serve
+from fedseg.deployment.supervise import Supervisor
+from fedseg.deployment.transport import DeployError, LoopbackChannel
 from tests.deploy.test_deploy import _cfg, _prepare, _runtimes
 from tests.support.helpers import assert_same_checkpoints, tiny_sites
 

@@ -12,16 +12,14 @@ from torch import nn
 from torch.func import functional_call
 
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.autofedavg import (
+from fedseg.algorithms.autofedavg import AutoFedAvgParams, extra_cost_ratio, init_beta
+from fedseg.algorithms.learned_weights import (
     NETWORK,
-    AutoFedAvgParams,
     aggregate,
     alpha_eval,
     alpha_per_tensor,
     alpha_train,
     dirichlet_mode,
-    extra_cost_ratio,
-    init_beta,
     mix,
     sample_dirichlet,
     tensor_layers,

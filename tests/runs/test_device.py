@@ -108,8 +108,8 @@ def test_help_documents_device_and_precision(capsys):
 
 
 def test_deploy_site_config_keeps_its_own_device(tmp_path, monkeypatch):
-    from fedseg.apps.deploy.run import configure_site
-    from fedseg.apps.deploy.site import SiteConfig, read_site_config, write_site_config
+    from fedseg.deployment.run import configure_site
+    from fedseg.deployment.site import SiteConfig, read_site_config, write_site_config
 
     path = write_site_config(tmp_path / "site.json", SiteConfig("siteA", "dl.json", str(tmp_path), "cuda:1"))
     assert read_site_config(path).device == "cuda:1"
@@ -500,9 +500,9 @@ def test_cli_run_and_compare_with_device_and_precision(tmp_path, capsys):
 def test_each_deployed_site_trains_on_its_own_device(tmp_path):
     """The run config's device is the server's; a deployed site uses the device of its own
     site config (``fedseg deploy site --device``) and still gives the simulation's weights."""
-    from fedseg.apps.deploy.server import serve
-    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
-    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.site import SiteConfig, SiteRuntime
+    from fedseg.deployment.transport import LoopbackChannel
     from tests.deploy.test_deploy import _cfg, _prepare, _workload
 
     cfg, data = _cfg(), tiny_sites(2)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from fedseg.data.synth import synthesize
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
-from fedseg.simulation.runner import load_federation_data, simulate
+from fedseg.simulation.runner import simulate
 from fedseg.site.workload import segmentation_workload
 
 

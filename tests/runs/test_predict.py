@@ -20,17 +20,18 @@ import torch
 from safetensors.torch import load_file
 
 from fedseg.algorithms import known_sections
-from fedseg.apps.deploy.site import data_header
 from fedseg.apps.predict import keep_largest, load_predictor, predict_files
 from fedseg.apps.predict.export import export_run, label_map_expression
 from fedseg.cli import main
 from fedseg.data.readers import read_array
+from fedseg.deployment.site import data_header
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, DataError
 from fedseg.seams.algorithm import Candidate
 from fedseg.seams.checkpoint import load_best
-from fedseg.simulation.runner import build_engine, load_federation_data, run
+from fedseg.simulation.runner import build_engine, run
 from fedseg.site import predict as prediction
 from fedseg.site.workload import workload_for
 

@@ -11,8 +11,8 @@ import torch
 import fedseg.site.secure as site_secure
 from fedseg.algorithms import get_algorithm
 from fedseg.algorithms import secure as server_secure
+from fedseg.deployment.params import deploy_params
 from fedseg.execution.inprocess import InProcessTransport
-from fedseg.execution.remote.params import deploy_params
 from fedseg.foundation.arrays import strip_prefix, weighted_mean
 from fedseg.foundation.config import PrivacyConfig
 from fedseg.foundation.errors import ConfigError

@@ -214,8 +214,8 @@ def test_deployed_secure_fedsm_equals_simulation_bitwise(tmp_path):
     """Over the deployment's byte channel (fresh keys, bytes both ways, the sites' own runtimes) secure FedSM
     ends with the simulation's server state, test Dice and sites' personalized models bitwise: the masks cancel
     exactly and nothing else depends on the keys."""
-    from fedseg.apps.deploy.server import serve
-    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.transport import LoopbackChannel
     from tests.deploy.test_deploy import _prepare, _runtimes, _workload
 
     cfg, data = _deploy_cfg(), tiny_sites(3)
@@ -231,9 +231,9 @@ def test_deployed_site_lost_after_masking_is_left_out_of_the_round(tmp_path):
     """Deployed, site3's masked training reply of round 2 is lost after it masked: the survivors reveal its mask
     key, the round's global model is the mean over site1 and site2 and only they pull; the run finishes, and
     the composite still holds site3's released personalized model."""
-    from fedseg.apps.deploy.server import serve
-    from fedseg.execution.remote.transport import LoopbackChannel
-    from fedseg.execution.remote.wire import decode_reply
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.transport import LoopbackChannel
+    from fedseg.deployment.wire import decode_reply
     from tests.deploy.test_deploy import _prepare, _runtimes
 
     seen = {"n": 0}

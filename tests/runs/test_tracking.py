@@ -174,7 +174,7 @@ def test_compare_logs_to_a_tracking_server(spec, tmp_path, monkeypatch):
 def test_deploy_rehearse_logs_the_servers_results(spec, tmp_path, monkeypatch):
     """`fedseg deploy rehearse --track mlflow` logs the run the server wrote into OUT (FLARE replaced by a
     stand-in that writes a finished run's folder)."""
-    from fedseg.apps.deploy import run as dep
+    from fedseg.deployment import run as dep
 
     def rehearse(config, sites, out, **kw):
         res = _fake_run(config, out=Path(out), seed=0)

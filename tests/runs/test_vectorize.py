@@ -701,7 +701,7 @@ def test_lockstep_adam_steps_together_equal_each_sites_own_step():
     (FGA's in-sync check)."""
     import copy
 
-    from fedseg.algorithms.fga import apply_gradient
+    from fedseg.algorithms.gradients import apply_gradient
 
     calls = _fit_calls([1, 1, 1])
     with torch.no_grad():

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedseg.apps.deploy.policy import POLICY_NAME, SitePolicy, policy_from_dict, write_policy
+from fedseg.deployment.policy import POLICY_NAME, SitePolicy, policy_from_dict, write_policy
 
 OVERRIDES = [
     "model.channels=[4,8,16]",
@@ -51,8 +51,8 @@ bitwise) and send per-case scores."""
 HOSTILE_SITE = """
 # Loaded at interpreter start by every Python process of the hostile site (PYTHONPATH): its site runtime
 # returns its trained weights replaced by 3e38 (finite but huge), as a site running modified code would.
-import fedseg.apps.deploy.site as _site
-from fedseg.execution.remote.wire import decode_reply, encode_reply
+import fedseg.deployment.site as _site
+from fedseg.deployment.wire import decode_reply, encode_reply
 from fedseg.foundation.messages import Reply
 
 _call = _site.SiteRuntime.call
@@ -75,7 +75,7 @@ SERVER_RECORDER = """
 # accepts is recorded (its task, and its arrays' names and dtypes) as one JSON line.
 import json as _json
 
-import fedseg.execution.remote.transport as _transport
+import fedseg.deployment.transport as _transport
 
 _ask = _transport.RemoteTransport.ask
 
@@ -129,8 +129,8 @@ class SharedCluster:
 
     def start(self) -> None:
         """Provision and start the cluster unless it runs (a cluster with a dead process is started anew)."""
-        from fedseg.apps.deploy.run import LocalCluster, start_server, start_site
         from fedseg.data.spec import load_federation
+        from fedseg.deployment.run import LocalCluster, start_server, start_site
 
         if self.alive():
             return
@@ -179,7 +179,7 @@ class SharedCluster:
 
     def prepare(self, tmp_path: Path, method: str, overrides: list[str], names=("site1", "site2")) -> tuple[Path, Path]:
         """A deploy run folder for ``method`` on the fundus sites ``names``: ``(run config, run folder)``."""
-        from fedseg.apps.deploy.server import load_deploy_config, prepare_run
+        from fedseg.deployment.server import load_deploy_config, prepare_run
 
         run_toml = tmp_path / "run.toml"
         run_toml.write_text(f'federation = "{self.fundus}"\nmethod = "{method}"\nseed = 0\n')
@@ -194,7 +194,7 @@ class SharedCluster:
         replay guard of ``fedseg.site.secure.Record``, kept in each site's work folder) are cleared first, as
         they would be for a new federation's sites; a record that persists across one rehearsal's jobs (a
         supervisor's restarts) is untouched."""
-        from fedseg.apps.deploy.run import submit_run
+        from fedseg.deployment.run import submit_run
         from fedseg.site.secure import RECORD_NAME
 
         for record in (self.root / "sites").glob(f"*/{RECORD_NAME}"):
@@ -203,8 +203,8 @@ class SharedCluster:
 
     def simulate(self, tmp_path: Path, run_toml: Path, overrides: list[str], names=("site1", "site2")) -> dict:
         """The in-process simulation of the same run on the same sites (``tmp_path/sim/out``)."""
-        from fedseg.apps.deploy.run import subset_spec
-        from fedseg.apps.deploy.server import load_deploy_config
+        from fedseg.deployment.run import subset_spec
+        from fedseg.deployment.server import load_deploy_config
         from fedseg.simulation.runner import run
 
         sim_spec = subset_spec(self.fundus, list(names), tmp_path / "sim" / "federation.toml")

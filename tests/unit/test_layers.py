@@ -12,10 +12,12 @@ The folders of ``src/fedseg`` are the layers, lowest first (``docs/architecture.
    checkpoint sits here because each best-model record it reads and writes is a
    ``seams.algorithm.Candidate``; no algorithm imports it (see :data:`ALGORITHM_MAY_IMPORT`);
 4. ``algorithms/`` — the methods;
-5. ``execution/`` — the round loop (``engine``), the in-process transport and its vectorized
-   executor, the remote transport (``remote/``: wire format, ``[deploy]`` settings, reply checks);
-6. ``simulation/`` — one way to build and run a simulated federation;
-7. ``apps/`` — ``studies/``, ``report/``, ``deploy/``;
+5. ``execution/`` — the round loop (``engine``), what both ways of hosting a run share (``federation``: a
+   run's data and plan; ``results``: its results files), the in-process transport and its vectorized executor;
+6. ``simulation/`` and ``deployment/``, side by side, neither importing the other — one process (a
+   simulated federation) and many machines (the remote transport: wire format, ``[deploy]`` settings,
+   reply checks; the site and server mains; NVIDIA FLARE);
+7. ``apps/`` — ``studies/``, ``report/``, ``predict/``, …;
 8. ``cli.py`` (the dispatcher) and ``commands/`` (one module per verb).
 
 A module imports only modules of its own layer or below, and never in a cycle; no two folders
@@ -43,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedseg.seams",),
     ("fedseg.algorithms",),
     ("fedseg.execution",),
-    ("fedseg.simulation",),
+    ("fedseg.simulation", "fedseg.deployment"),
     ("fedseg.apps",),
     ("fedseg.cli", "fedseg.commands", "fedseg"),
 ]
@@ -65,7 +67,7 @@ DEFERRED = (
     "mlflow",
     "ray",  # the cluster extra: --launcher ray | slurm
     "submitit",
-    "fedseg.apps.deploy.flare",  # imports nvflare
+    "fedseg.deployment.flare",  # imports nvflare
     "matplotlib",
     "PIL",
     "sklearn",
@@ -271,6 +273,30 @@ def test_the_layer_checker_sees_a_violation(module, monkeypatch):
         test_imports_go_down_the_layers()
 
 
+def test_simulation_and_deployment_do_not_import_each_other():
+    """The two ways of hosting a run stand side by side on one floor: what both need (the engine, a run's data,
+    its results files) lives below them in ``fedseg.execution``, so neither imports the other, even inside a
+    function or under ``TYPE_CHECKING``."""
+    rooms = ("fedseg.simulation", "fedseg.deployment")
+    bad = [
+        f"{MODULES[m].relative_to(SRC)}:{line} imports {t}"
+        for m, items in IMPORTS.items()
+        for here, there in (rooms, rooms[::-1])
+        if _within(m, here)
+        for target, line, _ in items
+        if (t := _internal(target)) is not None and _within(t, there)
+    ]
+    assert not bad, "simulation and deployment import each other:\n" + "\n".join(bad)
+
+
+def test_the_side_by_side_check_sees_an_import(monkeypatch):
+    """The check is not vacuous: the deployed server taking a name from the simulation's runner is reported."""
+    fake = [*IMPORTS["fedseg.deployment.server"], ("fedseg.simulation.runner.simulate", 1, False)]
+    monkeypatch.setitem(IMPORTS, "fedseg.deployment.server", fake)
+    with pytest.raises(AssertionError, match="import each other"):
+        test_simulation_and_deployment_do_not_import_each_other()
+
+
 def _folder_graph(parent: str) -> dict[str, set[str]]:
     """Import edges between the direct children of package ``parent`` (folders and modules)."""
     depth = parent.count(".") + 2
@@ -357,8 +383,6 @@ def test_every_folder_is_one_layer():
 MAX_LINES = 500
 ONE_CONCEPT = {
     "fedseg/algorithms/fedsm/method.py": "FedSM's server and site halves, shared by FedSM-extra and the ensemble",
-    "fedseg/algorithms/autofedavg.py": "one method: Auto-FedAvg's halves and its β step",
-    "fedseg/algorithms/fga.py": "one method: federated gradient averaging and its lockstep exchange, reused by FedSM",
 }
 """Modules over :data:`MAX_LINES` lines, each one concept (the reason beside it)."""
 

@@ -39,7 +39,6 @@ from typing import Any, Literal, cast
 
 import torch
 
-from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -48,6 +47,7 @@ from fedseg.algorithms.personal import (
     check_positive,
     train_handler,
 )
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, dot, prefixed, strip_prefix, sub
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
@@ -117,8 +117,6 @@ class APFLParams:
         Step size of α; None = ``train.lr``.
     mix
         'parameters' (v̄ = α v + (1 − α) w, the paper) or 'outputs' (mix the logits).
-    weighting
-        FedAvg weights of the global model: 'samples' or 'even'.
     """
 
     alpha: float = 0.5
@@ -130,7 +128,6 @@ class APFLParams:
     mix: Literal["parameters", "outputs"] = "parameters"
     """What is mixed: 'parameters' (alpha v + (1 - alpha) w) or 'outputs' (the two models' logits)."""
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:

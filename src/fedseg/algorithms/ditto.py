@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.fedprox import proximal_loss
 from fedseg.algorithms.personal import (
     PersonalizationBase,
@@ -39,6 +38,7 @@ from fedseg.algorithms.personal import (
     store_personal,
     train_handler,
 )
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
@@ -59,8 +59,6 @@ class DittoParams:
         Personal optimizer steps per round (>= 0); None = one round of local work.
     lr
         Learning rate of the personal optimizer; None = ``train.lr``.
-    weighting
-        FedAvg weights of the global model: 'samples' or 'even'.
     """
 
     lam: float = 0.1
@@ -70,7 +68,6 @@ class DittoParams:
     lr: float | None = None
     """Learning rate of the personal optimizer; none = train.lr."""
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         if not (self.lam >= 0.0 and self.lam < float("inf")):

@@ -23,21 +23,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from fedseg.algorithms.secure import secure_ask
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Aggregation, Arrays, aggregate, check_aggregation, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
 from fedseg.site.calls import Asks
 from fedseg.site.runtime import Site, steps_per_round
 
-Weighting = Literal["samples", "even"]
-"""FedAvg's p_k: 'samples' (n_k / n, the papers') or 'even' (1 / K); the ``weighting`` setting of every method that averages."""
-
 
 def aggregation_weights(num_samples: Sequence[int], weighting: str) -> list[float]:
-    """FedAvg's p_k: ``"samples"`` → n_k / n, ``"even"`` → 1 / K."""
+    """FedAvg's p_k (:data:`~fedseg.algorithms.weighting.Weighting`): ``"samples"`` → n_k / n, ``"even"`` → 1 / K."""
     if weighting == "samples":
         total = sum(num_samples)
         if total <= 0:
@@ -53,7 +51,8 @@ class FedAvgParams:
     """Settings of FedAvg.
 
     weighting
-        'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K).
+        'samples' (p_k = n_k / n, the papers' FedAvg) or 'even' (p_k = 1/K)
+        (:data:`~fedseg.algorithms.weighting.Weighting`).
     aggregation
         'mean' (Σ_k p_k w_k, the papers' FedAvg), 'trimmed_mean' or 'median'
         (coordinate-wise, robust to a hostile or broken site; :func:`fedseg.foundation.arrays.aggregate`).
@@ -66,7 +65,6 @@ class FedAvgParams:
 
     section: ClassVar[str] = "fedavg"
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     aggregation: Aggregation = "mean"
     """How site models are combined: 'mean' (weighted average, the paper), 'trimmed_mean' or 'median' (coordinate-wise, robust to a hostile or broken site)."""
     trim: float = 0.1
@@ -103,7 +101,7 @@ class FedAvg(Algorithm):
     """Its site half sends :func:`sent_update` (client-level DP's clipped, noised update when asked)."""
     summed_kinds: ClassVar[frozenset[str]] = frozenset({"train"})
 
-    def weighting(self) -> str:
+    def weighting(self) -> Weighting:
         return self.params.weighting
 
     def secure_aggregation_unsupported(self) -> str | None:

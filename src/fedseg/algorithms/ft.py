@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedseg.algorithms.fedavg import Weighting, train_global
+from fedseg.algorithms.fedavg import train_global
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -35,6 +35,7 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Task
 from fedseg.seams.algorithm import Candidate, ServerContext
@@ -52,8 +53,6 @@ class FTParams:
         Fine-tuning optimizer steps (>= 0); None = one round of local work.
     lr
         Fine-tuning learning rate; None = ``train.lr``.
-    weighting
-        FedAvg weights of the global model: 'samples' or 'even'.
     """
 
     steps: int | None = None
@@ -61,7 +60,6 @@ class FTParams:
     lr: float | None = None
     """Fine-tuning learning rate; none = train.lr."""
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         check_nonneg_int("ft", "steps", self.steps)

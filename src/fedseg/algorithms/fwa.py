@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from fedseg.algorithms.fedavg import FedAvg, Weighting
+from fedseg.algorithms.fedavg import FedAvg
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm
@@ -39,7 +40,6 @@ class FWAParams:
     """
 
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
     reset_optimizer: bool | None = None
     """true: a fresh Adam every round; false: keep each site's moments; none: follow train.reset_optimizer."""
 

@@ -38,7 +38,6 @@ from typing import Any, Literal, cast
 import torch
 from torch.func import functional_call
 
-from fedseg.algorithms.fedavg import Weighting
 from fedseg.algorithms.personal import (
     PersonalizationBase,
     PersonalizedAlgorithm,
@@ -50,6 +49,7 @@ from fedseg.algorithms.personal import (
     personalize_handler,
     store_personal,
 )
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Candidate, ServerContext
@@ -132,8 +132,6 @@ class PerFedAvgParams:
         δ > 0 of the finite-difference HVP.
     personal_steps
         Adaptation steps (of size α) that make the personalized model at evaluation.
-    weighting
-        FedAvg weights of the global model: 'samples' or 'even'.
     """
 
     variant: Literal["fo", "hf"] = "fo"
@@ -147,7 +145,6 @@ class PerFedAvgParams:
     personal_steps: int = 1
     """Adaptation steps (of size alpha) that make a site's personalized model at evaluation."""
     weighting: Weighting = "samples"
-    """Weights of the global-model average: 'samples' (p_k = n_k / n) or 'even' (p_k = 1 / K)."""
 
     def validate(self) -> None:
         check_positive("perfedavg", "alpha", self.alpha)

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from fedseg.algorithms.fedavg import aggregation_weights
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.errors import ConfigError
@@ -236,7 +237,7 @@ class PersonalizedAlgorithm(Algorithm):
         return self.Personal.fp16_unsupported_by
 
 
-def aggregate_global(replies: Mapping[str, Reply], weighting: str, prefix: str = "global") -> Arrays:
+def aggregate_global(replies: Mapping[str, Reply], weighting: Weighting, prefix: str = "global") -> Arrays:
     """FedAvg's Σ_k p_k w^{(k)} over the replies' ``prefix/...`` arrays, still prefixed."""
     names = list(replies)
     p = aggregation_weights([replies[s].num_samples for s in names], weighting)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fedseg.algorithms.fedavg import Weighting, aggregation_weights
+from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import (
     Combine,
     PersonalizationBase,
@@ -46,6 +46,7 @@ from fedseg.algorithms.personal import (
     store_personal,
     train_handler,
 )
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, lerp, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
@@ -112,7 +113,6 @@ class PFedMeParams:
     beta: float = 1.0
     """Server mixing beta > 0: 1 = the average of the sites' models."""
     weighting: Weighting = "samples"
-    """Average weights: 'samples' (n_i / n, the authors' code) or 'even'."""
 
     def validate(self) -> None:
         check_positive("pfedme", "lam", self.lam)

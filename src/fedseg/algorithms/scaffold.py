@@ -45,9 +45,10 @@ from typing import Any, ClassVar, Literal, cast
 
 import torch
 
-from fedseg.algorithms.fedavg import Weighting, aggregation_weights
+from fedseg.algorithms.fedavg import aggregation_weights
 from fedseg.algorithms.personal import check_positive
 from fedseg.algorithms.secure import secure_ask
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.arrays import Arrays, add, lerp, prefixed, scale, strip_prefix, sub, weighted_mean, zeros_like
 from fedseg.foundation.messages import Reply, Task
 from fedseg.seams.algorithm import Algorithm, Candidate, ServerContext
@@ -122,7 +123,6 @@ class ScaffoldParams:
     server_lr: float = 1.0
     """Global step size eta_g of the server update."""
     weighting: Weighting = "samples"
-    """Average weights: 'samples' (n_i / n) or 'even' (1 / |S|, the paper)."""
     correction: Literal["step", "gradient"] = "step"
     """Control-variate correction: 'step' (applied to the weights after each optimizer step) or 'gradient' (added to the gradient before it)."""
 

@@ -14,8 +14,8 @@ import inspect
 from fedseg.algorithms import REGISTRY
 from fedseg.apps.tracking import SECTION as TRACKING
 from fedseg.apps.tracking import TrackingParams
-from fedseg.execution.remote.params import SECTION as DEPLOY
-from fedseg.execution.remote.params import DeployParams
+from fedseg.deployment.params import SECTION as DEPLOY
+from fedseg.deployment.params import DeployParams
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.settings import TOP, Setting, describe, plain, run_sections
 from fedseg.seams.algorithm import NoParams

@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 
 from fedseg.algorithms import REGISTRY
-from fedseg.apps.deploy import run as dep
-from fedseg.apps.deploy.site import read_site_config
 from fedseg.apps.tracking import tracker_for
 from fedseg.commands.options import (
     split_csv,
     track_argument,
 )
+from fedseg.deployment import run as dep
+from fedseg.deployment.site import read_site_config
 
 
 def cmd_deploy(a: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ MODES = ("2d", "slices", "3d", "patches2d")
 #: Modes whose files are volumes with their geometry, brought into a federated plan's grid.
 VOLUME_MODES = ("3d", "patches2d")
 IntensityMode = Literal["ct", "zscore", "window", "minmax"]
-"""The intensity schemes of volumes (:func:`fedseg.data.volumes.intensity.normalize_volume`)."""
+"""The intensity schemes of volumes, each a class of :data:`fedseg.data.volumes.schemes.SCHEMES`."""
 INTENSITY_MODES: tuple[str, ...] = get_args(IntensityMode)
 #: ``data.intensity``: "auto" takes the plan's choice; the others override it (fedseg.data.volumes.intensity).
 INTENSITIES = ("auto", *INTENSITY_MODES)

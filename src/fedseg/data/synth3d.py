@@ -222,11 +222,6 @@ def tissue_at(anat: Anatomy, site: CTSite, p: np.ndarray, lesion_hu: float) -> t
     return hu, lab
 
 
-def hu_at(anat: Anatomy, site: CTSite, p: np.ndarray, lesion_hu: float) -> np.ndarray:
-    """Noise-free, uncalibrated attenuation (HU) of each world point (N, 3)."""
-    return tissue_at(anat, site, p, lesion_hu)[0]
-
-
 def ct_grid(site: CTSite, size: int = 64) -> tuple[tuple[int, int, int], np.ndarray]:
     """The voxel grid of ``site`` at ``size``: its shape and its 4x4 voxel -> RAS mm affine.
 

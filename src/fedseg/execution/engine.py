@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from fedseg.evaluation.summary import summarize
 from fedseg.foundation.arrays import Arrays, clone, layout_of, prefixed
 from fedseg.foundation.config import RunConfig
-from fedseg.foundation.device import configure_determinism, describe, resolve_device, to_device
+from fedseg.foundation.device import DTYPES, configure_determinism, describe, resolve_device, to_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Task
 from fedseg.foundation.seeding import derive_seed
@@ -135,7 +135,7 @@ class Engine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.cfg.seed, "init", role))
             model = (factory or self.workload.build_model)()
-        dtype = {"float32": torch.float32, "float64": torch.float64}[self.cfg.train.dtype]
+        dtype = DTYPES[self.cfg.train.dtype]
         return {
             k: (v.to(dtype) if v.is_floating_point() else v).detach().to(self.device, copy=True)
             for k, v in model.state_dict().items()

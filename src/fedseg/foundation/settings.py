@@ -1,7 +1,9 @@
 """The settings reference: every field of a settings dataclass as one :class:`Setting` row.
 
 A setting's description is its field docstring (the string literal right after the field, the
-attribute-docstring convention), read from the class's source with :mod:`ast`; its type, default
+attribute-docstring convention), read from the class's source with :mod:`ast`, or where the field has
+none the :class:`Doc` of its vocabulary (a word option shared by several sections, declared once as
+``Annotated[Literal[...], Doc("...")]``, e.g. :data:`fedseg.algorithms.weighting.Weighting`); its type, default
 and allowed values (``Literal[...]``) come from the dataclass itself, so the reference cannot
 drift from the code.  This module knows the foundation's sections (the top-level run settings,
 ``[model]``, ``[train]``, ``[eval]``, ``[simulation]``); the methods' sections and ``[deploy]``
@@ -23,10 +25,29 @@ from typing import Any
 
 from fedseg.foundation.config import SECTIONS, RunConfig
 
-__all__ = ["TOP", "Setting", "describe", "field_docs", "plain", "run_sections"]
+__all__ = ["TOP", "Doc", "Setting", "describe", "field_docs", "plain", "run_sections"]
 
 TOP = "run"
 """Name of the top-level settings (``rounds``, ``seed``… written before any ``[section]``)."""
+
+
+@dataclass(frozen=True)
+class Doc:
+    """The description of a vocabulary that several settings share: ``Annotated[Literal[...], Doc("...")]``.
+
+    A field of that type without a docstring of its own is described by it in the reference, so the words'
+    meaning is written once, beside the words."""
+
+    text: str
+
+
+def _vocabulary_doc(tp: Any) -> str:
+    """The :class:`Doc` text of the type ``tp`` (an ``Annotated`` alias, or a union holding one), else ``""``."""
+    if typing.get_origin(tp) is typing.Annotated:
+        return next((m.text for m in tp.__metadata__ if isinstance(m, Doc)), "")
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((d for d in map(_vocabulary_doc, typing.get_args(tp)) if d), "")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -56,7 +77,7 @@ class Setting:
 def field_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` of the dataclass ``cls``: each string literal that directly follows an
     annotated field in the class body, whitespace collapsed to one line; a field a base class declares has
-    the base's docstring unless ``cls`` restates it."""
+    the base's docstring unless ``cls`` restates it; a field without one has its vocabulary's :class:`Doc`."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if klass is object or not dataclasses.is_dataclass(klass):
@@ -72,6 +93,10 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)
             ):
                 out[node.target.id] = " ".join(nxt.value.value.split())
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        if f.name not in out and (doc := _vocabulary_doc(hints[f.name])):
+            out[f.name] = " ".join(doc.split())
     return out
 
 

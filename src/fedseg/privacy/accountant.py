@@ -66,7 +66,7 @@ def _accountant(kind: str, history: History):
 
 def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
     """ε at ``delta`` of the steps in ``history`` (0 with no steps), by Opacus' ``accountant``
-    ('rdp' or 'prv').  Answers are kept (an RDP answer over Opacus' fractional orders takes about 0.2 s)."""
+    ('rdp' or 'prv').  Answers are kept (an RDP answer over Opacus' fractional orders is slow)."""
     return _epsilon(tuple((float(s), float(q), int(t)) for s, q, t in history if t > 0), float(delta), accountant)
 
 

@@ -4,51 +4,38 @@
 first), builds the segmentation workload and runs the method; ``simulate(...)``
 does the same for a user-supplied workload and in-memory site datasets.  Both build the
 run through :func:`build_engine`, the one place where sites, the in-process transport and
-the engine are put together (the FedSM studies and ``fedseg evaluate`` use it too).
+the engine are put together (the FedSM studies and ``fedseg evaluate`` use it too).  What a deployed run
+shares with a simulation — loading a federation, a volume run's plan, the results files — lives below both,
+in :mod:`fedseg.execution.federation` and :mod:`fedseg.execution.results`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch.utils.data import ConcatDataset, TensorDataset
-from tqdm.auto import tqdm
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.centralized import POOLED
-from fedseg.data.loading import load_split
-from fedseg.data.spec import LAYOUT_NAME, data_header, load_federation
-from fedseg.data.validate import raise_if_invalid
+from fedseg.data.spec import load_federation
 from fedseg.data.volumes.lazy import CachedVolumes
-from fedseg.data.volumes.load import ensure_plan, load_volume_site, pad_to_common_shape, plan_for_run, split_shape
-from fedseg.evaluation.tables import table3
 from fedseg.execution.engine import Engine
+from fedseg.execution.federation import load_federation_data, plan_volume_run, write_layout
 from fedseg.execution.inprocess import InProcessTransport
+from fedseg.execution.results import write_results
 from fedseg.execution.vectorize import AUTO_MIN_SITES, VectorizedExecutor, resolve_vectorize
 from fedseg.foundation.config import RunConfig, dump_toml, load_run_config
 from fedseg.foundation.device import describe, resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.algorithm import Algorithm
-from fedseg.seams.checkpoint import check_resumable, save_json
-from fedseg.site.runtime import Site, SiteData, dataset_len, steps_per_round
+from fedseg.seams.checkpoint import check_resumable
+from fedseg.site.runtime import Site, SiteData
 from fedseg.site.workload import Workload, workload_for
 
-if TYPE_CHECKING:
-    from fedseg.data.volumes.splits import SliceDataset, VolumeDataset
-
-__all__ = [
-    "build_engine",
-    "build_transport",
-    "load_federation_data",
-    "plan_volume_run",
-    "run",
-    "simulate",
-    "validation_work",
-    "write_results",
-]
+__all__ = ["build_engine", "build_transport", "run", "simulate", "vectorized_schedule"]
 
 
 def _pooled(site_data: Mapping[str, SiteData]) -> SiteData:
@@ -208,90 +195,6 @@ def simulate(
         write_results(results, out)
         engine.finish()  # the results are on disk: drop what only --resume reads (checkpoint_keep)
     return results
-
-
-def write_results(results: dict[str, Any], out: str | Path) -> None:
-    """Write ``results.json`` and ``results.md`` (Table 3 layout) to ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_json(results, out / "results.json")  # atomic: a reader never sees half a results.json
-    md = [f"# {results['method']} — seed {results['seed']}\n", table3([results])]
-    priv = results.get("privacy")
-    if priv:  # ε per site at δ under privacy.dp (docs/privacy.md)
-        eps = ", ".join(f"{s} {v['epsilon']:.3g}" for s, v in priv["sites"].items())
-        line = f"\nDifferential privacy ({priv['dp']} level, {priv['accountant']} accountant, δ = {priv['delta']:g}): ε per site: {eps}"
-        if priv.get("stopped_after_round") is not None:
-            line += f"; training stopped after round {priv['stopped_after_round']} at the budget privacy.epsilon = {priv['epsilon_budget']:g}"
-        md.append(line + "\n")
-    (out / "results.md").write_text("\n".join(md))
-
-
-def load_federation_data(
-    federation: str | Path,
-    progress: bool = False,
-    log: Callable[[str], None] = print,
-    volume_cache: str = "auto",
-    volume_reads: str = "auto",
-    device: str = "auto",
-    batch: int = 2,
-) -> tuple[Any, dict[str, SiteData]]:
-    """Validate a federation spec and load every site's splits into memory.
-
-    Volumes (``mode = "3d"`` or ``"patches2d"``) are brought into the federation's plan grid (the plan
-    file beside the spec, made by federated fingerprinting when there is none; :mod:`fedseg.data.volumes`),
-    each case read from its site's cache of preprocessed cases when it is there (``volume_cache``, the run
-    setting) and held in memory or read from there as used (``volume_reads``); ``patches2d`` training splits
-    are the volumes' axial slices.  A new plan is made for the run's ``device`` and ``batch`` patches a step
-    (:func:`fedseg.data.volumes.load.ensure_plan`)."""
-    raise_if_invalid(federation)
-    fed = load_federation(federation)
-    if fed.volumes:
-        plan = ensure_plan(fed, log=log, device=device, batch=batch)
-        data = {
-            s.name: SiteData(*load_volume_site(fed, s, plan, volume_cache, log, volume_reads, len(fed.sites)))
-            for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False)
-        }
-        return fed, pad_to_common_shape(data)
-    data = {}
-    for s in tqdm(fed.sites, desc="loading sites", unit="site", disable=not progress, leave=False):
-        data[s.name] = SiteData(*(load_split(fed, s, split) for split in ("training", "validation", "testing")))
-    return fed, data
-
-
-def validation_work(cfg: RunConfig, cases: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """``{site: (validation cases, training patches per round)}`` from ``{site: (validation cases, training
-    cases)}``: what :func:`fedseg.data.volumes.plan.eval_interval` weighs (a simulation counts its loaded
-    splits, a deployed server the counts its sites report)."""
-    return {s: (v, steps_per_round(cfg.train, t) * cfg.train.batch_size) for s, (v, t) in cases.items()}
-
-
-def plan_volume_run(
-    cfg: RunConfig, fed: Any, data: Mapping[str, SiteData], log: Callable[[str], None] = print
-) -> tuple[RunConfig, Any]:
-    """The run config of a volume federation with its plan applied (:func:`fedseg.data.volumes.load.plan_for_run`:
-    patch, network, and for ``3d`` the validation interval from the loaded splits, padded to one shape) and
-    the plan (:func:`fedseg.data.volumes.load.ensure_plan`, already logged by :func:`load_federation_data`)."""
-    plan = ensure_plan(fed, log=lambda m: None)
-    work, volume = None, None
-    if fed.mode == "3d":  # the validation interval weighs 3D sliding windows against 3D patches
-        work = validation_work(cfg, {s: (dataset_len(d.val), dataset_len(d.train)) for s, d in data.items()})
-        val = next(iter(data.values())).val
-        # a volume federation's splits are volume splits; every split is padded to one shape
-        volume = None if val is None else split_shape(cast("VolumeDataset | SliceDataset | CachedVolumes", val))
-    return plan_for_run(cfg, plan, log=log, sites=work, volume=volume, mode=fed.mode), plan
-
-
-def write_layout(out: str | Path, fed: Any, plan: Any = None) -> Path:
-    """``OUT/data.json``: the federation's data layout (:func:`fedseg.data.spec.data_header`) and a volume run's
-    plan, the format a deployed site keeps in its work folder, so that the run folder alone is enough for
-    ``fedseg predict`` and ``fedseg export`` wherever it is copied."""
-    header = data_header(fed)
-    if plan is not None:
-        header["plan"] = plan.to_json()
-    path = Path(out) / LAYOUT_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_json(header, path)
-    return path
 
 
 def _check_slice_evaluation(cfg: RunConfig, algorithm: Algorithm) -> None:

@@ -36,7 +36,6 @@ class Ledger:
         """The entries of the other runs the file holds, per run (the site's other releases on the same data)."""
         self.path: Path | None = None
         self.run: str | None = None
-        self._per_batch: dict[str, int] = {}
 
     def attach(self, path: str | Path, run: str | None = None, fresh: bool = False) -> None:
         """Keep the ledger in ``path`` (JSON lines), reading the entries of ``run`` it already holds (and those
@@ -47,7 +46,7 @@ class Ledger:
         if fresh and path.exists():
             path.unlink()
         kept = self.entries
-        self.entries, self._per_batch, self.path, self.run = [], {}, path, run
+        self.entries, self.path, self.run = [], path, run
         self.other_runs = {}
         if path.exists():
             lines = path.read_text().splitlines()
@@ -67,20 +66,11 @@ class Ledger:
                         "entries are the site's spent ε: deleting it would let runs spend it again)"
                     )
                 if entry.get("run") == run:
-                    self._index(entry)
                     self.entries.append(entry)
                 else:
                     self.other_runs.setdefault(str(entry.get("run")), []).append(entry)
         for entry in kept:  # bookings made before the file was attached
             self.append(entry)
-
-    def _index(self, entry: dict[str, Any]) -> None:
-        if entry.get("kind") == "sample":
-            self._per_batch[entry["batch"]] = self._per_batch.get(entry["batch"], 0) + 1
-
-    def models_on(self, batch: str) -> int:
-        """How many model releases are booked on ``batch`` so far."""
-        return self._per_batch.get(batch, 0)
 
     def append(self, entry: dict[str, Any]) -> None:
         entry = {**entry, "run": self.run}
@@ -89,7 +79,6 @@ class Ledger:
                 f.write(json.dumps(entry, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self._index(entry)
         self.entries.append(entry)
 
 

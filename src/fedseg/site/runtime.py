@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from fedseg.foundation.arrays import Arrays, check_compatible
 from fedseg.foundation.config import RunConfig
 from fedseg.foundation.device import (
+    DTYPES,
     autocast,
     configure_determinism,
     grad_scaler,
@@ -82,8 +83,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
 
 class Site:
     """One site's runtime.
@@ -128,7 +127,7 @@ class Site:
         self.scratch: dict[str, Any] = {}
         """Working state of the site half that is *not* saved with the site (caches, cursors rebuilt on
         demand, e.g. FGA's batch cursor); what must survive a restart belongs in :attr:`store`."""
-        self.dtype = _DTYPES[cfg.train.dtype]
+        self.dtype = DTYPES[cfg.train.dtype]
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
         self.precision = cfg.train.precision

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fedseg.algorithms.fedsm import FedSM, FedSMParams, pick_gamma
 from fedseg.algorithms.fedsm.params import DEFAULT_GAMMA_MARGIN
 from fedseg.algorithms.fedsm.selection import check_route_metrics, pick_gamma_per_model
-from fedseg.algorithms.fga import optimizer_moments, set_optimizer_moments
+from fedseg.algorithms.gradients import optimizer_moments, set_optimizer_moments
 from fedseg.algorithms.softpull import (
     check_lambda,
     ensemble_mix,

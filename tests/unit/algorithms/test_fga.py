@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm
-from fedseg.algorithms.fga import (
+from fedseg.algorithms.gradients import (
     FGAEquivalenceWarning,
     apply_gradient,
     average_gradients,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from fedseg.execution.remote.params import DeployParams, deploy_params
-from fedseg.execution.remote.wire import check_reply, decode_reply, decode_task, encode_reply, encode_task, read_header
+from fedseg.deployment.params import DeployParams, deploy_params
+from fedseg.deployment.wire import check_reply, decode_reply, decode_task, encode_reply, encode_task, read_header
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.foundation.messages import Reply, Task
 

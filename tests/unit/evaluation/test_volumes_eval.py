@@ -169,8 +169,8 @@ def test_eval_interval_keeps_validation_at_a_fifth_of_the_computation():
 def test_a_deployed_site_sending_forged_distances_is_rejected(extra, reason):
     """A reply's test metrics must score the asked candidates, one finite non-negative number per case and
     channel; an honest reply passes."""
-    from fedseg.execution.remote.params import DeployParams
-    from fedseg.execution.remote.transport import RemoteTransport
+    from fedseg.deployment.params import DeployParams
+    from fedseg.deployment.transport import RemoteTransport
     from fedseg.foundation.errors import PayloadError
     from fedseg.foundation.messages import Reply, Task
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 
@@ -13,9 +13,9 @@ from fedseg.algorithms import REGISTRY
 from fedseg.apps.settings import MARKDOWN_COMMAND, markdown, sections
 from fedseg.apps.tracking import TrackingParams
 from fedseg.cli import main
-from fedseg.execution.remote.params import DeployParams
+from fedseg.deployment.params import DeployParams
 from fedseg.foundation.config import SECTIONS, RunConfig
-from fedseg.foundation.settings import describe, field_docs
+from fedseg.foundation.settings import Doc, describe, field_docs
 from fedseg.seams.algorithm import NoParams
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "settings.md"
@@ -122,3 +122,33 @@ class _Markup:
 def test_rest_markup_becomes_plain_backquotes():
     (row,) = describe(_Markup, "m")
     assert row.doc == "See `fedseg.foundation.device` and `train.lr`."
+
+
+_Vocabulary = Annotated[Literal["x", "y"], Doc("The one description of the words x and y.")]
+
+
+@dataclass(frozen=True)
+class _Shared:
+    plain: _Vocabulary = "x"
+    optional: _Vocabulary | None = None
+    own: _Vocabulary = "y"
+    """This field's own words."""
+
+
+def test_a_field_without_a_docstring_is_described_by_its_vocabulary():
+    """A vocabulary declared once (``Annotated[Literal[...], Doc(...)]``) describes every field of its type
+    that says nothing of its own, also under ``| None``; a field docstring still wins, and the words stay
+    the setting's allowed values."""
+    rows = {r.name: r for r in describe(_Shared, "s")}
+    assert rows["plain"].doc == rows["optional"].doc == "The one description of the words x and y."
+    assert rows["own"].doc == "This field's own words."
+    assert rows["plain"].choices == ("x", "y") and rows["optional"].type == "choice | none"
+
+
+def test_the_two_weighting_vocabularies_describe_their_settings_once():
+    """FedAvg's weights (n_k: training samples) and FGA's (b_k: batch samples) are two vocabularies with the
+    same words; every method's setting reads its description from the one it uses."""
+    rows = {r.key: r.doc for _, rs, _ in sections().values() for r in rs}
+    models, gradients = rows["fedavg.weighting"], rows["fga.weighting"]
+    assert "n_k" in models and "b_k" in gradients
+    assert all(rows[f"{m}.weighting"] == models for m in ("ditto", "apfl", "ft", "fwa", "pfedme", "scaffold"))

@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-from fedseg.apps.deploy.policy import SitePolicy
-from fedseg.apps.deploy.site import SALT_NAME, SiteConfig, SiteRuntime
-from fedseg.execution.remote.wire import decode_reply, encode_task
+from fedseg.deployment.policy import SitePolicy
+from fedseg.deployment.site import SALT_NAME, SiteConfig, SiteRuntime
+from fedseg.deployment.wire import decode_reply, encode_task
 from fedseg.foundation.config import PrivacyConfig, dump_toml
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Task

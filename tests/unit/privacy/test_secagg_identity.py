@@ -249,7 +249,7 @@ def test_kit_identity_rsa_as_flare_provisions(tmp_path):
 
 def _kit_runtimes(tmp, data, kits):
     """Site runtimes as deployed, each with ``kits[name]`` (a startup folder, or None) as its identity."""
-    from fedseg.apps.deploy.site import SiteConfig, SiteRuntime
+    from fedseg.deployment.site import SiteConfig, SiteRuntime
     from tests.deploy.test_deploy import _workload
 
     def loader(name, datalist, header, cfg):
@@ -269,8 +269,8 @@ def test_deployed_signed_secure_fedavg_equals_simulation_bitwise(tmp_path, ca):
     """Deployed FedAvg with secure aggregation, every site signing with its kit (client.crt, client.key,
     rootCA.pem): each exchange's keys are signed and checked, and the run ends with the simulation's
     (unsigned) weights bitwise: the signatures change no mask and no sum."""
-    from fedseg.apps.deploy.server import serve
-    from fedseg.execution.remote.transport import LoopbackChannel
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.transport import LoopbackChannel
     from fedseg.simulation.runner import simulate
     from tests.deploy.test_deploy import _prepare, _workload
     from tests.deploy.test_secagg_deploy import _cfg
@@ -297,7 +297,7 @@ class _SubstitutingChannel:
         self.channel = channel
 
     def __call__(self, site, op, payload, timeout):
-        from fedseg.execution.remote.wire import decode_task, encode_task
+        from fedseg.deployment.wire import decode_task, encode_task
 
         if op == "task" and site == "site1":
             task = decode_task(payload)
@@ -314,9 +314,9 @@ def test_deployed_refused_keys_leave_the_site_out_and_the_round_proceeds(tmp_pat
     who refused site3 and why, leaves it out of the exchange before anyone masks, and the round's model is
     bitwise the one of a deployment where site3 was gone from the start of the exchange.  Two sites are left
     without site3, so the sites accept masking with two (privacy.secagg_min_sites = 2)."""
-    from fedseg.apps.deploy.server import serve
-    from fedseg.execution.remote.transport import LoopbackChannel
-    from fedseg.execution.remote.wire import decode_reply
+    from fedseg.deployment.server import serve
+    from fedseg.deployment.transport import LoopbackChannel
+    from fedseg.deployment.wire import decode_reply
     from tests.deploy.test_deploy import _prepare
     from tests.deploy.test_secagg_deploy import _cfg
     from tests.support.helpers import assert_same_arrays, server_state, tiny_sites

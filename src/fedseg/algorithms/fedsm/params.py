@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from fedseg.algorithms.fedavg import FedAvgParams, Weighting
+from fedseg.algorithms.fedavg import FedAvgParams
+from fedseg.algorithms.weighting import Weighting
 from fedseg.foundation.errors import ConfigError
 
 __all__ = ["DEFAULT_GAMMA_GRID", "DEFAULT_GAMMA_MARGIN", "PROFILE_DEFAULTS", "FedSMParams", "PersonalizationName"]
@@ -97,7 +98,7 @@ class FedSMParams(FedAvgParams):
         which model segments an image best, do not survive a flip as a site label does).
     selector_training
         ``"fga"`` (default profile): every selector step is a lockstep exchange of
-        federated gradient averaging (:func:`fedseg.algorithms.fga.lockstep_round`): the
+        federated gradient averaging (:func:`fedseg.algorithms.lockstep.lockstep_round`): the
         sites send the gradient of their batch, the server returns the sample-weighted
         mean (= the pooled batch's gradient) and every site applies it with its own,
         identical Adam — centralized training of the selector, so no site's single class
@@ -173,7 +174,7 @@ class FedSMParams(FedAvgParams):
         How the global model is trained.  ``"fedavg"`` (both profiles; Alg. 1): local steps at every
         site, then the server averages the sites' models (``weighting``, ``aggregation``).  ``"fga"``:
         every local step is a lockstep exchange of federated gradient averaging (the third paper;
-        :func:`fedseg.algorithms.fga.lockstep_round`, ``"global_step"`` tasks): the server averages
+        :func:`fedseg.algorithms.lockstep.lockstep_round`, ``"global_step"`` tasks): the server averages
         the sites' batch gradients (``weighting = "samples"``: the pooled batch's gradient) and every
         site applies the average with its own, identical Adam — the global model is then the one
         centralized training on the pooled batches would give, at the cost of one gradient each way per
@@ -243,7 +244,7 @@ class FedSMParams(FedAvgParams):
         """These settings with every unset one filled in from ``profile``.  ``site_labels``: the selector learns
         Eq. 2's site labels (FedSM); False for FedSM-extra and the ensemble, whose selector targets come from
         the models' losses on the image: no flips there by default (a flip keeps an image's site, not which
-        model segments it best — fundus, 3 seeds: FedSM-extra 2.8 points lower with flips, docs/results/fedsm-extra.md)."""
+        model segments it best; FedSM-extra with flips: docs/results/fedsm-extra.md)."""
         fill = dict(PROFILE_DEFAULTS[self.profile])
         if not site_labels:
             fill["selector_augment"] = "none"

@@ -14,7 +14,7 @@ its own SoftPull model, λ w_{p,k} + (1 − λ)/(K − 1) · (S − w_{p,k})
 (:func:`fedseg.algorithms.softpull.soft_pull_from_sum`), which it keeps: the server holds no personalized
 model.  The selector trained by lockstep gradient averaging (``"fga"``, the default) and the global model
 under ``fedsm.global_training = "fga"`` are secure sums per step already
-(:func:`fedseg.algorithms.fga.lockstep_round`).
+(:func:`fedseg.algorithms.lockstep.lockstep_round`).
 
 Validation and test.  A site validates its own personalized model where it is (predictor
 ``"fedsm-held"``), and on every evaluation round keeps the best one by that same validation score

@@ -44,13 +44,8 @@ from fedseg.algorithms.fedsm.selection import (
     selector_probs,
     selector_role,
 )
-from fedseg.algorithms.fga import (
-    gradient_step,
-    lockstep_round,
-    optimizer_moments,
-    set_optimizer_moments,
-    without_resync,
-)
+from fedseg.algorithms.gradients import optimizer_moments, set_optimizer_moments
+from fedseg.algorithms.lockstep import gradient_step, lockstep_round, without_resync
 from fedseg.algorithms.softpull import ensemble_mix, experts_loss, image_losses, oracle_labels, routing_accuracy
 from fedseg.foundation.arrays import Arrays, prefixed, strip_prefix, weighted_mean
 from fedseg.foundation.errors import ConfigError, PayloadError
@@ -314,7 +309,7 @@ def train_locally(
 def fga_step(site: Site, task: Task, factory: SelectorFactory, labels: str, lr: float | None) -> Asks[Reply]:
     """Site half of one lockstep exchange of the selector's gradient averaging (``selector_training = "fga"``).
 
-    Config: as :func:`fedseg.algorithms.fga.gradient_step` plus ``phase``, ``sites``,
+    Config: as :func:`fedseg.algorithms.lockstep.gradient_step` plus ``phase``, ``sites``,
     ``num_classes``.  Step 0 also reports the routing accuracy of the selector as
     the site holds it at the round's start (validation split) and, in the selector
     phase, loads the frozen global and personalized models sent with it.
@@ -380,7 +375,7 @@ def fga_round(
 ) -> dict[str, Any]:
     """The selector's round by federated gradient averaging (``selector_training = "fga"``), into ``new``.
 
-    Lockstep ``"selector_step"`` exchanges (:func:`fedseg.algorithms.fga.lockstep_round`):
+    Lockstep ``"selector_step"`` exchanges (:func:`fedseg.algorithms.lockstep.lockstep_round`):
     the initial selector goes to the sites on the first selector round only (``send_selector``; then
     every site holds the same weights and Adam state), the frozen global and
     personalized models with step 0 of every selector-phase round; the server keeps

@@ -5,7 +5,7 @@ each the task the server sends on the method's first round — the seeded initia
 draws them — and keeps the reply:
 
 * ``"fga"`` — FGA's first lockstep step (task ``"fga_step"``, step 0): the gradient of the site's
-  first batch's mean loss, :func:`fedseg.algorithms.fga.gradient_step`;
+  first batch's mean loss, :func:`fedseg.algorithms.lockstep.gradient_step`;
 * ``"fedsm-selector"`` — FedSM's first selector step (``fedsm.selector_training = "fga"``, task
   ``"selector_step"``): the selector's gradient on the site's (flipped) batch with Eq. 2's label, the
   site's own index (:func:`fedseg.algorithms.fedsm.selector.fga_step`);

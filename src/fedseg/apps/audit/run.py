@@ -40,13 +40,13 @@ from fedseg.apps.audit.messages import (
 from fedseg.apps.audit.metrics import match_scores, reidentification, verdict
 from fedseg.apps.audit.observe import PROTECTIONS, secure_sum
 from fedseg.apps.audit.page import audit_page
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.seeding import generator
 from fedseg.seams.checkpoint import save_json
-from fedseg.simulation.runner import load_federation_data
 from fedseg.site.runtime import SiteData, batch_of, dataset_len
 from fedseg.site.workload import Workload, workload_for
 

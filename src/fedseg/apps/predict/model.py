@@ -20,7 +20,6 @@ from torch.utils.data import TensorDataset
 
 from fedseg.algorithms import get_algorithm, known_sections
 from fedseg.algorithms.fedsm.selection import load_composite, route, thresholds
-from fedseg.apps.deploy.site import SITE_DATA_NAME
 from fedseg.data.spec import LAYOUT_NAME, data_header, load_federation
 from fedseg.data.volumes.plan import Plan
 from fedseg.foundation.config import RunConfig, load_run_config
@@ -188,7 +187,7 @@ def load_predictor(
     the data layout the run folder keeps."""
     run_dir = find_run(run_dir, log)
     asked = {"site": site, "model": model, "device": device, "precision": precision}
-    if (run_dir / SITE_DATA_NAME).is_file() and not (run_dir / "checkpoints").is_dir() and any(run_dir.glob("round-*")):
+    if (run_dir / LAYOUT_NAME).is_file() and not (run_dir / "checkpoints").is_dir() and any(run_dir.glob("round-*")):
         return load_site_predictor(run_dir, model=model, device=device, precision=precision)
     fix = (
         "predict needs the best models of a finished fedseg run (checkpoints/best.safetensors + best.json): "
@@ -287,9 +286,9 @@ def load_site_predictor(
     name = str(meta["site"])
     cfg = load_run_config(folder / "config.toml", known_sections=known_sections() | {"deploy"})
     cfg = _override(cfg, device, precision)
-    header = json.loads((folder / SITE_DATA_NAME).read_text())
+    header = json.loads((folder / LAYOUT_NAME).read_text())
     layout = _header_layout(header)
-    plan = Plan.from_json(header["plan"], where=f"{folder}/{SITE_DATA_NAME}") if header.get("plan") else None
+    plan = Plan.from_json(header["plan"], where=f"{folder}/{LAYOUT_NAME}") if header.get("plan") else None
     algorithm = get_algorithm(cfg)
     cfg = algorithm.cfg = algorithm.resolved_config()
     empty = TensorDataset(torch.zeros(0), torch.zeros(0))
@@ -319,6 +318,6 @@ def load_site_predictor(
         intensity_site=name,
         run_dir=folder,
         round=rounds[-1][0],
-        layout_source=str(folder / SITE_DATA_NAME),
+        layout_source=str(folder / LAYOUT_NAME),
         asked={"site": None, "model": model, "device": device, "precision": precision},
     )

@@ -60,11 +60,6 @@ def _is_dicom_folder(p: Path) -> bool:
     return p.is_dir() and any(f.suffix.lower() == ".dcm" for f in p.iterdir() if f.is_file())
 
 
-def _known(p: Path) -> bool:
-    name = p.name.lower()
-    return name.endswith(NIFTI_SUFFIXES + PIL_SUFFIXES + SITK_SUFFIXES)
-
-
 def _datalist(p: Path) -> dict[str, Any]:
     try:
         lists = json.loads(p.read_text())

@@ -153,14 +153,6 @@ def _slice_file(p: Path) -> bool:
     )
 
 
-def _readable(name: str, sitk: Any) -> bool:
-    try:
-        sitk.ReadImage(name)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _number_gaps(reader: Any, n: int) -> str:
     """ " (InstanceNumber k missing)" when the slices' InstanceNumbers skip some between their first and last."""
     numbers = []

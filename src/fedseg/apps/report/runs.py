@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from fedseg.algorithms import REGISTRY, get_algorithm, known_sections
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.arrays import Arrays, strip_prefix
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.device import DTYPES
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import best_files, load_best
-from fedseg.simulation.runner import load_federation_data
 from fedseg.site.runtime import Site
 from fedseg.site.workload import workload_for
 

@@ -17,10 +17,11 @@ from fedseg.apps.tracking import tracker_for
 from fedseg.data.synth import synthesize
 from fedseg.evaluation.summary import row_from_cases
 from fedseg.evaluation.tables import table3
+from fedseg.execution.federation import load_federation_data
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import load_best
-from fedseg.simulation.runner import build_engine, load_federation_data
+from fedseg.simulation.runner import build_engine
 from fedseg.site.workload import workload_for
 
 __all__ = [
@@ -203,7 +204,7 @@ def demo(
     40 rounds are a short budget.  ``overrides`` (``key=value``, after the demo's own) change any
     setting of every run: ``["train.lr=1e-3"]`` is the papers' learning rate.
 
-    Sized for about 5 minutes on 2 CPU cores (docs/results/demo.md): a U-Net of the default's depth at
+    Sized to run in minutes on 2 CPU cores (its time: docs/results/demo.md): a U-Net of the default's depth at
     half its width with one residual unit (the cost of a CPU step is its number of small operations more
     than the image size), validation every 2 rounds.
 

@@ -33,11 +33,13 @@ from fedseg.apps.studies.launchers import LaunchOptions, RunSpec, launch_all, la
 from fedseg.data.spec import load_federation
 from fedseg.evaluation.tables import table5
 from fedseg.execution.engine import Engine
+from fedseg.execution.federation import load_federation_data
+from fedseg.execution.results import write_results
 from fedseg.foundation.config import RunConfig, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import PROGRESS, save_json
 from fedseg.seams.transport import Transport
-from fedseg.simulation.runner import build_engine, load_federation_data, write_results
+from fedseg.simulation.runner import build_engine
 from fedseg.site.runtime import SiteData
 from fedseg.site.workload import Workload, workload_for
 

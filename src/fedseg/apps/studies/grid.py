@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import REGISTRY
-from fedseg.apps.report.tuning import TUNING_FILE, chosen_folders, grid_figure, tuning_markdown
+from fedseg.apps.report.tuning import TUNING_FILE, grid_figure, tuning_markdown
 from fedseg.apps.studies.jobs import Job, StudyOptions, point_text, requested_config, run_jobs, run_point
 from fedseg.apps.tracking import MlflowTracker, tracker_for
 from fedseg.evaluation.tables import mean_sd
@@ -36,7 +36,6 @@ __all__ = [
     "Job",
     "StudyOptions",
     "choose",
-    "chosen_results",
     "grid_figure",
     "grid_points",
     "parse_grid",
@@ -287,11 +286,6 @@ def tune(
         out.mkdir(parents=True, exist_ok=True)
         save_json(record, out / TUNING_FILE)
     return record
-
-
-def chosen_results(out: str | Path, record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``results.json`` of every chosen point's runs (seeds in order), method after method."""
-    return [json.loads((f / "results.json").read_text()) for f in chosen_folders(out, record)]
 
 
 def _own_key(method: str, spec: str) -> str:

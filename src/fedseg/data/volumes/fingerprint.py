@@ -48,7 +48,7 @@ __all__ = [
 FINGERPRINT_VERSION = 2
 CT_AIR = -500.0
 """A channel whose values reach below this is CT-like (air is about −1000 HU; no MR scale goes there), and
-its body is the voxels above it (:func:`fedseg.data.volumes.intensity.body_mask`)."""
+its body is the voxels above it (:meth:`fedseg.data.volumes.schemes.ZScoreNormalization.mask`)."""
 WEIGHTINGS = ("case", "voxel")
 """How the pooled percentiles, mean and sd weigh the foreground voxels: ``"case"`` (nnU-Net: every training
 case counts equally, each of its ``n`` voxels ``1 / n``) or ``"voxel"`` (every voxel counts 1)."""

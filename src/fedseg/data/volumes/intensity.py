@@ -1,29 +1,16 @@
 """Intensity normalization of volumes: a scheme per channel and per site, chosen by the plan.
 
 Every image channel is normalized on its own (nnU-Net; MONAI's ``channel_wise=True``), with the scheme the
-plan holds for that channel at that site:
-
-* ``"ct"`` — nnU-Net's CT scheme with statistics pooled over the sites that use it: clip to the pooled
-  foreground 0.5 / 99.5 percentiles, subtract the pooled foreground mean, divide by the pooled sd.  The
-  percentiles are exact order statistics (:func:`exact_percentiles`), so every site maps a Hounsfield unit
-  to the same value.
-* ``"zscore"`` — per volume over the body: MR, whose units differ per scan.  The body is nnU-Net's non-zero
-  mask (padding and background stored as 0 are left out), or for a CT-like channel the voxels above
-  :data:`~fedseg.data.volumes.fingerprint.CT_AIR` (−500: air at −1000 is not body); voxels outside it are
-  set to 0.  nnU-Net masks only where cropping to the non-zero voxels keeps under 3/4 of the median case
-  (else it takes every voxel; the two agree on a volume without zeros): on the three-scanner federation of
-  ``benchmarks/volumes_channels.py`` that rule takes the MR sites' zero background into their statistics
-  (``--zscore-body all``) and lowers their Dice from 0.89 / 0.85 to 0.72 / 0.64, so fedseg always masks.  A plan's
-  ``"body": "all"`` takes every voxel.
-* ``"window"`` — clip to an explicit window ``(lo, hi)`` and scale to [0, 1] (head CT in the federated
-  gradient averaging paper).
-* ``"minmax"`` — per volume to [0, 1], as 2D photographs are loaded.
+plan holds for that channel at that site: ``"ct"`` (statistics pooled over the sites that use it),
+``"zscore"`` (per volume over the body), ``"window"`` or ``"minmax"``, each a class of
+:mod:`fedseg.data.volumes.schemes` that the plan's JSON object names by its ``"mode"``.
 
 :func:`plan_intensity` decides the schemes from the sites' fingerprints: per channel and per site, ``"ct"``
-where the site's channel is CT-like (values below −500, integer or float), else ``"zscore"``, unless the
-spec names the scheme (``data.intensity``, per channel, or a site's own ``intensity``).  It prints the
-decision per channel, naming the sites when they differ.  The plan stores, per channel, the scheme most
-sites use and under ``"sites"`` the sites whose scheme differs.
+where the site's channel is CT-like (values below −500, integer or float), else ``"zscore"`` (over the
+voxels above −500 on a CT-like channel, else over the non-zero ones), unless the spec names the scheme
+(``data.intensity``, per channel, or a site's own ``intensity``).  It prints the decision per channel,
+naming the sites when they differ.  The plan stores, per channel, the scheme most sites use and under
+``"sites"`` the sites whose scheme differs.
 
 **Percentiles.**  ``"voxel"`` weighting: every foreground voxel counts 1 and the percentile is numpy's
 default (linear interpolation between the order statistics of rank ⌊h⌋ and ⌊h⌋ + 1, h = (N − 1) q / 100).
@@ -48,8 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from fedseg.data.spec import INTENSITY_MODES
+from fedseg.data.spec import INTENSITY_MODES, FederationSpec
 from fedseg.data.volumes.fingerprint import CT_AIR, WEIGHTINGS, bin_edges, check_histogram, combine_moments
+from fedseg.data.volumes.schemes import (
+    SCHEMES,
+    CTNormalization,
+    IntensityScheme,
+    scheme_from_config,
+)
 from fedseg.foundation.errors import ConfigError, DataError
 
 __all__ = [
@@ -57,14 +50,13 @@ __all__ = [
     "HISTOGRAM_BINS",
     "INTENSITY_MODES",
     "PERCENTILES",
-    "body_mask",
     "channel_schemes",
     "check_intensity",
     "exact_percentiles",
     "normalize_case",
-    "normalize_channel",
     "normalize_volume",
     "plan_intensity",
+    "spec_intensity",
 ]
 
 HISTOGRAM_BINS = 4096
@@ -77,39 +69,6 @@ Ask = Callable[[list[dict[str, Any]], str, list[str]], Mapping[str, Any]]
 """``ask(requests, weighting, sites) -> {site: [counts per request]}``: one exchange of histograms."""
 
 
-def body_mask(x: np.ndarray, scheme: Mapping[str, Any]) -> np.ndarray:
-    """The voxels a z-score is taken over: above ``scheme["body"]`` when it is a number, every voxel for
-    ``"all"`` (set by hand in the plan), else the non-zero ones."""
-    body = scheme.get("body")
-    if body == "all":
-        return np.ones(x.shape, dtype=bool)
-    return x > float(body) if isinstance(body, (int, float)) else x != 0
-
-
-def normalize_channel(x: np.ndarray, scheme: Mapping[str, Any]) -> np.ndarray:
-    """One channel (any spatial shape) normalized by ``scheme`` (module docstring) as float32."""
-    x = np.asarray(x, dtype=np.float32)
-    mode = scheme.get("mode")
-    if mode == "ct":
-        lo, hi, mean, sd = (float(scheme[k]) for k in ("lo", "hi", "mean", "sd"))
-        return ((np.clip(x, lo, hi) - mean) / max(sd, 1e-8)).astype(np.float32)
-    if mode == "window":
-        lo, hi = (float(v) for v in scheme["window"])
-        return ((np.clip(x, lo, hi) - lo) / (hi - lo)).astype(np.float32)
-    if mode == "zscore":
-        body = body_mask(x, scheme)
-        vals = x[body] if body.any() else x.ravel()
-        mean, sd = float(vals.mean()), float(vals.std())
-        out = (x - mean) / max(sd, 1e-8)
-        if body.any():
-            out[~body] = 0.0
-        return out.astype(np.float32)
-    if mode == "minmax":
-        lo, hi = float(x.min()), float(x.max())
-        return ((x - lo) / (hi - lo)).astype(np.float32) if hi > lo else np.zeros_like(x)
-    raise ValueError(f"unknown intensity mode {mode!r}; use one of {INTENSITY_MODES}")
-
-
 def normalize_volume(
     image: np.ndarray, mode: str | Sequence[Mapping[str, Any]], stats: Mapping[str, Any] | None = None
 ) -> np.ndarray:
@@ -117,11 +76,12 @@ def normalize_volume(
 
     ``mode``: one scheme name for every channel, with ``stats`` (``"ct"``: ``{"lo", "hi", "mean", "sd"}``;
     ``"window"``: ``{"window": [lo, hi]}``; ``"zscore"``: optionally ``{"body": threshold}``), or a list
-    of one scheme dict per channel."""
-    schemes = [{**(stats or {}), "mode": mode}] * len(image) if isinstance(mode, str) else list(mode)
-    if len(schemes) != len(image):
-        raise ValueError(f"{len(schemes)} intensity schemes for an image of {len(image)} channels")
-    return np.stack([normalize_channel(c, s) for c, s in zip(image, schemes)]).astype(np.float32)
+    of one scheme object per channel (:func:`~fedseg.data.volumes.schemes.scheme_from_config`)."""
+    configs = [{**(stats or {}), "mode": mode}] * len(image) if isinstance(mode, str) else list(mode)
+    if len(configs) != len(image):
+        raise ValueError(f"{len(configs)} intensity schemes for an image of {len(image)} channels")
+    schemes = [scheme_from_config(c, "intensity") for c in configs]
+    return np.stack([scheme(c) for c, scheme in zip(image, schemes)]).astype(np.float32)
 
 
 def channel_schemes(intensity: Mapping[str, Any], site: str | None, channels: int) -> list[dict[str, Any]]:
@@ -148,31 +108,19 @@ def normalize_case(image: np.ndarray, intensity: Mapping[str, Any], site: str | 
     return normalize_volume(image, channel_schemes(intensity, site, len(image)))
 
 
-def _check_scheme(s: Any, where: str) -> None:
-    if not isinstance(s, Mapping):
-        raise ConfigError(f"{where}: an intensity scheme is an object with a mode")
-    mode = s.get("mode")
-    if mode not in INTENSITY_MODES:
-        raise ConfigError(f"{where}: intensity mode {mode!r}; use {', '.join(map(repr, INTENSITY_MODES))}")
-    if mode == "ct" and not all(k in s for k in ("lo", "hi", "mean", "sd")):
-        raise ConfigError(f"{where}: intensity mode 'ct' needs lo, hi, mean and sd")
-    if mode == "window" and len(s.get("window", ())) != 2:
-        raise ConfigError(f"{where}: intensity mode 'window' needs window = [lo, hi]")
-
-
 def check_intensity(intensity: Any, where: str = "plan") -> None:
     """Refuse a plan's ``intensity`` that cannot be applied, naming the field and the fix."""
     if not isinstance(intensity, Mapping):
         raise ConfigError(f"{where}: intensity must be an object")
     if "channels" not in intensity:
-        _check_scheme(intensity, where)
+        scheme_from_config(intensity, where)
         return
     if not isinstance(intensity["channels"], list) or not intensity["channels"]:
         raise ConfigError(f"{where}: intensity.channels must be a non-empty list, one scheme per image channel")
     for c, e in enumerate(intensity["channels"]):
-        _check_scheme(e, f"{where}: intensity.channels[{c}]")
+        scheme_from_config(e, f"{where}: intensity.channels[{c}]")
         for site, s in (e.get("sites") or {}).items():
-            _check_scheme(s, f"{where}: intensity.channels[{c}].sites.{site}")
+            scheme_from_config(s, f"{where}: intensity.channels[{c}].sites.{site}")
 
 
 def _channel(fp: Mapping[str, Any], c: int) -> Mapping[str, Any]:
@@ -300,11 +248,6 @@ def _decide(requested: str, fp: Mapping[str, Any], c: int) -> tuple[str, bool]:
     return (requested if requested != "auto" else ("ct" if ct_like else "zscore")), ct_like
 
 
-def _scheme_name(s: Mapping[str, Any]) -> str:
-    body = f" over values above {s['body']:g}" if "body" in s else ""
-    return f"{s['mode']}{body}"
-
-
 def plan_intensity(
     fingerprints: Mapping[str, Any],
     ask: Ask,
@@ -343,51 +286,84 @@ def plan_intensity(
         )
     channels = nch.pop()
     names = list(names) if names else [str(c) for c in range(channels)]
-    table: dict[str, list[dict[str, Any]]] = {s: [] for s in sites}
+    table: dict[str, list[IntensityScheme | None]] = {}  # None: "ct", from the pooled statistics below
     for s in sites:
         want = [requested] * channels if isinstance(requested, str) else list(requested.get(s, ["auto"] * channels))
+        table[s] = []
         for c in range(channels):
             mode, ct_like = _decide(want[c], fingerprints[s], c)
-            scheme: dict[str, Any] = {"mode": mode}
-            if mode == "zscore" and ct_like:
-                scheme["body"] = CT_AIR
-            if mode == "window":
-                if window is None or len(window) != 2:
-                    raise ConfigError("intensity 'window' needs window = [low, high] (data.window in the spec)")
-                scheme["window"] = [float(v) for v in window]
-            table[s].append(scheme)
-    pools = {c: [s for s in sites if table[s][c]["mode"] == "ct"] for c in range(channels)}
+            table[s].append(None if mode == "ct" else SCHEMES[mode].planned(ct_like=ct_like, window=window))
+    pools = {c: [s for s in sites if table[s][c] is None] for c in range(channels)}
+    pooled_ct: dict[int, CTNormalization] = {}
     rejected: dict[str, str] = {}
     if any(pools.values()):
         found, rejected = exact_percentiles(fingerprints, pools, ask, weighting=weighting, log=log)
         for c, res in found.items():
             pooled = [s for s in pools[c] if s not in rejected]
             n, mean, m2 = combine_moments([_moments(fingerprints[s], c, weighting) for s in pooled])
-            stats = {
-                "mode": "ct",
-                "lo": res["values"][0],
-                "hi": res["values"][1],
-                "mean": mean,
-                "sd": math.sqrt(m2 / n),  # population sd, as nnU-Net's np.std
-                "weighting": weighting,
-                "bound": res["bound"],
-            }
-            for s in pooled:
-                table[s][c] = stats
+            sd = math.sqrt(m2 / n)  # population sd, as nnU-Net's np.std
+            pooled_ct[c] = CTNormalization(res["values"][0], res["values"][1], mean, sd, weighting, res["bound"])
     kept = [s for s in sites if s not in rejected]
     entries = []
     for c in range(channels):
-        by_site = {s: table[s][c] for s in kept}
-        keys = Counter(repr(sorted(v.items())) for v in by_site.values())
-        common = max(by_site.values(), key=lambda v: (keys[repr(sorted(v.items()))], v["mode"] == "ct"))
-        entry: dict[str, Any] = {"name": names[c], **common}
-        differ = {s: v for s, v in by_site.items() if v != common}
+        by_site = {s: pooled_ct[c] if (own := table[s][c]) is None else own for s in kept}
+        keys = Counter(by_site.values())
+        common = max(by_site.values(), key=lambda v: (keys[v], isinstance(v, CTNormalization)))
+        entry: dict[str, Any] = {"name": names[c], **common.to_config()}
+        differ = {s: v.to_config() for s, v in by_site.items() if v != common}
         if differ:
             entry["sites"] = differ
         entries.append(entry)
         groups: dict[str, list[str]] = {}
         for s, v in by_site.items():
-            groups.setdefault(_scheme_name(v), []).append(s)
+            groups.setdefault(v.describe(), []).append(s)
         how = "; ".join(f"{k} at {', '.join(v)}" for k, v in groups.items())
         log(f"plan: intensity of channel {names[c]}: {how}")
     return {"channels": entries}, rejected
+
+
+def spec_intensity(
+    intensity: Mapping[str, Any], fed: FederationSpec, where: str = "plan", log: Callable[[str], None] = print
+) -> dict[str, Any] | None:
+    """A plan's ``intensity`` with the spec's schemes (``data.intensity``, per channel, and each site's own
+    ``intensity``) in place of its own where they name one ("auto": the plan's); None when they change nothing.
+
+    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan whose
+    channel has no CT statistics is refused, naming ``where`` and the fix.  Another scheme the spec names
+    is the one a plan makes without the fingerprint: a z-score over the non-zero voxels, the spec's window."""
+    names = fed.channel_names
+    table = {
+        s: [scheme_from_config(x, where) for x in channel_schemes(intensity, s, len(names))] for s in fed.site_names
+    }
+    changed = []
+    for site, wants in fed.intensity_table().items():
+        for c, want in enumerate(wants):
+            have = table[site][c]
+            if want == "auto":
+                continue
+            if want == "ct":
+                if isinstance(have, CTNormalization):
+                    continue
+                pooled = [t[c] for t in table.values() if isinstance(t[c], CTNormalization)]
+                if not pooled:
+                    raise ConfigError(
+                        f"{where}: the spec asks for intensity 'ct' on channel {names[c]} at {site} but the plan has "
+                        "no pooled CT statistics for it -> delete the plan file and run `fedseg plan` on the spec to "
+                        "fingerprint the sites again"
+                    )
+                table[site][c] = pooled[0]
+            else:
+                asked = SCHEMES[want].planned(ct_like=False, window=fed.window)
+                if have.mode == want and (want != "window" or have == asked):
+                    continue
+                table[site][c] = asked
+            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.mode!r})")
+    if not changed:
+        return None
+    log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
+    entries = []
+    for c, name in enumerate(names):
+        first = table[fed.site_names[0]][c]
+        differ = {s: t[c].to_config() for s, t in table.items() if t[c] != first}
+        entries.append({"name": name, **first.to_config(), **({"sites": differ} if differ else {})})
+    return {"channels": entries}

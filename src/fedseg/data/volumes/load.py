@@ -42,7 +42,7 @@ from fedseg.data.volumes.geometry import (
     read_channels,
     to_plan_grid,
 )
-from fedseg.data.volumes.intensity import channel_schemes, normalize_case
+from fedseg.data.volumes.intensity import normalize_case, spec_intensity
 from fedseg.data.volumes.lazy import CachedVolumes, CaseFile
 from fedseg.data.volumes.plan import (
     EVAL_SHARE,
@@ -165,42 +165,10 @@ def plan_federation(
 def with_spec_intensity(
     plan: Plan, fed: FederationSpec, where: str = "plan", log: Callable[[str], None] = print
 ) -> Plan:
-    """The plan with the spec's schemes (``data.intensity``, per channel, and each site's own ``intensity``)
-    in place of its own where they name one ("auto": the plan's).
-
-    ``"ct"`` needs the pooled statistics that only a plan made with the histograms has: a plan whose
-    channel has no CT statistics is refused, naming the file and the fix."""
-    names = fed.channel_names
-    table = {s: channel_schemes(plan.intensity, s, len(names)) for s in fed.site_names}
-    changed = []
-    for site, wants in fed.intensity_table().items():
-        for c, want in enumerate(wants):
-            have = table[site][c]
-            if want == "auto" or (
-                want == have.get("mode") and (want != "window" or have.get("window") == list(fed.window or ()))
-            ):
-                continue
-            if want == "ct":
-                pooled = [s for s in table.values() if s[c].get("mode") == "ct"]
-                if not pooled:
-                    raise ConfigError(
-                        f"{where}: the spec asks for intensity 'ct' on channel {names[c]} at {site} but the plan has "
-                        "no pooled CT statistics for it -> delete the plan file and run `fedseg plan` on the spec to "
-                        "fingerprint the sites again"
-                    )
-                table[site][c] = dict(pooled[0][c])
-            else:
-                table[site][c] = {"mode": want, **({"window": list(fed.window or ())} if want == "window" else {})}
-            changed.append(f"{names[c]} at {site}: {want} (the plan's was {have.get('mode')!r})")
-    if not changed:
-        return plan
-    log(f"plan: intensity from the spec (data.intensity, a site's intensity): {'; '.join(changed)}")
-    entries = []
-    for c, name in enumerate(names):
-        first = table[fed.site_names[0]][c]
-        differ = {s: t[c] for s, t in table.items() if t[c] != first}
-        entries.append({"name": name, **first, **({"sites": differ} if differ else {})})
-    return dataclasses.replace(plan, intensity={"channels": entries})
+    """The plan with the spec's schemes in place of its own where they name one
+    (:func:`~fedseg.data.volumes.intensity.spec_intensity`; ``where`` names the plan file in a refusal)."""
+    intensity = spec_intensity(plan.intensity, fed, where, log)
+    return plan if intensity is None else dataclasses.replace(plan, intensity=intensity)
 
 
 def ensure_plan(fed: FederationSpec, log: Callable[[str], None] = print, device: str = "auto", batch: int = 2) -> Plan:

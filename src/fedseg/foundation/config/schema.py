@@ -194,7 +194,7 @@ class TrainConfig:
     """Patch training (``model.roi_size``, volumes): the share of patches centred on a random foreground
     voxel (the rest are placed uniformly); nnU-Net uses one third, 0 places every patch uniformly."""
     augment: Literal["auto", "on", "off"] = "off"
-    """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: on ct-lesion at 2,400 steps augmentation did not raise Dice on most seeds, docs/results/volumes.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
+    """Random augmentation of every training patch or image (MONAI: a flip along each axis, 90° and small in-plane rotations and scaling, intensity scale and shift, gaussian noise; seeded by run seed, site and round): 'on', 'off' (the default: augmentation did not raise Dice on ct-lesion, docs/results/volumes.md), or 'auto' (on for volumes, data.mode "3d" or "patches2d"; off for 2D images) for long trainings."""
 
     def loss_for(self, volumes: bool) -> str:
         """The loss a run trains with: ``loss``, or for "auto" Dice + cross-entropy on volumes and Dice on 2D images."""
@@ -295,7 +295,7 @@ class SimulationConfig:
     """
 
     vectorize: Literal["auto", "on", "off"] = "auto"
-    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise; sites that finish their round early leave the stack, so no step computes a finished site); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU. On the CPU 'on' is faster only for small models and images (about 2x at 32² with a U-Net of 8…64 channels); with the default U-Net at 64² a stacked step costs what the sites' steps cost in turn, and packing the weights and moments each round makes rounds of few steps slower than 'off' (6 sites: about 1.0x at 100 steps a round, 0.86-0.92x at 10; docs/results/vectorize.md)."""
+    """'on': a round's local steps of all sites run as one vectorized computation (equal to the sequential run to rounding, not bitwise; sites that finish their round early leave the stack, so no step computes a finished site); 'off': one site after another, as deployed sites run; 'auto': on on CUDA with at least 4 sites, off on the CPU. On the CPU 'on' is faster only for small models and images; with the default U-Net at 64² a stacked step costs what the sites' steps cost in turn, and packing the weights and moments each round makes rounds of few steps slower than 'off' (the speed-ups: docs/results/vectorize.md)."""
     vectorize_group: int = 0
     """Most sites stacked into one vectorized computation; 0 = as many as fit in free GPU memory on CUDA (all sites on the CPU); on CUDA a group that does not fit at its first step is split in halves."""
     cuda_graphs: Literal["on", "off"] = "on"

@@ -12,7 +12,7 @@ submits it on its own:
 * **A site restarted** (it logged in to the FLARE server again with a new
   session token, so the job process that held its part of this job is gone): ask the
   server's engine to end the job after the current round (file
-  ``OUT/control/restart``, read by :func:`fedseg.apps.deploy.server.serve`), then
+  ``OUT/control/restart``, read by :func:`fedseg.deployment.server.serve`), then
   re-submit from that round's checkpoint with the site back in (``deploy.rejoin``).
   Once the server has stopped (``OUT/control/stopped``), a job FLARE keeps open
   (the dead site's part of it) is aborted after ``deploy.shutdown_grace_s``, as one
@@ -41,9 +41,9 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fedseg.apps.deploy.server import CONTROL_RESTART, CONTROL_STOPPED, REFUSED, read_deploy_json
-from fedseg.execution.remote.params import DeployParams
-from fedseg.execution.remote.transport import DeployError
+from fedseg.deployment.params import DeployParams
+from fedseg.deployment.server import CONTROL_RESTART, CONTROL_STOPPED, REFUSED, read_deploy_json
+from fedseg.deployment.transport import DeployError
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import read_progress, save_json
 
@@ -53,7 +53,7 @@ RECORD = "supervisor.json"
 
 
 class JobAdmin(Protocol):
-    """What the supervisor needs from the federation's admin session (FLARE: :class:`fedseg.apps.deploy.flare.Admin`)."""
+    """What the supervisor needs from the federation's admin session (FLARE: :class:`fedseg.deployment.flare.Admin`)."""
 
     def connected_sites(self) -> list[str]: ...
 
@@ -153,7 +153,7 @@ class Supervisor:
 
     def _refused_since(self, t_wall: float) -> dict[str, str]:
         """``{site: why}`` when the server recorded, during the job started at ``t_wall``, that sites refused
-        the run by their policies (:data:`fedseg.apps.deploy.server.REFUSED`)."""
+        the run by their policies (:data:`fedseg.deployment.server.REFUSED`)."""
         path = self.run_dir / REFUSED
         try:
             if path.stat().st_mtime < t_wall - 1.0:

@@ -4,7 +4,7 @@
 (``config.toml``, the resolved run config, and ``deploy.json``: run id, site
 order, the federation's data layout — never a data path).  ``serve`` runs
 fedseg's unchanged :class:`~fedseg.execution.engine.Engine` in the server's main over a
-:class:`~fedseg.execution.remote.transport.RemoteTransport`, checkpoints after every round
+:class:`~fedseg.deployment.transport.RemoteTransport`, checkpoints after every round
 (server state, best models, history; sites checkpoint their own state on the
 same call) and writes ``results.json`` / ``results.md`` like a simulation.
 """
@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.apps.deploy.site import data_header, is_plain_name
-from fedseg.apps.deploy.volumes import plan_and_shape
 from fedseg.data.spec import VOLUME_MODES, load_federation
 from fedseg.data.volumes.load import plan_path, with_spec_intensity
 from fedseg.data.volumes.plan import load_plan
+from fedseg.deployment.params import deploy_params
+from fedseg.deployment.site import data_header, is_plain_name
+from fedseg.deployment.transport import Call, DeployError, RemoteTransport
+from fedseg.deployment.volumes import plan_and_shape
 from fedseg.execution.engine import Engine
-from fedseg.execution.remote.params import deploy_params
-from fedseg.execution.remote.transport import Call, DeployError, RemoteTransport
+from fedseg.execution.results import write_results
 from fedseg.foundation.arrays import Arrays, is_float, nonfinite
 from fedseg.foundation.config import RunConfig, apply_overrides, dump_toml, load_run_config
 from fedseg.foundation.errors import ConfigError
 from fedseg.seams.checkpoint import PROGRESS, save_json
-from fedseg.simulation.runner import write_results
 from fedseg.site.workload import workload_for
 
 __all__ = [

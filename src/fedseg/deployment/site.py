@@ -13,11 +13,11 @@ between tasks) and answers operations:
 ``restore``     JSON ``{"round": r}`` -> loads the newest checkpoint at or before round r
 ``ping``        -> JSON ``{"site": name}``
 ``fingerprint``, ``histogram``, ``volumes``
-                a volume run's planning before setup (:mod:`fedseg.apps.deploy.volumes`)
+                a volume run's planning before setup (:mod:`fedseg.deployment.volumes`)
 
-Everything is bytes in, bytes out (see :mod:`fedseg.execution.remote.wire`).
+Everything is bytes in, bytes out (see :mod:`fedseg.deployment.wire`).
 
-The site's own policy (:mod:`fedseg.apps.deploy.policy`, a file the site config names) decides which runs
+The site's own policy (:mod:`fedseg.deployment.policy`, a file the site config names) decides which runs
 and tasks it takes part in: a run below its floors is refused at setup, a task kind it does not allow is
 refused, and evaluation replies carry aggregates only where it says so.  Some settings are the site's, not
 the run's: a site with a kit always signs its secure-aggregation keys and checks its peers against its
@@ -46,12 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from fedseg.algorithms import get_algorithm, known_sections
-from fedseg.apps.deploy.guard import SALT_NAME, Guard, site_salt
-from fedseg.apps.deploy.policy import SitePolicy, aggregate_scores, enforced, read_policy, site_held
-from fedseg.apps.deploy.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
 from fedseg.data.loading import load_split
 from fedseg.data.spec import LAYOUT_NAME, data_header
-from fedseg.execution.remote.wire import check_arrays, decode_task, encode_reply, parse_json_object
+from fedseg.deployment.guard import SALT_NAME, Guard, site_salt
+from fedseg.deployment.policy import SitePolicy, aggregate_scores, enforced, read_policy, site_held
+from fedseg.deployment.volumes import VOLUME_OPS, load_volume_site_data, local_spec, site_operation
+from fedseg.deployment.wire import check_arrays, decode_task, encode_reply, parse_json_object
 from fedseg.foundation.config import load_run_config
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.privacy.identity import Identity, load_identity
@@ -78,7 +78,7 @@ SITE_CONFIG_NAME = "fedseg_site.json"
 RELEASE_LOG = "releases.jsonl"
 """A site's release log in its working folder: one JSON line per reply it sent (append-only)."""
 
-log = logging.getLogger("fedseg.apps.deploy.site")
+log = logging.getLogger("fedseg.deployment.site")
 _KEEP = 2
 
 
@@ -92,12 +92,8 @@ class SiteConfig:
     device: str = "auto"
     """Where this site trains ('auto', 'cpu', 'cuda', 'cuda:N'); replaces the run config's device at this site."""
     policy: str = ""
-    """The site's policy file (:mod:`fedseg.apps.deploy.policy`); '' names none (a deployed site then keeps
+    """The site's policy file (:mod:`fedseg.deployment.policy`); '' names none (a deployed site then keeps
     the policy's defaults)."""
-
-
-SITE_DATA_NAME = LAYOUT_NAME
-"""The run's data layout (and a volume run's plan) in ``WORKDIR/<run_id>/``, beside its ``config.toml``."""
 
 
 def write_site_config(path: str | Path, cfg: SiteConfig) -> Path:
@@ -156,7 +152,7 @@ class SiteRuntime:
         roster when a run with secure aggregation is set up; no ``client.crt`` there: unsigned), an
         :class:`~fedseg.privacy.identity.Identity`, or None (unsigned).
     policy
-        The site's :class:`~fedseg.apps.deploy.policy.SitePolicy`; None: the file ``config.policy`` names, or
+        The site's :class:`~fedseg.deployment.policy.SitePolicy`; None: the file ``config.policy`` names, or
         no policy when it names none (tests and benchmarks of the server; a deployed site is always given one).
     """
 
@@ -176,7 +172,7 @@ class SiteRuntime:
         self.refused: str | None = None
         """Why this site refused the run set up last (None: it took part)."""
         self.enforced: dict[str, Any] = {}
-        """What this site enforces in the run set up last (:func:`~fedseg.apps.deploy.policy.enforced`): logged,
+        """What this site enforces in the run set up last (:func:`~fedseg.deployment.policy.enforced`): logged,
         and sent with its ε report."""
         self._lock = threading.Lock()
         self._sending: dict[str, Any] = {}
@@ -289,7 +285,7 @@ class SiteRuntime:
             cfg = load_run_config(p, known_sections=known_sections() | {"deploy"})
         cfg = dataclasses.replace(cfg, device=self.config.device)  # each site trains on its own device
         (self.run_dir() / "config.toml").write_text(desc["config_toml"])
-        (self.run_dir() / SITE_DATA_NAME).write_text(json.dumps(desc["data"]))  # the layout `fedseg predict` needs here
+        (self.run_dir() / LAYOUT_NAME).write_text(json.dumps(desc["data"]))  # the layout `fedseg predict` needs here
         if self.policy is not None:
             why = self.policy.refusals(cfg, sites)
             if why:

@@ -39,10 +39,10 @@ from fedseg.data.volumes.budget import DeviceBudget, device_budget, weakest
 from fedseg.data.volumes.fingerprint import WEIGHTINGS, site_fingerprint, site_histogram
 from fedseg.data.volumes.load import load_volume_site, pad_to_shape, plan_for_run, split_shape, training_cases
 from fedseg.data.volumes.plan import HISTOGRAM_BINS, Plan, make_plan, save_plan
+from fedseg.execution.federation import validation_work
 from fedseg.foundation.config import RunConfig, dump_toml
 from fedseg.foundation.errors import ConfigError, PayloadError
 from fedseg.seams.checkpoint import save_json
-from fedseg.simulation.runner import validation_work
 from fedseg.site.runtime import SiteData, dataset_len
 
 if TYPE_CHECKING:

@@ -3,15 +3,15 @@
 :class:`RemoteTransport` implements fedseg's :class:`~fedseg.seams.transport.Transport`
 on top of one function ``call(site, op, payload, timeout) -> bytes`` (NVFlare's
 Collab proxies in deployment, :class:`LoopbackChannel` in tests).  It encodes
-tasks (:mod:`fedseg.execution.remote.wire`), sends them to all sites in parallel, waits at
+tasks (:mod:`fedseg.deployment.wire`), sends them to all sites in parallel, waits at
 most ``deploy.round_deadline_s``, validates every reply and applies the fault
 rule:
 
 * a site that errors, times out or sends an invalid reply is **left out** of the
   exchange, with the reason logged and recorded in :attr:`dropouts`.  Invalid is
   anything that fails to decode (whatever the exception) or breaks a rule
-  (:mod:`fedseg.execution.remote.checks`): the
-  checks of :func:`~fedseg.execution.remote.wire.check_reply`; tensor names and metric
+  (:mod:`fedseg.deployment.checks`): the
+  checks of :func:`~fedseg.deployment.wire.check_reply`; tensor names and metric
   layout other than every reply to the same task; a sample count other than the
   one the site declared at setup; evaluation scores outside the schema (asked
   candidates, declared case count, values in [0, 1]); an update ‖w_k − w‖ (of a
@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from fedseg.execution.remote.checks import ReplyChecks, declared_counts
-from fedseg.execution.remote.params import DeployParams
-from fedseg.execution.remote.wire import check_reply, decode_reply, encode_task, parse_json_object
+from fedseg.deployment.checks import ReplyChecks, declared_counts
+from fedseg.deployment.params import DeployParams
+from fedseg.deployment.wire import check_reply, decode_reply, encode_task, parse_json_object
 from fedseg.foundation.config import TrainConfig
 from fedseg.foundation.errors import FedsegError, PayloadError
 from fedseg.foundation.messages import Reply, Task
@@ -319,7 +319,7 @@ class RemoteTransport(ReplyChecks):
 
 
 class LoopbackChannel:
-    """``call`` into in-process :class:`~fedseg.apps.deploy.site.SiteRuntime` objects, through bytes (tests, benchmarks).
+    """``call`` into in-process :class:`~fedseg.deployment.site.SiteRuntime` objects, through bytes (tests, benchmarks).
 
     ``faults`` maps a site to ``"die"`` (raise ConnectionError), ``"hang"`` (tasks sleep past
     the deadline), ``"freeze"`` (every operation but setup times out after its timeout, as the

@@ -2,10 +2,10 @@
 
 **Evaluation that is not an oracle** (:class:`Guard`).  A model the server crafts and has a site evaluate is a
 question about the site's labels: an all-foreground model's Dice on a case gives that case's foreground size.
-With a policy (:class:`~fedseg.apps.deploy.policy.SitePolicy`) the site
+With a policy (:class:`~fedseg.deployment.policy.SitePolicy`) the site
 
 * refuses evaluation (``evaluate``, FedSM's ``route``) on its training split
-  (:meth:`~fedseg.apps.deploy.policy.SitePolicy.evaluation_refusal`): no DP noise covers an evaluation;
+  (:meth:`~fedseg.deployment.policy.SitePolicy.evaluation_refusal`): no DP noise covers an evaluation;
 * evaluates a candidate only if its arrays are a model the site saw leave training in this run — a round's
   model as the server sent it to train from, or the site's own plain reply — or the first new model after each
   round it trained (the engine evaluates each round's aggregate before it sends it as the next round's model),
@@ -18,7 +18,7 @@ With a policy (:class:`~fedseg.apps.deploy.policy.SitePolicy`) the site
   (the default ``evaluation = "aggregates"``) or a route's counts;
 * answers the volume plan's requests (``fingerprint``, ``histogram``, ``volumes``) only where its ``tasks``
   allow them, and at most ``max_histogram_requests`` intervals between two setups, none with bins narrower
-  than ``min_histogram_width`` (:meth:`~fedseg.apps.deploy.policy.SitePolicy.histogram_refusal`).
+  than ``min_histogram_width`` (:meth:`~fedseg.deployment.policy.SitePolicy.histogram_refusal`).
 
 **The salt** (:func:`site_salt`).  Without DP a site's update is a function of the weights, the run seed and its
 index, all the server's: two runs that differ by one site give that site's update as the difference of their
@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedseg.apps.deploy.policy import SitePolicy
+from fedseg.deployment.policy import SitePolicy
 from fedseg.foundation.arrays import strip_prefix
 from fedseg.foundation.errors import ConfigError
 from fedseg.foundation.messages import Reply, Task, split_name

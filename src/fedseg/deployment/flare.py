@@ -1,18 +1,18 @@
 """NVIDIA FLARE (2.9, Collab API) carrier for deployed runs — the only module that imports nvflare.
 
 * :class:`FedsegServer` is the server job component: its ``@collab.main`` runs
-  fedseg's engine (:func:`fedseg.apps.deploy.server.serve`) with a ``call`` that goes
+  fedseg's engine (:func:`fedseg.deployment.server.serve`) with a ``call`` that goes
   through each site's Collab proxy (one call per site, in parallel, with the
   round deadline as the call timeout).
 * :class:`FedsegSite` is the site job component: it publishes one function,
   ``call(op, payload) -> bytes``, that hands the bytes to the site's long-lived
-  :class:`fedseg.apps.deploy.site.SiteRuntime`.  The runtime reads the site's data
+  :class:`fedseg.deployment.site.SiteRuntime`.  The runtime reads the site's data
   paths from ``<site kit>/local/fedseg_site.json`` — they never travel.
   Its identity for secure aggregation's signed keys is the kit's TLS certificate and key
   (``<site kit>/startup/client.crt``, ``client.key``, ``rootCA.pem``).
 * :func:`make_job` builds the job folder.  fedseg must be installed at every
   participant, and each site's ``class_allow_list`` admits
-  ``fedseg.apps.deploy.flare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
+  ``fedseg.deployment.flare.`` and ``nvflare.collab.``; FLARE's ``FedJob`` also
   copies the components' package (fedseg's source, ~0.3 MB) into ``app_*/custom``.
 * :func:`provision_kits` (``nvflare.lighter``) and :class:`Admin` (a FLARE
   API session: wait for sites, submit, wait for the job) support ``fedseg deploy``.
@@ -36,17 +36,17 @@ from typing import Any
 import torch
 from nvflare.collab import collab
 
-from fedseg.apps.deploy.policy import SitePolicy
-from fedseg.apps.deploy.server import REFUSED, serve
-from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
-from fedseg.execution.remote.transport import DeployError
+from fedseg.deployment.policy import SitePolicy
+from fedseg.deployment.server import REFUSED, serve
+from fedseg.deployment.site import SITE_CONFIG_NAME, SiteRuntime, read_site_config
+from fedseg.deployment.transport import DeployError
 from fedseg.privacy.identity import ROSTER_NAME, Roster, fingerprint
 
 __all__ = ["Admin", "FedsegServer", "FedsegSite", "make_job", "provision_kits", "restrict"]
 
-log = logging.getLogger("fedseg.apps.deploy")
+log = logging.getLogger("fedseg.deployment")
 ADMIN_USER = "admin@fedseg.org"
-ALLOW_PREFIXES = ("fedseg.apps.deploy.flare.", "nvflare.collab.")
+ALLOW_PREFIXES = ("fedseg.deployment.flare.", "nvflare.collab.")
 
 
 def use_thread_count() -> None:

@@ -1,4 +1,4 @@
-"""The checks on every reply a :class:`~fedseg.execution.remote.transport.RemoteTransport` receives (its module
+"""The checks on every reply a :class:`~fedseg.deployment.transport.RemoteTransport` receives (its module
 says the fault rule they serve): sample counts against the site's setup declaration, evaluation scores
 against the schema (a site's per-site means expanded to the per-case layout), reply layouts against every
 other reply to the same task, and update norms against the median of the other sites'.  A rejected reply
@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Any
 
-from fedseg.execution.remote.params import DeployParams
+from fedseg.deployment.params import DeployParams
 from fedseg.foundation.arrays import Arrays, is_float
 from fedseg.foundation.config import TrainConfig
 from fedseg.foundation.errors import PayloadError
@@ -89,7 +89,7 @@ def update_norms(sent: Arrays, returned: Arrays) -> dict[str, float]:
 
 
 class ReplyChecks:
-    """The reply checks of :class:`~fedseg.execution.remote.transport.RemoteTransport`, which holds their
+    """The reply checks of :class:`~fedseg.deployment.transport.RemoteTransport`, which holds their
     state (declared in the annotations below) and records each rejection (:meth:`_reject`)."""
 
     params: DeployParams
@@ -280,8 +280,8 @@ class ReplyChecks:
         where it has none (CWT visits one site at a time), of the other sites' last accepted ones.
 
         A training update is compared per √(local step): in epoch mode a site with 100× the cases of another
-        takes 100× its steps, and its honest update is ~20× larger (measured: 4 vs 400 training cases,
-        ``tests/deploy/test_deploy_adversarial.py::test_honest_site_with_many_more_cases_is_not_rejected``); the steps
+        takes 100× its steps, and its honest update is many times larger
+        (``tests/deploy/test_deploy_adversarial.py::test_honest_site_with_many_more_cases_is_not_rejected``); the steps
         follow from the site's declared count, never from its reply."""
         ratio = self.params.max_update_ratio
         if not ratio:

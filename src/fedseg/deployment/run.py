@@ -1,6 +1,6 @@
 """``fedseg deploy`` library functions: provision, start a server or a site, submit a run, rehearse.
 
-All NVFlare specifics live in :mod:`fedseg.apps.deploy.flare`; this module starts
+All NVFlare specifics live in :mod:`fedseg.deployment.flare`; this module starts
 processes, writes site configs and waits for results.  ``rehearse`` runs the whole
 deployment on one machine: real provisioning (root CA, mutual TLS on every
 connection), one server process and one process per site, all on 127.0.0.1.
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from fedseg.apps.deploy.policy import POLICY_NAME, policy_from_dict, read_policy, write_policy
-from fedseg.apps.deploy.server import load_deploy_config, prepare_run
-from fedseg.apps.deploy.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
-from fedseg.apps.deploy.supervise import Supervisor
 from fedseg.data.spec import load_federation
-from fedseg.execution.remote.params import deploy_params
+from fedseg.deployment.params import deploy_params
+from fedseg.deployment.policy import POLICY_NAME, policy_from_dict, read_policy, write_policy
+from fedseg.deployment.server import load_deploy_config, prepare_run
+from fedseg.deployment.site import SITE_CONFIG_NAME, SiteConfig, write_site_config
+from fedseg.deployment.supervise import Supervisor
 from fedseg.foundation.config import toml_value
 from fedseg.foundation.device import resolve_device
 from fedseg.foundation.errors import ConfigError
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 def provision(sites: list[str], server: str, out: str | Path) -> dict[str, Path]:
     """Startup kits for ``server`` (``HOST:PORT``; the admin port is PORT+1) and each site, under ``out``."""
-    from fedseg.apps.deploy.flare import provision_kits
+    from fedseg.deployment.flare import provision_kits
 
     if ":" not in server:
         raise ConfigError(f"--server {server!r} must be HOST:PORT, e.g. fl.example.org:8002")
@@ -74,7 +74,7 @@ def configure_site(
 ) -> Path:
     """Write ``<kit>/local/fedseg_site.json``: this site's datalist, working folder, device and policy file (never
     sent anywhere).  ``policy``: the site's policy file (checked); by default ``<kit>/local/fedseg_policy.json``,
-    written with the defaults when it does not exist (:mod:`fedseg.apps.deploy.policy`)."""
+    written with the defaults when it does not exist (:mod:`fedseg.deployment.policy`)."""
 
     resolve_device(device)  # --device cuda on a machine without CUDA stops here
     kit = Path(kit).resolve()
@@ -155,14 +155,14 @@ def _spawn(cmd: list[str], cwd: Path, logfile: Path, env: dict[str, str]) -> sub
 
 
 def start_server(kit: str | Path, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    from fedseg.apps.deploy.flare import server_command
+    from fedseg.deployment.flare import server_command
 
     kit = Path(kit).resolve()
     return _spawn(server_command(kit), kit, log or kit / "fedseg-server.log", {**os.environ, **(env or {})})
 
 
 def start_site(kit: str | Path, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    from fedseg.apps.deploy.flare import site_command
+    from fedseg.deployment.flare import site_command
 
     kit = Path(kit).resolve()
     name = json.loads((kit / "startup" / "fed_client.json").read_text())["client"]["fqsn"]
@@ -239,8 +239,8 @@ def submit_run(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Submit the run prepared in ``run_dir`` and supervise it until it has results (automatic re-submission
-    after an aborted job, rejoin of restarted sites: :mod:`fedseg.apps.deploy.supervise`); returns the last job's record."""
-    from fedseg.apps.deploy.flare import Admin, make_job
+    after an aborted job, rejoin of restarted sites: :mod:`fedseg.deployment.supervise`); returns the last job's record."""
+    from fedseg.deployment.flare import Admin, make_job
 
     run_dir = Path(run_dir).resolve()
     root = Path(job_root or run_dir / "job")
@@ -263,7 +263,7 @@ class LocalCluster:
     compute with ``threads`` intra-op threads (``FEDSEG_TORCH_THREADS``, ``OMP_NUM_THREADS``); by default
     this process's :func:`torch.get_num_threads`, the count a simulation started here uses, so that their
     weights equal that simulation's bit for bit.  ``policy``: settings of every site's policy file (the
-    others keep their defaults, :mod:`fedseg.apps.deploy.policy`).
+    others keep their defaults, :mod:`fedseg.deployment.policy`).
     """
 
     def __init__(
@@ -290,7 +290,7 @@ class LocalCluster:
         self.kits: dict[str, Path] = {}
 
     def provision(self) -> None:
-        from fedseg.apps.deploy.flare import provision_kits
+        from fedseg.deployment.flare import provision_kits
 
         (self.root / "home").mkdir(parents=True, exist_ok=True)
         port = free_port()
