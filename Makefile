@@ -19,15 +19,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fedseg demo
 
-# one pytest worker per core (at most 4; pytest-xdist): the tests use one torch thread each, and
-# the deployment tests mostly wait on their FLARE processes; the tests that start FLARE take turns
-# (tests/conftest.py: flare_lock), so two clusters never run at once
+# every tier (tests/unit, tests/runs, tests/deploy; tests/conftest.py), one pytest worker per core (at most 4;
+# pytest-xdist): the tests use one torch thread each, and the deployment tests mostly wait on their FLARE
+# processes.  --dist loadgroup: the tests that start FLARE are one group (tests/conftest.py), the every-method
+# comparisons that share their simulations another; each group runs on one worker, the largest first, and the
+# other tests go one at a time to whichever worker is free
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup --durations=15
 
-# the same without the tests marked slow (end-to-end runs, FLARE deployments)
+# the unit tier only: the same without the tests marked slow (tests/runs, tests/deploy)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --durations=10 -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup --durations=15 -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

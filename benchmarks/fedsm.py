@@ -152,7 +152,7 @@ def selector_study(
     (α = ``fedsm.fedrs_alpha``); ``fedaws`` — the same with FedAwS's positive-only loss and the server's
     spread-out step (:mod:`fedseg.algorithms.fedsm.fedaws`); ``fga`` — one selector, one Adam, each step on
     the mean of the sites' batch losses, i.e. the pooled batch's gradient that federated gradient
-    averaging's lockstep computes (equal batches; ``tests/test_fedsm_selector_fga.py`` checks the lockstep
+    averaging's lockstep computes (equal batches; ``tests/runs/test_fedsm_selector_fga.py`` checks the lockstep
     equals this).  ``params``: ``FedSMParams`` overrides (e.g. ``fedaws_nu``)."""
     import torch.nn.functional as F
 

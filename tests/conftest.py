@@ -1,21 +1,34 @@
-"""Shared fixtures: tiny in-memory federations that train in well under a second."""
+"""The suite's tiers, its time limit for unit tests, the order of the FLARE tests and the shared fixtures.
+
+The tests live in three tiers, one folder each, whose ``conftest.py`` marks every test in it:
+
+* ``tests/unit/`` (laid out like ``src/fedseg``): one module or package at a time, on hand-made inputs or tiny
+  in-memory federations; each test's call phase must finish within :data:`UNIT_LIMIT_S`
+  (:func:`pytest_runtest_makereport`);
+* ``tests/runs/`` (markers ``runs`` and ``slow``): whole engine runs end to end, in process;
+* ``tests/deploy/`` (markers ``deploy`` and ``slow``): deployed runs, over the in-process byte channel and over
+  NVIDIA FLARE processes.
+
+``make test`` runs all three; ``make test-fast`` (``-m "not slow"``) the unit tier.  Helpers the test files share
+are in ``tests/support/``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
+import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
-from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.site.batches import SiteData
 from fedseg.site.workload import segmentation_workload
+from tests.support.helpers import TINY_MODEL, tiny_sites
 
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waiting makes them
 # crawl when another process holds the second core.
@@ -24,32 +37,12 @@ torch.set_num_threads(1)
 # A CPU's volume plan is made for a fixed throughput in tests (no probe): the same plan on every machine.
 os.environ.setdefault("FEDSEG_CPU_GFLOPS", "20")
 
-TINY_MODEL = ModelConfig(channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
+UNIT_LIMIT_S = float(os.environ.get("FEDSEG_UNIT_LIMIT_S", "2"))
+"""The most seconds the call phase of a unit test may take (``FEDSEG_UNIT_LIMIT_S``; 2 unless set): a test over it
+fails, to be made smaller or moved to ``tests/runs/``.  A machine whose cores other work shares sets more."""
 
-
-def tiny_sites(num_sites: int = 3, n_train: int = 6, size: int = 16, seed: int = 0) -> dict[str, SiteData]:
-    """Sites whose masks are bright pixels of a site-specific threshold (learnable, heterogeneous)."""
-    g = torch.Generator().manual_seed(seed)
-    data = {}
-    for k in range(num_sites):
-
-        def split(n: int) -> TensorDataset:
-            x = torch.rand(n, 1, size, size, generator=g)
-            return TensorDataset(x, (x > 0.3 + 0.1 * k).float())  # noqa: B023
-
-        data[f"site{k + 1}"] = SiteData(split(n_train + 2 * k), split(3), split(3))
-    return data
-
-
-def tiny_config(method: str = "fedavg", rounds: int = 3, **train) -> RunConfig:
-    return RunConfig(
-        federation="(in memory)",
-        method=method,
-        rounds=rounds,
-        model=TINY_MODEL,
-        train=TrainConfig(batch_size=4, **train),
-        checkpoint_keep="all",  # the tests read every site's state of finished runs (resume, bitwise equality)
-    )
+TIERED = ("slow", "gpu")
+"""Markers of the tests the limit leaves alone: ``slow`` (the tiers ``runs`` and ``deploy``) and ``gpu``."""
 
 
 @pytest.fixture
@@ -62,18 +55,44 @@ def workload():
     return segmentation_workload(2, 1, ["fg"], TINY_MODEL)
 
 
+@pytest.fixture(scope="package")
+def simulated(tmp_path_factory):
+    """``simulated(cfg, num_sites=2) -> (results, run folder)``: ``cfg`` simulated on ``tiny_sites(num_sites)`` with
+    the tiny segmentation workload, once per pytest process, for the tests that compare another run with it (a
+    resumed run, a deployed run: ``tests.support.helpers.every_method_config``).  They read the folder and never
+    write to it; each gets its own copy of the results."""
+    from fedseg.simulation.runner import simulate
+
+    runs: dict[str, tuple[dict, Path]] = {}
+
+    def run(cfg, num_sites: int = 2):
+        key = json.dumps([cfg.to_dict(), num_sites], sort_keys=True, default=str)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("simulated") / "run"
+            wl = segmentation_workload(2, 1, ["fg"], cfg.model)
+            res = simulate(cfg, wl, tiny_sites(num_sites), out=out, progress=False, log=lambda m: None)
+            runs[key] = (res, out)
+        res, out = runs[key]
+        return copy.deepcopy(res), out
+
+    return run
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it.  Tests that start FLARE
-    processes (:data:`FLARE_FIXTURES`) run first, one after another, those on the shared cluster first (it starts
-    once, and stops before the others start clusters of their own): pytest-xdist's default distribution sends
-    each worker a first chunk of consecutive tests (about an eighth of them on two workers), so they all go to
-    the first worker while the other runs the rest."""
+    processes (:data:`FLARE_FIXTURES`) run first, next to each other, those on the shared cluster first (it starts
+    once, and stops before the others start clusters of their own), and they are one ``xdist_group``: ``make test``
+    distributes with ``--dist loadgroup``, which gives each group to one worker as one unit of work, the groups
+    with the most tests first (the long poles start first: this one and ``every-method``), and the other tests one
+    at a time to whichever worker is free."""
     flare = [i for i in items if any(f in getattr(i, "fixturenames", ()) for f in FLARE_FIXTURES)]
     if flare:
         shared = [i for i in flare if "flare_cluster" in i.fixturenames]
         block = shared + [i for i in flare if "flare_cluster" not in i.fixturenames]
         chosen = set(flare)
         items[:] = block + [i for i in items if i not in chosen]
+        for item in block:
+            item.add_marker(pytest.mark.xdist_group("flare"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a GPU); CI runs the CPU paths of the same code")
@@ -82,24 +101,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def count_host_reads(monkeypatch, *files: str) -> dict[str, int]:
-    """Count host reads of tensor values (``float(t)``, ``t.item()``, ``t.tolist()``) made directly
-    by code in the source files whose path ends with one of ``files`` (e.g. ``"fedseg/site/runtime.py"``):
-    each is a device synchronisation on a GPU.  Returns the live counter ``{"n": …}``."""
-    calls = {"n": 0}
-    ends = tuple(files) + tuple(f.replace("/", "\\") for f in files)
-
-    def counted(real):
-        def wrapper(t, *args, **kwargs):
-            if sys._getframe(1).f_code.co_filename.endswith(ends):
-                calls["n"] += 1
-            return real(t, *args, **kwargs)
-
-        return wrapper
-
-    for name in ("__float__", "item", "tolist"):
-        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
-    return calls
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A unit test (none of the markers :data:`TIERED`) whose call phase passed in more than :data:`UNIT_LIMIT_S`
+    seconds fails, saying so."""
+    report = yield
+    if (
+        report.when == "call"
+        and report.passed
+        and report.duration > UNIT_LIMIT_S
+        and not any(item.get_closest_marker(m) for m in TIERED)
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {report.duration:.2f} s, over the unit tests' limit of {UNIT_LIMIT_S:g} s "
+            "(FEDSEG_UNIT_LIMIT_S): make it smaller, or move it to tests/runs/ if it drives a whole run"
+        )
+    return report
 
 
 class _FlareLock:
@@ -153,13 +171,13 @@ _SHARED: dict = {}
 
 @pytest.fixture
 def flare_cluster(tmp_path_factory):
-    """The FLARE cluster shared by the rehearsals that need no fault (tests/rehearsals.py): provisioned and
+    """The FLARE cluster shared by the rehearsals that need no fault (tests/support/rehearsals.py): provisioned and
     started by the first test that asks for it, stopped after the last (the hooks below); a test submits its
     own run to it.  It holds the FLARE lock while it runs."""
     pytest.importorskip(
         "nvflare", reason="NVIDIA FLARE is not installed; `pip install nvflare` to run deployment tests"
     )
-    from rehearsals import SharedCluster
+    from tests.support.rehearsals import SharedCluster
 
     if "cluster" not in _SHARED:
         _SHARED["cluster"] = SharedCluster(tmp_path_factory.mktemp("flare"), FLARE_LOCK)

@@ -2,7 +2,7 @@
 :class:`fedseg.algorithms.personal.Personalization` (:class:`SoftPull`, FedSM's default).
 
 The functions work on plain tensors / ``dict[str, Tensor]`` and are tested on
-hand-computed values without the engine (``tests/test_fedsm_maths.py``).
+hand-computed values without the engine (``tests/unit/algorithms/test_fedsm_maths.py``).
 
 Model-index convention (the paper's h_0, h_1, …, h_K): index 0 is the global
 model, index k ≥ 1 is the personalized model of the k-th site (in federation order).

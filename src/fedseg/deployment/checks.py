@@ -281,7 +281,7 @@ class ReplyChecks:
 
         A training update is compared per √(local step): in epoch mode a site with 100× the cases of another
         takes 100× its steps, and its honest update is many times larger
-        (``tests/test_deploy_adversarial.py::test_honest_site_with_many_more_cases_is_not_rejected``); the steps
+        (``tests/deploy/test_deploy_adversarial.py::test_honest_site_with_many_more_cases_is_not_rejected``); the steps
         follow from the site's declared count, never from its reply."""
         ratio = self.params.max_update_ratio
         if not ratio:

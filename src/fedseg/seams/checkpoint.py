@@ -25,7 +25,7 @@ another round's progress.  :class:`fedseg.seams.writer.CheckpointWriter` does th
 background thread.  Every tensor on disk is a host (CPU) tensor, so a run checkpointed on a
 GPU resumes on the CPU and back.
 
-Layer: this module sits beside :mod:`fedseg.seams.algorithm` (``tests/test_layers.py``),
+Layer: this module sits beside :mod:`fedseg.seams.algorithm` (``tests/unit/test_layers.py``),
 above :mod:`fedseg.site.runtime`, because each best-model record it reads and writes is a
 :class:`~fedseg.seams.algorithm.Candidate` of the server half and the site state it saves is a
 :class:`~fedseg.site.runtime.Site`'s; the site itself does no file I/O, and no algorithm imports

@@ -22,7 +22,7 @@ local steps is modelled by unrolling the site's optimizer on one dummy batch per
 :func:`unrolled_update`; Geiping et al. 2020, §6 "multiple local steps"): w_{t+1} = step(w_t,
 ∇_w L(x̂_t)) with the site's Adam (moments and bias correction) or SGD (momentum), differentiated
 through all T steps with respect to every x̂_t.  For the true batches the unrolled update is the
-site's own (``tests/test_audit.py``), so the attack's optimum is the true data.  ``AttackConfig.unroll =
+site's own (``tests/runs/test_audit.py``), so the attack's optimum is the true data.  ``AttackConfig.unroll =
 False`` attacks the update as one gradient of the first batch instead (exact only for one SGD step).
 
 The reference budget is that of Geiping et al.'s released code (:data:`REFERENCE_ATTACK`): 24,000
