@@ -57,7 +57,8 @@ def scanned_files():
         path = ROOT / name
         files = [path] if path.is_file() else sorted(path.rglob("*"))
         for f in files:
-            if f.is_file() and f.suffix in TEXT_SUFFIXES and "__pycache__" not in f.parts and f.resolve() != THIS:
+            built = "__pycache__" in f.parts or any(p.endswith(".egg-info") for p in f.parts)  # not ours
+            if f.is_file() and f.suffix in TEXT_SUFFIXES and not built and f.resolve() != THIS:
                 yield f
 
 

@@ -467,7 +467,8 @@ def test_fwa_with_kept_moments_is_fedavg(tmp_path):
     # Execute
     data = class_sites([8, 6])
     simulate(config("fwa", rounds=2), mlp_workload(), data, out=tmp_path / "fwa", progress=False)
-    simulate(config("fedavg", rounds=2), mlp_workload(), data, out=tmp_path / "fedavg", progress=False)
+    papers = {"fedavg": {"weighting": "samples", "normalize": "none"}}  # FedAvg as FWA's paper states it
+    simulate(config("fedavg", rounds=2, params=papers), mlp_workload(), data, out=tmp_path / "fedavg", progress=False)
     # Assert
     a, b = server_weights(tmp_path / "fwa"), server_weights(tmp_path / "fedavg")
     assert all(torch.equal(a[k], b[k]) for k in a)
