@@ -155,14 +155,13 @@ def test_default_selector_keeps_the_demos_round_traffic_within_three_times_fedav
     3 channels and 6 classes: 31 w_s ≈ 23 w_g)."""
     from fedseg.algorithms.fedsm import FedSMParams
     from fedseg.apps.studies.compare import DEMO_OVERRIDES
+    from fedseg.data.synth import split_sizes
     from fedseg.models import Selector
     from fedseg.site.workload import segmentation_workload
 
     channels = next(o for o in DEMO_OVERRIDES if o.startswith("model.channels="))
     model = ModelConfig(channels=tuple(json.loads(channels.partition("=")[2])), num_res_units=1)
     w_g = sum(p.numel() for p in segmentation_workload(2, 3, ["disc", "cup"], model).build_model().parameters())
-    from fedseg.data.synth import split_sizes
-
     steps = max(math.ceil(n / 4) for n, _, _ in split_sizes("fundus", 0.15))  # the demo's largest site, batch 4
     assert steps == 15
 

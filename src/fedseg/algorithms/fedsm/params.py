@@ -89,10 +89,11 @@ class FedSMParams(FedAvgParams):
         Width 1/32 (12 k parameters for 3 channels and 6 sites): the ``fga`` selector sends one gradient
         each way per selector step, so its bytes a round are 2 T w_s against the models' 4 w_g (T steps,
         w_s and w_g the selector's and the U-Net's sizes); at ``make demo``'s half-width U-Net and
-        T = 15 that keeps a FedSM round within 3× FedAvg's (2.9×; width 0.125, 154 k parameters: 13×),
-        with the routing and Dice of width 0.125 on the fundus and prostate presets
-        (``docs/results/fedsm-selector.md``, "Selector size").  ``--set fedsm.selector_width=0.125`` is
-        the selector of the earlier default.
+        T = 15 that keeps a FedSM round within 3× FedAvg's (2.88× measured; width 0.125, 154 k parameters:
+        13×).  The selector alone on the fundus and prostate presets (three seeds, 40 rounds) routes within
+        the seeds' spread of width 0.125, one fundus seed of three staying below 0.9
+        (``docs/results/fedsm-selector.md``, "Selector size"); ``--set fedsm.selector_width=0.125`` runs the
+        wider selector.
     selector_lr
         Selector learning rate η_s (Alg. 1); None = ``train.lr``.
     selector_augment
