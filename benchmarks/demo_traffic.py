@@ -46,6 +46,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds measured (the demo runs 40)")
     ap.add_argument("--demo-rounds", type=int, default=40, help="rounds the totals are projected to")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more setting for both runs after the demo's (e.g. fedsm.selector_width=0.125); repeatable",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -56,7 +63,7 @@ def main() -> None:
         res = run(
             spec,
             out=out / method,
-            overrides=[*DEMO_OVERRIDES, f"checkpoint_every={args.rounds}", "device=cpu"],
+            overrides=[*DEMO_OVERRIDES, f"checkpoint_every={args.rounds}", "device=cpu", *args.set],
             progress=False,
             log=lambda m: None,
             method=method,

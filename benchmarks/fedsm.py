@@ -141,6 +141,7 @@ def selector_study(
     batch: int,
     report_every: int,
     params: dict | None = None,
+    seed: int = 0,
 ) -> str:
     """Alg. 1's selector part alone (lines 6, 11, 15 + shared Adam moments), with fedseg's own
     functions: routing accuracy (mean over sites, validation) per round for (steps per round,
@@ -153,7 +154,8 @@ def selector_study(
     spread-out step (:mod:`fedseg.algorithms.fedsm.fedaws`); ``fga`` — one selector, one Adam, each step on
     the mean of the sites' batch losses, i.e. the pooled batch's gradient that federated gradient
     averaging's lockstep computes (equal batches; ``tests/runs/test_fedsm_selector_fga.py`` checks the lockstep
-    equals this).  ``params``: ``FedSMParams`` overrides (e.g. ``fedaws_nu``)."""
+    equals this).  ``params``: ``FedSMParams`` overrides (e.g. ``fedaws_nu``); ``seed``: the initial selector's
+    and the batches' seed."""
     import torch.nn.functional as F
 
     from fedseg.algorithms.fedavg import aggregation_weights
@@ -174,10 +176,10 @@ def selector_study(
     names = list(data)
     k = len(names)
     lines = [
-        "| selector training | steps / round | selector weighting | width | "
+        "| selector training | steps / round | selector weighting | width | seed | "
         + " | ".join(f"r{r}" for r in range(report_every, rounds + 1, report_every))
-        + " |",
-        "|" + "---|" * (4 + rounds // report_every),
+        + " | first report ≥ 0.9 |",
+        "|" + "---|" * (6 + rounds // report_every),
     ]
 
     def loss_of(m, x, i: int, training: str):
@@ -189,7 +191,7 @@ def selector_study(
         return F.cross_entropy(logits, torch.full((x.shape[0],), i))
 
     for steps, weighting, width, training in configs:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         make = lambda: Selector(fed.spatial_dims, fed.in_channels, k, width=width)  # noqa: E731, B023 (called in this iteration)
         state = make().state_dict()
         head = aws.class_head(make(), k)
@@ -201,7 +203,7 @@ def selector_study(
         for r in range(1, rounds + 1):
             if training == "fga":  # one selector (the first site's), one Adam, the pooled batches
                 m, opt = models[names[0]], opts[names[0]]
-                gens = [generator(0, i, r, "selector-study") for i in range(k)]
+                gens = [generator(seed, i, r, "selector-study") for i in range(k)]
                 for _ in range(steps):
                     opt.zero_grad()
                     losses = []
@@ -220,7 +222,7 @@ def selector_study(
                     m.load_state_dict(state)
                     if moments is not None:
                         set_optimizer_moments(opt, m, moments)
-                    g = generator(0, i, r, "selector-study")
+                    g = generator(seed, i, r, "selector-study")
                     for _ in range(steps):
                         x, _ = batch_of(data[s].train, torch.randint(0, len(data[s].train), (batch,), generator=g))
                         opt.zero_grad()
@@ -247,7 +249,12 @@ def selector_study(
                         for i, s in enumerate(names)
                     ]
                 accs.append(sum(a) / k)
-        lines.append(f"| {training} | {steps} | {weighting} | {width} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
+        first = next(((i + 1) * report_every for i, a in enumerate(accs) if a >= 0.9), None)
+        lines.append(
+            f"| {training} | {steps} | {weighting} | {width} | {seed} | "
+            + " | ".join(f"{a:.2f}" for a in accs)
+            + f" | {'never' if first is None else first} |"
+        )
         print(lines[-1], flush=True)
     return "\n".join(lines) + "\n"
 
@@ -306,6 +313,14 @@ def main() -> None:
         default="fedavg,fga,fedrs,fedaws",
         help="--selector-study: the selector trainings whose rows to run (fedavg, fga, fedrs, fedaws)",
     )
+    ap.add_argument(
+        "--study-widths",
+        default=None,
+        help="--selector-study: instead of the study's rows, the fga selector (5 steps, --steps) at each of these "
+        "widths, on each of --presets and each of --study-seeds",
+    )
+    ap.add_argument("--study-seeds", default="0", help="--selector-study --study-widths: seeds")
+    ap.add_argument("--study-report-every", type=int, default=None, help="--selector-study: rounds between reports")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     chans = [int(c) for c in args.channels.split(",")]
@@ -324,21 +339,35 @@ def main() -> None:
     out = Path(args.out)
     if args.selector_study:
         t0 = time.perf_counter()
-        spec = synthesize("fundus", out / "data" / "fundus", seed=0, scale=args.scale, size=args.size)
-        trainings = args.study_trainings.split(",")
-        configs = [row for row in STUDY_ROWS if row[3] in trainings]
         # fedsm.fedrs_alpha / fedsm.fedaws_* from --set
         params = {
             key.removeprefix("fedsm."): float(v)
             for key, v in (o.split("=", 1) for o in args.set)
             if key.startswith(("fedsm.fedaws_", "fedsm.fedrs_"))
         }
-        table = selector_study(spec, args.study_rounds, configs, args.batch, args.study_rounds // 10, params)
+        every = args.study_report_every or args.study_rounds // 10
+        if args.study_widths:
+            configs = [(args.steps, "even", float(w), "fga") for w in args.study_widths.split(",")]
+            presets, study_seeds = args.presets.split(","), [int(x) for x in args.study_seeds.split(",")]
+        else:
+            trainings = args.study_trainings.split(",")
+            configs = [row for row in STUDY_ROWS if row[3] in trainings]
+            presets, study_seeds = ["fundus"], [0]
+        parts = []
+        for preset in presets:
+            scale = args.scale if preset == "fundus" else args.prostate_scale
+            spec = synthesize(preset, out / "data" / preset, seed=0, scale=scale, size=args.size)
+            tables = [
+                selector_study(spec, args.study_rounds, configs, args.batch, every, params, seed)
+                for seed in study_seeds
+            ]
+            body = tables[0] + "".join(t.split("\n", 2)[2] for t in tables[1:])
+            parts.append((f"**{preset}** (scale {scale})\n\n" if args.study_widths else "") + body)
         text = (
             f"Command: `.venv/bin/python benchmarks/fedsm.py {' '.join(__import__('sys').argv[1:])}`\n\n"
-            f"Selector-only federated training on fundus (scale {args.scale}, {args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments; settings {params or 'default'}); "
+            f"Selector-only federated training on {', '.join(presets)} ({args.size} px, batch {args.batch}, Adam lr 1e-3, shared moments; settings {params or 'default'}); "
             f"mean routing accuracy over the 6 sites' validation splits after round r; wall {time.perf_counter() - t0:.0f} s.\n\n"
-            + table
+            + "\n".join(parts)
         )
         emit([text], args.md, out, {"args": vars(args)})
         return

@@ -22,6 +22,7 @@ import torch
 from _report import emit, md_table
 from torch.utils.data import TensorDataset
 
+from fedseg.algorithms.fedsm import FedSMParams
 from fedseg.foundation.config import ModelConfig, RunConfig, TrainConfig
 from fedseg.simulation.runner import simulate
 from fedseg.site.batches import SiteData
@@ -30,8 +31,12 @@ from fedseg.site.workload import segmentation_workload
 UNETS = {
     # benchmarks/fedsm.py's U-Net and selector width
     "benchmark": (ModelConfig(channels=(8, 16, 32, 64), strides=(2, 2, 2), num_res_units=1), 0.0625),
+    # make demo's U-Net (fedseg.apps.studies.compare.DEMO_OVERRIDES) and the default selector
+    "demo": (ModelConfig(channels=(8, 16, 32, 64, 128), num_res_units=1), FedSMParams().selector_width),
     # ModelConfig() and FedSMParams() defaults
-    "default": (ModelConfig(), 0.125),
+    "default": (ModelConfig(), FedSMParams().selector_width),
+    # the default U-Net with the selector of width 0.125 (--set fedsm.selector_width=0.125)
+    "default-selector-0.125": (ModelConfig(), 0.125),
 }
 
 
@@ -55,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/fedsm-traffic")
     ap.add_argument("--md", default=None, help="write the Markdown fragment here")
-    ap.add_argument("--unets", default="benchmark,default")
+    ap.add_argument("--unets", default="benchmark,demo,default", help=f"comma-separated, of: {', '.join(UNETS)}")
     ap.add_argument("--trainings", default="fga,fedavg,fedrs", help="fedsm.selector_training values")
     ap.add_argument("--steps", default="1,5,15", help="local steps per round (train.local_steps)")
     ap.add_argument("--sites", type=int, default=6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -138,6 +139,40 @@ def test_default_selector_keeps_round_traffic_within_three_times_fedavg(workload
         b_fa, b_fs = fa["history"][1]["bytes"][s], fs["history"][1]["bytes"][s]
         assert b_fs["sent"] <= 3 * b_fa["sent"] and b_fs["received"] <= 3 * b_fa["received"]
         assert b_fs["sent"] > 2 * b_fa["sent"]  # global + personalized + selector
+
+
+def test_default_selector_keeps_the_demos_round_traffic_within_three_times_fedavg():
+    """The demo's federation (``make demo``: the half-width U-Net 8…128 with one residual unit, 3 image channels,
+    2 labels, 6 sites, batch 4 and one local epoch a round: the largest site's 60 cases make T = 15 lockstep
+    selector steps) with FedSM's default selector (fga).  Per site and round FedAvg carries w_g each way; FedSM
+    the global and personalized models (2 w_g) each way plus T selector gradients up and T averaged gradients
+    down, and site 1 the selector's weights once more (the exact bytes: ``test_selector_bytes_per_round`` in
+    test_fedsm_selector_fga.py).  The worst site's ratio (site 1)
+
+        (4 w_g + (2T + 1) w_s) / (2 w_g) = 2 + (2T + 1) w_s / (2 w_g)  ≤  3   ⇔   (2T + 1) w_s ≤ 2 w_g
+
+    holds for the default selector's size and fails for the selector of width 0.125 (153,654 parameters for
+    3 channels and 6 classes: 31 w_s ≈ 23 w_g)."""
+    from fedseg.algorithms.fedsm import FedSMParams
+    from fedseg.apps.studies.compare import DEMO_OVERRIDES
+    from fedseg.data.synth import split_sizes
+    from fedseg.models import Selector
+    from fedseg.site.workload import segmentation_workload
+
+    channels = next(o for o in DEMO_OVERRIDES if o.startswith("model.channels="))
+    model = ModelConfig(channels=tuple(json.loads(channels.partition("=")[2])), num_res_units=1)
+    w_g = sum(p.numel() for p in segmentation_workload(2, 3, ["disc", "cup"], model).build_model().parameters())
+    steps = max(math.ceil(n / 4) for n, _, _ in split_sizes("fundus", 0.15))  # the demo's largest site, batch 4
+    assert steps == 15
+
+    def ratio(width: float) -> float:
+        p = FedSMParams(selector_width=width)
+        w_s = sum(x.numel() for x in Selector(2, 3, 6, width=p.selector_width, hidden=p.selector_hidden).parameters())
+        return (4 * w_g + (2 * steps + 1) * w_s) / (2 * w_g)
+
+    assert FedSMParams().resolved().selector_training == "fga"
+    assert 2 < ratio(FedSMParams().selector_width) <= 3
+    assert ratio(0.125) > 10  # the selector of width 0.125: its gradients outweigh the U-Net
 
 
 def test_one_site_is_rejected_and_lambda_below_one_over_k_runs_with_a_warning(workload):

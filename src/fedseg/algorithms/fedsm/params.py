@@ -87,6 +87,14 @@ class FedSMParams(FedAvgParams):
     selector_width, selector_hidden
         Size of the selector (the workload's, ``Workload.selector``; by default the papers'
         VGG-11 layout × width).  The reference's VGG-11 has 129 M parameters (80× the U-Net).
+        Width 1/32 (12 k parameters for 3 channels and 6 sites): the ``fga`` selector sends one gradient
+        each way per selector step, so its bytes a round are 2 T w_s against the models' 4 w_g (T steps,
+        w_s and w_g the selector's and the U-Net's sizes); at ``make demo``'s half-width U-Net and
+        T = 15 that keeps a FedSM round within 3× FedAvg's (2.88× measured; width 0.125, 154 k parameters:
+        13×).  FedSM on the fundus preset (three seeds, 40 rounds): Dice 0.3949 against width 0.125's 0.3924,
+        test routing 0.92 against 0.86; the selector alone on fundus and prostate routes within the seeds'
+        spread of width 0.125's, one fundus seed of three staying below 0.9 (``docs/results/fedsm-selector.md``,
+        "Selector size").  ``--set fedsm.selector_width=0.125`` runs the wider selector.
     selector_lr
         Selector learning rate η_s (Alg. 1); None = ``train.lr``.
     selector_augment
@@ -203,8 +211,8 @@ class FedSMParams(FedAvgParams):
     """Candidate thresholds for gamma = 'auto' / 'auto-per-model' and the routing reports."""
     gamma_margin: float | None = None
     """'auto-per-model' only: least gain in mean validation Dice for a model's threshold to go below 1; none: 0.01 under the default profile where it applies, else 0."""
-    selector_width: float = 0.125
-    """Width multiplier of the selector network (the papers' VGG-11 layout)."""
+    selector_width: float = 0.03125
+    """Width multiplier of the selector network (the papers' VGG-11 layout); 0.03125 keeps a FedSM round of make demo within 3x FedAvg's traffic (0.125: 13x)."""
     selector_hidden: int = 128
     """Hidden units of the selector's classifier head."""
     selector_lr: float | None = None
