@@ -205,7 +205,7 @@ def test_fp16_overflow_step_is_skipped_and_the_loss_scale_backs_off(workload):
     huge = lambda m: 1e36 * sum(p.sum() for p in m.parameters())  # noqa: E731 - gradient 1e36 × scale overflows
     site.now(site.fit("global", 1, extra_loss=huge))
     assert_same_arrays(before, dict(model.state_dict()))
-    assert site.scalers["global"].get_scale() == 32768.0
+    assert site.roles.scalers["global"].get_scale() == 32768.0
     site.now(site.fit("global", 2))
     assert not same_arrays(before, dict(model.state_dict()))
 

@@ -2,8 +2,8 @@
 
 APFL, pFedMe, Per-FedAvg, FGA (and FedSM's ``fga`` selector), Auto-FedAvg's weight-learning
 step and FedSM's ``fedavg`` selector loop do not train through :meth:`Site.fit`; each runs its
-forward passes under :meth:`Site.autocast`, steps through :meth:`Site.step` (fp16: the role's
-gradient scaler) where an optimizer steps on a loss, and sums its losses on the device
+forward passes under :meth:`Site.autocast`, steps through ``site.roles.step``
+(:meth:`fedseg.site.models.SiteModels.step`; fp16: the role's gradient scaler) where an optimizer steps on a loss, and sums its losses on the device
 (:class:`fedseg.site.runtime.LossSums`).  fp16 is refused at the start of a run, with one error naming
 bf16, where a method uses raw gradients outside an optimizer step (a loss scale cannot be
 unscaled or an overflowed step skipped there) — see docs/architecture.md.
@@ -127,7 +127,9 @@ def test_local_loops_read_no_loss_per_step_and_enter_autocast(tmp_path, workload
     their gradients).
     (FedSM with ``ft`` personalization, so that its loop trains only the selector.)"""
     method, params, module = LOOPS[case]
-    reads = count_host_reads(monkeypatch, module, "fedseg/site/runtime.py", "fedseg/site/calls.py")
+    reads = count_host_reads(
+        monkeypatch, module, "fedseg/site/runtime.py", "fedseg/site/models.py", "fedseg/site/calls.py"
+    )
     entered = {"n": 0}
     real = Site.autocast
 

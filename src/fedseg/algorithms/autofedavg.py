@@ -256,7 +256,7 @@ def beta_step(site: Site, task: Task) -> Reply:
         with site.autocast():
             loss = site.workload.loss(functional_call(model, full, (x,)), y)
     opt.zero_grad(set_to_none=True)
-    site.step(_OPT, opt, loss)
+    site.roles.step(_OPT, opt, loss)
     if p.param == "dirichlet":
         with torch.no_grad():
             for leaf in leaves:

@@ -4,31 +4,25 @@ A :class:`Site` answers tasks (``site.handle(task) -> reply``).  :meth:`Site.ask
 the site half of the run's algorithm (``algorithm.site_handlers()``), to the built-in ``"evaluate"`` task
 (:mod:`fedseg.site.scoring`) or to secure aggregation's steps (:mod:`fedseg.site.secure`, which also masks a
 reply whose task asks for it); a handler asks for its local training as values (:mod:`fedseg.site.calls`),
-which the site's executor — or a vectorized simulation's, for all sites of an ask — answers.  The site owns
-its models (``site.model(role)``, batch-norm policy), optimizers and fp16 scalers; its batches come from
+which the site's executor — or a vectorized simulation's, for all sites of an ask — answers.  The site's
+models, optimizers and fp16 scalers by role are :mod:`fedseg.site.models`' (``site.roles``); its batches come from
 :mod:`fedseg.site.batches`, its saved state from :mod:`fedseg.site.state` (flat host arrays + JSON, written by
 :mod:`fedseg.seams.checkpoint`, so a restarted site resumes exactly).  The site does no file I/O.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedseg.foundation.arrays import Arrays, check_compatible
+from fedseg.foundation.arrays import Arrays
 from fedseg.foundation.config import RunConfig
-from fedseg.foundation.device import (
-    DTYPES,
-    autocast,
-    configure_determinism,
-    grad_scaler,
-    resolve_device,
-)
+from fedseg.foundation.device import configure_determinism, resolve_device
 from fedseg.foundation.errors import PayloadError
 from fedseg.foundation.messages import Reply, Task
 from fedseg.privacy.identity import Identity
@@ -45,11 +39,11 @@ from fedseg.site.calls import (
     LocalExecutor,
     Loss,
     as_asks,
-    backward_step,
     drive,
 )
 from fedseg.site.dp import SiteDP
 from fedseg.site.dpsgd import DPExecutor, PoissonSampler
+from fedseg.site.models import SiteModels
 from fedseg.site.workload import Workload
 
 
@@ -129,18 +123,14 @@ class Site:
         self.scratch: dict[str, Any] = {}
         """Working state of the site half that is *not* saved with the site (caches, cursors rebuilt on
         demand, e.g. FGA's batch cursor); what must survive a restart belongs in :attr:`store`."""
-        self.dtype = DTYPES[cfg.train.dtype]
         self.device = resolve_device(cfg.device)
         configure_determinism(self.device, cfg.deterministic)
-        self.precision = cfg.train.precision
-        self.scalers: dict[str, torch.amp.GradScaler] = {}
+        self.roles = SiteModels(name, workload, cfg.train, self.device)
+        """Its models, optimizers and fp16 scalers by role (:class:`fedseg.site.models.SiteModels`)."""
+        self.dtype = self.roles.dtype
         self.splits = Splits(data, self.device, self.dtype, cfg.train.data)
         """Its splits, each placed once where the training loop reads it (:class:`fedseg.site.batches.Splits`)."""
-        self.models: dict[str, nn.Module] = {}
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.store: Arrays = {}
-        self._workload_models: dict[str, nn.Module] = {}
-        self.template_role: str | None = None
         self._handlers = algorithm.site_handlers()
         self.dp = SiteDP(self)
         """The site's DP-SGD steps and ε (``privacy.dp = "sample"``; :mod:`fedseg.site.dp`)."""
@@ -218,89 +208,39 @@ class Site:
     def num_train(self) -> int:
         return dataset_len(self.data.train)
 
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """Its models by role (:attr:`SiteModels.models <fedseg.site.models.SiteModels.models>`)."""
+        return self.roles.models
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Its optimizers by role (:attr:`SiteModels.optimizers <fedseg.site.models.SiteModels.optimizers>`)."""
+        return self.roles.optimizers
+
     def model(self, role: str, factory: Callable[[], nn.Module] | None = None) -> nn.Module:
-        """The site's model for ``role`` (created on first use from ``factory`` or the workload)."""
-        m = self.models.get(role)
-        if m is None:
-            template = self._workload_models.get("any") if factory is None else None
-            # another instance of the workload model: copy it (its weights are replaced
-            # on load) instead of building and randomly initializing a new one
-            m = (
-                copy.deepcopy(template)
-                if template is not None
-                else (factory or self.workload.build_model)().to(device=self.device, dtype=self.dtype)
-            )
-            if factory is None and "any" not in self._workload_models:
-                self._workload_models["any"] = m
-                self.template_role = role
-            self.models[role] = m
-        return m
-
-    def _bn_buffers(self, model: nn.Module) -> set[str]:
-        names = set()
-        for mod_name, mod in model.named_modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                for b, _ in mod.named_buffers(recurse=False):
-                    names.add(f"{mod_name}.{b}" if mod_name else b)
-        return names
-
-    def _shared_names(self, model: nn.Module) -> set[str] | None:
-        """Names exchanged with the server (None = all); 'local' BN policy keeps running stats at the site."""
-        if self.cfg.train.bn_policy == "local":
-            bn = self._bn_buffers(model)
-            if bn:
-                return set(model.state_dict()) - bn
-        return None
+        """:meth:`SiteModels.model <fedseg.site.models.SiteModels.model>`."""
+        return self.roles.model(role, factory)
 
     def load(
         self, role: str, arrays: Arrays, factory: Callable[[], nn.Module] | None = None, bn_from: str | None = None
     ) -> nn.Module:
-        """Copy ``arrays`` into the role's model (validated: names, shapes, dtypes) and return the model.
-
-        With ``train.bn_policy = "local"`` the arrays carry no batch-norm running statistics;
-        a role the site trains keeps its own, and a role that only evaluates (``bn_from``
-        given) takes the current ones of the site's role ``bn_from`` — otherwise an
-        evaluation copy would keep the statistics it had when it was first built.
-        """
-        model = self.model(role, factory)
-        own = model.state_dict()
-        shared = self._shared_names(model)
-        expected = {k: v for k, v in own.items() if shared is None or k in shared}
-        incoming = {k: v for k, v in arrays.items() if k in expected} if shared is not None else arrays
-        check_compatible(expected, incoming, what=f"site {self.name}: model '{role}'")
-        with torch.no_grad():
-            for k, v in incoming.items():
-                own[k].copy_(v)
-            source = self.models.get(bn_from) if bn_from is not None and bn_from != role else None
-            if shared is not None and source is not None:
-                theirs = source.state_dict()
-                for k in set(own) - shared:
-                    if k in theirs and theirs[k].shape == own[k].shape:
-                        own[k].copy_(theirs[k])
-        return model
+        """:meth:`SiteModels.load <fedseg.site.models.SiteModels.load>`."""
+        return self.roles.load(role, arrays, factory, bn_from)
 
     def arrays(self, role: str) -> Arrays:
-        """Detached copies of the role's model weights that are shared with the server."""
-        model = self.models[role]
-        shared = self._shared_names(model)
-        return {k: v.detach().clone() for k, v in model.state_dict().items() if shared is None or k in shared}
+        """:meth:`SiteModels.arrays <fedseg.site.models.SiteModels.arrays>`."""
+        return self.roles.arrays(role)
 
     def optimizer(
         self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None
     ) -> torch.optim.Optimizer:
-        """The role's optimizer, created on first use (Adam by default) and kept across rounds unless ``reset``."""
-        opt = self.optimizers.get(role)
-        if opt is None or reset:
-            t = self.cfg.train
-            ps = params if params is not None else list(self.model(role).parameters())
-            if t.optimizer == "adam":
-                opt = torch.optim.Adam(ps, lr=lr or t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
-            else:
-                opt = torch.optim.SGD(
-                    ps, lr=lr or t.lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=t.nesterov
-                )
-            self.optimizers[role] = opt
-        return opt
+        """:meth:`SiteModels.optimizer <fedseg.site.models.SiteModels.optimizer>`."""
+        return self.roles.optimizer(role, reset, params, lr)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """:meth:`SiteModels.autocast <fedseg.site.models.SiteModels.autocast>`."""
+        return self.roles.autocast()
 
     # ------------------------------------------------------------------- data
     def split_data(self, split: str) -> Dataset | None:
@@ -381,9 +321,9 @@ class Site:
             self.round_batches(rnd, stream, steps),
             self.workload.loss,
             self.device,
-            self.precision,
+            self.roles.precision,
             self.autocast,
-            self.scaler(role),
+            self.roles.scaler(role),
             extra_loss,
             after_backward,
             after_step,
@@ -409,7 +349,9 @@ class Site:
         model = self.model(role)
         value = self.workload.loss if loss is None else loss
         return (
-            yield GradientCall(self.name, role, model, x, target, value, self.device, self.precision, self.autocast, at)
+            yield GradientCall(
+                self.name, role, model, x, target, value, self.device, self.roles.precision, self.autocast, at
+            )
         )
 
     def step_with_gradient(
@@ -418,39 +360,12 @@ class Site:
         """Ask for one ``optimizer`` step of ``model`` (one of this site's) with ``grad`` (parameter name →
         tensor; a parameter it does not name gets no gradient) as its gradient
         (``yield from site.step_with_gradient(...)``)."""
-        role = next((r for r, m in self.models.items() if m is model), "?")
-        yield ApplyCall(self.name, role, model, optimizer, grad)
+        yield ApplyCall(self.name, self.roles.role_of(model), model, optimizer, grad)
 
     def now(self, asks: Asks[T]) -> T:
         """Run ``asks`` (e.g. ``site.fit(role, rnd)``) to its end with the site's own executor
         (:attr:`executor`) and return its result: a call outside a handler."""
         return drive(asks, self.executor.answer)
-
-    def autocast(self):
-        """``train.precision``'s autocast on the site's device (a no-op context for fp32): the
-        forward pass of every local loop runs under it."""
-        return autocast(self.device, self.precision)
-
-    def step(
-        self,
-        role: str,
-        opt: torch.optim.Optimizer,
-        loss: torch.Tensor,
-        model: nn.Module | None = None,
-        after_backward: Hook | None = None,
-    ) -> None:
-        """``loss.backward()`` and one step of ``opt``; under fp16 through the role's gradient
-        scaler (:func:`fedseg.site.calls.backward_step`).  fp32 and bf16: the plain step."""
-        backward_step(opt, loss, self.scaler(role), model, after_backward)
-
-    def scaler(self, role: str) -> torch.amp.GradScaler | None:
-        """The role's fp16 gradient scaler (None unless ``train.precision = "fp16"``)."""
-        if role not in self.scalers:
-            sc = grad_scaler(self.device, self.precision)
-            if sc is None:
-                return None
-            self.scalers[role] = sc
-        return self.scalers[role]
 
     # ------------------------------------------------------------- evaluation
     def eval_batches(self, split: str, cast_labels: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -481,7 +396,7 @@ class Site:
         ``train.bn_policy = "local"`` (default: the site's first trained workload model,
         e.g. its ``global`` model).
         """
-        model = self.load(role, arrays, bn_from=bn_from or self.template_role)
+        model = self.load(role, arrays, bn_from=bn_from or self.roles.template_role)
         model.eval()
         return lambda x: self.workload.predict(model, x)
 

@@ -4,38 +4,27 @@ scales and algorithm state (``site.store``, e.g. control variates) — as flat h
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from fedseg.foundation.arrays import Arrays, strip_prefix
 from fedseg.foundation.device import to_device
+from fedseg.site.models import SiteModels
 
 __all__ = ["SavedSite", "load_state_arrays", "state_arrays"]
 
 
 class SavedSite(Protocol):
     """What a site's saved state is made of (:class:`~fedseg.site.runtime.Site`, which imports this module): its
-    models, optimizers and fp16 scalers by role, its store, and how it creates a role's model and optimizer."""
+    models, optimizers and fp16 scalers by role (:class:`~fedseg.site.models.SiteModels`, which also creates a
+    role's model and optimizer), its store, and the site half that says how a role is built."""
 
     name: str
     algorithm: Any  # the site half: model_factory(site, role), optimizer_params(site, role)
-    models: dict[str, nn.Module]
-    optimizers: dict[str, torch.optim.Optimizer]
-    scalers: dict[str, torch.amp.GradScaler]
+    roles: SiteModels
     store: Arrays
-    template_role: str | None
     device: torch.device
-
-    def model(self, role: str, factory: Callable[[], nn.Module] | None = None) -> nn.Module: ...
-
-    def optimizer(
-        self, role: str, reset: bool = False, params: list[torch.Tensor] | None = None, lr: float | None = None
-    ) -> torch.optim.Optimizer: ...
-
-    def scaler(self, role: str) -> torch.amp.GradScaler | None: ...
 
 
 def state_arrays(site: SavedSite, copy: bool = True) -> tuple[Arrays, dict[str, Any]]:
@@ -44,18 +33,19 @@ def state_arrays(site: SavedSite, copy: bool = True) -> tuple[Arrays, dict[str, 
     (detached, on the run's device) for a caller that copies them at once (the checkpoint writer)."""
     take = (lambda v: v.detach().to("cpu", copy=True)) if copy else (lambda v: v.detach())
     arrays: Arrays = {}
+    roles = site.roles
     meta: dict[str, Any] = {
         "site": site.name,
-        "models": sorted(site.models),
+        "models": sorted(roles.models),
         "optimizers": {},
-        "template_role": site.template_role,
+        "template_role": roles.template_role,
     }
-    if site.scalers:
-        meta["scalers"] = {role: sc.state_dict() for role, sc in site.scalers.items()}
-    for role, m in site.models.items():
+    if roles.scalers:
+        meta["scalers"] = {role: sc.state_dict() for role, sc in roles.scalers.items()}
+    for role, m in roles.models.items():
         for k, v in m.state_dict().items():
             arrays[f"model/{role}/{k}"] = take(v)
-    for role, opt in site.optimizers.items():
+    for role, opt in roles.optimizers.items():
         sd = opt.state_dict()
         meta["optimizers"][role] = {"param_groups": sd["param_groups"], "type": type(opt).__name__}
         for idx, st in sd["state"].items():
@@ -69,16 +59,15 @@ def state_arrays(site: SavedSite, copy: bool = True) -> tuple[Arrays, dict[str, 
 
 def load_state_arrays(site: SavedSite, arrays: Arrays, meta: dict[str, Any]) -> None:
     """Restore :meth:`state_arrays` output.  Models must be creatable by the workload or already exist."""
+    roles = site.roles
     template = meta.get("template_role")
-    roles = sorted(meta["models"], key=lambda r: r != template)  # the template first, as when it was built
-    for role in roles:
+    for role in sorted(meta["models"], key=lambda r: r != template):  # the template first, as when it was built
         sd = strip_prefix(f"model/{role}", arrays)
-        if role not in site.models:
-            factory = site.algorithm.model_factory(site, role)
-            site.model(role, factory)
-        site.models[role].load_state_dict(sd)
+        if role not in roles.models:
+            roles.model(role, site.algorithm.model_factory(site, role))
+        roles.models[role].load_state_dict(sd)
     for role, info in meta["optimizers"].items():
-        opt = site.optimizer(role, reset=True, params=site.algorithm.optimizer_params(site, role))
+        opt = roles.optimizer(role, reset=True, params=site.algorithm.optimizer_params(site, role))
         state: dict[int, dict[str, torch.Tensor]] = {}
         for k, v in strip_prefix(f"optim/{role}", arrays).items():
             idx, key = k.split("/", 1)
@@ -87,7 +76,7 @@ def load_state_arrays(site: SavedSite, arrays: Arrays, meta: dict[str, Any]) -> 
             {"state": state, "param_groups": info["param_groups"]}
         )  # moves moments to the params' device
     for role, sd in meta.get("scalers", {}).items():
-        sc = site.scaler(role)
+        sc = roles.scaler(role)
         if sc is not None:
             sc.load_state_dict(sd)
     site.store = to_device(strip_prefix("store", arrays), site.device)

@@ -297,7 +297,7 @@ def train_locally(
             opt_s.zero_grad(set_to_none=True)
             with site.autocast():
                 loss = selector_loss(site, sel, x, y, phase, own, frozen, labels, restrict, aws_margin)
-            site.step(role, opt_s, loss)
+            site.roles.step(role, opt_s, loss)
             total += loss.detach().double()  # summed on the device, read once below
     out = prefixed("selector", site.arrays(role))
     if share_moments:

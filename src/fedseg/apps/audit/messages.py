@@ -147,7 +147,7 @@ def _detached(target: Any) -> Any:
 
 
 def local_optimizer(cfg: RunConfig) -> LocalOptimizer:
-    """The site's local optimizer from ``train`` (:meth:`fedseg.site.runtime.Site.optimizer`: torch's Adam or SGD)."""
+    """The site's local optimizer from ``train`` (:meth:`fedseg.site.models.SiteModels.optimizer`: torch's Adam or SGD)."""
     t = cfg.train
     return LocalOptimizer(
         t.optimizer,
