@@ -34,11 +34,12 @@ from fedseg.algorithms.fedsm.selection import (
 from fedseg.algorithms.softpull import ensemble_mix, route, routing_accuracy
 from fedseg.foundation.messages import Reply, Task
 from fedseg.site import scoring
+from fedseg.site.runtime import Site
 
 __all__ = ["SharedForwards", "one_pass", "route_stats"]
 
 
-def route_stats(site: Any, task: Task, factory: SelectorFactory) -> Reply:
+def route_stats(site: Site, task: Task, factory: SelectorFactory) -> Reply:
     """Site half of a ``route`` task: aggregate routing statistics of a composite on one split (only
     sums and counts leave the site).
 
@@ -121,7 +122,7 @@ def route_stats(site: Any, task: Task, factory: SelectorFactory) -> Reply:
     )
 
 
-def _routing_only(site: Any, cfg: Mapping[str, Any], probs: torch.Tensor, sites: list[str], models: int) -> Reply:
+def _routing_only(site: Site, cfg: Mapping[str, Any], probs: torch.Tensor, sites: list[str], models: int) -> Reply:
     """A ``route`` reply with ``scores = false``: where the selector sends each case and nothing else (the selector
     runs, no segmentation model): ``n``, ``routing_acc`` (Eq. 2 selector; null for a K + 1-class selector, whose
     agreement with Eq. 1's labels needs every model), ``dice_sum_per_model`` and ``n_by_top`` null, one selection
@@ -160,7 +161,7 @@ class SharedForwards:
     model's output on the whole batch computed once, the first time a predictor asks for them on that batch (the
     batch tensor itself is the key: :func:`fedseg.site.scoring.score_each` hands every predictor the same one)."""
 
-    def __init__(self, site: Any, sel: nn.Module, models: Sequence[nn.Module]):
+    def __init__(self, site: Site, sel: nn.Module, models: Sequence[nn.Module]):
         self.site, self.sel, self.models = site, sel, list(models)
         self.probs: list[torch.Tensor] = []  # (B, C) float64 per batch, in dataset order
         self._x: torch.Tensor | None = None
@@ -209,7 +210,7 @@ class SharedForwards:
 
 
 def one_pass(
-    site: Any, cfg: Mapping[str, Any], sel: nn.Module, models: Sequence[nn.Module], gates: list[tuple[Any, Any]]
+    site: Site, cfg: Mapping[str, Any], sel: nn.Module, models: Sequence[nn.Module], gates: list[tuple[Any, Any]]
 ) -> Reply:
     """The reply of a ``"route"`` task with ``per_model = false`` (:func:`.selection.route_stats` documents its
     metrics), every score from one pass over the split; ``gates`` are the γ-gated selections to report
