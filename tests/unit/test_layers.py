@@ -290,6 +290,29 @@ def test_simulation_and_deployment_do_not_import_each_other():
     assert not bad, "simulation and deployment import each other:\n" + "\n".join(bad)
 
 
+EXECUTORS = ("fedseg.site.calls", "fedseg.site.dpsgd", "fedseg.simulation.vectorize", "fedseg.simulation.inprocess")
+"""The modules that answer a site's requests: they compute from the call alone."""
+
+
+def test_executors_never_reach_back_into_the_site():
+    """A call is a complete request: no executor imports the site's runtime (even under ``TYPE_CHECKING``), and no
+    function of the package takes a site typed loosely as ``site: Any`` that the type checker cannot follow."""
+    bad = [
+        f"{MODULES[m].relative_to(SRC)}:{line} imports {t}"
+        for m, items in IMPORTS.items()
+        if any(_within(m, e) for e in EXECUTORS)
+        for target, line, _ in items
+        if (t := _internal(target)) is not None and _within(t, "fedseg.site.runtime")
+    ]
+    loose = [
+        f"{path.relative_to(SRC)}:{n}"
+        for path in MODULES.values()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "site: Any" in line
+    ]
+    assert not bad and not loose, "\n".join(bad + loose)
+
+
 def test_the_side_by_side_check_sees_an_import(monkeypatch):
     """The check is not vacuous: the deployed server taking a name from the simulation's runner is reported."""
     fake = [*IMPORTS["fedseg.deployment.server"], ("fedseg.simulation.runner.simulate", 1, False)]
