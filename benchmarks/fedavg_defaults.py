@@ -41,6 +41,11 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["fedavg.weighting=even", "fedavg.normalize=none", *STEPS6],
         "even weights, 6 steps at every site",
     ),
+    "samplessteps": (
+        "fedavg",
+        ["fedavg.weighting=samples", "fedavg.normalize=steps"],
+        "p_k = n_k / n, step-normalized average (FedNova's standard form)",
+    ),
     ".": ("fedavg", [], "FedAvg's defaults: even weights, step-normalized average (FedNova)"),
 }
 

@@ -67,6 +67,37 @@ def test_step_normalized_average_by_hand(monkeypatch, workload, tmp_path):
     assert moved_differently  # the normalization changed the average
 
 
+def test_sample_weighted_step_normalized_average_by_hand(monkeypatch, workload, tmp_path):
+    """FedNova's standard form: sites of 6, 8 and 10 cases (n = 24) take τ = 2, 2 and 3 steps at batch 4 and one
+    epoch; with p_k = n_k / n = 1/4, 1/3 and 5/12, τ_eff = Σ p_k τ_k = 1/2 + 2/3 + 5/4 = 29/12 and
+    w_1 = w_0 + τ_eff Σ_k p_k (w^(k) − w_0) / τ_k, computed here in float64 from the sites' replies (not τ̄ of
+    even weights, 7/3, and not the plain average w_0 + Σ_k p_k (w^(k) − w_0))."""
+    seen = _spy(monkeypatch)
+    params = {"fedavg": {"weighting": "samples", "normalize": "steps"}}
+    cfg = dataclasses.replace(tiny_config("fedavg", rounds=1), params=params)
+    simulate(cfg, workload, tiny_sites(3), out=tmp_path / "r", **QUIET)
+    ((tasks, replies),) = seen
+    start = next(iter(tasks.values()))
+    taus = {"site1": 2, "site2": 2, "site3": 3}
+    p = {"site1": 1 / 4, "site2": 1 / 3, "site3": 5 / 12}
+    assert {s: r.metrics["steps"] for s, r in replies.items()} == taus
+    assert {s: r.num_samples for s, r in replies.items()} == {"site1": 6, "site2": 8, "site3": 10}
+    got = server_state(tmp_path / "r")
+    unlike = {"even": False, "plain": False}
+    for k, w0 in start.items():
+        if not is_float(w0):
+            continue
+        w0 = w0.double()
+        step = {s: (replies[s].arrays[k].double() - w0) / t for s, t in taus.items()}
+        want = w0 + 29 / 12 * sum(p[s] * step[s] for s in taus)
+        even_scale = w0 + 7 / 3 * sum(p[s] * step[s] for s in taus)
+        plain = w0 + sum(p[s] * (replies[s].arrays[k].double() - w0) for s in taus)
+        torch.testing.assert_close(got[k].double(), want, rtol=1e-5, atol=1e-7)
+        unlike["even"] |= not torch.allclose(want, even_scale, rtol=1e-5, atol=1e-7)
+        unlike["plain"] |= not torch.allclose(want, plain, rtol=1e-5, atol=1e-7)
+    assert unlike == {"even": True, "plain": True}  # the scale is τ_eff, and the normalization changed the average
+
+
 def test_equal_steps_keep_the_plain_average_bitwise(workload, tmp_path):
     """With every site taking the same τ steps, τ̄ / τ_k = 1: the normalized average is the plain one, bit for
     bit (local steps instead of epochs)."""
