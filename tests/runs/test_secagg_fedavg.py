@@ -51,7 +51,7 @@ def _spy(monkeypatch):
 
     monkeypatch.setattr(site_secure, "mask_reply", mask_reply)
     monkeypatch.setattr(InProcessTransport, "ask", ask)
-    for module in ("fedavg", "scaffold", "fga"):
+    for module in ("fedavg", "scaffold", "lockstep"):
         monkeypatch.setattr(f"fedseg.algorithms.{module}.secure_ask", secure_ask)
     return arrived, sums
 
