@@ -1,5 +1,5 @@
 """FedAvg on the demo's federation: the papers' FedAvg, the variants that explain why it falls below local training
-on the small sites whose style differs, and FedAvg's defaults (even weights, the step-normalized average), with
+on the small sites whose style differs, and FedAvg's defaults (sample weights, the step-normalized average), with
 local training beside them, over seeds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fedavg_defaults.py --seeds 0,1,2 --md runs/bench-fedavg/table.md
@@ -41,7 +41,12 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
         ["fedavg.weighting=even", "fedavg.normalize=none", *STEPS6],
         "even weights, 6 steps at every site",
     ),
-    ".": ("fedavg", [], "FedAvg's defaults: even weights, step-normalized average (FedNova)"),
+    "evensteps": (
+        "fedavg",
+        ["fedavg.weighting=even", "fedavg.normalize=steps"],
+        "p_k = 1/K, step-normalized average (FedNova with even weights)",
+    ),
+    ".": ("fedavg", [], "FedAvg's defaults: p_k = n_k / n, step-normalized average (FedNova)"),
 }
 
 

@@ -34,7 +34,7 @@ ALL = ["fedprox", "scaffold", *PERSONAL]
 
 PAPERS_FEDAVG = {"weighting": "samples", "normalize": "none"}
 """The papers' FedAvg (p_k = n_k / n, the plain average), which FedProx at μ = 0, SCAFFOLD's first round, FT,
-APFL's and Ditto's global models reduce to; FedAvg's defaults (even weights, the step-normalized average) are
+APFL's and Ditto's global models reduce to; FedAvg's defaults (sample weights, the step-normalized average) are
 tested in tests/runs/test_fedavg_normalize.py."""
 
 

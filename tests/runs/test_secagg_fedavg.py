@@ -51,7 +51,7 @@ def _spy(monkeypatch):
 
     monkeypatch.setattr(site_secure, "mask_reply", mask_reply)
     monkeypatch.setattr(InProcessTransport, "ask", ask)
-    for module in ("fedavg", "scaffold", "fga"):
+    for module in ("fedavg", "scaffold", "lockstep"):
         monkeypatch.setattr(f"fedseg.algorithms.{module}.secure_ask", secure_ask)
     return arrived, sums
 
@@ -89,8 +89,8 @@ def test_fedavg_secure_run_matches_plain_run(workload, tmp_path, papers):
     with it off (the default) the run is bitwise the plain run.  ``papers``: the papers' FedAvg
     (``weighting = "samples"``, ``normalize = "none"``).
 
-    With the defaults (even weights, ``normalize = "steps"``; sites of 6, 8 and 10 cases take 2, 2 and 3 steps)
-    the sites send their update per step and the server adds τ̄ times its mean, where the plain run rescales
+    With the defaults (p_k = n_k / n, ``normalize = "steps"``; sites of 6, 8 and 10 cases take 2, 2 and 3 steps)
+    the sites send their update per step and the server adds τ_eff = Σ p_k τ_k times its mean, where the plain run rescales
     each site's model: the two differ by float32 rounding of the weights (about 1e-8).  A convolution's bias
     that an instance norm follows has a zero gradient in exact arithmetic, so Adam turns such a difference into
     steps of up to lr; those biases do not change the output, so they are left out of the comparison of

@@ -6,16 +6,18 @@ moments persist across rounds by default (FedSM reference code); the server sets
 
     w_{r+1} = Σ_k p_k w_{r+1}^{(k)},   p_k = n_k / n   ("samples", the papers')   or   p_k = 1/K   ("even").
 
-FedAvg's defaults are ``weighting = "even"`` with ``normalize = "steps"`` (FedNova's normalized average, Wang
-et al. 2020): site k's update Δ_k = w_{r+1}^{(k)} − w_r is divided by its τ_k local steps of the round and
+FedAvg's defaults are ``weighting = "samples"`` with ``normalize = "steps"`` (FedNova's normalized average in
+its standard form, Wang et al. 2020): site k's update Δ_k = w_{r+1}^{(k)} − w_r is divided by its τ_k local
+steps of the round and
 
-    w_{r+1} = w_r + τ̄ Σ_k p_k Δ_k / τ_k,   τ̄ = Σ_k p_k τ_k.
+    w_{r+1} = w_r + τ_eff Σ_k p_k Δ_k / τ_k,   τ_eff = Σ_k p_k τ_k,   p_k = n_k / n.
 
 With a round of one epoch τ_k grows with n_k, so the plain average weighs site k's data by p_k τ_k (∝ n_k² under
 ``"samples"``): the largest site's style takes the global model and the small sites whose style differs fail
-(docs/results/defaults.md).  Normalized, each site counts p_k (1/K: the client average the tables report), and
-τ̄ keeps the size of the global step.  ``--set fedavg.weighting=samples fedavg.normalize=none`` is the papers'
-FedAvg, bitwise (``fedavg-even`` keeps the plain average with p_k = 1/K).
+(docs/results/defaults.md).  Normalized, site k's data count p_k = n_k / n, their share in centralized
+training, and τ_eff keeps the papers' global step.  ``weighting = "even"`` gives every site 1/K (the client
+average the tables report) with a smaller τ_eff, the plain mean of the τ_k.  ``--set fedavg.weighting=samples
+fedavg.normalize=none`` is the papers' FedAvg, bitwise (``fedavg-even`` keeps the plain average with p_k = 1/K).
 
 ``fedavg.aggregation = "trimmed_mean" | "median"`` replaces the weighted mean by a
 coordinate-wise robust rule (:func:`fedseg.foundation.arrays.aggregate`); the default
@@ -100,16 +102,15 @@ class FedAvgParams:
 
 @dataclass(frozen=True)
 class FedAvgRunParams(FedAvgParams):
-    """Settings of FedAvg: even weights and the step-normalized average (FedNova) by default, chosen by
-    measurement (docs/results/defaults.md); ``--set fedavg.weighting=samples fedavg.normalize=none`` is the papers'
-    FedAvg.
+    """Settings of FedAvg: sample weights and the step-normalized average (FedNova's standard form) by default,
+    chosen by measurement (docs/results/defaults.md); ``--set fedavg.normalize=none`` is the papers' FedAvg.
 
     normalize
         'steps': each site's update is divided by its local steps of the round and the weighted mean of those
         rescaled by the weighted mean of the steps (FedNova); 'none': the plain weighted average of the models.
     """
 
-    weighting: Weighting = "even"
+    weighting: Weighting = "samples"
     normalize: Normalize = "steps"
     """'steps': average the sites' updates per local step and scale by the mean steps (FedNova: a site's share of the global model does not grow with its steps a round); 'none': the plain average of the models (the papers')."""
 

@@ -201,10 +201,9 @@ def demo(
 
     Every method trains at the demo's learning rate :data:`DEMO_LR` (each method's best on the short
     tuning grid of docs/results/lr-tuning.md) instead of the default ``train.lr`` (1e-3, the papers'):
-    40 rounds are a short budget.  FedAvg runs with its defaults (even weights, the step-normalized average:
+    40 rounds are a short budget.  FedAvg runs with its defaults (sample weights, the step-normalized average:
     docs/results/defaults.md).  ``overrides`` (``key=value``, after the demo's own) change any setting of every
-    run: ``["train.lr=1e-3"]`` is the papers' learning rate, ``["fedavg.weighting=samples",
-    "fedavg.normalize=none"]`` the papers' FedAvg.
+    run: ``["train.lr=1e-3"]`` is the papers' learning rate, ``["fedavg.normalize=none"]`` the papers' FedAvg.
 
     Sized to run in minutes on 2 CPU cores (its time: docs/results/demo.md): a U-Net of the default's depth at
     half its width with one residual unit (the cost of a CPU step is its number of small operations more
