@@ -36,7 +36,7 @@ TINY = {
 
 
 def tiny_factory(spatial_dims: int, in_channels: int, out_channels: int, width: int = 4) -> nn.Module:
-    """A user's own network (``model.module = "test_networks:tiny_factory"``)."""
+    """A user's own network (``model.module = "tests.runs.test_networks:tiny_factory"``)."""
     conv = nn.Conv2d if spatial_dims == 2 else nn.Conv3d
     return nn.Sequential(conv(in_channels, width, 3, padding=1), nn.ReLU(), conv(width, out_channels, 1))
 
@@ -62,7 +62,7 @@ def test_every_named_network_runs_a_fedavg_round_from_the_run_config(fundus, tmp
     from fedseg.simulation.runner import run
 
     table = (
-        'module = "test_networks:tiny_factory"\n[model.kwargs]\nwidth = 3\n'
+        'module = "tests.runs.test_networks:tiny_factory"\n[model.kwargs]\nwidth = 3\n'
         if name == "module"
         else f'name = "{name}"\n{TINY[name]}'
     )
